@@ -1,0 +1,1 @@
+"""stagemesh's processes: the CLI, the stage worker, the gateway."""

@@ -1,0 +1,44 @@
+"""`stagemesh` command line: one parser, subcommands registered by the module that implements them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from shared.errors import StagemeshError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services import local
+
+    parser = argparse.ArgumentParser(prog="stagemesh", description="Serve a GGUF model as a mesh of pipeline stages.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    local.register(sub)
+    for module in ("services.stage.main", "services.gateway.main", "services.up", "loadtest.cli"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):
+                continue  # that part of stagemesh is not built in this checkout
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except StagemeshError as e:
+        print(f"stagemesh {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

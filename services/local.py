@@ -1,0 +1,175 @@
+"""Single-process commands: generate, perplexity, tokenize, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+
+from shared.device import DTYPES, default_device, resolve_dtype
+from shared.errors import StagemeshError
+from shared.generation import GenerationTimings, generate_tokens, perplexity, split_windows
+from shared.layers import split_at
+from shared.model_files import ModelFiles
+from shared.runtime import LocalPipeline
+from shared.sampling import SamplingParams
+from shared.tokenizer import IncrementalDetokenizer
+
+
+def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    p.add_argument("--model", default="smollm2", help="alias (smollm2) or path to a .gguf file (default: smollm2)")
+    if dtype:
+        p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                       help="compute dtype (default: bfloat16 where the CPU/GPU supports it, else float32)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def sampling_from_args(args) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as e:
+        raise StagemeshError(str(e)) from None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text in one process", description="Stream generated text to stdout.")
+    add_model_args(p)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message via the chat template")
+    add_sampling_args(p)
+    p.add_argument("--split", default=None, help="run the layers as range-limited pieces split at these layers, e.g. 7,19")
+    p.add_argument("--json", action="store_true", help='print {"token_ids", "text", "timings"} instead of streaming')
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file",
+                       description="Perplexity over consecutive non-overlapping windows of --context tokens: in each "
+                                   "window every token after the first is scored given the earlier ones; "
+                                   "perplexity = exp(mean NLL over all scored tokens).")
+    add_model_args(p)
+    p.add_argument("--file", required=True, help="UTF-8 text file")
+    p.add_argument("--context", type=int, default=256, help="window length in tokens (default 256)")
+    p.add_argument("--split", default=None, help="layer split points, e.g. 7,19 (must not change the result)")
+    p.add_argument("--json", action="store_true", help='print {"perplexity", "nll_mean", "scored_tokens"}')
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("tokenize", help="print token ids of a text")
+    add_model_args(p, dtype=False)
+    p.add_argument("--special", action="store_true", help="parse special-token text such as <|im_start|>")
+    p.add_argument("text", help="the text to tokenize")
+    p.add_argument("--json", action="store_true", help='print {"ids": [...]}')
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("inspect", help="describe a GGUF model")
+    add_model_args(p, dtype=False)
+    p.set_defaults(func=cmd_inspect)
+
+
+def _pipeline(files: ModelFiles, args, kv_slots: int = 1) -> LocalPipeline:
+    ranges = None
+    if getattr(args, "split", None):
+        try:
+            points = [int(x) for x in args.split.split(",") if x.strip()]
+        except ValueError:
+            raise StagemeshError(f"--split {args.split!r} must be comma-separated layer numbers, e.g. 7,19") from None
+        ranges = split_at(files.config.num_layers, points)
+    device = default_device()
+    return LocalPipeline.load(files.loader, ranges, resolve_dtype(args.dtype, device), device, kv_slots=kv_slots)
+
+
+def cmd_generate(args) -> int:
+    files = ModelFiles.open(args.model)
+    params = sampling_from_args(args)
+    if args.max_tokens < 1:
+        raise StagemeshError("--max-tokens must be at least 1")
+    tok = files.tokenizer
+    if args.chat:
+        prompt_ids = files.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    pipeline = _pipeline(files, args)
+    timings = GenerationTimings()
+    detok = IncrementalDetokenizer(tok)
+    ids, text = [], []
+    for token in generate_tokens(pipeline, prompt_ids, params, args.max_tokens, tok.eos_ids, timings=timings):
+        ids.append(token)
+        if token in tok.eos_ids:
+            break
+        delta = detok.push(token)
+        text.append(delta)
+        if not args.json and delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    tail = detok.flush()
+    text.append(tail)
+    if args.json:
+        print(json.dumps({"token_ids": ids, "text": "".join(text), "timings": timings.as_dict()}))
+    else:
+        sys.stdout.write(tail + "\n")
+        t = timings.as_dict()
+        print(f"[{t['generated_tokens']} tokens, first after {t['time_to_first_token_s']} s, "
+              f"{t['decode_tokens_per_s']} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    files = ModelFiles.open(args.model)
+    try:
+        text = open(args.file, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise StagemeshError(f"cannot read --file {args.file}: {e}") from None
+    ids = files.tokenizer.encode(text)
+    pipeline = _pipeline(files, args)
+    n_windows = len(split_windows(ids, args.context))
+    t0 = time.perf_counter()
+    with tqdm(total=n_windows, desc="perplexity", unit="window", disable=not sys.stderr.isatty()) as bar:
+        result = perplexity(pipeline, ids, args.context, progress=bar.update)
+    if args.json:
+        print(json.dumps({"perplexity": result.perplexity, "nll_mean": result.nll_mean,
+                          "scored_tokens": result.scored_tokens}))
+    else:
+        print(f"perplexity {result.perplexity:.4f} (mean NLL {result.nll_mean:.4f} over {result.scored_tokens} tokens "
+              f"in {result.windows} windows of {args.context}, {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    files = ModelFiles.open(args.model)
+    ids = files.tokenizer.encode(args.text, parse_special=args.special)
+    print(json.dumps({"ids": ids}) if args.json else " ".join(map(str, ids)))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    files = ModelFiles.open(args.model)
+    loader, c, tok = files.loader, files.config, files.tokenizer
+    types = Counter(loader.tensor_type(n) for n in loader.tensor_names)
+    rows = [
+        ("file", loader.path), ("name", loader.model_name), ("fingerprint", loader.fingerprint),
+        ("architecture", c.architecture), ("layers", c.num_layers), ("hidden", c.hidden_size),
+        ("ffn", c.intermediate_size), ("heads / kv heads", f"{c.num_heads} / {c.num_kv_heads} (head_dim {c.head_dim})"),
+        ("rope", f"{c.traits.rope_style}, theta {c.rope_theta:g}, dims {c.rope_dim}"),
+        ("context", c.context_length), ("vocab", c.vocab_size), ("tied embeddings", c.tied_embeddings),
+        ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
+        ("tokenizer", f"{loader.get('tokenizer.ggml.model')} (pre {loader.get('tokenizer.ggml.pre', '-')}), "
+                      f"bos {tok.bos_id}, eos {tok.eos_id}, add_bos {tok.add_bos}"),
+        ("chat template", (loader.chat_template or "none")[:200].replace("\n", "\\n")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+__all__ = ["register", "torch"]

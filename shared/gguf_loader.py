@@ -1,0 +1,154 @@
+"""GgufLoader: open a GGUF file memory-mapped; read metadata, tokenizer, chat template, and the tensors of one
+layer range. It constructs no model (that is `shared.models`), it only hands out what the file holds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from shared.errors import GgufError, UnsupportedTensorType
+from shared.layers import LayerRange, StagePosition
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+_PLAIN_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+_HASH_HEAD_BYTES = 1 << 20
+
+
+def supported_tensor_types() -> list[str]:
+    """Every tensor type we can dequantize: the plain ones plus every quant the `gguf` package implements."""
+    from gguf import quants
+
+    quantized = [t.name for t in GGMLQuantizationType if t in quants._type_traits]
+    return sorted({t.name for t in _PLAIN_TYPES} | set(quantized))
+
+
+class GgufLoader:
+    """A GGUF file, memory-mapped. Tensor bytes are only touched when a tensor is loaded."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise GgufError(f"{self.path}: no such file; pass a .gguf path or a known model name such as 'smollm2'")
+        try:
+            self._reader = GGUFReader(self.path, "r")
+        except Exception as e:  # the gguf package raises bare ValueError/IndexError/struct errors from deep inside
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise GgufError(f"{self.path} is not a readable GGUF file (corrupt or truncated?): {detail}") from None
+        self._tensors: dict[str, ReaderTensor] = {t.name: t for t in self._reader.tensors}
+        size = os.path.getsize(self.path)
+        for t in self._reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise GgufError(f"{self.path} is truncated: tensor {t.name} ends past the end of the file")
+        self._metadata = self._read_metadata()
+        if "general.architecture" not in self._metadata:
+            raise GgufError(f"{self.path} has no general.architecture key; is it a model GGUF?")
+
+    def _read_metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                meta[key] = field.contents()
+            except Exception as e:
+                raise GgufError(f"{self.path}: metadata key {key!r} cannot be read ({e})") from None
+        return meta
+
+    # ---- metadata -------------------------------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:
+        return str(self._metadata["general.architecture"])
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._metadata
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._metadata.get(key, default)
+
+    def arch_get(self, suffix: str, default: Any = None) -> Any:
+        """Architecture-scoped key: arch_get('block_count') reads '<arch>.block_count'."""
+        return self._metadata.get(f"{self.architecture}.{suffix}", default)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._metadata.get("tokenizer.chat_template")
+
+    @property
+    def model_name(self) -> str:
+        return str(self._metadata.get("general.name") or os.path.basename(self.path))
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over the header (metadata + tensor table) and the first MiB of data, plus the file size:
+        cheap, and different for any two files that could be mistaken for each other in one pipeline."""
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            h.update(f.read(self._reader.data_offset + _HASH_HEAD_BYTES))
+        h.update(str(os.path.getsize(self.path)).encode())
+        return h.hexdigest()[:16]
+
+    # ---- tensors --------------------------------------------------------------------------------------
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_type(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape in torch order (rows first), e.g. attn_q.weight -> (out_features, in_features)."""
+        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+
+    def names_for(self, layers: LayerRange, position: StagePosition) -> list[str]:
+        """The tensor names one stage needs: its blocks, plus token_embd (first) and output_norm + output
+        (last; token_embd when the output is tied to the embedding)."""
+        names = [n for n in self._tensors if (m := _BLOCK_RE.match(n)) and int(m.group(1)) in range(layers.start, layers.stop)]
+        if position.has_embedding:
+            names.append("token_embd.weight")
+        if position.has_lm_head:
+            names.append("output_norm.weight")
+            names.append("output.weight" if "output.weight" in self._tensors else "token_embd.weight")
+        return list(dict.fromkeys(names))
+
+    def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Dequantize one tensor into dtype on device, shape in torch order."""
+        try:
+            t = self._tensors[name]
+        except KeyError:
+            raise GgufError(f"{self.path} has no tensor {name!r}") from None
+        if t.tensor_type == GGMLQuantizationType.BF16:
+            arr = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16)).view(torch.bfloat16)
+            return arr.reshape(self.tensor_shape(name)).to(device=device, dtype=dtype)
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedTensorType(
+                f"tensor {name} has type {t.tensor_type.name}, which cannot be dequantized; "
+                f"supported: {', '.join(supported_tensor_types())}"
+            ) from None
+        out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(self.tensor_shape(name))
+        return out.to(device=device, dtype=dtype)
+
+    def iter_tensors(
+        self, names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu", desc: str = "loading"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) for each requested name, with a progress bar when stderr is a terminal."""
+        for name in tqdm(names, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False):
+            yield name, self.load(name, dtype, device)

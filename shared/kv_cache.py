@@ -1,0 +1,97 @@
+"""KV cache owned by the runtime, never by the model: fixed slots, one per live sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import KVCacheFull, StagemeshError
+from shared.steps import InferenceStep
+
+
+class KVCache:
+    """k, v: [local_layers, slots, kv_heads, max_seq_len, head_dim]. A sequence owns one slot from its first
+    prefill chunk until it is released."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
+        # zeros, not empty: masked positions are still multiplied by 0 in attention, and 0 * NaN is NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._slot_of: dict[Hashable, int] = {}
+
+    def allocate(self, seq_id: Hashable) -> int:
+        if seq_id in self._slot_of:
+            raise StagemeshError(f"sequence {seq_id!r} already holds KV slot {self._slot_of[seq_id]}")
+        if not self._free:
+            raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
+        slot = self._free.pop()
+        self._slot_of[seq_id] = slot
+        return slot
+
+    def release(self, seq_id: Hashable) -> bool:
+        slot = self._slot_of.pop(seq_id, None)
+        if slot is None:
+            return False
+        self._free.append(slot)
+        return True
+
+    def slot(self, seq_id: Hashable) -> int:
+        try:
+            return self._slot_of[seq_id]
+        except KeyError:
+            raise StagemeshError(f"sequence {seq_id!r} has no KV slot: its first prefill chunk never reached this stage") from None
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._slot_of
+
+    @property
+    def used_slots(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass
+class BatchLayout:
+    """Where each packed token of a micro-batch lives. Tokens of sequence i are rows
+    [offsets[i], offsets[i] + lengths[i]) of the packed hidden state [N, D]."""
+
+    slots: list[int]
+    starts: list[int]  # position of each sequence's first token in this micro-batch
+    lengths: list[int]  # tokens of each sequence in this micro-batch
+    positions: torch.Tensor  # [N] int64 absolute position of every token
+    token_slots: torch.Tensor  # [N] int64 KV slot of every token
+    decode_only: bool  # every sequence contributes exactly one token (the batched-attention fast path)
+
+    @property
+    def offsets(self) -> list[int]:
+        out, acc = [], 0
+        for n in self.lengths:
+            out.append(acc)
+            acc += n
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    @classmethod
+    def build(cls, slots: Sequence[int], steps: Sequence[InferenceStep], max_seq_len: int,
+              device: torch.device | str = "cpu") -> BatchLayout:
+        starts = [s.start_position for s in steps]
+        lengths = [s.num_tokens for s in steps]
+        for st, n in zip(starts, lengths):
+            if st + n > max_seq_len:
+                raise StagemeshError(f"sequence reaches position {st + n}, past this stage's max_seq_len {max_seq_len}")
+        positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)]).to(device)
+        token_slots = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(lengths)).to(device)
+        return cls(list(slots), starts, lengths, positions, token_slots, all(n == 1 for n in lengths))

@@ -1,0 +1,110 @@
+"""Layer ranges and how a model is split into stages: small pure functions."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from shared.errors import LayerRangeError
+
+
+class StagePosition(str, enum.Enum):
+    """Where a stage sits in its pipeline; decides embed / lm_head duty explicitly, never by guessing."""
+
+    FIRST = "first"  # embeds token ids, hands hidden state on
+    MIDDLE = "middle"  # hidden in, hidden out
+    LAST = "last"  # hidden in, norm + lm_head + sampling
+    ONLY = "only"  # the whole model in one stage
+
+    @property
+    def has_embedding(self) -> bool:
+        return self in (StagePosition.FIRST, StagePosition.ONLY)
+
+    @property
+    def has_lm_head(self) -> bool:
+        return self in (StagePosition.LAST, StagePosition.ONLY)
+
+
+@dataclass(frozen=True, order=True)
+class LayerRange:
+    """Half-open range [start, stop) of transformer layers."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self):
+        if not (0 <= self.start < self.stop):
+            raise LayerRangeError(f"layer range {self} is empty or negative; write it as START:STOP with START < STOP")
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __iter__(self):
+        return iter(range(self.start, self.stop))
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.stop}"
+
+    def position(self, num_layers: int) -> StagePosition:
+        if self.stop > num_layers:
+            raise LayerRangeError(f"layer range {self} goes past the model's {num_layers} layers")
+        first, last = self.start == 0, self.stop == num_layers
+        if first and last:
+            return StagePosition.ONLY
+        return StagePosition.FIRST if first else StagePosition.LAST if last else StagePosition.MIDDLE
+
+
+def parse_layer_range(text: str, num_layers: int | None = None) -> LayerRange:
+    """'a:b' -> LayerRange(a, b); an empty side means the model's edge."""
+    try:
+        a, b = text.split(":")
+        start = int(a) if a.strip() else 0
+        if b.strip():
+            stop = int(b)
+        elif num_layers is not None:
+            stop = num_layers
+        else:
+            raise ValueError
+    except ValueError:
+        raise LayerRangeError(f"--layers {text!r} is not START:STOP (for example 0:15)") from None
+    rng = LayerRange(start, stop)
+    if num_layers is not None:
+        rng.position(num_layers)  # validates the upper bound
+    return rng
+
+
+def even_split(num_layers: int, num_stages: int) -> list[LayerRange]:
+    """Split layers into num_stages contiguous ranges whose sizes differ by at most one (earlier ones larger)."""
+    if not 1 <= num_stages <= num_layers:
+        raise LayerRangeError(f"cannot split {num_layers} layers into {num_stages} stages; use 1..{num_layers}")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for i in range(num_stages):
+        stop = start + base + (1 if i < extra else 0)
+        ranges.append(LayerRange(start, stop))
+        start = stop
+    return ranges
+
+
+def split_at(num_layers: int, boundaries: list[int]) -> list[LayerRange]:
+    """`--split 7,19` on 30 layers -> 0:7, 7:19, 19:30."""
+    edges = [0, *boundaries, num_layers]
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise LayerRangeError(
+            f"split points {boundaries} must be strictly increasing and inside 1..{num_layers - 1}"
+        )
+    return [LayerRange(a, b) for a, b in zip(edges, edges[1:])]
+
+
+def check_cover(ranges: list[LayerRange], num_layers: int) -> None:
+    """Raise unless the ranges are contiguous and cover every layer exactly once, naming the gap or overlap."""
+    ordered = sorted(ranges)
+    expected = 0
+    for rng in ordered:
+        if rng.start > expected:
+            raise LayerRangeError(f"layers {expected}:{rng.start} are served by no stage (gap before {rng})")
+        if rng.start < expected:
+            raise LayerRangeError(f"layers {rng.start}:{expected} are served twice (overlap at {rng})")
+        expected = rng.stop
+    if expected != num_layers:
+        raise LayerRangeError(f"layers {expected}:{num_layers} are served by no stage (the model has {num_layers})")

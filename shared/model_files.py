@@ -1,0 +1,49 @@
+"""Everything one GGUF gives a runtime besides weights: config, tokenizer, chat template. Loaded once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from shared.chat_template import ChatTemplate
+from shared.gguf_loader import GgufLoader
+from shared.model_registry import resolve_model
+from shared.models import ModelConfig
+from shared.tokenizer import GgufTokenizer
+
+
+@dataclass
+class ModelFiles:
+    name: str
+    loader: GgufLoader
+
+    @classmethod
+    def open(cls, name: str) -> ModelFiles:
+        return cls(name, GgufLoader(resolve_model(name)))
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_gguf(self.loader)
+
+    @cached_property
+    def tokenizer(self) -> GgufTokenizer:
+        return GgufTokenizer.from_gguf(self.loader)
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        src = self.loader.chat_template
+        if not src:
+            return None
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        return ChatTemplate(src, bos_token=bos, eos_token=eos)
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Render messages through the model's template and tokenize, parsing its special tokens."""
+        from shared.errors import ChatTemplateError
+
+        if self.chat_template is None:
+            raise ChatTemplateError(f"{self.loader.path} has no tokenizer.chat_template; send a plain prompt instead")
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, parse_special=True, add_bos=False if text.startswith(self.chat_template.bos_token or "\0") else None)

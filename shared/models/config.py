@@ -1,0 +1,90 @@
+"""ModelConfig: one dataclass read from GGUF metadata, with per-architecture traits declared in one table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.errors import GgufError, UnsupportedArchitecture
+from shared.gguf_loader import GgufLoader
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """What distinguishes one llama-family architecture from another, as data."""
+
+    rope_style: str  # "normal": rotate adjacent pairs (llama in GGUF); "neox": rotate first/second halves
+    qkv_bias: bool = False  # qwen2: q, k, v projections carry a bias
+    qk_norm: bool = False  # qwen3: per-head RMS norm on q and k before rope
+
+
+ARCHITECTURES: dict[str, ArchTraits] = {
+    "llama": ArchTraits(rope_style="normal"),
+    "mistral": ArchTraits(rope_style="normal"),
+    "qwen2": ArchTraits(rope_style="neox", qkv_bias=True),
+    "qwen3": ArchTraits(rope_style="neox", qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_dim: int
+    context_length: int
+    vocab_size: int
+    tied_embeddings: bool
+    traits: ArchTraits
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_gguf(cls, loader: GgufLoader) -> ModelConfig:
+        arch = loader.architecture
+        if arch not in ARCHITECTURES:
+            raise UnsupportedArchitecture(
+                f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+            )
+
+        def need(suffix: str):
+            value = loader.arch_get(suffix)
+            if value is None:
+                raise GgufError(f"{loader.path}: required metadata key {arch}.{suffix} is missing")
+            return value
+
+        hidden = int(need("embedding_length"))
+        heads = int(need("attention.head_count"))
+        head_dim = int(loader.arch_get("attention.key_length") or hidden // heads)
+        if loader.arch_get("rope.scaling.type") not in (None, "none", "linear") or loader.has_tensor("rope_freqs.weight"):
+            raise UnsupportedArchitecture(f"{loader.path}: rope scaling ({loader.arch_get('rope.scaling.type')}) is not supported yet")
+        vocab = loader.arch_get("vocab_size") or len(loader.get("tokenizer.ggml.tokens") or [])
+        if not vocab:
+            vocab = loader.tensor_shape("token_embd.weight")[0]
+        return cls(
+            architecture=arch,
+            num_layers=int(need("block_count")),
+            hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")),
+            num_heads=heads,
+            num_kv_heads=int(loader.arch_get("attention.head_count_kv") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(loader.arch_get("rope.freq_base") or 10000.0),
+            rope_dim=int(loader.arch_get("rope.dimension_count") or head_dim),
+            context_length=int(loader.arch_get("context_length") or 2048),
+            vocab_size=int(vocab),
+            tied_embeddings=not loader.has_tensor("output.weight"),
+            traits=ARCHITECTURES[arch],
+        )

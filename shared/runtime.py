@@ -1,0 +1,130 @@
+"""StageRuntime: one model piece plus the KV cache it owns; runs micro-batches. LocalPipeline chains pieces
+in one process, handing each other only the hidden state (the code path a stage runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import MissingActivation, StagemeshError
+from shared.gguf_loader import GgufLoader
+from shared.kv_cache import BatchLayout, KVCache
+from shared.layers import LayerRange
+from shared.models import LayerHook, TransformerModel
+from shared.steps import InferenceStep
+
+DEFAULT_KV_SLOTS = 32
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's share of a micro-batch."""
+
+    seq_id: Hashable
+    step: InferenceStep
+
+
+class StageRuntime:
+    """Runs micro-batches through one TransformerModel piece. Implements PipelineLifecycle: a sequence's KV
+    slot is allocated exactly once (its first prefill chunk) and freed by release()."""
+
+    def __init__(self, model: TransformerModel, kv: KVCache):
+        self.model = model
+        self.kv = kv
+
+    @classmethod
+    def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
+             kv_slots: int = DEFAULT_KV_SLOTS, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> StageRuntime:
+        model = TransformerModel.from_gguf(loader, layers, dtype, device)
+        max_seq_len = min(max_seq_len, model.config.context_length)
+        return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.k.device
+
+    # ---- PipelineLifecycle -------------------------------------------------------------------------------
+
+    def init_pipeline_request(self, seq_id: Hashable) -> int:
+        return self.kv.allocate(seq_id)
+
+    def release(self, seq_id: Hashable) -> bool:
+        return self.kv.release(seq_id)
+
+    # ---- compute -------------------------------------------------------------------------------------------
+
+    def run(self, work: Sequence[SeqWork], *, token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+            all_logits: bool = False, hook: LayerHook | None = None) -> torch.Tensor:
+        """Run one micro-batch. The first piece takes token_ids [N]; the others hidden [N, D] (never substituted).
+        Returns hidden [N, D] float32, or on the last piece logits [M, V] for the sequences that produce a token
+        (last row of a final prefill chunk, or the decode row) -- every row when all_logits."""
+        model = self.model
+        n = sum(w.step.num_tokens for w in work)
+        if model.has_embedding:
+            if token_ids is None or token_ids.numel() != n:
+                raise StagemeshError(f"first stage needs {n} token ids, got {None if token_ids is None else token_ids.numel()}")
+        elif hidden is None:
+            raise MissingActivation(f"layers {model.layers} ({model.position.value} stage) received a micro-batch without "
+                                    "its input activation; a non-first stage never embeds tokens itself")
+        elif tuple(hidden.shape) != (n, model.config.hidden_size):
+            raise StagemeshError(f"activation shape {tuple(hidden.shape)} does not match {n} tokens x hidden "
+                                 f"{model.config.hidden_size}")
+        fresh = []
+        try:
+            for w in work:
+                if w.step.starts_sequence:
+                    self.init_pipeline_request(w.seq_id)
+                    fresh.append(w.seq_id)
+            slots = [self.kv.slot(w.seq_id) for w in work]
+            layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device)
+        except Exception:
+            for seq_id in fresh:
+                self.release(seq_id)
+            raise
+        with torch.inference_mode():
+            x = model.embed(token_ids.to(self.device)) if model.has_embedding else hidden.to(self.device, torch.float32)
+            x = model.forward(x, layout, self.kv, hook)
+            if not model.has_lm_head:
+                return x
+            if not all_logits:
+                rows = [o + ln - 1 for w, o, ln in zip(work, layout.offsets, layout.lengths) if w.step.produces_token]
+                x = x[torch.tensor(rows, device=x.device, dtype=torch.long)]
+            return model.lm_head(x)
+
+
+class LocalPipeline:
+    """Several StageRuntimes in one process; each hands the next only its hidden state."""
+
+    def __init__(self, pieces: list[StageRuntime]):
+        self.pieces = pieces
+
+    @classmethod
+    def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
+             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> LocalPipeline:
+        ranges = ranges or [None]
+        return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len) for r in ranges])
+
+    @property
+    def config(self):
+        return self.pieces[0].model.config
+
+    @property
+    def max_seq_len(self) -> int:
+        return min(p.kv.max_seq_len for p in self.pieces)
+
+    def run(self, work: Sequence[SeqWork], token_ids: torch.Tensor, all_logits: bool = False,
+            hook: LayerHook | None = None) -> torch.Tensor:
+        out = token_ids
+        for i, piece in enumerate(self.pieces):
+            if i == 0:
+                out = piece.run(work, token_ids=out, all_logits=all_logits, hook=hook)
+            else:
+                out = piece.run(work, hidden=out, all_logits=all_logits, hook=hook)
+        return out
+
+    def release(self, seq_id: Hashable) -> None:
+        for piece in self.pieces:
+            piece.release(seq_id)
