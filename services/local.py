@@ -117,6 +117,7 @@ def cmd_generate(args) -> int:
         print(json.dumps({"token_ids": ids, "text": "".join(text), "timings": timings.as_dict()}))
     else:
         sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
         t = timings.as_dict()
         print(f"[{t['generated_tokens']} tokens, first after {t['time_to_first_token_s']} s, "
               f"{t['decode_tokens_per_s']} tokens/s]", file=sys.stderr)

@@ -22,14 +22,14 @@ class GenerationTimings:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
-    decode_s: float = 0.0
     per_token_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        decode_tps = (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 and self.generated_tokens > 1 else None
+        decode_s = sum(self.per_token_s)
+        decode_tps = len(self.per_token_s) / decode_s if decode_s > 0 else None
         return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
                 "prefill_s": round(self.prefill_s, 4), "time_to_first_token_s": round(self.prefill_s, 4),
-                "decode_s": round(self.decode_s, 4), "decode_tokens_per_s": decode_tps and round(decode_tps, 2)}
+                "decode_s": round(decode_s, 4), "decode_tokens_per_s": decode_tps and round(decode_tps, 2)}
 
 
 def generate_tokens(pipeline: LocalPipeline, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -65,7 +65,6 @@ def generate_tokens(pipeline: LocalPipeline, prompt_ids: list[int], params: Samp
                 break
             logits = pipeline.run([SeqWork(seq_id, Decode(position))], torch.tensor([token]))
             position += 1
-        timings.decode_s = sum(timings.per_token_s)
     finally:
         pipeline.release(seq_id)
 

@@ -1,0 +1,59 @@
+import pytest
+
+from shared.errors import LayerRangeError
+from shared.layers import LayerRange, StagePosition, check_cover, even_split, parse_layer_range, split_at
+
+
+@pytest.mark.parametrize("layers,stages,expected", [
+    (30, 1, [(0, 30)]),
+    (30, 2, [(0, 15), (15, 30)]),
+    (30, 4, [(0, 8), (8, 16), (16, 23), (23, 30)]),
+    (5, 5, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
+])
+def test_even_split(layers, stages, expected):
+    assert [(r.start, r.stop) for r in even_split(layers, stages)] == expected
+
+
+@pytest.mark.parametrize("layers,stages", [(30, 0), (3, 4)])
+def test_even_split_rejects_impossible(layers, stages):
+    with pytest.raises(LayerRangeError):
+        even_split(layers, stages)
+
+
+@pytest.mark.parametrize("rng,n,pos", [
+    ((0, 30), 30, StagePosition.ONLY), ((0, 10), 30, StagePosition.FIRST),
+    ((10, 20), 30, StagePosition.MIDDLE), ((20, 30), 30, StagePosition.LAST),
+])
+def test_positions(rng, n, pos):
+    p = LayerRange(*rng).position(n)
+    assert p == pos
+    assert p.has_embedding == (rng[0] == 0)
+    assert p.has_lm_head == (rng[1] == n)
+
+
+def test_split_at_and_parse():
+    assert [str(r) for r in split_at(30, [7, 19])] == ["0:7", "7:19", "19:30"]
+    assert parse_layer_range("10:20", 30) == LayerRange(10, 20)
+    assert parse_layer_range(":5", 30) == LayerRange(0, 5)
+    assert parse_layer_range("25:", 30) == LayerRange(25, 30)
+    for bad in ("10-20", "a:b", "5:3"):
+        with pytest.raises(LayerRangeError):
+            parse_layer_range(bad, 30)
+    with pytest.raises(LayerRangeError, match="past the model"):
+        parse_layer_range("0:31", 30)
+    with pytest.raises(LayerRangeError):
+        split_at(30, [19, 7])
+
+
+@pytest.mark.parametrize("ranges,message", [
+    ([(0, 12), (14, 30)], "layers 12:14 are served by no stage"),
+    ([(0, 15), (10, 30)], "layers 10:15 are served twice"),
+    ([(0, 15), (15, 29)], "layers 29:30 are served by no stage"),
+])
+def test_check_cover_names_the_problem(ranges, message):
+    with pytest.raises(LayerRangeError, match=message):
+        check_cover([LayerRange(*r) for r in ranges], 30)
+
+
+def test_check_cover_accepts_a_pipeline():
+    check_cover(even_split(30, 3), 30)

@@ -1,0 +1,102 @@
+"""Numerical parity with llama.cpp on SmolLM2, split invariance, and what a stage holds in memory."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shared.generation import split_windows, window_logits
+from shared.layers import LayerRange, split_at
+from shared.models import TransformerModel
+from shared.runtime import LocalPipeline
+from tests.factories import llama_cpp_logits
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def windows(smollm2, varied_text):
+    ids = smollm2.tokenizer.encode(varied_text)
+    wins = split_windows(ids, CONTEXT)
+    assert sum(len(w) - 1 for w in wins) >= 1000  # >= 1,000 teacher-forced tokens
+    return wins
+
+
+@pytest.fixture(scope="module")
+def reference_logits(llama_ref, windows):
+    return [torch.from_numpy(llama_cpp_logits(llama_ref, w)) for w in windows]
+
+
+@pytest.mark.parametrize("dtype,min_top1,max_kl,max_ppl_rel", [
+    (torch.float32, 0.95, 0.01, 0.015),
+    (torch.bfloat16, 0.94, 0.02, 0.02),
+])
+def test_teacher_forced_parity_with_llama_cpp(smollm2, windows, reference_logits, dtype, min_top1, max_kl, max_ppl_rel):
+    pipeline = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=1)
+    kls, agree, nll_ours, nll_ref = [], [], [], []
+    for w, ref in zip(windows, reference_logits):
+        ours = window_logits(pipeline, w).double()
+        lr, lo = torch.log_softmax(ref, -1), torch.log_softmax(ours, -1)
+        kls.append((lr.exp() * (lr - lo)).sum(-1))  # KL(llama.cpp || ours) per position
+        agree.append(ref.argmax(-1) == ours.argmax(-1))
+        target = torch.tensor(w[1:])[:, None]
+        nll_ours.append(-lo[:-1].gather(1, target))
+        nll_ref.append(-lr[:-1].gather(1, target))
+    kl = float(torch.cat(kls).mean())
+    top1 = float(torch.cat(agree).double().mean())
+    ppl_ours, ppl_ref = math.exp(torch.cat(nll_ours).mean()), math.exp(torch.cat(nll_ref).mean())
+    print(f"\n{dtype}: top1 {top1:.4f} KL {kl:.5f} ppl ours {ppl_ours:.4f} llama.cpp {ppl_ref:.4f}")
+    assert top1 >= min_top1
+    assert kl <= max_kl
+    assert abs(ppl_ours / ppl_ref - 1) <= max_ppl_rel
+
+
+@pytest.fixture(scope="module")
+def unsplit_logits(smollm2, windows):
+    pipeline = LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=1)
+    return window_logits(pipeline, windows[0])
+
+
+@pytest.mark.parametrize("points", [[15], [7, 19], [1, 2, 29]])
+def test_split_gives_exactly_the_unsplit_logits(smollm2, windows, unsplit_logits, points):
+    ranges = split_at(30, points)
+    pipeline = LocalPipeline.load(smollm2.loader, ranges, torch.float32, kv_slots=1)
+    assert [p.model.position.value for p in pipeline.pieces][0] == "first"
+    assert len(pipeline.pieces) == len(points) + 1
+    split_logits = window_logits(pipeline, windows[0])
+    assert torch.equal(split_logits, unsplit_logits)
+
+
+def test_middle_stage_holds_a_third_of_the_weights(smollm2):
+    """Measured as the bytes of every tensor the piece holds (TransformerModel.weight_bytes)."""
+    full = TransformerModel.from_gguf(smollm2.loader, None, torch.float32)
+    middle = TransformerModel.from_gguf(smollm2.loader, LayerRange(10, 20), torch.float32)
+    ratio = middle.weight_bytes() / full.weight_bytes()
+    print(f"\nmiddle 10:20 holds {middle.weight_bytes() / 2**20:.1f} MiB of {full.weight_bytes() / 2**20:.1f} MiB = {ratio:.3f}")
+    assert ratio <= 0.30
+    assert middle.embedding is None and middle.output is None
+    assert len(middle.blocks) == 10
+
+
+def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
+    """Prefill in chunks, then decode sequences of different lengths together: the logits equal a single pass."""
+    from shared.runtime import SeqWork
+    from shared.steps import Decode, chunk_prompt
+
+    pipeline = LocalPipeline.load(smollm2.loader, [LayerRange(0, 12), LayerRange(12, 30)], torch.float32, kv_slots=3)
+    full = {n: window_logits(pipeline, windows[1][:n]) for n in (40, 70, 100)}
+    for n in (40, 70):  # prompts of n-1 tokens, prefilled in chunks of 16
+        chunks = chunk_prompt(n - 1, 16)
+        for c in chunks:
+            seg = windows[1][c.chunk_start_position:c.chunk_start_position + c.chunk_tokens]
+            last = pipeline.run([SeqWork(f"s{n}", c)], torch.tensor(seg))
+        np.testing.assert_allclose(last[0].numpy(), full[n][n - 2].numpy(), rtol=0, atol=1e-3)
+    batch = [SeqWork("s40", Decode(39)), SeqWork("s70", Decode(69))]
+    out = pipeline.run(batch, torch.tensor([windows[1][39], windows[1][69]]))
+    np.testing.assert_allclose(out[0].numpy(), full[40][39].numpy(), rtol=0, atol=1e-3)
+    np.testing.assert_allclose(out[1].numpy(), full[70][69].numpy(), rtol=0, atol=1e-3)
+    assert torch.equal(out[0].argmax(), full[40][39].argmax())
+    for s in ("s40", "s70"):
+        pipeline.release(s)
+    assert all(p.kv.used_slots == 0 for p in pipeline.pieces)
