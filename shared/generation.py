@@ -51,6 +51,7 @@ def generate_tokens(pipeline: LocalPipeline, prompt_ids: list[int], params: Samp
             ids = torch.tensor(prompt_ids[chunk.chunk_start_position:chunk.chunk_start_position + chunk.chunk_tokens])
             logits = pipeline.run([SeqWork(seq_id, chunk)], ids)
         position = len(prompt_ids)
+        t_prev = t0
         for i in range(max_tokens):
             token = sample(logits, [params], [position])[0][0]
             now = time.perf_counter()

@@ -88,7 +88,7 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
     for name, arr in tensors.items():
         if tensor_type_override and name in tensor_type_override:
             raw, qtype = tensor_type_override[name]
-            w.add_tensor(name, raw, raw_shape=arr.shape, raw_dtype=qtype)
+            w.add_tensor(name, raw, raw_dtype=qtype)
         else:
             w.add_tensor(name, arr)
     w.write_header_to_file()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from shared.errors import CapabilityMissing, GgufError
 from shared.gguf_loader import GgufLoader
 from shared.kv_cache import BatchLayout, KVCache
-from shared.layers import LayerRange, StagePosition
+from shared.layers import LayerRange
 from shared.models.config import ModelConfig
 
 

@@ -1,0 +1,73 @@
+"""The single-process CLI, run as a user would: real subprocesses on the real model."""
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import DATA, stagemesh_cmd
+
+
+def run(*args, timeout=300):
+    proc = subprocess.run(stagemesh_cmd(*args), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "perplexity", "tokenize", "inspect"])
+def test_help(command):
+    assert "--model" in run(command, "--help")
+
+
+def test_generate_json_greedy_matches_llama_cpp_first_tokens(smollm2, llama_ref):
+    out = json.loads(run("generate", "--prompt", "The capital of France is", "--max-tokens", "8",
+                         "--dtype", "float32", "--temperature", "0", "--json"))
+    assert len(out["token_ids"]) == 8
+    assert out["text"] == smollm2.tokenizer.decode(out["token_ids"])
+    assert out["timings"]["generated_tokens"] == 8
+    llama_ref.reset()
+    prompt = llama_ref.tokenize(b"The capital of France is", add_bos=False)
+    ref = []
+    for tok in llama_ref.generate(prompt, temp=0.0, top_k=1):
+        ref.append(tok)
+        if len(ref) == 3:
+            break
+    assert out["token_ids"][:3] == ref  # the first greedy tokens agree with llama.cpp's
+
+
+def test_generate_chat_stops_at_eos_and_seed_is_reproducible():
+    args = ["generate", "--chat", "--prompt", "Say hello.", "--max-tokens", "40", "--json", "--dtype", "float32"]
+    greedy = json.loads(run(*args))
+    assert greedy["token_ids"][-1] == 2 or len(greedy["token_ids"]) == 40  # <|im_end|> ends the turn
+    seeded = [json.loads(run(*args, "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed", "7"))
+              for _ in range(2)]
+    assert seeded[0]["token_ids"] == seeded[1]["token_ids"]
+
+
+def test_perplexity_split_does_not_change_the_result():
+    base = ["perplexity", "--file", f"{DATA}/varied.txt", "--context", "128", "--dtype", "float32", "--json"]
+    whole = json.loads(run(*base))
+    split = json.loads(run(*base, "--split", "7,19"))
+    assert whole["scored_tokens"] >= 1000
+    assert split == whole
+    assert 5 < whole["perplexity"] < 40
+
+
+def test_tokenize_special_flag(smollm2):
+    plain = json.loads(run("tokenize", "--json", "<|im_start|>hi"))["ids"]
+    special = json.loads(run("tokenize", "--json", "--special", "<|im_start|>hi"))["ids"]
+    assert special[0] == 1 and 1 not in plain
+    assert plain == smollm2.tokenizer.encode("<|im_start|>hi")
+
+
+def test_inspect_describes_the_model():
+    out = run("inspect")
+    for needle in ("llama", "30", "576", "Q4_1", "gpt2", "smollm", "im_start"):
+        assert needle in out
+
+
+def test_bad_flags_are_clear_errors():
+    proc = subprocess.run(stagemesh_cmd("generate", "--prompt", "x", "--top-p", "0"), capture_output=True, text=True)
+    assert proc.returncode == 2 and "top_p" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(stagemesh_cmd("perplexity", "--file", "/nonexistent"), capture_output=True, text=True)
+    assert proc.returncode == 2 and "cannot read" in proc.stderr
