@@ -1,0 +1,118 @@
+"""Start stage processes on loopback: used by `stagemesh up`, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from shared.errors import StagemeshError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class StageProcess:
+    index: int
+    listen: str
+    http: str
+    proc: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http}"
+
+    def info(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/info", timeout=5) as r:
+            return json.loads(r.read())
+
+
+@dataclass
+class LocalMesh:
+    stages: list[StageProcess]
+    result_listen: str  # where the last stage sends; the client binds it
+
+    @property
+    def first_stage(self) -> str:
+        return self.stages[0].listen
+
+    @property
+    def stage_urls(self) -> list[str]:
+        return [s.url for s in self.stages]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for s in self.stages:
+            if s.proc.poll() is None:
+                s.proc.terminate()
+        deadline = time.monotonic() + timeout
+        for s in self.stages:
+            try:
+                s.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait()
+
+
+def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop: str, http: str,
+                  dtype: str | None, threads: int | None, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "services.cli", "stage", "--model", model, "--stage-index", str(index),
+           "--num-stages", str(num_stages), "--listen", listen, "--next", next_hop, "--http", http]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    return cmd + list(extra)
+
+
+def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: int | None = None,
+               extra: list[str] | None = None, result_listen: str | None = None, log_dir: str | None = None,
+               ready_timeout: float = 180.0) -> LocalMesh:
+    """Start num_stages stage processes on loopback and wait until every one is ready."""
+    threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(num_stages)]
+    result_listen = result_listen or f"tcp://127.0.0.1:{free_port()}"
+    stages = []
+    for i in range(num_stages):
+        http = f"127.0.0.1:{free_port()}"
+        next_hop = listens[i + 1] if i + 1 < num_stages else result_listen
+        cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, extra or [])
+        out = open(os.path.join(log_dir, f"stage{i}.log"), "w") if log_dir else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log_dir else subprocess.DEVNULL)
+        stages.append(StageProcess(i, listens[i], http, proc, cmd))
+    mesh = LocalMesh(stages, result_listen)
+    try:
+        wait_ready([s.url for s in stages], ready_timeout, procs=[s.proc for s in stages])
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
+def wait_ready(urls: list[str], timeout: float, procs: list[subprocess.Popen] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    while pending:
+        for p in procs or []:
+            if p.poll() is not None:
+                raise StagemeshError(f"a stage process exited with code {p.returncode} before it was ready")
+        url = pending[0]
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
+                if r.status == 200:
+                    pending.pop(0)
+                    continue
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise StagemeshError(f"{url} not ready after {timeout:.0f} s")
+        time.sleep(0.2)

@@ -1,0 +1,120 @@
+"""`stagemesh stage`: serve one layer range of a model as a pipeline stage."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+
+import torch
+from aiohttp import web
+
+from shared.device import default_device, resolve_dtype
+from shared.errors import StagemeshError
+from shared.hooks import PrefetchingHook
+from shared.layers import LayerRange, even_split, parse_layer_range
+from shared.model_files import ModelFiles
+from shared.protocol import ForwardBatch, ReleaseSeqs
+from shared.runtime import DEFAULT_KV_SLOTS, DEFAULT_MAX_SEQ_LEN, StageRuntime
+from shared.transport import ZmqTransport, check_address
+from services.local import add_model_args
+from services.stage.http import LOAD_ERROR, WORKER, make_app
+from services.stage.worker import StageIdentity, StageWorker
+
+log = logging.getLogger("stagemesh.stage")
+
+
+def parse_host_port(text: str, flag: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise StagemeshError(f"{flag} {text!r} must be HOST:PORT, e.g. 127.0.0.1:8101")
+    return host.strip("[]"), int(port)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("stage", help="serve one layer range as a pipeline stage",
+                       description="Receive activations on --listen, compute this stage's layers, send to --next.")
+    add_model_args(p)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--layers", help="layer range START:STOP served by this stage, e.g. 0:15")
+    where.add_argument("--stage-index", type=int, help="this stage's index (with --num-stages: an even split)")
+    p.add_argument("--num-stages", type=int, help="number of stages in the pipeline (with --stage-index)")
+    p.add_argument("--listen", required=True, help="ZeroMQ address to bind for input, e.g. tcp://127.0.0.1:5551")
+    p.add_argument("--next", required=True, help="ZeroMQ address of the next stage, or the gateway's result address")
+    p.add_argument("--http", default="127.0.0.1:8101", help="HOST:PORT for health, readiness, info and metrics")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores; `up` divides them)")
+    p.add_argument("--kv-slots", type=int, default=DEFAULT_KV_SLOTS, help=f"concurrent sequences (default {DEFAULT_KV_SLOTS})")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
+                   help=f"tokens per sequence (default {DEFAULT_MAX_SEQ_LEN}, capped by the model's context)")
+    p.add_argument("--no-prefetch", action="store_true", help="receive, compute and send one after another (baseline)")
+    p.set_defaults(func=cmd_stage)
+
+
+def stage_layers(args, num_layers: int) -> LayerRange:
+    if args.layers:
+        return parse_layer_range(args.layers, num_layers)
+    if args.num_stages is None:
+        raise StagemeshError("--stage-index needs --num-stages")
+    if not 0 <= args.stage_index < args.num_stages:
+        raise StagemeshError(f"--stage-index {args.stage_index} must be within 0..{args.num_stages - 1}")
+    return even_split(num_layers, args.num_stages)[args.stage_index]
+
+
+def cmd_stage(args) -> int:
+    check_address(args.listen, "--listen")
+    check_address(args.next, "--next")
+    host, port = parse_host_port(args.http, "--http")
+    if args.kv_slots < 1 or args.max_seq_len < 16:
+        raise StagemeshError("--kv-slots must be >= 1 and --max-seq-len >= 16")
+    if args.threads is not None and args.threads < 1:
+        raise StagemeshError("--threads must be >= 1")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    files = ModelFiles.open(args.model)  # validates the file before anything binds
+    layers = stage_layers(args, files.config.num_layers)
+    asyncio.run(serve(files, layers, args, host, port))
+    return 0
+
+
+async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: int) -> None:
+    app = make_app()
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("stage %s: http on %s:%d, loading weights", layers, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    device = default_device()
+    dtype = resolve_dtype(args.dtype, device)
+    try:
+        runtime = await loop.run_in_executor(
+            None, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len))
+    except StagemeshError as e:
+        app[LOAD_ERROR].append(str(e))
+        await runner.cleanup()
+        raise
+    position = runtime.model.position
+    transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs))
+    hook = PrefetchingHook(transport, layers, position, prefetch=not args.no_prefetch)
+    identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
+                             position, str(dtype).removeprefix("torch."))
+    worker = StageWorker(runtime, hook, identity)
+    app[WORKER] = worker
+    log.info("stage %s (%s) ready: %s -> %s, incarnation %s", layers, position.value, args.listen, args.next,
+             identity.incarnation)
+    task = asyncio.create_task(worker.run())
+    await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    if task.done() and not task.cancelled() and task.exception():
+        log.error("stage loop failed: %s", task.exception())
+    transport.close()
+    await runner.cleanup()
+
+
+__all__ = ["argparse", "register"]

@@ -1,0 +1,138 @@
+"""The stage loop. One asyncio event loop: the hook's receiver task prefetches validated inputs, compute runs
+in one dedicated thread (torch releases the GIL), and outputs are queued to the sender task."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import StagemeshError
+from shared.hooks import PrefetchingHook
+from shared.layers import LayerRange, StagePosition
+from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
+from shared.runtime import SeqWork, StageRuntime
+from shared.sampling import sample
+from shared.trace import CaptureHook
+from services.stage.metrics import StageMetrics
+
+log = logging.getLogger("stagemesh.stage")
+
+
+@dataclass
+class StageIdentity:
+    model_name: str
+    fingerprint: str
+    layers: LayerRange
+    num_layers: int
+    position: StagePosition
+    dtype: str
+    incarnation: str = ""
+
+    def __post_init__(self):
+        self.incarnation = self.incarnation or uuid.uuid4().hex[:12]
+
+    @property
+    def name(self) -> str:
+        return f"stage[{self.layers}]"
+
+
+class StageWorker:
+    def __init__(self, runtime: StageRuntime, hook: PrefetchingHook, identity: StageIdentity):
+        self.runtime = runtime
+        self.hook = hook
+        self.identity = identity
+        self.metrics = StageMetrics(self.live_stats)
+        self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.busy_s = self.wait_s = 0.0
+
+    def live_stats(self) -> dict:
+        stats = self.hook.transport.stats
+        return {"bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out, "send_seconds": self.hook.send_seconds,
+                "rejected": dict(stats.rejected), "queue_depth": self.hook.queue_depth,
+                "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots}
+
+    async def run(self) -> None:
+        await self.hook.start()
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                msg = self.hook.try_prefetch_input()
+                if msg is None:
+                    t0 = time.perf_counter()
+                    msg = await self.hook.receive()
+                    self._waited(time.perf_counter() - t0)
+                if isinstance(msg, ForwardBatch):
+                    t0 = time.perf_counter()
+                    out = await loop.run_in_executor(self.compute_thread, self.compute, msg)
+                    self._busy(time.perf_counter() - t0, msg.num_tokens)
+                    await self.hook.send(out)
+                elif isinstance(msg, ReleaseSeqs):
+                    for seq_id in msg.seq_ids:
+                        self.runtime.release(seq_id)
+                    await self.hook.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
+        finally:
+            await self.hook.stop()
+            self.compute_thread.shutdown(wait=False, cancel_futures=True)
+
+    def _waited(self, s: float) -> None:
+        self.wait_s += s
+        self.metrics.waiting.inc(s)
+
+    def _busy(self, s: float, tokens: int) -> None:
+        self.busy_s += s
+        self.metrics.busy.inc(s)
+        self.metrics.microbatches.inc()
+        self.metrics.tokens.inc(tokens)
+
+    def compute(self, batch: ForwardBatch) -> Message:
+        """Runs in the compute thread. Returns the message for the next hop: hidden state, sampled tokens, or an
+        error for this micro-batch only (the stage keeps serving)."""
+        ident = self.identity
+        work = [SeqWork(s.seq_id, s.step) for s in batch.seqs]
+        try:
+            hook = self._capture_hook(batch)
+            if ident.position.has_embedding:
+                if batch.tokens is None:
+                    raise StagemeshError(f"{ident.name} is the first stage and needs token ids; the micro-batch has none")
+                out = self.runtime.run(work, token_ids=batch.tokens, hook=hook)
+            else:
+                out = self.runtime.run(work, hidden=batch.hidden, hook=hook)
+            captures = batch.captures + (hook.captures if hook else [])
+            if not ident.position.has_lm_head:
+                return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures)
+            producing = [s for s in batch.seqs if s.step.produces_token]
+            tokens, logprobs = sample(out, [s.sampling for s in producing], [s.sample_position for s in producing])
+            return BatchResult(batch.mb_id, [s.seq_id for s in producing], tokens, logprobs, captures)
+        except (StagemeshError, ValueError, RuntimeError) as e:
+            self.metrics.errors.inc()
+            log.warning("micro-batch %d failed on %s: %s", batch.mb_id, ident.name, e)
+            return BatchError(batch.mb_id, ident.name, str(e), [s.seq_id for s in batch.seqs])
+
+    def _capture_hook(self, batch: ForwardBatch) -> CaptureHook | None:
+        if batch.trace is None:
+            return None
+        traced = batch.trace.get("seq_id")
+        offset = 0
+        for s in batch.seqs:
+            if s.seq_id == traced:
+                return CaptureHook(slice(offset, offset + s.step.num_tokens), stage=self.identity.name)
+            offset += s.step.num_tokens
+        return None
+
+    def info(self) -> dict:
+        ident, kv = self.identity, self.runtime.kv
+        return {
+            "model": ident.model_name, "fingerprint": ident.fingerprint, "layers": [ident.layers.start, ident.layers.stop],
+            "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
+            "incarnation": ident.incarnation, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
+            "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len},
+            "prefetch": self.hook.prefetch,
+            "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
+            "rejected": dict(self.hook.transport.stats.rejected),
+        }

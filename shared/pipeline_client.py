@@ -1,0 +1,96 @@
+"""PipelineClient: pushes micro-batches into stage 0 and matches the last stage's results by micro-batch id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+
+import zmq.asyncio
+
+from shared.errors import StagemeshError
+from shared.protocol import BatchError, BatchResult, ForwardBatch, ReleaseDone, ReleaseSeqs
+from shared.transport import ZmqTransport
+
+log = logging.getLogger("stagemesh.client")
+
+
+class PipelineError(StagemeshError):
+    def __init__(self, error: BatchError):
+        super().__init__(f"{error.stage}: {error.message}")
+        self.error = error
+
+
+class PipelineClient:
+    """One pipeline seen from the gateway: first stage's input address, and our bound result address."""
+
+    def __init__(self, first_stage: str, result_listen: str, ctx: zmq.asyncio.Context | None = None):
+        self.transport = ZmqTransport(result_listen, first_stage, accept=(BatchResult, BatchError, ReleaseDone), ctx=ctx)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._mb_ids = itertools.count(1)
+        self._released = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._receive_loop(), name="pipeline-results")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(StagemeshError("pipeline client closed"))
+        self.transport.close()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def next_mb_id(self) -> int:
+        return next(self._mb_ids)
+
+    async def submit(self, batch: ForwardBatch) -> asyncio.Future:
+        """Send a micro-batch; the returned future resolves to its BatchResult (or raises PipelineError)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[batch.mb_id] = fut
+        try:
+            await self.transport.send_activation(batch)
+        except Exception:
+            self._pending.pop(batch.mb_id, None)
+            raise
+        return fut
+
+    async def forward(self, batch: ForwardBatch) -> BatchResult:
+        return await (await self.submit(batch))
+
+    def abandon(self, mb_id: int) -> None:
+        """Stop waiting for a micro-batch (e.g. after a stage died); a late result is ignored."""
+        fut = self._pending.pop(mb_id, None)
+        if fut and not fut.done():
+            fut.cancel()
+
+    async def release(self, seq_ids: list[str]) -> None:
+        """Free these sequences' KV slots on every stage (fire and forget; the ack is counted)."""
+        if seq_ids:
+            await self.transport.send_activation(ReleaseSeqs(list(seq_ids)))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            msg = await self.transport.receive_response()
+            if isinstance(msg, ReleaseDone):
+                self._released.put_nowait(msg.seq_ids)
+                continue
+            fut = self._pending.pop(msg.mb_id, None)
+            if fut is None or fut.done():
+                log.debug("result for unknown or abandoned micro-batch %s", msg.mb_id)
+                continue
+            if isinstance(msg, BatchError):
+                fut.set_exception(PipelineError(msg))
+            else:
+                fut.set_result(msg)
+
+    async def wait_released(self, timeout: float = 5.0) -> list[str]:
+        return await asyncio.wait_for(self._released.get(), timeout)

@@ -1,0 +1,306 @@
+"""Wire format between gateway and stages: a ZMQ multipart message.
+
+frame 0: msgpack header {"v": version, "kind": ..., kind-specific fields, "tensors": [{name, dtype, shape, frame}]}
+frame 1..: one raw buffer per tensor, sent and received without copies (bf16 included: it travels as raw bytes).
+
+Every field is validated before use; a bad message raises ProtocolError with a counted `reason`. Never pickle.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgpack
+import torch
+
+from shared.sampling import SamplingParams
+from shared.steps import Decode, InferenceStep, Prefill
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
+MAX_SEQS_PER_BATCH = 4096
+MAX_TOKENS_PER_BATCH = 1 << 16
+MAX_SEQ_ID_LEN = 128
+MAX_TRACE_BYTES = 16 << 20
+
+# The only dtypes that may cross the wire (name -> torch dtype).
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+    "int32": torch.int32,
+}
+_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+
+REJECT_REASONS = ("msgpack", "oversize", "version", "kind", "schema", "dtype", "shape", "length", "frames")
+
+# torch.frombuffer warns on read-only buffers; received frames are only ever read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class ProtocolError(Exception):
+    def __init__(self, reason: str, message: str):
+        assert reason in REJECT_REASONS
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+# ---- messages -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SeqEntry:
+    """One sequence's work in a micro-batch, carried through every stage (the last one samples)."""
+
+    seq_id: str
+    step: InferenceStep
+    sampling: SamplingParams = SamplingParams()
+
+    @property
+    def sample_position(self) -> int:
+        """The position the sampled token will occupy."""
+        return self.step.start_position + self.step.num_tokens
+
+
+@dataclass
+class ForwardBatch:
+    mb_id: int
+    seqs: list[SeqEntry]
+    tokens: torch.Tensor | None = None  # [N] int64, into the first stage
+    hidden: torch.Tensor | None = None  # [N, D], between stages
+    trace: dict | None = None  # on-demand capture request (None: off)
+    captures: list = field(default_factory=list)  # accumulated captures travelling to the client
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.step.num_tokens for s in self.seqs)
+
+
+@dataclass
+class ReleaseSeqs:
+    seq_ids: list[str]
+
+
+@dataclass
+class BatchResult:
+    """Last stage -> client: one sampled token per sequence that produced one (in batch order)."""
+
+    mb_id: int
+    seq_ids: list[str]
+    tokens: list[int]
+    logprobs: list[float | None]
+    captures: list = field(default_factory=list)
+
+
+@dataclass
+class BatchError:
+    mb_id: int
+    stage: str
+    message: str
+    seq_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReleaseDone:
+    seq_ids: list[str]
+
+
+Message = Union[ForwardBatch, ReleaseSeqs, BatchResult, BatchError, ReleaseDone]
+
+
+# ---- encoding -------------------------------------------------------------------------------------------------
+
+def _step_to_wire(step: InferenceStep) -> dict:
+    if isinstance(step, Prefill):
+        return {"t": "prefill", "n": step.chunk_tokens, "start": step.chunk_start_position,
+                "total": step.total_prompt_tokens, "final": step.is_final_chunk}
+    return {"t": "decode", "pos": step.current_position}
+
+
+def _tensor_frame(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor, shared with the tensor (no copy)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def encode(msg: Message) -> list:
+    """Message -> ZMQ frames: [header, *tensor buffers]. Send with copy=False."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    if isinstance(msg, ForwardBatch):
+        header: dict[str, Any] = {
+            "kind": "forward", "mb": msg.mb_id,
+            "seqs": [{"id": s.seq_id, "step": _step_to_wire(s.step), "sampling": s.sampling.to_wire()} for s in msg.seqs],
+        }
+        if msg.trace is not None:
+            header["trace"] = msg.trace
+            header["captures"] = msg.captures
+        for name in ("tokens", "hidden"):
+            t = getattr(msg, name)
+            if t is not None:
+                tensors.append((name, t))
+    elif isinstance(msg, ReleaseSeqs):
+        header = {"kind": "release", "seq_ids": list(msg.seq_ids)}
+    elif isinstance(msg, ReleaseDone):
+        header = {"kind": "released", "seq_ids": list(msg.seq_ids)}
+    elif isinstance(msg, BatchResult):
+        header = {"kind": "result", "mb": msg.mb_id, "seq_ids": msg.seq_ids, "tokens": msg.tokens,
+                  "logprobs": msg.logprobs, "captures": msg.captures}
+    elif isinstance(msg, BatchError):
+        header = {"kind": "error", "mb": msg.mb_id, "stage": msg.stage, "message": msg.message, "seq_ids": msg.seq_ids}
+    else:
+        raise TypeError(f"cannot encode {type(msg).__name__}")
+    header["v"] = PROTOCOL_VERSION
+    frames: list = [None]
+    descs = []
+    for name, t in tensors:
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"tensor {name} has dtype {t.dtype}, not allowed on the wire")
+        descs.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "frame": len(frames)})
+        frames.append(_tensor_frame(t))
+    header["tensors"] = descs
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+# ---- decoding (validation first) ---------------------------------------------------------------------------
+
+def _buffer(frame) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def _need(cond: bool, reason: str, message: str) -> None:
+    if not cond:
+        raise ProtocolError(reason, message)
+
+
+def _int(d: dict, key: str, lo: int = 0, hi: int = 2**62) -> int:
+    v = d.get(key)
+    _need(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, "schema",
+          f"field {key!r} must be an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _str_list(d: dict, key: str) -> list[str]:
+    v = d.get(key)
+    _need(isinstance(v, list) and len(v) <= MAX_SEQS_PER_BATCH
+          and all(isinstance(s, str) and 0 < len(s) <= MAX_SEQ_ID_LEN for s in v), "schema",
+          f"field {key!r} must be a list of sequence ids (strings of 1..{MAX_SEQ_ID_LEN} chars)")
+    return v
+
+
+def _step_from_wire(d: Any) -> InferenceStep:
+    _need(isinstance(d, dict), "schema", "step must be a map")
+    try:
+        if d.get("t") == "prefill":
+            final = d.get("final")
+            _need(isinstance(final, bool), "schema", "prefill.final must be a boolean")
+            return Prefill(_int(d, "n", 1, MAX_TOKENS_PER_BATCH), _int(d, "start"), _int(d, "total", 1), final)
+        if d.get("t") == "decode":
+            return Decode(_int(d, "pos", 1))
+    except ValueError as e:
+        raise ProtocolError("schema", f"invalid step: {e}") from None
+    raise ProtocolError("schema", f"step type {d.get('t')!r} is neither 'prefill' nor 'decode'")
+
+
+def _sampling_from_wire(d: Any) -> SamplingParams:
+    _need(isinstance(d, dict) and set(d) <= set(SamplingParams.__dataclass_fields__), "schema",
+          f"sampling must be a map with keys from {sorted(SamplingParams.__dataclass_fields__)}")
+    try:
+        return SamplingParams(**d)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError("schema", f"invalid sampling parameters: {e}") from None
+
+
+def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
+    descs = header.get("tensors")
+    _need(isinstance(descs, list), "schema", "field 'tensors' must be a list")
+    _need(len(frames) == 1 + len(descs), "frames", f"{len(frames) - 1} data frames for {len(descs)} tensor descriptors")
+    out: dict[str, torch.Tensor] = {}
+    used: set[int] = set()
+    total = 0
+    for d in descs:
+        _need(isinstance(d, dict) and isinstance(d.get("name"), str), "schema", "tensor descriptor needs a name")
+        name = d["name"]
+        _need(name in ("tokens", "hidden") and name not in out, "schema", f"unexpected or repeated tensor {name!r}")
+        dtype = d.get("dtype")
+        _need(dtype in WIRE_DTYPES, "dtype", f"tensor {name} dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+        shape = d.get("shape")
+        _need(isinstance(shape, list) and 1 <= len(shape) <= 4
+              and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_TENSOR_BYTES for s in shape),
+              "shape", f"tensor {name} shape {shape!r} must be 1..4 non-negative integers")
+        index = d.get("frame")
+        _need(isinstance(index, int) and 1 <= index < len(frames) and index not in used, "frames",
+              f"tensor {name} frame index {index!r} is out of range or reused")
+        used.add(index)
+        dt = WIRE_DTYPES[dtype]
+        nbytes = math.prod(shape) * dt.itemsize
+        buf = _buffer(frames[index])
+        _need(nbytes == buf.nbytes, "length", f"tensor {name}: shape {shape} x {dtype} is {nbytes} bytes, frame has {buf.nbytes}")
+        total += nbytes
+        _need(total <= MAX_TENSOR_BYTES, "oversize", f"tensors exceed {MAX_TENSOR_BYTES} bytes")
+        out[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape) if nbytes else torch.empty(shape, dtype=dt)
+    return out
+
+
+def decode(frames: list) -> Message:
+    """ZMQ frames (bytes or zmq.Frame) -> Message. Raises ProtocolError naming the reason and the field."""
+    _need(len(frames) >= 1, "frames", "empty message")
+    raw = _buffer(frames[0])
+    _need(raw.nbytes <= MAX_HEADER_BYTES, "oversize", f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
+                                 max_str_len=MAX_HEADER_BYTES,
+                                 max_bin_len=MAX_HEADER_BYTES, max_array_len=1 << 17, max_map_len=1 << 12,
+                                 max_ext_len=0)
+    except (ValueError, msgpack.UnpackException, UnicodeDecodeError, RecursionError) as e:  # ExtraData, FormatError, StackError...
+        raise ProtocolError("msgpack", f"header is not valid msgpack ({type(e).__name__})") from None
+    _need(isinstance(header, dict), "msgpack", "header is not a map")
+    _need(header.get("v") == PROTOCOL_VERSION, "version", f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}")
+    kind = header.get("kind")
+    if kind == "forward":
+        seqs_raw = header.get("seqs")
+        _need(isinstance(seqs_raw, list) and 0 < len(seqs_raw) <= MAX_SEQS_PER_BATCH, "schema",
+              f"field 'seqs' must be a list of 1..{MAX_SEQS_PER_BATCH} sequences")
+        seqs = []
+        for s in seqs_raw:
+            _need(isinstance(s, dict), "schema", "each sequence must be a map")
+            sid = s.get("id")
+            _need(isinstance(sid, str) and 0 < len(sid) <= MAX_SEQ_ID_LEN, "schema", "sequence id must be a short string")
+            seqs.append(SeqEntry(sid, _step_from_wire(s.get("step")), _sampling_from_wire(s.get("sampling", {}))))
+        _need(len({s.seq_id for s in seqs}) == len(seqs), "schema", "a sequence appears twice in one micro-batch")
+        tensors = _tensors(header, frames)
+        batch = ForwardBatch(_int(header, "mb"), seqs, tensors.get("tokens"), tensors.get("hidden"))
+        n = batch.num_tokens
+        _need(n <= MAX_TOKENS_PER_BATCH, "oversize", f"{n} tokens exceed {MAX_TOKENS_PER_BATCH} per micro-batch")
+        if batch.tokens is not None:
+            _need(batch.tokens.dtype == torch.int64 and tuple(batch.tokens.shape) == (n,), "shape",
+                  f"tokens must be int64 [{n}], got {batch.tokens.dtype} {list(batch.tokens.shape)}")
+        if batch.hidden is not None:
+            _need(batch.hidden.dim() == 2 and batch.hidden.shape[0] == n and batch.hidden.dtype.is_floating_point,
+                  "shape", f"hidden must be floating [{n}, D], got {batch.hidden.dtype} {list(batch.hidden.shape)}")
+        if "trace" in header:
+            _need(isinstance(header["trace"], dict) and isinstance(header.get("captures", []), list), "schema",
+                  "trace must be a map and captures a list")
+            batch.trace, batch.captures = header["trace"], header.get("captures", [])
+        return batch
+    if kind in ("release", "released"):
+        ids = _str_list(header, "seq_ids")
+        return ReleaseSeqs(ids) if kind == "release" else ReleaseDone(ids)
+    if kind == "result":
+        ids = _str_list(header, "seq_ids")
+        toks, lps = header.get("tokens"), header.get("logprobs")
+        _need(isinstance(toks, list) and all(isinstance(t, int) for t in toks) and len(toks) == len(ids), "schema",
+              "result tokens must be one integer per sequence")
+        _need(isinstance(lps, list) and len(lps) == len(ids), "schema", "result logprobs must be one entry per sequence")
+        captures = header.get("captures", [])
+        _need(isinstance(captures, list), "schema", "captures must be a list")
+        return BatchResult(_int(header, "mb"), ids, toks, lps, captures)
+    if kind == "error":
+        msg = header.get("message")
+        _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")
+        return BatchError(_int(header, "mb"), header["stage"], msg, _str_list(header, "seq_ids"))
+    raise ProtocolError("kind", f"message kind {kind!r} is not one of forward, release, released, result, error")
