@@ -24,6 +24,22 @@ def check_address(addr: str, flag: str) -> str:
     return addr
 
 
+def _bind_with_retry(sock: zmq.Socket, addr: str, patience_s: float = 3.0) -> None:
+    """Bind, waiting briefly if a socket that just closed has not released the address yet (ZMQ closes
+    asynchronously); a port held by someone else still fails with a clear error."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE:
+                raise StagemeshError(f"cannot bind {addr}: {e}") from None
+            if time.monotonic() > deadline:
+                raise StagemeshError(f"cannot bind {addr}: address already in use; choose another port") from None
+            time.sleep(0.05)
+
+
 class TransportStats:
     """Counters the owner exports (bytes, rejects by reason, send time)."""
 
@@ -52,7 +68,7 @@ class ZmqTransport:
         self.inbound.setsockopt(zmq.MAXMSGSIZE, MAX_TENSOR_BYTES + MAX_HEADER_BYTES)
         self.inbound.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self.inbound.setsockopt(zmq.LINGER, 0)
-        self.inbound.bind(check_address(listen, "--listen"))
+        _bind_with_retry(self.inbound, check_address(listen, "--listen"))
         self.outbound = None
         if next_hop:
             self.outbound = self.ctx.socket(zmq.PUSH)

@@ -12,17 +12,17 @@ import signal
 import torch
 from aiohttp import web
 
+from services.local import add_model_args
+from services.stage.http import LOAD_ERROR, WORKER, make_app
+from services.stage.worker import StageIdentity, StageWorker
 from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.hooks import PrefetchingHook
 from shared.layers import LayerRange, even_split, parse_layer_range
 from shared.model_files import ModelFiles
-from shared.protocol import ForwardBatch, ReleaseSeqs
+from shared.protocol import BatchError, ForwardBatch, ReleaseSeqs
 from shared.runtime import DEFAULT_KV_SLOTS, DEFAULT_MAX_SEQ_LEN, StageRuntime
 from shared.transport import ZmqTransport, check_address
-from services.local import add_model_args
-from services.stage.http import LOAD_ERROR, WORKER, make_app
-from services.stage.worker import StageIdentity, StageWorker
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -98,7 +98,7 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
         await runner.cleanup()
         raise
     position = runtime.model.position
-    transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs))
+    transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs, BatchError))
     hook = PrefetchingHook(transport, layers, position, prefetch=not args.no_prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
                              position, str(dtype).removeprefix("torch."))

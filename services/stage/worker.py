@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.stage.metrics import StageMetrics
 from shared.errors import StagemeshError
 from shared.hooks import PrefetchingHook
 from shared.layers import LayerRange, StagePosition
@@ -19,7 +20,6 @@ from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, Rele
 from shared.runtime import SeqWork, StageRuntime
 from shared.sampling import sample
 from shared.trace import CaptureHook
-from services.stage.metrics import StageMetrics
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -76,6 +76,8 @@ class StageWorker:
                     for seq_id in msg.seq_ids:
                         self.runtime.release(seq_id)
                     await self.hook.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
+                elif isinstance(msg, BatchError):  # an earlier stage failed this micro-batch: pass it on to the client
+                    await self.hook.send(msg)
         finally:
             await self.hook.stop()
             self.compute_thread.shutdown(wait=False, cancel_futures=True)
