@@ -86,6 +86,21 @@ def even_split(num_layers: int, num_stages: int) -> list[LayerRange]:
     return ranges
 
 
+def balanced_split(num_layers: int, num_stages: int, head_cost: float = 0.0) -> list[LayerRange]:
+    """Contiguous ranges of equal compute, counting the last stage's lm_head as `head_cost` layers
+    (vocab x hidden over one layer's weights: about 8 layers for SmolLM2). head_cost=0 is the even split."""
+    if not 1 <= num_stages <= num_layers:
+        raise LayerRangeError(f"cannot split {num_layers} layers into {num_stages} stages; use 1..{num_layers}")
+    total = num_layers + head_cost
+    bounds = [0]
+    for i in range(1, num_stages):
+        b = round(i * total / num_stages)
+        b = max(bounds[-1] + 1, min(b, num_layers - (num_stages - i)))  # every stage keeps at least one layer
+        bounds.append(b)
+    bounds.append(num_layers)
+    return [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def split_at(num_layers: int, boundaries: list[int]) -> list[LayerRange]:
     """`--split 7,19` on 30 layers -> 0:7, 7:19, 19:30."""
     edges = [0, *boundaries, num_layers]

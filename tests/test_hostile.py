@@ -86,7 +86,7 @@ def hostile_messages(marker: str) -> list[tuple[str, list[bytes]]]:
         ("schema", [_pack({"v": PROTOCOL_VERSION, "kind": "release", "seq_ids": [1, 2]})]),
     ]
     out = []
-    for i in range(1000):  # random garbage of random sizes and frame counts
+    for _i in range(1000):  # random garbage of random sizes and frame counts
         frames = [rng.bytes(int(rng.integers(0, 300))) for _ in range(int(rng.integers(1, 4)))]
         try:
             msgpack.unpackb(frames[0], raw=False, strict_map_key=True)

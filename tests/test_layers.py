@@ -1,7 +1,15 @@
 import pytest
 
 from shared.errors import LayerRangeError
-from shared.layers import LayerRange, StagePosition, check_cover, even_split, parse_layer_range, split_at
+from shared.layers import (
+    LayerRange,
+    StagePosition,
+    balanced_split,
+    check_cover,
+    even_split,
+    parse_layer_range,
+    split_at,
+)
 
 
 @pytest.mark.parametrize("layers,stages,expected", [
@@ -12,6 +20,24 @@ from shared.layers import LayerRange, StagePosition, check_cover, even_split, pa
 ])
 def test_even_split(layers, stages, expected):
     assert [(r.start, r.stop) for r in even_split(layers, stages)] == expected
+
+
+@pytest.mark.parametrize("layers,stages,head,expected", [
+    (30, 2, 0.0, [(0, 15), (15, 30)]),
+    (30, 2, 8.0, [(0, 19), (19, 30)]),  # 19 = 11 layers + an 8-layer head
+    (30, 3, 8.0, [(0, 13), (13, 25), (25, 30)]),
+    (4, 4, 100.0, [(0, 1), (1, 2), (2, 3), (3, 4)]),  # every stage keeps a layer
+    (30, 1, 8.0, [(0, 30)]),
+])
+def test_balanced_split(layers, stages, head, expected):
+    ranges = balanced_split(layers, stages, head)
+    assert [(r.start, r.stop) for r in ranges] == expected
+    check_cover(ranges, layers)
+
+
+def test_smollm2_head_costs_about_four_layers(smollm2):
+    assert 4.0 < smollm2.config.head_cost_in_layers < 5.0
+    assert [str(r) for r in balanced_split(30, 2, smollm2.config.head_cost_in_layers)] == ["0:17", "17:30"]
 
 
 @pytest.mark.parametrize("layers,stages", [(30, 0), (3, 4)])

@@ -18,8 +18,9 @@ from services.stage.worker import StageIdentity, StageWorker
 from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.hooks import PrefetchingHook
-from shared.layers import LayerRange, even_split, parse_layer_range
+from shared.layers import LayerRange, balanced_split, parse_layer_range
 from shared.model_files import ModelFiles
+from shared.models import ModelConfig
 from shared.protocol import BatchError, ForwardBatch, ReleaseSeqs
 from shared.runtime import DEFAULT_KV_SLOTS, DEFAULT_MAX_SEQ_LEN, StageRuntime
 from shared.transport import ZmqTransport, check_address
@@ -40,7 +41,8 @@ def register(sub) -> None:
     add_model_args(p)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--layers", help="layer range START:STOP served by this stage, e.g. 0:15")
-    where.add_argument("--stage-index", type=int, help="this stage's index (with --num-stages: an even split)")
+    where.add_argument("--stage-index", type=int,
+                       help="this stage's index (with --num-stages: a split of equal compute, the lm_head counted)")
     p.add_argument("--num-stages", type=int, help="number of stages in the pipeline (with --stage-index)")
     p.add_argument("--listen", required=True, help="ZeroMQ address to bind for input, e.g. tcp://127.0.0.1:5551")
     p.add_argument("--next", required=True, help="ZeroMQ address of the next stage, or the gateway's result address")
@@ -53,14 +55,15 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_stage)
 
 
-def stage_layers(args, num_layers: int) -> LayerRange:
+def stage_layers(args, config: ModelConfig) -> LayerRange:
+    num_layers = config.num_layers
     if args.layers:
         return parse_layer_range(args.layers, num_layers)
     if args.num_stages is None:
         raise StagemeshError("--stage-index needs --num-stages")
     if not 0 <= args.stage_index < args.num_stages:
         raise StagemeshError(f"--stage-index {args.stage_index} must be within 0..{args.num_stages - 1}")
-    return even_split(num_layers, args.num_stages)[args.stage_index]
+    return balanced_split(num_layers, args.num_stages, config.head_cost_in_layers)[args.stage_index]
 
 
 def cmd_stage(args) -> int:
@@ -73,7 +76,7 @@ def cmd_stage(args) -> int:
         raise StagemeshError("--threads must be >= 1")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     files = ModelFiles.open(args.model)  # validates the file before anything binds
-    layers = stage_layers(args, files.config.num_layers)
+    layers = stage_layers(args, files.config)
     asyncio.run(serve(files, layers, args, host, port))
     return 0
 
