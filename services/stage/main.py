@@ -104,7 +104,7 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs, BatchError))
     hook = PrefetchingHook(transport, layers, position, prefetch=not args.no_prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
-                             position, str(dtype).removeprefix("torch."))
+                             position, str(dtype).removeprefix("torch."), listen=args.listen)
     worker = StageWorker(runtime, hook, identity)
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s", layers, position.value, args.listen, args.next,

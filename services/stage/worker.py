@@ -32,6 +32,7 @@ class StageIdentity:
     num_layers: int
     position: StagePosition
     dtype: str
+    listen: str = ""
     incarnation: str = ""
 
     def __post_init__(self):
@@ -132,7 +133,7 @@ class StageWorker:
         return {
             "model": ident.model_name, "fingerprint": ident.fingerprint, "layers": [ident.layers.start, ident.layers.stop],
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
-            "incarnation": ident.incarnation, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
+            "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len},
             "prefetch": self.hook.prefetch,
             "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),

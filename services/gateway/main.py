@@ -1,0 +1,61 @@
+"""`stagemesh gateway`: serve the API in front of running stages."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from services.gateway.app import GatewayConfig, make_app
+from services.gateway.pipeline import Pipeline
+from services.local import add_model_args
+from services.stage.main import parse_host_port
+from shared.errors import StagemeshError
+from shared.model_files import ModelFiles
+from shared.transport import check_address
+
+log = logging.getLogger("stagemesh.gateway")
+
+
+def add_gateway_args(p) -> None:
+    p.add_argument("--max-inflight", type=int, default=None,
+                   help="micro-batches in flight at once (default: number of stages, at least 2)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429 (default 256)")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk (default 128)")
+    p.add_argument("--token-budget", type=int, default=512, help="tokens per micro-batch (default 512)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("gateway", help="serve the API in front of running stages",
+                       description="OpenAI-compatible API, websocket stream and chat page over a pipeline of stages.")
+    add_model_args(p, dtype=False)
+    p.add_argument("--stages", required=True, help="comma-separated stage HTTP URLs in pipeline order")
+    p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
+    p.add_argument("--result-listen", default="tcp://127.0.0.1:5599",
+                   help="ZeroMQ address the last stage sends results to (bound here)")
+    p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info)")
+    add_gateway_args(p)
+    p.set_defaults(func=cmd_gateway)
+
+
+def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage: str | None, args) -> web.Application:
+    files = ModelFiles.open(model)
+    for u in stage_urls:
+        if not u.startswith(("http://", "https://")):
+            raise StagemeshError(f"--stages entry {u!r} must be an http:// URL of a stage's HTTP endpoint")
+    check_address(result_listen, "--result-listen")
+    pipeline = Pipeline(stage_urls, result_listen, files.loader.fingerprint, files.config.num_layers, first_stage)
+    inflight = args.max_inflight or max(2, len(stage_urls))
+    if inflight < 1 or args.max_queue < 1 or args.prefill_chunk < 1 or args.token_budget < 1:
+        raise StagemeshError("--max-inflight, --max-queue, --prefill-chunk and --token-budget must be positive")
+    return make_app(files, pipeline, GatewayConfig(model_id=model), inflight, args.max_queue, args.prefill_chunk,
+                    args.token_budget)
+
+
+def cmd_gateway(args) -> int:
+    host, port = parse_host_port(args.listen, "--listen")
+    urls = [u.strip() for u in args.stages.split(",") if u.strip()]
+    app = build_app(args.model, urls, args.result_listen, args.first_stage, args)
+    print(f"stagemesh gateway on http://{host}:{port}/ over {len(urls)} stages", flush=True)
+    web.run_app(app, host=host, port=port, print=None, handler_cancellation=True, access_log=None)
+    return 0

@@ -1,0 +1,120 @@
+"""A pipeline as the gateway sees it: its stages' HTTP endpoints, a consistency check, and the ZMQ client.
+Kept an object (not a global) so several pipelines can later sit behind one gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from urllib.parse import urlparse
+
+import aiohttp
+
+from shared.errors import LayerRangeError
+from shared.layers import LayerRange, check_cover
+from shared.pipeline_client import PipelineClient
+
+log = logging.getLogger("stagemesh.gateway.pipeline")
+
+
+def check_pipeline(infos: list[dict | str], fingerprint: str, num_layers: int) -> str | None:
+    """None when the stages form one consistent pipeline in the given order; otherwise why not.
+    An entry that is a string is a stage we could not reach (the string says why)."""
+    for i, info in enumerate(infos):
+        if isinstance(info, str):
+            return f"stage {i} is unreachable: {info}"
+        if info.get("fingerprint") != fingerprint:
+            return (f"stage {i} serves model fingerprint {info.get('fingerprint')} ({info.get('model')}), "
+                    f"the gateway's model is {fingerprint}")
+    ranges = [LayerRange(*info["layers"]) for info in infos]
+    try:
+        check_cover(ranges, num_layers)
+    except LayerRangeError as e:
+        return str(e)
+    for i in range(len(ranges) - 1):
+        if ranges[i].stop != ranges[i + 1].start:
+            return f"stage {i} ({ranges[i]}) is not followed by the layers it hands on to; stage {i + 1} has {ranges[i + 1]}"
+    for i, (info, rng) in enumerate(zip(infos, ranges)):
+        expected = rng.position(num_layers).value
+        if info.get("position") != expected:
+            return f"stage {i} ({rng}) reports position {info.get('position')}, expected {expected}"
+    return None
+
+
+class Pipeline:
+    def __init__(self, stage_urls: list[str], result_listen: str, fingerprint: str, num_layers: int,
+                 first_stage: str | None = None, poll_s: float = 2.0):
+        self.stage_urls = [u.rstrip("/") for u in stage_urls]
+        self.result_listen = result_listen
+        self.fingerprint = fingerprint
+        self.num_layers = num_layers
+        self.first_stage = first_stage
+        self.poll_s = poll_s
+        self.infos: list[dict | str] = []
+        self.problem: str | None = "not checked yet"
+        self.client: PipelineClient | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self.problem is None and self.client is not None
+
+    @property
+    def kv_slots(self) -> int:
+        return min((i["kv"]["slots"] for i in self.infos if isinstance(i, dict)), default=1)
+
+    @property
+    def max_seq_len(self) -> int:
+        return min((i["kv"]["max_seq_len"] for i in self.infos if isinstance(i, dict)), default=0)
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3))
+        await self.check()
+        self._task = asyncio.create_task(self._poll())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.client:
+            await self.client.close()
+        if self._session:
+            await self._session.close()
+
+    async def _info(self, url: str) -> dict | str:
+        try:
+            async with self._session.get(f"{url}/info") as r:
+                if r.status != 200:
+                    return f"{url}/info answered {r.status} (still loading?)"
+                return await r.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            return f"{url}: {type(e).__name__} {e}".strip()
+
+    async def check(self) -> None:
+        self.infos = list(await asyncio.gather(*(self._info(u) for u in self.stage_urls)))
+        problem = check_pipeline(self.infos, self.fingerprint, self.num_layers)
+        if problem != self.problem:
+            (log.info if problem is None else log.warning)("pipeline %s", "consistent" if problem is None else problem)
+            self.problem = problem
+            self.changed.set()
+        if problem is None and self.client is None:
+            self.client = PipelineClient(self.first_stage or self._first_stage_address(), self.result_listen)
+            await self.client.start()
+
+    def _first_stage_address(self) -> str:
+        """The first stage's ZMQ address from its /info, with a wildcard host replaced by the host we reach it at."""
+        listen = self.infos[0]["listen"]
+        host = urlparse(self.stage_urls[0]).hostname
+        scheme, _, rest = listen.partition("://")
+        bind_host, _, port = rest.rpartition(":")
+        if bind_host in ("*", "0.0.0.0", "[::]", "::"):
+            return f"{scheme}://{host}:{port}"
+        return listen
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self.check()

@@ -1,0 +1,154 @@
+"""Validation of everything a client sends, at the edge. Bad input raises RequestError (-> 4xx in OpenAI's error
+shape, or a websocket error event) and never reaches a stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_LEN = 128
+MAX_MESSAGES = 256
+MAX_PROMPT_CHARS = 1 << 20
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_request"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def openai_body(self) -> dict:
+        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+                429: "rate_limit_exceeded", 503: "server_unavailable"}.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationSpec:
+    """A validated generation request, before tokenization."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    timeout_s: float | None = None
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default: float | None) -> float | None:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi):
+        raise RequestError(f"'{key}' must be a number between {lo} and {hi}, got {v!r}", key)
+    return float(v)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int, default: int | None) -> int | None:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not (lo <= v <= hi):
+        raise RequestError(f"'{key}' must be an integer between {lo} and {hi}, got {v!r}", key)
+    return v
+
+
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"'{key}' must be true or false, got {v!r}", key)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in items):
+        raise RequestError(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings "
+                           f"of at most {MAX_STOP_LEN} characters", "stop")
+    return items
+
+
+def _content(msg: dict, i: int) -> str:
+    c = msg.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # OpenAI content parts: only text is supported
+        texts = []
+        for part in c:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise RequestError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}", f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def parse_messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    if len(value) > MAX_MESSAGES:
+        raise RequestError(f"at most {MAX_MESSAGES} messages per request", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(f"messages[{i}] needs a role among {', '.join(ROLES)}", f"messages[{i}].role")
+        out.append({"role": m["role"], "content": _content(m, i)})
+    if sum(len(m["content"]) for m in out) > MAX_PROMPT_CHARS:
+        raise RequestError(f"messages exceed {MAX_PROMPT_CHARS} characters", "messages")
+    return out
+
+
+def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
+    """OpenAI-style body (also the websocket `generate` message) -> GenerationSpec."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    spec = GenerationSpec()
+    if chat:
+        spec.messages = parse_messages(body.get("messages"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("'prompt' must be a non-empty string", "prompt")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise RequestError(f"'prompt' exceeds {MAX_PROMPT_CHARS} characters", "prompt")
+        spec.prompt = prompt
+    n = _integer(body, "n", 1, 1, 1)
+    assert n == 1
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    spec.max_tokens = _integer(body, key, 1, max_context, None)
+    spec.stop = _stop(body)
+    lp = body.get("logprobs")
+    if lp is not None and not isinstance(lp, (bool, int)):
+        raise RequestError("'logprobs' must be a boolean (chat) or an integer (completions)", "logprobs")
+    spec.logprobs = bool(lp)
+    try:
+        spec.sampling = SamplingParams(
+            temperature=_number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI default; 0 = greedy
+            top_p=_number(body, "top_p", 1e-6, 1.0, 1.0),
+            top_k=_integer(body, "top_k", 0, 1_000_000, 0) or 0,
+            seed=_integer(body, "seed", 0, 2**62, None),
+            logprobs=spec.logprobs,
+        )
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    spec.stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise RequestError("'stream_options' must be an object", "stream_options")
+        spec.include_usage = _bool(opts, "include_usage")
+    spec.timeout_s = _number(body, "timeout", 0.1, 3600.0, None)
+    return spec

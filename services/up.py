@@ -1,0 +1,61 @@
+"""`stagemesh up`: a gateway and N stage processes on loopback, one command, clean shutdown on Ctrl-C/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+
+from aiohttp import web
+
+from services.gateway.main import add_gateway_args, build_app
+from services.launch import free_port, start_mesh
+from services.local import add_model_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="start a gateway and N stages on this machine",
+                       description="Start N stage processes on loopback and a gateway in front of them.")
+    add_model_args(p)
+    p.add_argument("--stages", type=int, default=2, help="number of stage processes (default 2)")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
+    p.add_argument("--kv-slots", type=int, default=32, help="concurrent sequences per stage (default 32)")
+    p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
+    add_gateway_args(p)
+    p.set_defaults(func=cmd_up)
+
+
+def cmd_up(args) -> int:
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="stagemesh-")
+    result_listen = f"tcp://127.0.0.1:{free_port()}"
+    print(f"starting {args.stages} stages (logs in {log_dir}) ...", flush=True)
+    mesh = start_mesh(args.model, args.stages, dtype=args.dtype, result_listen=result_listen, log_dir=log_dir,
+                      extra=["--kv-slots", str(args.kv_slots)])
+    try:
+        app = build_app(args.model, mesh.stage_urls, result_listen, mesh.first_stage, args)
+        asyncio.run(_serve(app, args.host, args.port, len(mesh.stages)))
+    finally:
+        print("stopping stages ...", flush=True)
+        mesh.stop()
+    return 0
+
+
+async def _serve(app: web.Application, host: str, port: int, n: int) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    from services.gateway.app import GATEWAY
+
+    pipeline = app[GATEWAY].pipeline
+    while not pipeline.ready:
+        await asyncio.sleep(0.2)
+    print(f"stagemesh is up: open http://{host}:{port}/ (chat page), API at http://{host}:{port}/v1 "
+          f"({n} stages, pid {os.getpid()}; Ctrl-C to stop)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
