@@ -1,0 +1,84 @@
+"""The gateway end to end: real `stagemesh up` processes, real clients (aiohttp, the official openai SDK)."""
+
+import asyncio
+import json
+import subprocess
+
+import aiohttp
+import pytest
+
+from tests.conftest import stagemesh_cmd
+from tests.gateway_fixtures import start_gateway
+
+QUESTIONS = ["What is 2+2?", "Name a primary color.", "Write a haiku about the sea."]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """`stagemesh generate --chat --dtype float32 --temperature 0` per question."""
+    out = {}
+    for q in QUESTIONS:
+        proc = subprocess.run(stagemesh_cmd("generate", "--chat", "--prompt", q, "--max-tokens", str(MAX_TOKENS),
+                                            "--dtype", "float32", "--temperature", "0", "--json"),
+                              capture_output=True, text=True, timeout=300, check=True)
+        out[q] = json.loads(proc.stdout)["text"]
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}stages")
+def gateway(request, tmp_path_factory):
+    gw = start_gateway(request.param, "float32", str(tmp_path_factory.mktemp(f"gw{request.param}")))
+    yield gw
+    gw.stop()
+
+
+def chat_body(q, **kw):
+    return {"model": "smollm2", "messages": [{"role": "user", "content": q}], "temperature": 0,
+            "max_tokens": MAX_TOKENS, **kw}
+
+
+async def sse_text(session, url, body) -> tuple[str, list[dict]]:
+    chunks = []
+    async with session.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        async for line in r.content:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
+    return text, chunks
+
+
+async def ws_generate(ws, rid, **body) -> tuple[str, dict]:
+    await ws.send_json({"type": "generate", "id": rid, **body})
+    text = []
+    while True:
+        ev = await ws.receive_json(timeout=120)
+        assert ev["id"] == rid, ev
+        if ev["type"] == "token":
+            text.append(ev["text"])
+        elif ev["type"] == "done":
+            return "".join(text), ev
+        else:
+            raise AssertionError(ev)
+
+
+async def test_greedy_output_equals_generate_over_every_api(gateway, reference):
+    async with aiohttp.ClientSession() as s:
+        for q in QUESTIONS:
+            async with s.post(gateway.url + "/v1/chat/completions", json=chat_body(q)) as r:
+                body = await r.json()
+                assert r.status == 200, body
+            assert body["choices"][0]["message"]["content"] == reference[q]
+            streamed, _ = await sse_text(s, gateway.url + "/v1/chat/completions", chat_body(q, stream=True))
+            assert streamed == reference[q]
+            async with s.ws_connect(gateway.url + "/v1/stream") as ws:
+                text, done = await ws_generate(ws, "r1", messages=[{"role": "user", "content": q}], temperature=0,
+                                               max_tokens=MAX_TOKENS)
+            assert text == reference[q]
+            assert done["usage"]["completion_tokens"] <= MAX_TOKENS and done["timings"]["ttft_ms"] > 0
