@@ -8,7 +8,7 @@ REF_STAMP := $(VENV)/.reference-installed
 STAGES ?= 2
 PORT ?= 8000
 
-.PHONY: install install-reference serve test lint bench clean
+.PHONY: install install-reference install-browser serve test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,15 @@ $(REF_STAMP): $(STAMP)
 
 install-reference: $(REF_STAMP)
 
+# Debian's Chromium for the browser test (root, or sudo without a password).
+install-browser:
+	@command -v chromium >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
+
 serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
-test: install install-reference
+test: install install-reference install-browser
 	$(BIN)/python -m pytest -q -ra
 
 lint: install

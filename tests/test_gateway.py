@@ -1,6 +1,5 @@
 """The gateway end to end: real `stagemesh up` processes, real clients (aiohttp, the official openai SDK)."""
 
-import asyncio
 import json
 import subprocess
 

@@ -72,7 +72,8 @@ class Gateway:
                                f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
         timeout = spec.timeout_s or self.config.request_timeout_s
         return Sequence(ids, spec.sampling.with_seed(), max_tokens,
-                        TextStream(self.files.tokenizer, spec.stop), self.files.tokenizer.eos_ids,
+                        TextStream(self.files.tokenizer, spec.stop),
+                        frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
                         deadline=time.perf_counter() + timeout)
 
     def submit(self, seq: Sequence) -> None:

@@ -37,6 +37,7 @@ class GenerationSpec:
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     stream: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (load testing)
     include_usage: bool = False
     timeout_s: float | None = None
 
@@ -145,6 +146,7 @@ def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
     except ValueError as e:
         raise RequestError(str(e)) from None
     spec.stream = _bool(body, "stream")
+    spec.ignore_eos = _bool(body, "ignore_eos")
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):

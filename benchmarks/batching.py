@@ -1,0 +1,70 @@
+"""Continuous batching pays: aggregate generated tokens/s at 1, 4, 16 and 32 concurrent streams against
+`stagemesh up --stages 2`, as ratios to the single-stream figure.
+
+    python -m benchmarks.batching [--stages 2] [--dtype bfloat16] [--max-tokens 64] [--concurrency 1,4,16,32]
+
+Every stream is a streamed /v1/completions with ignore_eos, so each request generates exactly --max-tokens."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+
+import aiohttp
+
+from tests.gateway_fixtures import start_gateway
+
+PROMPTS = ["Write a story about a dragon.", "Explain how rain forms.", "List some fruits and describe them.",
+           "Describe a busy city street.", "What is machine learning?", "Tell me about the history of Rome."]
+
+
+async def one_stream(session, url: str, prompt: str, max_tokens: int) -> int:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.7, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with session.post(url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+async def run_level(url: str, concurrency: int, max_tokens: int, rounds: int) -> float:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        await one_stream(s, url, PROMPTS[0], 4)  # warm-up
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one_stream(s, url, PROMPTS[i % len(PROMPTS)], max_tokens)
+                                        for i in range(concurrency * rounds)))
+        return sum(counts) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", default="1,4,16,32")
+    args = p.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as logs:
+        gw = start_gateway(args.stages, args.dtype, logs, "--kv-slots", str(max(levels)))
+        try:
+            print(f"batching benchmark: stagemesh up --stages {args.stages} --dtype {args.dtype}, "
+                  f"{args.max_tokens} tokens per request (ignore_eos)")
+            base = None
+            for c in levels:
+                tps = asyncio.run(run_level(gw.url, c, args.max_tokens, rounds=1))
+                base = base or tps
+                print(f"  {c:>3} streams: {tps:8.1f} generated tokens/s  ({tps / base:5.2f}x single stream)")
+        finally:
+            gw.stop()
+
+
+if __name__ == "__main__":
+    main()
