@@ -20,12 +20,11 @@ from shared.sampling import SamplingParams
 from shared.steps import Decode, InferenceStep, Prefill
 
 PROTOCOL_VERSION = 1
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
 MAX_TOKENS_PER_BATCH = 1 << 16
 MAX_SEQ_ID_LEN = 128
-MAX_TRACE_BYTES = 16 << 20
 
 # The only dtypes that may cross the wire (name -> torch dtype).
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -33,6 +32,8 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
 }
 _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+
+CAPTURE_KEYS = frozenset({"stage", "layer", "point", "position", "shape", "summary", "data"})  # shared.trace.HookCapture
 
 REJECT_REASONS = ("msgpack", "oversize", "version", "kind", "schema", "dtype", "shape", "length", "frames")
 
@@ -215,6 +216,13 @@ def _sampling_from_wire(d: Any) -> SamplingParams:
         raise ProtocolError("schema", f"invalid sampling parameters: {e}") from None
 
 
+def _captures(header: dict) -> list:
+    caps = header.get("captures", [])
+    _need(isinstance(caps, list) and all(isinstance(c, dict) and set(c) == CAPTURE_KEYS for c in caps), "schema",
+          f"captures must be a list of maps with keys {sorted(CAPTURE_KEYS)}")
+    return caps
+
+
 def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
     descs = header.get("tensors")
     _need(isinstance(descs, list), "schema", "field 'tensors' must be a list")
@@ -283,9 +291,8 @@ def decode(frames: list) -> Message:
             _need(batch.hidden.dim() == 2 and batch.hidden.shape[0] == n and batch.hidden.dtype.is_floating_point,
                   "shape", f"hidden must be floating [{n}, D], got {batch.hidden.dtype} {list(batch.hidden.shape)}")
         if "trace" in header:
-            _need(isinstance(header["trace"], dict) and isinstance(header.get("captures", []), list), "schema",
-                  "trace must be a map and captures a list")
-            batch.trace, batch.captures = header["trace"], header.get("captures", [])
+            _need(isinstance(header["trace"], dict), "schema", "trace must be a map")
+            batch.trace, batch.captures = header["trace"], _captures(header)
         return batch
     if kind in ("release", "released"):
         ids = _str_list(header, "seq_ids")
@@ -296,9 +303,7 @@ def decode(frames: list) -> Message:
         _need(isinstance(toks, list) and all(isinstance(t, int) for t in toks) and len(toks) == len(ids), "schema",
               "result tokens must be one integer per sequence")
         _need(isinstance(lps, list) and len(lps) == len(ids), "schema", "result logprobs must be one entry per sequence")
-        captures = header.get("captures", [])
-        _need(isinstance(captures, list), "schema", "captures must be a list")
-        return BatchResult(_int(header, "mb"), ids, toks, lps, captures)
+        return BatchResult(_int(header, "mb"), ids, toks, lps, _captures(header))
     if kind == "error":
         msg = header.get("message")
         _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")

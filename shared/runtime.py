@@ -116,9 +116,11 @@ class LocalPipeline:
         return min(p.kv.max_seq_len for p in self.pieces)
 
     def run(self, work: Sequence[SeqWork], token_ids: torch.Tensor, all_logits: bool = False,
-            hook: LayerHook | None = None) -> torch.Tensor:
+            hooks: Sequence[LayerHook | None] | None = None) -> torch.Tensor:
+        """hooks: one LayerHook (or None) per piece."""
         out = token_ids
         for i, piece in enumerate(self.pieces):
+            hook = hooks[i] if hooks else None
             if i == 0:
                 out = piece.run(work, token_ids=out, all_logits=all_logits, hook=hook)
             else:

@@ -1,39 +1,253 @@
-"""Capturing intermediate activations (LayerHook implementation) for tracing divergence layer by layer."""
+"""Tracing: capture intermediate activations during inference and compare two runs layer by layer, so a
+divergence between deployments (split, dtype, device, a faulty stage) is pinned to the layer and step where it
+starts. Captures are keyed by (step, layer, point), never by stage, so runs with different splits compare.
+
+- InferenceHook: on_prefill / on_stage_transfer / on_decode_step, the request-level view of one traced run;
+  per-layer captures come through CaptureHook, the LayerHook implementation.
+- HookCapture, StageComparison, TraceResult serialize to JSON.
+"""
 
 from __future__ import annotations
 
+import base64
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import numpy as np
 import torch
 
-DEFAULT_CAPTURE_BUDGET = 8 << 20  # bytes of raw tensors one stage may return per micro-batch
+DEFAULT_CAPTURE_BUDGET = 1 << 20  # bytes of raw float32 one stage may return per micro-batch
+LAYER_OUTPUT = "layer_output"
+STAGE_TRANSFER = "stage_transfer"  # the activation a stage received from the previous one
+
+
+@dataclass
+class HookCapture:
+    stage: str
+    layer: int
+    point: str
+    position: int  # absolute position of the first captured token (identifies the step)
+    shape: list[int]
+    summary: dict
+    data: bytes | None = None  # float32, row-major; None when over budget
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (self.position, self.layer, self.point)
+
+    def tensor(self) -> torch.Tensor | None:
+        if self.data is None:
+            return None
+        return torch.from_numpy(np.frombuffer(self.data, dtype=np.float32).copy()).reshape(self.shape)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict) -> HookCapture:
+        return cls(**d)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["data"] = base64.b64encode(self.data).decode() if self.data is not None else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> HookCapture:
+        return cls(**{**d, "data": base64.b64decode(d["data"]) if d.get("data") else None})
 
 
 def summarize(t: torch.Tensor) -> dict:
     t = t.detach().float()
-    return {"shape": list(t.shape), "mean": float(t.mean()), "std": float(t.std()) if t.numel() > 1 else 0.0,
+    return {"mean": float(t.mean()), "std": float(t.std()) if t.numel() > 1 else 0.0,
             "absmax": float(t.abs().max()), "l2": float(t.norm())}
 
 
 class CaptureHook:
-    """LayerHook that records each layer's output for the sequences being traced.
+    """LayerHook recording one sequence's rows at each layer output, and the activation a non-first stage
+    received (on_stage_transfer). Full tensors while within budget, summaries beyond."""
 
-    rows: which packed rows belong to the traced sequence (captures stay per request, not per batch).
-    Full float32 tensors are kept while within budget; beyond it only summaries."""
-
-    def __init__(self, rows: slice | None = None, budget: int = DEFAULT_CAPTURE_BUDGET, stage: str = ""):
-        self.rows = rows
+    def __init__(self, stage: str, position: int, rows: slice | None = None, first_layer: int | None = None,
+                 budget: int = DEFAULT_CAPTURE_BUDGET):
+        self.stage, self.position, self.rows = stage, position, rows
+        self.first_layer = first_layer  # set on non-first stages: its input is a stage transfer
         self.budget = budget
-        self.stage = stage
-        self.captures: list[dict] = []
+        self.captures: list[HookCapture] = []
+
+    def _record(self, layer: int, point: str, hidden: torch.Tensor) -> None:
+        x = (hidden[self.rows] if self.rows is not None else hidden).detach().float().contiguous()
+        data = None
+        if x.nbytes <= self.budget:
+            self.budget -= x.nbytes
+            data = x.cpu().numpy().tobytes()
+        self.captures.append(HookCapture(self.stage, layer, point, self.position, list(x.shape), summarize(x), data))
 
     def on_layer_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        if layer == self.first_layer:
+            self._record(layer, STAGE_TRANSFER, hidden)
         return hidden
 
     def on_layer_output(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        x = hidden[self.rows] if self.rows is not None else hidden
-        entry = {"stage": self.stage, "layer": layer, "point": "layer_output", **summarize(x)}
-        data = x.detach().float().contiguous()
-        if data.nbytes <= self.budget:
-            self.budget -= data.nbytes
-            entry["data"] = data.numpy().tobytes()
-        self.captures.append(entry)
+        self._record(layer, LAYER_OUTPUT, hidden)
         return hidden
+
+
+class InferenceHook(Protocol):
+    """The request-level view of a traced run."""
+
+    def on_prefill(self, position: int, captures: list[HookCapture]) -> None: ...
+
+    def on_stage_transfer(self, capture: HookCapture) -> None: ...
+
+    def on_decode_step(self, step: int, position: int, token: int, captures: list[HookCapture]) -> None: ...
+
+
+@dataclass
+class TraceRecorder:
+    """InferenceHook that keeps everything: the captures of a run and the tokens it produced."""
+
+    captures: list[HookCapture] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+
+    def on_prefill(self, position: int, captures: list[HookCapture]) -> None:
+        for c in captures:
+            (self.on_stage_transfer if c.point == STAGE_TRANSFER else self.captures.append)(c)
+
+    def on_stage_transfer(self, capture: HookCapture) -> None:
+        self.captures.append(capture)
+
+    def on_decode_step(self, step: int, position: int, token: int, captures: list[HookCapture]) -> None:
+        self.tokens.append(token)
+        self.on_prefill(position, captures)
+
+    def step_of(self, position: int) -> int:
+        """0 for the prefill, k for the k-th decode step."""
+        return 0 if position < self.prompt_len else position - self.prompt_len + 1
+
+
+# ---- comparison ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class StageComparison:
+    step: int
+    layer: int
+    point: str
+    stage_baseline: str | None
+    stage_target: str | None
+    max_abs_diff: float | None = None
+    mean_abs_diff: float | None = None
+    cosine: float | None = None
+    problem: str | None = None  # missing in one run, shape mismatch, data missing
+    exceeds: bool = False
+
+
+@dataclass
+class TraceResult:
+    baseline: str
+    target: str
+    prompt: str
+    threshold: float
+    tokens_baseline: list[int]
+    tokens_target: list[int]
+    comparisons: list[StageComparison]
+    first_divergence: StageComparison | None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def first_token_divergence(self) -> int | None:
+        for i, (a, b) in enumerate(zip(self.tokens_baseline, self.tokens_target)):
+            if a != b:
+                return i
+        return None
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
+    d = (a.double() - b.double()).abs()
+    fa, fb = a.double().flatten(), b.double().flatten()
+    denom = float(fa.norm() * fb.norm())
+    cos = float(fa @ fb) / denom if denom > 0 else (1.0 if float(d.max()) == 0 else 0.0)
+    return float(d.max()), float(d.mean()), cos
+
+
+def compare_captures(baseline: TraceRecorder, target: TraceRecorder, threshold: float = 1e-3,
+                     baseline_name: str = "baseline", target_name: str = "target", prompt: str = "") -> TraceResult:
+    """Per (step, layer, point): max / mean abs diff and cosine similarity. Missing fields and shape mismatches
+    are reported, not crashed on. The first layer and step whose max abs diff crosses threshold is named."""
+    base = {c.key: c for c in baseline.captures}
+    targ = {c.key: c for c in target.captures}
+
+    def counterpart(side: dict, key):
+        """A stage transfer into layer L is, in a run without that boundary, the output of layer L-1."""
+        if key in side:
+            return side[key]
+        position, layer, point = key
+        return side.get((position, layer - 1, LAYER_OUTPUT)) if point == STAGE_TRANSFER else None
+
+    rows = []
+    for key in sorted(set(base) | set(targ), key=lambda k: (k[0], k[1], k[2] != STAGE_TRANSFER)):
+        b, t = counterpart(base, key), counterpart(targ, key)
+        position, layer, point = key
+        row = StageComparison(baseline.step_of(position), layer, point, b and b.stage, t and t.stage)
+        if b is None or t is None:
+            row.problem = f"missing in {'baseline' if b is None else 'target'}"
+        elif b.shape != t.shape:
+            row.problem = f"shape {b.shape} vs {t.shape}"
+        else:
+            tb, tt = b.tensor(), t.tensor()
+            if tb is None or tt is None:
+                row.problem = "summary only (over capture budget)"
+                row.max_abs_diff = abs(b.summary["absmax"] - t.summary["absmax"])
+            else:
+                row.max_abs_diff, row.mean_abs_diff, row.cosine = _diff(tb, tt)
+        row.exceeds = row.max_abs_diff is not None and (row.max_abs_diff > threshold or math.isnan(row.max_abs_diff))
+        rows.append(row)
+    first = next((r for r in rows if r.exceeds), None)
+    return TraceResult(baseline_name, target_name, prompt, threshold, baseline.tokens, target.tokens, rows, first)
+
+
+# ---- running a traced generation in this process ----------------------------------------------------------------
+
+def trace_local(pipeline, prompt_ids: list[int], steps: int, prefill_chunk: int = 128,
+                hook_factory=None, seq_id: str = "trace") -> TraceRecorder:
+    """Greedy generation of steps+1 tokens over a LocalPipeline, capturing every layer of every piece at the
+    prefill chunks and each of the `steps` decode steps. hook_factory(piece_index, piece, position) may supply
+    the CaptureHook of a piece (tests use it to inject a fault)."""
+    from shared.runtime import SeqWork
+    from shared.sampling import SamplingParams, sample
+    from shared.steps import Decode, chunk_prompt
+
+    rec = TraceRecorder(prompt_len=len(prompt_ids))
+
+    def hooks_for(position: int) -> list[CaptureHook]:
+        out = []
+        for i, piece in enumerate(pipeline.pieces):
+            if hook_factory is not None:
+                out.append(hook_factory(i, piece, position))
+            else:
+                first = None if piece.model.has_embedding else piece.model.layers.start
+                out.append(CaptureHook(f"stage[{piece.model.layers}]", position, None, first))
+        return out
+
+    greedy = SamplingParams()
+    try:
+        for chunk in chunk_prompt(len(prompt_ids), prefill_chunk):
+            hooks = hooks_for(chunk.chunk_start_position)
+            ids = prompt_ids[chunk.chunk_start_position:chunk.chunk_start_position + chunk.chunk_tokens]
+            logits = pipeline.run([SeqWork(seq_id, chunk)], torch.tensor(ids), hooks=hooks)
+            rec.on_prefill(chunk.chunk_start_position, [c for h in hooks for c in h.captures])
+        position = len(prompt_ids)
+        token = sample(logits, [greedy], [position])[0][0]
+        rec.tokens.append(token)
+        for step in range(1, steps + 1):
+            hooks = hooks_for(position)
+            logits = pipeline.run([SeqWork(seq_id, Decode(position))], torch.tensor([token]), hooks=hooks)
+            token = sample(logits, [greedy], [position + 1])[0][0]
+            rec.on_decode_step(step, position, token, [c for h in hooks for c in h.captures])
+            position += 1
+    finally:
+        pipeline.release(seq_id)
+    return rec

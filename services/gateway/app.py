@@ -74,7 +74,7 @@ class Gateway:
         return Sequence(ids, spec.sampling.with_seed(), max_tokens,
                         TextStream(self.files.tokenizer, spec.stop),
                         frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
-                        deadline=time.perf_counter() + timeout)
+                        deadline=time.perf_counter() + timeout, trace=spec.trace)
 
     def submit(self, seq: Sequence) -> None:
         try:
@@ -161,6 +161,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             choice["text"] = text
         body = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": ev["usage"], "timings": ev["timings"]}
+        if "trace" in ev:
+            body["trace"] = ev["trace"]
         return web.json_response(body)
     finally:
         gw.scheduler.cancel(seq)  # no-op when finished; frees KV slots when the client went away

@@ -25,6 +25,7 @@ from shared.protocol import BatchResult, ForwardBatch, SeqEntry
 from shared.sampling import SamplingParams
 from shared.steps import Decode, Prefill
 from shared.streaming import TextStream
+from shared.trace import HookCapture
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
@@ -48,6 +49,8 @@ class Sequence:
     computed: int = 0
     feeding: int = 0  # tokens in the micro-batch now in flight (0: not in flight)
     finish_reason: str | None = None
+    trace: bool = False
+    captures: list[dict] = field(default_factory=list)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_admitted: float | None = None
     t_first: float | None = None
@@ -138,8 +141,11 @@ class Scheduler:
             if tail:
                 seq.events.put_nowait({"type": "token", "text": tail, "token_id": None, "index": len(seq.output_ids) - 1,
                                        "logprob": None})
-            seq.events.put_nowait({"type": "done", "finish_reason": reason, "usage": seq.usage(),
-                                   "timings": seq.timings()})
+            done = {"type": "done", "finish_reason": reason, "usage": seq.usage(), "timings": seq.timings()}
+            if seq.trace:
+                done["trace"] = {"prompt_ids": seq.prompt_ids, "tokens": seq.output_ids,
+                                 "captures": [HookCapture.from_wire(c).to_json() for c in seq.captures]}
+            seq.events.put_nowait(done)
         self._update_gauges()
 
     # ---- the loop -----------------------------------------------------------------------------------------------
@@ -179,7 +185,9 @@ class Scheduler:
             mb = client.next_mb_id()
             self.inflight[mb] = seqs
             self.max_inflight_seen = max(self.max_inflight_seen, len(self.inflight))
-            fut = await client.submit(ForwardBatch(mb, entries, tokens=torch.tensor(tokens, dtype=torch.int64)))
+            traced = next((s.seq_id for s in seqs if s.trace), None)
+            fut = await client.submit(ForwardBatch(mb, entries, tokens=torch.tensor(tokens, dtype=torch.int64),
+                                                   trace={"seq_id": traced} if traced else None))
             fut.add_done_callback(lambda f, mb=mb: self._on_result(mb, f))
             self.metrics.microbatches.inc()
         self._update_gauges()
@@ -219,6 +227,8 @@ class Scheduler:
                 self._finish(s, "error", msg)
                 continue
             s.computed += fed
+            if s.trace and result is not None:
+                s.captures.extend(result.captures)
             if s.seq_id in sampled:
                 token, logprob = sampled[s.seq_id]
                 self._accept_token(s, token, logprob, now)

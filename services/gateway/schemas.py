@@ -38,6 +38,7 @@ class GenerationSpec:
     logprobs: bool = False
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (load testing)
+    trace: bool = False  # return per-layer captures (stagemesh trace)
     include_usage: bool = False
     timeout_s: float | None = None
 
@@ -147,6 +148,7 @@ def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
         raise RequestError(str(e)) from None
     spec.stream = _bool(body, "stream")
     spec.ignore_eos = _bool(body, "ignore_eos")
+    spec.trace = _bool(body, "trace")
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):

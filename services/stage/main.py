@@ -52,6 +52,7 @@ def register(sub) -> None:
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help=f"tokens per sequence (default {DEFAULT_MAX_SEQ_LEN}, capped by the model's context)")
     p.add_argument("--no-prefetch", action="store_true", help="receive, compute and send one after another (baseline)")
+    p.add_argument("--no-trace", action="store_true", help="ignore trace requests entirely (the benchmark's bypass)")
     p.set_defaults(func=cmd_stage)
 
 
@@ -105,7 +106,7 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     hook = PrefetchingHook(transport, layers, position, prefetch=not args.no_prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
                              position, str(dtype).removeprefix("torch."), listen=args.listen)
-    worker = StageWorker(runtime, hook, identity)
+    worker = StageWorker(runtime, hook, identity, tracing=not args.no_trace)
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s", layers, position.value, args.listen, args.next,
              identity.incarnation)

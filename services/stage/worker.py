@@ -44,7 +44,8 @@ class StageIdentity:
 
 
 class StageWorker:
-    def __init__(self, runtime: StageRuntime, hook: PrefetchingHook, identity: StageIdentity):
+    def __init__(self, runtime: StageRuntime, hook: PrefetchingHook, identity: StageIdentity, tracing: bool = True):
+        self.tracing = tracing
         self.runtime = runtime
         self.hook = hook
         self.identity = identity
@@ -99,14 +100,14 @@ class StageWorker:
         ident = self.identity
         work = [SeqWork(s.seq_id, s.step) for s in batch.seqs]
         try:
-            hook = self._capture_hook(batch)
+            hook = self._capture_hook(batch) if self.tracing else None
             if ident.position.has_embedding:
                 if batch.tokens is None:
                     raise StagemeshError(f"{ident.name} is the first stage and needs token ids; the micro-batch has none")
                 out = self.runtime.run(work, token_ids=batch.tokens, hook=hook)
             else:
                 out = self.runtime.run(work, hidden=batch.hidden, hook=hook)
-            captures = batch.captures + (hook.captures if hook else [])
+            captures = batch.captures + ([c.to_wire() for c in hook.captures] if hook else [])
             if not ident.position.has_lm_head:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures)
             producing = [s for s in batch.seqs if s.step.produces_token]
@@ -121,10 +122,13 @@ class StageWorker:
         if batch.trace is None:
             return None
         traced = batch.trace.get("seq_id")
+        ident = self.identity
         offset = 0
         for s in batch.seqs:
             if s.seq_id == traced:
-                return CaptureHook(slice(offset, offset + s.step.num_tokens), stage=self.identity.name)
+                first_layer = None if ident.position.has_embedding else ident.layers.start
+                return CaptureHook(ident.name, s.step.start_position, slice(offset, offset + s.step.num_tokens),
+                                   first_layer)
             offset += s.step.num_tokens
         return None
 

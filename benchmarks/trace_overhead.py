@@ -1,0 +1,50 @@
+"""Tracing off costs nothing measurable: decode tokens/s of a 2-stage mesh with the capture path idle (no request
+traced) against the same mesh with trace handling bypassed (`stagemesh stage --no-trace`), alternating A/B/A/B so
+the run-to-run noise is measured in the same session.
+
+    python -m benchmarks.trace_overhead [--rounds 3] [--batch 8] [--steps 30]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+
+from benchmarks.overlap import drive
+from services.launch import start_mesh
+from shared.model_files import ModelFiles
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--inflight", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    prompt = ModelFiles.open("smollm2").tokenizer.encode("The history of the printing press begins")
+    runs: dict[str, list[float]] = {"idle": [], "bypassed": []}
+    with tempfile.TemporaryDirectory() as logs:
+        meshes = {"idle": start_mesh("smollm2", 2, dtype=args.dtype, log_dir=logs),
+                  "bypassed": start_mesh("smollm2", 2, dtype=args.dtype, extra=["--no-trace"], log_dir=logs)}
+        try:
+            for _ in range(args.rounds):
+                for mode, mesh in meshes.items():
+                    r = asyncio.run(drive(mesh, prompt, args.inflight, args.batch, args.steps, warmup=3))
+                    runs[mode].append(r["throughput_mb_s"] * args.batch)
+        finally:
+            for mesh in meshes.values():
+                mesh.stop()
+    print(f"decode tokens/s, 2 stages, {args.inflight} x {args.batch} sequences, {args.rounds} alternating rounds")
+    for mode, values in runs.items():
+        print(f"  {mode:>8}: mean {statistics.mean(values):7.1f}  runs {', '.join(f'{v:.1f}' for v in values)}")
+    noise = max(statistics.stdev(v) for v in runs.values()) if args.rounds > 1 else float("nan")
+    diff = statistics.mean(runs["idle"]) - statistics.mean(runs["bypassed"])
+    print(f"  idle - bypassed: {diff:+.1f} tokens/s; run-to-run noise (largest stdev): {noise:.1f} tokens/s; "
+          f"{'within' if abs(diff) <= 2 * noise else 'OUTSIDE'} 2x noise")
+
+
+if __name__ == "__main__":
+    main()
