@@ -8,7 +8,7 @@ REF_STAMP := $(VENV)/.reference-installed
 STAGES ?= 2
 PORT ?= 8000
 
-.PHONY: install install-reference install-browser serve test lint bench clean
+.PHONY: install install-reference install-browser install-kubectl serve test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ $(REF_STAMP): $(STAMP)
 
 install-reference: $(REF_STAMP)
 
+# kubectl (for `kubectl kustomize`) when the machine has none: Debian's kubernetes-client.
+install-kubectl:
+	@command -v kubectl >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q kubernetes-client; }
+
 # Debian's Chromium for the browser test (root, or sudo without a password).
 install-browser:
 	@command -v chromium >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -38,7 +43,7 @@ install-browser:
 serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
-test: install install-reference install-browser
+test: install install-reference install-browser install-kubectl
 	$(BIN)/python -m pytest -q -ra
 
 lint: install

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -31,9 +32,13 @@ DEFAULT_TIMEOUT_S = 600.0
 MAX_STREAMS_PER_SOCKET = 64
 
 
+API_KEY_ENV = "STAGEMESH_API_KEY"  # when set, /v1/* requires `Authorization: Bearer <key>`
+
+
 @dataclass
 class GatewayConfig:
     model_id: str
+    api_key: str | None = None
     default_max_tokens: int = 256
     request_timeout_s: float = DEFAULT_TIMEOUT_S
 
@@ -94,6 +99,12 @@ def _error(e: RequestError, headers: dict | None = None) -> web.Response:
 async def errors_middleware(request: web.Request, handler):
     """Every error leaves in OpenAI's shape with a message that says what to fix."""
     try:
+        key = request.app[GATEWAY].config.api_key
+        if key and request.path.startswith("/v1/") and not hmac.compare_digest(
+                request.headers.get("Authorization", "") or f"Bearer {request.query.get('api_key', '')}",
+                f"Bearer {key}"):
+            raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>' ({API_KEY_ENV})",
+                               status=401, code="invalid_api_key")
         return await handler(request)
     except RequestError as e:
         request.app[GATEWAY].metrics.rejected.labels(str(e.status)).inc()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from aiohttp import web
 
-from services.gateway.app import GatewayConfig, make_app
+from services.gateway.app import API_KEY_ENV, GatewayConfig, make_app
 from services.gateway.pipeline import Pipeline
 from services.local import add_model_args
 from services.stage.main import parse_host_port
@@ -29,7 +30,9 @@ def register(sub) -> None:
     p = sub.add_parser("gateway", help="serve the API in front of running stages",
                        description="OpenAI-compatible API, websocket stream and chat page over a pipeline of stages.")
     add_model_args(p, dtype=False)
-    p.add_argument("--stages", required=True, help="comma-separated stage HTTP URLs in pipeline order")
+    p.add_argument("--stages", required=True,
+                   help="comma-separated stage HTTP URLs in pipeline order, or one pattern with {i} and --num-stages")
+    p.add_argument("--num-stages", type=int, default=None, help="with a --stages pattern: how many stages")
     p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
     p.add_argument("--result-listen", default="tcp://127.0.0.1:5599",
                    help="ZeroMQ address the last stage sends results to (bound here)")
@@ -48,13 +51,22 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
     inflight = args.max_inflight or max(2, len(stage_urls))
     if inflight < 1 or args.max_queue < 1 or args.prefill_chunk < 1 or args.token_budget < 1:
         raise StagemeshError("--max-inflight, --max-queue, --prefill-chunk and --token-budget must be positive")
-    return make_app(files, pipeline, GatewayConfig(model_id=model), inflight, args.max_queue, args.prefill_chunk,
-                    args.token_budget)
+    api_key = os.environ.get(API_KEY_ENV) or None
+    return make_app(files, pipeline, GatewayConfig(model_id=model, api_key=api_key), inflight, args.max_queue,
+                    args.prefill_chunk, args.token_budget)
+
+
+def stage_urls(stages: str, num_stages: int | None) -> list[str]:
+    if "{i}" in stages:
+        if not num_stages or num_stages < 1:
+            raise StagemeshError("a --stages pattern with {i} needs --num-stages N")
+        return [stages.replace("{i}", str(i)) for i in range(num_stages)]
+    return [u.strip() for u in stages.split(",") if u.strip()]
 
 
 def cmd_gateway(args) -> int:
     host, port = parse_host_port(args.listen, "--listen")
-    urls = [u.strip() for u in args.stages.split(",") if u.strip()]
+    urls = stage_urls(args.stages, args.num_stages)
     app = build_app(args.model, urls, args.result_listen, args.first_stage, args)
     print(f"stagemesh gateway on http://{host}:{port}/ over {len(urls)} stages", flush=True)
     web.run_app(app, host=host, port=port, print=None, handler_cancellation=True, access_log=None)

@@ -21,7 +21,7 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
     def openai_body(self) -> dict:
-        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
                 429: "rate_limit_exceeded", 503: "server_unavailable"}.get(self.status, "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 

@@ -45,7 +45,11 @@ def register(sub) -> None:
                        help="this stage's index (with --num-stages: a split of equal compute, the lm_head counted)")
     p.add_argument("--num-stages", type=int, help="number of stages in the pipeline (with --stage-index)")
     p.add_argument("--listen", required=True, help="ZeroMQ address to bind for input, e.g. tcp://127.0.0.1:5551")
-    p.add_argument("--next", required=True, help="ZeroMQ address of the next stage, or the gateway's result address")
+    p.add_argument("--next", required=True,
+                   help="ZeroMQ address of the next stage (may contain {next}: this stage's index + 1, as in a "
+                        "StatefulSet's DNS names), or the gateway's result address")
+    p.add_argument("--last-next", default=None,
+                   help="where the last stage sends results, overriding --next (lets every stage share one command)")
     p.add_argument("--http", default="127.0.0.1:8101", help="HOST:PORT for health, readiness, info and metrics")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores; `up` divides them)")
     p.add_argument("--kv-slots", type=int, default=DEFAULT_KV_SLOTS, help=f"concurrent sequences (default {DEFAULT_KV_SLOTS})")
@@ -67,9 +71,19 @@ def stage_layers(args, config: ModelConfig) -> LayerRange:
     return balanced_split(num_layers, args.num_stages, config.head_cost_in_layers)[args.stage_index]
 
 
+def resolve_next(args, layers: LayerRange, num_layers: int) -> str:
+    """The concrete next hop: --last-next for the last stage when given, else --next with {next} filled in."""
+    if args.last_next and layers.stop == num_layers:
+        return check_address(args.last_next, "--last-next")
+    if "{next}" in args.next:
+        if args.stage_index is None:
+            raise StagemeshError("--next with {next} needs --stage-index")
+        return check_address(args.next.replace("{next}", str(args.stage_index + 1)), "--next")
+    return check_address(args.next, "--next")
+
+
 def cmd_stage(args) -> int:
     check_address(args.listen, "--listen")
-    check_address(args.next, "--next")
     host, port = parse_host_port(args.http, "--http")
     if args.kv_slots < 1 or args.max_seq_len < 16:
         raise StagemeshError("--kv-slots must be >= 1 and --max-seq-len >= 16")
@@ -78,6 +92,7 @@ def cmd_stage(args) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     files = ModelFiles.open(args.model)  # validates the file before anything binds
     layers = stage_layers(args, files.config)
+    args.next = resolve_next(args, layers, files.config.num_layers)
     asyncio.run(serve(files, layers, args, host, port))
     return 0
 

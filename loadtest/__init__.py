@@ -1,0 +1,1 @@
+"""Load testing: `stagemesh bench`."""
