@@ -50,6 +50,16 @@ class LocalMesh:
     def stage_urls(self) -> list[str]:
         return [s.url for s in self.stages]
 
+    def restart_dead(self) -> list[int]:
+        """Start again, with the same command and ports, every stage process that has exited (what a
+        StatefulSet does for a pod). Returns the indices restarted."""
+        restarted = []
+        for s in self.stages:
+            if s.proc.poll() is not None:
+                s.proc = subprocess.Popen(s.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                restarted.append(s.index)
+        return restarted
+
     def stop(self, timeout: float = 10.0) -> None:
         for s in self.stages:
             if s.proc.poll() is None:

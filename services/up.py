@@ -10,7 +10,7 @@ import tempfile
 from aiohttp import web
 
 from services.gateway.main import add_gateway_args, build_app
-from services.launch import free_port, start_mesh
+from services.launch import LocalMesh, free_port, start_mesh
 from services.local import add_model_args
 
 
@@ -35,14 +35,22 @@ def cmd_up(args) -> int:
                       extra=["--kv-slots", str(args.kv_slots)])
     try:
         app = build_app(args.model, mesh.stage_urls, result_listen, mesh.first_stage, args)
-        asyncio.run(_serve(app, args.host, args.port, len(mesh.stages)))
+        asyncio.run(_serve(app, args.host, args.port, mesh))
     finally:
         print("stopping stages ...", flush=True)
         mesh.stop()
     return 0
 
 
-async def _serve(app: web.Application, host: str, port: int, n: int) -> None:
+async def _supervise(mesh: LocalMesh) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        for i in mesh.restart_dead():
+            print(f"stage {i} exited; restarted it (the gateway replays what it was serving)", flush=True)
+
+
+async def _serve(app: web.Application, host: str, port: int, mesh: LocalMesh) -> None:
+    n = len(mesh.stages)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -57,5 +65,7 @@ async def _serve(app: web.Application, host: str, port: int, n: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    supervisor = asyncio.create_task(_supervise(mesh))
     await stop.wait()
+    supervisor.cancel()
     await runner.cleanup()

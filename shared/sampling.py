@@ -49,10 +49,35 @@ class SamplingParams:
         return cls(**d)
 
 
-def _draw_generator(seed: int, position: int) -> torch.Generator:
+NUCLEUS_CANDIDATES = 1024  # top-p looks here first; a full sort only when these hold less than top_p of the mass
+
+
+def _uniform(seed: int, position: int) -> float:
+    """One reproducible draw in [0, 1) for (seed, position)."""
     g = torch.Generator()
     g.manual_seed((seed * 1_000_003 + position) % (2**63))
-    return g
+    return float(torch.rand(1, generator=g, dtype=torch.float64))
+
+
+def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities after temperature, top-k and top-p: (probs, token ids they belong to, or None for all)."""
+    row = row / p.temperature
+    if p.top_k and p.top_k < row.numel():
+        values, ids = torch.topk(row, p.top_k)  # sorted, descending
+        probs = torch.softmax(values, dim=-1)
+    elif p.top_p < 1.0:
+        probs_all = torch.softmax(row, dim=-1)
+        k = min(NUCLEUS_CANDIDATES, row.numel())
+        probs, ids = torch.topk(probs_all, k)
+        if float(probs.sum()) < p.top_p and k < row.numel():
+            probs, ids = torch.sort(probs_all, descending=True)
+    else:
+        return torch.softmax(row, dim=-1), None
+    if p.top_p < 1.0:
+        cum = probs.cumsum(0)
+        keep = int((cum - probs < p.top_p).sum())  # the smallest prefix whose mass reaches top_p
+        probs, ids = probs[:keep], ids[:keep]
+    return probs, ids
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> tuple[list[int], list[float | None]]:
@@ -61,22 +86,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()
     logprobs: list[float | None] = [None] * len(params)
-    want_lp = any(p.logprobs for p in params)
-    log_probs = torch.log_softmax(logits, dim=-1) if want_lp else None
     for i, p in enumerate(params):
         if not p.greedy:
-            row = logits[i] / p.temperature
-            if p.top_k and p.top_k < row.numel():
-                kth = torch.topk(row, p.top_k).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            if p.top_p < 1.0:
-                sorted_logits, order = torch.sort(row, descending=True)
-                cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-                drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest set reaching top_p
-                row = row.scatter(0, order[drop], float("-inf"))
-            probs = torch.softmax(row, dim=-1)
+            probs, ids = _filtered_probs(logits[i], p)
             seed = p.seed if p.seed is not None else random.getrandbits(62)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=_draw_generator(seed, positions[i])))
-        if p.logprobs and log_probs is not None:
-            logprobs[i] = float(log_probs[i, tokens[i]])
+            cdf = probs.double().cumsum(0)
+            pick = int(torch.searchsorted(cdf, _uniform(seed, positions[i]) * float(cdf[-1]), right=True))
+            pick = min(pick, probs.numel() - 1)
+            tokens[i] = int(ids[pick]) if ids is not None else pick
+        if p.logprobs:
+            logprobs[i] = float(torch.log_softmax(logits[i], dim=-1)[tokens[i]])
     return tokens, logprobs

@@ -329,6 +329,7 @@ async def _background(app: web.Application):
     await gw.pipeline.start()
     task = asyncio.create_task(gw.scheduler.run(), name="scheduler")
     yield
+    gw.scheduler.shutdown()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

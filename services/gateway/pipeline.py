@@ -55,7 +55,8 @@ class Pipeline:
         self.client: PipelineClient | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
-        self.changed = asyncio.Event()
+        self.generation = 0  # bumps whenever a stage is lost or restarted: KV state in the pipeline is gone
+        self._incarnations: list[str] | None = None
 
     @property
     def ready(self) -> bool:
@@ -98,8 +99,15 @@ class Pipeline:
         problem = check_pipeline(self.infos, self.fingerprint, self.num_layers)
         if problem != self.problem:
             (log.info if problem is None else log.warning)("pipeline %s", "consistent" if problem is None else problem)
+            if problem is not None and self.problem is None:
+                self.generation += 1  # lost a stage: whatever it held is gone
             self.problem = problem
-            self.changed.set()
+        if problem is None:
+            incarnations = [i["incarnation"] for i in self.infos]
+            if self._incarnations is not None and incarnations != self._incarnations:
+                log.warning("a stage restarted (incarnations %s -> %s)", self._incarnations, incarnations)
+                self.generation += 1
+            self._incarnations = incarnations
         if problem is None and self.client is None:
             self.client = PipelineClient(self.first_stage or self._first_stage_address(), self.result_listen)
             await self.client.start()

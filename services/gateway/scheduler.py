@@ -48,6 +48,8 @@ class Sequence:
     logprobs: list[float | None] = field(default_factory=list)
     computed: int = 0
     feeding: int = 0  # tokens in the micro-batch now in flight (0: not in flight)
+    prefill_target: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output when replaying
+    replays: int = 0
     finish_reason: str | None = None
     trace: bool = False
     captures: list[dict] = field(default_factory=list)
@@ -64,17 +66,27 @@ class Sequence:
     def in_flight(self) -> bool:
         return self.feeding > 0
 
+    def __post_init__(self):
+        self.prefill_target = self.prefill_target or len(self.prompt_ids)
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     def next_work(self, chunk: int) -> tuple[SeqEntry, list[int]]:
-        p = len(self.prompt_ids)
-        if self.computed < p:
-            n = min(chunk, p - self.computed)
-            step = Prefill(n, self.computed, p, self.computed + n == p)
-            return SeqEntry(self.seq_id, step, self.params), self.prompt_ids[self.computed:self.computed + n]
+        target = self.prefill_target
+        if self.computed < target:
+            n = min(chunk, target - self.computed)
+            step = Prefill(n, self.computed, target, self.computed + n == target)
+            return SeqEntry(self.seq_id, step, self.params), self.all_ids[self.computed:self.computed + n]
         return SeqEntry(self.seq_id, Decode(self.computed), self.params), [self.output_ids[-1]]
+
+    def reset_for_replay(self) -> None:
+        """The pipeline lost this sequence's KV: prefill everything it has (prompt + output so far) again; the
+        final chunk samples the next token at the same position a decode would have (same seed, same draw)."""
+        self.computed, self.feeding = 0, 0
+        self.prefill_target = len(self.all_ids)
+        self.replays += 1
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids),
@@ -90,7 +102,8 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int, max_queue: int = 256,
-                 token_budget: int = 512, prefill_chunk: int = 128, max_running: int | None = None):
+                 token_budget: int = 512, prefill_chunk: int = 128, max_running: int | None = None,
+                 failover_timeout_s: float = 120.0, max_replays: int = 3):
         self.pipeline = pipeline
         self.metrics = metrics
         self.max_inflight = max_inflight
@@ -104,6 +117,11 @@ class Scheduler:
         self.max_inflight_seen = 0
         self._release: list[str] = []
         self._wake = asyncio.Event()
+        self.failover_timeout_s = failover_timeout_s
+        self.max_replays = max_replays
+        self._generation = pipeline.generation
+        self._lost_since: float | None = None
+        self._replay_pending = False
 
     @property
     def max_running(self) -> int:
@@ -162,17 +180,44 @@ class Scheduler:
             except Exception:
                 log.exception("scheduler step failed")
 
+    def _pipeline_lost(self) -> None:
+        """A stage died or restarted: every sequence's KV may be gone. Abandon what is in flight and replay."""
+        client = self.pipeline.client
+        for mb in list(self.inflight):
+            if client is not None:
+                client.abandon(mb)
+        self.inflight.clear()
+        for seq in list(self.running.values()):
+            if seq.replays >= self.max_replays:
+                self._finish(seq, "error", f"the pipeline failed {seq.replays} times during this request")
+            else:
+                seq.reset_for_replay()
+        self._replay_pending = True  # release what surviving stages still hold before replaying
+        log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.problem or "a stage restarted",
+                    len(self.running))
+
     async def _step(self) -> None:
         now = time.perf_counter()
         for seq in [*self.waiting, *self.running.values()]:
             if now > seq.deadline:
                 self._finish(seq, "timeout", "the request exceeded its deadline")
+        if self.pipeline.generation != self._generation:
+            self._generation = self.pipeline.generation
+            self._pipeline_lost()
         client = self.pipeline.client
-        if self._release and client is not None:
+        if not self.pipeline.ready or client is None:
+            self._lost_since = self._lost_since or now
+            if now - self._lost_since > self.failover_timeout_s:
+                for seq in [*self.running.values(), *self.waiting]:
+                    self._finish(seq, "error", f"the pipeline is unavailable: {self.pipeline.problem}")
+            return
+        self._lost_since = None
+        if self._replay_pending:
+            self._replay_pending = False
+            self._release.extend(self.running)
+        if self._release:
             ids, self._release = self._release, []
             await client.release(ids)
-        if not self.pipeline.ready or client is None:
-            return
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting.popleft()
             seq.t_admitted = time.perf_counter()
@@ -197,8 +242,8 @@ class Scheduler:
         if not ready:
             return None
         per_batch = max(1, math.ceil(len(self.running) / self.max_inflight))
-        decodes = [s for s in ready if s.computed >= len(s.prompt_ids)]
-        prefills = [s for s in ready if s.computed < len(s.prompt_ids)]
+        decodes = [s for s in ready if s.computed >= s.prefill_target]
+        prefills = [s for s in ready if s.computed < s.prefill_target]
         entries, tokens, seqs, budget = [], [], [], self.token_budget
         for s in decodes + prefills:  # running decodes first: a long prompt waits at most one chunk
             if len(seqs) >= per_batch or budget <= 0:
@@ -218,6 +263,9 @@ class Scheduler:
         result: BatchResult | None = None if error or fut.cancelled() else fut.result()
         sampled = dict(zip(result.seq_ids, zip(result.tokens, result.logprobs))) if result else {}
         now = time.perf_counter()
+        if isinstance(error, PipelineError) and "has no KV slot" in str(error):
+            self.pipeline.generation += 1  # a stage lost our sequences (restarted between health polls): replay
+            return
         for s in seqs:
             fed, s.feeding = s.feeding, 0
             if s.done:
@@ -254,6 +302,11 @@ class Scheduler:
             self._finish(s, "stop")
         elif len(s.output_ids) >= s.max_tokens:
             self._finish(s, "length")
+
+    def shutdown(self) -> None:
+        """The gateway is stopping: end every open request so its handler returns."""
+        for seq in [*self.running.values(), *self.waiting]:
+            self._finish(seq, "error", "the gateway is shutting down")
 
     def _update_gauges(self) -> None:
         m = self.metrics

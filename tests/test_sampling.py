@@ -1,0 +1,49 @@
+"""Sampling draws from the distribution it claims, reproducibly per (seed, position)."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from shared.sampling import NUCLEUS_CANDIDATES, SamplingParams, sample
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+N = 20000
+
+
+def frequencies(params_for_seed, logits=LOGITS):
+    c = Counter(sample(logits, [params_for_seed(s)], [0])[0][0] for s in range(N))
+    return [c.get(i, 0) / N for i in range(logits.shape[1])]
+
+
+def test_temperature_sampling_matches_softmax():
+    expected = torch.softmax(LOGITS[0] / 0.7, 0).tolist()
+    got = frequencies(lambda s: SamplingParams(temperature=0.7, seed=s))
+    assert got == pytest.approx(expected, abs=0.015)
+
+
+def test_top_k_and_top_p_keep_exactly_their_support():
+    probs = torch.softmax(LOGITS[0], 0).tolist()
+    got = frequencies(lambda s: SamplingParams(temperature=1.0, top_k=2, seed=s))
+    assert got[2:] == [0, 0, 0] and got[0] == pytest.approx(probs[0] / (probs[0] + probs[1]), abs=0.015)
+    # top_p 0.8: token 0 alone has 0.64 < 0.8, tokens 0+1 reach 0.87 -> support {0, 1}
+    got = frequencies(lambda s: SamplingParams(temperature=1.0, top_p=0.8, seed=s))
+    assert got[2:] == [0, 0, 0] and got[1] == pytest.approx(probs[1] / (probs[0] + probs[1]), abs=0.015)
+
+
+def test_top_p_beyond_the_candidate_set_falls_back_to_a_full_sort():
+    flat = torch.zeros(1, NUCLEUS_CANDIDATES * 4)  # uniform: 1024 candidates hold only 25% of the mass
+    picks = {sample(flat, [SamplingParams(temperature=1.0, top_p=0.9, seed=s)], [0])[0][0] for s in range(3000)}
+    assert max(picks) > NUCLEUS_CANDIDATES * 2  # tokens far outside the first 1024 are drawn
+
+
+def test_greedy_seeded_and_logprobs():
+    logits = torch.randn(3, 1000)
+    greedy = sample(logits, [SamplingParams()] * 3, [1, 2, 3])[0]
+    assert greedy == logits.argmax(-1).tolist()
+    p = SamplingParams(temperature=1.0, seed=42)
+    a = [sample(logits[:1], [p], [pos])[0][0] for pos in range(20)]
+    b = [sample(logits[:1], [p], [pos])[0][0] for pos in range(20)]
+    assert a == b and len(set(a)) > 1  # same seed and position: same token; positions differ: draws differ
+    tok, lp = sample(logits[:1], [SamplingParams(logprobs=True)], [0])
+    assert lp[0] == pytest.approx(float(torch.log_softmax(logits[0], 0)[tok[0]]))
