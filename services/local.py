@@ -8,7 +8,6 @@ import sys
 import time
 from collections import Counter
 
-import torch
 from tqdm import tqdm
 
 from shared.device import DTYPES, default_device, resolve_dtype
@@ -172,5 +171,3 @@ def cmd_inspect(args) -> int:
         print(f"{k:<{width}}  {v}")
     return 0
 
-
-__all__ = ["register", "torch"]

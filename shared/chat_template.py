@@ -10,7 +10,6 @@ import sys
 import time
 from datetime import datetime
 
-import jinja2
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -86,5 +85,3 @@ class ChatTemplate:
             sys.settrace(previous)
         return "".join(parts)
 
-
-__all__ = ["ChatTemplate", "jinja2"]

@@ -3,6 +3,7 @@ layer range. It constructs no model (that is `shared.models`), it only hands out
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -90,7 +91,7 @@ class GgufLoader:
     def model_name(self) -> str:
         return str(self._metadata.get("general.name") or os.path.basename(self.path))
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """sha256 over the header (metadata + tensor table) and the first MiB of data, plus the file size:
         cheap, and different for any two files that could be mistaken for each other in one pipeline."""

@@ -46,4 +46,6 @@ class ModelFiles:
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.loader.path} has no tokenizer.chat_template; send a plain prompt instead")
         text = self.chat_template.render(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, parse_special=True, add_bos=False if text.startswith(self.chat_template.bos_token or "\0") else None)
+        bos = self.chat_template.bos_token
+        already_has_bos = bool(bos) and text.startswith(bos)  # templates that write BOS themselves
+        return self.tokenizer.encode(text, parse_special=True, add_bos=False if already_has_bos else None)

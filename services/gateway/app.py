@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -354,5 +353,3 @@ def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_i
     app.router.add_get("/", index)
     return app
 
-
-__all__ = ["GATEWAY", "GatewayConfig", "make_app", "uuid"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -135,5 +134,3 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     transport.close()
     await runner.cleanup()
 
-
-__all__ = ["argparse", "register"]
