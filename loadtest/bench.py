@@ -294,7 +294,7 @@ def plot_run(run: dict, directory: str, label: str) -> list[str]:
             tokens[min(int(t - run["t0"]), len(grid) - 1)] += 1
     starts = [r.start - run["t0"] for r in run["results"]]
     ends = [(r.start - run["t0"]) + (r.latency or 0) for r in run["results"]]
-    conc = [sum(1 for s, e in zip(starts, ends) if s <= t < max(e, s)) for t in grid]
+    conc = [sum(1 for s, e in zip(starts, ends) if s <= t + 0.5 < max(e, s)) for t in grid]  # at each bin's middle
     fig, ax1 = plt.subplots(figsize=(10, 4))
     ax1.plot(grid, tokens, label="output tokens/s", color="tab:blue")
     ax1.set_xlabel("seconds since start")
