@@ -15,9 +15,25 @@ from shared.errors import StagemeshError
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
+    """n distinct free ports, none in `avoid`: every socket stays bound until all are chosen, so none is handed
+    out twice."""
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] in avoid:
+                s.close()
+                continue
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass
@@ -86,14 +102,15 @@ def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop
 
 def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: int | None = None,
                extra: list[str] | None = None, result_listen: str | None = None, log_dir: str | None = None,
-               ready_timeout: float = 180.0) -> LocalMesh:
+               ready_timeout: float = 180.0, avoid_ports: frozenset[int] = frozenset()) -> LocalMesh:
     """Start num_stages stage processes on loopback and wait until every one is ready."""
     threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
-    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(num_stages)]
-    result_listen = result_listen or f"tcp://127.0.0.1:{free_port()}"
+    ports = free_ports(2 * num_stages + 1, avoid_ports)
+    listens = [f"tcp://127.0.0.1:{p}" for p in ports[:num_stages]]
+    result_listen = result_listen or f"tcp://127.0.0.1:{ports[-1]}"
     stages = []
     for i in range(num_stages):
-        http = f"127.0.0.1:{free_port()}"
+        http = f"127.0.0.1:{ports[num_stages + i]}"
         next_hop = listens[i + 1] if i + 1 < num_stages else result_listen
         cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, extra or [])
         out = open(os.path.join(log_dir, f"stage{i}.log"), "w") if log_dir else subprocess.DEVNULL

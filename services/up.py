@@ -10,7 +10,7 @@ import tempfile
 from aiohttp import web
 
 from services.gateway.main import add_gateway_args, build_app
-from services.launch import LocalMesh, free_port, start_mesh
+from services.launch import LocalMesh, start_mesh
 from services.local import add_model_args
 
 
@@ -29,12 +29,11 @@ def register(sub) -> None:
 
 def cmd_up(args) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="stagemesh-")
-    result_listen = f"tcp://127.0.0.1:{free_port()}"
     print(f"starting {args.stages} stages (logs in {log_dir}) ...", flush=True)
-    mesh = start_mesh(args.model, args.stages, dtype=args.dtype, result_listen=result_listen, log_dir=log_dir,
+    mesh = start_mesh(args.model, args.stages, dtype=args.dtype, log_dir=log_dir, avoid_ports=frozenset({args.port}),
                       extra=["--kv-slots", str(args.kv_slots)])
     try:
-        app = build_app(args.model, mesh.stage_urls, result_listen, mesh.first_stage, args)
+        app = build_app(args.model, mesh.stage_urls, mesh.result_listen, mesh.first_stage, args)
         asyncio.run(_serve(app, args.host, args.port, mesh))
     finally:
         print("stopping stages ...", flush=True)
