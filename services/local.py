@@ -13,7 +13,7 @@ from tqdm import tqdm
 from shared.device import DTYPES, default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.generation import GenerationTimings, generate_tokens, perplexity, split_windows
-from shared.layers import split_at
+from shared.layers import parse_split
 from shared.model_files import ModelFiles
 from shared.runtime import LocalPipeline
 from shared.sampling import SamplingParams
@@ -76,13 +76,7 @@ def register(sub) -> None:
 
 
 def _pipeline(files: ModelFiles, args, kv_slots: int = 1) -> LocalPipeline:
-    ranges = None
-    if getattr(args, "split", None):
-        try:
-            points = [int(x) for x in args.split.split(",") if x.strip()]
-        except ValueError:
-            raise StagemeshError(f"--split {args.split!r} must be comma-separated layer numbers, e.g. 7,19") from None
-        ranges = split_at(files.config.num_layers, points)
+    ranges = parse_split(args.split, files.config.num_layers) if getattr(args, "split", None) else None
     device = default_device()
     return LocalPipeline.load(files.loader, ranges, resolve_dtype(args.dtype, device), device, kv_slots=kv_slots)
 

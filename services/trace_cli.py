@@ -15,7 +15,7 @@ from rich.table import Table
 from services.local import add_model_args
 from shared.device import DTYPES
 from shared.errors import StagemeshError
-from shared.layers import split_at
+from shared.layers import parse_split
 from shared.model_files import ModelFiles
 from shared.runtime import LocalPipeline
 from shared.trace import HookCapture, TraceRecorder, TraceResult, compare_captures, trace_local
@@ -51,12 +51,7 @@ def run_spec(spec: str, files: ModelFiles, prompt: str, steps: int) -> TraceReco
     dtype = rest.lstrip(":") or "float32"
     if dtype not in DTYPES:
         raise StagemeshError(f"dtype {dtype!r} in {spec!r} is not one of {', '.join(DTYPES)}")
-    ranges = None
-    if split:
-        try:
-            ranges = split_at(files.config.num_layers, [int(x) for x in split.split(",")])
-        except ValueError:
-            raise StagemeshError(f"split {split!r} in {spec!r} must be layer numbers like 10,20") from None
+    ranges = parse_split(split, files.config.num_layers) if split else None
     pipeline = LocalPipeline.load(files.loader, ranges, DTYPES[dtype], kv_slots=1)
     return trace_local(pipeline, files.tokenizer.encode(prompt), steps, PREFILL_CHUNK)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -72,7 +73,7 @@ class BatchLayout:
     token_slots: torch.Tensor  # [N] int64 KV slot of every token
     decode_only: bool  # every sequence contributes exactly one token (the batched-attention fast path)
 
-    @property
+    @cached_property
     def offsets(self) -> list[int]:
         out, acc = [], 0
         for n in self.lengths:

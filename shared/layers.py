@@ -111,6 +111,15 @@ def split_at(num_layers: int, boundaries: list[int]) -> list[LayerRange]:
     return [LayerRange(a, b) for a, b in zip(edges, edges[1:])]
 
 
+def parse_split(text: str, num_layers: int) -> list[LayerRange]:
+    """'7,19' -> 0:7, 7:19, 19:num_layers (the --split flag of generate, perplexity and trace runs)."""
+    try:
+        points = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LayerRangeError(f"split {text!r} must be comma-separated layer numbers, e.g. 7,19") from None
+    return split_at(num_layers, points)
+
+
 def check_cover(ranges: list[LayerRange], num_layers: int) -> None:
     """Raise unless the ranges are contiguous and cover every layer exactly once, naming the gap or overlap."""
     ordered = sorted(ranges)

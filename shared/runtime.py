@@ -65,7 +65,8 @@ class StageRuntime:
         n = sum(w.step.num_tokens for w in work)
         if model.has_embedding:
             if token_ids is None or token_ids.numel() != n:
-                raise StagemeshError(f"first stage needs {n} token ids, got {None if token_ids is None else token_ids.numel()}")
+                got = "none" if token_ids is None else token_ids.numel()
+                raise StagemeshError(f"layers {model.layers} (first stage) needs token ids, {n} of them; got {got}")
         elif hidden is None:
             raise MissingActivation(f"layers {model.layers} ({model.position.value} stage) received a micro-batch without "
                                     "its input activation; a non-first stage never embeds tokens itself")

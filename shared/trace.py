@@ -75,6 +75,12 @@ class CaptureHook:
         self.budget = budget
         self.captures: list[HookCapture] = []
 
+    @classmethod
+    def for_piece(cls, layers, position, at_position: int, rows: slice | None = None) -> CaptureHook:
+        """The hook of one stage/piece: named stage[a:b]; a non-first piece also records what it received."""
+        first = None if position.has_embedding else layers.start
+        return cls(f"stage[{layers}]", at_position, rows, first)
+
     def _record(self, layer: int, point: str, hidden: torch.Tensor) -> None:
         x = (hidden[self.rows] if self.rows is not None else hidden).detach().float().contiguous()
         data = None
@@ -228,8 +234,7 @@ def trace_local(pipeline, prompt_ids: list[int], steps: int, prefill_chunk: int 
             if hook_factory is not None:
                 out.append(hook_factory(i, piece, position))
             else:
-                first = None if piece.model.has_embedding else piece.model.layers.start
-                out.append(CaptureHook(f"stage[{piece.model.layers}]", position, None, first))
+                out.append(CaptureHook.for_piece(piece.model.layers, piece.model.position, position))
         return out
 
     greedy = SamplingParams()

@@ -8,6 +8,7 @@ from shared.layers import (
     check_cover,
     even_split,
     parse_layer_range,
+    parse_split,
     split_at,
 )
 
@@ -83,3 +84,10 @@ def test_check_cover_names_the_problem(ranges, message):
 
 def test_check_cover_accepts_a_pipeline():
     check_cover(even_split(30, 3), 30)
+
+
+def test_parse_split():
+    assert [str(r) for r in parse_split("7,19", 30)] == ["0:7", "7:19", "19:30"]
+    for bad in ("7;19", "x", "19,7", "0,5"):
+        with pytest.raises(LayerRangeError):
+            parse_split(bad, 30)

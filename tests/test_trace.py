@@ -70,9 +70,8 @@ def test_a_fault_in_one_stage_is_pinned_to_that_layer_and_stage(smollm2, referen
             return super().on_layer_output(layer, hidden)
 
     def hooks(i, piece, position):
-        first = None if piece.model.has_embedding else piece.model.layers.start
         cls = Perturb if faulty_layer in piece.model.layers else CaptureHook
-        return cls(f"stage[{piece.model.layers}]", position, None, first)
+        return cls.for_piece(piece.model.layers, piece.model.position, position)
 
     pipeline = LocalPipeline.load(smollm2.loader, split_at(30, [13, 25]), torch.float32, kv_slots=1)
     target = trace_local(pipeline, smollm2.tokenizer.encode(PROMPT), STEPS, hook_factory=hooks)

@@ -34,7 +34,7 @@ class QueueFull(Exception):
     pass
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself, never equal to another with the same tokens
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams

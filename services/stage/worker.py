@@ -101,12 +101,7 @@ class StageWorker:
         work = [SeqWork(s.seq_id, s.step) for s in batch.seqs]
         try:
             hook = self._capture_hook(batch) if self.tracing else None
-            if ident.position.has_embedding:
-                if batch.tokens is None:
-                    raise StagemeshError(f"{ident.name} is the first stage and needs token ids; the micro-batch has none")
-                out = self.runtime.run(work, token_ids=batch.tokens, hook=hook)
-            else:
-                out = self.runtime.run(work, hidden=batch.hidden, hook=hook)
+            out = self.runtime.run(work, token_ids=batch.tokens, hidden=batch.hidden, hook=hook)
             captures = batch.captures + ([c.to_wire() for c in hook.captures] if hook else [])
             if not ident.position.has_lm_head:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures)
@@ -126,9 +121,8 @@ class StageWorker:
         offset = 0
         for s in batch.seqs:
             if s.seq_id == traced:
-                first_layer = None if ident.position.has_embedding else ident.layers.start
-                return CaptureHook(ident.name, s.step.start_position, slice(offset, offset + s.step.num_tokens),
-                                   first_layer)
+                return CaptureHook.for_piece(ident.layers, ident.position, s.step.start_position,
+                                             slice(offset, offset + s.step.num_tokens))
             offset += s.step.num_tokens
         return None
 

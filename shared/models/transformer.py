@@ -237,7 +237,7 @@ class TransformerModel:
         """One query per sequence, sequences of different lengths: q [B, H, hd] -> [B, H, hd]."""
         ends = layout.positions + 1  # [B] keys visible to each query
         ctx = int(ends.max())
-        slots = torch.tensor(layout.slots, device=q.device)
+        slots = layout.token_slots  # one token per sequence: the token's slot is its sequence's
         keys, values = k_cache[slots, :, :ctx], v_cache[slots, :, :ctx]  # [B, KVH, ctx, hd]
         mask = (torch.arange(ctx, device=q.device)[None, :] < ends[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
