@@ -9,30 +9,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 
 import aiohttp
 
-from tests.gateway_fixtures import start_gateway
+from loadtest.client import send_sse
+from services.launch import start_up
 
 PROMPTS = ["Write a story about a dragon.", "Explain how rain forms.", "List some fruits and describe them.",
            "Describe a busy city street.", "What is machine learning?", "Tell me about the history of Rome."]
 
 
 async def one_stream(session, url: str, prompt: str, max_tokens: int) -> int:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.7, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    tokens = 0
-    async with session.post(url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    return tokens
+    res = await send_sse(session, url, "openai", "smollm2", prompt, 0, max_tokens, ignore_eos=True, temperature=0.7)
+    if not res.success:
+        raise RuntimeError(res.error)
+    return res.output_tokens
 
 
 async def run_level(url: str, concurrency: int, max_tokens: int, rounds: int) -> float:
@@ -53,7 +46,7 @@ def main() -> None:
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as logs:
-        gw = start_gateway(args.stages, args.dtype, logs, "--kv-slots", str(max(levels)))
+        gw = start_up(args.stages, args.dtype, logs, "--kv-slots", str(max(levels)))
         try:
             print(f"batching benchmark: stagemesh up --stages {args.stages} --dtype {args.dtype}, "
                   f"{args.max_tokens} tokens per request (ignore_eos)")

@@ -17,9 +17,8 @@ import tempfile
 import time
 import urllib.request
 
-from services.launch import free_port
+from services.launch import free_port, start_up
 from shared.model_registry import resolve_model
-from tests.gateway_fixtures import start_gateway
 
 
 def bench(url: str, label: str, out: str, args) -> dict:
@@ -55,7 +54,7 @@ def main() -> None:
     args = p.parse_args()
     sweeps = {}
     with tempfile.TemporaryDirectory() as logs:
-        gw = start_gateway(2, args.dtype, logs)
+        gw = start_up(2, args.dtype, logs)
         try:
             sweeps["stagemesh"] = bench(gw.url, f"stagemesh up --stages 2 ({args.dtype})", f"{args.out}/stagemesh", args)
         finally:

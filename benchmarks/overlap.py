@@ -16,13 +16,10 @@ import tempfile
 import time
 import urllib.request
 
-import torch
-
-from services.launch import start_mesh
+from services.launch import scrape_metric, start_mesh
+from shared.generation import SequenceState, run_group_on_mesh
 from shared.model_files import ModelFiles
 from shared.pipeline_client import PipelineClient
-from shared.protocol import ForwardBatch, SeqEntry
-from shared.steps import Decode, Prefill
 
 
 def stage_info(url: str) -> dict:
@@ -33,32 +30,24 @@ def stage_info(url: str) -> dict:
 def scrape(url: str) -> tuple[float, int]:
     """(busy seconds, micro-batches) of one stage, from its Prometheus metrics."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
-    vals = {}
-    for line in text.splitlines():
-        if line.startswith(("stagemesh_stage_busy_seconds_total", "stagemesh_stage_microbatches_total")):
-            name, value = line.split()
-            vals[name] = float(value)
-    return vals["stagemesh_stage_busy_seconds_total"], int(vals["stagemesh_stage_microbatches_total"])
+    return (scrape_metric(text, "stagemesh_stage_busy_seconds_total"),
+            int(scrape_metric(text, "stagemesh_stage_microbatches_total")))
 
 
-async def drive(mesh, prompt: list[int], inflight: int, batch: int, steps: int, warmup: int) -> dict:
+async def run_groups(mesh, prompt: list[int], inflight: int, batch: int, steps: int, warmup: int) -> dict:
     client = PipelineClient(mesh.first_stage, mesh.result_listen)
     await client.start()
     t_start: list[float] = []
     before: list = []
 
     async def group(g: int) -> None:
-        ids = [f"g{g}s{i}" for i in range(batch)]
-        seqs = [SeqEntry(s, Prefill(len(prompt), 0, len(prompt), True)) for s in ids]
-        res = await client.forward(ForwardBatch(client.next_mb_id(), seqs, tokens=torch.tensor(prompt * batch)))
-        pos = len(prompt)
-        for step in range(warmup + steps):
-            if step == warmup:
+        states = [SequenceState(f"g{g}s{i}", prompt, max_tokens=1 + warmup + steps) for i in range(batch)]
+
+        async def before_step(i: int) -> None:  # step 0 is the prefill; then warmup decodes, then measured ones
+            if i == 1 + warmup:
                 await barrier.wait()
-            seqs = [SeqEntry(s, Decode(pos)) for s in ids]
-            res = await client.forward(ForwardBatch(client.next_mb_id(), seqs, tokens=torch.tensor(res.tokens)))
-            pos += 1
-        await client.release(ids)
+
+        await run_group_on_mesh(client, states, before_step=before_step)
 
     class Barrier:  # all groups finish warm-up before the measured window opens
         def __init__(self, n):
@@ -109,7 +98,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as logs:
             mesh = start_mesh(args.model, args.stages, dtype=args.dtype, threads=args.threads, extra=extra, log_dir=logs)
             try:
-                r = asyncio.run(drive(mesh, prompt, inflight, args.batch, args.steps, args.warmup))
+                r = asyncio.run(run_groups(mesh, prompt, inflight, args.batch, args.steps, args.warmup))
             finally:
                 mesh.stop()
         results[mode] = r

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -43,6 +44,23 @@ def _body(backend: str, model: str, prompt: str, max_tokens: int, ignore_eos: bo
     return body
 
 
+class StreamEndedEarly(Exception):
+    """The server closed an SSE stream before its `data: [DONE]` line."""
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON objects of an OpenAI-style SSE stream, in order, up to `data: [DONE]` (StreamEndedEarly without it)."""
+    async for raw in response.content:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+    raise StreamEndedEarly("stream ended without [DONE] (server closed mid-stream)")
+
+
 async def send_sse(session: aiohttp.ClientSession, base_url: str, backend: str, model: str, prompt: str, prompt_len: int,
                    max_tokens: int, ignore_eos: bool = False, eos_id: int | None = None,
                    temperature: float = 0.0, headers: dict | None = None) -> RequestResult:
@@ -56,16 +74,7 @@ async def send_sse(session: aiohttp.ClientSession, base_url: str, backend: str, 
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
-            done = False
-            async for raw in r.content:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                msg = json.loads(data)
+            async for msg in sse_events(r):
                 if "error" in msg:
                     res.error = f"server error: {msg['error'].get('message', msg['error'])}"
                     return res
@@ -80,9 +89,9 @@ async def send_sse(session: aiohttp.ClientSession, base_url: str, backend: str, 
                         res.chunk_times.append(now)
                         res.text += text
                         chunks += 1
-            if not done:
-                res.error = "stream ended without [DONE] (server closed mid-stream)"
-                return res
+    except StreamEndedEarly as e:
+        res.error = str(e)
+        return res
     except (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}".strip()
         return res

@@ -1,4 +1,5 @@
-"""Start stage processes on loopback: used by `stagemesh up`, the tests and the benchmarks."""
+"""Start stage processes, or a whole `stagemesh up`, on loopback: used by `stagemesh up`, the tests and the
+benchmarks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -143,3 +145,71 @@ def wait_ready(urls: list[str], timeout: float, procs: list[subprocess.Popen] | 
         if time.monotonic() > deadline:
             raise StagemeshError(f"{url} not ready after {timeout:.0f} s")
         time.sleep(0.2)
+
+
+@dataclass
+class RunningGateway:
+    """A `stagemesh up` subprocess, talked to as clients do."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def stage_urls(self) -> list[str]:
+        return json.loads(self.get("/ready")[1])["stages"]
+
+    def stage_info(self, i: int) -> dict:
+        with urllib.request.urlopen(self.stage_urls()[i] + "/info", timeout=5) as r:
+            return json.loads(r.read())
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample on /metrics (NaN when absent), read with prometheus_client's parser."""
+        return scrape_metric(self.get("/metrics")[1], name, labels or None)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def scrape_metric(text: str, sample_name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample's value from Prometheus text (NaN when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == sample_name and (labels is None or labels.items() <= sample.labels.items()):
+                return float(sample.value)
+    return float("nan")
+
+
+def start_up(stages: int, dtype: str, log_dir: str, *extra: str, timeout: float = 240) -> RunningGateway:
+    """`stagemesh up --stages N` as a subprocess on a free port; returns once /ready answers 200."""
+    port = free_port()
+    log_path = os.path.join(log_dir, f"up-{stages}.log")
+    out = open(log_path, "w")
+    cmd = [sys.executable, "-m", "services.cli", "up", "--stages", str(stages), "--dtype", dtype, "--port", str(port),
+           "--log-dir", log_dir, *extra]
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StagemeshError(f"stagemesh up exited: {open(log_path).read()[-2000:]}")
+        try:
+            if gw.get("/ready")[0] == 200:
+                return gw
+        except OSError:
+            pass
+        time.sleep(0.3)
+    gw.stop()
+    raise StagemeshError(f"gateway not ready after {timeout}s: {open(log_path).read()[-2000:]}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -10,36 +9,14 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from shared.device import DTYPES, default_device, resolve_dtype
+from services.cli_args import add_model_args, add_sampling_args, sampling_from_args
+from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.generation import GenerationTimings, generate_tokens, perplexity, split_windows
 from shared.layers import parse_split
 from shared.model_files import ModelFiles
 from shared.runtime import LocalPipeline
-from shared.sampling import SamplingParams
 from shared.tokenizer import IncrementalDetokenizer
-
-
-def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
-    p.add_argument("--model", default="smollm2", help="alias (smollm2) or path to a .gguf file (default: smollm2)")
-    if dtype:
-        p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                       help="compute dtype (default: bfloat16 where the CPU/GPU supports it, else float32)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-
-
-def sampling_from_args(args) -> SamplingParams:
-    try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    except ValueError as e:
-        raise StagemeshError(str(e)) from None
 
 
 def register(sub) -> None:

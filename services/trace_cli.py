@@ -12,15 +12,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from services.local import add_model_args
+from services.cli_args import add_model_args
 from shared.device import DTYPES
 from shared.errors import StagemeshError
 from shared.layers import parse_split
 from shared.model_files import ModelFiles
 from shared.runtime import LocalPipeline
-from shared.trace import HookCapture, TraceRecorder, TraceResult, compare_captures, trace_local
-
-PREFILL_CHUNK = 128  # the gateway's default, so positions align with a traced gateway run
+from shared.trace import TraceRecorder, TraceResult, compare_captures, trace_local
 
 
 def register(sub) -> None:
@@ -53,7 +51,7 @@ def run_spec(spec: str, files: ModelFiles, prompt: str, steps: int) -> TraceReco
         raise StagemeshError(f"dtype {dtype!r} in {spec!r} is not one of {', '.join(DTYPES)}")
     ranges = parse_split(split, files.config.num_layers) if split else None
     pipeline = LocalPipeline.load(files.loader, ranges, DTYPES[dtype], kv_slots=1)
-    return trace_local(pipeline, files.tokenizer.encode(prompt), steps, PREFILL_CHUNK)
+    return trace_local(pipeline, files.tokenizer.encode(prompt), steps)  # the gateway's prefill chunk: positions align
 
 
 def trace_gateway(url: str, prompt: str, steps: int) -> TraceRecorder:
@@ -68,10 +66,7 @@ def trace_gateway(url: str, prompt: str, steps: int) -> TraceRecorder:
     trace = answer.get("trace")
     if not trace:
         raise StagemeshError(f"{url} returned no trace; is it a stagemesh gateway?")
-    rec = TraceRecorder(prompt_len=len(trace["prompt_ids"]))
-    rec.captures = [HookCapture.from_json(c) for c in trace["captures"]]
-    rec.tokens = trace["tokens"]
-    return rec
+    return TraceRecorder.from_json(trace)
 
 
 def print_table(result: TraceResult, show_all: bool) -> None:

@@ -9,9 +9,9 @@ import tempfile
 
 from aiohttp import web
 
-from services.gateway.main import add_gateway_args, build_app
+from services.cli_args import add_kv_args, add_model_args, add_scheduler_args, serving_from_args
+from services.gateway.main import build_app
 from services.launch import LocalMesh, start_mesh
-from services.local import add_model_args
 
 
 def register(sub) -> None:
@@ -21,17 +21,18 @@ def register(sub) -> None:
     p.add_argument("--stages", type=int, default=2, help="number of stage processes (default 2)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
-    p.add_argument("--kv-slots", type=int, default=32, help="concurrent sequences per stage (default 32)")
+    add_kv_args(p)
     p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
-    add_gateway_args(p)
+    add_scheduler_args(p)
     p.set_defaults(func=cmd_up)
 
 
 def cmd_up(args) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="stagemesh-")
     print(f"starting {args.stages} stages (logs in {log_dir}) ...", flush=True)
+    serving = serving_from_args(args)
     mesh = start_mesh(args.model, args.stages, dtype=args.dtype, log_dir=log_dir, avoid_ports=frozenset({args.port}),
-                      extra=["--kv-slots", str(args.kv_slots)])
+                      extra=["--kv-slots", str(serving.kv_slots), "--max-seq-len", str(serving.max_seq_len)])
     try:
         app = build_app(args.model, mesh.stage_urls, mesh.result_listen, mesh.first_stage, args)
         asyncio.run(_serve(app, args.host, args.port, mesh))

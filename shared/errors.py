@@ -2,7 +2,10 @@
 
 
 class StagemeshError(Exception):
-    """Base class: a user-facing, one-line explanation of what went wrong and how to fix it."""
+    """Base class: a user-facing, one-line explanation of what went wrong and how to fix it. `code` is the
+    machine-readable kind that travels with a stage's BatchError (ERROR_CODES lists them all)."""
+
+    code = "stage_error"
 
 
 class GgufError(StagemeshError):
@@ -30,12 +33,30 @@ class ChatTemplateError(StagemeshError):
 
 
 class KVCacheFull(StagemeshError):
-    pass
+    code = "kv_full"
+
+
+class UnknownSequence(StagemeshError):
+    """A stage was asked to continue a sequence it holds no KV for (it restarted, or the sequence never began)."""
+
+    code = "unknown_sequence"
 
 
 class MissingActivation(StagemeshError):
     """A middle or last stage got a micro-batch without its input activation (never falls back to embeddings)."""
 
+    code = "bad_input"
+
 
 class CapabilityMissing(StagemeshError):
     """An optional capability was asked of a piece that does not have it (e.g. embed() on a middle stage)."""
+
+
+class BadBatch(StagemeshError):
+    """A micro-batch that does not fit this stage (wrong token count, activation shape, position past the cache)."""
+
+    code = "bad_input"
+
+
+# Every code a stage may put in a BatchError; "internal" is an unexpected failure inside the stage.
+ERROR_CODES = frozenset({StagemeshError.code, KVCacheFull.code, UnknownSequence.code, BadBatch.code, "internal"})

@@ -1,20 +1,139 @@
-"""Single-process generation and perplexity over a LocalPipeline (one piece, or several via --split)."""
+"""The generation driver, written once: a sequence's progress (SequenceState), the prefill-then-decode loop
+(drive), and the single-process front ends over a LocalPipeline (generate_tokens, perplexity).
+
+drive() does no I/O ("sans-IO"): it yields each micro-batch to run and is sent back what was sampled, so the
+same loop serves a LocalPipeline in this process (generate_tokens, trace) and a mesh over ZeroMQ
+(run_group_on_mesh, used by tests and benchmarks). The gateway's scheduler batches many sequences its own way
+but steps each one through the same SequenceState."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from shared.config import SERVING_DEFAULTS
 from shared.errors import StagemeshError
+from shared.models import LayerHook
+from shared.protocol import SeqEntry
 from shared.runtime import LocalPipeline, SeqWork
 from shared.sampling import SamplingParams, sample
-from shared.steps import Decode, Prefill, chunk_prompt
+from shared.steps import Decode, InferenceStep, Prefill
 
-DEFAULT_PREFILL_CHUNK = 256
+Sampled = dict[str, tuple[int, float | None]]  # seq_id -> (token, logprob) of the sequences that produced one
+
+
+@dataclass(eq=False)  # a sequence is itself, never equal to another with the same tokens
+class SequenceState:
+    """One sequence's progress, one invariant instead of two modes (vLLM's): `computed` tokens of
+    `all_ids = prompt + output` have their KV in the pipeline; each step feeds the next slice -- a prefill chunk
+    while computed < prefill_target, else the one newest token (a decode)."""
+
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = SamplingParams()
+    max_tokens: int = 1 << 30
+    stop_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    computed: int = 0
+    prefill_target: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output when replaying
+    finish_reason: str | None = None
+
+    def __post_init__(self):
+        self.prefill_target = self.prefill_target or len(self.prompt_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prefill_target
+
+    def next_step(self, max_tokens: int) -> tuple[SeqEntry, list[int]]:
+        """This sequence's next slice of work (at most max_tokens tokens) and the token ids it feeds."""
+        if self.prefilling:
+            n = min(max_tokens, self.prefill_target - self.computed)
+            step: InferenceStep = Prefill(n, self.computed, self.prefill_target, self.computed + n == self.prefill_target)
+            return SeqEntry(self.seq_id, step, self.params), self.all_ids[self.computed:self.computed + n]
+        return SeqEntry(self.seq_id, Decode(self.computed), self.params), [self.output_ids[-1]]
+
+    def advance(self, fed: int) -> None:
+        """The pipeline now holds the KV of `fed` more tokens."""
+        self.computed += fed
+
+    def append(self, token: int, logprob: float | None = None) -> str | None:
+        """Record a sampled token; returns the finish reason it causes ("stop" for a stop id, "length"), if any."""
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            return "stop"
+        if len(self.output_ids) >= self.max_tokens:
+            return "length"
+        return None
+
+    def reset_for_replay(self) -> None:
+        """The pipeline lost this sequence's KV: prefill everything it has (prompt + output so far) again; the
+        final chunk samples the next token at the same position a decode would have (same seed, same draw)."""
+        self.computed = 0
+        self.prefill_target = len(self.all_ids)
+
+
+def drive(states: Sequence[SequenceState], prefill_chunk: int = SERVING_DEFAULTS.prefill_chunk,
+          ) -> Generator[tuple[list[SeqEntry], list[int]], Sampled, None]:
+    """The prefill-then-decode loop: yields (entries, token ids) of one micro-batch holding every live sequence's
+    next step, and is sent back what that micro-batch sampled. Ends when every sequence has finished."""
+    live = [s for s in states if not s.done]
+    while live:
+        work = [s.next_step(prefill_chunk) for s in live]
+        sampled = yield [e for e, _ in work], [t for _, toks in work for t in toks]
+        for s, (_, toks) in zip(live, work):
+            s.advance(len(toks))
+            if s.seq_id in sampled:
+                s.finish_reason = s.append(*sampled[s.seq_id])
+        live = [s for s in live if not s.done]
+
+
+def run_local(pipeline: LocalPipeline, entries: list[SeqEntry], tokens: list[int],
+              hooks: Sequence[LayerHook | None] | None = None) -> Sampled:
+    """One micro-batch through every piece in this process, sampled as the last stage does."""
+    logits = pipeline.run([SeqWork(e.seq_id, e.step) for e in entries], torch.tensor(tokens, dtype=torch.int64),
+                          hooks=hooks)
+    producing = [e for e in entries if e.step.produces_token]
+    toks, lps = sample(logits, [e.sampling for e in producing], [e.sample_position for e in producing])
+    return {e.seq_id: (t, lp) for e, t, lp in zip(producing, toks, lps)}
+
+
+async def run_group_on_mesh(client, states: Sequence[SequenceState],
+                            prefill_chunk: int = SERVING_DEFAULTS.prefill_chunk,
+                            before_step: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """drive() over a running mesh (a shared.pipeline_client.PipelineClient): every sequence of the group shares
+    each micro-batch. before_step(i) is awaited before micro-batch i (0 = the first prefill). Releases the group's
+    KV slots at the end."""
+    from shared.protocol import ForwardBatch
+
+    loop = drive(states, prefill_chunk)
+    try:
+        entries, tokens = next(loop)
+        for i in itertools.count():
+            if before_step is not None:
+                await before_step(i)
+            result = await client.forward(ForwardBatch(client.next_mb_id(), entries,
+                                                       tokens=torch.tensor(tokens, dtype=torch.int64)))
+            entries, tokens = loop.send({s: (t, lp) for s, t, lp in zip(result.seq_ids, result.tokens, result.logprobs)})
+    except StopIteration:
+        pass
+    finally:
+        await client.release([s.seq_id for s in states])
 
 
 @dataclass
@@ -32,40 +151,51 @@ class GenerationTimings:
                 "decode_s": round(decode_s, 4), "decode_tokens_per_s": decode_tps and round(decode_tps, 2)}
 
 
+StepHooks = Callable[[InferenceStep], Sequence[LayerHook | None]]  # the LayerHooks (one per piece) of one step
+StepDone = Callable[[InferenceStep, Sequence[LayerHook | None], int | None], None]  # after each step: its token
+
+
 def generate_tokens(pipeline: LocalPipeline, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                    stop_ids: frozenset[int] = frozenset(), prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                    timings: GenerationTimings | None = None, seq_id: str = "local-0") -> Iterator[int]:
-    """Yield generated token ids; a stop id is yielded last (the caller decides whether to show it)."""
+                    stop_ids: frozenset[int] = frozenset(), prefill_chunk: int = SERVING_DEFAULTS.prefill_chunk,
+                    timings: GenerationTimings | None = None, seq_id: str = "local-0",
+                    hooks_for: StepHooks | None = None, on_step: StepDone | None = None) -> Iterator[int]:
+    """Yield generated token ids; a stop id is yielded last (the caller decides whether to show it).
+    hooks_for / on_step let tracing observe every step's layers."""
     if not prompt_ids:
         raise StagemeshError("the prompt is empty; give at least one token")
     if len(prompt_ids) + max_tokens > pipeline.max_seq_len:
         raise StagemeshError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                              f"of {pipeline.max_seq_len} tokens; shorten the prompt or lower --max-tokens")
-    params = params.with_seed()
+    state = SequenceState(seq_id, prompt_ids, params.with_seed(), max_tokens, stop_ids)
     timings = timings or GenerationTimings()
     timings.prompt_tokens = len(prompt_ids)
-    t0 = time.perf_counter()
+    t0 = t_prev = time.perf_counter()
+    loop = drive([state], prefill_chunk)
+    entries, tokens = next(loop)
     try:
-        logits = None
-        for chunk in chunk_prompt(len(prompt_ids), prefill_chunk):
-            ids = torch.tensor(prompt_ids[chunk.chunk_start_position:chunk.chunk_start_position + chunk.chunk_tokens])
-            logits = pipeline.run([SeqWork(seq_id, chunk)], ids)
-        position = len(prompt_ids)
-        t_prev = t0
-        for i in range(max_tokens):
-            token = sample(logits, [params], [position])[0][0]
-            now = time.perf_counter()
-            if i == 0:
-                timings.prefill_s = now - t0
-            else:
-                timings.per_token_s.append(now - t_prev)
-            t_prev = now
-            timings.generated_tokens += 1
-            yield token
-            if token in stop_ids or i == max_tokens - 1:
-                break
-            logits = pipeline.run([SeqWork(seq_id, Decode(position))], torch.tensor([token]))
-            position += 1
+        while True:
+            step = entries[0].step
+            hooks = hooks_for(step) if hooks_for else None
+            sampled = run_local(pipeline, entries, tokens, hooks)
+            token = sampled[seq_id][0] if seq_id in sampled else None
+            if on_step:
+                on_step(step, hooks, token)
+            if token is not None:
+                now = time.perf_counter()
+                if timings.generated_tokens == 0:
+                    timings.prefill_s = now - t0
+                else:
+                    timings.per_token_s.append(now - t_prev)
+                t_prev = now
+                timings.generated_tokens += 1
+            try:
+                entries, tokens = loop.send(sampled)  # records the token; ends when the sequence is done
+            except StopIteration:
+                entries = None
+            if token is not None:
+                yield token
+            if entries is None:
+                return
     finally:
         pipeline.release(seq_id)
 

@@ -8,7 +8,7 @@ from functools import cached_property
 
 import torch
 
-from shared.errors import KVCacheFull, StagemeshError
+from shared.errors import BadBatch, KVCacheFull, UnknownSequence
 from shared.steps import InferenceStep
 
 
@@ -29,7 +29,7 @@ class KVCache:
 
     def allocate(self, seq_id: Hashable) -> int:
         if seq_id in self._slot_of:
-            raise StagemeshError(f"sequence {seq_id!r} already holds KV slot {self._slot_of[seq_id]}")
+            raise BadBatch(f"sequence {seq_id!r} already holds KV slot {self._slot_of[seq_id]}")
         if not self._free:
             raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
         slot = self._free.pop()
@@ -47,7 +47,8 @@ class KVCache:
         try:
             return self._slot_of[seq_id]
         except KeyError:
-            raise StagemeshError(f"sequence {seq_id!r} has no KV slot: its first prefill chunk never reached this stage") from None
+            raise UnknownSequence(f"sequence {seq_id!r} has no KV slot on this stage: its first prefill chunk never reached it "
+                                  "(or the stage restarted since)") from None
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._slot_of
@@ -92,7 +93,7 @@ class BatchLayout:
         lengths = [s.num_tokens for s in steps]
         for st, n in zip(starts, lengths):
             if st + n > max_seq_len:
-                raise StagemeshError(f"sequence reaches position {st + n}, past this stage's max_seq_len {max_seq_len}")
+                raise BadBatch(f"sequence reaches position {st + n}, past this stage's max_seq_len {max_seq_len}")
         positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)]).to(device)
         token_slots = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(lengths)).to(device)
         return cls(list(slots), starts, lengths, positions, token_slots, all(n == 1 for n in lengths))

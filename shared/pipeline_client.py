@@ -17,9 +17,12 @@ log = logging.getLogger("stagemesh.client")
 
 
 class PipelineError(StagemeshError):
+    """A stage failed a micro-batch; `code` is the stage's machine-readable error code (shared.errors)."""
+
     def __init__(self, error: BatchError):
         super().__init__(f"{error.stage}: {error.message}")
         self.error = error
+        self.code = error.code
 
 
 class PipelineClient:
@@ -29,7 +32,7 @@ class PipelineClient:
         self.transport = ZmqTransport(result_listen, first_stage, accept=(BatchResult, BatchError, ReleaseDone), ctx=ctx)
         self._pending: dict[int, asyncio.Future] = {}
         self._mb_ids = itertools.count(1)
-        self._released = asyncio.Queue()
+        self.releases_acknowledged = 0  # sequences the last stage confirmed released
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -57,7 +60,7 @@ class PipelineClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[batch.mb_id] = fut
         try:
-            await self.transport.send_activation(batch)
+            await self.transport.send(batch)
         except Exception:
             self._pending.pop(batch.mb_id, None)
             raise
@@ -75,13 +78,13 @@ class PipelineClient:
     async def release(self, seq_ids: list[str]) -> None:
         """Free these sequences' KV slots on every stage (fire and forget; the ack is counted)."""
         if seq_ids:
-            await self.transport.send_activation(ReleaseSeqs(list(seq_ids)))
+            await self.transport.send(ReleaseSeqs(list(seq_ids)))
 
     async def _receive_loop(self) -> None:
         while True:
-            msg = await self.transport.receive_response()
+            msg = await self.transport.receive()
             if isinstance(msg, ReleaseDone):
-                self._released.put_nowait(msg.seq_ids)
+                self.releases_acknowledged += len(msg.seq_ids)
                 continue
             fut = self._pending.pop(msg.mb_id, None)
             if fut is None or fut.done():
@@ -91,6 +94,3 @@ class PipelineClient:
                 fut.set_exception(PipelineError(msg))
             else:
                 fut.set_result(msg)
-
-    async def wait_released(self, timeout: float = 5.0) -> list[str]:
-        return await asyncio.wait_for(self._released.get(), timeout)

@@ -16,10 +16,11 @@ from typing import Any, Union
 import msgpack
 import torch
 
+from shared.errors import ERROR_CODES
 from shared.sampling import SamplingParams
 from shared.steps import Decode, InferenceStep, Prefill
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: BatchError carries a machine-readable code
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
@@ -96,8 +97,12 @@ class BatchResult:
 
 @dataclass
 class BatchError:
+    """A micro-batch failed on `stage`. `code` (one of shared.errors.ERROR_CODES) says what kind of failure it was,
+    so the receiver never interprets the human-readable message."""
+
     mb_id: int
     stage: str
+    code: str
     message: str
     seq_ids: list[str] = field(default_factory=list)
 
@@ -151,7 +156,8 @@ def encode(msg: Message) -> list:
         header = {"kind": "result", "mb": msg.mb_id, "seq_ids": msg.seq_ids, "tokens": msg.tokens,
                   "logprobs": msg.logprobs, "captures": msg.captures}
     elif isinstance(msg, BatchError):
-        header = {"kind": "error", "mb": msg.mb_id, "stage": msg.stage, "message": msg.message, "seq_ids": msg.seq_ids}
+        header = {"kind": "error", "mb": msg.mb_id, "stage": msg.stage, "code": msg.code, "message": msg.message,
+                  "seq_ids": msg.seq_ids}
     else:
         raise TypeError(f"cannot encode {type(msg).__name__}")
     header["v"] = PROTOCOL_VERSION
@@ -307,5 +313,6 @@ def decode(frames: list) -> Message:
     if kind == "error":
         msg = header.get("message")
         _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")
-        return BatchError(_int(header, "mb"), header["stage"], msg, _str_list(header, "seq_ids"))
+        _need(header.get("code") in ERROR_CODES, "schema", f"error code must be one of {sorted(ERROR_CODES)}")
+        return BatchError(_int(header, "mb"), header["stage"], header["code"], msg, _str_list(header, "seq_ids"))
     raise ProtocolError("kind", f"message kind {kind!r} is not one of forward, release, released, result, error")

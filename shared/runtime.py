@@ -8,15 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.errors import MissingActivation, StagemeshError
+from shared.config import SERVING_DEFAULTS
+from shared.errors import BadBatch, MissingActivation
 from shared.gguf_loader import GgufLoader
 from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
 from shared.steps import InferenceStep
-
-DEFAULT_KV_SLOTS = 32
-DEFAULT_MAX_SEQ_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -28,7 +26,7 @@ class SeqWork:
 
 
 class StageRuntime:
-    """Runs micro-batches through one TransformerModel piece. Implements PipelineLifecycle: a sequence's KV
+    """Runs micro-batches through one TransformerModel piece and owns its KV cache: a sequence's KV
     slot is allocated exactly once (its first prefill chunk) and freed by release()."""
 
     def __init__(self, model: TransformerModel, kv: KVCache):
@@ -37,7 +35,7 @@ class StageRuntime:
 
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
-             kv_slots: int = DEFAULT_KV_SLOTS, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> StageRuntime:
+             kv_slots: int = SERVING_DEFAULTS.kv_slots, max_seq_len: int = SERVING_DEFAULTS.max_seq_len) -> StageRuntime:
         model = TransformerModel.from_gguf(loader, layers, dtype, device)
         max_seq_len = min(max_seq_len, model.config.context_length)
         return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device))
@@ -46,7 +44,7 @@ class StageRuntime:
     def device(self) -> torch.device:
         return self.kv.k.device
 
-    # ---- PipelineLifecycle -------------------------------------------------------------------------------
+    # ---- sequence lifecycle ------------------------------------------------------------------------------
 
     def init_pipeline_request(self, seq_id: Hashable) -> int:
         return self.kv.allocate(seq_id)
@@ -66,12 +64,12 @@ class StageRuntime:
         if model.has_embedding:
             if token_ids is None or token_ids.numel() != n:
                 got = "none" if token_ids is None else token_ids.numel()
-                raise StagemeshError(f"layers {model.layers} (first stage) needs token ids, {n} of them; got {got}")
+                raise BadBatch(f"layers {model.layers} (first stage) needs token ids, {n} of them; got {got}")
         elif hidden is None:
             raise MissingActivation(f"layers {model.layers} ({model.position.value} stage) received a micro-batch without "
                                     "its input activation; a non-first stage never embeds tokens itself")
         elif tuple(hidden.shape) != (n, model.config.hidden_size):
-            raise StagemeshError(f"activation shape {tuple(hidden.shape)} does not match {n} tokens x hidden "
+            raise BadBatch(f"activation shape {tuple(hidden.shape)} does not match {n} tokens x hidden "
                                  f"{model.config.hidden_size}")
         fresh = []
         try:
@@ -104,7 +102,7 @@ class LocalPipeline:
 
     @classmethod
     def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
-             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> LocalPipeline:
+             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = SERVING_DEFAULTS.max_seq_len) -> LocalPipeline:
         ranges = ranges or [None]
         return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len) for r in ranges])
 

@@ -2,9 +2,9 @@
 divergence between deployments (split, dtype, device, a faulty stage) is pinned to the layer and step where it
 starts. Captures are keyed by (step, layer, point), never by stage, so runs with different splits compare.
 
-- InferenceHook: on_prefill / on_stage_transfer / on_decode_step, the request-level view of one traced run;
-  per-layer captures come through CaptureHook, the LayerHook implementation.
-- HookCapture, StageComparison, TraceResult serialize to JSON.
+- CaptureHook (the LayerHook implementation) records one sequence's rows at each layer of a piece;
+  TraceRecorder holds a whole run's captures and tokens.
+- HookCapture, TraceRecorder, StageComparison, TraceResult serialize to JSON.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import base64
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
+
+from shared.config import SERVING_DEFAULTS
 
 DEFAULT_CAPTURE_BUDGET = 1 << 20  # bytes of raw float32 one stage may return per micro-batch
 LAYER_OUTPUT = "layer_output"
@@ -66,7 +67,7 @@ def summarize(t: torch.Tensor) -> dict:
 
 class CaptureHook:
     """LayerHook recording one sequence's rows at each layer output, and the activation a non-first stage
-    received (on_stage_transfer). Full tensors while within budget, summaries beyond."""
+    received (point STAGE_TRANSFER). Full tensors while within budget, summaries beyond."""
 
     def __init__(self, stage: str, position: int, rows: slice | None = None, first_layer: int | None = None,
                  budget: int = DEFAULT_CAPTURE_BUDGET):
@@ -99,38 +100,25 @@ class CaptureHook:
         return hidden
 
 
-class InferenceHook(Protocol):
-    """The request-level view of a traced run."""
-
-    def on_prefill(self, position: int, captures: list[HookCapture]) -> None: ...
-
-    def on_stage_transfer(self, capture: HookCapture) -> None: ...
-
-    def on_decode_step(self, step: int, position: int, token: int, captures: list[HookCapture]) -> None: ...
-
-
 @dataclass
 class TraceRecorder:
-    """InferenceHook that keeps everything: the captures of a run and the tokens it produced."""
+    """One traced run: the captures of every step and the tokens it produced."""
 
     captures: list[HookCapture] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     prompt_len: int = 0
 
-    def on_prefill(self, position: int, captures: list[HookCapture]) -> None:
-        for c in captures:
-            (self.on_stage_transfer if c.point == STAGE_TRANSFER else self.captures.append)(c)
-
-    def on_stage_transfer(self, capture: HookCapture) -> None:
-        self.captures.append(capture)
-
-    def on_decode_step(self, step: int, position: int, token: int, captures: list[HookCapture]) -> None:
-        self.tokens.append(token)
-        self.on_prefill(position, captures)
-
     def step_of(self, position: int) -> int:
         """0 for the prefill, k for the k-th decode step."""
         return 0 if position < self.prompt_len else position - self.prompt_len + 1
+
+    def to_json(self, prompt_ids: list[int]) -> dict:
+        """The `trace` field of a gateway response (what trace_gateway reads back)."""
+        return {"prompt_ids": prompt_ids, "tokens": self.tokens, "captures": [c.to_json() for c in self.captures]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> TraceRecorder:
+        return cls([HookCapture.from_json(c) for c in d["captures"]], d["tokens"], len(d["prompt_ids"]))
 
 
 # ---- comparison ----------------------------------------------------------------------------------------------------
@@ -217,42 +205,25 @@ def compare_captures(baseline: TraceRecorder, target: TraceRecorder, threshold: 
 
 # ---- running a traced generation in this process ----------------------------------------------------------------
 
-def trace_local(pipeline, prompt_ids: list[int], steps: int, prefill_chunk: int = 128,
+def trace_local(pipeline, prompt_ids: list[int], steps: int, prefill_chunk: int = SERVING_DEFAULTS.prefill_chunk,
                 hook_factory=None, seq_id: str = "trace") -> TraceRecorder:
-    """Greedy generation of steps+1 tokens over a LocalPipeline, capturing every layer of every piece at the
-    prefill chunks and each of the `steps` decode steps. hook_factory(piece_index, piece, position) may supply
-    the CaptureHook of a piece (tests use it to inject a fault)."""
-    from shared.runtime import SeqWork
-    from shared.sampling import SamplingParams, sample
-    from shared.steps import Decode, chunk_prompt
+    """Greedy generation of steps+1 tokens over a LocalPipeline (the one generation driver), capturing every layer
+    of every piece at the prefill chunks and each of the `steps` decode steps. hook_factory(piece_index, piece,
+    position) may supply the CaptureHook of a piece (tests use it to inject a fault)."""
+    from shared.generation import generate_tokens
+    from shared.sampling import SamplingParams
 
     rec = TraceRecorder(prompt_len=len(prompt_ids))
 
-    def hooks_for(position: int) -> list[CaptureHook]:
-        out = []
-        for i, piece in enumerate(pipeline.pieces):
-            if hook_factory is not None:
-                out.append(hook_factory(i, piece, position))
-            else:
-                out.append(CaptureHook.for_piece(piece.model.layers, piece.model.position, position))
-        return out
+    def hooks_for(step) -> list[CaptureHook]:
+        position = step.start_position
+        if hook_factory is not None:
+            return [hook_factory(i, piece, position) for i, piece in enumerate(pipeline.pieces)]
+        return [CaptureHook.for_piece(p.model.layers, p.model.position, position) for p in pipeline.pieces]
 
-    greedy = SamplingParams()
-    try:
-        for chunk in chunk_prompt(len(prompt_ids), prefill_chunk):
-            hooks = hooks_for(chunk.chunk_start_position)
-            ids = prompt_ids[chunk.chunk_start_position:chunk.chunk_start_position + chunk.chunk_tokens]
-            logits = pipeline.run([SeqWork(seq_id, chunk)], torch.tensor(ids), hooks=hooks)
-            rec.on_prefill(chunk.chunk_start_position, [c for h in hooks for c in h.captures])
-        position = len(prompt_ids)
-        token = sample(logits, [greedy], [position])[0][0]
-        rec.tokens.append(token)
-        for step in range(1, steps + 1):
-            hooks = hooks_for(position)
-            logits = pipeline.run([SeqWork(seq_id, Decode(position))], torch.tensor([token]), hooks=hooks)
-            token = sample(logits, [greedy], [position + 1])[0][0]
-            rec.on_decode_step(step, position, token, [c for h in hooks for c in h.captures])
-            position += 1
-    finally:
-        pipeline.release(seq_id)
+    def on_step(step, hooks, token) -> None:
+        rec.captures.extend(c for h in hooks for c in h.captures)
+
+    rec.tokens = list(generate_tokens(pipeline, prompt_ids, SamplingParams(), steps + 1, prefill_chunk=prefill_chunk,
+                                      seq_id=seq_id, hooks_for=hooks_for, on_step=on_step))
     return rec

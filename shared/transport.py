@@ -41,14 +41,12 @@ def _bind_with_retry(sock: zmq.Socket, addr: str, patience_s: float = 3.0) -> No
 
 
 class TransportStats:
-    """Counters the owner exports (bytes, rejects by reason, send time)."""
+    """Counters the owner exports (bytes, rejects by reason)."""
 
     def __init__(self):
         self.bytes_in = 0
         self.bytes_out = 0
-        self.messages_in = 0
         self.rejected: dict[str, int] = {}
-        self.send_seconds = 0.0
         self.on_reject: Callable[[str], None] | None = None
 
     def reject(self, reason: str) -> None:
@@ -58,7 +56,8 @@ class TransportStats:
 
 
 class ZmqTransport:
-    """PipelineTransport over ZeroMQ: an inbound PULL (bound) and an outbound PUSH (connected)."""
+    """An inbound PULL (bound) and an outbound PUSH (connected); `receive` returns only validated messages of the
+    kinds this socket accepts."""
 
     def __init__(self, listen: str, next_hop: str | None, accept: tuple[type, ...], ctx: zmq.asyncio.Context | None = None):
         self.ctx = ctx or zmq.asyncio.Context.instance()
@@ -76,12 +75,12 @@ class ZmqTransport:
             self.outbound.setsockopt(zmq.LINGER, 0)
             self.outbound.connect(check_address(next_hop, "--next"))
 
-    async def _receive(self) -> Message:
+    async def receive(self) -> Message:
+        """The next valid message; malformed ones are counted under their reason and dropped."""
         while True:
             frames = await self.inbound.recv_multipart(copy=False)
             size = sum(len(f) for f in frames)
             self.stats.bytes_in += size
-            self.stats.messages_in += 1
             try:
                 msg = decode(frames)
                 if not isinstance(msg, self.accept):
@@ -91,23 +90,11 @@ class ZmqTransport:
                 self.stats.reject(e.reason)
                 log.warning("dropped a message of %d bytes in %d frames: %s", size, len(frames), e)
 
-    # PipelineTransport -----------------------------------------------------------------------------------------
-
-    async def receive_activation(self) -> Message:
-        """Stage side: the next forward batch or release, already validated."""
-        return await self._receive()
-
-    async def receive_response(self) -> Message:
-        """Client side: the next result, error or release acknowledgement, already validated."""
-        return await self._receive()
-
-    async def send_activation(self, msg: Message) -> None:
+    async def send(self, msg: Message) -> None:
         if self.outbound is None:
             raise StagemeshError("this transport has no next hop to send to")
         frames = encode(msg)
-        t0 = time.perf_counter()
         await self.outbound.send_multipart(frames, copy=False)
-        self.stats.send_seconds += time.perf_counter() - t0
         self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
     def close(self) -> None:

@@ -11,15 +11,14 @@ import tempfile
 import aiohttp
 import pytest
 
-from services.launch import free_port
-from tests.gateway_fixtures import start_gateway
+from services.launch import free_port, start_up
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    gw = start_gateway(2, "bfloat16", str(tmp_path_factory.mktemp("gwbrowser")))
+    gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwbrowser")))
     yield gw
     gw.stop()
 

@@ -6,8 +6,9 @@ import subprocess
 import aiohttp
 import pytest
 
+from loadtest.client import sse_events
+from services.launch import start_up
 from tests.conftest import stagemesh_cmd
-from tests.gateway_fixtures import start_gateway
 
 QUESTIONS = ["What is 2+2?", "Name a primary color.", "Write a haiku about the sea."]
 MAX_TOKENS = 24
@@ -27,7 +28,7 @@ def reference():
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}stages")
 def gateway(request, tmp_path_factory):
-    gw = start_gateway(request.param, "float32", str(tmp_path_factory.mktemp(f"gw{request.param}")))
+    gw = start_up(request.param, "float32", str(tmp_path_factory.mktemp(f"gw{request.param}")))
     yield gw
     gw.stop()
 
@@ -42,13 +43,7 @@ async def sse_text(session, url, body) -> tuple[str, list[dict]]:
     async with session.post(url, json=body) as r:
         assert r.status == 200, await r.text()
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        async for line in r.content:
-            line = line.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                break
-            chunks.append(json.loads(line[6:]))
+        chunks = [c async for c in sse_events(r)]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
     return text, chunks
 

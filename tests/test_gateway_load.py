@@ -6,7 +6,8 @@ import json
 import aiohttp
 import pytest
 
-from tests.gateway_fixtures import start_gateway
+from loadtest.client import sse_events
+from services.launch import scrape_metric, start_up
 
 PROMPTS = [f"Count from 1 to {n}:" for n in range(3, 19)]  # 16 prompts of different lengths
 LENGTHS = [8 + 2 * i for i in range(16)]  # and different output lengths
@@ -14,7 +15,7 @@ LENGTHS = [8 + 2 * i for i in range(16)]  # and different output lengths
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    gw = start_gateway(2, "float32", str(tmp_path_factory.mktemp("gwload")), "--kv-slots", "24")
+    gw = start_up(2, "float32", str(tmp_path_factory.mktemp("gwload")), "--kv-slots", "24")
     yield gw
     gw.stop()
 
@@ -24,13 +25,8 @@ async def stream_completion(session, url, prompt, max_tokens, **extra) -> str:
     text = []
     async with session.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
-        async for line in r.content:
-            line = line.decode().strip()
-            if line == "data: [DONE]":
-                break
-            if line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                text.extend(c["text"] for c in chunk["choices"])
+        async for chunk in sse_events(r):
+            text.extend(c["text"] for c in chunk["choices"])
     return "".join(text)
 
 
@@ -105,7 +101,7 @@ async def test_disconnected_clients_free_everything_within_2s(gateway):
         await asyncio.sleep(0.1)
     assert gateway.metric("stagemesh_gateway_running_sequences") == 0
     assert [gateway.stage_info(i)["kv"]["used_slots"] for i in range(2)] == [0, 0]
-    assert gateway.metric('stagemesh_gateway_requests_total{outcome="cancelled"}') == 10
+    assert gateway.metric("stagemesh_gateway_requests_total", outcome="cancelled") == 10
 
 
 BAD_HTTP = [
@@ -172,10 +168,9 @@ def gateway_stage_counter(gw, i) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(gw.stage_urls()[i] + "/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith("stagemesh_stage_tokens_total "):
-            return float(line.split()[1])
-    raise AssertionError("no token counter")
+    value = scrape_metric(text, "stagemesh_stage_tokens_total")
+    assert value == value, "no token counter"  # NaN when absent
+    return value
 
 
 def gateway_tokenize(text):

@@ -3,7 +3,6 @@
 import asyncio
 import os
 import pickle
-import re
 import urllib.request
 
 import msgpack
@@ -104,9 +103,11 @@ def mesh(tmp_path_factory):
 
 
 def _rejected(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'stagemesh_stage_rejected_messages_total\{reason="(\w+)"\} ([0-9.e+]+)', text)}
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "stagemesh_stage_rejected_messages_total"}
 
 
 async def test_hostile_messages_are_counted_dropped_and_harmless(mesh, smollm2, tmp_path):

@@ -6,7 +6,6 @@ from shared.layers import (
     StagePosition,
     balanced_split,
     check_cover,
-    even_split,
     parse_layer_range,
     parse_split,
     split_at,
@@ -16,11 +15,13 @@ from shared.layers import (
 @pytest.mark.parametrize("layers,stages,expected", [
     (30, 1, [(0, 30)]),
     (30, 2, [(0, 15), (15, 30)]),
-    (30, 4, [(0, 8), (8, 16), (16, 23), (23, 30)]),
+    (30, 4, [(0, 8), (8, 15), (15, 22), (22, 30)]),
     (5, 5, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
 ])
-def test_even_split(layers, stages, expected):
-    assert [(r.start, r.stop) for r in even_split(layers, stages)] == expected
+def test_split_without_a_head_is_even(layers, stages, expected):
+    ranges = balanced_split(layers, stages, 0.0)
+    assert [(r.start, r.stop) for r in ranges] == expected
+    assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
 
 
 @pytest.mark.parametrize("layers,stages,head,expected", [
@@ -42,9 +43,9 @@ def test_smollm2_head_costs_about_four_layers(smollm2):
 
 
 @pytest.mark.parametrize("layers,stages", [(30, 0), (3, 4)])
-def test_even_split_rejects_impossible(layers, stages):
+def test_split_rejects_impossible(layers, stages):
     with pytest.raises(LayerRangeError):
-        even_split(layers, stages)
+        balanced_split(layers, stages)
 
 
 @pytest.mark.parametrize("rng,n,pos", [
@@ -83,7 +84,7 @@ def test_check_cover_names_the_problem(ranges, message):
 
 
 def test_check_cover_accepts_a_pipeline():
-    check_cover(even_split(30, 3), 30)
+    check_cover(balanced_split(30, 3), 30)
 
 
 def test_parse_split():

@@ -11,15 +11,14 @@ import time
 import pytest
 from aiohttp import web
 
-from services.launch import free_port
-from tests.gateway_fixtures import start_gateway
+from services.launch import free_port, start_up
 
 BENCH = [sys.executable, "-m", "services.cli", "bench"]
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    gw = start_gateway(2, "bfloat16", str(tmp_path_factory.mktemp("gwbench")))
+    gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwbench")))
     yield gw
     gw.stop()
 

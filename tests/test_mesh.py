@@ -104,3 +104,28 @@ async def test_missing_input_is_a_clear_error_for_that_microbatch(mesh, smollm2,
         assert out["after"] == reference[PROMPTS[0]]
     finally:
         await c.close()
+
+
+async def test_release_acknowledgements_are_counted_not_kept(client):
+    """Every release the last stage acknowledges used to pile up in a queue nobody read (a slow leak)."""
+    import gc
+    import tracemalloc
+
+    ids = [f"never-started-{i:06d}-{'x' * 40}" for i in range(100)]
+    await client.release(ids)  # warm up sockets and codecs before measuring
+    while client.releases_acknowledged < len(ids):
+        await asyncio.sleep(0.01)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for _ in range(300):
+        await client.release(ids)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while client.releases_acknowledged < 301 * len(ids) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    gc.collect()
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename") if s.size_diff > 0)
+    tracemalloc.stop()
+    assert client.releases_acknowledged >= 301 * len(ids)  # (late acks of earlier tests may add a few)
+    assert grown < 1 << 20, f"the client kept {grown} bytes for 30,000 acknowledged releases"  # ~3 MB when queued

@@ -3,7 +3,6 @@ bridge, started with exactly the command lines the Kubernetes manifests give the
 DNS names resolved per namespace, and a delay proxy on every hop. Runs where `ip netns` is permitted (root)."""
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ import time
 import aiohttp
 import pytest
 
+from loadtest.client import sse_events
 from tests.delay_proxy import DelayProxy, ProxyThread
 from tests.k8s_render import config, container_args, render
 
@@ -119,9 +119,8 @@ async def _streams(url: str, n: int, max_tokens: int) -> float:
         async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             usage = None
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    usage = json.loads(line[6:]).get("usage") or usage
+            async for chunk in sse_events(r):
+                usage = chunk.get("usage") or usage
             return usage["completion_tokens"]
 
     t0 = time.perf_counter()
@@ -137,10 +136,8 @@ def test_streaming_across_namespaces_with_the_manifests_commands(deployment, net
         body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12, "stream": True}
         async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
             text = []
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    chunk = json.loads(line[6:])
-                    text += [c["delta"].get("content") or "" for c in chunk["choices"]]
+            async for chunk in sse_events(r):
+                text += [c["delta"].get("content") or "" for c in chunk["choices"]]
             return "".join(text)
 
     assert asyncio.run(chat()).strip()

@@ -6,11 +6,11 @@ import subprocess
 import pytest
 import torch
 
+from services.launch import start_up
 from shared.layers import balanced_split, split_at
 from shared.runtime import LocalPipeline
 from shared.trace import LAYER_OUTPUT, STAGE_TRANSFER, CaptureHook, compare_captures, trace_local
 from tests.conftest import stagemesh_cmd
-from tests.gateway_fixtures import start_gateway
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 STEPS = 3
@@ -23,7 +23,7 @@ def reference(smollm2):
 
 
 def test_in_process_vs_running_3_stage_mesh_is_exactly_equal(tmp_path, smollm2):
-    gw = start_gateway(3, "float32", str(tmp_path))
+    gw = start_up(3, "float32", str(tmp_path))
     try:
         threads = {gw.stage_info(i)["threads"] for i in range(3)}
         assert len(threads) == 1

@@ -7,23 +7,14 @@ import os
 
 from aiohttp import web
 
+from services.cli_args import add_model_args, add_scheduler_args, parse_host_port, serving_from_args
 from services.gateway.app import API_KEY_ENV, GatewayConfig, make_app
 from services.gateway.pipeline import Pipeline
-from services.local import add_model_args
-from services.stage.main import parse_host_port
 from shared.errors import StagemeshError
 from shared.model_files import ModelFiles
 from shared.transport import check_address
 
 log = logging.getLogger("stagemesh.gateway")
-
-
-def add_gateway_args(p) -> None:
-    p.add_argument("--max-inflight", type=int, default=None,
-                   help="micro-batches in flight at once (default: number of stages, at least 2)")
-    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429 (default 256)")
-    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk (default 128)")
-    p.add_argument("--token-budget", type=int, default=512, help="tokens per micro-batch (default 512)")
 
 
 def register(sub) -> None:
@@ -37,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--result-listen", default="tcp://127.0.0.1:5599",
                    help="ZeroMQ address the last stage sends results to (bound here)")
     p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info)")
-    add_gateway_args(p)
+    add_scheduler_args(p)
     p.set_defaults(func=cmd_gateway)
 
 
@@ -49,11 +40,10 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
     check_address(result_listen, "--result-listen")
     pipeline = Pipeline(stage_urls, result_listen, files.loader.fingerprint, files.config.num_layers, first_stage)
     inflight = args.max_inflight or max(2, len(stage_urls))
-    if inflight < 1 or args.max_queue < 1 or args.prefill_chunk < 1 or args.token_budget < 1:
-        raise StagemeshError("--max-inflight, --max-queue, --prefill-chunk and --token-budget must be positive")
+    if inflight < 1:
+        raise StagemeshError("--max-inflight must be positive")
     api_key = os.environ.get(API_KEY_ENV) or None
-    return make_app(files, pipeline, GatewayConfig(model_id=model, api_key=api_key), inflight, args.max_queue,
-                    args.prefill_chunk, args.token_budget)
+    return make_app(files, pipeline, GatewayConfig(model_id=model, api_key=api_key), inflight, serving_from_args(args))
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:

@@ -55,7 +55,7 @@ class Pipeline:
         self.client: PipelineClient | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
-        self.generation = 0  # bumps whenever a stage is lost or restarted: KV state in the pipeline is gone
+        self.generation = 0  # bumped only by mark_lost(): KV state in the pipeline is gone
         self._incarnations: list[str] | None = None
 
     @property
@@ -69,6 +69,12 @@ class Pipeline:
     @property
     def max_seq_len(self) -> int:
         return min((i["kv"]["max_seq_len"] for i in self.infos if isinstance(i, dict)), default=0)
+
+    def mark_lost(self, reason: str) -> None:
+        """The one place that declares the pipeline's KV state lost (a stage died, restarted, or forgot a
+        sequence): the scheduler sees the new generation and replays every running sequence."""
+        self.generation += 1
+        log.warning("pipeline state lost (%s): generation %d", reason, self.generation)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3))
@@ -100,13 +106,12 @@ class Pipeline:
         if problem != self.problem:
             (log.info if problem is None else log.warning)("pipeline %s", "consistent" if problem is None else problem)
             if problem is not None and self.problem is None:
-                self.generation += 1  # lost a stage: whatever it held is gone
+                self.mark_lost(problem)
             self.problem = problem
         if problem is None:
             incarnations = [i["incarnation"] for i in self.infos]
             if self._incarnations is not None and incarnations != self._incarnations:
-                log.warning("a stage restarted (incarnations %s -> %s)", self._incarnations, incarnations)
-                self.generation += 1
+                self.mark_lost(f"a stage restarted (incarnations {self._incarnations} -> {incarnations})")
             self._incarnations = incarnations
         if problem is None and self.client is None:
             self.client = PipelineClient(self.first_stage or self._first_stage_address(), self.result_listen)

@@ -11,27 +11,20 @@ import signal
 import torch
 from aiohttp import web
 
-from services.local import add_model_args
+from services.cli_args import add_kv_args, add_model_args, parse_host_port, serving_from_args
 from services.stage.http import LOAD_ERROR, WORKER, make_app
+from services.stage.io import StageIO
 from services.stage.worker import StageIdentity, StageWorker
 from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
-from shared.hooks import PrefetchingHook
 from shared.layers import LayerRange, balanced_split, parse_layer_range
 from shared.model_files import ModelFiles
 from shared.models import ModelConfig
 from shared.protocol import BatchError, ForwardBatch, ReleaseSeqs
-from shared.runtime import DEFAULT_KV_SLOTS, DEFAULT_MAX_SEQ_LEN, StageRuntime
+from shared.runtime import StageRuntime
 from shared.transport import ZmqTransport, check_address
 
 log = logging.getLogger("stagemesh.stage")
-
-
-def parse_host_port(text: str, flag: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise StagemeshError(f"{flag} {text!r} must be HOST:PORT, e.g. 127.0.0.1:8101")
-    return host.strip("[]"), int(port)
 
 
 def register(sub) -> None:
@@ -51,9 +44,7 @@ def register(sub) -> None:
                    help="where the last stage sends results, overriding --next (lets every stage share one command)")
     p.add_argument("--http", default="127.0.0.1:8101", help="HOST:PORT for health, readiness, info and metrics")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores; `up` divides them)")
-    p.add_argument("--kv-slots", type=int, default=DEFAULT_KV_SLOTS, help=f"concurrent sequences (default {DEFAULT_KV_SLOTS})")
-    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
-                   help=f"tokens per sequence (default {DEFAULT_MAX_SEQ_LEN}, capped by the model's context)")
+    add_kv_args(p)
     p.add_argument("--no-prefetch", action="store_true", help="receive, compute and send one after another (baseline)")
     p.add_argument("--no-trace", action="store_true", help="ignore trace requests entirely (the benchmark's bypass)")
     p.set_defaults(func=cmd_stage)
@@ -84,8 +75,9 @@ def resolve_next(args, layers: LayerRange, num_layers: int) -> str:
 def cmd_stage(args) -> int:
     check_address(args.listen, "--listen")
     host, port = parse_host_port(args.http, "--http")
-    if args.kv_slots < 1 or args.max_seq_len < 16:
-        raise StagemeshError("--kv-slots must be >= 1 and --max-seq-len >= 16")
+    serving_from_args(args)  # validates --kv-slots and --max-seq-len
+    if args.max_seq_len < 16:
+        raise StagemeshError("--max-seq-len must be >= 16")
     if args.threads is not None and args.threads < 1:
         raise StagemeshError("--threads must be >= 1")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -117,10 +109,10 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
         raise
     position = runtime.model.position
     transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs, BatchError))
-    hook = PrefetchingHook(transport, layers, position, prefetch=not args.no_prefetch)
+    io = StageIO(transport, prefetch=not args.no_prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
                              position, str(dtype).removeprefix("torch."), listen=args.listen)
-    worker = StageWorker(runtime, hook, identity, tracing=not args.no_trace)
+    worker = StageWorker(runtime, io, identity, tracing=not args.no_trace)
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s", layers, position.value, args.listen, args.next,
              identity.incarnation)

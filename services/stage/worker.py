@@ -1,5 +1,5 @@
-"""The stage loop. One asyncio event loop: the hook's receiver task prefetches validated inputs, compute runs
-in one dedicated thread (torch releases the GIL), and outputs are queued to the sender task."""
+"""The stage loop. One asyncio event loop: StageIO's receiver task prefetches validated inputs, compute runs
+in one dedicated thread (torch releases the GIL), and outputs are queued to StageIO's sender task."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from services.stage.io import StageIO
 from services.stage.metrics import StageMetrics
 from shared.errors import StagemeshError
-from shared.hooks import PrefetchingHook
 from shared.layers import LayerRange, StagePosition
 from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
 from shared.runtime import SeqWork, StageRuntime
@@ -44,44 +44,44 @@ class StageIdentity:
 
 
 class StageWorker:
-    def __init__(self, runtime: StageRuntime, hook: PrefetchingHook, identity: StageIdentity, tracing: bool = True):
+    def __init__(self, runtime: StageRuntime, io: StageIO, identity: StageIdentity, tracing: bool = True):
         self.tracing = tracing
         self.runtime = runtime
-        self.hook = hook
+        self.io = io
         self.identity = identity
         self.metrics = StageMetrics(self.live_stats)
         self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.busy_s = self.wait_s = 0.0
 
     def live_stats(self) -> dict:
-        stats = self.hook.transport.stats
-        return {"bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out, "send_seconds": self.hook.send_seconds,
-                "rejected": dict(stats.rejected), "queue_depth": self.hook.queue_depth,
+        stats = self.io.transport.stats
+        return {"bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out, "send_seconds": self.io.send_seconds,
+                "rejected": dict(stats.rejected), "queue_depth": self.io.queue_depth,
                 "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots}
 
     async def run(self) -> None:
-        await self.hook.start()
+        await self.io.start()
         loop = asyncio.get_running_loop()
         try:
             while True:
-                msg = self.hook.try_prefetch_input()
+                msg = self.io.try_prefetch_input()
                 if msg is None:
                     t0 = time.perf_counter()
-                    msg = await self.hook.receive()
+                    msg = await self.io.receive()
                     self._waited(time.perf_counter() - t0)
                 if isinstance(msg, ForwardBatch):
                     t0 = time.perf_counter()
                     out = await loop.run_in_executor(self.compute_thread, self.compute, msg)
                     self._busy(time.perf_counter() - t0, msg.num_tokens)
-                    await self.hook.send(out)
+                    await self.io.send(out)
                 elif isinstance(msg, ReleaseSeqs):
                     for seq_id in msg.seq_ids:
                         self.runtime.release(seq_id)
-                    await self.hook.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
+                    await self.io.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
                 elif isinstance(msg, BatchError):  # an earlier stage failed this micro-batch: pass it on to the client
-                    await self.hook.send(msg)
+                    await self.io.send(msg)
         finally:
-            await self.hook.stop()
+            await self.io.stop()
             self.compute_thread.shutdown(wait=False, cancel_futures=True)
 
     def _waited(self, s: float) -> None:
@@ -100,9 +100,9 @@ class StageWorker:
         ident = self.identity
         work = [SeqWork(s.seq_id, s.step) for s in batch.seqs]
         try:
-            hook = self._capture_hook(batch) if self.tracing else None
-            out = self.runtime.run(work, token_ids=batch.tokens, hidden=batch.hidden, hook=hook)
-            captures = batch.captures + ([c.to_wire() for c in hook.captures] if hook else [])
+            capture = self._capture_hook(batch) if self.tracing else None
+            out = self.runtime.run(work, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
+            captures = batch.captures + ([c.to_wire() for c in capture.captures] if capture else [])
             if not ident.position.has_lm_head:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures)
             producing = [s for s in batch.seqs if s.step.produces_token]
@@ -111,7 +111,8 @@ class StageWorker:
         except (StagemeshError, ValueError, RuntimeError) as e:
             self.metrics.errors.inc()
             log.warning("micro-batch %d failed on %s: %s", batch.mb_id, ident.name, e)
-            return BatchError(batch.mb_id, ident.name, str(e), [s.seq_id for s in batch.seqs])
+            code = e.code if isinstance(e, StagemeshError) else "internal"
+            return BatchError(batch.mb_id, ident.name, code, str(e), [s.seq_id for s in batch.seqs])
 
     def _capture_hook(self, batch: ForwardBatch) -> CaptureHook | None:
         if batch.trace is None:
@@ -133,7 +134,7 @@ class StageWorker:
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
             "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len},
-            "prefetch": self.hook.prefetch,
+            "prefetch": self.io.prefetch,
             "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
-            "rejected": dict(self.hook.transport.stats.rejected),
+            "rejected": dict(self.io.transport.stats.rejected),
         }

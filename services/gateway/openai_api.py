@@ -1,0 +1,136 @@
+"""OpenAI-compatible handlers: /v1/completions, /v1/chat/completions (streamed as SSE or whole), /v1/models.
+They shape the output processor's events into OpenAI's chunk and response objects."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+
+from services.gateway.app import GATEWAY
+from services.gateway.scheduler import Sequence
+from services.gateway.schemas import GenerationSpec, RequestError
+
+
+async def _json_body(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+def _logprobs_field(chat: bool, events: list[dict]) -> dict:
+    if chat:
+        return {"content": [{"token": e["text"], "logprob": e["logprob"], "bytes": None, "top_logprobs": []}
+                            for e in events if e.get("logprob") is not None]}
+    return {"tokens": [e["text"] for e in events], "token_logprobs": [e["logprob"] for e in events]}
+
+
+class OpenAIShape:
+    """One request's OpenAI objects: the id, the chunk envelope, the final response."""
+
+    def __init__(self, seq: Sequence, chat: bool, model_id: str):
+        self.chat = chat
+        self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + seq.seq_id,
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model_id}
+
+    def chunk(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        key = "delta" if self.chat else "text"
+        return {**self.base, "choices": [{"index": 0, key: delta_or_text, "finish_reason": finish, "logprobs": logprobs}]}
+
+    def token_chunk(self, ev: dict, logprobs: bool) -> dict:
+        lp = _logprobs_field(self.chat, [ev]) if logprobs else None
+        return self.chunk({"content": ev["text"]} if self.chat else ev["text"], logprobs=lp)
+
+    def final_chunk(self, done: dict) -> dict:
+        return self.chunk({} if self.chat else "", finish=done["finish_reason"])
+
+    def usage_chunk(self, done: dict) -> dict:
+        return {**self.base, "choices": [], "usage": done["usage"]}
+
+    def response(self, tokens: list[dict], done: dict, logprobs: bool) -> dict:
+        text = "".join(e["text"] for e in tokens)
+        choice = {"index": 0, "finish_reason": done["finish_reason"],
+                  "logprobs": _logprobs_field(self.chat, tokens) if logprobs else None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = {**self.base, "object": "chat.completion" if self.chat else "text_completion", "choices": [choice],
+                "usage": done["usage"], "timings": done["timings"]}
+        if "trace" in done:
+            body["trace"] = done["trace"]
+        return body
+
+
+def _error_status(ev: dict) -> RequestError:
+    return RequestError(ev["message"], status=504 if ev["code"] == "timeout" else 503, code=ev["code"])
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    spec, seq = await gw.start(await _json_body(request), chat)
+    shape = OpenAIShape(seq, chat, gw.config.model_id)
+    try:
+        if spec.stream:
+            return await _stream_sse(request, gw, seq, spec, shape)
+        tokens = []
+        async for ev in gw.events(seq, spec):
+            if ev["type"] == "token":
+                tokens.append(ev)
+            elif ev["type"] == "error":
+                raise _error_status(ev)
+            else:
+                return web.json_response(shape.response(tokens, ev, spec.logprobs))
+        raise AssertionError("the event stream ended without done or error")
+    finally:
+        gw.scheduler.cancel(seq)  # no-op when finished; frees KV slots when the client went away
+
+
+async def _stream_sse(request, gw, seq: Sequence, spec: GenerationSpec, shape: OpenAIShape) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+
+    async def send(obj) -> None:
+        await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+    if shape.chat:
+        await send(shape.chunk({"role": "assistant", "content": ""}))
+    async for ev in gw.events(seq, spec):
+        if ev["type"] == "token":
+            if ev["text"] or spec.logprobs:
+                await send(shape.token_chunk(ev, spec.logprobs))
+        elif ev["type"] == "error":
+            await send({"error": {"message": ev["message"], "type": "server_error", "code": ev["code"]}})
+        else:
+            await send(shape.final_chunk(ev))
+            if spec.include_usage:
+                await send(shape.usage_chunk(ev))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    return web.json_response({"object": "list", "data": [{"id": gw.config.model_id, "object": "model", "created": 0,
+                                                          "owned_by": "stagemesh"}]})

@@ -1,0 +1,75 @@
+"""The output processor: turns what the scheduler reports for one request (SeqOutput) into the events a client
+sees. It owns detokenizing (UTF-8-safe deltas), stop strings (text that could begin one is held back, a completed
+one is never shown), usage, timings and the trace JSON. The scheduler never touches text.
+
+Events are plain dicts, shaped once here; the websocket sends them as they are (plus the request's id) and the
+OpenAI handlers turn them into chunks:
+  {"type": "token", "index", "text", "token_id", "logprob"}    text may be "" while text is held back
+  {"type": "done", "finish_reason", "usage", "timings"[, "trace"]}
+  {"type": "error", "code", "message"}
+"""
+
+from __future__ import annotations
+
+from services.gateway.scheduler import SeqOutput, Sequence
+from shared.streaming import TextStream
+from shared.tokenizer import GgufTokenizer
+from shared.trace import HookCapture, TraceRecorder
+
+
+def _ms(a: float | None, b: float | None) -> float | None:
+    return round((b - a) * 1000, 2) if a is not None and b is not None else None
+
+
+def timings(seq: Sequence) -> dict:
+    n = len(seq.output_ids)
+    per_token = _ms(seq.t_first, seq.t_last) / (n - 1) if n > 1 and seq.t_last else None
+    return {"queued_ms": _ms(seq.t_arrival, seq.t_admitted), "ttft_ms": _ms(seq.t_arrival, seq.t_first),
+            "per_token_ms": per_token and round(per_token, 2), "total_ms": _ms(seq.t_arrival, seq.t_last)}
+
+
+class OutputProcessor:
+    """One request's outputs -> client events. `stop_string_hit` turns true on the token that completes a stop
+    string; the caller then ends the sequence (Scheduler.finish(seq, "stop")), whose final SeqOutput brings the
+    done event. Tokens the scheduler reports after that are counted nowhere and shown never."""
+
+    def __init__(self, seq: Sequence, tokenizer: GgufTokenizer, stop: list[str] | None = None):
+        self.seq = seq
+        self.stream = TextStream(tokenizer, stop)
+        self.completion_tokens = 0
+
+    @property
+    def stop_string_hit(self) -> bool:
+        return self.stream.stopped
+
+    def process(self, out: SeqOutput) -> list[dict]:
+        events: list[dict] = []
+        if out.token is not None and not self.stream.stopped:
+            self.completion_tokens += 1
+            if out.finish_reason != "stop":  # a stop id (EOS) ends the text; it is not part of it
+                step = self.stream.push(out.token)
+                events.append(self._token(step.text, out.token, out.logprob))
+        if out.finish_reason is None:
+            return events
+        if out.error is not None:
+            events.append({"type": "error", "code": out.finish_reason, "message": out.error})
+            return events
+        tail = self.stream.finish()  # text held back for a stop string that never completed
+        if tail:
+            events.append(self._token(tail, None, None))
+        events.append(self._done("stop" if self.stream.stopped else out.finish_reason))  # a stop string wins
+        return events
+
+    def _token(self, text: str, token_id: int | None, logprob: float | None) -> dict:
+        return {"type": "token", "index": self.completion_tokens - 1, "text": text, "token_id": token_id,
+                "logprob": logprob}
+
+    def _done(self, reason: str) -> dict:
+        seq = self.seq
+        usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": self.completion_tokens,
+                 "total_tokens": len(seq.prompt_ids) + self.completion_tokens}
+        done = {"type": "done", "finish_reason": reason, "usage": usage, "timings": timings(seq)}
+        if seq.trace:
+            rec = TraceRecorder([HookCapture.from_wire(c) for c in seq.captures], seq.output_ids, len(seq.prompt_ids))
+            done["trace"] = rec.to_json(seq.prompt_ids)
+        return done

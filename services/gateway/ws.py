@@ -1,0 +1,93 @@
+"""The websocket stream (/v1/stream): several generations per socket, each with its own id. See the README for
+the protocol. One WsSession per socket; each generation's events are pumped by its own task."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from services.gateway.app import GATEWAY, Gateway
+from services.gateway.scheduler import Sequence
+from services.gateway.schemas import GenerationSpec, RequestError
+
+log = logging.getLogger("stagemesh.gateway.ws")
+
+MAX_WS_MESSAGE = 1 << 20
+MAX_STREAMS_PER_SOCKET = 64
+MAX_REQUEST_ID_LEN = 128
+
+
+class WsSession:
+    def __init__(self, gw: Gateway, ws: web.WebSocketResponse):
+        self.gw = gw
+        self.ws = ws
+        self.active: dict[str, tuple[Sequence, asyncio.Task]] = {}  # request id -> its sequence and event pump
+
+    async def run(self) -> None:
+        try:
+            async for msg in self.ws:
+                if msg.type == WSMsgType.BINARY:
+                    await self.ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"send JSON text frames, not binary")
+                    break
+                if msg.type == WSMsgType.TEXT:
+                    await self.on_text(msg.data)
+        finally:
+            for seq, task in list(self.active.values()):
+                self.gw.scheduler.cancel(seq)
+                task.cancel()
+
+    async def error(self, rid: str | None, code: str, message: str) -> None:
+        await self.ws.send_json({"type": "error", "id": rid, "code": code, "message": message})
+
+    async def on_text(self, text: str) -> None:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            return await self.error(None, "invalid_json", f"not valid JSON: {e.msg}")
+        if not isinstance(data, dict):
+            return await self.error(None, "invalid_request", "each message must be a JSON object with a 'type'")
+        rid, kind = data.get("id"), data.get("type")
+        if not isinstance(rid, str) or not (0 < len(rid) <= MAX_REQUEST_ID_LEN):
+            return await self.error(None, "invalid_request", f"'id' must be a string of 1..{MAX_REQUEST_ID_LEN} characters")
+        if kind == "cancel":
+            await self.cancel(rid)
+        elif kind == "generate":
+            await self.generate(rid, data)
+        else:
+            await self.error(rid, "unknown_type", f"unknown message type {kind!r}; use 'generate' or 'cancel'")
+
+    async def cancel(self, rid: str) -> None:
+        if rid not in self.active:
+            return await self.error(rid, "unknown_id", f"no running generation with id {rid!r}")
+        self.gw.scheduler.cancel(self.active[rid][0])
+
+    async def generate(self, rid: str, data: dict) -> None:
+        if rid in self.active:
+            return await self.error(rid, "duplicate_id", f"a generation with id {rid!r} is already running")
+        if len(self.active) >= MAX_STREAMS_PER_SOCKET:
+            return await self.error(rid, "too_many_streams", f"at most {MAX_STREAMS_PER_SOCKET} generations per socket")
+        try:
+            spec, seq = await self.gw.start(data, chat="messages" in data)
+        except RequestError as e:
+            self.gw.metrics.rejected.labels(str(e.status)).inc()
+            return await self.error(rid, e.code, e.message)
+        self.active[rid] = (seq, asyncio.create_task(self.pump(rid, seq, spec)))
+
+    async def pump(self, rid: str, seq: Sequence, spec: GenerationSpec) -> None:
+        try:
+            async for ev in self.gw.events(seq, spec):
+                await self.ws.send_json({**ev, "id": rid})
+        finally:
+            self.active.pop(rid, None)
+
+
+async def stream_ws(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, heartbeat=30)
+    await ws.prepare(request)
+    await WsSession(request.app[GATEWAY], ws).run()
+    if ws.close_code == WSCloseCode.MESSAGE_TOO_BIG:
+        log.info("websocket closed: a frame exceeded %d bytes", MAX_WS_MESSAGE)
+    return ws
