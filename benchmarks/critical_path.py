@@ -1,0 +1,75 @@
+"""Where one stream's inter-token time goes: the stage's compute per step against the gap between tokens the client
+sees, through a real `stagemesh up --stages N`. The difference is the critical path outside compute (gateway
+scheduler, ZeroMQ hops, SSE), which issue 14 holds to <= 1.5 ms per token at one stream.
+
+    python -m benchmarks.critical_path [--stages 1] [--tokens 128] [--runs 3] [--dtype bfloat16] [-- extra up flags]
+
+Each run streams one /v1/completions request (ignore_eos, greedy) and reads every stage's busy seconds and
+micro-batch count from /metrics before and after, so compute per step is the stage's own measurement."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import urllib.request
+
+import aiohttp
+
+from loadtest.client import send_sse
+from services.launch import scrape_metric, start_up
+
+
+def stage_counters(urls: list[str]) -> list[tuple[float, float]]:
+    out = []
+    for u in urls:
+        text = urllib.request.urlopen(f"{u}/metrics", timeout=5).read().decode()
+        out.append((scrape_metric(text, "stagemesh_stage_busy_seconds_total"),
+                    scrape_metric(text, "stagemesh_stage_microbatches_total")))
+    return out
+
+
+async def one_run(url: str, stage_urls: list[str], tokens: int) -> dict:
+    before = stage_counters(stage_urls)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        res = await send_sse(s, url, "openai", "smollm2", "The history of the printing press", 0, tokens,
+                             ignore_eos=True, temperature=0.0)
+    after = stage_counters(stage_urls)
+    if not res.success:
+        raise RuntimeError(res.error)
+    per_stage = [(b1 - b0) / max(1.0, n1 - n0) for (b0, n0), (b1, n1) in zip(before, after)]
+    itl = statistics.mean(res.itl)
+    compute = sum(per_stage)  # one stream: the stages run one after another on every step
+    return {"itl_ms": itl * 1e3, "compute_ms": compute * 1e3, "overhead_ms": (itl - compute) * 1e3,
+            "per_stage_ms": [x * 1e3 for x in per_stage], "ttft_ms": res.ttft * 1e3}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as logs:
+        gw = start_up(args.stages, args.dtype, logs, *args.extra)
+        try:
+            stage_urls = gw.stage_urls()
+            asyncio.run(one_run(gw.url, stage_urls, 8))  # warm-up
+            runs = [asyncio.run(one_run(gw.url, stage_urls, args.tokens)) for _ in range(args.runs)]
+        finally:
+            gw.stop()
+    print(f"critical path: up --stages {args.stages} ({args.dtype}), 1 stream, {args.tokens} tokens, {args.runs} runs")
+    for r in runs:
+        stages = " + ".join(f"{x:.2f}" for x in r["per_stage_ms"])
+        print(f"  client ITL {r['itl_ms']:6.2f} ms = stage compute {r['compute_ms']:6.2f} ms ({stages}) "
+              f"+ outside compute {r['overhead_ms']:5.2f} ms   (TTFT {r['ttft_ms']:.0f} ms)")
+    med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
+    print(f"median: ITL {med('itl_ms'):.2f} ms, compute {med('compute_ms'):.2f} ms, outside compute "
+          f"{med('overhead_ms'):.2f} ms per token ({med('overhead_ms') / med('itl_ms'):.1%} of the gap)")
+
+
+if __name__ == "__main__":
+    main()
