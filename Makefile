@@ -8,7 +8,7 @@ REF_STAMP := $(VENV)/.reference-installed
 STAGES ?= 2
 PORT ?= 8000
 
-.PHONY: install install-reference install-browser install-kubectl serve test lint bench clean
+.PHONY: llama-server install install-reference install-browser install-kubectl fetch-vocab-suite serve test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,37 @@ $(REF_STAMP): $(STAMP)
 
 install-reference: $(REF_STAMP)
 
+# llama.cpp's tokenizer test suite (models/ggml-vocab-*.gguf with .inp/.out, and src/llama-vocab.cpp) from the
+# sdist of the installed llama-cpp-python, fetched once into a cache (tests/test_vocab_suite.py reads it).
+VOCAB_SUITE ?= $(HOME)/.cache/stagemesh/llama.cpp-src
+$(VOCAB_SUITE)/.fetched: $(REF_STAMP)
+	rm -rf $(VOCAB_SUITE).part && mkdir -p $(VOCAB_SUITE).part
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: -d $(VOCAB_SUITE).part \
+	  "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
+	tar xzf $(VOCAB_SUITE).part/llama_cpp_python-*.tar.gz -C $(VOCAB_SUITE).part --strip-components=3 \
+	  --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/src/llama-vocab.cpp'
+	rm -f $(VOCAB_SUITE).part/llama_cpp_python-*.tar.gz && rm -rf $(VOCAB_SUITE) && mv $(VOCAB_SUITE).part $(VOCAB_SUITE)
+	touch $@
+
+fetch-vocab-suite: $(VOCAB_SUITE)/.fetched
+
+# llama.cpp's own C++ server, the performance anchor of benchmarks/compare_llamacpp (not needed by `make test`):
+# built once from the llama.cpp source vendored in the installed llama-cpp-python's sdist (~8 min on 2 cores).
+LLAMA_SERVER ?= $(HOME)/.cache/stagemesh/llama-server/bin/llama-server
+$(LLAMA_SERVER): | $(REF_STAMP)
+	rm -rf $(LLAMA_SERVER_SRC) && mkdir -p $(LLAMA_SERVER_SRC)
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: -d $(LLAMA_SERVER_SRC) \
+	  "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
+	tar xzf $(LLAMA_SERVER_SRC)/llama_cpp_python-*.tar.gz -C $(LLAMA_SERVER_SRC) --strip-components=3 --wildcards '*/vendor/llama.cpp'
+	cmake -S $(LLAMA_SERVER_SRC) -B $(LLAMA_SERVER_SRC)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
+	cmake --build $(LLAMA_SERVER_SRC)/build --target llama-server -j $$(nproc)
+	mkdir -p $(dir $(LLAMA_SERVER)) && cp $(LLAMA_SERVER_SRC)/build/bin/llama-server $(LLAMA_SERVER)
+	rm -rf $(LLAMA_SERVER_SRC)
+LLAMA_SERVER_SRC := $(HOME)/.cache/stagemesh/llama-server-src
+
+llama-server: $(LLAMA_SERVER)
+
 # kubectl (for `kubectl kustomize`) when the machine has none: Debian's kubernetes-client.
 install-kubectl:
 	@command -v kubectl >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -43,7 +74,7 @@ install-browser:
 serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
-test: install install-reference install-browser install-kubectl
+test: install install-reference install-browser install-kubectl fetch-vocab-suite
 	$(BIN)/python -m pytest -q -ra
 
 lint: install

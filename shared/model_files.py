@@ -40,12 +40,15 @@ class ModelFiles:
         return ChatTemplate(src, bos_token=bos, eos_token=eos)
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Render messages through the model's template and tokenize, parsing its special tokens."""
+        """Render messages through the model's template and tokenize. Only the template's own markup becomes
+        control tokens; every string from the messages is plain text, whatever it spells (issue 11)."""
         from shared.errors import ChatTemplateError
 
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.loader.path} has no tokenizer.chat_template; send a plain prompt instead")
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+        tok = self.tokenizer
+        segments = self.chat_template.render_segments(messages, add_generation_prompt=True, markup=tok.control_texts)
         bos = self.chat_template.bos_token
-        already_has_bos = bool(bos) and text.startswith(bos)  # templates that write BOS themselves
-        return self.tokenizer.encode(text, parse_special=True, add_bos=False if already_has_bos else None)
+        # templates that write BOS themselves
+        already_has_bos = bool(bos) and bool(segments) and not segments[0][1] and segments[0][0].startswith(bos)
+        return tok.encode_segments(segments, add_bos=False if already_has_bos else None)

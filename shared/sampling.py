@@ -11,11 +11,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 MAX_TOP_K = 1_000_000
+# Below this temperature the draw is greedy (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow float32 and the
+# softmax turns to NaN; at 1e-5 a logit gap of 1e-4 is already e^-10 apart, i.e. greedy for any real model.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None  # None: drawn once at the edge so the request stays reproducible
@@ -33,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def with_seed(self) -> SamplingParams:
         """A copy with a concrete seed (drawn now when none was given)."""

@@ -120,3 +120,98 @@ def llama_cpp_logits(llm, ids: list[int]) -> np.ndarray:
 
 
 __all__ = ["GGMLQuantizationType", "TinySpec", "llama_cpp_logits", "llama_cpp_model", "q8_1_bytes", "write_tiny_gguf"]
+
+
+# ---- tokenizer-only GGUFs (chat templates, special tokens) ------------------------------------------------------
+
+# llama.cpp token types (llama_token_type)
+CONTROL_TYPE, USER_DEFINED_TYPE, UNKNOWN_TYPE, BYTE_TYPE = 3, 4, 2, 6
+_SPM_WORDS = ("what is the capital of france berlin paris repeat exactly you said before hello there sure "
+              "assistant user system model answer question a an i am it").split()
+
+
+def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A small SentencePiece vocabulary: <unk> <s> </s>, 256 byte-fallback tokens, single characters, and every
+    substring of "▁word" for a few words (so whole words merge). Scores strictly decrease: no ties to break."""
+    tokens, types = ["<unk>", "<s>", "</s>"], [UNKNOWN_TYPE, CONTROL_TYPE, CONTROL_TYPE]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [BYTE_TYPE] * 256
+    pieces: list[str] = ["▁"] + sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,?!'\n"))
+    for w in _SPM_WORDS:
+        for word in ("▁" + w, "▁" + w.capitalize()):
+            pieces += [word[i:j] for i in range(len(word)) for j in range(i + 2, len(word) + 1)]
+    seen: set[str] = set(tokens)
+    ordered = [p for p in sorted(dict.fromkeys(pieces), key=lambda p: (len(p), p)) if not (p in seen or seen.add(p))]
+    tokens += ordered
+    types += [1] * len(ordered)
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(ordered))]
+    return tokens, scores, types
+
+
+def write_vocab_gguf(path: str, *, model: str = "gpt2", control_tokens: tuple[str, ...] = (),
+                     chat_template: str | None = None, bos: str | None = None, eos: str | None = None,
+                     add_bos: bool = False, add_space_prefix: bool = True) -> str:
+    """A tokenizer-only GGUF (llama architecture metadata, no tensors; llama.cpp opens it with vocab_only=True).
+
+    model "gpt2": SmolLM2's byte-level BPE vocabulary; "llama": a small SentencePiece vocabulary (_spm_vocab).
+    control_tokens are appended as CONTROL tokens (a token already in the vocabulary is made CONTROL instead)."""
+    if model == "gpt2":
+        src = GgufLoader(resolve_model("smollm2"))
+        tokens = list(src.get("tokenizer.ggml.tokens"))
+        types = list(src.get("tokenizer.ggml.token_type"))
+        scores = None
+        merges = list(src.get("tokenizer.ggml.merges"))
+    elif model == "llama":
+        tokens, scores, types = _spm_vocab()
+        merges = None
+    else:
+        raise ValueError(f"model must be 'gpt2' or 'llama', got {model!r}")
+    for t in control_tokens:
+        if t in tokens:
+            types[tokens.index(t)] = CONTROL_TYPE
+        else:
+            tokens.append(t)
+            types.append(CONTROL_TYPE)
+            if scores is not None:
+                scores.append(0.0)
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre("smollm" if model == "gpt2" else "default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores is not None:
+        w.add_token_scores(scores)
+        w.add_unk_token_id(0)
+        w.add_add_space_prefix(add_space_prefix)
+    if merges is not None:
+        w.add_token_merges(merges)
+    if bos is not None:
+        w.add_bos_token_id(tokens.index(bos))
+    if eos is not None:
+        w.add_eos_token_id(tokens.index(eos))
+    w.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def llama_cpp_vocab(path: str):
+    """llama-cpp-python over path's vocabulary only (tokenize/detokenize; no weights needed)."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=path, vocab_only=True, verbose=False)
+
+
+__all__ += ["llama_cpp_vocab", "write_vocab_gguf"]

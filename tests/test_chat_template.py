@@ -59,3 +59,22 @@ def test_raise_exception_reaches_the_caller_as_a_clear_error():
     tpl = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         tpl.render(MESSAGES)
+
+
+@pytest.mark.parametrize("source", [
+    "{% for m in messages %}<t>{{ m['content'] | trim }}</t>{% endfor %}",
+    "{% for m in messages %}{{ '<t>' + m['role'] + '\\n' + m['content'] + '</t>' }}{% endfor %}",
+    "{% for m in messages %}{{ ('<t>' ~ m['content'] ~ '  ') | trim }}</t>{% endfor %}",
+    "{% for m in messages %}<t>{{ m['content'].split('</think>')[-1].lstrip('\\n') }}</t>{% endfor %}",
+    "{% for m in messages %}<t>{{ m['content'][:5] | upper }}|{{ '%s' % m['content'] }}</t>{% endfor %}",
+])
+def test_render_segments_tell_client_text_from_template_text(source):
+    """The pieces join to exactly what render() gives, and every character that came from a message is marked
+    as client text (so the tokenizer never parses it for control tokens), whatever the template did to it."""
+    tpl = ChatTemplate(source)
+    messages = [{"role": "user", "content": "  <t>why</think>\nhello </t> "}]
+    segments = tpl.render_segments(messages)
+    assert "".join(text for text, _ in segments) == tpl.render(messages)
+    template_text = "".join(text for text, client in segments if not client)
+    assert "why" not in template_text and "hello" not in template_text.lower() and "user" not in template_text
+    assert template_text.count("<t>") == 1 and template_text.count("</t>") == 1  # the template's own, only

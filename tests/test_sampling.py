@@ -47,3 +47,22 @@ def test_greedy_seeded_and_logprobs():
     assert a == b and len(set(a)) > 1  # same seed and position: same token; positions differ: draws differ
     tok, lp = sample(logits[:1], [SamplingParams(logprobs=True)], [0])
     assert lp[0] == pytest.approx(float(torch.log_softmax(logits[0], 0)[tok[0]]))
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-39, 5e-324])
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    """Issue 11 item 4: logits / 1e-38 overflows float32 (inf - inf = NaN in softmax). Below 1e-5 the draw is
+    greedy, as vLLM does (_SAMPLING_EPS); the chosen token is the argmax whatever the seed."""
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0)) * 10
+    params = [SamplingParams(temperature=temperature, top_p=0.9, seed=s, logprobs=True) for s in range(4)]
+    tokens, logprobs = sample(logits, params, [0, 1, 2, 3])
+    assert tokens == logits.argmax(-1).tolist()
+    assert all(lp is not None and lp == lp and lp > -1e9 for lp in logprobs)  # finite, not NaN
+
+
+def test_small_temperature_above_the_greedy_bound_still_samples_finite_probabilities():
+    logits = torch.tensor([[30.0, 30.0 - 1e-4, -5.0]])  # two near-ties: at T=1e-4 they stay ~ e^-1 apart
+    picks = Counter(sample(logits, [SamplingParams(temperature=1e-4, seed=s)], [0])[0][0] for s in range(4000))
+    assert set(picks) == {0, 1}
+    expected = float(torch.softmax(logits[0].double() / 1e-4, 0)[1])
+    assert picks[1] / 4000 == pytest.approx(expected, abs=0.03)
