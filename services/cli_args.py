@@ -8,6 +8,7 @@ import argparse
 from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.device import DTYPES
 from shared.errors import StagemeshError
+from shared.models.linear import WEIGHT_MODES
 from shared.sampling import SamplingParams
 
 
@@ -16,6 +17,13 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     if dtype:
         p.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 where the CPU/GPU supports it, else float32)")
+        p.add_argument("--weights", choices=list(WEIGHT_MODES), default=None,
+                       help="matmul kernels: auto (4-bit GGUF types stay int4 for decode, prepacked bf16 for prefill), "
+                            "int4, bf16, f32 (exact reference) (default: f32 with --dtype float32, else auto)")
+        p.add_argument("--batch-invariant", action="store_true",
+                       help="each sequence's numbers independent of what else is in its micro-batch (fixed kernels "
+                            "and reduction order): greedy output reproducible under any load; costs speed at large "
+                            "batches")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +60,49 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help=f"prompt tokens per prefill chunk (default {d.prefill_chunk})")
     p.add_argument("--token-budget", type=int, default=d.token_budget,
                    help=f"tokens per micro-batch (default {d.token_budget})")
+
+
+def add_edge_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's HTTP edge: origin policy, /metrics access, timeouts, drain (`gateway`, `up`)."""
+    from services.gateway.app import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S
+
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages of ORIGIN (e.g. https://app.example.com; repeatable; * = any) call the API "
+                        "and the websocket; default: only pages the gateway serves itself")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="require the API key (STAGEMESH_API_KEY) on /metrics too")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
+                   help=f"on SIGTERM, how long running requests may finish (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    p.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S, metavar="SECONDS",
+                   help="close a connection idle this long, or that has not sent its request headers within it "
+                        f"(default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
+
+
+def edge_from_args(args) -> dict:
+    """GatewayConfig fields from add_edge_args' flags, validated."""
+    origins = []
+    for o in args.allow_origin:
+        o = o.strip().lower().rstrip("/")
+        if o != "*" and not (o.startswith(("http://", "https://")) and "/" not in o.split("://", 1)[1]):
+            raise StagemeshError(f"--allow-origin {o!r} must be '*' or SCHEME://HOST[:PORT], "
+                                 "e.g. https://app.example.com (no path)")
+        origins.append(o)
+    if args.drain_timeout < 0 or args.keepalive_timeout <= 0:
+        raise StagemeshError("--drain-timeout must be >= 0 and --keepalive-timeout > 0 (seconds)")
+    return {"allow_origins": tuple(origins), "metrics_require_key": args.metrics_require_key,
+            "drain_timeout_s": args.drain_timeout, "keepalive_timeout_s": args.keepalive_timeout}
+
+
+def model_flags(args) -> list[str]:
+    """The add_model_args flags of args as a stage command line wants them (what `up` forwards to its stages)."""
+    flags = []
+    if getattr(args, "dtype", None):
+        flags += ["--dtype", args.dtype]
+    if getattr(args, "weights", None):
+        flags += ["--weights", args.weights]
+    if getattr(args, "batch_invariant", False):
+        flags.append("--batch-invariant")
+    return flags
 
 
 def serving_from_args(args) -> ServingConfig:

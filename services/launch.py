@@ -45,6 +45,14 @@ class StageProcess:
     http: str
     proc: subprocess.Popen
     args: list[str] = field(default_factory=list)
+    log_path: str | None = None  # stdout+stderr of this stage, every incarnation appended (None: discarded)
+
+    def spawn(self, mode: str = "a") -> subprocess.Popen:
+        """Start this stage's command, its output appended to log_path (truncated first when mode is "w")."""
+        if self.log_path is None:
+            return subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(self.log_path, mode) as out:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
 
     @property
     def url(self) -> str:
@@ -74,7 +82,7 @@ class LocalMesh:
         restarted = []
         for s in self.stages:
             if s.proc.poll() is not None:
-                s.proc = subprocess.Popen(s.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                s.proc = s.spawn("a")
                 restarted.append(s.index)
         return restarted
 
@@ -115,9 +123,9 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
         http = f"127.0.0.1:{ports[num_stages + i]}"
         next_hop = listens[i + 1] if i + 1 < num_stages else result_listen
         cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, extra or [])
-        out = open(os.path.join(log_dir, f"stage{i}.log"), "w") if log_dir else subprocess.DEVNULL
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log_dir else subprocess.DEVNULL)
-        stages.append(StageProcess(i, listens[i], http, proc, cmd))
+        stage = StageProcess(i, listens[i], http, None, cmd, os.path.join(log_dir, f"stage{i}.log") if log_dir else None)
+        stage.proc = stage.spawn("w")
+        stages.append(stage)
     mesh = LocalMesh(stages, result_listen)
     try:
         wait_ready([s.url for s in stages], ready_timeout, procs=[s.proc for s in stages])

@@ -15,6 +15,7 @@ from shared.errors import StagemeshError
 from shared.generation import GenerationTimings, generate_tokens, perplexity, split_windows
 from shared.layers import parse_split
 from shared.model_files import ModelFiles
+from shared.models import TransformerModel
 from shared.runtime import LocalPipeline
 from shared.tokenizer import IncrementalDetokenizer
 
@@ -55,7 +56,8 @@ def register(sub) -> None:
 def _pipeline(files: ModelFiles, args, kv_slots: int = 1) -> LocalPipeline:
     ranges = parse_split(args.split, files.config.num_layers) if getattr(args, "split", None) else None
     device = default_device()
-    return LocalPipeline.load(files.loader, ranges, resolve_dtype(args.dtype, device), device, kv_slots=kv_slots)
+    return LocalPipeline.load(files.loader, ranges, resolve_dtype(args.dtype, device), device, kv_slots=kv_slots,
+                              weights=args.weights, batch_invariant=args.batch_invariant)
 
 
 def cmd_generate(args) -> int:
@@ -137,6 +139,10 @@ def cmd_inspect(args) -> int:
                       f"bos {tok.bos_id}, eos {tok.eos_id}, add_bos {tok.add_bos}"),
         ("chat template", (loader.chat_template or "none")[:200].replace("\n", "\\n")),
     ]
+    model = TransformerModel.from_gguf(loader, None, resolve_dtype(None, default_device()), default_device())
+    runs_as = Counter(model.weight_summary().values())
+    rows.append((f"runs as ({model.weights})", "; ".join(f"{k} x{v}" for k, v in runs_as.most_common())))
+    rows.append(("weights in memory", f"{model.weight_bytes() / 2**20:.1f} MiB"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import tempfile
 
 from aiohttp import web
 
-from services.cli_args import add_kv_args, add_model_args, add_scheduler_args, serving_from_args
+from services.cli_args import (
+    add_edge_args,
+    add_kv_args,
+    add_model_args,
+    add_scheduler_args,
+    model_flags,
+    serving_from_args,
+)
+from services.gateway.app import GATEWAY, serve_until_signal
 from services.gateway.main import build_app
 from services.launch import LocalMesh, start_mesh
+from shared.errors import StagemeshError
 
 
 def register(sub) -> None:
@@ -24,15 +32,30 @@ def register(sub) -> None:
     add_kv_args(p)
     p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
     add_scheduler_args(p)
+    add_edge_args(p)
     p.set_defaults(func=cmd_up)
 
 
+def log_dir_from_args(given: str | None) -> str:
+    """The directory stage logs go to, created and writable, or a one-line StagemeshError that says what to fix."""
+    if given is None:
+        return tempfile.mkdtemp(prefix="stagemesh-")
+    try:
+        os.makedirs(given, exist_ok=True)
+    except OSError as e:
+        raise StagemeshError(f"--log-dir {given!r} cannot be created: {e.strerror}; pass a writable directory") from None
+    if not os.access(given, os.W_OK | os.X_OK):
+        raise StagemeshError(f"--log-dir {given!r} is not writable; pass a writable directory")
+    return given
+
+
 def cmd_up(args) -> int:
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="stagemesh-")
+    log_dir = log_dir_from_args(args.log_dir)
     print(f"starting {args.stages} stages (logs in {log_dir}) ...", flush=True)
     serving = serving_from_args(args)
-    mesh = start_mesh(args.model, args.stages, dtype=args.dtype, log_dir=log_dir, avoid_ports=frozenset({args.port}),
-                      extra=["--kv-slots", str(serving.kv_slots), "--max-seq-len", str(serving.max_seq_len)])
+    mesh = start_mesh(args.model, args.stages, log_dir=log_dir, avoid_ports=frozenset({args.port}),
+                      extra=model_flags(args) + ["--kv-slots", str(serving.kv_slots),
+                                                 "--max-seq-len", str(serving.max_seq_len)])
     try:
         app = build_app(args.model, mesh.stage_urls, mesh.result_listen, mesh.first_stage, args)
         asyncio.run(_serve(app, args.host, args.port, mesh))
@@ -50,22 +73,15 @@ async def _supervise(mesh: LocalMesh) -> None:
 
 
 async def _serve(app: web.Application, host: str, port: int, mesh: LocalMesh) -> None:
-    n = len(mesh.stages)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    from services.gateway.app import GATEWAY
+    """Serve until SIGINT/SIGTERM; the gateway drains (serve_until_signal) before cmd_up stops the stages, so no
+    stage is stopped with a micro-batch of a live request in hand."""
 
-    pipeline = app[GATEWAY].pipeline
-    while not pipeline.ready:
-        await asyncio.sleep(0.2)
-    print(f"stagemesh is up: open http://{host}:{port}/ (chat page), API at http://{host}:{port}/v1 "
-          f"({n} stages, pid {os.getpid()}; Ctrl-C to stop)", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    supervisor = asyncio.create_task(_supervise(mesh))
-    await stop.wait()
-    supervisor.cancel()
-    await runner.cleanup()
+    async def started() -> None:
+        pipeline = app[GATEWAY].pipeline
+        while not pipeline.ready:
+            await asyncio.sleep(0.2)
+        print(f"stagemesh is up: open http://{host}:{port}/ (chat page), API at http://{host}:{port}/v1 "
+              f"({len(mesh.stages)} stages, pid {os.getpid()}; Ctrl-C to stop)", flush=True)
+        await _supervise(mesh)
+
+    await serve_until_signal(app, host, port, started)

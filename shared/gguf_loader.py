@@ -9,13 +9,13 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
-from gguf.quants import dequantize
 from tqdm import tqdm
 
 from shared.errors import GgufError, UnsupportedTensorType
@@ -26,8 +26,20 @@ _PLAIN_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 _HASH_HEAD_BYTES = 1 << 20
 
 
+@dataclass(frozen=True)
+class RawTensor:
+    """One GGUF tensor as stored: `rows` rows of bytes (a matrix's rows are its output features); shape in torch
+    order, e.g. attn_q.weight (out_features, in_features); decoding is shared.models.linear's job."""
+
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    data: torch.Tensor  # uint8 [rows, row_bytes]
+
+
+@functools.cache
 def supported_tensor_types() -> list[str]:
-    """Every tensor type we can dequantize: the plain ones plus every quant the `gguf` package implements."""
+    """Every tensor type we can decode: the plain ones plus every quant the `gguf` package implements."""
     from gguf import quants
 
     quantized = [t.name for t in GGMLQuantizationType if t in quants._type_traits]
@@ -128,28 +140,24 @@ class GgufLoader:
             names.append("output.weight" if "output.weight" in self._tensors else "token_embd.weight")
         return list(dict.fromkeys(names))
 
-    def load(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Dequantize one tensor into dtype on device, shape in torch order."""
+    def raw(self, name: str) -> RawTensor:
+        """One tensor's bytes as stored (copied out of the map), shape in torch order. Types we cannot decode
+        are refused here, before anything is built from them."""
         try:
             t = self._tensors[name]
         except KeyError:
             raise GgufError(f"{self.path} has no tensor {name!r}") from None
-        if t.tensor_type == GGMLQuantizationType.BF16:
-            arr = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16)).view(torch.bfloat16)
-            return arr.reshape(self.tensor_shape(name)).to(device=device, dtype=dtype)
-        try:
-            values = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
+        if t.tensor_type.name not in supported_tensor_types():
             raise UnsupportedTensorType(
                 f"tensor {name} has type {t.tensor_type.name}, which cannot be dequantized; "
                 f"supported: {', '.join(supported_tensor_types())}"
-            ) from None
-        out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(self.tensor_shape(name))
-        return out.to(device=device, dtype=dtype)
+            )
+        shape = self.tensor_shape(name)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        data = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8).reshape(rows, -1))
+        return RawTensor(name, t.tensor_type.name, shape, data)
 
-    def iter_tensors(
-        self, names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu", desc: str = "loading"
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) for each requested name, with a progress bar when stderr is a terminal."""
+    def iter_raw(self, names: list[str], desc: str = "loading") -> Iterator[RawTensor]:
+        """Yield each requested tensor's RawTensor, with a progress bar when stderr is a terminal."""
         for name in tqdm(names, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False):
-            yield name, self.load(name, dtype, device)
+            yield self.raw(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,7 +25,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free: list[int] = list(range(num_slots))  # a min-heap: the lowest free slot is handed out first, so
+        # live sequences stay packed at the bottom and batched decode can read them as one slice (DecodeWindow)
         self._slot_of: dict[Hashable, int] = {}
 
     def allocate(self, seq_id: Hashable) -> int:
@@ -32,7 +34,7 @@ class KVCache:
             raise BadBatch(f"sequence {seq_id!r} already holds KV slot {self._slot_of[seq_id]}")
         if not self._free:
             raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._slot_of[seq_id] = slot
         return slot
 
@@ -40,7 +42,7 @@ class KVCache:
         slot = self._slot_of.pop(seq_id, None)
         if slot is None:
             return False
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
         return True
 
     def slot(self, seq_id: Hashable) -> int:

@@ -9,6 +9,7 @@ Every field is validated before use; a bad message raises ProtocolError with a c
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -73,6 +74,7 @@ class ForwardBatch:
     hidden: torch.Tensor | None = None  # [N, D], between stages
     trace: dict | None = None  # on-demand capture request (None: off)
     captures: list = field(default_factory=list)  # accumulated captures travelling to the client
+    hop_s: float | None = None  # set on receipt: receive time - the sender's send time (header "sent", wall clock)
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +95,7 @@ class BatchResult:
     tokens: list[int]
     logprobs: list[float | None]
     captures: list = field(default_factory=list)
+    hop_s: float | None = None  # set on receipt, as ForwardBatch.hop_s
 
 
 @dataclass
@@ -161,6 +164,8 @@ def encode(msg: Message) -> list:
     else:
         raise TypeError(f"cannot encode {type(msg).__name__}")
     header["v"] = PROTOCOL_VERSION
+    if isinstance(msg, (ForwardBatch, BatchResult)):
+        header["sent"] = time.time()  # the receiver's hop latency; exact on one host, clock skew across hosts
     frames: list = [None]
     descs = []
     for name, t in tensors:
@@ -260,6 +265,15 @@ def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
     return out
 
 
+def _hop_s(header: dict) -> float | None:
+    """Seconds since the sender stamped the header (optional field: absent gives None)."""
+    sent = header.get("sent")
+    if sent is None:
+        return None
+    _need(isinstance(sent, float) and math.isfinite(sent), "schema", "field 'sent' must be a finite float")
+    return time.time() - sent
+
+
 def decode(frames: list) -> Message:
     """ZMQ frames (bytes or zmq.Frame) -> Message. Raises ProtocolError naming the reason and the field."""
     _need(len(frames) >= 1, "frames", "empty message")
@@ -299,6 +313,7 @@ def decode(frames: list) -> Message:
         if "trace" in header:
             _need(isinstance(header["trace"], dict), "schema", "trace must be a map")
             batch.trace, batch.captures = header["trace"], _captures(header)
+        batch.hop_s = _hop_s(header)
         return batch
     if kind in ("release", "released"):
         ids = _str_list(header, "seq_ids")
@@ -309,7 +324,7 @@ def decode(frames: list) -> Message:
         _need(isinstance(toks, list) and all(isinstance(t, int) for t in toks) and len(toks) == len(ids), "schema",
               "result tokens must be one integer per sequence")
         _need(isinstance(lps, list) and len(lps) == len(ids), "schema", "result logprobs must be one entry per sequence")
-        return BatchResult(_int(header, "mb"), ids, toks, lps, _captures(header))
+        return BatchResult(_int(header, "mb"), ids, toks, lps, _captures(header), _hop_s(header))
     if kind == "error":
         msg = header.get("message")
         _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")

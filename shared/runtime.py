@@ -35,8 +35,11 @@ class StageRuntime:
 
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
-             kv_slots: int = SERVING_DEFAULTS.kv_slots, max_seq_len: int = SERVING_DEFAULTS.max_seq_len) -> StageRuntime:
-        model = TransformerModel.from_gguf(loader, layers, dtype, device)
+             kv_slots: int = SERVING_DEFAULTS.kv_slots, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
+             weights: str | None = None, batch_invariant: bool = False) -> StageRuntime:
+        """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
+        batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel)."""
+        model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant)
         max_seq_len = min(max_seq_len, model.config.context_length)
         return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device))
 
@@ -102,9 +105,11 @@ class LocalPipeline:
 
     @classmethod
     def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
-             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = SERVING_DEFAULTS.max_seq_len) -> LocalPipeline:
+             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
+             weights: str | None = None, batch_invariant: bool = False) -> LocalPipeline:
         ranges = ranges or [None]
-        return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len) for r in ranges])
+        return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len, weights=weights,
+                                      batch_invariant=batch_invariant) for r in ranges])
 
     @property
     def config(self):

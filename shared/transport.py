@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 
 from shared.errors import StagemeshError
+from shared.log_throttle import throttled
 from shared.protocol import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, Message, ProtocolError, decode, encode
 
 log = logging.getLogger("stagemesh.transport")
@@ -88,7 +89,7 @@ class ZmqTransport:
                 return msg
             except ProtocolError as e:
                 self.stats.reject(e.reason)
-                log.warning("dropped a message of %d bytes in %d frames: %s", size, len(frames), e)
+                throttled(log, logging.WARNING, f"dropped:{e.reason}", "dropped a message of %d bytes in %d frames: %s", size, len(frames), e)
 
     async def send(self, msg: Message) -> None:
         if self.outbound is None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
@@ -25,6 +26,7 @@ class TinySpec:
     tied: bool = True
     float_type: str = "F32"  # F32 or F16 for matmul weights
     seed: int = 0
+    quant: str | None = None  # Q4_0 / Q4_1 / Q8_0 ...: matmul weights quantized with gguf.quants (token_embd: Q8_0)
 
 
 def _copy_tokenizer(writer: GGUFWriter, src: GgufLoader) -> None:
@@ -89,6 +91,9 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
         if tensor_type_override and name in tensor_type_override:
             raw, qtype = tensor_type_override[name]
             w.add_tensor(name, raw, raw_dtype=qtype)
+        elif spec.quant and arr.ndim == 2:
+            qtype = GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else GGMLQuantizationType[spec.quant]
+            w.add_tensor(name, quantize(arr.astype(np.float32), qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, arr)
     w.write_header_to_file()

@@ -56,18 +56,23 @@ class DevTools:
         return r["result"].get("value")
 
 
+async def page_ws_url(session: aiohttp.ClientSession, port: int) -> str:
+    """The DevTools websocket of the browser's first page, once Chromium lists it."""
+    for _ in range(100):
+        try:
+            async with session.get(f"http://127.0.0.1:{port}/json/list") as r:
+                pages = [t for t in await r.json() if t["type"] == "page"]
+                if pages:
+                    return pages[0]["webSocketDebuggerUrl"]
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("chromium never listed a page")
+
+
 async def test_chat_page_streams_text_in_a_real_browser(gateway, chromium, output_dir):
     async with aiohttp.ClientSession() as s:
-        for _ in range(100):
-            try:
-                async with s.get(f"http://127.0.0.1:{chromium}/json/list") as r:
-                    pages = [t for t in await r.json() if t["type"] == "page"]
-                    if pages:
-                        break
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-        async with s.ws_connect(pages[0]["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+        async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
             dt = DevTools(ws)
             await dt.call("Page.enable")
             await dt.call("Page.navigate", url=gateway.url + "/")

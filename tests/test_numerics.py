@@ -28,12 +28,15 @@ def reference_logits(llama_ref, windows):
     return [torch.from_numpy(llama_cpp_logits(llama_ref, w)) for w in windows]
 
 
-@pytest.mark.parametrize("dtype,min_top1,max_kl,max_ppl_rel", [
-    (torch.float32, 0.95, 0.01, 0.015),
-    (torch.bfloat16, 0.94, 0.02, 0.02),
+@pytest.mark.parametrize("dtype,weights,min_top1,max_kl,max_ppl_rel", [
+    (torch.float32, "f32", 0.95, 0.01, 0.015),
+    (torch.bfloat16, "auto", 0.95, 0.01, 0.015),  # the default: these windows take auto's prefill kernel
+    (torch.bfloat16, "int4", 0.95, 0.01, 0.015),  # auto's decode kernel (int4 from the GGUF's Q4_1) at every size
+    (torch.bfloat16, "bf16", 0.94, 0.02, 0.02),
 ])
-def test_teacher_forced_parity_with_llama_cpp(smollm2, windows, reference_logits, dtype, min_top1, max_kl, max_ppl_rel):
-    pipeline = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=1)
+def test_teacher_forced_parity_with_llama_cpp(smollm2, windows, reference_logits, dtype, weights, min_top1, max_kl,
+                                              max_ppl_rel):
+    pipeline = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=1, weights=weights)
     kls, agree, nll_ours, nll_ref = [], [], [], []
     for w, ref in zip(windows, reference_logits):
         ours = window_logits(pipeline, w).double()
@@ -46,7 +49,7 @@ def test_teacher_forced_parity_with_llama_cpp(smollm2, windows, reference_logits
     kl = float(torch.cat(kls).mean())
     top1 = float(torch.cat(agree).double().mean())
     ppl_ours, ppl_ref = math.exp(torch.cat(nll_ours).mean()), math.exp(torch.cat(nll_ref).mean())
-    print(f"\n{dtype}: top1 {top1:.4f} KL {kl:.5f} ppl ours {ppl_ours:.4f} llama.cpp {ppl_ref:.4f}")
+    print(f"\n{dtype} weights {weights}: top1 {top1:.4f} KL {kl:.5f} ppl ours {ppl_ours:.4f} llama.cpp {ppl_ref:.4f}")
     assert top1 >= min_top1
     assert kl <= max_kl
     assert abs(ppl_ours / ppl_ref - 1) <= max_ppl_rel
@@ -100,3 +103,24 @@ def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
     for s in ("s40", "s70"):
         pipeline.release(s)
     assert all(p.kv.used_slots == 0 for p in pipeline.pieces)
+
+
+def test_batched_decode_reads_the_cache_in_place_around_idle_slots(smollm2, windows):
+    """Decode batches whose KV slots have gaps (a released sequence, a sequence sitting a step out) and come in any
+    order: each row still equals its single-pass logits (float32)."""
+    from shared.runtime import SeqWork
+    from shared.steps import Decode, Prefill
+
+    pipeline = LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=5)
+    lengths = {"a": 30, "gone": 12, "b": 45, "idle": 20, "c": 60}
+    texts = {name: windows[2][i * 10:i * 10 + n + 2] for i, (name, n) in enumerate(lengths.items())}
+    for name, n in lengths.items():  # slots 0..4 in this order
+        pipeline.run([SeqWork(name, Prefill(n, 0, n, True))], torch.tensor(texts[name][:n]))
+    pipeline.release("gone")
+    for step in range(2):
+        batch = ["c", "a", "b"]  # slots 4, 0, 2: the window spans idle slots 1 and 3
+        out = pipeline.run([SeqWork(s, Decode(lengths[s] + step)) for s in batch],
+                           torch.tensor([texts[s][lengths[s] + step] for s in batch]))
+        for row, s in zip(out, batch):
+            full = window_logits(pipeline, texts[s][:lengths[s] + step + 1], seq_id="check")
+            np.testing.assert_allclose(row.numpy(), full[-1].numpy(), rtol=0, atol=1e-3)

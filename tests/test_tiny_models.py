@@ -9,7 +9,9 @@ import torch
 from shared.errors import GgufError, UnsupportedArchitecture, UnsupportedTensorType
 from shared.generation import window_logits
 from shared.gguf_loader import GgufLoader
-from shared.runtime import LocalPipeline
+from shared.models.linear import INT4_TYPES
+from shared.runtime import LocalPipeline, SeqWork
+from shared.steps import Decode, Prefill
 from tests.conftest import stagemesh_cmd
 from tests.factories import (
     GGMLQuantizationType,
@@ -42,6 +44,50 @@ def test_tiny_model_logits_match_llama_cpp(tmp_path, spec, tolerance):
     print(f"\n{spec.arch} {spec.float_type}: max |diff| / range = {rel:.2e} (range {logit_range:.2f})")
     assert logit_range > 1.0  # the comparison is not vacuous
     assert rel <= tolerance
+
+
+def _decode_logits(pipeline: LocalPipeline, ids: list[int]) -> np.ndarray:
+    """[T, V]: a 1-token prefill, then one decode step per token (the decode-sized kernel at every position)."""
+    rows = [pipeline.run([SeqWork("d", Prefill(1, 0, 1, True))], torch.tensor(ids[:1]))]
+    rows += [pipeline.run([SeqWork("d", Decode(p))], torch.tensor([ids[p]])) for p in range(1, len(ids))]
+    pipeline.release("d")
+    return torch.cat(rows).double().numpy()
+
+
+# 8 heads x 12 + 2 x 1 kv head x 12 = 120 qkv rows: not a multiple of 16, so the int4 kernel cannot take q|k|v and
+# it must fall back to bf16 while the other matrices of the same file still run as int4.
+_NO_INT4_QKV = dict(heads=8, kv_heads=1, head_dim=12)
+
+
+@pytest.mark.parametrize("spec,weights,tolerance", [
+    (TinySpec(quant="Q4_0"), "auto", 1e-2),
+    (TinySpec(quant="Q4_1"), "auto", 1e-2),
+    (TinySpec(quant="Q4_1", tied=False), "int4", 1e-2),
+    (TinySpec(quant="Q8_0"), "auto", 1e-2),
+    (TinySpec(quant="Q4_1", **_NO_INT4_QKV), "auto", 1e-2),
+    (TinySpec(quant="Q4_1"), "f32", 1e-2),
+], ids=lambda v: v if isinstance(v, (float, str)) else f"{v.quant}-{'tied' if v.tied else 'untied'}-hd{v.head_dim}")
+def test_quantized_tiny_model_matches_llama_cpp(tmp_path, spec, weights, tolerance):
+    """Quantized GGUFs load on the default path (bfloat16 -> auto) and match llama.cpp through both of auto's
+    kernels: a 20-token prefill (prepacked bf16) and 1-token decode steps (int4 where the shape allows)."""
+    path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), spec)
+    ref = llama_cpp_logits(llama_cpp_model(path, n_ctx=64), IDS)
+    dtype = torch.float32 if weights == "f32" else torch.bfloat16
+    pipeline = LocalPipeline.load(GgufLoader(path), None, dtype, kv_slots=1, weights=None if weights == "auto" else weights)
+    runs_as = pipeline.pieces[0].model.weight_summary()
+    int4_expected = spec.quant in INT4_TYPES and weights in ("auto", "int4")
+    for name, kind in runs_as.items():
+        fits = not (name.startswith("blk.") and "attn_" in name and name.split(".")[2] in ("attn_q", "attn_k", "attn_v")
+                    and spec.head_dim == 12)
+        is_head = name == "token_embd.weight"  # Q8_0 in these files (as in SmolLM2)
+        assert ("int4" in kind) == (int4_expected and fits and not is_head), (name, kind)
+    logit_range = ref.max() - ref.min()
+    assert logit_range > 1.0  # the comparison is not vacuous
+    for path_name, ours in (("prefill", window_logits(pipeline, IDS).double().numpy()), ("decode", _decode_logits(pipeline, IDS))):
+        rel = np.abs(ours - ref).max() / logit_range
+        agree = (ours.argmax(-1) == ref.argmax(-1)).mean()
+        print(f"\n{spec.quant} {weights} {path_name}: max |diff| / range = {rel:.2e}, top-1 agreement {agree:.2f}")
+        assert rel <= tolerance, path_name
 
 
 def _cli_error(*args):

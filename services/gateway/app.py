@@ -8,11 +8,14 @@ import contextlib
 import hmac
 import logging
 import os
+import signal
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.metrics import GatewayMetrics
@@ -22,6 +25,7 @@ from services.gateway.scheduler import QueueFull, Scheduler, Sequence, new_seq_i
 from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
 from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.errors import ChatTemplateError
+from shared.log_throttle import OneLineThrottleFilter, throttled
 from shared.model_files import ModelFiles
 
 log = logging.getLogger("stagemesh.gateway")
@@ -33,6 +37,14 @@ DEFAULT_TIMEOUT_S = 600.0
 
 API_KEY_ENV = "STAGEMESH_API_KEY"  # when set, /v1/* requires `Authorization: Bearer <key>`
 
+# Edge limits (README "Security / At the HTTP edge" lists them with these defaults).
+DEFAULT_KEEPALIVE_TIMEOUT_S = 15.0  # idle keep-alive, and (aiohttp >= 3.10) the time to send a first request's headers
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SIGTERM: running streams get this long to finish
+BODY_READ_TIMEOUT_S = 30.0  # a request body must arrive within this (a trickled body is cut with 408)
+SMALL_PROMPT_CHARS = 8192  # prompts up to this tokenize in the small lane; longer ones queue in the big lane
+MAX_BIG_PROMPTS_WAITING = 32  # big prompts waiting for the big lane before 429
+FLUSH_AFTER_DRAIN_S = 5.0  # after the drain, how long handlers get to send their final error event
+
 
 @dataclass
 class GatewayConfig:
@@ -40,6 +52,48 @@ class GatewayConfig:
     api_key: str | None = None
     default_max_tokens: int = 256
     request_timeout_s: float = DEFAULT_TIMEOUT_S
+    allow_origins: tuple[str, ...] = ()  # browser origins besides the gateway's own; "*" = any
+    metrics_require_key: bool = False  # /metrics needs the API key too
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+
+
+class TokenizeLanes:
+    """Tokenization off the event loop, in two lanes: prompts of at most SMALL_PROMPT_CHARS characters share two
+    threads; longer ones go one at a time through a third, in arrival order. So a burst of big prompts queues behind
+    itself, never in front of a small request, and at most one big prompt tokenizes at any moment."""
+
+    def __init__(self):
+        self.small = ThreadPoolExecutor(2, thread_name_prefix="tokenize-small")
+        self.big = ThreadPoolExecutor(1, thread_name_prefix="tokenize-big")
+        self.big_waiting = 0  # big prompts submitted and not yet tokenized (<= MAX_BIG_PROMPTS_WAITING)
+
+    async def run(self, chars: int, fn, arg):
+        loop = asyncio.get_running_loop()
+        if chars <= SMALL_PROMPT_CHARS:
+            return await loop.run_in_executor(self.small, fn, arg)
+        if self.big_waiting >= MAX_BIG_PROMPTS_WAITING:
+            raise RequestError(f"{self.big_waiting} long prompts are already waiting to be tokenized; retry shortly "
+                               f"or send prompts of at most {SMALL_PROMPT_CHARS} characters", status=429,
+                               code="queue_full")
+        self.big_waiting += 1
+        try:
+            return await loop.run_in_executor(self.big, fn, arg)
+        finally:
+            self.big_waiting -= 1
+
+    def close(self) -> None:
+        for ex in (self.small, self.big):
+            ex.shutdown(wait=False, cancel_futures=True)
+
+
+def prompt_char_cap(files: ModelFiles, context: int) -> int:
+    """The most characters a prompt can have and still fit `context` tokens: no token of this vocabulary covers
+    more than its longest token's characters (byte-level tokens: one character per byte, and a byte is at most
+    one character), so a longer prompt needs more than `context` tokens. Checked before tokenizing."""
+    vocab = files.tokenizer.plain.get_vocab()
+    longest = max(len(t) for t in vocab) if vocab else 1
+    return context * max(1, longest)
 
 
 @dataclass
@@ -51,20 +105,39 @@ class Gateway:
     scheduler: Scheduler
     metrics: GatewayMetrics
     config: GatewayConfig
+    lanes: TokenizeLanes = field(default_factory=TokenizeLanes)
+    draining: bool = False  # set on SIGTERM: /ready answers 503 "draining" and no request is admitted
+    open_streams: int = 0  # event streams (Gateway.events) not yet ended
+    websockets: set = field(default_factory=set)  # open web.WebSocketResponse objects, closed after a drain
+    _char_cap: tuple[int, int] | None = None  # (context, cap) cache for prompt_char_cap
+
+    def char_cap(self, context: int) -> int:
+        if self._char_cap is None or self._char_cap[0] != context:
+            self._char_cap = (context, prompt_char_cap(self.files, context))
+        return self._char_cap[1]
 
     async def prepare(self, spec: GenerationSpec) -> Sequence:
-        """Tokenize (in a thread: chat templates may take up to their time cap) and check the context."""
+        """Check the size, tokenize (off the loop, in a lane by size: chat templates may take up to their time
+        cap) and check the context."""
+        if self.draining:
+            raise RequestError("the gateway is draining before it stops; retry on another replica or shortly",
+                               status=503, code="draining")
         if not self.pipeline.ready:
             raise RequestError(f"the pipeline is not ready: {self.pipeline.problem}", status=503, code="not_ready")
-        loop = asyncio.get_running_loop()
+        context = self.pipeline.max_seq_len
+        param = "messages" if spec.messages is not None else "prompt"
+        chars = sum(len(m["content"]) for m in spec.messages) if spec.messages is not None else len(spec.prompt)
+        cap = self.char_cap(context)
+        if chars > cap:  # refused before any tokenizing: cannot fit, whatever its tokens
+            raise RequestError(f"the prompt has {chars} characters, more than {context} tokens can hold "
+                               f"(at most {cap} characters here); shorten it", param, code="context_length_exceeded")
         try:
             if spec.messages is not None:
-                ids = await loop.run_in_executor(None, self.files.chat_prompt_ids, spec.messages)
+                ids = await self.lanes.run(chars, self.files.chat_prompt_ids, spec.messages)
             else:
-                ids = await loop.run_in_executor(None, self.files.tokenizer.encode, spec.prompt)
+                ids = await self.lanes.run(chars, self.files.tokenizer.encode, spec.prompt)
         except ChatTemplateError as e:
             raise RequestError(str(e), "messages") from None
-        context = self.pipeline.max_seq_len
         if not ids:
             raise RequestError("the prompt is empty after tokenization", "prompt")
         if len(ids) >= context:
@@ -96,15 +169,38 @@ class Gateway:
         """The request's client events, through the output processor, ending with its done or error event.
         A stop string ends the sequence here: the scheduler frees its slots and reports the finish."""
         proc = OutputProcessor(seq, self.files.tokenizer, spec.stop)
-        while True:
-            out = await seq.outputs.get()
-            already_stopped = proc.stop_string_hit
-            for ev in proc.process(out):
-                yield ev
-                if ev["type"] != "token":
-                    return
-            if proc.stop_string_hit and not already_stopped:
-                self.scheduler.finish(seq, "stop")
+        self.open_streams += 1
+        try:
+            while True:
+                out = await seq.outputs.get()
+                already_stopped = proc.stop_string_hit
+                for ev in proc.process(out):
+                    yield ev
+                    if ev["type"] != "token":
+                        return
+                if proc.stop_string_hit and not already_stopped:
+                    self.scheduler.finish(seq, "stop")
+        finally:
+            self.open_streams -= 1
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting, let running requests finish for up to grace_s, end the rest with an error event that
+        says why, give handlers time to send it, then close the websockets. Connections are still open throughout:
+        call this before the runner's cleanup."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while not self.scheduler.idle and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        ended = self.scheduler.shutdown(f"the gateway is shutting down: this request was still running when the "
+                                        f"{grace_s:g} s drain period ended; retry it")
+        if ended:
+            log.warning("drain: %d requests still running after %g s were ended with an error event", ended, grace_s)
+        flush_deadline = loop.time() + FLUSH_AFTER_DRAIN_S
+        while self.open_streams and loop.time() < flush_deadline:
+            await asyncio.sleep(0.02)
+        for ws in list(self.websockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the gateway is shutting down")
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -114,16 +210,92 @@ def _error(e: RequestError, headers: dict | None = None) -> web.Response:
     return web.json_response(e.openai_body(), status=e.status, headers=headers)
 
 
+def _key_matches(given: str, key: str) -> bool:
+    """Timing-safe compare of any text a client sends (non-ASCII included) against the key: compared as UTF-8
+    bytes ("surrogatepass" never fails), so no input can raise."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), key.encode("utf-8", "surrogatepass"))
+
+
+WS_PATH = "/v1/stream"
+JSON_POSTS = ("/v1/chat/completions", "/v1/completions")
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type"
+HTTP_LOG = "stagemesh.gateway.http"  # aiohttp's per-connection logger: one line per reason per interval
+
+
+def _own_origin(request: web.Request) -> str:
+    return f"{request.scheme}://{request.host}".lower()
+
+
+def origin_allowed(request: web.Request, origin: str) -> bool:
+    """Same-origin by default: a browser page may call only the gateway that served it, unless --allow-origin
+    names its origin (or "*")."""
+    allowed = request.app[GATEWAY].config.allow_origins
+    o = origin.strip().lower().rstrip("/")
+    if "*" in allowed or o in allowed:
+        return True
+    parts = urlsplit(o)
+    return bool(parts.scheme and parts.netloc) and o == _own_origin(request)
+
+
+def _check_key(request: web.Request) -> None:
+    cfg = request.app[GATEWAY].config
+    needs_key = request.path.startswith("/v1/") or (cfg.metrics_require_key and request.path == "/metrics")
+    if not cfg.api_key or not needs_key:
+        return
+    given = request.headers.get("Authorization", "")
+    if not given and request.path == WS_PATH:  # browsers cannot set headers on a websocket: the query, here only
+        given = f"Bearer {request.query.get('api_key', '')}"
+    if not _key_matches(given, f"Bearer {cfg.api_key}"):
+        hint = " (or ?api_key= on the websocket)" if request.path == WS_PATH else ""
+        raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>'{hint} ({API_KEY_ENV})",
+                           status=401, code="invalid_api_key")
+
+
+def _check_content_type(request: web.Request) -> None:
+    """JSON endpoints take JSON: a form or text/plain body is what a cross-site page can send without a
+    preflight, so it is refused. A request without a Content-Type (some SDKs, curl --data-binary) is parsed."""
+    ctype = request.headers.get("Content-Type")
+    if request.method == "POST" and request.path in JSON_POSTS and ctype is not None:
+        mime = ctype.split(";")[0].strip().lower()
+        if not (mime == "application/json" or mime.endswith("+json")):
+            raise RequestError(f"Content-Type {mime!r} is not accepted: send 'Content-Type: application/json'",
+                               status=415, code="unsupported_media_type")
+
+
+def _preflight(request: web.Request, origin: str) -> web.Response:
+    """The answer to a CORS preflight from an allowed origin (the caller checked it)."""
+    wanted = request.headers.get("Access-Control-Request-Headers")
+    return web.Response(status=204, headers={
+        "Access-Control-Allow-Origin": origin, "Vary": "Origin", "Access-Control-Allow-Methods": CORS_METHODS,
+        "Access-Control-Allow-Headers": wanted if wanted and len(wanted) < 512 else CORS_HEADERS,
+        "Access-Control-Max-Age": "600"})
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: every answer to an allowed cross-origin request (SSE streams included, whose headers
+    leave before the handler returns) carries the CORS headers."""
+    origin = request.headers.get("Origin")
+    if origin and request.app[GATEWAY].config.allow_origins and origin.strip().lower().rstrip("/") != \
+            _own_origin(request) and origin_allowed(request, origin):
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers.add("Vary", "Origin")
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
-    """Every error leaves in OpenAI's shape with a message that says what to fix."""
+    """Origin policy, API key and content type, then the handler. Every error leaves in OpenAI's shape with a
+    message that says what to fix; an unexpected exception becomes a 500 in that shape, logged (throttled)."""
     try:
-        key = request.app[GATEWAY].config.api_key
-        if key and request.path.startswith("/v1/") and not hmac.compare_digest(
-                request.headers.get("Authorization", "") or f"Bearer {request.query.get('api_key', '')}",
-                f"Bearer {key}"):
-            raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>' ({API_KEY_ENV})",
-                               status=401, code="invalid_api_key")
+        origin = request.headers.get("Origin")
+        if origin is not None and not origin_allowed(request, origin):
+            raise RequestError(f"origin {origin[:100]!r} may not use this gateway: pages of other origins are "
+                               "refused; start the gateway with --allow-origin ORIGIN to allow one",
+                               status=403, code="origin_not_allowed")
+        if request.method == "OPTIONS" and origin is not None and request.headers.get("Access-Control-Request-Method"):
+            return _preflight(request, origin)
+        _check_key(request)
+        _check_content_type(request)
         return await handler(request)
     except RequestError as e:
         request.app[GATEWAY].metrics.rejected.labels(str(e.status)).inc()
@@ -134,6 +306,14 @@ async def errors_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         return _error(RequestError(f"{e.reason}: {request.method} {request.path}", status=e.status, code="http_error"))
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client went away: nobody to answer
+    except Exception as e:
+        throttled(log, logging.ERROR, f"500:{type(e).__name__}", "internal error on %s %s: %s: %s", request.method,
+                  request.path, type(e).__name__, e, exc_info=e)
+        request.app[GATEWAY].metrics.rejected.labels("500").inc()
+        return _error(RequestError(f"internal error ({type(e).__name__}); the gateway logged it", status=500,
+                                   code="internal_error"))
 
 
 # ---- probes, metrics, page -------------------------------------------------------------------------------------------
@@ -143,9 +323,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    p = request.app[GATEWAY].pipeline
-    body = {"ready": p.ready, "problem": p.problem, "stages": p.stage_urls}
-    return web.json_response(body, status=200 if p.ready else 503)
+    gw = request.app[GATEWAY]
+    p = gw.pipeline
+    is_ready = p.ready and not gw.draining
+    reason = "draining" if gw.draining else None if p.ready else "pipeline"
+    body = {"ready": is_ready, "reason": reason, "problem": p.problem, "stages": p.stage_urls}
+    return web.json_response(body, status=200 if is_ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -162,15 +345,17 @@ async def _background(app: web.Application):
     await gw.pipeline.start()
     task = asyncio.create_task(gw.scheduler.run(), name="scheduler")
     yield
-    gw.scheduler.shutdown()
+    gw.scheduler.shutdown()  # a no-op after Gateway.drain, which ends requests while connections are still open
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await gw.pipeline.close()
+    gw.lanes.close()
 
 
 def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_inflight: int,
              serving: ServingConfig = SERVING_DEFAULTS) -> web.Application:
+    from services.gateway.mesh_view import add_mesh_view
     from services.gateway.openai_api import chat_completions, completions, models
     from services.gateway.ws import stream_ws
 
@@ -179,6 +364,7 @@ def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_i
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
     app[GATEWAY] = Gateway(files, pipeline, scheduler, metrics_, config)
     app.cleanup_ctx.append(_background)
+    app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -187,5 +373,39 @@ def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_i
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", index)
+    add_mesh_view(app, app[GATEWAY])  # GET /v1/mesh, /v1/mesh/stream: the page's #mesh view, `stagemesh status`
     return app
 
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The runner for `app` with the edge timeouts: idle keep-alive, which aiohttp (>= 3.10) also arms when a
+    connection opens, so a client that sends no request, or trickles its headers, is closed after it."""
+    http_log = logging.getLogger(HTTP_LOG)
+    if not any(isinstance(f, OneLineThrottleFilter) for f in http_log.filters):
+        http_log.addFilter(OneLineThrottleFilter())  # malformed HTTP: one line per reason, not a traceback each
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, logger=http_log,
+                         keepalive_timeout=app[GATEWAY].config.keepalive_timeout_s)
+
+
+async def serve_until_signal(app: web.Application, host: str, port: int,
+                             started: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain (Gateway.drain) and only then close connections. `started` runs
+    alongside (the `up` supervisor) and is cancelled at the signal."""
+    runner = make_runner(app)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    side = asyncio.create_task(started()) if started else None
+    try:
+        await stop.wait()
+        if side is not None:
+            side.cancel()
+        gw = app[GATEWAY]
+        print(f"stopping: draining running requests (up to {gw.config.drain_timeout_s:g} s) ...", flush=True)
+        await gw.drain(gw.config.drain_timeout_s)
+    finally:
+        await runner.cleanup()

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
 from aiohttp import web
 
-from services.cli_args import add_model_args, add_scheduler_args, parse_host_port, serving_from_args
-from services.gateway.app import API_KEY_ENV, GatewayConfig, make_app
+from services.cli_args import (
+    add_edge_args,
+    add_model_args,
+    add_scheduler_args,
+    edge_from_args,
+    parse_host_port,
+    serving_from_args,
+)
+from services.gateway.app import API_KEY_ENV, GatewayConfig, make_app, serve_until_signal
 from services.gateway.pipeline import Pipeline
 from shared.errors import StagemeshError
 from shared.model_files import ModelFiles
@@ -29,6 +37,7 @@ def register(sub) -> None:
                    help="ZeroMQ address the last stage sends results to (bound here)")
     p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info)")
     add_scheduler_args(p)
+    add_edge_args(p)
     p.set_defaults(func=cmd_gateway)
 
 
@@ -43,7 +52,11 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
     if inflight < 1:
         raise StagemeshError("--max-inflight must be positive")
     api_key = os.environ.get(API_KEY_ENV) or None
-    return make_app(files, pipeline, GatewayConfig(model_id=model, api_key=api_key), inflight, serving_from_args(args))
+    edge = edge_from_args(args)
+    if edge["metrics_require_key"] and not api_key:
+        raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")
+    return make_app(files, pipeline, GatewayConfig(model_id=model, api_key=api_key, **edge), inflight,
+                    serving_from_args(args))
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:
@@ -59,5 +72,5 @@ def cmd_gateway(args) -> int:
     urls = stage_urls(args.stages, args.num_stages)
     app = build_app(args.model, urls, args.result_listen, args.first_stage, args)
     print(f"stagemesh gateway on http://{host}:{port}/ over {len(urls)} stages", flush=True)
-    web.run_app(app, host=host, port=port, print=None, handler_cancellation=True, access_log=None)
+    asyncio.run(serve_until_signal(app, host, port))  # SIGTERM: drain, then exit 0
     return 0

@@ -2,7 +2,10 @@
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+REJECT_STATUSES = ("400", "401", "403", "404", "408", "413", "429", "500", "503")
 OUTCOMES = ("stop", "length", "cancelled", "timeout", "error")
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300)
+HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
 
 
@@ -13,6 +16,8 @@ class GatewayMetrics:
         for o in OUTCOMES:
             self.requests.labels(o)
         self.rejected = Counter("stagemesh_gateway_rejected_requests", "Requests refused at the edge", ["status"], registry=r)
+        for status in REJECT_STATUSES:  # exported from the start, so rate() over them works before the first reject
+            self.rejected.labels(status)
         self.queue_depth = Gauge("stagemesh_gateway_queue_depth", "Requests waiting for admission", registry=r)
         self.running = Gauge("stagemesh_gateway_running_sequences", "Sequences holding KV slots", registry=r)
         self.inflight = Gauge("stagemesh_gateway_microbatches_in_flight", "Micro-batches in the pipeline now", registry=r)
@@ -24,3 +29,15 @@ class GatewayMetrics:
         self.itl = Histogram("stagemesh_gateway_inter_token_latency_seconds", "Gap between a request's tokens",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.generated_tokens = Counter("stagemesh_gateway_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("stagemesh_gateway_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.e2e = Histogram("stagemesh_gateway_e2e_latency_seconds", "Arrival to the last token of a finished request",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.failovers = Counter("stagemesh_gateway_pipeline_failovers",
+                                 "Times the pipeline's KV state was lost (a stage died or restarted)", registry=r)
+        self.replayed = Counter("stagemesh_gateway_replayed_sequences",
+                                "Running sequences replayed from their token history after a failover", registry=r)
+        self.result_hop = Histogram("stagemesh_gateway_result_hop_latency_seconds",
+                                    "Last stage's send to the gateway's receipt of a result", buckets=HOP_BUCKETS,
+                                    registry=r)
+        self.pipeline_ready = Gauge("stagemesh_gateway_pipeline_ready", "1 when every stage is ready and consistent",
+                                    registry=r)

@@ -3,26 +3,29 @@ They shape the output processor's events into OpenAI's chunk and response object
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 from aiohttp import web
 
-from services.gateway.app import GATEWAY
+from services.gateway.app import BODY_READ_TIMEOUT_S, GATEWAY
 from services.gateway.scheduler import Sequence
-from services.gateway.schemas import GenerationSpec, RequestError
+from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
 
 
 async def _json_body(request: web.Request) -> dict:
-    raw = await request.read()
+    """The body as a JSON object, read within BODY_READ_TIMEOUT_S (a trickled body is cut with 408)."""
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise RequestError(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s", status=408,
+                           code="body_timeout") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RequestError(f"the body is not valid UTF-8 (byte {e.start})") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    body = parse_json_text(text)
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     return body

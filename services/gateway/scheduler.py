@@ -128,6 +128,8 @@ class Scheduler:
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        if reason in ("stop", "length"):
+            self.metrics.e2e.observe(time.perf_counter() - seq.t_arrival)
         if seq in self.waiting:
             self.waiting.remove(seq)
         if self.running.pop(seq.seq_id, None) is not None and seq.computed + seq.feeding > 0:
@@ -136,10 +138,23 @@ class Scheduler:
         self._update_gauges()
         self._wake.set()
 
-    def shutdown(self) -> None:
-        """The gateway is stopping: end every open request so its handler returns."""
-        for seq in [*self.running.values(), *self.waiting]:
-            self.finish(seq, "error", "the gateway is shutting down")
+    def shutdown(self, message: str = "the gateway is shutting down") -> int:
+        """The gateway is stopping: end every open request so its handler returns (with `message` as its error
+        event). Returns how many were ended."""
+        open_ = [*self.running.values(), *self.waiting]
+        for seq in open_:
+            self.finish(seq, "error", message)
+        return len(open_)
+
+    @property
+    def replaying(self) -> int:
+        """Running sequences still re-prefilling their history after a failover."""
+        return sum(1 for s in self.running.values() if s.replays and s.prefilling)
+
+    @property
+    def idle(self) -> bool:
+        """No request is running or waiting."""
+        return not self.running and not self.waiting
 
     # ---- the loop -----------------------------------------------------------------------------------------------
 
@@ -163,11 +178,13 @@ class Scheduler:
             if client is not None:
                 client.abandon(mb)
         self.inflight.clear()
+        self.metrics.failovers.inc()
         for seq in list(self.running.values()):
             if seq.replays >= self.max_replays:
                 self.finish(seq, "error", f"the pipeline failed {seq.replays} times during this request")
             else:
                 seq.reset_for_replay()
+                self.metrics.replayed.inc()
         self._replay_pending = True  # release what surviving stages still hold before replaying
         log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.problem or "a stage restarted",
                     len(self.running))
@@ -177,6 +194,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.t_admitted = time.perf_counter()
             self.running[seq.seq_id] = seq
+            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
     async def _step(self) -> None:
         now = time.perf_counter()
@@ -246,6 +264,8 @@ class Scheduler:
             self.pipeline.mark_lost(str(error))
             return
         sampled = dict(zip(result.seq_ids, zip(result.tokens, result.logprobs))) if result else {}
+        if result is not None and result.hop_s is not None:
+            self.metrics.result_hop.observe(max(0.0, result.hop_s))
         now = time.perf_counter()
         for s in seqs:
             fed, s.feeding = s.feeding, 0

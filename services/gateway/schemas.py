@@ -3,6 +3,7 @@ shape, or a websocket error event) and never reaches a stage."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +22,38 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
     def openai_body(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                429: "rate_limit_exceeded", 503: "server_unavailable"}.get(self.status, "invalid_request_error")
+        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                429: "rate_limit_exceeded", 500: "server_error", 503: "server_unavailable"}.get(
+                    self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def parse_json_text(text: str) -> Any:
+    """JSON text -> value, or RequestError for anything Python's parser cannot turn into a request: syntax errors,
+    nesting deep enough to exhaust the recursion limit, integers longer than Python's 4,300-digit conversion cap.
+    (Lone surrogates parse; `_text` refuses them where strings are used.)"""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                           code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the JSON is nested too deeply; requests need only a few levels", code="invalid_json") from None
+    except ValueError as e:  # int() digit cap: "Exceeds the limit (4300 digits) for integer string conversion"
+        raise RequestError(f"the JSON holds a number Python refuses to convert ({str(e).split(':')[0]}); "
+                           "send numbers of at most a few digits", code="invalid_json") from None
+
+
+def _text(value: str, param: str) -> str:
+    """A client string that must become UTF-8 (prompt, content, stop): lone surrogates such as "\\ud800" are
+    valid JSON but no text, and would fail deep inside the tokenizer."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"'{param}' holds an unpaired surrogate (\\u{ord(value[e.start]):04x}) at character "
+                           f"{e.start}; send valid Unicode text", param) from None
+    return value
 
 
 @dataclass
@@ -79,20 +109,20 @@ def _stop(body: dict) -> list[str]:
             not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in items):
         raise RequestError(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings "
                            f"of at most {MAX_STOP_LEN} characters", "stop")
-    return items
+    return [_text(s, "stop") for s in items]
 
 
 def _content(msg: dict, i: int) -> str:
     c = msg.get("content")
     if isinstance(c, str):
-        return c
+        return _text(c, f"messages[{i}].content")
     if isinstance(c, list):  # OpenAI content parts: only text is supported
         texts = []
         for part in c:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise RequestError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}", f"messages[{i}].content")
             texts.append(part["text"])
-        return "".join(texts)
+        return _text("".join(texts), f"messages[{i}].content")
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
@@ -126,7 +156,7 @@ def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
             raise RequestError("'prompt' must be a non-empty string", "prompt")
         if len(prompt) > MAX_PROMPT_CHARS:
             raise RequestError(f"'prompt' exceeds {MAX_PROMPT_CHARS} characters", "prompt")
-        spec.prompt = prompt
+        spec.prompt = _text(prompt, "prompt")
     n = _integer(body, "n", 1, 1, 1)
     assert n == 1
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -4,14 +4,14 @@ the protocol. One WsSession per socket; each generation's events are pumped by i
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from services.gateway.app import GATEWAY, Gateway
 from services.gateway.scheduler import Sequence
-from services.gateway.schemas import GenerationSpec, RequestError
+from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
+from shared.log_throttle import throttled
 
 log = logging.getLogger("stagemesh.gateway.ws")
 
@@ -33,7 +33,7 @@ class WsSession:
                     await self.ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"send JSON text frames, not binary")
                     break
                 if msg.type == WSMsgType.TEXT:
-                    await self.on_text(msg.data)
+                    await self.on_message(msg.data)
         finally:
             for seq, task in list(self.active.values()):
                 self.gw.scheduler.cancel(seq)
@@ -42,11 +42,24 @@ class WsSession:
     async def error(self, rid: str | None, code: str, message: str) -> None:
         await self.ws.send_json({"type": "error", "id": rid, "code": code, "message": message})
 
+    async def on_message(self, text: str) -> None:
+        """One client message. Whatever it holds, the socket and the client's other streams on it live on: a bad
+        message gets an error event, an unexpected failure an "internal_error" event (logged, throttled)."""
+        try:
+            await self.on_text(text)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            throttled(log, logging.ERROR, f"ws:{type(e).__name__}", "websocket message failed: %s: %s",
+                      type(e).__name__, e, exc_info=e)
+            if not self.ws.closed:
+                await self.error(None, "internal_error", f"internal error ({type(e).__name__}); the gateway logged it")
+
     async def on_text(self, text: str) -> None:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            return await self.error(None, "invalid_json", f"not valid JSON: {e.msg}")
+            data = parse_json_text(text)
+        except RequestError as e:
+            return await self.error(None, e.code, e.message)
         if not isinstance(data, dict):
             return await self.error(None, "invalid_request", "each message must be a JSON object with a 'type'")
         rid, kind = data.get("id"), data.get("type")
@@ -85,9 +98,14 @@ class WsSession:
 
 
 async def stream_ws(request: web.Request) -> web.WebSocketResponse:
+    gw = request.app[GATEWAY]
     ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, heartbeat=30)
     await ws.prepare(request)
-    await WsSession(request.app[GATEWAY], ws).run()
+    gw.websockets.add(ws)  # closed with "going away" after a drain
+    try:
+        await WsSession(gw, ws).run()
+    finally:
+        gw.websockets.discard(ws)
     if ws.close_code == WSCloseCode.MESSAGE_TOO_BIG:
         log.info("websocket closed: a frame exceeded %d bytes", MAX_WS_MESSAGE)
     return ws

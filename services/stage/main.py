@@ -102,7 +102,8 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     dtype = resolve_dtype(args.dtype, device)
     try:
         runtime = await loop.run_in_executor(
-            None, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len))
+            None, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len,
+                                            weights=args.weights, batch_invariant=args.batch_invariant))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))
         await runner.cleanup()

@@ -5,7 +5,7 @@ KV use) are read at scrape time by a collector, so there is one source of truth 
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.protocol import REJECT_REASONS
@@ -29,6 +29,20 @@ class _LiveCollector:
         yield GaugeMetricFamily("stagemesh_stage_queue_depth", "Prefetched inputs waiting for compute", value=s["queue_depth"])
         yield GaugeMetricFamily("stagemesh_stage_kv_slots_used", "KV cache slots held by live sequences", value=s["kv_used"])
         yield GaugeMetricFamily("stagemesh_stage_kv_slots", "KV cache slots in total", value=s["kv_slots"])
+        yield GaugeMetricFamily("stagemesh_stage_bubble_ratio",
+                                "Share of the compute loop's time spent waiting for input since start "
+                                "(windowed: rate(waiting) / (rate(waiting) + rate(busy)))", value=s["bubble_ratio"])
+
+
+# Micro-batch sizes (tokens) grouped into a few classes, so compute time per size is one bounded label.
+SIZE_CLASSES = ((1, "1"), (8, "2-8"), (32, "9-32"), (128, "33-128"), (512, "129-512"))
+LARGEST_CLASS = "513+"
+COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
+HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+def size_class(tokens: int) -> str:
+    return next((name for top, name in SIZE_CLASSES if tokens <= top), LARGEST_CLASS)
 
 
 class StageMetrics:
@@ -40,4 +54,11 @@ class StageMetrics:
         self.waiting = Counter("stagemesh_stage_waiting_for_input_seconds",
                                "Seconds the compute loop waited for input", registry=r)
         self.errors = Counter("stagemesh_stage_microbatch_errors", "Micro-batches that failed on this stage", registry=r)
+        self.compute = Histogram("stagemesh_stage_compute_seconds", "Compute time per micro-batch, by its size in tokens",
+                                 ["tokens"], buckets=COMPUTE_BUCKETS, registry=r)
+        for _, name in (*SIZE_CLASSES, (0, LARGEST_CLASS)):
+            self.compute.labels(name)
+        self.hop = Histogram("stagemesh_stage_hop_latency_seconds",
+                             "Upstream sender's send to this stage's receipt of a micro-batch", buckets=HOP_BUCKETS,
+                             registry=r)
         r.register(_LiveCollector(read_live))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from services.stage.io import StageIO
-from services.stage.metrics import StageMetrics
+from services.stage.metrics import StageMetrics, size_class
 from shared.errors import StagemeshError
 from shared.layers import LayerRange, StagePosition
 from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
@@ -52,12 +52,15 @@ class StageWorker:
         self.metrics = StageMetrics(self.live_stats)
         self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.busy_s = self.wait_s = 0.0
+        self.mb_count = self.hop_count = 0  # with busy_s and hop_s: what /info reports for the gateway's mesh view
+        self.hop_s = 0.0
 
     def live_stats(self) -> dict:
         stats = self.io.transport.stats
         return {"bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out, "send_seconds": self.io.send_seconds,
                 "rejected": dict(stats.rejected), "queue_depth": self.io.queue_depth,
-                "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots}
+                "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots,
+                "bubble_ratio": self.wait_s / (self.wait_s + self.busy_s) if self.wait_s + self.busy_s else 0.0}
 
     async def run(self) -> None:
         await self.io.start()
@@ -69,6 +72,8 @@ class StageWorker:
                     t0 = time.perf_counter()
                     msg = await self.io.receive()
                     self._waited(time.perf_counter() - t0)
+                if isinstance(msg, ForwardBatch) and msg.hop_s is not None:
+                    self._hopped(max(0.0, msg.hop_s))
                 if isinstance(msg, ForwardBatch):
                     t0 = time.perf_counter()
                     out = await loop.run_in_executor(self.compute_thread, self.compute, msg)
@@ -88,8 +93,15 @@ class StageWorker:
         self.wait_s += s
         self.metrics.waiting.inc(s)
 
+    def _hopped(self, s: float) -> None:
+        self.hop_s += s
+        self.hop_count += 1
+        self.metrics.hop.observe(s)
+
     def _busy(self, s: float, tokens: int) -> None:
         self.busy_s += s
+        self.mb_count += 1
+        self.metrics.compute.labels(size_class(tokens)).observe(s)
         self.metrics.busy.inc(s)
         self.metrics.microbatches.inc()
         self.metrics.tokens.inc(tokens)
@@ -127,14 +139,24 @@ class StageWorker:
             offset += s.step.num_tokens
         return None
 
+    def _weights_info(self) -> dict:
+        """What each matmul of this stage runs as (GGUF tensor name -> kernel) and the bytes it holds."""
+        model = self.runtime.model
+        return {"mode": model.weights, "batch_invariant": model.batch_invariant, "bytes": model.weight_bytes(),
+                "tensors": model.weight_summary()}
+
     def info(self) -> dict:
         ident, kv = self.identity, self.runtime.kv
         return {
             "model": ident.model_name, "fingerprint": ident.fingerprint, "layers": [ident.layers.start, ident.layers.stop],
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
             "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
+            "weights": self._weights_info(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len},
             "prefetch": self.io.prefetch,
             "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
             "rejected": dict(self.io.transport.stats.rejected),
+            # cumulative, with this process's monotonic clock, so a poller can take exact rates between two polls
+            "clock_s": round(time.monotonic(), 4), "microbatches": self.mb_count,
+            "sending_seconds": round(self.io.send_seconds, 4), "hop_seconds": round(self.hop_s, 6), "hops": self.hop_count,
         }

@@ -2,7 +2,8 @@
 
 Holds weights and config only. The runtime owns the KV cache and passes it in. Shapes:
 N = packed tokens of a micro-batch, D = hidden, H / KVH = query / kv heads, hd = head_dim.
-The residual stream stays float32 whatever the weight dtype; matmuls run in the weight dtype.
+The residual stream, norms and rope stay float32; every matmul is a shared.models.linear weight (int4 / prepacked
+bf16 / float32 by the weights mode) whose output is added to the stream as it is (the add promotes, no extra cast).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from shared.errors import CapabilityMissing, GgufError
-from shared.gguf_loader import GgufLoader
+from shared.gguf_loader import GgufLoader, RawTensor
 from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models.config import ModelConfig
+from shared.models.linear import WEIGHT_MODES, Linear, QuantizedRows, dequantize, make_linear
 
 
 class LayerHook(Protocol):
@@ -29,7 +31,7 @@ class LayerHook(Protocol):
 
 
 # GGUF per-block tensor names -> our parameter names, declared once (tinygrad's convert_from_gguf style).
-# Fused at load: q|k|v -> qkv, gate|up -> gate_up, so one matmul does the work of several.
+# Fused at load: q|k|v -> qkv, gate|up -> gate_up, so one matmul does the work of several (packed form included).
 BLOCK_TENSORS = {
     "attn_norm.weight": "attn_norm",
     "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
@@ -39,12 +41,13 @@ BLOCK_TENSORS = {
     "ffn_norm.weight": "ffn_norm",
     "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
 }
-_NORMS = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv"}  # kept in float32
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Over the last dim, computed in float32 (weight float32); the result cast once to `dtype` (the next matmul's
+    input) if given."""
+    out = F.rms_norm(x.float(), weight.shape, weight, eps)
+    return out if dtype is None else out.to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,9 +62,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     d = cos.shape[-1] * 2
     rot, rest = x[..., :d], x[..., d:]
     c, s = cos[:, None, :], sin[:, None, :]  # [N, 1, d/2]
-    if style == "normal":
-        x0, x1 = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    if style == "normal":  # (x0 + i x1) * (cos + i sin): one complex multiply instead of six real ops and a stack
+        pairs = torch.view_as_complex(rot.contiguous().view(*rot.shape[:-1], d // 2, 2))  # [N, heads, d/2]
+        out = torch.view_as_real(pairs * torch.complex(c, s)).flatten(-2)
     else:
         x0, x1 = rot[..., : d // 2], rot[..., d // 2:]
         out = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
@@ -70,77 +73,108 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 @dataclass
 class Block:
-    """One transformer block's weights (float32 norms/biases, matmul weights in the model dtype)."""
+    """One transformer block: float32 norms/biases; matmuls as shared.models.linear weights (x [N, in] -> [N, out])."""
 
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, D]
+    qkv: Linear  # [D] -> [q_size + 2 * kv_size]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    wo: torch.Tensor  # [D, q_size]
+    wo: Linear  # [q_size] -> [D]
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * I, D]
-    w_down: torch.Tensor  # [D, I]
+    gate_up: Linear  # [D] -> [2 * I]
+    w_down: Linear  # [I] -> [D]
+
+    def linears(self) -> dict[str, Linear]:
+        return {"qkv": self.qkv, "wo": self.wo, "gate_up": self.gate_up, "w_down": self.w_down}
+
+    def vectors(self) -> list[torch.Tensor]:
+        return [t for t in (self.attn_norm, self.qkv_bias, self.q_norm, self.k_norm, self.ffn_norm) if t is not None]
+
+
+def resolve_weights(weights: str | None, dtype: torch.dtype) -> str:
+    """The weights mode a load uses: float32 compute means the exact reference (f32) unless told otherwise."""
+    weights = weights or ("f32" if dtype == torch.float32 else "auto")
+    if weights not in WEIGHT_MODES:
+        raise GgufError(f"unknown weights mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
+    return weights
 
 
 class TransformerModel:
-    """Weights + config of layers [range.start, range.stop), plus embedding and/or lm_head by position."""
+    """Weights + config of layers [range.start, range.stop), plus embedding and/or lm_head by position.
+
+    dtype: the activation / KV-cache dtype between matmuls; `weights` (a WEIGHT_MODES entry) says which kernel
+    each matmul runs as. batch_invariant: every row's numbers are independent of the other rows of its micro-batch
+    (one kernel at every batch size, per-sequence attention of exact length)."""
 
     def __init__(self, config: ModelConfig, layers: LayerRange, blocks: list[Block], dtype: torch.dtype,
-                 embedding: torch.Tensor | None, output_norm: torch.Tensor | None, output: torch.Tensor | None):
+                 embedding: QuantizedRows | None, output_norm: torch.Tensor | None, output: Linear | None,
+                 weights: str = "f32", batch_invariant: bool = False, sources: dict[str, list[str]] | None = None):
         self.config = config
         self.layers = layers
         self.position = layers.position(config.num_layers)
         self.blocks = blocks
         self.dtype = dtype
-        self.embedding = embedding  # [V, D] or None
+        self.embedding = embedding  # token ids -> [N, D] float32, or None
         self.output_norm = output_norm  # [D] or None
-        self.output = output  # [V, D] or None (may be the same tensor as embedding when tied)
+        self.output = output  # [D] -> [V], or None
+        self.weights = weights
+        self.batch_invariant = batch_invariant
+        self._sources = sources or {}  # our weight name -> the GGUF tensors it was built from
 
     # ---- construction --------------------------------------------------------------------------------
 
     @classmethod
     def from_gguf(cls, loader: GgufLoader, layers: LayerRange | None = None, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> TransformerModel:
-        """Load only the tensors of `layers` (default: all), plus embedding / head by stage position."""
+                  device: torch.device | str = "cpu", *, weights: str | None = None,
+                  batch_invariant: bool = False) -> TransformerModel:
+        """Load only the tensors of `layers` (default: all), plus embedding / head by stage position.
+        weights: a WEIGHT_MODES entry; None means f32 for float32 dtype, else auto."""
+        weights = resolve_weights(weights, dtype)
         config = ModelConfig.from_gguf(loader)
         layers = layers or LayerRange(0, config.num_layers)
         position = layers.position(config.num_layers)
         names = loader.names_for(layers, position)
-        raw: dict[str, torch.Tensor] = {}
-        for name, tensor in loader.iter_tensors(names, torch.float32, device, desc=f"layers {layers}"):
-            raw[name] = tensor
-        blocks = [cls._block(config, raw, i, dtype, loader.path) for i in layers]
-        embedding = raw["token_embd.weight"].to(dtype) if position.has_embedding else None
+        raw: dict[str, RawTensor] = {r.name: r for r in loader.iter_raw(names, desc=f"layers {layers}")}
+
+        def linear(*names: str) -> Linear:
+            return make_linear([raw[n] for n in names], weights, device, batch_invariant)
+
+        def vector(name: str) -> torch.Tensor:
+            return dequantize(raw[name]).reshape(-1).to(device)
+
+        sources: dict[str, list[str]] = {}
+        blocks = [cls._block(config, raw, i, linear, vector, sources, loader.path) for i in layers]
+        embedding = QuantizedRows(raw["token_embd.weight"]) if position.has_embedding else None
         output_norm = output = None
         if position.has_lm_head:
-            output_norm = raw["output_norm.weight"]
-            if config.tied_embeddings and embedding is not None:
-                output = embedding
-            else:
-                output = raw["output.weight" if not config.tied_embeddings else "token_embd.weight"].to(dtype)
-        return cls(config, layers, blocks, dtype, embedding, output_norm, output)
+            output_norm = vector("output_norm.weight")
+            head = "output.weight" if not config.tied_embeddings else "token_embd.weight"
+            output, sources["output"] = linear(head), [head]
+        return cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources)
 
     @staticmethod
-    def _block(config: ModelConfig, raw: dict[str, torch.Tensor], i: int, dtype: torch.dtype, path: str) -> Block:
-        p: dict[str, torch.Tensor] = {}
-        for gguf_name, ours in BLOCK_TENSORS.items():
-            t = raw.pop(f"blk.{i}.{gguf_name}", None)
-            if t is not None:
-                p[ours] = t if ours in _NORMS else t.to(dtype)
+    def _block(config: ModelConfig, raw: dict[str, RawTensor], i: int, linear, vector, sources: dict[str, list[str]],
+               path: str) -> Block:
+        present = {ours: f"blk.{i}.{gguf_name}" for gguf_name, ours in BLOCK_TENSORS.items() if f"blk.{i}.{gguf_name}" in raw}
         required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
         if config.traits.qkv_bias:
             required += ["bq", "bk", "bv"]
         if config.traits.qk_norm:
             required += ["q_norm", "k_norm"]
-        missing = [BLOCK_TENSORS_INV[r] for r in required if r not in p]
+        missing = [BLOCK_TENSORS_INV[r] for r in required if r not in present]
         if missing:
             raise GgufError(f"{path}: block {i} lacks {', '.join(missing)} needed by architecture {config.architecture}")
-        bias = torch.cat([p["bq"], p["bk"], p["bv"]]) if "bq" in p else None
+        p = present
+        fused = {"qkv": [p["wq"], p["wk"], p["wv"]], "wo": [p["wo"]], "gate_up": [p["w_gate"], p["w_up"]],
+                 "w_down": [p["w_down"]]}
+        sources.update({f"blk.{i}.{ours}": names for ours, names in fused.items()})
+        bias = torch.cat([vector(p["bq"]), vector(p["bk"]), vector(p["bv"])]) if "bq" in p else None
         return Block(
-            attn_norm=p["attn_norm"], qkv=torch.cat([p["wq"], p["wk"], p["wv"]]).contiguous(), qkv_bias=bias,
-            q_norm=p.get("q_norm"), k_norm=p.get("k_norm"), wo=p["wo"], ffn_norm=p["ffn_norm"],
-            gate_up=torch.cat([p["w_gate"], p["w_up"]]).contiguous(), w_down=p["w_down"],
+            attn_norm=vector(p["attn_norm"]), qkv=linear(*fused["qkv"]), qkv_bias=bias,
+            q_norm=vector(p["q_norm"]) if "q_norm" in p else None, k_norm=vector(p["k_norm"]) if "k_norm" in p else None,
+            wo=linear(*fused["wo"]), ffn_norm=vector(p["ffn_norm"]), gate_up=linear(*fused["gate_up"]),
+            w_down=linear(*fused["w_down"]),
         )
 
     # ---- capabilities ----------------------------------------------------------------------------------
@@ -154,16 +188,29 @@ class TransformerModel:
         return self.position.has_lm_head
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight this piece holds (a tied embedding/head counted once)."""
-        seen, total = set(), 0
-        tensors = [self.embedding, self.output_norm, self.output]
-        for b in self.blocks:
-            tensors += [b.attn_norm, b.qkv, b.qkv_bias, b.q_norm, b.k_norm, b.wo, b.ffn_norm, b.gate_up, b.w_down]
-        for t in tensors:
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.nbytes
+        """Bytes of every weight representation this piece holds (int4 and bf16 copies both counted; a tied
+        embedding/head counted as the two representations it is)."""
+        total = sum(t.nbytes for b in self.blocks for t in b.vectors())
+        total += sum(w.nbytes for b in self.blocks for w in b.linears().values())
+        for part in (self.embedding, self.output_norm, self.output):
+            total += part.nbytes if part is not None else 0
         return total
+
+    def weight_summary(self) -> dict[str, str]:
+        """GGUF matrix name -> what it runs as here, e.g. 'int4-g32 (< 12 tokens) | bf16-prepacked'. Norms and
+        biases always run as float32 and are not listed."""
+        ours: dict[str, str] = {}
+        for local, b in enumerate(self.blocks):
+            for name, w in b.linears().items():
+                ours[f"blk.{self.layers.start + local}.{name}"] = w.kind
+        if self.output is not None:
+            ours["output"] = self.output.kind
+        out = {gguf: kind + (f" (fused {name.rsplit('.', 1)[-1]})" if len(self._sources[name]) > 1 else "")
+               for name, kind in ours.items() for gguf in self._sources[name]}
+        if self.embedding is not None:
+            head = out.get("token_embd.weight")
+            out["token_embd.weight"] = f"{self.embedding.kind} (embedding)" + (f", {head} (lm_head)" if head else "")
+        return out
 
     def new_kv_cache(self, num_slots: int, max_seq_len: int, device: torch.device | str = "cpu") -> KVCache:
         c = self.config
@@ -172,86 +219,127 @@ class TransformerModel:
     # ---- compute -----------------------------------------------------------------------------------------
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [N] -> hidden [N, D] float32."""
+        """token_ids [N] -> hidden [N, D] float32 (the GGUF's own values, whatever the weights mode)."""
         if self.embedding is None:
             raise CapabilityMissing(f"layers {self.layers} ({self.position.value} stage) hold no token embedding; "
                                     "only the first stage embeds token ids")
-        return F.embedding(token_ids, self.embedding).float()
+        return self.embedding(token_ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, D] -> logits [M, V] float32 (final norm included)."""
         if self.output is None or self.output_norm is None:
             raise CapabilityMissing(f"layers {self.layers} ({self.position.value} stage) hold no lm_head; "
                                     "only the last stage computes logits")
-        x = rms_norm(hidden, self.output_norm, self.config.rms_norm_eps).to(self.dtype)
-        return F.linear(x, self.output).float()
+        return self.output(rms_norm(hidden, self.output_norm, self.config.rms_norm_eps, self.dtype)).float()
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
         """hidden [N, D] float32 -> [N, D] float32 through this piece's layers, writing their K/V into kv."""
         c = self.config
         cos, sin = rope_cos_sin(layout.positions, c.rope_dim, c.rope_theta)
+        decode = DecodeWindow.of(layout, c, self.dtype) if layout.decode_only and not self.batch_invariant else None
         for local, block in enumerate(self.blocks):
             layer = self.layers.start + local
             if hook is not None:
                 hidden = hook.on_layer_input(layer, hidden)
-            h = hidden + self._attention(block, rms_norm(hidden, block.attn_norm, c.rms_norm_eps), cos, sin,
-                                         layout, kv.k[local], kv.v[local])
-            hidden = h + self._mlp(block, rms_norm(h, block.ffn_norm, c.rms_norm_eps))
+            # float32 residual stream + the block's outputs (bf16 or float32; the add promotes, no extra copy)
+            h = hidden + self._attention(block, rms_norm(hidden, block.attn_norm, c.rms_norm_eps, self.dtype), cos, sin,
+                                         layout, decode, kv.k[local], kv.v[local])
+            hidden = h + self._mlp(block, rms_norm(h, block.ffn_norm, c.rms_norm_eps, self.dtype))
             if hook is not None:
                 hidden = hook.on_layer_output(layer, hidden)
         return hidden
 
-    def _mlp(self, b: Block, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x.to(self.dtype), b.gate_up).chunk(2, dim=-1)  # [N, I] each
-        return F.linear(F.silu(gate) * up, b.w_down).float()
+    @staticmethod
+    def _mlp(b: Block, x: torch.Tensor) -> torch.Tensor:
+        gate, up = b.gate_up(x).chunk(2, dim=-1)  # [N, I] each
+        return b.w_down(F.silu(gate) * up)  # [N, D]
 
     def _attention(self, b: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                   decode: DecodeWindow | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
-        qkv = F.linear(x.to(self.dtype), b.qkv)  # [N, q_size + 2 kv_size]
+        qkv = b.qkv(x)  # [N, q_size + 2 kv_size]
         if b.qkv_bias is not None:
             qkv = qkv.float() + b.qkv_bias
-        q, k, v = qkv.float().split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(n, c.num_heads, c.head_dim)
-        k = k.view(n, c.num_kv_heads, c.head_dim)
-        if b.q_norm is not None:
-            q, k = rms_norm(q, b.q_norm, c.rms_norm_eps), rms_norm(k, b.k_norm, c.rms_norm_eps)
+        v = qkv[:, c.q_size + c.kv_size:].view(n, c.num_kv_heads, c.head_dim).to(self.dtype)
         style = c.traits.rope_style
-        q = apply_rope(q, cos, sin, style).to(self.dtype)
-        k = apply_rope(k, cos, sin, style).to(self.dtype)
-        v = v.view(n, c.num_kv_heads, c.head_dim).to(self.dtype)
+        if b.q_norm is None:  # rope q and k together: [N, H + KVH, hd], in float32 as llama.cpp does
+            qk = apply_rope(qkv[:, :c.q_size + c.kv_size].float().view(n, -1, c.head_dim), cos, sin, style).to(self.dtype)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+        else:
+            q, k = qkv[:, :c.q_size].float().view(n, c.num_heads, c.head_dim), qkv[:, c.q_size:c.q_size + c.kv_size].float()
+            q = apply_rope(rms_norm(q, b.q_norm, c.rms_norm_eps), cos, sin, style).to(self.dtype)
+            k = apply_rope(rms_norm(k.view(n, c.num_kv_heads, c.head_dim), b.k_norm, c.rms_norm_eps), cos, sin, style)
+            k = k.to(self.dtype)
         # k_cache / v_cache: [slots, KVH, max_seq, hd]; write this micro-batch's keys/values first.
         k_cache[layout.token_slots, :, layout.positions] = k
         v_cache[layout.token_slots, :, layout.positions] = v
-        if layout.decode_only:
-            out = self._decode_attention(q, layout, k_cache, v_cache)
+        if decode is not None:
+            out = decode.attention(q, k_cache, v_cache)
         else:
             out = torch.cat([self._sequence_attention(q[o:o + ln], slot, start, ln, k_cache, v_cache)
                              for slot, start, ln, o in zip(layout.slots, layout.starts, layout.lengths, layout.offsets)])
-        return F.linear(out.reshape(n, c.q_size), b.wo).float()
-
-    @staticmethod
-    def _decode_attention(q, layout, k_cache, v_cache) -> torch.Tensor:
-        """One query per sequence, sequences of different lengths: q [B, H, hd] -> [B, H, hd]."""
-        ends = layout.positions + 1  # [B] keys visible to each query
-        ctx = int(ends.max())
-        slots = layout.token_slots  # one token per sequence: the token's slot is its sequence's
-        keys, values = k_cache[slots, :, :ctx], v_cache[slots, :, :ctx]  # [B, KVH, ctx, hd]
-        mask = (torch.arange(ctx, device=q.device)[None, :] < ends[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
-        return out[:, :, 0, :]
+        return b.wo(out.reshape(n, c.q_size))
 
     @staticmethod
     def _sequence_attention(q, slot, start, length, k_cache, v_cache) -> torch.Tensor:
-        """A chunk of one sequence at positions [start, start+length): q [T, H, hd] -> [T, H, hd], causal."""
+        """A chunk of one sequence at positions [start, start+length): q [T, H, hd] -> [T, H, hd], causal, reading
+        exactly `start + length` cached positions in place. Also the batch-invariant decode path (T = 1)."""
         end = start + length
-        keys, values = k_cache[slot, :, :end][None], v_cache[slot, :, :end][None]  # [1, KVH, end, hd]
+        keys, values = k_cache[slot, :, :end][None], v_cache[slot, :, :end][None]  # [1, KVH, end, hd] views
+        if length == 1:  # one query sees every cached key: no mask
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, enable_gqa=True)
+            return out[0].transpose(0, 1)
         query_pos = torch.arange(start, end, device=q.device)
         mask = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]  # [T, end]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1)
+
+
+@dataclass
+class DecodeWindow:
+    """Batched decode attention that reads the KV cache in place. The batch's slots lie in [lo, lo + span)
+    (KVCache hands out the lowest free slot, so live sequences stay packed); attention runs over that slice of the
+    cache as a view -- slots in it that are not in the batch compute a throw-away row -- instead of gathering
+    every sequence's K/V. Built once per step, used by every layer. GQA as query length: the g = H / KVH query
+    heads sharing a kv head become g queries of that head, so no K/V is repeated."""
+
+    lo: int
+    span: int
+    rows: torch.Tensor | None  # [B] int64: each sequence's row in the window (slot - lo); None: row i is slot lo + i
+    mask: torch.Tensor | None  # [span, 1, 1, ctx] additive (0 / -inf, the query dtype); None: every row sees ctx keys
+    ctx: int
+    group: int
+
+    @classmethod
+    def of(cls, layout: BatchLayout, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow:
+        lo, hi = min(layout.slots), max(layout.slots)
+        span = hi - lo + 1
+        ctx = int(layout.positions.max()) + 1
+        in_order = layout.slots == list(range(lo, lo + span))
+        rows = None if in_order else layout.token_slots - lo
+        mask = None
+        if not (in_order and bool((layout.positions == ctx - 1).all())):
+            ends = torch.ones(span, dtype=torch.long, device=layout.positions.device)  # unused rows: key 0 only
+            ends[layout.token_slots - lo] = layout.positions + 1
+            visible = torch.arange(ctx, device=ends.device)[None, :] < ends[:, None]  # [span, ctx]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))
+            mask = mask[:, None, None, :]
+        return cls(lo, span, rows, mask, ctx, c.num_heads // c.num_kv_heads)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [B, H, hd] -> [B, H, hd] against k_cache / v_cache [slots, KVH, max_seq, hd]."""
+        b, h, hd = q.shape
+        window = slice(self.lo, self.lo + self.span)
+        keys, values = k_cache[window, :, :self.ctx], v_cache[window, :, :self.ctx]  # [span, KVH, ctx, hd] views
+        if self.rows is None:
+            queries = q.view(b, h // self.group, self.group, hd)  # [span, KVH, g, hd]
+        else:
+            queries = q.new_zeros(self.span, h // self.group, self.group, hd)
+            queries[self.rows] = q.view(b, h // self.group, self.group, hd)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask)  # [span, KVH, g, hd]
+        return (out if self.rows is None else out[self.rows]).view(b, h, hd)
 
 
 BLOCK_TENSORS_INV = {v: k for k, v in BLOCK_TENSORS.items()}

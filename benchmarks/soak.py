@@ -1,0 +1,132 @@
+"""Soak: --minutes at about 70 % of measured capacity with 30 % of clients aborting mid-stream, against
+`stagemesh up`. Reports the RSS slope (MB/min) of the gateway and of each stage, the KV slots still held at the end
+(expected 0 on every stage), and the failed requests (expected 0; an abort by the client is not a failure).
+
+    python -m benchmarks.soak [--minutes 10] [--stages 2] [--load 0.7] [--abort 0.3] [--max-tokens 32]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+
+import aiohttp
+
+from benchmarks.procs import children, rss_mb, slope_per_min
+from loadtest.client import StreamEndedEarly, sse_events
+from services.launch import start_up
+
+PROMPTS = ["Write a story about a dragon.", "Explain how rain forms.", "List some fruits.", "Describe a city street.",
+           "What is machine learning?", "Tell me about Rome.", "How do bees make honey?", "Why is the sky blue?"]
+
+
+async def request(s, url: str, prompt: str, max_tokens: int, abort_after: int | None) -> str:
+    """"ok", "aborted" or an error text. abort_after: close the connection after that many chunks."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.7, "stream": True, "ignore_eos": True}
+    try:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return f"HTTP {r.status}: {(await r.text())[:200]}"
+            n = 0
+            async for chunk in sse_events(r):
+                if "error" in chunk:
+                    return f"error event: {chunk['error']['message'][:200]}"
+                n += 1
+                if abort_after is not None and n >= abort_after:
+                    r.close()  # the client goes away mid-stream
+                    return "aborted"
+            return "ok"
+    except (aiohttp.ClientError, StreamEndedEarly, asyncio.TimeoutError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+async def capacity(url: str, max_tokens: int, concurrency: int = 16, seconds: float = 30.0) -> float:
+    """Completed requests per second with `concurrency` closed-loop clients."""
+    done = 0
+    end = time.monotonic() + seconds
+    async with aiohttp.ClientSession() as s:
+        async def loop(i):
+            nonlocal done
+            while time.monotonic() < end:
+                if await request(s, url, PROMPTS[i % len(PROMPTS)], max_tokens, None) == "ok":
+                    done += 1
+        t0 = time.monotonic()
+        await asyncio.gather(*(loop(i) for i in range(concurrency)))
+        return done / (time.monotonic() - t0)
+
+
+async def soak(url: str, up_pid: int, rate: float, minutes: float, abort: float, max_tokens: int) -> dict:
+    rng = random.Random(0)
+    outcomes: dict[str, int] = {"ok": 0, "aborted": 0, "failed": 0}
+    errors: list[str] = []
+    pids = {"gateway": up_pid, **{f"stage{i}": p for i, p in enumerate(children(up_pid))}}
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in pids}
+    t0 = time.monotonic()
+    end = t0 + 60 * minutes
+
+    async def one(s) -> None:
+        cut = rng.randint(1, max(1, max_tokens // 2)) if rng.random() < abort else None
+        out = await request(s, url, rng.choice(PROMPTS), max_tokens, cut)
+        key = out if out in ("ok", "aborted") else "failed"
+        outcomes[key] += 1
+        if key == "failed":
+            errors.append(out)
+
+    async def sampler() -> None:
+        while time.monotonic() < end:
+            for k, p in pids.items():
+                samples[k].append((time.monotonic() - t0, rss_mb(p)))
+            await asyncio.sleep(5)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        tasks = [asyncio.create_task(sampler())]
+        while time.monotonic() < end:  # open loop: Poisson arrivals at `rate`
+            tasks.append(asyncio.create_task(one(s)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    warm = 0.2 * 60 * minutes  # the first fifth is warm-up (allocator pools, caches)
+    slopes = {k: round(slope_per_min([x for x in v if x[0] >= warm]), 2) for k, v in samples.items()}
+    rss = {k: round(v[-1][1], 1) for k, v in samples.items() if v}
+    return {"outcomes": outcomes, "errors": errors[:5], "rss_slope_mb_per_min": slopes, "rss_mb_end": rss}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--load", type=float, default=0.7, help="fraction of measured capacity (default 0.7)")
+    ap.add_argument("--abort", type=float, default=0.3, help="fraction of clients that abort mid-stream")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    gw = start_up(args.stages, args.dtype, tempfile.mkdtemp(prefix="stagemesh-soak-"), "--kv-slots", "32")
+    try:
+        cap = asyncio.run(capacity(gw.url, args.max_tokens))
+        rate = args.load * cap
+        print(f"capacity {cap:.2f} req/s; soaking {args.minutes:g} min at {rate:.2f} req/s, "
+              f"{args.abort:.0%} aborts", flush=True)
+        res = asyncio.run(soak(gw.url, gw.proc.pid, rate, args.minutes, args.abort, args.max_tokens))
+        time.sleep(2.0)  # releases of the last aborts reach the stages
+        res["kv_used_slots_end"] = [gw.stage_info(i)["kv"]["used_slots"] for i in range(args.stages)]
+        res["gateway_running_end"] = gw.metric("stagemesh_gateway_running_sequences")
+        res["capacity_req_s"], res["rate_req_s"] = round(cap, 2), round(rate, 2)
+    finally:
+        gw.stop()
+    if args.json:
+        print(json.dumps(res))
+    else:
+        o = res["outcomes"]
+        print(f"{o['ok']} completed, {o['aborted']} aborted by the client, {o['failed']} failed (expected 0)")
+        print(f"RSS slope MB/min: {res['rss_slope_mb_per_min']}; RSS at the end MB: {res['rss_mb_end']}")
+        print(f"KV slots used at the end: {res['kv_used_slots_end']} (expected all 0); gateway running sequences: "
+              f"{res['gateway_running_end']:.0f}")
+        for e in res["errors"]:
+            print("  error:", e)
+
+
+if __name__ == "__main__":
+    main()

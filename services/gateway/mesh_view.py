@@ -1,0 +1,218 @@
+"""The mesh view: one JSON picture of the whole pipeline, served by the gateway as a snapshot (`GET /v1/mesh`) and a
+stream of snapshots (`GET /v1/mesh/stream`, server-sent events), drawn by the page at `/#mesh` and printed by
+`stagemesh status`.
+
+Nothing here talks to a stage: per-stage facts come from the `/info` polls the Pipeline already makes (cumulative
+busy / micro-batch / hop counters with the stage's own monotonic clock, so rates between two polls are exact), and
+the gateway's facts from its scheduler and metrics registry. One sampler task builds a snapshot per tick and
+serializes it once, whatever the number of subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+log = logging.getLogger("stagemesh.gateway.mesh")
+
+TICK_S = 1.0
+WINDOW_S = 10.0  # busy fraction, compute and hop times, TTFT: averaged over this window
+HISTORY_POINTS = 120  # the charts' length, in ticks
+
+
+def _rate(samples: deque, key: str, per: str | None = None, window_s: float = WINDOW_S,
+          clock: str = "clock_s") -> float | None:
+    """Δkey / Δper (Δclock when per is None) between the newest sample and the oldest one within window_s of it.
+    None with fewer than two samples or a zero denominator."""
+    if len(samples) < 2:
+        return None
+    newest = samples[-1]
+    oldest = next((s for s in samples if newest[clock] - s[clock] <= window_s + 1e-6 and s is not newest), None)
+    if oldest is None:
+        return None
+    den = (newest[per] - oldest[per]) if per else (newest[clock] - oldest[clock])
+    return (newest[key] - oldest[key]) / den if den > 0 else None
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 3)
+
+
+def _values(registry) -> dict[str, float]:
+    """Every unlabelled sample of a registry by name (one collection pass)."""
+    return {s.name: s.value for fam in registry.collect() for s in fam.samples if not s.labels}
+
+
+@dataclass
+class StageTrack:
+    """What the view remembers of one stage between polls."""
+
+    samples: deque = field(default_factory=lambda: deque(maxlen=64))  # its /info dicts, oldest first
+    last_info: dict | str | None = None
+    incarnation: str | None = None
+    restarts: int = 0  # new incarnations seen after the first
+    lost_polls: int = 0  # polls that found it unreachable
+
+
+class MeshView:
+    def __init__(self, gateway, tick_s: float = TICK_S, window_s: float = WINDOW_S):
+        self.gw = gateway
+        self.tick_s = tick_s
+        self.window_s = window_s
+        self.tracks: list[StageTrack] = []
+        self.series: deque[dict] = deque(maxlen=HISTORY_POINTS)
+        self.gauges: deque[dict] = deque(maxlen=int(window_s / tick_s) + 2)  # registry counters per tick
+        self._seen_infos: object = None
+        self.snapshot: dict = {}
+        self.encoded = "{}"
+        self.version = 0
+        self._changed = asyncio.Event()
+
+    # ---- sampling -----------------------------------------------------------------------------------------------
+
+    def _take_polls(self) -> None:
+        infos = self.gw.pipeline.infos
+        if infos is self._seen_infos:
+            return
+        self._seen_infos = infos
+        while len(self.tracks) < len(infos):
+            self.tracks.append(StageTrack())
+        for track, info in zip(self.tracks, infos):
+            track.last_info = info
+            if not isinstance(info, dict):
+                track.lost_polls += 1
+                continue
+            if info.get("incarnation") != track.incarnation:
+                if track.incarnation is not None:
+                    track.restarts += 1
+                track.incarnation = info.get("incarnation")
+                track.samples.clear()  # counters restart with the process
+            if "clock_s" in info:
+                track.samples.append(info)
+
+    def sample(self) -> dict:
+        """Take one tick: fold in new /info polls, read the scheduler and the registry, build the snapshot."""
+        self._take_polls()
+        gw, sched, pipe = self.gw, self.gw.scheduler, self.gw.pipeline
+        now = time.monotonic()
+        values = _values(gw.metrics.registry)
+        ttft = "stagemesh_gateway_time_to_first_token_seconds"
+        hop = "stagemesh_gateway_result_hop_latency_seconds"
+        self.gauges.append({"clock_s": now, "tokens": values.get("stagemesh_gateway_generated_tokens_total", 0.0),
+                            "ttft_sum": values.get(f"{ttft}_sum", 0.0), "ttft_count": values.get(f"{ttft}_count", 0.0),
+                            "hop_sum": values.get(f"{hop}_sum", 0.0), "hop_count": values.get(f"{hop}_count", 0.0)})
+        tokens_per_s = _rate(self.gauges, "tokens", window_s=self.tick_s * 1.5)
+        gateway = {
+            "queue": len(sched.waiting), "running": len(sched.running), "inflight": len(sched.inflight),
+            "max_inflight": sched.max_inflight, "replaying": sched.replaying,
+            "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 2),
+            "ttft_ms": _ms(_rate(self.gauges, "ttft_sum", "ttft_count", self.window_s)),
+            "generated_tokens": int(values.get("stagemesh_gateway_generated_tokens_total", 0)),
+            "failovers": int(values.get("stagemesh_gateway_pipeline_failovers_total", 0)),
+            "replayed_sequences": int(values.get("stagemesh_gateway_replayed_sequences_total", 0)),
+        }
+        gw.metrics.pipeline_ready.set(1 if pipe.ready else 0)
+        stages = [self._stage(i, url, sched.replaying) for i, url in enumerate(pipe.stage_urls)]
+        for i, st in enumerate(stages):  # a stage's hop to the next is measured where it lands
+            st["hop_next_ms"] = (stages[i + 1].get("hop_in_ms") if i + 1 < len(stages)
+                                 else _ms(_rate(self.gauges, "hop_sum", "hop_count", self.window_s)))
+        self.series.append({"t": round(time.time(), 3), "queue": gateway["queue"], "running": gateway["running"],
+                            "inflight": gateway["inflight"], "tokens_per_s": gateway["tokens_per_s"],
+                            "ttft_ms": gateway["ttft_ms"]})
+        self.snapshot = {
+            "time": round(time.time(), 3), "ready": pipe.ready and not getattr(gw, "draining", False),
+            "problem": pipe.problem, "draining": bool(getattr(gw, "draining", False)), "window_s": self.window_s,
+            "stages": stages, "gateway": gateway,
+            "series": {k: [p[k] for p in self.series] for k in ("t", "queue", "running", "inflight", "tokens_per_s",
+                                                                 "ttft_ms")},
+        }
+        self.encoded = json.dumps(self.snapshot, separators=(",", ":"))
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return self.snapshot
+
+    def _stage(self, i: int, url: str, replaying: int) -> dict:
+        track = self.tracks[i] if i < len(self.tracks) else StageTrack()
+        info = track.last_info
+        st: dict = {"index": i, "url": url, "restarts": track.restarts, "lost_polls": track.lost_polls}
+        if not isinstance(info, dict):
+            st.update(state="lost" if info is not None else "unknown", error=info)
+            return st
+        busy = _rate(track.samples, "busy_seconds", window_s=self.window_s)
+        kv = info.get("kv", {})
+        st.update(
+            state="replaying" if replaying else "ready", error=None, layers=info.get("layers"),
+            position=info.get("position"), listen=info.get("listen"), incarnation=info.get("incarnation"),
+            device=info.get("device"), dtype=info.get("dtype"),
+            busy_fraction=None if busy is None else round(min(1.0, max(0.0, busy)), 4),
+            compute_ms=_ms(_rate(track.samples, "busy_seconds", "microbatches", self.window_s)),
+            hop_in_ms=_ms(_rate(track.samples, "hop_seconds", "hops", self.window_s)),
+            kv_used=kv.get("used_slots"), kv_slots=kv.get("slots"), microbatches=info.get("microbatches"))
+        return st
+
+    # ---- serving ------------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.sample()
+            except Exception:  # the view must never take the gateway down
+                log.exception("mesh view sample failed")
+            await asyncio.sleep(self.tick_s)
+
+    async def next_after(self, version: int, timeout: float) -> int:
+        """Wait (at most timeout) until a snapshot newer than `version` exists; returns the current version."""
+        if self.version <= version:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+        return self.version
+
+
+MESH_VIEW = web.AppKey("mesh_view", MeshView)
+
+
+async def mesh_snapshot(request: web.Request) -> web.Response:
+    view = request.app[MESH_VIEW]
+    if not view.version:
+        view.sample()
+    return web.Response(text=view.encoded, content_type="application/json")
+
+
+async def mesh_stream(request: web.Request) -> web.StreamResponse:
+    """Server-sent events: one `data: <snapshot JSON>` per tick until the client leaves or the gateway drains."""
+    view = request.app[MESH_VIEW]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    if not view.version:
+        view.sample()
+    version = 0
+    while not getattr(view.gw, "draining", False):
+        if view.version > version:
+            version = view.version
+            await resp.write(f"data: {view.encoded}\n\n".encode())
+        await view.next_after(version, timeout=view.tick_s * 2)
+    return resp
+
+
+def add_mesh_view(app: web.Application, gateway) -> None:
+    """Routes and the sampler task of the mesh view (called by make_app)."""
+    app[MESH_VIEW] = MeshView(gateway)
+
+    async def sampler(app: web.Application):
+        task = asyncio.create_task(app[MESH_VIEW].run(), name="mesh-view")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(sampler)
+    app.router.add_get("/v1/mesh", mesh_snapshot)
+    app.router.add_get("/v1/mesh/stream", mesh_stream)

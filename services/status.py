@@ -1,0 +1,130 @@
+"""`stagemesh status [URL] [--watch] [--json]`: the gateway's mesh view (`GET /v1/mesh`) as a terminal table.
+Exit code 0 when the mesh is ready, 1 when it is not (the message names the stage), 2 when the gateway cannot be
+reached -- so scripts and probes can use it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from shared.errors import StagemeshError
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+NOT_READY = 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("status", help="the mesh at a glance (exit 1 when it is not ready)",
+                       description="Stages left to right with layer range, address, state, busy fraction, compute "
+                                   "time per micro-batch, hop latency and KV slots, and the gateway's queue, running "
+                                   "sequences, micro-batches in flight, tokens/s and TTFT, from one gateway. Exit "
+                                   "code 0 when ready, 1 when not (naming the stage), 2 when the gateway is unreachable.")
+    p.add_argument("url", nargs="?", default=os.environ.get("STAGEMESH_URL", DEFAULT_URL),
+                   help=f"the gateway (default $STAGEMESH_URL or {DEFAULT_URL})")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch (default 2)")
+    p.add_argument("--json", action="store_true", help="print the snapshot as JSON (one line per refresh)")
+    p.set_defaults(func=cmd_status)
+
+
+def fetch(url: str, timeout: float = 10.0) -> dict:
+    req = urllib.request.Request(url.rstrip("/") + "/v1/mesh")
+    key = os.environ.get("STAGEMESH_API_KEY")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise StagemeshError(f"{url}/v1/mesh answered {e.code}: {e.read()[:300].decode(errors='replace')}") from None
+    except (OSError, ValueError) as e:
+        raise StagemeshError(f"cannot reach the gateway at {url}: {e}") from None
+
+
+def not_ready_reason(snap: dict) -> str | None:
+    """None when the mesh is ready; otherwise a sentence that names the stage (or the pipeline-wide problem)."""
+    if snap.get("ready"):
+        return None
+    bad = [s for s in snap.get("stages", []) if s.get("state") not in ("ready", "replaying")]
+    if bad:
+        return "; ".join(f"stage {s['index']} ({s['url']}) is {s['state']}: {s.get('error') or 'no answer'}"
+                         for s in bad)
+    if snap.get("draining"):
+        return "the gateway is draining"
+    return snap.get("problem") or "the pipeline is not ready"
+
+
+def _fmt(x, unit: str = "", digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}{unit}"
+
+
+def render(snap: dict):
+    """A rich renderable: the stages table and the gateway line."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    colors = {"ready": "green", "replaying": "yellow", "lost": "red", "unknown": "red"}
+    t = Table(title="stagemesh pipeline (stages left to right = top to bottom)", title_justify="left")
+    for col in ("stage", "layers", "address", "state", "busy", "compute/mb", "hop→next", "KV slots", "restarts"):
+        t.add_column(col, justify="right" if col in ("busy", "compute/mb", "hop→next", "KV slots", "restarts") else "left")
+    for s in snap.get("stages", []):
+        layers = f"{s['layers'][0]}:{s['layers'][1]}" if s.get("layers") else "–"
+        busy = None if s.get("busy_fraction") is None else 100 * s["busy_fraction"]
+        kv = f"{s['kv_used']}/{s['kv_slots']}" if s.get("kv_slots") is not None else "–"
+        addr = s["url"] + (f"\n{s['listen']}" if s.get("listen") else "")
+        t.add_row(str(s["index"]), layers, addr, Text(s["state"], style=colors.get(s["state"], "")), _fmt(busy, "%"),
+                  _fmt(s.get("compute_ms"), " ms"), _fmt(s.get("hop_next_ms"), " ms", 2), kv, str(s.get("restarts", 0)))
+    g = snap.get("gateway", {})
+    line = (f"gateway: queue {g.get('queue')} · running {g.get('running')} · in flight {g.get('inflight')}/"
+            f"{g.get('max_inflight')} · {_fmt(g.get('tokens_per_s'), ' tok/s')} · TTFT {_fmt(g.get('ttft_ms'), ' ms', 0)}"
+            f" · failovers {g.get('failovers')} · replayed {g.get('replayed_sequences')}")
+    reason = not_ready_reason(snap)
+    verdict = Text("ready", style="bold green") if reason is None else Text(f"NOT READY: {reason}", style="bold red")
+    return Group(t, Text(line), verdict)
+
+
+def cmd_status(args) -> int:
+    from rich.console import Console
+
+    console = Console()
+    if not args.watch:
+        snap = fetch(args.url)
+        if args.json:
+            print(json.dumps(snap))
+        else:
+            console.print(render(snap))
+        reason = not_ready_reason(snap)
+        if reason is not None:
+            print(f"stagemesh status: not ready: {reason}", file=sys.stderr)
+        return 0 if reason is None else NOT_READY
+    snap: dict = {}
+    if args.json:
+        try:
+            while True:
+                snap = fetch(args.url)
+                print(json.dumps(snap), flush=True)
+                time.sleep(args.interval)
+        except KeyboardInterrupt:
+            pass
+        return 0 if snap and not_ready_reason(snap) is None else NOT_READY
+    from rich.live import Live
+
+    with Live(console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                try:
+                    snap = fetch(args.url)
+                    live.update(render(snap), refresh=True)
+                except StagemeshError as e:
+                    snap = {}
+                    from rich.text import Text
+                    live.update(Text(str(e), style="bold red"), refresh=True)
+                time.sleep(args.interval)
+        except KeyboardInterrupt:
+            pass
+    return 0 if snap and not_ready_reason(snap) is None else NOT_READY

@@ -1,0 +1,314 @@
+"""The gateway's HTTP edge against hostile or careless clients (issue 11, items 3, 6, 7, 8, 9), through a real
+`stagemesh up` (1 stage, float32, small max_tokens): bad JSON, API keys, origin policy, slowloris, big prompts,
+logs, and the drain on SIGTERM."""
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from loadtest.client import StreamEndedEarly, sse_events
+from services.launch import LocalMesh, StageProcess, start_up
+
+KEY = "k3y-for-tests"
+GOOD_ORIGIN = "http://good.example"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+KEEPALIVE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory):
+    """A gateway with an API key, one allowed foreign origin, /metrics behind the key and a 2 s keep-alive."""
+    os.environ["STAGEMESH_API_KEY"] = KEY
+    try:
+        gw = start_up(1, "float32", str(tmp_path_factory.mktemp("edge")), "--allow-origin", GOOD_ORIGIN,
+                      "--metrics-require-key", "--keepalive-timeout", str(KEEPALIVE_S))
+    finally:
+        del os.environ["STAGEMESH_API_KEY"]
+    yield gw
+    gw.stop()
+
+
+def completion(prompt="Count to five:", max_tokens=4, **kw) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+async def post(s, url, body: bytes | dict, headers=None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of one POST with the key; bytes bodies go as they are, as application/json."""
+    h = {**AUTH, "Content-Type": "application/json", **(headers or {})}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with s.post(url, data=data, headers=h) as r:
+        return r.status, await r.json(content_type=None), dict(r.headers)
+
+
+def assert_openai_error(status, payload, want_status, needle):
+    assert status == want_status, payload
+    assert set(payload["error"]) >= {"message", "type", "code"}, payload
+    assert needle in payload["error"]["message"], payload
+
+
+HOSTILE = [  # (body, needle): each gave a 500 outside OpenAI's shape, or killed the websocket
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 4400 + b"}", "4300 digits"),
+    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "unpaired surrogate"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}', "unpaired surrogate"),
+]
+
+
+async def test_hostile_json_gets_a_4xx_in_openai_shape(edge):
+    async with aiohttp.ClientSession() as s:
+        for body, needle in HOSTILE:
+            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+            status, payload, _ = await post(s, edge.url + path, body)
+            assert_openai_error(status, payload, 400, needle)
+
+
+async def test_websocket_survives_hostile_messages_and_keeps_its_other_stream(edge):
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(edge.url + f"/v1/stream?api_key={KEY}") as ws:
+            await ws.send_json({"type": "generate", "id": "good", "prompt": "Count to ten:", "max_tokens": 24,
+                                "temperature": 0, "ignore_eos": True})
+            errors, tokens, done = [], 0, None
+            for body, _ in HOSTILE:
+                await ws.send_str(body.decode().replace('{"', '{"type": "generate", "id": "bad", "', 1))
+            while done is None or len(errors) < len(HOSTILE):
+                ev = await ws.receive_json(timeout=60)
+                if ev["type"] == "error":
+                    errors.append(ev)
+                elif ev["id"] == "good":
+                    tokens += ev["type"] == "token"
+                    done = ev if ev["type"] == "done" else done
+            assert [e["code"] for e in errors] == ["invalid_json", "invalid_json", "invalid_request", "invalid_request"]
+            assert done["finish_reason"] == "length" and tokens == 24  # the other stream lived through it all
+            await ws.send_json({"type": "generate", "id": "after", "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+            while (ev := await ws.receive_json(timeout=60))["type"] == "token":
+                pass
+            assert ev["type"] == "done" and ev["id"] == "after"  # and the socket still serves
+
+
+def raw_http(port: int, request: bytes, timeout: float = 10) -> bytes:
+    """Send bytes as they are (aiohttp refuses non-Latin-1 header values) and read the whole answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        c.sendall(request)
+        out = b""
+        while chunk := c.recv(65536):
+            out += chunk
+        return out
+
+
+def port_of(gw) -> int:
+    return int(gw.url.rsplit(":", 1)[1])
+
+
+async def test_api_key_edge_cases(edge):
+    port = port_of(edge)
+    answer = raw_http(port, "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer clé\r\nConnection: close\r\n\r\n"
+                      .encode())
+    assert answer.startswith(b"HTTP/1.1 401") and b'"invalid_api_key"' in answer, answer[:300]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(edge.url + "/v1/stream?api_key=%C3%A9") as r:  # the websocket's query key, non-ASCII
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        async with s.get(edge.url + f"/v1/models?api_key={KEY}") as r:  # keys in URLs: the websocket only
+            assert r.status == 401, await r.text()
+        async with s.get(edge.url + "/v1/models", headers=AUTH) as r:
+            assert r.status == 200
+        async with s.get(edge.url + "/metrics") as r:  # --metrics-require-key
+            assert r.status == 401
+        async with s.get(edge.url + "/metrics", headers=AUTH) as r:
+            assert r.status == 200 and "stagemesh_gateway" in await r.text()
+
+
+async def test_origin_policy_cors_and_content_type(edge):
+    evil = {"Origin": "http://evil.example"}
+    async with aiohttp.ClientSession() as s:
+        status, payload, _ = await post(s, edge.url + "/v1/completions", completion(), evil)
+        assert_openai_error(status, payload, 403, "--allow-origin")
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await s.ws_connect(edge.url + f"/v1/stream?api_key={KEY}", headers=evil)
+        assert refused.value.status == 403
+        for headers in ({}, {"Origin": edge.url}, {"Origin": GOOD_ORIGIN}):  # no Origin / same origin / allowed
+            status, payload, h = await post(s, edge.url + "/v1/completions", completion(), headers)
+            assert status == 200 and payload["choices"][0]["text"], (headers, payload)
+            cross = headers.get("Origin") == GOOD_ORIGIN  # only a cross-origin answer carries CORS headers
+            assert h.get("Access-Control-Allow-Origin") == (GOOD_ORIGIN if cross else None), (headers, h)
+            assert ("Origin" in h.get("Vary", "")) == cross, h
+        preflight = {"Origin": GOOD_ORIGIN, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        async with s.options(edge.url + "/v1/chat/completions", headers=preflight) as r:
+            assert r.status == 204
+            assert r.headers["Access-Control-Allow-Origin"] == GOOD_ORIGIN and "Origin" in r.headers["Vary"]
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            assert "authorization" in r.headers["Access-Control-Allow-Headers"].lower()
+        async with s.options(edge.url + "/v1/chat/completions", headers={**preflight, **evil}) as r:
+            assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
+        ws = await s.ws_connect(edge.url + f"/v1/stream?api_key={KEY}", headers={"Origin": edge.url})
+        await ws.close()  # the chat page's own origin opens the websocket
+        for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+            status, payload, _ = await post(s, edge.url + "/v1/completions", completion(), {"Content-Type": ctype})
+            assert_openai_error(status, payload, 415, "application/json")
+
+
+async def test_big_prompts_do_not_delay_a_small_request(edge):
+    """Sixteen ~1 MB prompts are refused before tokenizing; a 2-token request meanwhile is not held up."""
+    big = completion("word " * 200_000, max_tokens=2)  # 1,000,000 characters: under the 1 MiB body limit
+
+    async with aiohttp.ClientSession() as s:
+        async def small() -> float:
+            t0 = time.perf_counter()
+            status, payload, _ = await post(s, edge.url + "/v1/completions", completion("Hi", max_tokens=2))
+            assert status == 200, payload
+            return time.perf_counter() - t0
+
+        alone = min([await small() for _ in range(3)])
+        bigs = [asyncio.create_task(post(s, edge.url + "/v1/completions", big)) for _ in range(16)]
+        await asyncio.sleep(0.05)  # the big bodies are on their way
+        during = await small()
+        results = await asyncio.gather(*bigs)
+    print(f"\nsmall request alone {alone:.3f} s, during 16 x 1 MB prompts {during:.3f} s")
+    assert during < alone + 1.0, (alone, during)  # before the fix: 0.19 s alone -> 5.3 s during
+    for status, payload, _ in results:  # refused by size, before any tokenizing
+        assert_openai_error(status, payload, 400, "characters")
+        assert payload["error"]["code"] == "context_length_exceeded"
+
+
+def test_slowloris_connections_are_closed(edge):
+    """100 silent and 100 trickling connections are all closed by the server within ~2 keep-alive periods."""
+    port = port_of(edge)
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
+    for c in socks[100:]:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    for c in socks:
+        c.setblocking(False)
+    closed: set[int] = set()
+    deadline = time.monotonic() + 3 * KEEPALIVE_S + 3
+    while len(closed) < len(socks) and time.monotonic() < deadline:
+        for i, c in enumerate(socks[100:], 100):  # trickle one header byte each round
+            if i not in closed:
+                with contextlib.suppress(OSError):
+                    c.send(b"X")
+        for i, c in enumerate(socks):
+            if i in closed:
+                continue
+            try:
+                if c.recv(4096) == b"":
+                    closed.add(i)
+            except BlockingIOError:
+                pass
+            except OSError:  # reset by the server: closed too
+                closed.add(i)
+        time.sleep(0.3)
+    for c in socks:
+        c.close()
+    assert len(closed) == 200, f"{200 - len(closed)} connections still open after {3 * KEEPALIVE_S + 3:.0f} s"
+    assert edge.get("/health")[0] == 200
+
+
+def test_malformed_http_is_logged_as_one_throttled_line(edge):
+    port = port_of(edge)
+    for _ in range(30):
+        answer = raw_http(port, b"GET / HTTP/1.1\r\nHost: x\r\nBroken header line\r\n\r\n")
+        assert answer.split(b"\r\n")[0].endswith(b" 400 Bad Request"), answer[:200]
+    time.sleep(0.5)
+    log = open(edge.log_path, encoding="utf-8", errors="replace").read()
+    assert "Traceback" not in log, log[-3000:]
+    lines = [line for line in log.splitlines() if "Error handling request" in line]
+    assert 1 <= len(lines) <= 2, lines  # one per reason per interval, not 30
+
+
+def test_up_with_a_bad_log_dir_says_so_in_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--stages", "1", "--log-dir",
+                           str(blocker / "logs")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert "--log-dir" in proc.stderr and "writable directory" in proc.stderr, proc.stderr
+
+
+def test_a_restarted_stage_appends_to_its_log(tmp_path):
+    path = str(tmp_path / "stage0.log")
+    stage = StageProcess(0, "tcp://127.0.0.1:1", "127.0.0.1:1", None,
+                         [sys.executable, "-c", "import os; print('incarnation', os.getpid())"], path)
+    stage.proc = stage.spawn("w")
+    stage.proc.wait(30)
+    mesh = LocalMesh([stage], "tcp://127.0.0.1:2")
+    assert mesh.restart_dead() == [0]
+    stage.proc.wait(30)
+    lines = open(path).read().split()
+    assert lines.count("incarnation") == 2, lines  # before: the restart's output went to /dev/null
+
+
+# ---- drain on SIGTERM ------------------------------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def up_with_a_stream(tmp_path, drain_s: float, rid: str, max_tokens: int):
+    """A 1-stage `up` with --drain-timeout drain_s and a websocket already streaming generation `rid`: yields
+    (gateway, session, websocket); the process is killed afterwards if it is still running."""
+    gw = start_up(1, "float32", str(tmp_path), "--drain-timeout", str(drain_s))
+    try:
+        async with aiohttp.ClientSession() as s:
+            ws = await s.ws_connect(gw.url + "/v1/stream")
+            await ws.send_json({"type": "generate", "id": rid, "prompt": "Tell a story.", "max_tokens": max_tokens,
+                                "ignore_eos": True, "temperature": 0})
+            assert (await ws.receive_json(timeout=60))["type"] == "token"
+            yield gw, s, ws
+    finally:
+        if gw.proc.poll() is None:
+            gw.proc.kill()
+
+
+async def test_sigterm_drains_streams_then_exits_0(tmp_path):
+    """Grace 3 s: long streams (SSE and websocket) end with an error event that says why, never a bare close;
+    meanwhile /ready says "draining" and new requests (HTTP and websocket) are refused; exit code 0."""
+    async with up_with_a_stream(tmp_path, 3, "long", 1500) as (gw, s, ws):
+        sse = await s.post(gw.url + "/v1/completions", json=completion("Tell a tale.", 1500, stream=True,
+                                                                         ignore_eos=True))
+        events = sse_events(sse)
+        await anext(events)  # streaming
+        gw.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        status, body = gw.get("/ready")
+        assert status == 503 and '"draining"' in body, body
+        async with s.post(gw.url + "/v1/completions", json=completion()) as r:
+            assert r.status == 503 and (await r.json())["error"]["code"] == "draining"
+        await ws.send_json({"type": "generate", "id": "late", "prompt": "Hi", "max_tokens": 2})
+        sse_last = None
+        try:
+            async for chunk in events:
+                sse_last = chunk
+        except StreamEndedEarly:
+            pytest.fail("the SSE stream was cut without an error event or [DONE]")
+        assert "drain period" in sse_last["error"]["message"], sse_last
+        ends = await ws_ends(ws, {"long", "late"})
+        assert ends["late"]["type"] == "error" and ends["late"]["code"] == "draining", ends
+        assert ends["long"]["type"] == "error" and "drain period" in ends["long"]["message"], ends
+        sse.close()
+        assert gw.proc.wait(30) == 0
+
+
+async def test_sigterm_lets_a_stream_finish_within_the_grace_period(tmp_path):
+    async with up_with_a_stream(tmp_path, 30, "a", 40) as (gw, s, ws):
+        gw.proc.send_signal(signal.SIGTERM)
+        end = (await ws_ends(ws, {"a"}))["a"]
+        assert end["type"] == "done" and end["usage"]["completion_tokens"] == 40, end
+        assert gw.proc.wait(30) == 0
+
+
+async def ws_ends(ws, ids: set[str]) -> dict[str, dict]:
+    """The `done` or `error` event of each generation in `ids`, read off the websocket (tokens skipped)."""
+    ends: dict[str, dict] = {}
+    while set(ends) != ids:
+        msg = await ws.receive(timeout=60)
+        assert msg.type == aiohttp.WSMsgType.TEXT, f"the websocket closed before {ids - set(ends)} ended: {msg}"
+        ev = msg.json()
+        if ev.get("id") in ids and ev["type"] in ("done", "error"):
+            ends[ev["id"]] = ev
+    return ends

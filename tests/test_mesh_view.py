@@ -1,0 +1,173 @@
+"""The mesh view against a live `stagemesh up --stages 2`: the JSON snapshot and its event stream, `stagemesh status`
+(ready -> 0; a stage stopped -> 1, naming it), and the page's #mesh view in headless Chromium under load and while a
+stage is SIGKILLed and comes back (screenshots in test-output/)."""
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+
+import aiohttp
+import pytest
+
+from loadtest.client import send_sse
+from services.launch import start_up
+from tests.conftest import stagemesh_cmd
+from tests.test_browser import DevTools, chromium, page_ws_url  # noqa: F401  (chromium is a fixture)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwmesh")))
+    yield gw
+    gw.stop()
+
+
+def mesh(gw) -> dict:
+    status, body = gw.get("/v1/mesh")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def stage_pid(gw, i: int) -> int:
+    port = gw.stage_urls()[i].rsplit(":", 1)[1]
+    return int(os.popen(f"ss -ltnpH 'sport = :{port}'").read().split("pid=")[1].split(",")[0])
+
+
+async def load(url: str, streams: int, max_tokens: int) -> list:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        return await asyncio.gather(*(send_sse(s, url, "openai", "smollm2", f"Tell me a long story number {i}.", 0,
+                                               max_tokens, ignore_eos=True, temperature=0.7) for i in range(streams)))
+
+
+def wait_for(pred, timeout: float, what: str, step: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def status(gw) -> subprocess.CompletedProcess:
+    return subprocess.run(stagemesh_cmd("status", gw.url), capture_output=True, text=True, timeout=60)
+
+
+async def test_snapshot_describes_each_stage_and_the_stream_delivers_snapshots(gateway):
+    results = await load(gateway.url, 6, 32)
+    assert all(r.success for r in results), [r.error for r in results if not r.success]
+    snap = wait_for(lambda: (s := mesh(gateway)) and all(st.get("compute_ms") for st in s["stages"]) and s, 10,
+                    "a snapshot with compute times of both stages")
+    assert snap["ready"] and snap["problem"] is None
+    assert [st["layers"] for st in snap["stages"]] == [[0, 17], [17, 30]]
+    for st in snap["stages"]:
+        assert st["state"] == "ready" and st["kv_slots"] == 32 and st["listen"].startswith("tcp://")
+        assert 0 < st["busy_fraction"] <= 1 and 0 < st["compute_ms"] < 10_000
+        assert st["hop_in_ms"] is not None and 0 <= st["hop_in_ms"] < 1000  # every micro-batch header carries "sent"
+        assert st["hop_next_ms"] is not None and 0 <= st["hop_next_ms"] < 1000
+    g = snap["gateway"]
+    assert g["generated_tokens"] >= 6 * 32 and g["ttft_ms"] > 0 and g["failovers"] == 0
+    assert any(v for v in snap["series"]["tokens_per_s"] if v)  # the chart saw the load
+    assert max(snap["series"]["running"]) >= 1
+    async with aiohttp.ClientSession() as s, s.get(gateway.url + "/v1/mesh/stream") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        events = []
+        while len(events) < 3:
+            line = (await asyncio.wait_for(r.content.readline(), 5)).decode()
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    times = [e["time"] for e in events]
+    assert times == sorted(times) and len(set(times)) == 3  # a fresh snapshot each tick
+    assert all(len(e["stages"]) == 2 for e in events)
+
+
+def test_status_exits_zero_when_ready_and_names_a_stopped_stage(gateway):
+    ok = status(gateway)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "ready" in ok.stdout and "17:30" in ok.stdout
+    as_json = subprocess.run(stagemesh_cmd("status", gateway.url, "--json"), capture_output=True, text=True, timeout=60)
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["ready"] is True
+    pid = stage_pid(gateway, 1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        bad = wait_for(lambda: (r := status(gateway)).returncode != 0 and r, 30, "status to notice the stopped stage")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "stage 1" in bad.stderr and "lost" in bad.stderr and "stage 0" not in bad.stderr
+    assert "NOT READY" in bad.stdout
+    wait_for(lambda: status(gateway).returncode == 0, 30, "the stage to be ready again after SIGCONT")
+    unreachable = subprocess.run(stagemesh_cmd("status", "http://127.0.0.1:9"), capture_output=True, text=True,
+                                 timeout=60)
+    assert unreachable.returncode == 2 and "cannot reach the gateway" in unreachable.stderr
+
+
+async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromium, output_dir):  # noqa: F811
+    before = mesh(gateway)["gateway"]
+    restarts_before = mesh(gateway)["stages"][1]["restarts"]
+    shots = {}
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
+            dt = DevTools(ws)
+            await dt.call("Page.enable")
+            await dt.call("Emulation.setDeviceMetricsOverride", width=1200, height=720, deviceScaleFactor=1, mobile=False)
+            await dt.call("Page.navigate", url=gateway.url + "/#mesh")
+
+            async def until(expr, timeout, what):
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    if await dt.js(expr):
+                        return
+                    await asyncio.sleep(0.2)
+                raise AssertionError(f"the page never showed {what}: {await dt.js('JSON.stringify(meshSnapshot)')}")
+
+            async def shot(name):
+                data = (await dt.call("Page.captureScreenshot", format="png"))["data"]
+                path = os.path.join(output_dir, name)
+                with open(path, "wb") as f:
+                    f.write(base64.b64decode(data))
+                shots[name] = path
+
+            await until("document.getElementById('mesh-verdict').textContent === 'ready' && "
+                        "!!document.getElementById('stage-1')", 20, "a ready mesh")
+            assert await dt.js("getComputedStyle(document.querySelector('main')).display") == "none"  # chat hidden
+
+            # under load: both stages busy, tokens/s and running sequences charted
+            first = asyncio.create_task(load(gateway.url, 8, 256))  # ~10 s: several /info polls see it
+            await until("meshSnapshot.gateway.running > 0 && meshSnapshot.stages.every(s => s.busy_fraction > 0.05) "
+                        "&& meshSnapshot.gateway.tokens_per_s > 0", 60, "both stages busy under load")
+            await asyncio.sleep(1.5)
+            busy_text = await dt.js("document.querySelector('#stage-0').textContent")
+            path_len = await dt.js("document.querySelector('#chart-tokens_per_s path').getAttribute('d').length")
+            await shot("mesh-under-load.png")
+            assert "busy (10 s)" in busy_text and "%" in busy_text and "compute / micro-batch" in busy_text
+            assert path_len > 10  # the tokens/s chart has a drawn line
+            assert all(r.success for r in await first)
+
+            # a stage SIGKILLed mid-load: shown lost, then back (stagemesh up restarts it), replays counted
+            second = asyncio.create_task(load(gateway.url, 8, 160))
+            await until("meshSnapshot.gateway.running >= 8 && meshSnapshot.gateway.generated_tokens > "
+                        f"{before['generated_tokens'] + 8 * 256 + 16}", 60, "the second load running")
+            os.kill(stage_pid(gateway, 1), signal.SIGKILL)
+            await until("document.getElementById('stage-1').dataset.state === 'lost'", 20, "stage 1 lost")
+            await shot("mesh-stage-lost.png")
+            lost_text = await dt.js("document.getElementById('mesh-verdict').textContent")
+            await until("document.getElementById('stage-1').dataset.state !== 'lost' && "
+                        "meshSnapshot.gateway.replayed_sequences > 0 && meshSnapshot.ready", 120, "stage 1 back")
+            await shot("mesh-stage-back.png")
+            back = await dt.js("JSON.stringify(meshSnapshot)")
+            replayed_text = await dt.js("document.getElementById('gw-replayed').textContent")
+            results = await second
+    snap = json.loads(back)
+    assert lost_text.startswith("NOT READY") and "stage 1" in lost_text
+    assert snap["stages"][1]["restarts"] == restarts_before + 1
+    assert snap["gateway"]["failovers"] > before["failovers"]
+    assert snap["gateway"]["replayed_sequences"] > before["replayed_sequences"]
+    assert replayed_text == f"replayed sequences {snap['gateway']['replayed_sequences']}"
+    assert all(r.success for r in results), [r.error for r in results if not r.success]  # the clients saw a pause
+    for path in shots.values():
+        assert os.path.getsize(path) > 10_000

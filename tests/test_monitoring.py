@@ -1,0 +1,111 @@
+"""Dashboards as code: the Grafana dashboard parses and names only metrics the code exports; the optional monitoring
+component renders with kustomize, its standard objects validate strictly, and its PodMonitors select real pods and
+ports."""
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from services.gateway.metrics import GatewayMetrics
+from services.stage.metrics import StageMetrics
+from tests.conftest import ROOT
+
+COMPONENT = os.path.join(ROOT, "k8s", "components", "monitoring")
+DASHBOARD = os.path.join(COMPONENT, "stagemesh-dashboard.json")
+BIN = f"{sys.prefix}/bin"
+METRIC = re.compile(r"\bstagemesh_[a-z0-9_]+")
+
+
+def exported_samples() -> set[str]:
+    """Every sample name the gateway's and a stage's registries expose (what Prometheus would store)."""
+    live = collections.defaultdict(int, rejected={})  # a stage's live numbers, all zero
+    names = set()
+    for registry in (GatewayMetrics().registry, StageMetrics(lambda: live).registry):
+        names |= {s.name for fam in registry.collect() for s in fam.samples}
+    return names
+
+
+def queried_metrics(dashboard: dict) -> set[str]:
+    return {m for p in dashboard["panels"] for t in p["targets"] for m in METRIC.findall(t["expr"])}
+
+
+def test_every_metric_the_dashboard_queries_is_exported():
+    dashboard = json.load(open(DASHBOARD))
+    queried = queried_metrics(dashboard)
+    exported = exported_samples()
+    assert len(queried) >= 20
+    assert queried - exported == set(), f"the dashboard queries metrics nobody exports: {sorted(queried - exported)}"
+    # the checker itself can fail: a misspelt name is caught
+    assert queried_metrics({"panels": [{"targets": [{"expr": "rate(stagemesh_stage_busy_second_total[1m])"}]}]}) - exported
+
+
+def test_dashboard_covers_what_an_operator_asks():
+    dashboard = json.load(open(DASHBOARD))
+    assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 30
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    queried = queried_metrics(dashboard)
+    for needed in ("stagemesh_gateway_generated_tokens_total", "stagemesh_stage_busy_seconds_total",
+                   "stagemesh_stage_hop_latency_seconds_bucket", "stagemesh_gateway_time_to_first_token_seconds_bucket",
+                   "stagemesh_gateway_inter_token_latency_seconds_bucket", "stagemesh_gateway_queue_depth",
+                   "stagemesh_stage_kv_slots_used", "stagemesh_gateway_pipeline_failovers_total"):
+        assert needed in queried, needed
+    for p in dashboard["panels"]:
+        assert p["targets"] and all(t["expr"].count("(") == t["expr"].count(")") for t in p["targets"]), p["title"]
+
+
+def test_metric_names_follow_prometheus_conventions():
+    for registry in (GatewayMetrics().registry, StageMetrics(lambda: collections.defaultdict(int, rejected={})).registry):
+        for fam in registry.collect():
+            assert fam.name.startswith("stagemesh_"), fam.name
+            if fam.type == "counter":
+                assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), fam.name
+            if fam.type == "histogram":
+                assert fam.name.endswith("_seconds"), fam.name  # every histogram here is a duration
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """An overlay that includes the component over the base, rendered by kubectl kustomize."""
+    overlay = tmp_path_factory.mktemp("monitoring-overlay")
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(os.path.join(ROOT, "k8s", "overlays", "cpu"), overlay)],
+        "components": [os.path.relpath(COMPONENT, overlay)]}))
+    out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_component_renders_and_standard_objects_validate(rendered, tmp_path):
+    standard = [d for d in rendered if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+    path = tmp_path / "standard.yaml"
+    path.write_text(yaml.safe_dump_all(standard))
+    proc = subprocess.run([f"{BIN}/kubernetes-validate", "--strict", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("passed") == len(standard) >= 10  # each standard object was checked against a schema
+    cm = next(d for d in rendered if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "stagemesh-grafana-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["stagemesh-dashboard.json"]) == json.load(open(DASHBOARD))
+
+
+def test_pod_monitors_select_real_pods_and_ports(rendered):
+    monitors = [d for d in rendered if d["kind"] == "PodMonitor"]
+    assert {m["metadata"]["name"] for m in monitors} == {"stagemesh-stages", "stagemesh-gateway"}
+    workloads = [d for d in rendered if d["kind"] in ("StatefulSet", "Deployment")]
+    for m in monitors:
+        assert m["apiVersion"] == "monitoring.coreos.com/v1"
+        assert set(m["spec"]) <= {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel"}, m["spec"]
+        selector = m["spec"]["selector"]["matchLabels"]
+        matched = [w for w in workloads if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 1, (m["metadata"]["name"], selector)
+        ports = {p["name"] for c in matched[0]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        for ep in m["spec"]["podMetricsEndpoints"]:
+            assert ep["port"] in ports and ep["path"] == "/metrics", ep
+            assert re.fullmatch(r"\d+[sm]", ep["interval"]), ep
