@@ -86,3 +86,21 @@ def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(smollm2, texts, 
     assert len(alone) == len(together) == DECODE_STEPS
     for step, (a, t) in enumerate(zip(alone, together)):
         assert torch.equal(a, t), f"step {step}: max |diff| {(a - t).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype,weights", [(torch.bfloat16, "auto"), (torch.bfloat16, "bf16")])
+def test_prefill_in_one_pass_in_chunks_or_token_by_token_gives_the_same_bits(smollm2, texts, dtype, weights):
+    """What a failover replay relies on: a history re-prefilled in one pass (or in chunks) leaves the same K/V and
+    the same next-token logits as the token-by-token decode that first produced it. Without batch_invariant the
+    prefill's attention runs as one causal kernel over the chunk and the bf16 logits differ."""
+    ids = texts[0]
+    pipeline = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=3, weights=weights, batch_invariant=True)
+    one_pass = pipeline.run([SeqWork("a", Prefill(len(ids), 0, len(ids), True))], torch.tensor(ids))[0]
+    split = 10
+    pipeline.run([SeqWork("b", Prefill(split, 0, len(ids), False))], torch.tensor(ids[:split]))
+    chunked = pipeline.run([SeqWork("b", Prefill(len(ids) - split, split, len(ids), True))], torch.tensor(ids[split:]))[0]
+    pipeline.run([SeqWork("c", Prefill(split, 0, split, True))], torch.tensor(ids[:split]))
+    for k in range(split, len(ids)):
+        stepped = pipeline.run([SeqWork("c", Decode(k))], torch.tensor([ids[k]]))[0]
+    assert torch.equal(one_pass, chunked), f"max |diff| {(one_pass - chunked).abs().max().item():.3g}"
+    assert torch.equal(one_pass, stepped), f"max |diff| {(one_pass - stepped).abs().max().item():.3g}"

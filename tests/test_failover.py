@@ -14,9 +14,9 @@ BODY = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens":
         "ignore_eos": True, "stream": True}
 
 
-async def stream(url: str, on_token=None) -> tuple[str, list[dict]]:
+async def stream(url: str, on_token=None, body: dict = BODY) -> tuple[str, list[dict]]:
     text, chunks = [], []
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=BODY) as r:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200
         async for chunk in sse_events(r):
             chunks.append(chunk)
@@ -25,6 +25,14 @@ async def stream(url: str, on_token=None) -> tuple[str, list[dict]]:
             if on_token:
                 await on_token(len(chunks))
     return "".join(text), chunks
+
+
+def kill_stage(gw, index: int) -> int:
+    """SIGKILL the process listening on stage `index`'s HTTP port; returns its pid."""
+    port = gw.stage_urls()[index].rsplit(":", 1)[1]
+    pid = int(os.popen(f"ss -ltnpH 'sport = :{port}'").read().split("pid=")[1].split(",")[0])
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 async def test_killing_a_stage_mid_stream_loses_nothing(tmp_path):
@@ -36,10 +44,7 @@ async def test_killing_a_stage_mid_stream_loses_nothing(tmp_path):
 
         async def kill_once(n):
             if n == 10 and not killed:
-                pid = int(os.popen(f"ss -ltnpH 'sport = :{gw.stage_urls()[1].rsplit(':', 1)[1]}'").read()
-                          .split("pid=")[1].split(",")[0])
-                os.kill(pid, signal.SIGKILL)
-                killed["pid"] = pid
+                killed["pid"] = kill_stage(gw, 1)
 
         text, chunks = await asyncio.wait_for(stream(gw.url, kill_once), 180)
         assert killed, "the stage was never killed"
@@ -47,5 +52,35 @@ async def test_killing_a_stage_mid_stream_loses_nothing(tmp_path):
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert gw.stage_info(1)["incarnation"] != victim["incarnation"]  # it really restarted
         assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+    finally:
+        gw.stop()
+
+
+PROMPTS = ["Write a long story about a lighthouse keeper.", "List ten facts about the moon.",
+           "Explain how a bicycle works.", "Describe a busy market in the morning.",
+           "Tell me about the history of tea.", "Write a poem about winter rain."]
+
+
+async def test_batch_invariant_replay_reproduces_every_concurrent_stream(tmp_path):
+    """The default weights (int4/bf16) with --batch-invariant: six greedy streams share micro-batches; stage 0 is
+    killed mid-stream, every sequence is replayed (re-prefilled from its token history) into different company,
+    and every text still equals its undisturbed run token for token."""
+    gw = start_up(2, "bfloat16", str(tmp_path), "--batch-invariant")
+    try:
+        bodies = [{**BODY, "prompt": p, "max_tokens": 40} for p in PROMPTS]
+        reference = await asyncio.gather(*(stream(gw.url, body=b) for b in bodies))
+        assert len({text for text, _ in reference}) == len(PROMPTS)  # six different texts, not one repeated
+        killed = {}
+
+        async def kill_once(n):
+            if n == 12 and not killed:
+                killed["pid"] = kill_stage(gw, 0)
+
+        disturbed = await asyncio.wait_for(asyncio.gather(
+            stream(gw.url, kill_once, bodies[0]), *(stream(gw.url, body=b) for b in bodies[1:])), 240)
+        assert killed, "the stage was never killed"
+        assert gw.metric("stagemesh_gateway_replayed_sequences_total") > 0  # sequences really were replayed
+        for (want, _), (got, _) in zip(reference, disturbed):
+            assert got == want
     finally:
         gw.stop()

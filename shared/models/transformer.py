@@ -278,9 +278,19 @@ class TransformerModel:
         if decode is not None:
             out = decode.attention(q, k_cache, v_cache)
         else:
-            out = torch.cat([self._sequence_attention(q[o:o + ln], slot, start, ln, k_cache, v_cache)
+            attend = self._rowwise_attention if self.batch_invariant else self._sequence_attention
+            out = torch.cat([attend(q[o:o + ln], slot, start, ln, k_cache, v_cache)
                              for slot, start, ln, o in zip(layout.slots, layout.starts, layout.lengths, layout.offsets)])
         return b.wo(out.reshape(n, c.q_size))
+
+    @classmethod
+    def _rowwise_attention(cls, q, slot, start, length, k_cache, v_cache) -> torch.Tensor:
+        """The batch-invariant mode's attention: each query row of a chunk computed exactly as a decode step
+        computes it (one query over its `position + 1` keys), so a prompt prefilled in one pass, in chunks, or
+        token by token -- and a sequence replayed after a failover -- gives the same numbers, bit for bit. One
+        attention call per token: prefill pays for it, decode (length 1) does not."""
+        return torch.cat([cls._sequence_attention(q[t:t + 1], slot, start + t, 1, k_cache, v_cache)
+                          for t in range(length)])
 
     @staticmethod
     def _sequence_attention(q, slot, start, length, k_cache, v_cache) -> torch.Tensor:
