@@ -19,7 +19,6 @@ import urllib.request
 from services.launch import scrape_metric, start_mesh
 from shared.generation import SequenceState, run_group_on_mesh
 from shared.model_files import ModelFiles
-from shared.pipeline_client import PipelineClient
 
 
 def stage_info(url: str) -> dict:
@@ -35,7 +34,7 @@ def scrape(url: str) -> tuple[float, int]:
 
 
 async def run_groups(mesh, prompt: list[int], inflight: int, batch: int, steps: int, warmup: int) -> dict:
-    client = PipelineClient(mesh.first_stage, mesh.result_listen)
+    client = mesh.client()
     await client.start()
     t_start: list[float] = []
     before: list = []

@@ -16,8 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     local.register(sub)
-    for module in ("services.stage.main", "services.gateway.main", "services.up", "services.trace_cli", "services.status",
-                   "loadtest.cli"):
+    for module in ("services.stage.main", "services.gateway.main", "services.up", "services.keys_cli",
+                   "services.trace_cli", "services.status", "loadtest.cli"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:

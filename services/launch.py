@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
 from shared.errors import StagemeshError
+from shared.mesh_keys import KeySet, write_key_set
+from shared.pipeline_client import PipelineClient
 
 
 def free_port() -> int:
@@ -67,6 +71,14 @@ class StageProcess:
 class LocalMesh:
     stages: list[StageProcess]
     result_listen: str  # where the last stage sends; the client binds it
+    keys_dir: str | None = None  # the mesh's CURVE key set (None: plaintext)
+    owns_keys: bool = False  # ephemeral keys made by start_mesh, deleted by stop()
+
+    def client(self, enter_at: int = 0) -> PipelineClient:
+        """A client with the gateway's keys that sends into stage `enter_at` (a later stage: as its upstream peer,
+        which only a holder of the whole key set can be) and receives the last stage's results."""
+        keys = KeySet(self.keys_dir).for_gateway(enter_at) if self.keys_dir else None
+        return PipelineClient(self.stages[enter_at].listen, self.result_listen, keys=keys)
 
     @property
     def first_stage(self) -> str:
@@ -97,12 +109,17 @@ class LocalMesh:
             except subprocess.TimeoutExpired:
                 s.proc.kill()
                 s.proc.wait()
+        if self.owns_keys and self.keys_dir:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
 
 
 def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop: str, http: str,
-                  dtype: str | None, threads: int | None, extra: list[str]) -> list[str]:
+                  dtype: str | None, threads: int | None, extra: list[str], keys_dir: str | None = None) -> list[str]:
+    """The stage's command line: CURVE with keys_dir, else --insecure-plaintext; it exits when this process dies."""
     cmd = [sys.executable, "-m", "services.cli", "stage", "--model", model, "--stage-index", str(index),
-           "--num-stages", str(num_stages), "--listen", listen, "--next", next_hop, "--http", http]
+           "--num-stages", str(num_stages), "--listen", listen, "--next", next_hop, "--http", http,
+           "--exit-with-parent", str(os.getpid())]
+    cmd += ["--keys", keys_dir] if keys_dir else ["--insecure-plaintext"]
     if dtype:
         cmd += ["--dtype", dtype]
     if threads:
@@ -112,8 +129,17 @@ def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop
 
 def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: int | None = None,
                extra: list[str] | None = None, result_listen: str | None = None, log_dir: str | None = None,
-               ready_timeout: float = 180.0, avoid_ports: frozenset[int] = frozenset()) -> LocalMesh:
-    """Start num_stages stage processes on loopback and wait until every one is ready."""
+               ready_timeout: float = 180.0, avoid_ports: frozenset[int] = frozenset(), keys_dir: str | None = None,
+               insecure_plaintext: bool = False) -> LocalMesh:
+    """Start num_stages stage processes on loopback and wait until every one is ready. Their sockets use CURVE with
+    the key set in keys_dir, or with ephemeral keys made here (a private 0700 temporary directory, deleted by
+    stop()); plaintext only with insecure_plaintext. Each stage exits when this process dies."""
+    owns_keys = False
+    if insecure_plaintext:
+        keys_dir = None
+    elif keys_dir is None:
+        keys_dir, owns_keys = tempfile.mkdtemp(prefix="stagemesh-keys-"), True
+        write_key_set(keys_dir, num_stages)
     threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
     ports = free_ports(2 * num_stages + 1, avoid_ports)
     listens = [f"tcp://127.0.0.1:{p}" for p in ports[:num_stages]]
@@ -122,11 +148,11 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
     for i in range(num_stages):
         http = f"127.0.0.1:{ports[num_stages + i]}"
         next_hop = listens[i + 1] if i + 1 < num_stages else result_listen
-        cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, extra or [])
+        cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, extra or [], keys_dir)
         stage = StageProcess(i, listens[i], http, None, cmd, os.path.join(log_dir, f"stage{i}.log") if log_dir else None)
         stage.proc = stage.spawn("w")
         stages.append(stage)
-    mesh = LocalMesh(stages, result_listen)
+    mesh = LocalMesh(stages, result_listen, keys_dir, owns_keys)
     try:
         wait_ready([s.url for s in stages], ready_timeout, procs=[s.proc for s in stages])
     except BaseException:

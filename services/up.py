@@ -18,6 +18,7 @@ from services.cli_args import (
 )
 from services.gateway.app import GATEWAY, serve_until_signal
 from services.gateway.main import build_app
+from services.keys_cli import add_security_args
 from services.launch import LocalMesh, start_mesh
 from shared.errors import StagemeshError
 
@@ -33,6 +34,7 @@ def register(sub) -> None:
     p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
     add_scheduler_args(p)
     add_edge_args(p)
+    add_security_args(p, up=True)  # up makes ephemeral keys itself; only --insecure-plaintext is offered
     p.set_defaults(func=cmd_up)
 
 
@@ -55,7 +57,9 @@ def cmd_up(args) -> int:
     serving = serving_from_args(args)
     mesh = start_mesh(args.model, args.stages, log_dir=log_dir, avoid_ports=frozenset({args.port}),
                       extra=model_flags(args) + ["--kv-slots", str(serving.kv_slots),
-                                                 "--max-seq-len", str(serving.max_seq_len)])
+                                                 "--max-seq-len", str(serving.max_seq_len)],
+                      insecure_plaintext=args.insecure_plaintext)
+    args.keys = mesh.keys_dir  # the ephemeral key set (0700 temporary directory, deleted at stop)
     try:
         app = build_app(args.model, mesh.stage_urls, mesh.result_listen, mesh.first_stage, args)
         asyncio.run(_serve(app, args.host, args.port, mesh))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,6 +29,7 @@ class KVCache:
         self._free: list[int] = list(range(num_slots))  # a min-heap: the lowest free slot is handed out first, so
         # live sequences stay packed at the bottom and batched decode can read them as one slice (DecodeWindow)
         self._slot_of: dict[Hashable, int] = {}
+        self._touched: dict[Hashable, float] = {}  # seq_id -> monotonic time its slot was last allocated or used
 
     def allocate(self, seq_id: Hashable) -> int:
         if seq_id in self._slot_of:
@@ -36,21 +38,34 @@ class KVCache:
             raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
         slot = heapq.heappop(self._free)
         self._slot_of[seq_id] = slot
+        self._touched[seq_id] = time.monotonic()
         return slot
 
     def release(self, seq_id: Hashable) -> bool:
         slot = self._slot_of.pop(seq_id, None)
         if slot is None:
             return False
+        del self._touched[seq_id]
         heapq.heappush(self._free, slot)
         return True
 
     def slot(self, seq_id: Hashable) -> int:
+        """The sequence's slot; asking for it (a micro-batch computing the sequence) renews its lease."""
         try:
-            return self._slot_of[seq_id]
+            slot = self._slot_of[seq_id]
         except KeyError:
             raise UnknownSequence(f"sequence {seq_id!r} has no KV slot on this stage: its first prefill chunk never reached it "
-                                  "(or the stage restarted since)") from None
+                                  "(or the stage restarted since, or its slot lease expired)") from None
+        self._touched[seq_id] = time.monotonic()
+        return slot
+
+    def untouched_since(self, cutoff: float) -> list[Hashable]:
+        """Sequences whose slot has not been allocated or used since monotonic time `cutoff` (expired leases)."""
+        return [seq_id for seq_id, t in self._touched.items() if t < cutoff]
+
+    @property
+    def holders(self) -> list[Hashable]:
+        return list(self._slot_of)
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._slot_of

@@ -10,6 +10,7 @@ import logging
 import zmq.asyncio
 
 from shared.errors import StagemeshError
+from shared.mesh_keys import SocketKeys
 from shared.protocol import BatchError, BatchResult, ForwardBatch, ReleaseDone, ReleaseSeqs
 from shared.transport import ZmqTransport
 
@@ -26,10 +27,13 @@ class PipelineError(StagemeshError):
 
 
 class PipelineClient:
-    """One pipeline seen from the gateway: first stage's input address, and our bound result address."""
+    """One pipeline seen from the gateway: first stage's input address, and our bound result address. `keys`:
+    the gateway's CURVE keys (KeySet.for_gateway), or None for plaintext -- always said explicitly."""
 
-    def __init__(self, first_stage: str, result_listen: str, ctx: zmq.asyncio.Context | None = None):
-        self.transport = ZmqTransport(result_listen, first_stage, accept=(BatchResult, BatchError, ReleaseDone), ctx=ctx)
+    def __init__(self, first_stage: str, result_listen: str, *, keys: SocketKeys | None,
+                 ctx: zmq.asyncio.Context | None = None):
+        self.transport = ZmqTransport(result_listen, first_stage, accept=(BatchResult, BatchError, ReleaseDone),
+                                      keys=keys, ctx=ctx)
         self._pending: dict[int, asyncio.Future] = {}
         self._mb_ids = itertools.count(1)
         self.releases_acknowledged = 0  # sequences the last stage confirmed released
@@ -79,6 +83,11 @@ class PipelineClient:
         """Free these sequences' KV slots on every stage (fire and forget; the ack is counted)."""
         if seq_ids:
             await self.transport.send(ReleaseSeqs(list(seq_ids)))
+
+    async def release_all(self) -> None:
+        """Free every KV slot the stages hold (reconcile): only for a client that owns no sequence yet, e.g. a
+        gateway at start, taking back what a gateway before it (SIGKILLed, say) left behind."""
+        await self.transport.send(ReleaseSeqs([], everything=True))
 
     async def _receive_loop(self) -> None:
         while True:

@@ -37,7 +37,8 @@ _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 
 CAPTURE_KEYS = frozenset({"stage", "layer", "point", "position", "shape", "summary", "data"})  # shared.trace.HookCapture
 
-REJECT_REASONS = ("msgpack", "oversize", "version", "kind", "schema", "dtype", "shape", "length", "frames")
+REJECT_REASONS = ("msgpack", "oversize", "version", "kind", "schema", "dtype", "shape", "length", "frames",
+                  "auth")  # auth: a CURVE handshake with a key other than the upstream peer's (shared.transport)
 
 # torch.frombuffer warns on read-only buffers; received frames are only ever read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -84,6 +85,7 @@ class ForwardBatch:
 @dataclass
 class ReleaseSeqs:
     seq_ids: list[str]
+    everything: bool = False  # also release every other sequence the stage holds (a gateway starting afresh)
 
 
 @dataclass
@@ -153,6 +155,8 @@ def encode(msg: Message) -> list:
                 tensors.append((name, t))
     elif isinstance(msg, ReleaseSeqs):
         header = {"kind": "release", "seq_ids": list(msg.seq_ids)}
+        if msg.everything:
+            header["all"] = True
     elif isinstance(msg, ReleaseDone):
         header = {"kind": "released", "seq_ids": list(msg.seq_ids)}
     elif isinstance(msg, BatchResult):
@@ -317,7 +321,11 @@ def decode(frames: list) -> Message:
         return batch
     if kind in ("release", "released"):
         ids = _str_list(header, "seq_ids")
-        return ReleaseSeqs(ids) if kind == "release" else ReleaseDone(ids)
+        if kind == "released":
+            return ReleaseDone(ids)
+        everything = header.get("all", False)
+        _need(isinstance(everything, bool), "schema", "field 'all' must be a boolean")
+        return ReleaseSeqs(ids, everything)
     if kind == "result":
         ids = _str_list(header, "seq_ids")
         toks, lps = header.get("tokens"), header.get("logprobs")

@@ -1,17 +1,27 @@
 """ZeroMQ transport: every receiver binds a PULL, every sender connects a PUSH. Frames go out with copy=False
-and come in as zmq.Frame buffers viewed as tensors. Malformed input is counted and dropped here, at the edge."""
+and come in as zmq.Frame buffers viewed as tensors. Malformed input is counted and dropped here, at the edge.
+
+With keys (shared.mesh_keys.SocketKeys) both sockets use CURVE: the PULL is a CURVE server that a ZAP handler lets
+only its one upstream peer's key into, the PUSH a CURVE client of the next hop's key. A connection with any other key
+never completes its handshake, so nothing it sends is ever received. Without keys (--insecure-plaintext) the
+sockets are plaintext and open to anyone who can reach them."""
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
 from shared.errors import StagemeshError
 from shared.log_throttle import throttled
+from shared.mesh_keys import SocketKeys
 from shared.protocol import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, Message, ProtocolError, decode, encode
 
 log = logging.getLogger("stagemesh.transport")
@@ -56,30 +66,110 @@ class TransportStats:
             self.on_reject(reason)
 
 
+class _OnePeer:
+    """ZAP credentials for one receiving socket: exactly one client key is let in; every refusal is counted."""
+
+    def __init__(self, key: bytes, name: str, stats: TransportStats):
+        self.key, self.name, self.stats = key, name, stats
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key == self.key:
+            return True
+        self.stats.reject("auth")
+        throttled(log, logging.WARNING, "denied:auth", "refused a CURVE connection with key %s on %s: only %s's key "
+                  "is accepted there", client_key.decode(errors="replace")[:8] + "...", domain, self.name)
+        return False
+
+
+class Zap:
+    """The ZAP handler of one ZeroMQ context (libzmq asks inproc://zeromq.zap.01 of the socket's own context), run
+    in a thread so it answers whatever event loop the sockets live on. Each CURVE receiver gets its own domain."""
+
+    _lock = threading.Lock()
+    _by_context: dict[zmq.Context, Zap] = {}
+    _domains = itertools.count(1)
+
+    def __init__(self, ctx: zmq.Context):
+        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("stagemesh.zap"))
+        self.auth.start()
+
+    @classmethod
+    def add(cls, ctx: zmq.Context, peer: _OnePeer) -> str:
+        with cls._lock:
+            zap = cls._by_context.get(ctx)
+            if zap is None:
+                zap = cls._by_context[ctx] = Zap(ctx)
+            domain = f"stagemesh-{next(cls._domains)}"
+            zap.auth.configure_curve_callback(domain, peer)
+            return domain
+
+    @classmethod
+    def remove(cls, ctx: zmq.Context, domain: str) -> None:
+        """Forget a domain. The handler itself stays for the context's next receiver (its inproc endpoint is not
+        free again at once after a stop); stop() it before terminating a context of your own."""
+        with cls._lock:
+            zap = cls._by_context.get(ctx)
+            if zap is not None:
+                zap.auth.credentials_providers.pop(domain, None)
+
+    @classmethod
+    def stop(cls, ctx: zmq.Context) -> None:
+        with cls._lock:
+            zap = cls._by_context.pop(ctx, None)
+            if zap is not None:
+                zap.auth.stop()
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for ctx in list(cls._by_context):
+            cls.stop(ctx)
+
+
+atexit.register(Zap.stop_all)  # a context with a live handler would hang the interpreter's exit
+
+
 class ZmqTransport:
     """An inbound PULL (bound) and an outbound PUSH (connected); `receive` returns only validated messages of the
-    kinds this socket accepts."""
+    kinds this socket accepts. `keys` is required: SocketKeys for CURVE, or None for plaintext (callers say which)."""
 
-    def __init__(self, listen: str, next_hop: str | None, accept: tuple[type, ...], ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, listen: str, next_hop: str | None, accept: tuple[type, ...], *, keys: SocketKeys | None,
+                 ctx: zmq.asyncio.Context | None = None):
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.stats = TransportStats()
         self.accept = accept
+        self.keys = keys
+        self._domain: str | None = None
         self.inbound = self.ctx.socket(zmq.PULL)
         self.inbound.setsockopt(zmq.MAXMSGSIZE, MAX_TENSOR_BYTES + MAX_HEADER_BYTES)
         self.inbound.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self.inbound.setsockopt(zmq.LINGER, 0)
+        if keys is not None:  # the ZAP handler runs before the first connection can arrive
+            self._domain = Zap.add(self.ctx, _OnePeer(keys.accept, keys.accept_name, self.stats))
+            self.inbound.zap_domain = self._domain.encode()
+            self.inbound.curve_server = True
+            self.inbound.curve_publickey = keys.receive.public
+            self.inbound.curve_secretkey = keys.receive.secret
         _bind_with_retry(self.inbound, check_address(listen, "--listen"))
         self.outbound = None
         if next_hop:
             self.outbound = self.ctx.socket(zmq.PUSH)
             self.outbound.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
             self.outbound.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                if keys.next_server is None:
+                    raise StagemeshError(f"no public key for the next hop {next_hop}; pass the mesh's --keys DIR")
+                self.outbound.curve_serverkey = keys.next_server
+                self.outbound.curve_publickey = keys.send.public
+                self.outbound.curve_secretkey = keys.send.secret
             self.outbound.connect(check_address(next_hop, "--next"))
 
     async def receive(self) -> Message:
         """The next valid message; malformed ones are counted under their reason and dropped."""
         while True:
-            frames = await self.inbound.recv_multipart(copy=False)
+            try:
+                frames = await self.inbound.recv_multipart(copy=False)
+            except zmq.Again:  # woken with nothing to read (seen under CURVE): nothing was consumed, wait again
+                continue
             size = sum(len(f) for f in frames)
             self.stats.bytes_in += size
             try:
@@ -102,3 +192,6 @@ class ZmqTransport:
         self.inbound.close(0)
         if self.outbound is not None:
             self.outbound.close(0)
+        if self._domain is not None:
+            Zap.remove(self.ctx, self._domain)
+            self._domain = None

@@ -13,7 +13,7 @@ import zmq
 
 from services.launch import start_mesh
 from shared.generation import generate_tokens
-from shared.pipeline_client import PipelineClient
+from shared.mesh_keys import KeySet
 from shared.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
 from shared.runtime import LocalPipeline
 from shared.sampling import SamplingParams
@@ -120,7 +120,9 @@ async def test_hostile_messages_are_counted_dropped_and_harmless(mesh, smollm2, 
     assert len(expected) >= 8  # every reason is exercised
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
+    sock = ctx.socket(zmq.PUSH)  # as the stage's own upstream peer (the gateway's keys): validation is the next wall
+    keys = KeySet(mesh.keys_dir).for_gateway()
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.next_server, keys.send.public, keys.send.secret
     sock.connect(mesh.first_stage)
     for _, frames in messages:
         sock.send_multipart(frames)
@@ -137,7 +139,7 @@ async def test_hostile_messages_are_counted_dropped_and_harmless(mesh, smollm2, 
     assert not os.path.exists(marker)  # the pickle never ran
     assert all(s.proc.poll() is None for s in mesh.stages)  # nothing crashed
 
-    client = PipelineClient(mesh.first_stage, mesh.result_listen)
+    client = mesh.client()
     await client.start()
     try:
         ids = smollm2.tokenizer.encode("The capital of France is")

@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 
 from services.launch import start_mesh
-from shared.pipeline_client import PipelineClient, PipelineError
+from shared.pipeline_client import PipelineError
 from shared.protocol import ForwardBatch, SeqEntry
 from shared.sampling import SamplingParams
 from shared.steps import Prefill
@@ -41,7 +41,7 @@ def mesh(request, tmp_path_factory):
 
 @pytest_asyncio.fixture
 async def client(mesh):
-    c = PipelineClient(mesh.first_stage, mesh.result_listen)
+    c = mesh.client()
     await c.start()
     yield c
     await c.close()
@@ -87,9 +87,8 @@ async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(smollm2, cl
 async def test_missing_input_is_a_clear_error_for_that_microbatch(mesh, smollm2, reference):
     """A non-first stage given no activation errors (never embeds locally); a first stage given no token ids too.
     The stage keeps serving afterwards."""
-    target, expected = (mesh.stages[1], "without its input activation") if len(mesh.stages) > 1 else \
-        (mesh.stages[0], "needs token ids")
-    c = PipelineClient(target.listen, mesh.result_listen)
+    target, expected = (1, "without its input activation") if len(mesh.stages) > 1 else (0, "needs token ids")
+    c = mesh.client(enter_at=target)
     await c.start()
     try:
         batch = ForwardBatch(c.next_mb_id(), [SeqEntry("x", Prefill(3, 0, 3, True))], tokens=None, hidden=None)
@@ -97,7 +96,7 @@ async def test_missing_input_is_a_clear_error_for_that_microbatch(mesh, smollm2,
             await asyncio.wait_for(c.forward(batch), 30)
     finally:
         await c.close()
-    c = PipelineClient(mesh.first_stage, mesh.result_listen)
+    c = mesh.client()
     await c.start()
     try:
         out = await generate_group(c, {"after": smollm2.tokenizer.encode(PROMPTS[0])}, MAX_TOKENS)

@@ -18,6 +18,7 @@ from services.cli_args import (
 )
 from services.gateway.app import API_KEY_ENV, GatewayConfig, make_app, serve_until_signal
 from services.gateway.pipeline import Pipeline
+from services.keys_cli import add_security_args, key_set_from_args
 from shared.errors import StagemeshError
 from shared.model_files import ModelFiles
 from shared.transport import check_address
@@ -38,6 +39,7 @@ def register(sub) -> None:
     p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info)")
     add_scheduler_args(p)
     add_edge_args(p)
+    add_security_args(p)
     p.set_defaults(func=cmd_gateway)
 
 
@@ -47,7 +49,13 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
         if not u.startswith(("http://", "https://")):
             raise StagemeshError(f"--stages entry {u!r} must be an http:// URL of a stage's HTTP endpoint")
     check_address(result_listen, "--result-listen")
-    pipeline = Pipeline(stage_urls, result_listen, files.loader.fingerprint, files.config.num_layers, first_stage)
+    key_set = key_set_from_args(args, "stagemesh gateway")
+    keys = None
+    if key_set is not None:
+        key_set.check_stages(len(stage_urls), "the gateway's --stages")
+        keys = key_set.for_gateway()
+    pipeline = Pipeline(stage_urls, result_listen, files.loader.fingerprint, files.config.num_layers, first_stage,
+                        keys=keys)
     inflight = args.max_inflight or max(2, len(stage_urls))
     if inflight < 1:
         raise StagemeshError("--max-inflight must be positive")

@@ -12,6 +12,7 @@ import aiohttp
 
 from shared.errors import LayerRangeError
 from shared.layers import LayerRange, check_cover
+from shared.mesh_keys import SocketKeys
 from shared.pipeline_client import PipelineClient
 
 log = logging.getLogger("stagemesh.gateway.pipeline")
@@ -43,7 +44,8 @@ def check_pipeline(infos: list[dict | str], fingerprint: str, num_layers: int) -
 
 class Pipeline:
     def __init__(self, stage_urls: list[str], result_listen: str, fingerprint: str, num_layers: int,
-                 first_stage: str | None = None, poll_s: float = 2.0):
+                 first_stage: str | None = None, poll_s: float = 2.0, keys: SocketKeys | None = None):
+        self.keys = keys  # the gateway's CURVE keys (None: plaintext, only with --insecure-plaintext)
         self.stage_urls = [u.rstrip("/") for u in stage_urls]
         self.result_listen = result_listen
         self.fingerprint = fingerprint
@@ -114,8 +116,10 @@ class Pipeline:
                 self.mark_lost(f"a stage restarted (incarnations {self._incarnations} -> {incarnations})")
             self._incarnations = incarnations
         if problem is None and self.client is None:
-            self.client = PipelineClient(self.first_stage or self._first_stage_address(), self.result_listen)
+            self.client = PipelineClient(self.first_stage or self._first_stage_address(), self.result_listen,
+                                         keys=self.keys)
             await self.client.start()
+            await self.client.release_all()  # we own no sequence yet: take back what an earlier gateway left
 
     def _first_stage_address(self) -> str:
         """The first stage's ZMQ address from its /info, with a wildcard host replaced by the host we reach it at."""

@@ -12,12 +12,14 @@ import torch
 from aiohttp import web
 
 from services.cli_args import add_kv_args, add_model_args, parse_host_port, serving_from_args
+from services.keys_cli import add_security_args, key_set_from_args
 from services.stage.http import LOAD_ERROR, WORKER, make_app
 from services.stage.io import StageIO
-from services.stage.worker import StageIdentity, StageWorker
+from services.stage.worker import DEFAULT_SLOT_LEASE_S, StageIdentity, StageWorker
 from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.layers import LayerRange, balanced_split, parse_layer_range
+from shared.mesh_keys import SocketKeys
 from shared.model_files import ModelFiles
 from shared.models import ModelConfig
 from shared.protocol import BatchError, ForwardBatch, ReleaseSeqs
@@ -31,10 +33,11 @@ def register(sub) -> None:
     p = sub.add_parser("stage", help="serve one layer range as a pipeline stage",
                        description="Receive activations on --listen, compute this stage's layers, send to --next.")
     add_model_args(p)
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--layers", help="layer range START:STOP served by this stage, e.g. 0:15")
-    where.add_argument("--stage-index", type=int,
-                       help="this stage's index (with --num-stages: a split of equal compute, the lm_head counted)")
+    p.add_argument("--layers", help="layer range START:STOP served by this stage, e.g. 0:15 (with --keys, also give "
+                                    "--stage-index: which stage's keys are this one's)")
+    p.add_argument("--stage-index", type=int,
+                   help="this stage's index (with --num-stages and no --layers: a split of equal compute, the lm_head "
+                        "counted)")
     p.add_argument("--num-stages", type=int, help="number of stages in the pipeline (with --stage-index)")
     p.add_argument("--listen", required=True, help="ZeroMQ address to bind for input, e.g. tcp://127.0.0.1:5551")
     p.add_argument("--next", required=True,
@@ -47,11 +50,19 @@ def register(sub) -> None:
     add_kv_args(p)
     p.add_argument("--no-prefetch", action="store_true", help="receive, compute and send one after another (baseline)")
     p.add_argument("--no-trace", action="store_true", help="ignore trace requests entirely (the benchmark's bypass)")
+    p.add_argument("--slot-lease", type=float, default=DEFAULT_SLOT_LEASE_S, metavar="SECONDS",
+                   help="release a sequence's KV slot when no micro-batch has used it for this long, so a vanished "
+                        f"gateway cannot hold slots forever (default {DEFAULT_SLOT_LEASE_S:g}; 0 = never)")
+    p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                   help="stop when process PID (the launcher, e.g. `stagemesh up`) is no longer this one's parent")
+    add_security_args(p)
     p.set_defaults(func=cmd_stage)
 
 
 def stage_layers(args, config: ModelConfig) -> LayerRange:
     num_layers = config.num_layers
+    if not args.layers and args.stage_index is None:
+        raise StagemeshError("give --layers START:STOP or --stage-index I --num-stages N")
     if args.layers:
         return parse_layer_range(args.layers, num_layers)
     if args.num_stages is None:
@@ -78,17 +89,32 @@ def cmd_stage(args) -> int:
     serving_from_args(args)  # validates --kv-slots and --max-seq-len
     if args.max_seq_len < 16:
         raise StagemeshError("--max-seq-len must be >= 16")
+    if args.slot_lease < 0:
+        raise StagemeshError("--slot-lease must be >= 0 seconds (0 = never reclaim)")
     if args.threads is not None and args.threads < 1:
         raise StagemeshError("--threads must be >= 1")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     files = ModelFiles.open(args.model)  # validates the file before anything binds
     layers = stage_layers(args, files.config)
     args.next = resolve_next(args, layers, files.config.num_layers)
-    asyncio.run(serve(files, layers, args, host, port))
+    keys = stage_keys(args, layers, files.config.num_layers)
+    asyncio.run(serve(files, layers, args, host, port, keys))
     return 0
 
 
-async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: int) -> None:
+def stage_keys(args, layers: LayerRange, num_layers: int) -> SocketKeys | None:
+    """This stage's CURVE keys (its own pair, its upstream peer, its next hop), checked before anything binds."""
+    key_set = key_set_from_args(args, "stagemesh stage")
+    if key_set is None:
+        return None
+    if args.stage_index is None:
+        raise StagemeshError("--keys with --layers needs --stage-index I: which stage's keys in the set are this one's")
+    if args.num_stages is not None:
+        key_set.check_stages(args.num_stages, "--num-stages")
+    return key_set.for_stage(args.stage_index, last=layers.stop == num_layers)
+
+
+async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: int, keys: SocketKeys | None) -> None:
     app = make_app()
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -98,6 +124,7 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watchdog = asyncio.create_task(_exit_with_parent(args.exit_with_parent, stop)) if args.exit_with_parent else None
     device = default_device()
     dtype = resolve_dtype(args.dtype, device)
     try:
@@ -109,14 +136,14 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
         await runner.cleanup()
         raise
     position = runtime.model.position
-    transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs, BatchError))
+    transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs, BatchError), keys=keys)
     io = StageIO(transport, prefetch=not args.no_prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
                              position, str(dtype).removeprefix("torch."), listen=args.listen)
-    worker = StageWorker(runtime, io, identity, tracing=not args.no_trace)
+    worker = StageWorker(runtime, io, identity, tracing=not args.no_trace, slot_lease_s=args.slot_lease)
     app[WORKER] = worker
-    log.info("stage %s (%s) ready: %s -> %s, incarnation %s", layers, position.value, args.listen, args.next,
-             identity.incarnation)
+    log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, args.listen, args.next,
+             identity.incarnation, f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT")
     task = asyncio.create_task(worker.run())
     await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     task.cancel()
@@ -125,5 +152,16 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     if task.done() and not task.cancelled() and task.exception():
         log.error("stage loop failed: %s", task.exception())
     transport.close()
+    if watchdog is not None:
+        watchdog.cancel()
     await runner.cleanup()
+
+
+async def _exit_with_parent(pid: int, stop: asyncio.Event, every_s: float = 0.5) -> None:
+    """Set `stop` once `pid` is no longer our parent (it died and we were re-parented): a launcher that was
+    SIGKILLed leaves no orphan stage holding ports, memory and KV slots."""
+    while os.getppid() == pid:
+        await asyncio.sleep(every_s)
+    log.warning("launcher (pid %d) is gone; stopping", pid)
+    stop.set()
 

@@ -53,6 +53,9 @@ class StageMetrics:
         self.busy = Counter("stagemesh_stage_busy_seconds", "Seconds spent computing", registry=r)
         self.waiting = Counter("stagemesh_stage_waiting_for_input_seconds",
                                "Seconds the compute loop waited for input", registry=r)
+        self.reclaimed = Counter("stagemesh_stage_slots_reclaimed",
+                                 "KV slots released because their lease expired (no micro-batch used them within "
+                                 "--slot-lease)", registry=r)
         self.errors = Counter("stagemesh_stage_microbatch_errors", "Micro-batches that failed on this stage", registry=r)
         self.compute = Histogram("stagemesh_stage_compute_seconds", "Compute time per micro-batch, by its size in tokens",
                                  ["tokens"], buckets=COMPUTE_BUCKETS, registry=r)

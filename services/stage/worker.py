@@ -16,6 +16,7 @@ from services.stage.io import StageIO
 from services.stage.metrics import StageMetrics, size_class
 from shared.errors import StagemeshError
 from shared.layers import LayerRange, StagePosition
+from shared.log_throttle import throttled
 from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
 from shared.runtime import SeqWork, StageRuntime
 from shared.sampling import sample
@@ -43,9 +44,20 @@ class StageIdentity:
         return f"stage[{self.layers}]"
 
 
+DEFAULT_SLOT_LEASE_S = 120.0
+
+
 class StageWorker:
-    def __init__(self, runtime: StageRuntime, io: StageIO, identity: StageIdentity, tracing: bool = True):
+    """`slot_lease_s`: a sequence whose slot no micro-batch has used for this long is released and counted (a
+    vanished gateway cannot hold slots forever; a live sequence is touched at every step). 0 disables."""
+
+    def __init__(self, runtime: StageRuntime, io: StageIO, identity: StageIdentity, tracing: bool = True,
+                 slot_lease_s: float = DEFAULT_SLOT_LEASE_S):
         self.tracing = tracing
+        self.slot_lease_s = slot_lease_s
+        self.lease_check_s = min(1.0, slot_lease_s / 4) if slot_lease_s else None
+        self._next_lease_check = 0.0
+        self.reclaimed = 0
         self.runtime = runtime
         self.io = io
         self.identity = identity
@@ -67,11 +79,14 @@ class StageWorker:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                self._reclaim_expired()
                 msg = self.io.try_prefetch_input()
                 if msg is None:
                     t0 = time.perf_counter()
-                    msg = await self.io.receive()
+                    msg = await self._next_input()
                     self._waited(time.perf_counter() - t0)
+                    if msg is None:
+                        continue
                 if isinstance(msg, ForwardBatch) and msg.hop_s is not None:
                     self._hopped(max(0.0, msg.hop_s))
                 if isinstance(msg, ForwardBatch):
@@ -80,6 +95,11 @@ class StageWorker:
                     self._busy(time.perf_counter() - t0, msg.num_tokens)
                     await self.io.send(out)
                 elif isinstance(msg, ReleaseSeqs):
+                    if msg.everything:
+                        held = self.runtime.kv.holders
+                        log.info("releasing all %d KV slots held: a gateway started without sequences", len(held))
+                        for seq_id in held:
+                            self.runtime.release(seq_id)
                     for seq_id in msg.seq_ids:
                         self.runtime.release(seq_id)
                     await self.io.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
@@ -88,6 +108,28 @@ class StageWorker:
         finally:
             await self.io.stop()
             self.compute_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _next_input(self) -> Message | None:
+        """The next input, or None when the lease check is due first (never waits past it)."""
+        if self.lease_check_s is None:
+            return await self.io.receive()
+        try:
+            return await asyncio.wait_for(self.io.receive(), self.lease_check_s)
+        except TimeoutError:
+            return None
+
+    def _reclaim_expired(self) -> None:
+        """Release the slots whose lease expired. Runs on the loop between micro-batches, never while one computes."""
+        now = time.monotonic()
+        if self.lease_check_s is None or now < self._next_lease_check:
+            return
+        self._next_lease_check = now + self.lease_check_s
+        for seq_id in self.runtime.kv.untouched_since(now - self.slot_lease_s):
+            self.runtime.release(seq_id)
+            self.reclaimed += 1
+            self.metrics.reclaimed.inc()
+            throttled(log, logging.WARNING, "lease", "reclaimed the KV slot of sequence %r: no micro-batch used it "
+                      "for %g s (--slot-lease)", seq_id, self.slot_lease_s)
 
     def _waited(self, s: float) -> None:
         self.wait_s += s
@@ -152,7 +194,8 @@ class StageWorker:
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
             "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
             "weights": self._weights_info(),
-            "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len},
+            "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
+                   "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed},
             "prefetch": self.io.prefetch,
             "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
             "rejected": dict(self.io.transport.stats.rejected),
