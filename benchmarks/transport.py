@@ -1,24 +1,30 @@
 """Transport cost: codec + ZeroMQ for activations of 4 KB, 1 MB and 64 MB.
 
-    python -m benchmarks.transport [--repeat N]
+    python -m benchmarks.transport [--repeat N] [--curve] [--mesh]
 
 Prints, per size: round trip over tcp loopback (encode -> PUSH -> PULL -> decode -> PUSH back -> PULL -> decode),
-encode+decode throughput against a plain memory copy of the same bytes (torch clone), and one-way ZMQ throughput."""
+encode+decode throughput against a plain memory copy of the same bytes (torch clone), and one-way ZMQ throughput.
+--curve: the same round trips and one-way throughput with the mesh's CURVE sockets (encrypted, ZAP-authenticated),
+measured in the same run, and the CURVE / plaintext ratio. --mesh: decode tokens/s of a 2-stage mesh (one stream,
+and 4 micro-batches of 8 in flight) with CURVE and with --insecure-plaintext, rounds alternating."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
+import tempfile
 import time
 
 import torch
 import zmq
 import zmq.asyncio
 
-from services.launch import free_port
+from services.launch import free_port, start_mesh
+from shared.mesh_keys import KeyPair, SocketKeys
 from shared.protocol import ForwardBatch, SeqEntry, decode, encode
 from shared.steps import Prefill
+from shared.transport import TransportStats, Zap, curve_receiver, curve_sender
 
 SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
 
@@ -39,15 +45,41 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
-async def round_trips(batch: ForwardBatch, repeat: int) -> list[float]:
+def peer_keys() -> tuple[SocketKeys, SocketKeys]:
+    """In-memory keys of two peers, a and b, each accepting only the other (what a mesh's neighbours hold)."""
+    a, b = (KeyPair(*zmq.curve_keypair()) for _ in range(2))
+    return SocketKeys(a, b.public, "b", a, b.public, "b"), SocketKeys(b, a.public, "a", b, a.public, "a")
+
+
+def sockets(ctx, curve: bool, pairs: list[tuple[str, str]]) -> list[tuple[zmq.Socket, zmq.Socket]]:
+    """For each (receiver, sender) name pair a bound PULL and a PUSH connected to it, CURVE from sender to receiver
+    when asked (names are 'a' or 'b': the two peers of peer_keys)."""
+    keys = dict(zip("ab", peer_keys()))
+    out = []
+    for receiver, sender in pairs:
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        if curve:
+            curve_receiver(ctx, pull, keys[receiver], TransportStats())
+            curve_sender(push, keys[sender], addr)
+        pull.bind(addr)
+        push.connect(addr)
+        out.append((pull, push))
+    return out
+
+
+def close(ctx, socks) -> None:
+    for pair in socks:
+        for s in pair:
+            s.close(0)
+    Zap.stop(ctx)
+    ctx.term()
+
+
+async def round_trips(batch: ForwardBatch, repeat: int, curve: bool = False) -> list[float]:
     ctx = zmq.asyncio.Context()
-    a_in, b_in = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    pull_a, pull_b = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
-    pull_a.bind(a_in)
-    pull_b.bind(b_in)
-    push_to_b, push_to_a = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
-    push_to_b.connect(b_in)
-    push_to_a.connect(a_in)
+    socks = sockets(ctx, curve, [("a", "b"), ("b", "a")])
+    (pull_a, push_to_a), (pull_b, push_to_b) = socks
 
     async def echo():
         while True:
@@ -63,18 +95,14 @@ async def round_trips(batch: ForwardBatch, repeat: int) -> list[float]:
         out.append(time.perf_counter() - t0)
         assert torch.equal(back.hidden, batch.hidden)
     task.cancel()
-    for s in (pull_a, pull_b, push_to_a, push_to_b):
-        s.close(0)
-    ctx.term()
+    close(ctx, socks)
     return out[1:]
 
 
-async def one_way(batch: ForwardBatch, repeat: int) -> float:
+async def one_way(batch: ForwardBatch, repeat: int, curve: bool = False) -> float:
     ctx = zmq.asyncio.Context()
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind(addr)
-    push.connect(addr)
+    socks = sockets(ctx, curve, [("b", "a")])
+    pull, push = socks[0]
     await push.send_multipart(encode(batch), copy=False)
     decode(await pull.recv_multipart(copy=False))
     t0 = time.perf_counter()
@@ -82,15 +110,55 @@ async def one_way(batch: ForwardBatch, repeat: int) -> float:
         await push.send_multipart(encode(batch), copy=False)
         decode(await pull.recv_multipart(copy=False))
     elapsed = time.perf_counter() - t0
-    pull.close(0)
-    push.close(0)
-    ctx.term()
+    close(ctx, socks)
     return repeat * batch.hidden.nbytes / elapsed
+
+
+def curve_table(repeat: int) -> None:
+    print(f"\nCURVE vs plaintext (same run, tcp loopback): {'size':>6} | round trip plain / CURVE | "
+          "one-way GB/s plain / CURVE | CURVE/plain throughput")
+    for label, nbytes in SIZES.items():
+        batch = make_batch(nbytes)
+        reps = repeat if nbytes < (32 << 20) else max(3, repeat // 4)
+        rtt = {c: statistics.median(asyncio.run(round_trips(batch, reps, c))) for c in (False, True)}
+        bps = {c: asyncio.run(one_way(batch, reps, c)) for c in (False, True)}
+        print(f"{'':>44}{label:>6} | {rtt[False] * 1e3:9.3f} / {rtt[True] * 1e3:9.3f} ms | "
+              f"{bps[False] / 1e9:8.2f} / {bps[True] / 1e9:6.2f} | {bps[True] / bps[False]:.2f}")
+
+
+def mesh_tokens(rounds: int, dtype: str) -> None:
+    """Decode tokens/s of a 2-stage mesh, CURVE against plaintext, alternating so drift hits both alike."""
+    from benchmarks.overlap import run_groups
+    from shared.model_files import ModelFiles
+
+    prompt = ModelFiles.open("smollm2").tokenizer.encode("The history of the printing press begins")
+    shapes = {"1 stream": (1, 1), "4x8 in flight": (4, 8)}
+    runs: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for mode, plaintext in (("CURVE", False), ("plaintext", True)):
+            with tempfile.TemporaryDirectory() as logs:
+                mesh = start_mesh("smollm2", 2, dtype=dtype, log_dir=logs, insecure_plaintext=plaintext)
+                try:
+                    for shape, (inflight, batch) in shapes.items():
+                        r = asyncio.run(run_groups(mesh, prompt, inflight, batch, steps=40, warmup=5))
+                        runs.setdefault((shape, mode), []).append(r["throughput_mb_s"] * batch)
+                finally:
+                    mesh.stop()
+    print(f"\n2-stage mesh, smollm2 {dtype}, decode tokens/s (mean of {rounds} alternating rounds):")
+    for shape in shapes:
+        c, p = statistics.mean(runs[(shape, "CURVE")]), statistics.mean(runs[(shape, "plaintext")])
+        print(f"  {shape:>14}: CURVE {c:7.1f}  plaintext {p:7.1f}  CURVE/plaintext {c / p:.3f}  "
+              f"(runs CURVE {', '.join(f'{v:.1f}' for v in runs[(shape, 'CURVE')])}; "
+              f"plaintext {', '.join(f'{v:.1f}' for v in runs[(shape, 'plaintext')])})")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--curve", action="store_true", help="also measure CURVE against plaintext, same run")
+    p.add_argument("--mesh", action="store_true", help="also measure a 2-stage mesh's tokens/s with and without CURVE")
+    p.add_argument("--rounds", type=int, default=2, help="--mesh: alternating rounds per mode")
+    p.add_argument("--dtype", default="bfloat16", help="--mesh: stage dtype")
     args = p.parse_args()
     print(f"{'size':>6} | {'round trip (median)':>19} | {'codec GB/s':>10} | {'memcpy GB/s':>11} | {'codec/memcpy':>12} | "
           f"{'zmq one-way GB/s':>16} | {'zmq/memcpy':>10}")
@@ -105,6 +173,10 @@ def main() -> None:
         codec_gbs, copy_gbs = n / codec_s / 1e9, n / copy_s / 1e9
         print(f"{label:>6} | {rtt * 1e3:>16.3f} ms | {codec_gbs:>10.2f} | {copy_gbs:>11.2f} | {codec_gbs / copy_gbs:>12.2f} | "
               f"{zmq_bps / 1e9:>16.2f} | {zmq_bps / 1e9 / copy_gbs:>10.2f}")
+    if args.curve:
+        curve_table(args.repeat)
+    if args.mesh:
+        mesh_tokens(args.rounds, args.dtype)
 
 
 if __name__ == "__main__":

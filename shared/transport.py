@@ -128,6 +128,26 @@ class Zap:
 atexit.register(Zap.stop_all)  # a context with a live handler would hang the interpreter's exit
 
 
+def curve_receiver(ctx: zmq.Context, sock: zmq.Socket, keys: SocketKeys, stats: TransportStats) -> str:
+    """Make `sock` (of `ctx`, not yet bound) a CURVE server that lets in only keys.accept; returns its ZAP domain (for
+    Zap.remove when the socket closes)."""
+    domain = Zap.add(ctx, _OnePeer(keys.accept, keys.accept_name, stats))  # answering before any connect
+    sock.zap_domain = domain.encode()
+    sock.curve_server = True
+    sock.curve_publickey = keys.receive.public
+    sock.curve_secretkey = keys.receive.secret
+    return domain
+
+
+def curve_sender(sock: zmq.Socket, keys: SocketKeys, where: str) -> None:
+    """Make `sock` (not yet connected) a CURVE client of the next hop's key."""
+    if keys.next_server is None:
+        raise StagemeshError(f"no public key for the next hop {where}; pass the mesh's --keys DIR")
+    sock.curve_serverkey = keys.next_server
+    sock.curve_publickey = keys.send.public
+    sock.curve_secretkey = keys.send.secret
+
+
 class ZmqTransport:
     """An inbound PULL (bound) and an outbound PUSH (connected); `receive` returns only validated messages of the
     kinds this socket accepts. `keys` is required: SocketKeys for CURVE, or None for plaintext (callers say which)."""
@@ -143,12 +163,8 @@ class ZmqTransport:
         self.inbound.setsockopt(zmq.MAXMSGSIZE, MAX_TENSOR_BYTES + MAX_HEADER_BYTES)
         self.inbound.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self.inbound.setsockopt(zmq.LINGER, 0)
-        if keys is not None:  # the ZAP handler runs before the first connection can arrive
-            self._domain = Zap.add(self.ctx, _OnePeer(keys.accept, keys.accept_name, self.stats))
-            self.inbound.zap_domain = self._domain.encode()
-            self.inbound.curve_server = True
-            self.inbound.curve_publickey = keys.receive.public
-            self.inbound.curve_secretkey = keys.receive.secret
+        if keys is not None:
+            self._domain = curve_receiver(self.ctx, self.inbound, keys, self.stats)
         _bind_with_retry(self.inbound, check_address(listen, "--listen"))
         self.outbound = None
         if next_hop:
@@ -156,11 +172,7 @@ class ZmqTransport:
             self.outbound.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
             self.outbound.setsockopt(zmq.LINGER, 0)
             if keys is not None:
-                if keys.next_server is None:
-                    raise StagemeshError(f"no public key for the next hop {next_hop}; pass the mesh's --keys DIR")
-                self.outbound.curve_serverkey = keys.next_server
-                self.outbound.curve_publickey = keys.send.public
-                self.outbound.curve_secretkey = keys.send.secret
+                curve_sender(self.outbound, keys, next_hop)
             self.outbound.connect(check_address(next_hop, "--next"))
 
     async def receive(self) -> Message:

@@ -25,7 +25,23 @@ def config(docs: list[dict]) -> dict[str, str]:
     return find(docs, "ConfigMap", "stagemesh-config")["data"]
 
 
-def container_args(docs: list[dict], kind: str, name: str, env: dict[str, str]) -> list[str]:
-    """The container's args with Kubernetes' $(VAR) expansion applied from env (ConfigMap + Downward API)."""
+def container_args(docs: list[dict], kind: str, name: str, env: dict[str, str],
+                   secrets: dict[str, str] | None = None) -> list[str]:
+    """The container's args with Kubernetes' $(VAR) expansion applied from env (ConfigMap + Downward API); with
+    `secrets` (Secret name -> local directory) the mount path of each such Secret is replaced by its local copy."""
     c = find(docs, kind, name)["spec"]["template"]["spec"]["containers"][0]
-    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+    for secret, local in (secrets or {}).items():
+        path = secret_mount(docs, kind, name, secret)["mountPath"]
+        args = [a.replace(path, local) for a in args]
+    return args
+
+
+def secret_mount(docs: list[dict], kind: str, name: str, secret: str) -> dict:
+    """The volumeMount of the container that holds Secret `secret` (KeyError when it has none)."""
+    pod = find(docs, kind, name)["spec"]["template"]["spec"]
+    volume = next((v["name"] for v in pod.get("volumes", []) if v.get("secret", {}).get("secretName") == secret), None)
+    mount = next((m for m in pod["containers"][0].get("volumeMounts", []) if m["name"] == volume), None)
+    if volume is None or mount is None:
+        raise KeyError(f"{kind}/{name} does not mount Secret {secret}")
+    return mount

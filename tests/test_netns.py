@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from loadtest.client import sse_events
+from shared.mesh_keys import write_key_set
 from tests.delay_proxy import DelayProxy, ProxyThread
 from tests.k8s_render import config, container_args, render
 
@@ -82,9 +83,12 @@ def deployment(network, tmp_path_factory):
     assert cfg["NUM_STAGES"] == "2"
     logs = tmp_path_factory.mktemp("netns")
     cli = [sys.executable, "-m", "services.cli"]
-    commands = {f"s{i}": container_args(docs, "StatefulSet", "stagemesh-stage", {**cfg, "POD_INDEX": str(i)})
+    keys = str(logs / "mesh-keys")  # what `kubectl create secret generic stagemesh-keys` would hold
+    write_key_set(keys, 2)
+    secrets = {"stagemesh-keys": keys}
+    commands = {f"s{i}": container_args(docs, "StatefulSet", "stagemesh-stage", {**cfg, "POD_INDEX": str(i)}, secrets)
                 for i in range(2)}
-    commands["gw"] = container_args(docs, "Deployment", "stagemesh-gateway", cfg)
+    commands["gw"] = container_args(docs, "Deployment", "stagemesh-gateway", cfg, secrets)
     procs = {host: subprocess.Popen(["ip", "netns", "exec", f"sm-{host}", *cli, *args],
                                     stdout=open(logs / f"{host}.log", "w"), stderr=subprocess.STDOUT)
              for host, args in commands.items()}
