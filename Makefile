@@ -23,9 +23,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# llama.cpp is built for this CPU (-march=native), which turns on ggml's AMX kernels on Xeons that have AMX; in a
+# VM that does not grant the AMX tile state they crash at the first matmul (SIGSEGV in decode, or after "llama
+# threadpool init" in llama-server), so both llama.cpp builds compile them out (AVX512, VNNI, BF16 stay).
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+
 # llama.cpp's Python binding: the numerical and tokenizer reference used by the tests.
 $(REF_STAMP): $(STAMP)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet 'llama-cpp-python[server]>=0.3'
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
+	  $(BIN)/pip install --quiet --no-cache-dir 'llama-cpp-python[server]>=0.3'
 	touch $(REF_STAMP)
 
 install-reference: $(REF_STAMP)
@@ -53,7 +59,8 @@ $(LLAMA_SERVER): | $(REF_STAMP)
 	  "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
 	tar xzf $(LLAMA_SERVER_SRC)/llama_cpp_python-*.tar.gz -C $(LLAMA_SERVER_SRC) --strip-components=3 --wildcards '*/vendor/llama.cpp'
 	cmake -S $(LLAMA_SERVER_SRC) -B $(LLAMA_SERVER_SRC)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
+	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON \
+	  -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"
 	cmake --build $(LLAMA_SERVER_SRC)/build --target llama-server -j $$(nproc)
 	mkdir -p $(dir $(LLAMA_SERVER)) && cp $(LLAMA_SERVER_SRC)/build/bin/llama-server $(LLAMA_SERVER)
 	rm -rf $(LLAMA_SERVER_SRC)

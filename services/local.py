@@ -16,6 +16,7 @@ from shared.generation import GenerationTimings, generate_tokens, perplexity, sp
 from shared.layers import parse_split
 from shared.model_files import ModelFiles
 from shared.models import TransformerModel
+from shared.models.crossover import apply_measured_crossover
 from shared.runtime import LocalPipeline
 from shared.tokenizer import IncrementalDetokenizer
 
@@ -140,6 +141,7 @@ def cmd_inspect(args) -> int:
         ("chat template", (loader.chat_template or "none")[:200].replace("\n", "\\n")),
     ]
     model = TransformerModel.from_gguf(loader, None, resolve_dtype(None, default_device()), default_device())
+    apply_measured_crossover(model)
     runs_as = Counter(model.weight_summary().values())
     rows.append((f"runs as ({model.weights})", "; ".join(f"{k} x{v}" for k, v in runs_as.most_common())))
     rows.append(("weights in memory", f"{model.weight_bytes() / 2**20:.1f} MiB"))

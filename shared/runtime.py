@@ -14,6 +14,7 @@ from shared.gguf_loader import GgufLoader
 from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
+from shared.models.crossover import apply_measured_crossover
 from shared.steps import InferenceStep
 
 
@@ -40,6 +41,7 @@ class StageRuntime:
         """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
         batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel)."""
         model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant)
+        apply_measured_crossover(model)  # auto: where int4 hands over to bf16, timed on this machine
         max_seq_len = min(max_seq_len, model.config.context_length)
         return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device))
 

@@ -1,0 +1,40 @@
+"""The int4 -> bf16 crossover of weights mode `auto` is measured when a stage loads, not assumed."""
+
+import torch
+
+from shared.models.crossover import CANDIDATES, measure_int4_crossover
+from shared.models.linear import SwitchedLinear
+from shared.runtime import StageRuntime
+
+
+def _switched(model) -> list[SwitchedLinear]:
+    return [w for b in model.blocks for w in b.linears().values() if isinstance(w, SwitchedLinear)]
+
+
+def test_a_stage_load_sets_one_measured_threshold_on_every_switched_linear(smollm2):
+    runtime = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights="auto")
+    switched = _switched(runtime.model)
+    assert len(switched) == 4 * runtime.model.config.num_layers  # qkv, wo, gate_up, down of every layer
+    thresholds = {w.max_tokens for w in switched}
+    assert len(thresholds) == 1
+    (threshold,) = thresholds
+    assert threshold in CANDIDATES or threshold == CANDIDATES[-1] + 1
+    summary = runtime.model.weight_summary()
+    assert all(f"< {threshold} tokens, measured" in kind for name, kind in summary.items() if name.startswith("blk."))
+
+
+def test_the_measurement_picks_the_kernel_that_is_faster_by_a_wide_margin(smollm2):
+    """At 1 token int4 reads a quarter of bf16's bytes, at 64 tokens bf16's blocked GEMM amortises them: every
+    machine this runs on should put the crossover strictly between (the measured numbers, not a constant)."""
+    runtime = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights="auto")
+    first_block = [w for w in runtime.model.blocks[0].linears().values() if isinstance(w, SwitchedLinear)]
+    threshold = measure_int4_crossover(first_block, repeat=7)
+    assert 1 < threshold <= CANDIDATES[-1]
+
+
+def test_modes_without_a_switch_are_left_alone(smollm2):
+    for weights, invariant in (("int4", False), ("bf16", False), ("auto", True)):
+        runtime = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights=weights,
+                                    batch_invariant=invariant)
+        assert _switched(runtime.model) == []
+        assert not any("measured" in kind for kind in runtime.model.weight_summary().values())
