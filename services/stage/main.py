@@ -15,7 +15,7 @@ from services.cli_args import add_kv_args, add_model_args, parse_host_port, serv
 from services.keys_cli import add_security_args, key_set_from_args
 from services.stage.http import LOAD_ERROR, WORKER, make_app
 from services.stage.io import StageIO
-from services.stage.worker import DEFAULT_SLOT_LEASE_S, StageIdentity, StageWorker
+from services.stage.worker import DEFAULT_SLOT_LEASE_S, StageIdentity, StageWorker, compute_executor
 from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.layers import LayerRange, balanced_split, parse_layer_range
@@ -127,9 +127,10 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     watchdog = asyncio.create_task(_exit_with_parent(args.exit_with_parent, stop)) if args.exit_with_parent else None
     device = default_device()
     dtype = resolve_dtype(args.dtype, device)
+    compute_thread = compute_executor()  # load on the thread that will compute (one OpenMP team)
     try:
         runtime = await loop.run_in_executor(
-            None, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len,
+            compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len,
                                             weights=args.weights, batch_invariant=args.batch_invariant))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))
@@ -140,7 +141,8 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     io = StageIO(transport, prefetch=not args.no_prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
                              position, str(dtype).removeprefix("torch."), listen=args.listen)
-    worker = StageWorker(runtime, io, identity, tracing=not args.no_trace, slot_lease_s=args.slot_lease)
+    worker = StageWorker(runtime, io, identity, tracing=not args.no_trace, slot_lease_s=args.slot_lease,
+                         compute_thread=compute_thread)
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, args.listen, args.next,
              identity.incarnation, f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT")
