@@ -126,7 +126,9 @@ class _WsPool:
 
 async def run_benchmark(cfg: BenchConfig, requests: list[BenchRequest], progress: bool = True) -> dict:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    connector = aiohttp.TCPConnector(limit=0)
+    # a fresh connection per request (as vLLM's benchmark_serving does): reusing a keep-alive connection the server
+    # is closing at that moment fails the request ("Can not write request body", seen against llama-server)
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await wait_ready(session, cfg)
         pool = None

@@ -4,6 +4,7 @@ in one dedicated thread (torch releases the GIL), and outputs are queued to Stag
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -189,6 +190,7 @@ class StageWorker:
             offset += s.step.num_tokens
         return None
 
+    @functools.cached_property
     def _weights_info(self) -> dict:
         """What each matmul of this stage runs as (GGUF tensor name -> kernel) and the bytes it holds."""
         model = self.runtime.model
@@ -201,7 +203,7 @@ class StageWorker:
             "model": ident.model_name, "fingerprint": ident.fingerprint, "layers": [ident.layers.start, ident.layers.stop],
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
             "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
-            "weights": self._weights_info(),
+            "weights": self._weights_info,
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
                    "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed},
             "prefetch": self.io.prefetch,
