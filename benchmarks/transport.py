@@ -24,7 +24,7 @@ from services.launch import free_port, start_mesh
 from shared.mesh_keys import KeyPair, SocketKeys
 from shared.protocol import ForwardBatch, SeqEntry, decode, encode
 from shared.steps import Prefill
-from shared.transport import TransportStats, Zap, curve_receiver, curve_sender
+from shared.transport import TransportStats, Zap, curve_receiver, curve_sender, recv_frames
 
 SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
 
@@ -83,7 +83,7 @@ async def round_trips(batch: ForwardBatch, repeat: int, curve: bool = False) -> 
 
     async def echo():
         while True:
-            msg = decode(await pull_b.recv_multipart(copy=False))
+            msg = decode(await recv_frames(pull_b))
             await push_to_a.send_multipart(encode(msg), copy=False)
 
     task = asyncio.create_task(echo())
@@ -91,7 +91,7 @@ async def round_trips(batch: ForwardBatch, repeat: int, curve: bool = False) -> 
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
         await push_to_b.send_multipart(encode(batch), copy=False)
-        back = decode(await pull_a.recv_multipart(copy=False))
+        back = decode(await recv_frames(pull_a))
         out.append(time.perf_counter() - t0)
         assert torch.equal(back.hidden, batch.hidden)
     task.cancel()
@@ -104,11 +104,11 @@ async def one_way(batch: ForwardBatch, repeat: int, curve: bool = False) -> floa
     socks = sockets(ctx, curve, [("b", "a")])
     pull, push = socks[0]
     await push.send_multipart(encode(batch), copy=False)
-    decode(await pull.recv_multipart(copy=False))
+    decode(await recv_frames(pull))
     t0 = time.perf_counter()
     for _ in range(repeat):
         await push.send_multipart(encode(batch), copy=False)
-        decode(await pull.recv_multipart(copy=False))
+        decode(await recv_frames(pull))
     elapsed = time.perf_counter() - t0
     close(ctx, socks)
     return repeat * batch.hidden.nbytes / elapsed

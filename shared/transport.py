@@ -128,6 +128,16 @@ class Zap:
 atexit.register(Zap.stop_all)  # a context with a live handler would hang the interpreter's exit
 
 
+async def recv_frames(sock: zmq.asyncio.Socket) -> list:
+    """The next multipart message, as zmq.Frames. pyzmq's asyncio socket can be woken with POLLIN and then find
+    nothing to read (seen under CURVE: the readiness event of a handshake); nothing was consumed, so wait again."""
+    while True:
+        try:
+            return await sock.recv_multipart(copy=False)
+        except zmq.Again:
+            continue
+
+
 def curve_receiver(ctx: zmq.Context, sock: zmq.Socket, keys: SocketKeys, stats: TransportStats) -> str:
     """Make `sock` (of `ctx`, not yet bound) a CURVE server that lets in only keys.accept; returns its ZAP domain (for
     Zap.remove when the socket closes)."""
@@ -178,10 +188,7 @@ class ZmqTransport:
     async def receive(self) -> Message:
         """The next valid message; malformed ones are counted under their reason and dropped."""
         while True:
-            try:
-                frames = await self.inbound.recv_multipart(copy=False)
-            except zmq.Again:  # woken with nothing to read (seen under CURVE): nothing was consumed, wait again
-                continue
+            frames = await recv_frames(self.inbound)
             size = sum(len(f) for f in frames)
             self.stats.bytes_in += size
             try:
