@@ -131,13 +131,14 @@ class GgufLoader:
 
     def names_for(self, layers: LayerRange, position: StagePosition) -> list[str]:
         """The tensor names one stage needs: its blocks, plus token_embd (first) and output_norm + output
-        (last; token_embd when the output is tied to the embedding)."""
+        (last; token_embd when the output is tied to the embedding; their biases where the file has them)."""
         names = [n for n in self._tensors if (m := _BLOCK_RE.match(n)) and int(m.group(1)) in range(layers.start, layers.stop)]
         if position.has_embedding:
             names.append("token_embd.weight")
         if position.has_lm_head:
             names.append("output_norm.weight")
             names.append("output.weight" if "output.weight" in self._tensors else "token_embd.weight")
+            names += [n for n in ("output_norm.bias", "output.bias") if n in self._tensors]
         return list(dict.fromkeys(names))
 
     def raw(self, name: str) -> RawTensor:

@@ -26,6 +26,7 @@ class TinySpec:
     tied: bool = True
     float_type: str = "F32"  # F32 or F16 for matmul weights
     seed: int = 0
+    weight_scale: float = 0.08  # std of matrix entries (0.64 / sqrt(hidden) keeps activations O(1) at any width)
     quant: str | None = None  # Q4_0 / Q4_1 / Q8_0 ...: matmul weights quantized with gguf.quants (token_embd: Q8_0)
 
 
@@ -40,8 +41,13 @@ def _copy_tokenizer(writer: GGUFWriter, src: GgufLoader) -> None:
     writer.add_add_bos_token(False)
 
 
-def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override: dict | None = None) -> str:
-    """A small random-weight model of spec.arch; tensor_type_override maps a tensor name to raw (bytes, type)."""
+LAYER_NORM_ARCHS = ("starcoder2",)  # LayerNorm (weight + bias, layer_norm_epsilon) instead of RMSNorm
+
+
+def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override: dict | None = None,
+                    extra_tensors: dict[str, np.ndarray] | None = None) -> str:
+    """A small random-weight model of spec.arch; tensor_type_override maps a tensor name to raw (bytes, type);
+    extra_tensors are written as they are (e.g. rope_factors_long.weight)."""
     src = GgufLoader(resolve_model("smollm2"))
     vocab = len(src.get("tokenizer.ggml.tokens"))
     rng = np.random.default_rng(spec.seed)
@@ -56,14 +62,17 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
     w.add_value_length(spec.head_dim)
     w.add_rope_dimension_count(spec.head_dim)
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
+    if spec.arch in LAYER_NORM_ARCHS:
+        w.add_layer_norm_eps(1e-5)
+    else:
+        w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
     w.add_file_type(0 if spec.float_type == "F32" else 1)
     _copy_tokenizer(w, src)
 
     mat_dtype = np.float32 if spec.float_type == "F32" else np.float16
 
-    def mat(rows, cols, scale=0.08):
+    def mat(rows, cols, scale=spec.weight_scale):
         return (rng.standard_normal((rows, cols)) * scale).astype(mat_dtype)
 
     def vec(n, base=1.0, scale=0.1):
@@ -73,8 +82,29 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
     tensors = {"token_embd.weight": mat(vocab, spec.hidden, 0.5), "output_norm.weight": vec(spec.hidden)}
     if not spec.tied:
         tensors["output.weight"] = mat(vocab, spec.hidden, 0.5)
+    if spec.arch in LAYER_NORM_ARCHS:
+        tensors["output_norm.bias"] = vec(spec.hidden, 0.0)
     for i in range(spec.layers):
         b = f"blk.{i}."
+        if spec.arch == "starcoder2":  # LayerNorm with bias, biases on every projection, up -> gelu -> down
+            tensors.update({
+                b + "attn_norm.weight": vec(spec.hidden), b + "attn_norm.bias": vec(spec.hidden, 0.0),
+                b + "ffn_norm.weight": vec(spec.hidden), b + "ffn_norm.bias": vec(spec.hidden, 0.0),
+                b + "attn_q.weight": mat(q, spec.hidden), b + "attn_k.weight": mat(kv, spec.hidden),
+                b + "attn_v.weight": mat(kv, spec.hidden), b + "attn_output.weight": mat(spec.hidden, q),
+                b + "attn_q.bias": vec(q, 0.0, 0.5), b + "attn_k.bias": vec(kv, 0.0, 0.5),
+                b + "attn_v.bias": vec(kv, 0.0, 0.5), b + "attn_output.bias": vec(spec.hidden, 0.0),
+                b + "ffn_up.weight": mat(spec.ffn, spec.hidden), b + "ffn_up.bias": vec(spec.ffn, 0.0),
+                b + "ffn_down.weight": mat(spec.hidden, spec.ffn), b + "ffn_down.bias": vec(spec.hidden, 0.0),
+            })
+            continue
+        if spec.arch == "phi3":  # fused q|k|v and gate|up
+            tensors.update({
+                b + "attn_norm.weight": vec(spec.hidden), b + "ffn_norm.weight": vec(spec.hidden),
+                b + "attn_qkv.weight": mat(q + 2 * kv, spec.hidden), b + "attn_output.weight": mat(spec.hidden, q),
+                b + "ffn_up.weight": mat(2 * spec.ffn, spec.hidden), b + "ffn_down.weight": mat(spec.hidden, spec.ffn),
+            })
+            continue
         tensors.update({
             b + "attn_norm.weight": vec(spec.hidden), b + "ffn_norm.weight": vec(spec.hidden),
             b + "attn_q.weight": mat(q, spec.hidden), b + "attn_k.weight": mat(kv, spec.hidden),
@@ -87,6 +117,7 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
                             b + "attn_v.bias": vec(kv, 0.0, 0.5)})
         if spec.arch == "qwen3":
             tensors.update({b + "attn_q_norm.weight": vec(spec.head_dim), b + "attn_k_norm.weight": vec(spec.head_dim)})
+    tensors.update(extra_tensors or {})
     for name, arr in tensors.items():
         if tensor_type_override and name in tensor_type_override:
             raw, qtype = tensor_type_override[name]
@@ -220,3 +251,42 @@ def llama_cpp_vocab(path: str):
 
 
 __all__ += ["llama_cpp_vocab", "write_vocab_gguf"]
+
+
+# ---- quantizing with llama.cpp itself (types the gguf package cannot write) ---------------------------------------
+
+# The llama_ftype whose pure (unmixed) quantization writes each type.
+_FTYPE_OF = {"Q2_K": "Q2_K", "Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "Q6_K": "Q6_K",
+             "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ3_S": "IQ3_S", "IQ3_XXS": "IQ3_XXS", "IQ2_S": "IQ2_M",
+             "IQ2_XS": "IQ2_XS", "IQ2_XXS": "IQ2_XXS", "IQ1_M": "IQ1_M", "IQ1_S": "IQ1_S"}
+LLAMA_QUANTIZED_TYPES = tuple(_FTYPE_OF)
+
+
+def llama_quantize(src: str, dst: str, qtype: str, embedding_type: str = "Q8_0", output_type: str = "Q8_0") -> str:
+    """dst = src (an F32/F16 GGUF) with every block matrix quantized to qtype by llama.cpp's own quantizer
+    (llama_model_quantize, pure: no per-tensor mix); token_embd / output as the given types (vocab-sized matrices
+    in IQ1/IQ2 take minutes to quantize). A uniform importance matrix (every column weighs 1) goes with it: the
+    IQ1 / IQ2 / IQ3_XXS quantizers refuse to run without one. llama.cpp prints its progress on stdout."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{_FTYPE_OF[qtype]}")
+    params.pure = True
+    params.token_embedding_type = int(GGMLQuantizationType[embedding_type])
+    params.output_tensor_type = int(GGMLQuantizationType[output_type])
+    params.nthread = max(1, os.cpu_count() or 1)
+    loader = GgufLoader(src)
+    matrices = [(n, loader.tensor_shape(n)[-1]) for n in loader.tensor_names if len(loader.tensor_shape(n)) == 2]
+    ones = [(ctypes.c_float * cols)(*([1.0] * cols)) for _, cols in matrices]
+    entries = (llama_cpp.llama_model_imatrix_data * (len(matrices) + 1))()  # terminated by a NULL name
+    for entry, (name, cols), data in zip(entries, matrices, ones):
+        entry.name, entry.data, entry.size = name.encode(), ctypes.cast(data, ctypes.POINTER(ctypes.c_float)), cols
+    params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+    if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize to {qtype} failed")
+    return dst
+
+
+__all__ += ["LLAMA_QUANTIZED_TYPES", "llama_quantize"]

@@ -10,11 +10,18 @@ from shared.gguf_loader import GgufLoader
 
 @dataclass(frozen=True)
 class ArchTraits:
-    """What distinguishes one llama-family architecture from another, as data."""
+    """What distinguishes one decoder architecture from another, as data. The block is always
+    h = x + attn(norm(x)); out = h + mlp(norm(h)); these say which norm, which projections, which MLP."""
 
     rope_style: str  # "normal": rotate adjacent pairs (llama in GGUF); "neox": rotate first/second halves
     qkv_bias: bool = False  # qwen2: q, k, v projections carry a bias
     qk_norm: bool = False  # qwen3: per-head RMS norm on q and k before rope
+    norm: str = "rms"  # "rms": RMSNorm (weight); "layer": LayerNorm (weight + bias), eps from layer_norm_epsilon
+    mlp: str = "swiglu"  # "swiglu": down(silu(gate) * up); "gelu": down(gelu_tanh(up)), no gate
+    linear_bias: bool = False  # starcoder2: every projection (q, k, v, output, up, down) carries a bias
+    fused_qkv: bool = False  # phi3: one attn_qkv tensor holds q|k|v (separate q, k, v accepted too)
+    fused_gate_up: bool = False  # phi3: ffn_up holds gate|up, [2 I, D]
+    sliding_window: bool = False  # phi3: attention.sliding_window honoured by serving at most that many positions
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -22,6 +29,8 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "mistral": ArchTraits(rope_style="normal"),
     "qwen2": ArchTraits(rope_style="neox", qkv_bias=True),
     "qwen3": ArchTraits(rope_style="neox", qk_norm=True),
+    "starcoder2": ArchTraits(rope_style="neox", norm="layer", mlp="gelu", qkv_bias=True, linear_bias=True),
+    "phi3": ArchTraits(rope_style="neox", fused_qkv=True, fused_gate_up=True, sliding_window=True),
 }
 
 
@@ -37,7 +46,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    norm_eps: float  # RMSNorm's or LayerNorm's, as traits.norm says
     rope_theta: float
     rope_dim: int
     context_length: int
@@ -57,7 +66,8 @@ class ModelConfig:
     def layer_weights(self) -> int:
         """Matmul weights of one block (what a decode step streams through)."""
         d = self.hidden_size
-        return 2 * self.q_size * d + 2 * self.kv_size * d + 3 * d * self.intermediate_size
+        mlp_matrices = 3 if self.traits.mlp == "swiglu" else 2
+        return 2 * self.q_size * d + 2 * self.kv_size * d + mlp_matrices * d * self.intermediate_size
 
     @property
     def head_cost_in_layers(self) -> float:
@@ -87,6 +97,15 @@ class ModelConfig:
         head_dim = int(loader.arch_get("attention.key_length") or hidden // heads)
         if loader.arch_get("rope.scaling.type") not in (None, "none", "linear") or loader.has_tensor("rope_freqs.weight"):
             raise UnsupportedArchitecture(f"{loader.path}: rope scaling ({loader.arch_get('rope.scaling.type')}) is not supported yet")
+        if loader.has_tensor("rope_factors_long.weight") or loader.has_tensor("rope_factors_short.weight"):
+            raise UnsupportedArchitecture(f"{loader.path}: LongRoPE (rope_factors_long/short tensors, e.g. a 128k phi3) "
+                                          "is not supported yet; use a 4k-context variant")
+        traits = ARCHITECTURES[arch]
+        eps_key = "attention.layer_norm_rms_epsilon" if traits.norm == "rms" else "attention.layer_norm_epsilon"
+        context = int(loader.arch_get("context_length") or 2048)
+        window = int(loader.arch_get("attention.sliding_window") or 0) if traits.sliding_window else 0
+        if window:  # a sequence no longer than the window attends to every earlier token: full attention is exact
+            context = min(context, window)
         vocab = loader.arch_get("vocab_size") or len(loader.get("tokenizer.ggml.tokens") or [])
         if not vocab:
             vocab = loader.tensor_shape("token_embd.weight")[0]
@@ -98,11 +117,11 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=int(loader.arch_get("attention.head_count_kv") or heads),
             head_dim=head_dim,
-            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            norm_eps=float(need(eps_key)),
             rope_theta=float(loader.arch_get("rope.freq_base") or 10000.0),
             rope_dim=int(loader.arch_get("rope.dimension_count") or head_dim),
-            context_length=int(loader.arch_get("context_length") or 2048),
+            context_length=context,
             vocab_size=int(vocab),
             tied_embeddings=not loader.has_tensor("output.weight"),
-            traits=ARCHITECTURES[arch],
+            traits=traits,
         )

@@ -1,4 +1,4 @@
-"""Stateless llama-family TransformerModel over one layer range (llama, mistral, qwen2, qwen3).
+"""Stateless decoder TransformerModel over one layer range (llama, mistral, qwen2, qwen3, starcoder2, phi3).
 
 Holds weights and config only. The runtime owns the KV cache and passes it in. Shapes:
 N = packed tokens of a micro-batch, D = hidden, H / KVH = query / kv heads, hd = head_dim.
@@ -32,14 +32,16 @@ class LayerHook(Protocol):
 
 # GGUF per-block tensor names -> our parameter names, declared once (tinygrad's convert_from_gguf style).
 # Fused at load: q|k|v -> qkv, gate|up -> gate_up, so one matmul does the work of several (packed form included).
+# Already fused in some files (phi3): attn_qkv, and ffn_up holding gate|up.
 BLOCK_TENSORS = {
-    "attn_norm.weight": "attn_norm",
-    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_norm.weight": "attn_norm", "attn_norm.bias": "attn_norm_b",
+    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_qkv.weight": "wqkv",
     "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
-    "attn_output.weight": "wo",
-    "ffn_norm.weight": "ffn_norm",
+    "attn_output.weight": "wo", "attn_output.bias": "bo",
+    "ffn_norm.weight": "ffn_norm", "ffn_norm.bias": "ffn_norm_b",
     "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    "ffn_up.bias": "b_up", "ffn_down.bias": "b_down",
 }
 
 
@@ -47,6 +49,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     """Over the last dim, computed in float32 (weight float32); the result cast once to `dtype` (the next matmul's
     input) if given."""
     out = F.rms_norm(x.float(), weight.shape, weight, eps)
+    return out if dtype is None else out.to(dtype)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+         dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm (bias None) or LayerNorm with bias (starcoder2), over the last dim, in float32; cast as rms_norm."""
+    if bias is None:
+        return rms_norm(x, weight, eps, dtype)
+    out = F.layer_norm(x.float(), weight.shape, weight, bias, eps)
     return out if dtype is None else out.to(dtype)
 
 
@@ -82,14 +93,20 @@ class Block:
     k_norm: torch.Tensor | None
     wo: Linear  # [q_size] -> [D]
     ffn_norm: torch.Tensor
-    gate_up: Linear  # [D] -> [2 * I]
+    gate_up: Linear  # [D] -> [2 * I] (gated MLP: gate|up), or [D] -> [I] (gelu MLP: up only)
     w_down: Linear  # [I] -> [D]
+    attn_norm_b: torch.Tensor | None = None  # LayerNorm biases ([D])
+    ffn_norm_b: torch.Tensor | None = None
+    wo_bias: torch.Tensor | None = None  # [D]
+    up_bias: torch.Tensor | None = None  # [I]
+    down_bias: torch.Tensor | None = None  # [D]
 
     def linears(self) -> dict[str, Linear]:
         return {"qkv": self.qkv, "wo": self.wo, "gate_up": self.gate_up, "w_down": self.w_down}
 
     def vectors(self) -> list[torch.Tensor]:
-        return [t for t in (self.attn_norm, self.qkv_bias, self.q_norm, self.k_norm, self.ffn_norm) if t is not None]
+        return [t for t in (self.attn_norm, self.qkv_bias, self.q_norm, self.k_norm, self.ffn_norm, self.attn_norm_b,
+                            self.ffn_norm_b, self.wo_bias, self.up_bias, self.down_bias) if t is not None]
 
 
 def resolve_weights(weights: str | None, dtype: torch.dtype) -> str:
@@ -109,7 +126,8 @@ class TransformerModel:
 
     def __init__(self, config: ModelConfig, layers: LayerRange, blocks: list[Block], dtype: torch.dtype,
                  embedding: QuantizedRows | None, output_norm: torch.Tensor | None, output: Linear | None,
-                 weights: str = "f32", batch_invariant: bool = False, sources: dict[str, list[str]] | None = None):
+                 weights: str = "f32", batch_invariant: bool = False, sources: dict[str, list[str]] | None = None,
+                 output_norm_b: torch.Tensor | None = None, output_bias: torch.Tensor | None = None):
         self.config = config
         self.layers = layers
         self.position = layers.position(config.num_layers)
@@ -118,6 +136,8 @@ class TransformerModel:
         self.embedding = embedding  # token ids -> [N, D] float32, or None
         self.output_norm = output_norm  # [D] or None
         self.output = output  # [D] -> [V], or None
+        self.output_norm_b = output_norm_b  # [D]: LayerNorm architectures
+        self.output_bias = output_bias  # [V] or None
         self.weights = weights
         self.batch_invariant = batch_invariant
         self._sources = sources or {}  # our weight name -> the GGUF tensors it was built from
@@ -146,35 +166,46 @@ class TransformerModel:
         sources: dict[str, list[str]] = {}
         blocks = [cls._block(config, raw, i, linear, vector, sources, loader.path) for i in layers]
         embedding = QuantizedRows(raw["token_embd.weight"]) if position.has_embedding else None
-        output_norm = output = None
+        output_norm = output = output_norm_b = output_bias = None
         if position.has_lm_head:
             output_norm = vector("output_norm.weight")
+            output_norm_b = vector("output_norm.bias") if config.traits.norm == "layer" else None
+            output_bias = vector("output.bias") if "output.bias" in raw else None
             head = "output.weight" if not config.tied_embeddings else "token_embd.weight"
             output, sources["output"] = linear(head), [head]
-        return cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources)
+        return cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
+                   output_norm_b, output_bias)
 
     @staticmethod
     def _block(config: ModelConfig, raw: dict[str, RawTensor], i: int, linear, vector, sources: dict[str, list[str]],
                path: str) -> Block:
-        present = {ours: f"blk.{i}.{gguf_name}" for gguf_name, ours in BLOCK_TENSORS.items() if f"blk.{i}.{gguf_name}" in raw}
-        required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
-        if config.traits.qkv_bias:
-            required += ["bq", "bk", "bv"]
-        if config.traits.qk_norm:
-            required += ["q_norm", "k_norm"]
-        missing = [BLOCK_TENSORS_INV[r] for r in required if r not in present]
+        t = config.traits
+        p = {ours: f"blk.{i}.{gguf_name}" for gguf_name, ours in BLOCK_TENSORS.items() if f"blk.{i}.{gguf_name}" in raw}
+        qkv = [p["wqkv"]] if t.fused_qkv and "wqkv" in p else [p.get("wq"), p.get("wk"), p.get("wv")]
+        gate_up = {"swiglu": [p.get("w_up")] if t.fused_gate_up else [p.get("w_gate"), p.get("w_up")],
+                   "gelu": [p.get("w_up")]}[t.mlp]
+        required = {"attn_norm", "wo", "ffn_norm", "w_down"}
+        required |= {"bq", "bk", "bv"} if t.qkv_bias else set()
+        required |= {"q_norm", "k_norm"} if t.qk_norm else set()
+        required |= {"attn_norm_b", "ffn_norm_b"} if t.norm == "layer" else set()
+        required |= {"bo", "b_up", "b_down"} if t.linear_bias else set()
+        missing = [BLOCK_TENSORS_INV[r] for r in sorted(required) if r not in p]
+        missing += [what for what, names in (("attn_q/k/v (or attn_qkv)", qkv), ("ffn_gate/ffn_up", gate_up)) if None in names]
         if missing:
             raise GgufError(f"{path}: block {i} lacks {', '.join(missing)} needed by architecture {config.architecture}")
-        p = present
-        fused = {"qkv": [p["wq"], p["wk"], p["wv"]], "wo": [p["wo"]], "gate_up": [p["w_gate"], p["w_up"]],
-                 "w_down": [p["w_down"]]}
+        fused = {"qkv": qkv, "wo": [p["wo"]], "gate_up": gate_up, "w_down": [p["w_down"]]}
         sources.update({f"blk.{i}.{ours}": names for ours, names in fused.items()})
         bias = torch.cat([vector(p["bq"]), vector(p["bk"]), vector(p["bv"])]) if "bq" in p else None
+
+        def optional(ours: str) -> torch.Tensor | None:
+            return vector(p[ours]) if ours in p else None
+
         return Block(
             attn_norm=vector(p["attn_norm"]), qkv=linear(*fused["qkv"]), qkv_bias=bias,
-            q_norm=vector(p["q_norm"]) if "q_norm" in p else None, k_norm=vector(p["k_norm"]) if "k_norm" in p else None,
-            wo=linear(*fused["wo"]), ffn_norm=vector(p["ffn_norm"]), gate_up=linear(*fused["gate_up"]),
-            w_down=linear(*fused["w_down"]),
+            q_norm=optional("q_norm"), k_norm=optional("k_norm"), wo=linear(*fused["wo"]),
+            ffn_norm=vector(p["ffn_norm"]), gate_up=linear(*fused["gate_up"]), w_down=linear(*fused["w_down"]),
+            attn_norm_b=optional("attn_norm_b"), ffn_norm_b=optional("ffn_norm_b"), wo_bias=optional("bo"),
+            up_bias=optional("b_up"), down_bias=optional("b_down"),
         )
 
     # ---- capabilities ----------------------------------------------------------------------------------
@@ -192,7 +223,7 @@ class TransformerModel:
         embedding/head counted as the two representations it is)."""
         total = sum(t.nbytes for b in self.blocks for t in b.vectors())
         total += sum(w.nbytes for b in self.blocks for w in b.linears().values())
-        for part in (self.embedding, self.output_norm, self.output):
+        for part in (self.embedding, self.output_norm, self.output_norm_b, self.output_bias, self.output):
             total += part.nbytes if part is not None else 0
         return total
 
@@ -230,7 +261,8 @@ class TransformerModel:
         if self.output is None or self.output_norm is None:
             raise CapabilityMissing(f"layers {self.layers} ({self.position.value} stage) hold no lm_head; "
                                     "only the last stage computes logits")
-        return self.output(rms_norm(hidden, self.output_norm, self.config.rms_norm_eps, self.dtype)).float()
+        logits = self.output(norm(hidden, self.output_norm, self.output_norm_b, self.config.norm_eps, self.dtype)).float()
+        return logits if self.output_bias is None else logits + self.output_bias
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
@@ -243,17 +275,22 @@ class TransformerModel:
             if hook is not None:
                 hidden = hook.on_layer_input(layer, hidden)
             # float32 residual stream + the block's outputs (bf16 or float32; the add promotes, no extra copy)
-            h = hidden + self._attention(block, rms_norm(hidden, block.attn_norm, c.rms_norm_eps, self.dtype), cos, sin,
-                                         layout, decode, kv.k[local], kv.v[local])
-            hidden = h + self._mlp(block, rms_norm(h, block.ffn_norm, c.rms_norm_eps, self.dtype))
+            h = hidden + self._attention(block, norm(hidden, block.attn_norm, block.attn_norm_b, c.norm_eps, self.dtype),
+                                         cos, sin, layout, decode, kv.k[local], kv.v[local])
+            hidden = h + self._mlp(block, norm(h, block.ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype))
             if hook is not None:
                 hidden = hook.on_layer_output(layer, hidden)
         return hidden
 
-    @staticmethod
-    def _mlp(b: Block, x: torch.Tensor) -> torch.Tensor:
-        gate, up = b.gate_up(x).chunk(2, dim=-1)  # [N, I] each
-        return b.w_down(F.silu(gate) * up)  # [N, D]
+    def _mlp(self, b: Block, x: torch.Tensor) -> torch.Tensor:
+        if self.config.traits.mlp == "gelu":  # starcoder2: down(gelu(up x + b_up)) + b_down, tanh GELU as ggml's
+            up = b.gate_up(x)  # [N, I]
+            up = F.gelu(up.float() + b.up_bias if b.up_bias is not None else up, approximate="tanh")
+            out = b.w_down(up.to(self.dtype))  # [N, D]
+        else:
+            gate, up = b.gate_up(x).chunk(2, dim=-1)  # [N, I] each
+            out = b.w_down(F.silu(gate) * up)  # [N, D]
+        return out if b.down_bias is None else out.float() + b.down_bias
 
     def _attention(self, b: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
                    decode: DecodeWindow | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -269,8 +306,8 @@ class TransformerModel:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         else:
             q, k = qkv[:, :c.q_size].float().view(n, c.num_heads, c.head_dim), qkv[:, c.q_size:c.q_size + c.kv_size].float()
-            q = apply_rope(rms_norm(q, b.q_norm, c.rms_norm_eps), cos, sin, style).to(self.dtype)
-            k = apply_rope(rms_norm(k.view(n, c.num_kv_heads, c.head_dim), b.k_norm, c.rms_norm_eps), cos, sin, style)
+            q = apply_rope(rms_norm(q, b.q_norm, c.norm_eps), cos, sin, style).to(self.dtype)
+            k = apply_rope(rms_norm(k.view(n, c.num_kv_heads, c.head_dim), b.k_norm, c.norm_eps), cos, sin, style)
             k = k.to(self.dtype)
         # k_cache / v_cache: [slots, KVH, max_seq, hd]; write this micro-batch's keys/values first.
         k_cache[layout.token_slots, :, layout.positions] = k
@@ -281,7 +318,8 @@ class TransformerModel:
             attend = self._rowwise_attention if self.batch_invariant else self._sequence_attention
             out = torch.cat([attend(q[o:o + ln], slot, start, ln, k_cache, v_cache)
                              for slot, start, ln, o in zip(layout.slots, layout.starts, layout.lengths, layout.offsets)])
-        return b.wo(out.reshape(n, c.q_size))
+        out = b.wo(out.reshape(n, c.q_size))  # [N, D]
+        return out if b.wo_bias is None else out.float() + b.wo_bias
 
     @classmethod
     def _rowwise_attention(cls, q, slot, start, length, k_cache, v_cache) -> torch.Tensor:
