@@ -142,11 +142,33 @@ def cmd_inspect(args) -> int:
     ]
     model = TransformerModel.from_gguf(loader, None, resolve_dtype(None, default_device()), default_device())
     apply_measured_crossover(model)
-    runs_as = Counter(model.weight_summary().values())
+    summary = model.weight_summary()
+    runs_as = Counter(summary.values())
     rows.append((f"runs as ({model.weights})", "; ".join(f"{k} x{v}" for k, v in runs_as.most_common())))
     rows.append(("weights in memory", f"{model.weight_bytes() / 2**20:.1f} MiB"))
+    rows += _per_layer_rows(loader, summary, c.num_layers)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
 
+
+def _per_layer_rows(loader, summary: dict[str, str], num_layers: int) -> list[tuple[str, str]]:
+    """One row per run of consecutive layers whose matrices have the same GGUF types and kernels, e.g.
+    ("layers 0-29", "attn_q Q4_1 -> int4-g32 ... (fused qkv); ..."), then the embedding and the head."""
+
+    def describe(layer: int) -> str:
+        prefix = f"blk.{layer}."
+        return "; ".join(f"{n.removeprefix(prefix).removesuffix('.weight')} {loader.tensor_type(n)} -> {kind}"
+                         for n, kind in summary.items() if n.startswith(prefix))
+
+    rows: list[tuple[str, str]] = []
+    start = 0
+    for i in range(1, num_layers + 1):
+        if i == num_layers or describe(i) != describe(start):
+            rows.append((f"layer {start}" if i - 1 == start else f"layers {start}-{i - 1}", describe(start)))
+            start = i
+    for name in ("token_embd.weight", "output.weight"):
+        if name in summary:
+            rows.append((name.removesuffix(".weight"), f"{loader.tensor_type(name)} -> {summary[name]}"))
+    return rows

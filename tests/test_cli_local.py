@@ -62,7 +62,7 @@ def test_tokenize_special_flag(smollm2):
 
 def test_inspect_describes_the_model():
     out = run("inspect")
-    for needle in ("llama", "30", "576", "Q4_1", "gpt2", "smollm", "im_start"):
+    for needle in ("llama", "30", "576", "Q4_1", "gpt2", "smollm", "im_start", "layers 0-29", "attn_q Q4_1 -> int4-g32"):
         assert needle in out
 
 
