@@ -26,6 +26,7 @@ class TinySpec:
     tied: bool = True
     float_type: str = "F32"  # F32 or F16 for matmul weights
     seed: int = 0
+    rope_dim: int | None = None  # partial rotary (phi2): rotate only the first rope_dim dims of each head
     weight_scale: float = 0.08  # std of matrix entries (0.64 / sqrt(hidden) keeps activations O(1) at any width)
     quant: str | None = None  # Q4_0 / Q4_1 / Q8_0 ...: matmul weights quantized with gguf.quants (token_embd: Q8_0)
 
@@ -41,7 +42,7 @@ def _copy_tokenizer(writer: GGUFWriter, src: GgufLoader) -> None:
     writer.add_add_bos_token(False)
 
 
-LAYER_NORM_ARCHS = ("starcoder2",)  # LayerNorm (weight + bias, layer_norm_epsilon) instead of RMSNorm
+LAYER_NORM_ARCHS = ("starcoder2", "phi2")  # LayerNorm (weight + bias, layer_norm_epsilon) instead of RMSNorm
 
 
 def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override: dict | None = None,
@@ -60,7 +61,7 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
     w.add_head_count_kv(spec.kv_heads)
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
-    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_dimension_count(spec.rope_dim or spec.head_dim)
     w.add_rope_freq_base(10000.0)
     if spec.arch in LAYER_NORM_ARCHS:
         w.add_layer_norm_eps(1e-5)
@@ -84,6 +85,8 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
         tensors["output.weight"] = mat(vocab, spec.hidden, 0.5)
     if spec.arch in LAYER_NORM_ARCHS:
         tensors["output_norm.bias"] = vec(spec.hidden, 0.0)
+    if spec.arch == "phi2" and not spec.tied:
+        tensors["output.bias"] = vec(vocab, 0.0, 0.5)
     for i in range(spec.layers):
         b = f"blk.{i}."
         if spec.arch == "starcoder2":  # LayerNorm with bias, biases on every projection, up -> gelu -> down
@@ -94,6 +97,15 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
                 b + "attn_v.weight": mat(kv, spec.hidden), b + "attn_output.weight": mat(spec.hidden, q),
                 b + "attn_q.bias": vec(q, 0.0, 0.5), b + "attn_k.bias": vec(kv, 0.0, 0.5),
                 b + "attn_v.bias": vec(kv, 0.0, 0.5), b + "attn_output.bias": vec(spec.hidden, 0.0),
+                b + "ffn_up.weight": mat(spec.ffn, spec.hidden), b + "ffn_up.bias": vec(spec.ffn, 0.0),
+                b + "ffn_down.weight": mat(spec.hidden, spec.ffn), b + "ffn_down.bias": vec(spec.hidden, 0.0),
+            })
+            continue
+        if spec.arch == "phi2":  # parallel block: one LayerNorm, fused q|k|v, biases everywhere, gelu MLP
+            tensors.update({
+                b + "attn_norm.weight": vec(spec.hidden), b + "attn_norm.bias": vec(spec.hidden, 0.0),
+                b + "attn_qkv.weight": mat(q + 2 * kv, spec.hidden), b + "attn_qkv.bias": vec(q + 2 * kv, 0.0, 0.5),
+                b + "attn_output.weight": mat(spec.hidden, q), b + "attn_output.bias": vec(spec.hidden, 0.0),
                 b + "ffn_up.weight": mat(spec.ffn, spec.hidden), b + "ffn_up.bias": vec(spec.ffn, 0.0),
                 b + "ffn_down.weight": mat(spec.hidden, spec.ffn), b + "ffn_down.bias": vec(spec.hidden, 0.0),
             })

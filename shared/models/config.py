@@ -22,6 +22,7 @@ class ArchTraits:
     fused_qkv: bool = False  # phi3: one attn_qkv tensor holds q|k|v (separate q, k, v accepted too)
     fused_gate_up: bool = False  # phi3: ffn_up holds gate|up, [2 I, D]
     sliding_window: bool = False  # phi3: attention.sliding_window honoured by serving at most that many positions
+    parallel: bool = False  # phi2: out = x + attn(norm(x)) + mlp(norm(x)), one norm, no ffn_norm
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -30,6 +31,8 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "qwen2": ArchTraits(rope_style="neox", qkv_bias=True),
     "qwen3": ArchTraits(rope_style="neox", qk_norm=True),
     "starcoder2": ArchTraits(rope_style="neox", norm="layer", mlp="gelu", qkv_bias=True, linear_bias=True),
+    "phi2": ArchTraits(rope_style="neox", norm="layer", mlp="gelu", qkv_bias=True, linear_bias=True, fused_qkv=True,
+                       parallel=True),
     "phi3": ArchTraits(rope_style="neox", fused_qkv=True, fused_gate_up=True, sliding_window=True),
 }
 

@@ -1,4 +1,4 @@
-"""Stateless decoder TransformerModel over one layer range (llama, mistral, qwen2, qwen3, starcoder2, phi3).
+"""Stateless decoder TransformerModel over one layer range (llama, mistral, qwen2, qwen3, starcoder2, phi3, phi2).
 
 Holds weights and config only. The runtime owns the KV cache and passes it in. Shapes:
 N = packed tokens of a micro-batch, D = hidden, H / KVH = query / kv heads, hd = head_dim.
@@ -36,7 +36,7 @@ class LayerHook(Protocol):
 BLOCK_TENSORS = {
     "attn_norm.weight": "attn_norm", "attn_norm.bias": "attn_norm_b",
     "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_qkv.weight": "wqkv",
-    "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_qkv.bias": "bqkv", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
     "attn_output.weight": "wo", "attn_output.bias": "bo",
     "ffn_norm.weight": "ffn_norm", "ffn_norm.bias": "ffn_norm_b",
@@ -92,7 +92,7 @@ class Block:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     wo: Linear  # [q_size] -> [D]
-    ffn_norm: torch.Tensor
+    ffn_norm: torch.Tensor | None  # None: parallel block (phi2), the MLP reads attn_norm's output
     gate_up: Linear  # [D] -> [2 * I] (gated MLP: gate|up), or [D] -> [I] (gelu MLP: up only)
     w_down: Linear  # [I] -> [D]
     attn_norm_b: torch.Tensor | None = None  # LayerNorm biases ([D])
@@ -184,10 +184,10 @@ class TransformerModel:
         qkv = [p["wqkv"]] if t.fused_qkv and "wqkv" in p else [p.get("wq"), p.get("wk"), p.get("wv")]
         gate_up = {"swiglu": [p.get("w_up")] if t.fused_gate_up else [p.get("w_gate"), p.get("w_up")],
                    "gelu": [p.get("w_up")]}[t.mlp]
-        required = {"attn_norm", "wo", "ffn_norm", "w_down"}
-        required |= {"bq", "bk", "bv"} if t.qkv_bias else set()
+        required = {"attn_norm", "wo", "w_down"} | (set() if t.parallel else {"ffn_norm"})
+        required |= ({"bqkv"} if "wqkv" in p else {"bq", "bk", "bv"}) if t.qkv_bias else set()
         required |= {"q_norm", "k_norm"} if t.qk_norm else set()
-        required |= {"attn_norm_b", "ffn_norm_b"} if t.norm == "layer" else set()
+        required |= ({"attn_norm_b"} | (set() if t.parallel else {"ffn_norm_b"})) if t.norm == "layer" else set()
         required |= {"bo", "b_up", "b_down"} if t.linear_bias else set()
         missing = [BLOCK_TENSORS_INV[r] for r in sorted(required) if r not in p]
         missing += [what for what, names in (("attn_q/k/v (or attn_qkv)", qkv), ("ffn_gate/ffn_up", gate_up)) if None in names]
@@ -196,6 +196,8 @@ class TransformerModel:
         fused = {"qkv": qkv, "wo": [p["wo"]], "gate_up": gate_up, "w_down": [p["w_down"]]}
         sources.update({f"blk.{i}.{ours}": names for ours, names in fused.items()})
         bias = torch.cat([vector(p["bq"]), vector(p["bk"]), vector(p["bv"])]) if "bq" in p else None
+        if "bqkv" in p:  # fused q|k|v bias (phi2)
+            bias = vector(p["bqkv"])
 
         def optional(ours: str) -> torch.Tensor | None:
             return vector(p[ours]) if ours in p else None
@@ -203,7 +205,7 @@ class TransformerModel:
         return Block(
             attn_norm=vector(p["attn_norm"]), qkv=linear(*fused["qkv"]), qkv_bias=bias,
             q_norm=optional("q_norm"), k_norm=optional("k_norm"), wo=linear(*fused["wo"]),
-            ffn_norm=vector(p["ffn_norm"]), gate_up=linear(*fused["gate_up"]), w_down=linear(*fused["w_down"]),
+            ffn_norm=optional("ffn_norm"), gate_up=linear(*fused["gate_up"]), w_down=linear(*fused["w_down"]),
             attn_norm_b=optional("attn_norm_b"), ffn_norm_b=optional("ffn_norm_b"), wo_bias=optional("bo"),
             up_bias=optional("b_up"), down_bias=optional("b_down"),
         )
@@ -275,9 +277,13 @@ class TransformerModel:
             if hook is not None:
                 hidden = hook.on_layer_input(layer, hidden)
             # float32 residual stream + the block's outputs (bf16 or float32; the add promotes, no extra copy)
-            h = hidden + self._attention(block, norm(hidden, block.attn_norm, block.attn_norm_b, c.norm_eps, self.dtype),
-                                         cos, sin, layout, decode, kv.k[local], kv.v[local])
-            hidden = h + self._mlp(block, norm(h, block.ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype))
+            x = norm(hidden, block.attn_norm, block.attn_norm_b, c.norm_eps, self.dtype)
+            attn = self._attention(block, x, cos, sin, layout, decode, kv.k[local], kv.v[local])
+            if block.ffn_norm is None:  # parallel block (phi2): attention and MLP both read x
+                hidden = hidden + (attn + self._mlp(block, x))
+            else:
+                h = hidden + attn
+                hidden = h + self._mlp(block, norm(h, block.ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype))
             if hook is not None:
                 hidden = hook.on_layer_output(layer, hidden)
         return hidden
