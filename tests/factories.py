@@ -26,6 +26,8 @@ class TinySpec:
     tied: bool = True
     float_type: str = "F32"  # F32 or F16 for matmul weights
     seed: int = 0
+    experts: int = 4  # qwen3moe: experts per layer (ffn: one expert's width), experts_used per token
+    experts_used: int = 2
     rope_dim: int | None = None  # partial rotary (phi2): rotate only the first rope_dim dims of each head
     weight_scale: float = 0.08  # std of matrix entries (0.64 / sqrt(hidden) keeps activations O(1) at any width)
     quant: str | None = None  # Q4_0 / Q4_1 / Q8_0 ...: matmul weights quantized with gguf.quants (token_embd: Q8_0)
@@ -68,6 +70,10 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
     else:
         w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
+    if spec.arch == "qwen3moe":
+        w.add_expert_count(spec.experts)
+        w.add_expert_used_count(spec.experts_used)
+        w.add_expert_feed_forward_length(spec.ffn)
     w.add_file_type(0 if spec.float_type == "F32" else 1)
     _copy_tokenizer(w, src)
 
@@ -108,6 +114,19 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
                 b + "attn_output.weight": mat(spec.hidden, q), b + "attn_output.bias": vec(spec.hidden, 0.0),
                 b + "ffn_up.weight": mat(spec.ffn, spec.hidden), b + "ffn_up.bias": vec(spec.ffn, 0.0),
                 b + "ffn_down.weight": mat(spec.hidden, spec.ffn), b + "ffn_down.bias": vec(spec.hidden, 0.0),
+            })
+            continue
+        if spec.arch == "qwen3moe":  # qwen3 attention; router + 3-D expert tensors [E, out, in]
+            e = spec.experts
+            tensors.update({
+                b + "attn_norm.weight": vec(spec.hidden), b + "ffn_norm.weight": vec(spec.hidden),
+                b + "attn_q.weight": mat(q, spec.hidden), b + "attn_k.weight": mat(kv, spec.hidden),
+                b + "attn_v.weight": mat(kv, spec.hidden), b + "attn_output.weight": mat(spec.hidden, q),
+                b + "attn_q_norm.weight": vec(spec.head_dim), b + "attn_k_norm.weight": vec(spec.head_dim),
+                b + "ffn_gate_inp.weight": (rng.standard_normal((e, spec.hidden)) * 0.5).astype(np.float32),
+                b + "ffn_gate_exps.weight": mat(e * spec.ffn, spec.hidden).reshape(e, spec.ffn, spec.hidden),
+                b + "ffn_up_exps.weight": mat(e * spec.ffn, spec.hidden).reshape(e, spec.ffn, spec.hidden),
+                b + "ffn_down_exps.weight": mat(e * spec.hidden, spec.ffn).reshape(e, spec.hidden, spec.ffn),
             })
             continue
         if spec.arch == "phi3":  # fused q|k|v and gate|up

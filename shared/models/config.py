@@ -23,6 +23,7 @@ class ArchTraits:
     fused_gate_up: bool = False  # phi3: ffn_up holds gate|up, [2 I, D]
     sliding_window: bool = False  # phi3: attention.sliding_window honoured by serving at most that many positions
     parallel: bool = False  # phi2: out = x + attn(norm(x)) + mlp(norm(x)), one norm, no ffn_norm
+    moe: bool = False  # qwen3moe: the MLP is top-k of expert_count SwiGLU experts (softmax router, top-k renormalised)
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -33,6 +34,7 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "starcoder2": ArchTraits(rope_style="neox", norm="layer", mlp="gelu", qkv_bias=True, linear_bias=True),
     "phi2": ArchTraits(rope_style="neox", norm="layer", mlp="gelu", qkv_bias=True, linear_bias=True, fused_qkv=True,
                        parallel=True),
+    "qwen3moe": ArchTraits(rope_style="neox", qk_norm=True, moe=True),
     "phi3": ArchTraits(rope_style="neox", fused_qkv=True, fused_gate_up=True, sliding_window=True),
 }
 
@@ -56,6 +58,8 @@ class ModelConfig:
     vocab_size: int
     tied_embeddings: bool
     traits: ArchTraits
+    num_experts: int = 0  # MoE: experts per layer, and how many each token uses (intermediate_size: one expert's)
+    experts_used: int = 0
 
     @property
     def q_size(self) -> int:
@@ -69,7 +73,7 @@ class ModelConfig:
     def layer_weights(self) -> int:
         """Matmul weights of one block (what a decode step streams through)."""
         d = self.hidden_size
-        mlp_matrices = 3 if self.traits.mlp == "swiglu" else 2
+        mlp_matrices = (3 if self.traits.mlp == "swiglu" else 2) * max(1, self.experts_used)
         return 2 * self.q_size * d + 2 * self.kv_size * d + mlp_matrices * d * self.intermediate_size
 
     @property
@@ -116,7 +120,7 @@ class ModelConfig:
             architecture=arch,
             num_layers=int(need("block_count")),
             hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
+            intermediate_size=int(need("expert_feed_forward_length" if traits.moe else "feed_forward_length")),
             num_heads=heads,
             num_kv_heads=int(loader.arch_get("attention.head_count_kv") or heads),
             head_dim=head_dim,
@@ -127,4 +131,6 @@ class ModelConfig:
             vocab_size=int(vocab),
             tied_embeddings=not loader.has_tensor("output.weight"),
             traits=traits,
+            num_experts=int(need("expert_count")) if traits.moe else 0,
+            experts_used=int(need("expert_used_count")) if traits.moe else 0,
         )

@@ -42,6 +42,8 @@ BLOCK_TENSORS = {
     "ffn_norm.weight": "ffn_norm", "ffn_norm.bias": "ffn_norm_b",
     "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
     "ffn_up.bias": "b_up", "ffn_down.bias": "b_down",
+    "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "gate_exps", "ffn_up_exps.weight": "up_exps",
+    "ffn_down_exps.weight": "down_exps",
 }
 
 
@@ -100,13 +102,23 @@ class Block:
     wo_bias: torch.Tensor | None = None  # [D]
     up_bias: torch.Tensor | None = None  # [I]
     down_bias: torch.Tensor | None = None  # [D]
+    router: torch.Tensor | None = None  # MoE: [E, D] float32; then gate_up / w_down are None and experts hold them
+    experts: list[tuple[Linear, Linear]] | None = None  # MoE: per expert (gate_up [D] -> [2 I], down [I] -> [D])
 
     def linears(self) -> dict[str, Linear]:
-        return {"qkv": self.qkv, "wo": self.wo, "gate_up": self.gate_up, "w_down": self.w_down}
+        dense = {"qkv": self.qkv, "wo": self.wo, "gate_up": self.gate_up, "w_down": self.w_down}
+        experts = {f"expert{e}.{n}": w for e, pair in enumerate(self.experts or []) for n, w in zip(("gate_up", "down"), pair)}
+        return {k: w for k, w in {**dense, **experts}.items() if w is not None}
 
     def vectors(self) -> list[torch.Tensor]:
         return [t for t in (self.attn_norm, self.qkv_bias, self.q_norm, self.k_norm, self.ffn_norm, self.attn_norm_b,
-                            self.ffn_norm_b, self.wo_bias, self.up_bias, self.down_bias) if t is not None]
+                            self.ffn_norm_b, self.wo_bias, self.up_bias, self.down_bias, self.router) if t is not None]
+
+
+def expert_rows(raw: RawTensor, e: int) -> RawTensor:
+    """Expert e's matrix of a 3-D expert tensor [E, out, in] (stored as E * out rows of bytes)."""
+    experts, out, cols = raw.shape
+    return RawTensor(f"{raw.name}[{e}]", raw.ggml_type, (out, cols), raw.data[e * out:(e + 1) * out])
 
 
 def resolve_weights(weights: str | None, dtype: torch.dtype) -> str:
@@ -157,8 +169,8 @@ class TransformerModel:
         names = loader.names_for(layers, position)
         raw: dict[str, RawTensor] = {r.name: r for r in loader.iter_raw(names, desc=f"layers {layers}")}
 
-        def linear(*names: str) -> Linear:
-            return make_linear([raw[n] for n in names], weights, device, batch_invariant)
+        def linear(*parts: str | RawTensor) -> Linear:  # GGUF tensor names, or tensors already cut (an expert's rows)
+            return make_linear([raw[n] if isinstance(n, str) else n for n in parts], weights, device, batch_invariant)
 
         def vector(name: str) -> torch.Tensor:
             return dequantize(raw[name]).reshape(-1).to(device)
@@ -183,8 +195,9 @@ class TransformerModel:
         p = {ours: f"blk.{i}.{gguf_name}" for gguf_name, ours in BLOCK_TENSORS.items() if f"blk.{i}.{gguf_name}" in raw}
         qkv = [p["wqkv"]] if t.fused_qkv and "wqkv" in p else [p.get("wq"), p.get("wk"), p.get("wv")]
         gate_up = {"swiglu": [p.get("w_up")] if t.fused_gate_up else [p.get("w_gate"), p.get("w_up")],
-                   "gelu": [p.get("w_up")]}[t.mlp]
-        required = {"attn_norm", "wo", "w_down"} | (set() if t.parallel else {"ffn_norm"})
+                   "gelu": [p.get("w_up")]}[t.mlp] if not t.moe else []
+        required = {"attn_norm", "wo"} | (set() if t.parallel else {"ffn_norm"})
+        required |= {"router", "gate_exps", "up_exps", "down_exps"} if t.moe else {"w_down"}
         required |= ({"bqkv"} if "wqkv" in p else {"bq", "bk", "bv"}) if t.qkv_bias else set()
         required |= {"q_norm", "k_norm"} if t.qk_norm else set()
         required |= ({"attn_norm_b"} | (set() if t.parallel else {"ffn_norm_b"})) if t.norm == "layer" else set()
@@ -193,8 +206,17 @@ class TransformerModel:
         missing += [what for what, names in (("attn_q/k/v (or attn_qkv)", qkv), ("ffn_gate/ffn_up", gate_up)) if None in names]
         if missing:
             raise GgufError(f"{path}: block {i} lacks {', '.join(missing)} needed by architecture {config.architecture}")
-        fused = {"qkv": qkv, "wo": [p["wo"]], "gate_up": gate_up, "w_down": [p["w_down"]]}
+        fused = {"qkv": qkv, "wo": [p["wo"]]}
+        if not t.moe:
+            fused |= {"gate_up": gate_up, "w_down": [p["w_down"]]}
         sources.update({f"blk.{i}.{ours}": names for ours, names in fused.items()})
+        experts = None
+        if t.moe:  # 3-D [E, I, D] / [E, D, I] tensors: expert e's matrix is rows [e * out, (e + 1) * out)
+            for e in range(config.num_experts):
+                sources[f"blk.{i}.expert{e}.gate_up"] = [p["gate_exps"], p["up_exps"]]
+                sources[f"blk.{i}.expert{e}.down"] = [p["down_exps"]]
+            experts = [(linear(expert_rows(raw[p["gate_exps"]], e), expert_rows(raw[p["up_exps"]], e)),
+                        linear(expert_rows(raw[p["down_exps"]], e))) for e in range(config.num_experts)]
         bias = torch.cat([vector(p["bq"]), vector(p["bk"]), vector(p["bv"])]) if "bq" in p else None
         if "bqkv" in p:  # fused q|k|v bias (phi2)
             bias = vector(p["bqkv"])
@@ -205,7 +227,9 @@ class TransformerModel:
         return Block(
             attn_norm=vector(p["attn_norm"]), qkv=linear(*fused["qkv"]), qkv_bias=bias,
             q_norm=optional("q_norm"), k_norm=optional("k_norm"), wo=linear(*fused["wo"]),
-            ffn_norm=optional("ffn_norm"), gate_up=linear(*fused["gate_up"]), w_down=linear(*fused["w_down"]),
+            ffn_norm=optional("ffn_norm"), gate_up=linear(*fused["gate_up"]) if not t.moe else None,
+            w_down=linear(*fused["w_down"]) if not t.moe else None, experts=experts,
+            router=vector(p["router"]).view(config.num_experts, -1) if t.moe else None,  # [E, D]
             attn_norm_b=optional("attn_norm_b"), ffn_norm_b=optional("ffn_norm_b"), wo_bias=optional("bo"),
             up_bias=optional("b_up"), down_bias=optional("b_down"),
         )
@@ -289,6 +313,8 @@ class TransformerModel:
         return hidden
 
     def _mlp(self, b: Block, x: torch.Tensor) -> torch.Tensor:
+        if b.experts is not None:
+            return self._moe(b, x)
         if self.config.traits.mlp == "gelu":  # starcoder2: down(gelu(up x + b_up)) + b_down, tanh GELU as ggml's
             up = b.gate_up(x)  # [N, I]
             up = F.gelu(up.float() + b.up_bias if b.up_bias is not None else up, approximate="tanh")
@@ -297,6 +323,20 @@ class TransformerModel:
             gate, up = b.gate_up(x).chunk(2, dim=-1)  # [N, I] each
             out = b.w_down(F.silu(gate) * up)  # [N, D]
         return out if b.down_bias is None else out.float() + b.down_bias
+
+    def _moe(self, b: Block, x: torch.Tensor) -> torch.Tensor:
+        """Each token's top-k experts by softmax router probability, their outputs weighted by those probabilities
+        renormalised over the k (qwen3moe). x [N, D] -> [N, D] float32; each expert runs once on its tokens."""
+        probs = torch.softmax(x.float() @ b.router.T, dim=-1)  # [N, E]
+        weights, chosen = probs.topk(self.config.experts_used, dim=-1)  # [N, k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros(x.shape[0], self.config.hidden_size, dtype=torch.float32, device=x.device)
+        for e in chosen.unique().tolist():
+            rows, rank = (chosen == e).nonzero(as_tuple=True)
+            gate_up, down = b.experts[e]
+            gate, up = gate_up(x[rows]).chunk(2, dim=-1)  # [n_e, I] each
+            out.index_add_(0, rows, down(F.silu(gate) * up).float() * weights[rows, rank, None])
+        return out
 
     def _attention(self, b: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
                    decode: DecodeWindow | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
