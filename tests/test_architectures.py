@@ -16,7 +16,7 @@ from shared.runtime import LocalPipeline
 from tests.factories import TinySpec, write_tiny_gguf
 from tests.test_tiny_models import IDS
 
-ARCHS = ["llama", "qwen2", "qwen3", "starcoder2", "phi3", "phi2", "qwen3moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "starcoder2", "phi3", "phi2", "qwen3moe", "mistral3"]
 
 
 def _spec(arch: str) -> TinySpec:
@@ -98,7 +98,7 @@ def test_longrope_factors_are_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("arch", ["starcoder2", "phi3", "phi2", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["starcoder2", "phi3", "phi2", "qwen3moe", "mistral3"])
 async def test_two_stage_mesh_generates_what_one_process_does(arch, tmp_path):
     """Real stage processes on loopback (float32): greedy tokens through 2 stages == one local process."""
     from services.launch import start_mesh

@@ -38,6 +38,7 @@ IDS = [504, 3458, 282, 4649, 314, 7042, 30, 378, 2358, 16, 28, 99, 1234, 77, 5, 
     (TinySpec(arch="phi3", tied=False), 1e-3),  # fused attn_qkv and gate|up
     (TinySpec(arch="phi2", tied=False, rope_dim=8), 1e-3),  # parallel block, partial rotary, output bias
     (TinySpec(arch="qwen3moe", tied=False, experts=4, experts_used=2), 1e-3),  # router, top-2 of 4, 3-D experts
+    (TinySpec(arch="mistral3", tied=False), 1e-3),  # its text model is the llama block
     (TinySpec(arch="starcoder2", float_type="F16", tied=False), 1e-2),
     (TinySpec(arch="phi3", float_type="F16", tied=False), 1e-2),
 ], ids=lambda v: v if isinstance(v, float) else f"{v.arch}-{v.float_type}-{'tied' if v.tied else 'untied'}")
@@ -125,7 +126,7 @@ def test_truncated_gguf_is_one_line_error(tmp_path):
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path):
     path = write_tiny_gguf(str(tmp_path / "odd.gguf"), TinySpec(arch="mamba9000"))
-    with pytest.raises(UnsupportedArchitecture, match="llama, mistral, phi2, phi3, qwen2, qwen3, qwen3moe, starcoder2"):
+    with pytest.raises(UnsupportedArchitecture, match="llama, mistral, mistral3, phi2, phi3, qwen2, qwen3, qwen3moe, starcoder2"):
         LocalPipeline.load(GgufLoader(path), None, torch.float32)
     assert "mamba9000" in _cli_error("inspect", "--model", path)
 

@@ -29,6 +29,7 @@ class ArchTraits:
 ARCHITECTURES: dict[str, ArchTraits] = {
     "llama": ArchTraits(rope_style="normal"),
     "mistral": ArchTraits(rope_style="normal"),
+    "mistral3": ArchTraits(rope_style="normal"),  # its text model: the llama block (rope scaling refused below)
     "qwen2": ArchTraits(rope_style="neox", qkv_bias=True),
     "qwen3": ArchTraits(rope_style="neox", qk_norm=True),
     "starcoder2": ArchTraits(rope_style="neox", norm="layer", mlp="gelu", qkv_bias=True, linear_bias=True),
