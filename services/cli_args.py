@@ -9,6 +9,7 @@ from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.device import DTYPES
 from shared.errors import StagemeshError
 from shared.models.linear import WEIGHT_MODES
+from shared.otlp import otlp_endpoint, require_sdk
 from shared.sampling import SamplingParams
 
 
@@ -110,6 +111,23 @@ def serving_from_args(args) -> ServingConfig:
     d = SERVING_DEFAULTS
     return ServingConfig(**{name: getattr(args, name, getattr(d, name))
                             for name in ("prefill_chunk", "token_budget", "max_queue", "kv_slots", "max_seq_len")})
+
+
+def add_otlp_args(p: argparse.ArgumentParser) -> None:
+    """Optional distributed tracing (`gateway`, `stage`, `up`, which passes it to its stages)."""
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry traces (one per request, a span per micro-batch per stage) over "
+                        "OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (needs pip install "
+                        "'stagemesh[otlp]'; default: off)")
+
+
+def otlp_from_args(args) -> str | None:
+    """The validated OTLP/HTTP traces URL of --otlp-endpoint (None: tracing off); checks that the SDK is installed."""
+    if getattr(args, "otlp_endpoint", None) is None:
+        return None
+    url = otlp_endpoint(args.otlp_endpoint)
+    require_sdk()
+    return url
 
 
 def parse_host_port(text: str, flag: str) -> tuple[str, int]:

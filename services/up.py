@@ -12,8 +12,10 @@ from services.cli_args import (
     add_edge_args,
     add_kv_args,
     add_model_args,
+    add_otlp_args,
     add_scheduler_args,
     model_flags,
+    otlp_from_args,
     serving_from_args,
 )
 from services.gateway.app import GATEWAY, serve_until_signal
@@ -34,6 +36,7 @@ def register(sub) -> None:
     p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
     add_scheduler_args(p)
     add_edge_args(p)
+    add_otlp_args(p)
     add_security_args(p, up=True)  # up makes ephemeral keys itself; only --insecure-plaintext is offered
     p.set_defaults(func=cmd_up)
 
@@ -52,12 +55,14 @@ def log_dir_from_args(given: str | None) -> str:
 
 
 def cmd_up(args) -> int:
+    otlp_url = otlp_from_args(args)  # checked before any stage starts; the stages export to the same collector
     log_dir = log_dir_from_args(args.log_dir)
     print(f"starting {args.stages} stages (logs in {log_dir}) ...", flush=True)
     serving = serving_from_args(args)
     mesh = start_mesh(args.model, args.stages, log_dir=log_dir, avoid_ports=frozenset({args.port}),
                       extra=model_flags(args) + ["--kv-slots", str(serving.kv_slots),
-                                                 "--max-seq-len", str(serving.max_seq_len)],
+                                                 "--max-seq-len", str(serving.max_seq_len)]
+                      + (["--otlp-endpoint", otlp_url] if otlp_url else []),
                       insecure_plaintext=args.insecure_plaintext)
     args.keys = mesh.keys_dir  # the ephemeral key set (0700 temporary directory, deleted at stop)
     try:

@@ -9,6 +9,7 @@ Every field is validated before use; a bad message raises ProtocolError with a c
 from __future__ import annotations
 
 import math
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every re
 MAX_SEQS_PER_BATCH = 4096
 MAX_TOKENS_PER_BATCH = 1 << 16
 MAX_SEQ_ID_LEN = 128
+# W3C trace context (https://www.w3.org/TR/trace-context/#traceparent-header), version 00: trace id, span id (neither
+# all zeros), flags. Present in a header only when the gateway runs with --otlp-endpoint (shared.otlp).
+TRACEPARENT_LEN = 55
+TRACEPARENT_RE = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 
 # The only dtypes that may cross the wire (name -> torch dtype).
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -60,6 +65,7 @@ class SeqEntry:
     seq_id: str
     step: InferenceStep
     sampling: SamplingParams = SamplingParams()
+    traceparent: str | None = None  # W3C traceparent of this sequence's request span (None: tracing off)
 
     @property
     def sample_position(self) -> int:
@@ -76,6 +82,8 @@ class ForwardBatch:
     trace: dict | None = None  # on-demand capture request (None: off)
     captures: list = field(default_factory=list)  # accumulated captures travelling to the client
     hop_s: float | None = None  # set on receipt: receive time - the sender's send time (header "sent", wall clock)
+    traceparent: str | None = None  # W3C traceparent of the gateway's span for this micro-batch (None: tracing off)
+    received: float | None = None  # set on receipt: wall-clock time.time() of decoding
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +137,13 @@ def _step_to_wire(step: InferenceStep) -> dict:
     return {"t": "decode", "pos": step.current_position}
 
 
+def _seq_to_wire(s: SeqEntry) -> dict:
+    d = {"id": s.seq_id, "step": _step_to_wire(s.step), "sampling": s.sampling.to_wire()}
+    if s.traceparent is not None:
+        d["tp"] = s.traceparent
+    return d
+
+
 def _tensor_frame(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous CPU tensor, shared with the tensor (no copy)."""
     t = t.detach()
@@ -144,8 +159,10 @@ def encode(msg: Message) -> list:
     if isinstance(msg, ForwardBatch):
         header: dict[str, Any] = {
             "kind": "forward", "mb": msg.mb_id,
-            "seqs": [{"id": s.seq_id, "step": _step_to_wire(s.step), "sampling": s.sampling.to_wire()} for s in msg.seqs],
+            "seqs": [_seq_to_wire(s) for s in msg.seqs],
         }
+        if msg.traceparent is not None:
+            header["tp"] = msg.traceparent
         if msg.trace is not None:
             header["trace"] = msg.trace
             header["captures"] = msg.captures
@@ -269,13 +286,23 @@ def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
     return out
 
 
-def _hop_s(header: dict) -> float | None:
-    """Seconds since the sender stamped the header (optional field: absent gives None)."""
+def _hop_s(header: dict, now: float | None = None) -> float | None:
+    """Seconds from the sender's stamp on the header to `now` (default: time.time()); absent stamp gives None."""
     sent = header.get("sent")
     if sent is None:
         return None
     _need(isinstance(sent, float) and math.isfinite(sent), "schema", "field 'sent' must be a finite float")
-    return time.time() - sent
+    return (time.time() if now is None else now) - sent
+
+
+def _traceparent(d: dict) -> str | None:
+    """The optional "tp" field of a map: None when absent, else a W3C traceparent (version 00, lowercase hex)."""
+    tp = d.get("tp")
+    if tp is None:
+        return None
+    _need(isinstance(tp, str) and len(tp) == TRACEPARENT_LEN and TRACEPARENT_RE.fullmatch(tp) is not None, "schema",
+          "field 'tp' must be a W3C traceparent 00-<32 hex trace id>-<16 hex span id>-<2 hex flags>")
+    return tp
 
 
 def decode(frames: list) -> Message:
@@ -302,7 +329,8 @@ def decode(frames: list) -> Message:
             _need(isinstance(s, dict), "schema", "each sequence must be a map")
             sid = s.get("id")
             _need(isinstance(sid, str) and 0 < len(sid) <= MAX_SEQ_ID_LEN, "schema", "sequence id must be a short string")
-            seqs.append(SeqEntry(sid, _step_from_wire(s.get("step")), _sampling_from_wire(s.get("sampling", {}))))
+            seqs.append(SeqEntry(sid, _step_from_wire(s.get("step")), _sampling_from_wire(s.get("sampling", {})),
+                                 _traceparent(s)))
         _need(len({s.seq_id for s in seqs}) == len(seqs), "schema", "a sequence appears twice in one micro-batch")
         tensors = _tensors(header, frames)
         batch = ForwardBatch(_int(header, "mb"), seqs, tensors.get("tokens"), tensors.get("hidden"))
@@ -317,7 +345,9 @@ def decode(frames: list) -> Message:
         if "trace" in header:
             _need(isinstance(header["trace"], dict), "schema", "trace must be a map")
             batch.trace, batch.captures = header["trace"], _captures(header)
-        batch.hop_s = _hop_s(header)
+        batch.traceparent = _traceparent(header)
+        batch.received = time.time()
+        batch.hop_s = _hop_s(header, batch.received)
         return batch
     if kind in ("release", "released"):
         ids = _str_list(header, "seq_ids")

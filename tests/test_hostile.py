@@ -82,6 +82,9 @@ def hostile_messages(marker: str) -> list[tuple[str, list[bytes]]]:
         ("schema", [_pack(_forward_header(seqs=[{"id": "x" * 500, "step": good_step, "sampling": {}}])), TOKENS]),
         ("schema", [_pack(_forward_header(seqs=[{"id": "a", "step": {**good_step, "n": 3}, "sampling": {}}])), TOKENS]),
         ("schema", [_pack(_forward_header(mb=-1)), TOKENS]),
+        ("schema", [_pack(_forward_header(tp="00-" + "0" * 32 + "-00f067aa0ba902b7-01")), TOKENS]),  # zero trace id
+        ("schema", [_pack(_forward_header(seqs=[{"id": "a", "step": good_step, "sampling": {}, "tp": "0" * 10_000}])),
+                    TOKENS]),
         ("schema", [_pack({"v": PROTOCOL_VERSION, "kind": "release", "seq_ids": [1, 2]})]),
     ]
     out = []

@@ -27,6 +27,7 @@ from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.errors import ChatTemplateError
 from shared.log_throttle import OneLineThrottleFilter, throttled
 from shared.model_files import ModelFiles
+from shared.otlp import OtlpTracer
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -351,16 +352,19 @@ async def _background(app: web.Application):
         await task
     await gw.pipeline.close()
     gw.lanes.close()
+    if gw.scheduler.otlp is not None:
+        await asyncio.sleep(0)  # let the closed client's futures end their micro-batch spans first
+        gw.scheduler.otlp.shutdown()  # exports the spans still queued (bounded by the export timeout)
 
 
 def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_inflight: int,
-             serving: ServingConfig = SERVING_DEFAULTS) -> web.Application:
+             serving: ServingConfig = SERVING_DEFAULTS, otlp: OtlpTracer | None = None) -> web.Application:
     from services.gateway.mesh_view import add_mesh_view
     from services.gateway.openai_api import chat_completions, completions, models
     from services.gateway.ws import stream_ws
 
     metrics_ = GatewayMetrics()
-    scheduler = Scheduler(pipeline, metrics_, max_inflight=max_inflight, config=serving)
+    scheduler = Scheduler(pipeline, metrics_, max_inflight=max_inflight, config=serving, otlp=otlp)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
     app[GATEWAY] = Gateway(files, pipeline, scheduler, metrics_, config)
     app.cleanup_ctx.append(_background)

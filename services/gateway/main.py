@@ -11,8 +11,10 @@ from aiohttp import web
 from services.cli_args import (
     add_edge_args,
     add_model_args,
+    add_otlp_args,
     add_scheduler_args,
     edge_from_args,
+    otlp_from_args,
     parse_host_port,
     serving_from_args,
 )
@@ -21,6 +23,7 @@ from services.gateway.pipeline import Pipeline
 from services.keys_cli import add_security_args, key_set_from_args
 from shared.errors import StagemeshError
 from shared.model_files import ModelFiles
+from shared.otlp import OtlpTracer
 from shared.transport import check_address
 
 log = logging.getLogger("stagemesh.gateway")
@@ -39,6 +42,7 @@ def register(sub) -> None:
     p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info)")
     add_scheduler_args(p)
     add_edge_args(p)
+    add_otlp_args(p)
     add_security_args(p)
     p.set_defaults(func=cmd_gateway)
 
@@ -63,8 +67,10 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
     edge = edge_from_args(args)
     if edge["metrics_require_key"] and not api_key:
         raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")
+    otlp_url = otlp_from_args(args)
+    otlp = OtlpTracer(otlp_url, "stagemesh-gateway") if otlp_url else None
     return make_app(files, pipeline, GatewayConfig(model_id=model, api_key=api_key, **edge), inflight,
-                    serving_from_args(args))
+                    serving_from_args(args), otlp)
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:

@@ -17,7 +17,8 @@ import math
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ from services.gateway.pipeline import Pipeline
 from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.errors import UnknownSequence
 from shared.generation import SequenceState
+from shared.otlp import OtlpTracer
 from shared.pipeline_client import PipelineError
 from shared.protocol import BatchResult, ForwardBatch
 
@@ -67,6 +69,9 @@ class Sequence(SequenceState):
     t_admitted: float | None = None
     t_first: float | None = None
     t_last: float | None = None
+    otlp_span: Any = None  # its stagemesh.request span (distributed tracing on; shared.otlp)
+    traceparent: str | None = None  # that span's W3C traceparent, carried on each of its micro-batch entries
+    otlp_parented: int = 0  # stagemesh.microbatch spans this request's trace holds (the rest only link to it)
 
     @property
     def in_flight(self) -> bool:
@@ -81,8 +86,10 @@ class Sequence(SequenceState):
 class Scheduler:
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
                  config: ServingConfig = SERVING_DEFAULTS, max_running: int | None = None,
-                 failover_timeout_s: float = 120.0, max_replays: int = 3):
+                 failover_timeout_s: float = 120.0, max_replays: int = 3, otlp: OtlpTracer | None = None):
         self.pipeline = pipeline
+        self.otlp = otlp  # distributed tracing (None: off)
+        self._mb_spans: dict[int, Any] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
         self.metrics = metrics
         self.max_inflight = max_inflight
         self.config = config
@@ -112,6 +119,11 @@ class Scheduler:
         if len(self.waiting) > self.config.max_queue:
             self.waiting.pop()
             raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry shortly")
+        if self.otlp is not None:
+            seq.otlp_span = self.otlp.start("stagemesh.request", attributes={
+                "stagemesh.request_id": seq.seq_id, "stagemesh.prompt_tokens": len(seq.prompt_ids),
+                "stagemesh.max_tokens": seq.max_tokens})
+            seq.traceparent = self.otlp.traceparent(seq.otlp_span)
         self._update_gauges()
         self._wake.set()
 
@@ -123,11 +135,13 @@ class Scheduler:
         """End a sequence outside the token flow (cancel, a stop string, deadline, failure) and report it."""
         if seq.done:
             return
-        self._retire(seq, reason)
+        self._retire(seq, reason, error)
         seq.outputs.put_nowait(SeqOutput(finish_reason=reason, error=error))
 
-    def _retire(self, seq: Sequence, reason: str) -> None:
+    def _retire(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.finish_reason = reason
+        if seq.otlp_span is not None:
+            self._end_request_span(seq, reason, error)
         if reason in ("stop", "length"):
             self.metrics.e2e.observe(time.perf_counter() - seq.t_arrival)
         if seq in self.waiting:
@@ -160,9 +174,10 @@ class Scheduler:
 
     async def run(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=IDLE_TICK_S)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: no task per wake-up on the per-token path
+                async with asyncio.timeout(IDLE_TICK_S):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
             try:
@@ -228,8 +243,11 @@ class Scheduler:
             self.inflight[mb] = seqs
             self.max_inflight_seen = max(self.max_inflight_seen, len(self.inflight))
             traced = next((s.seq_id for s in seqs if s.trace), None)
-            fut = await client.submit(ForwardBatch(mb, entries, tokens=torch.tensor(tokens, dtype=torch.int64),
-                                                   trace={"seq_id": traced} if traced else None))
+            batch = ForwardBatch(mb, entries, tokens=torch.tensor(tokens, dtype=torch.int64),
+                                 trace={"seq_id": traced} if traced else None)
+            if self.otlp is not None:
+                self._start_microbatch_span(batch, seqs)
+            fut = await client.submit(batch)
             fut.add_done_callback(lambda f, mb=mb: self._on_result(mb, f))
             self.metrics.microbatches.inc()
         self._update_gauges()
@@ -255,6 +273,8 @@ class Scheduler:
         return (entries, tokens, seqs) if seqs else None
 
     def _on_result(self, mb: int, fut: asyncio.Future) -> None:
+        if self.otlp is not None:
+            self._end_microbatch_span(mb, fut)
         seqs = self.inflight.pop(mb, [])
         self._wake.set()
         error = None if fut.cancelled() else fut.exception()
@@ -294,6 +314,48 @@ class Scheduler:
         s.outputs.put_nowait(SeqOutput(token, logprob, reason))
         if reason is not None:
             self._retire(s, reason)
+
+    # ---- distributed tracing (only with an OtlpTracer) -----------------------------------------------------------
+
+    def _end_request_span(self, seq: Sequence, reason: str, error: str | None) -> None:
+        attributes = {"stagemesh.output_tokens": len(seq.output_ids), "stagemesh.finish_reason": reason,
+                      "stagemesh.replays": seq.replays}
+        if seq.t_admitted is not None:
+            attributes["stagemesh.queued_ms"] = round((seq.t_admitted - seq.t_arrival) * 1e3, 3)
+        if seq.t_first is not None:
+            attributes["stagemesh.ttft_ms"] = round((seq.t_first - seq.t_arrival) * 1e3, 3)
+        failed = reason in ("error", "timeout")
+        self.otlp.end(seq.otlp_span, attributes, error=(error or reason) if failed else None)
+        seq.otlp_span = None
+
+    def _start_microbatch_span(self, batch: ForwardBatch, seqs: list[Sequence]) -> None:
+        """Open the stagemesh.microbatch span: a child of the request that has parented fewest so far, linked to
+        the others. The header carries it (every stage's compute span is its child) and each sequence's own
+        request span (what the stages link to)."""
+        traced = [s for s in seqs if s.otlp_span is not None]
+        if not traced:
+            return
+        parent = min(traced, key=lambda s: s.otlp_parented)
+        parent.otlp_parented += 1
+        span = self.otlp.start("stagemesh.microbatch", parent.otlp_span,
+                               [s.otlp_span for s in traced if s is not parent],
+                               {"stagemesh.microbatch.id": batch.mb_id, "stagemesh.tokens": batch.num_tokens,
+                                "stagemesh.sequences": len(seqs)})
+        self._mb_spans[batch.mb_id] = span
+        batch.traceparent = self.otlp.traceparent(span)
+        batch.seqs = [replace(e, traceparent=s.traceparent) for e, s in zip(batch.seqs, seqs)]
+
+    def _end_microbatch_span(self, mb: int, fut: asyncio.Future) -> None:
+        span = self._mb_spans.pop(mb, None)
+        if span is None:
+            return
+        if fut.cancelled():
+            self.otlp.end(span, error="abandoned: the pipeline was lost while it was in flight")
+        elif fut.exception() is not None:
+            self.otlp.end(span, error=str(fut.exception()))
+        else:
+            hop = fut.result().hop_s
+            self.otlp.end(span, None if hop is None else {"stagemesh.result_hop_ms": round(max(0.0, hop) * 1e3, 3)})
 
     def _update_gauges(self) -> None:
         m = self.metrics

@@ -11,7 +11,14 @@ import signal
 import torch
 from aiohttp import web
 
-from services.cli_args import add_kv_args, add_model_args, parse_host_port, serving_from_args
+from services.cli_args import (
+    add_kv_args,
+    add_model_args,
+    add_otlp_args,
+    otlp_from_args,
+    parse_host_port,
+    serving_from_args,
+)
 from services.keys_cli import add_security_args, key_set_from_args
 from services.stage.http import LOAD_ERROR, WORKER, make_app
 from services.stage.io import StageIO
@@ -22,6 +29,7 @@ from shared.layers import LayerRange, balanced_split, parse_layer_range
 from shared.mesh_keys import SocketKeys
 from shared.model_files import ModelFiles
 from shared.models import ModelConfig
+from shared.otlp import OtlpTracer
 from shared.protocol import BatchError, ForwardBatch, ReleaseSeqs
 from shared.runtime import StageRuntime
 from shared.transport import ZmqTransport, check_address
@@ -55,6 +63,7 @@ def register(sub) -> None:
                         f"gateway cannot hold slots forever (default {DEFAULT_SLOT_LEASE_S:g}; 0 = never)")
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="stop when process PID (the launcher, e.g. `stagemesh up`) is no longer this one's parent")
+    add_otlp_args(p)
     add_security_args(p)
     p.set_defaults(func=cmd_stage)
 
@@ -93,6 +102,7 @@ def cmd_stage(args) -> int:
         raise StagemeshError("--slot-lease must be >= 0 seconds (0 = never reclaim)")
     if args.threads is not None and args.threads < 1:
         raise StagemeshError("--threads must be >= 1")
+    args.otlp_endpoint = otlp_from_args(args)  # validated before anything loads
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     files = ModelFiles.open(args.model)  # validates the file before anything binds
     layers = stage_layers(args, files.config)
@@ -140,9 +150,14 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs, BatchError), keys=keys)
     io = StageIO(transport, prefetch=not args.no_prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
-                             position, str(dtype).removeprefix("torch."), listen=args.listen)
+                             position, str(dtype).removeprefix("torch."), listen=args.listen, index=args.stage_index)
+    otlp = None
+    if args.otlp_endpoint is not None:
+        which = f"{layers.start}-{layers.stop}" if args.stage_index is None else str(args.stage_index)
+        otlp = OtlpTracer(args.otlp_endpoint, f"stagemesh-stage-{which}",
+                          {"service.instance.id": identity.incarnation, "stagemesh.stage.layers": str(layers)})
     worker = StageWorker(runtime, io, identity, tracing=not args.no_trace, slot_lease_s=args.slot_lease,
-                         compute_thread=compute_thread)
+                         compute_thread=compute_thread, otlp=otlp)
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, args.listen, args.next,
              identity.incarnation, f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT")
@@ -154,6 +169,8 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     if task.done() and not task.cancelled() and task.exception():
         log.error("stage loop failed: %s", task.exception())
     transport.close()
+    if otlp is not None:
+        otlp.shutdown()  # exports the spans still queued (bounded by the export timeout)
     if watchdog is not None:
         watchdog.cancel()
     await runner.cleanup()

@@ -18,6 +18,7 @@ from services.stage.metrics import StageMetrics, size_class
 from shared.errors import StagemeshError
 from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
+from shared.otlp import OtlpTracer, trace_id_of
 from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
 from shared.runtime import SeqWork, StageRuntime
 from shared.sampling import sample
@@ -36,6 +37,7 @@ class StageIdentity:
     dtype: str
     listen: str = ""
     incarnation: str = ""
+    index: int | None = None  # the stage's index in its pipeline, when it was started with one
 
     def __post_init__(self):
         self.incarnation = self.incarnation or uuid.uuid4().hex[:12]
@@ -57,11 +59,14 @@ def compute_executor() -> ThreadPoolExecutor:
 
 class StageWorker:
     """`slot_lease_s`: a sequence whose slot no micro-batch has used for this long is released and counted (a
-    vanished gateway cannot hold slots forever; a live sequence is touched at every step). 0 disables."""
+    vanished gateway cannot hold slots forever; a live sequence is touched at every step). 0 disables.
+    `otlp`: export a stagemesh.stage.compute span per traced micro-batch (None: distributed tracing off)."""
 
     def __init__(self, runtime: StageRuntime, io: StageIO, identity: StageIdentity, tracing: bool = True,
-                 slot_lease_s: float = DEFAULT_SLOT_LEASE_S, compute_thread: ThreadPoolExecutor | None = None):
+                 slot_lease_s: float = DEFAULT_SLOT_LEASE_S, compute_thread: ThreadPoolExecutor | None = None,
+                 otlp: OtlpTracer | None = None):
         self.tracing = tracing
+        self.otlp = otlp
         self.slot_lease_s = slot_lease_s
         self.lease_check_s = min(1.0, slot_lease_s / 4) if slot_lease_s else None
         self._next_lease_check = 0.0
@@ -100,8 +105,11 @@ class StageWorker:
                     self._hopped(max(0.0, msg.hop_s))
                 if isinstance(msg, ForwardBatch):
                     t0 = time.perf_counter()
+                    span = None if self.otlp is None else self._start_span(msg)
                     out = await loop.run_in_executor(self.compute_thread, self.compute, msg)
                     self._busy(time.perf_counter() - t0, msg.num_tokens)
+                    if span is not None:
+                        self.otlp.end(span, error=out.message if isinstance(out, BatchError) else None)
                     await self.io.send(out)
                 elif isinstance(msg, ReleaseSeqs):
                     if msg.everything:
@@ -122,8 +130,9 @@ class StageWorker:
         """The next input, or None when the lease check is due first (never waits past it)."""
         if self.lease_check_s is None:
             return await self.io.receive()
-        try:
-            return await asyncio.wait_for(self.io.receive(), self.lease_check_s)
+        try:  # asyncio.timeout, not wait_for: no task per micro-batch
+            async with asyncio.timeout(self.lease_check_s):
+                return await self.io.receive()
         except TimeoutError:
             return None
 
@@ -139,6 +148,27 @@ class StageWorker:
             self.metrics.reclaimed.inc()
             throttled(log, logging.WARNING, "lease", "reclaimed the KV slot of sequence %r: no micro-batch used it "
                       "for %g s (--slot-lease)", seq_id, self.slot_lease_s)
+
+    def _start_span(self, batch: ForwardBatch):
+        """The stagemesh.stage.compute span of a traced micro-batch (None when its header carries no trace
+        context): a child of the gateway's micro-batch span, linked to every other request it carries."""
+        seq_tps = [s.traceparent for s in batch.seqs if s.traceparent is not None]
+        parent = batch.traceparent or (seq_tps[0] if seq_tps else None)
+        if parent is None:
+            return None
+        own = trace_id_of(parent)
+        links = list({trace_id_of(tp): tp for tp in seq_tps if trace_id_of(tp) != own}.values())
+        ident = self.identity
+        attributes = {"stagemesh.stage.layers": str(ident.layers), "stagemesh.stage.position": ident.position.value,
+                      "stagemesh.microbatch.id": batch.mb_id, "stagemesh.tokens": batch.num_tokens,
+                      "stagemesh.sequences": len(batch.seqs)}
+        if ident.index is not None:
+            attributes["stagemesh.stage.index"] = ident.index
+        if batch.hop_s is not None:  # upstream sender's send to this stage's receipt
+            attributes["stagemesh.hop_ms"] = round(max(0.0, batch.hop_s) * 1e3, 3)
+        if batch.received is not None:  # receipt to compute start: the micro-batch waited in the prefetch queue
+            attributes["stagemesh.queue_wait_ms"] = round(max(0.0, time.time() - batch.received) * 1e3, 3)
+        return self.otlp.start("stagemesh.stage.compute", parent, links, attributes)
 
     def _waited(self, s: float) -> None:
         self.wait_s += s
@@ -167,7 +197,8 @@ class StageWorker:
             out = self.runtime.run(work, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
             captures = batch.captures + ([c.to_wire() for c in capture.captures] if capture else [])
             if not ident.position.has_lm_head:
-                return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures)
+                return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures,
+                                    traceparent=batch.traceparent)
             producing = [s for s in batch.seqs if s.step.produces_token]
             tokens, logprobs = sample(out, [s.sampling for s in producing], [s.sample_position for s in producing])
             return BatchResult(batch.mb_id, [s.seq_id for s in producing], tokens, logprobs, captures)
