@@ -76,6 +76,16 @@ PRE_TOKENIZERS = {
 }
 _IGNORE_MERGES = {"llama-bpe", "llama3"}
 
+# Tokens that end generation by their text, whatever the metadata says (llama-vocab.cpp's special_eog_ids list, e.g.
+# gemma's <end_of_turn>, which converted GGUFs do not name as eot_token_id); "</s>" is a normal token in the vocabularies
+# that carry one of _NORMAL_S_MARKERS (gemma4, plamo), as there.
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>",
+    "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+})
+_NORMAL_S_MARKERS = ("<|tool_response>", "<|plamo:eos|>")
+
 
 @dataclass
 class GgufTokenizer:
@@ -128,6 +138,8 @@ class GgufTokenizer:
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
             if loader.get(key) is not None:
                 eos_ids.add(int(loader.get(key)))
+        eog_texts = EOG_TEXTS - ({"</s>"} if any(m in tokens for m in _NORMAL_S_MARKERS) else set())
+        eos_ids |= {i for i, t in enumerate(tokens) if t in eog_texts}
         control = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t}
         return cls(plain=plain, special=tok, bos_id=None if bos is None else int(bos),
                    eos_id=None if eos is None else int(eos),

@@ -31,6 +31,8 @@ class TinySpec:
     rope_dim: int | None = None  # partial rotary (phi2): rotate only the first rope_dim dims of each head
     weight_scale: float = 0.08  # std of matrix entries (0.64 / sqrt(hidden) keeps activations O(1) at any width)
     quant: str | None = None  # Q4_0 / Q4_1 / Q8_0 ...: matmul weights quantized with gguf.quants (token_embd: Q8_0)
+    sliding_window: int = 8  # gemma2 / gemma3: attention.sliding_window (shorter than the test prompts)
+    softcaps: tuple[float, float] = (1.0, 5.0)  # gemma2: attn_logit_softcapping, final_logit_softcapping (small: they bite)
 
 
 def _copy_tokenizer(writer: GGUFWriter, src: GgufLoader) -> None:
@@ -48,9 +50,11 @@ LAYER_NORM_ARCHS = ("starcoder2", "phi2")  # LayerNorm (weight + bias, layer_nor
 
 
 def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override: dict | None = None,
-                    extra_tensors: dict[str, np.ndarray] | None = None) -> str:
+                    extra_tensors: dict[str, np.ndarray] | None = None,
+                    extra_metadata: dict[str, str | int | float] | None = None) -> str:
     """A small random-weight model of spec.arch; tensor_type_override maps a tensor name to raw (bytes, type);
-    extra_tensors are written as they are (e.g. rope_factors_long.weight)."""
+    extra_tensors are written as they are (e.g. rope_factors_long.weight); extra_metadata maps a key after the
+    architecture prefix (e.g. "rope.scaling.type") to a string, an int (written uint32) or a float (float32)."""
     src = GgufLoader(resolve_model("smollm2"))
     vocab = len(src.get("tokenizer.ggml.tokens"))
     rng = np.random.default_rng(spec.seed)
@@ -64,7 +68,12 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
     w.add_rope_dimension_count(spec.rope_dim or spec.head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1e6 if spec.arch == "gemma3" else 10000.0)  # gemma3: its sliding layers keep 10000
+    if spec.arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(spec.sliding_window)
+    if spec.arch == "gemma2":
+        w.add_attn_logit_softcapping(spec.softcaps[0])
+        w.add_final_logit_softcapping(spec.softcaps[1])
     if spec.arch in LAYER_NORM_ARCHS:
         w.add_layer_norm_eps(1e-5)
     else:
@@ -75,6 +84,9 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
         w.add_expert_used_count(spec.experts_used)
         w.add_expert_feed_forward_length(spec.ffn)
     w.add_file_type(0 if spec.float_type == "F32" else 1)
+    for key, value in (extra_metadata or {}).items():
+        add = {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)]
+        add(f"{spec.arch}.{key}", value)
     _copy_tokenizer(w, src)
 
     mat_dtype = np.float32 if spec.float_type == "F32" else np.float16
@@ -146,8 +158,10 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
         if spec.arch == "qwen2":
             tensors.update({b + "attn_q.bias": vec(q, 0.0, 0.5), b + "attn_k.bias": vec(kv, 0.0, 0.5),
                             b + "attn_v.bias": vec(kv, 0.0, 0.5)})
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "gemma3"):
             tensors.update({b + "attn_q_norm.weight": vec(spec.head_dim), b + "attn_k_norm.weight": vec(spec.head_dim)})
+        if spec.arch in ("gemma2", "gemma3"):  # sandwich norms on the attention's and the MLP's output
+            tensors.update({b + "post_attention_norm.weight": vec(spec.hidden), b + "post_ffw_norm.weight": vec(spec.hidden)})
     tensors.update(extra_tensors or {})
     for name, arr in tensors.items():
         if tensor_type_override and name in tensor_type_override:
@@ -172,11 +186,13 @@ def q8_1_bytes(rows: int, cols: int) -> np.ndarray:
 
 
 def llama_cpp_model(path: str, n_ctx: int = 512):
-    """llama-cpp-python over path, every position's logits kept, quiet."""
+    """llama-cpp-python over path, every position's logits kept, quiet. YaRN's betas and attn factor come from the
+    file as in llama.cpp's own tools (-1: from the model; llama-cpp-python's defaults would override them)."""
     from llama_cpp import Llama
 
     return Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
-                 n_threads=max(1, (os.cpu_count() or 2)))
+                 n_threads=max(1, (os.cpu_count() or 2)), yarn_beta_fast=-1.0, yarn_beta_slow=-1.0,
+                 yarn_attn_factor=-1.0)
 
 
 def llama_cpp_logits(llm, ids: list[int]) -> np.ndarray:

@@ -7,21 +7,22 @@ import pytest
 import torch
 
 from shared.chat_template import ChatTemplate
-from shared.errors import UnsupportedArchitecture
+from shared.errors import GgufError, UnsupportedArchitecture
 from shared.generation import window_logits
 from shared.gguf_loader import GgufLoader
 from shared.layers import LayerRange, split_at
-from shared.models import TransformerModel
+from shared.models import ModelConfig, TransformerModel
 from shared.runtime import LocalPipeline
 from tests.factories import TinySpec, write_tiny_gguf
-from tests.test_tiny_models import IDS
+from tests.test_tiny_models import IDS, ROPE_CASES
 
-ARCHS = ["llama", "qwen2", "qwen3", "starcoder2", "phi3", "phi2", "qwen3moe", "mistral3"]
+ARCHS = ["llama", "qwen2", "qwen3", "starcoder2", "phi3", "phi2", "qwen3moe", "mistral3", "gemma", "gemma2", "gemma3"]
 
 
 def _spec(arch: str) -> TinySpec:
-    return TinySpec(arch=arch, layers=4, tied=False, head_dim=32 if arch == "qwen3" else 16,
-                    rope_dim=8 if arch == "phi2" else None)
+    # gemma's and gemma2's lm_head is always token_embd; gemma3 needs 6 layers for a global one among its sliding ones
+    return TinySpec(arch=arch, layers=6 if arch == "gemma3" else 4, tied=arch in ("gemma", "gemma2"),
+                    head_dim=32 if arch in ("qwen3", "gemma3") else 16, rope_dim=8 if arch == "phi2" else None)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -71,10 +72,38 @@ STARCODER2_TEMPLATE = ("{{bos_token}}{{'You are an exceptionally intelligent cod
                        "    {%- endif %}\n{%- endfor %}\n{{'### Response\\n'}}")
 
 
+GEMMA2_TEMPLATE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                   "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+                   "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+                   "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+GEMMA3_TEMPLATE = ("{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n"
+                   "    {%- if messages[0]['content'] is string -%}\n"
+                   "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n    {%- else -%}\n"
+                   "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n    {%- endif -%}\n"
+                   "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+                   "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+                   "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+                   "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+                   "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+                   "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+                   "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+                   "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+                   "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+                   "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+                   "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+                   "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+                   "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\\n' }}\n"
+                   "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\\n'}}\n{%- endif -%}\n")
+
+
 @pytest.mark.parametrize("source,bos,eos,ends_with", [
     (PHI3_TEMPLATE, "<s>", "<|endoftext|>", "<|user|>\nAnd 3+3?<|end|>\n<|assistant|>\n"),
     (STARCODER2_TEMPLATE, "<|endoftext|>", "<|endoftext|>", "### Instruction\nAnd 3+3?\n\n### Response\n"),
-], ids=["phi3", "starcoder2"])
+    (GEMMA2_TEMPLATE, "<bos>", "<eos>", "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n"),
+    (GEMMA3_TEMPLATE, "<bos>", "<eos>", "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n"),
+], ids=["phi3", "starcoder2", "gemma2", "gemma3"])
 def test_chat_template_renders_as_llama_cpp_formats_it(source, bos, eos, ends_with):
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -86,19 +115,63 @@ def test_chat_template_renders_as_llama_cpp_formats_it(source, bos, eos, ends_wi
     assert ours.endswith(ends_with)
 
 
-def test_longrope_factors_are_refused_in_one_line(tmp_path):
-    import numpy as np
+def test_end_of_turn_ends_generation_as_in_llama_cpp(tmp_path):
+    """Gemma GGUFs name no eot_token_id: <end_of_turn> ends generation by its text, as llama.cpp's end-of-generation
+    set has it (the same set of ids, checked over a whole vocabulary)."""
+    import llama_cpp
 
-    spec = _spec("phi3")
-    factors = np.ones(spec.head_dim // 2, dtype=np.float32)
-    override = {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
-    path = write_tiny_gguf(str(tmp_path / "longrope.gguf"), spec, extra_tensors=override)
-    with pytest.raises(UnsupportedArchitecture, match="LongRoPE") as e:
+    from shared.tokenizer import GgufTokenizer
+    from tests.factories import llama_cpp_vocab, write_vocab_gguf
+
+    path = write_vocab_gguf(str(tmp_path / "gemma-vocab.gguf"), model="llama", bos="<s>", eos="</s>",
+                            control_tokens=("<start_of_turn>", "<end_of_turn>"), chat_template=GEMMA2_TEMPLATE)
+    tok = GgufTokenizer.from_gguf(GgufLoader(path))
+    end_of_turn = tok.control["<end_of_turn>"]
+    llm = llama_cpp_vocab(path)  # held: the vocab pointer lives as long as the model
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    assert {i for i in range(tok.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, i)} == set(tok.eos_ids)
+    assert end_of_turn in tok.eos_ids and tok.eos_id != end_of_turn
+
+
+@pytest.mark.parametrize("case", ROPE_CASES.values(), ids=ROPE_CASES.keys())
+def test_rope_scaled_split_gives_exactly_the_unsplit_logits(tmp_path, case):
+    """Every stage builds the same rope tables from the file (rope_freqs / LongRoPE factors are global tensors)."""
+    path = case.write(str(tmp_path / "rope.gguf"), layers=4)
+    loader = GgufLoader(path)
+    assert TransformerModel.from_gguf(loader, LayerRange(1, 3)).config.rope_scaling is not None
+    ids = list(case.ids)
+    unsplit = window_logits(LocalPipeline.load(loader, None, torch.float32, kv_slots=1, max_seq_len=case.n_ctx), ids)
+    split = window_logits(LocalPipeline.load(loader, split_at(4, [1, 3]), torch.float32, kv_slots=1,
+                                             max_seq_len=case.n_ctx), ids)
+    assert unsplit.abs().max() > 0
+    assert torch.equal(split, unsplit)
+
+
+def test_attention_temperature_caps_the_served_context_where_it_is_exact(tmp_path):
+    """Ministral 3 scales q by 1 + s ln(floor(p / original_context) + 1): exactly 1 below original_context."""
+    yarn = dict(ROPE_CASES["mistral3-yarn"].metadata)
+    plain = write_tiny_gguf(str(tmp_path / "plain.gguf"), _spec("mistral3"), extra_metadata=yarn)
+    tempered = write_tiny_gguf(str(tmp_path / "temp.gguf"), _spec("mistral3"),
+                               extra_metadata={**yarn, "attention.temperature_scale": 0.1})
+    assert ModelConfig.from_gguf(GgufLoader(plain)).context_length == 512
+    assert ModelConfig.from_gguf(GgufLoader(tempered)).context_length == yarn["rope.scaling.original_context_length"]
+
+
+def test_gemma2_output_weight_is_refused_in_one_line(tmp_path):
+    path = write_tiny_gguf(str(tmp_path / "untied.gguf"), TinySpec(arch="gemma2", tied=False))
+    with pytest.raises(GgufError, match="gemma2 ties its lm_head to token_embd, yet the file carries output.weight") as e:
+        TransformerModel.from_gguf(GgufLoader(path), LayerRange(0, 1))
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_rope_scaling_is_refused_in_one_line(tmp_path):
+    path = write_tiny_gguf(str(tmp_path / "dynamic.gguf"), _spec("llama"), extra_metadata={"rope.scaling.type": "dynamic"})
+    with pytest.raises(UnsupportedArchitecture, match="rope scaling type 'dynamic'") as e:
         TransformerModel.from_gguf(GgufLoader(path))
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("arch", ["starcoder2", "phi3", "phi2", "qwen3moe", "mistral3"])
+@pytest.mark.parametrize("arch", ["starcoder2", "phi3", "phi2", "qwen3moe", "mistral3", "gemma2", "gemma3"])
 async def test_two_stage_mesh_generates_what_one_process_does(arch, tmp_path):
     """Real stage processes on loopback (float32): greedy tokens through 2 stages == one local process."""
     from services.launch import start_mesh

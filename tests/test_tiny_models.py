@@ -1,6 +1,7 @@
 """Tiny random GGUF files per architecture vs llama.cpp: proves rope layout, biases and norms. Plus bad files."""
 
 import subprocess
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -41,6 +42,14 @@ IDS = [504, 3458, 282, 4649, 314, 7042, 30, 378, 2358, 16, 28, 99, 1234, 77, 5, 
     (TinySpec(arch="mistral3", tied=False), 1e-3),  # its text model is the llama block
     (TinySpec(arch="starcoder2", float_type="F16", tied=False), 1e-2),
     (TinySpec(arch="phi3", float_type="F16", tied=False), 1e-2),
+    (TinySpec(arch="gemma"), 1e-3),  # embedding x sqrt(D), gelu-gated MLP, lm_head always token_embd
+    # sandwich norms; sliding window 8 < the 20-token prompt on alternate layers; attention and final soft caps
+    (TinySpec(arch="gemma2", layers=4), 1e-3),
+    (TinySpec(arch="gemma2", layers=4, float_type="F16"), 1e-2),
+    # per-head q/k norms; 5 sliding layers (rope base 10000) : 1 global (rope.freq_base 1e6)
+    (TinySpec(arch="gemma3", layers=6, head_dim=32), 1e-3),
+    (TinySpec(arch="gemma3", layers=6, head_dim=32, tied=False), 1e-3),
+    (TinySpec(arch="gemma3", layers=6, head_dim=32, float_type="F16"), 1e-2),
 ], ids=lambda v: v if isinstance(v, float) else f"{v.arch}-{v.float_type}-{'tied' if v.tied else 'untied'}")
 def test_tiny_model_logits_match_llama_cpp(tmp_path, spec, tolerance):
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), spec)
@@ -52,6 +61,64 @@ def test_tiny_model_logits_match_llama_cpp(tmp_path, spec, tolerance):
     print(f"\n{spec.arch} {spec.float_type}: max |diff| / range = {rel:.2e} (range {logit_range:.2f})")
     assert logit_range > 1.0  # the comparison is not vacuous
     assert rel <= tolerance
+
+
+LONG_IDS = [(7919 * i + 13) % 48000 + 100 for i in range(120)]  # past a YaRN case's original context of 64
+_FACTORS = np.random.default_rng(7)
+
+
+@dataclass(frozen=True)
+class RopeCase:
+    """A tiny GGUF with rope scaling, and the per-sequence context llama.cpp and we both serve it at (llama.cpp
+    chooses LongRoPE's long or short factors by it; it pads n_ctx to a multiple of 256)."""
+
+    arch: str
+    metadata: dict
+    tensors: dict
+    n_ctx: int = 512
+    ids: tuple[int, ...] = tuple(IDS)
+
+    def write(self, path: str, layers: int = 2) -> str:
+        spec = TinySpec(arch=self.arch, layers=layers, tied=False)
+        return write_tiny_gguf(path, spec, extra_tensors=self.tensors, extra_metadata=self.metadata)
+
+
+_LONGROPE = dict(arch="phi3", metadata={"rope.scaling.original_context_length": 256,
+                                        "rope.scaling.attn_factor": float(np.sqrt(1 + np.log(2) / np.log(256)))},
+                 tensors={"rope_factors_long.weight": _FACTORS.uniform(1.0, 6.0, 8).astype(np.float32),
+                          "rope_factors_short.weight": _FACTORS.uniform(0.8, 1.5, 8).astype(np.float32)})
+ROPE_CASES = {
+    "phi3-longrope-long": RopeCase(**_LONGROPE, n_ctx=512),  # 512 > 256: the long factors
+    "phi3-longrope-short": RopeCase(**_LONGROPE, n_ctx=256),  # 256 <= 256: the short factors
+    "llama-rope_freqs": RopeCase("llama", {}, {"rope_freqs.weight": _FACTORS.uniform(1.0, 8.0, 8).astype(np.float32)}),
+    "llama-linear": RopeCase("llama", {"rope.scaling.type": "linear", "rope.scaling.factor": 2.5}, {}),
+    "qwen2-yarn": RopeCase("qwen2", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                     "rope.scaling.original_context_length": 64}, {}, ids=tuple(LONG_IDS)),
+    "mistral3-yarn": RopeCase("mistral3", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                           "rope.scaling.original_context_length": 64,
+                                           "rope.scaling.yarn_beta_fast": 16.0, "rope.scaling.yarn_beta_slow": 2.0,
+                                           "rope.scaling.yarn_log_multiplier": 0.5}, {}, ids=tuple(LONG_IDS)),
+    # linear scaling on the global layers (odd ones, by the file's sliding_window_pattern 2) only; sliding ones unscaled
+    "gemma3-linear": RopeCase("gemma3", {"rope.scaling.type": "linear", "rope.scaling.factor": 8.0,
+                                         "attention.sliding_window_pattern": 2}, {}),
+}
+
+
+@pytest.mark.parametrize("case", ROPE_CASES.values(), ids=ROPE_CASES.keys())
+def test_rope_scaled_tiny_model_matches_llama_cpp(tmp_path, case):
+    """LongRoPE (long and short factors), llama 3 rope_freqs, linear and YaRN against llama.cpp at the same
+    per-sequence context."""
+    path = case.write(str(tmp_path / "rope.gguf"))
+    ids = list(case.ids)
+    ref = llama_cpp_logits(llama_cpp_model(path, n_ctx=case.n_ctx), ids)
+    pipeline = LocalPipeline.load(GgufLoader(path), None, torch.float32, kv_slots=1, max_seq_len=case.n_ctx)
+    ours = window_logits(pipeline, ids).double().numpy()
+    logit_range = ref.max() - ref.min()
+    rel = np.abs(ours - ref).max() / logit_range
+    print(f"\n{case.arch}: max |diff| / range = {rel:.2e} (max |diff| {np.abs(ours - ref).max():.2e}, "
+          f"range {logit_range:.2f})")
+    assert logit_range > 1.0  # the comparison is not vacuous
+    assert rel <= 1e-3
 
 
 def _decode_logits(pipeline: LocalPipeline, ids: list[int]) -> np.ndarray:

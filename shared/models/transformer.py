@@ -1,4 +1,5 @@
-"""Stateless decoder TransformerModel over one layer range (llama, mistral, qwen2, qwen3, starcoder2, phi3, phi2).
+"""Stateless decoder TransformerModel over one layer range (llama, mistral, qwen2, qwen3, starcoder2, phi3, phi2,
+gemma, gemma2, gemma3).
 
 Holds weights and config only. The runtime owns the KV cache and passes it in. Shapes:
 N = packed tokens of a micro-batch, D = hidden, H / KVH = query / kv heads, hd = head_dim.
@@ -8,6 +9,8 @@ bf16 / float32 by the weights mode) whose output is added to the stream as it is
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +21,7 @@ from shared.errors import CapabilityMissing, GgufError
 from shared.gguf_loader import GgufLoader, RawTensor
 from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
-from shared.models.config import ModelConfig
+from shared.models.config import ModelConfig, RopeScaling
 from shared.models.linear import WEIGHT_MODES, Linear, QuantizedRows, dequantize, make_linear
 
 
@@ -40,6 +43,7 @@ BLOCK_TENSORS = {
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
     "attn_output.weight": "wo", "attn_output.bias": "bo",
     "ffn_norm.weight": "ffn_norm", "ffn_norm.bias": "ffn_norm_b",
+    "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_ffn_norm",
     "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
     "ffn_up.bias": "b_up", "ffn_down.bias": "b_down",
     "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "gate_exps", "ffn_up_exps.weight": "up_exps",
@@ -63,11 +67,43 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: 
     return out if dtype is None else out.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [N, rope_dim/2] float32 for the given absolute positions (llama.cpp's theta_i = p * base^(-2i/d))."""
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float, scaling: RopeScaling | None = None,
+                 context: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [N, rope_dim/2] float32 for the given absolute positions (llama.cpp's theta_i = p * base^(-2i/d)),
+    scaled as ggml_rope_ext scales them (config.RopeScaling) for sequences of at most `context` tokens."""
     inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device) / rope_dim)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cos(angles).float(), torch.sin(angles).float()
+    if scaling is not None:
+        inv_freq = inv_freq * _scaled_frequencies(rope_dim, theta, scaling, context, positions.device)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [N, rope_dim/2]
+    if scaling is None or scaling.mscale == 1.0:
+        return torch.cos(angles).float(), torch.sin(angles).float()
+    return (torch.cos(angles) * scaling.mscale).float(), (torch.sin(angles) * scaling.mscale).float()
+
+
+@functools.lru_cache(maxsize=16)
+def _scaled_frequencies(rope_dim: int, theta: float, scaling: RopeScaling, context: int,
+                        device: torch.device) -> torch.Tensor:
+    """[rope_dim/2] float64: what scaling multiplies each pair's base^(-2i/d) by (ggml's rope_yarn, per pair i).
+    theta_extrap = p base^(-2i/d) / ff_i; theta_interp = theta_extrap / factor; yarn's theta =
+    theta_interp (1 - ramp_i) + theta_extrap ramp_i, i.e. theta_extrap (ramp_i + (1 - ramp_i) / factor)."""
+    i = torch.arange(rope_dim // 2, dtype=torch.float64)
+    factors = scaling.factors_for(context)
+    mult = torch.ones_like(i) if factors is None else 1.0 / torch.tensor(factors, dtype=torch.float64)
+    freq_scale = 1.0 / scaling.factor
+    if not scaling.yarn:
+        return (mult * freq_scale).to(device)
+    low, high = yarn_corr_dims(rope_dim, scaling.original_context, theta, scaling.beta_fast, scaling.beta_slow)
+    ramp = 1.0 - ((i - low) / max(0.001, high - low)).clamp(0.0, 1.0)  # 1: extrapolate (fast dims), 0: interpolate
+    return (mult * (freq_scale * (1.0 - ramp) + ramp)).to(device)
+
+
+def yarn_corr_dims(rope_dim: int, original_context: int, theta: float, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
+    """ggml_rope_yarn_corr_dims: the pair indices where YaRN's ramp starts and ends -- the dims that turn
+    beta_fast (resp. beta_slow) times over original_context positions."""
+    def dim(rotations: float) -> float:
+        return rope_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    return max(0.0, math.floor(dim(beta_fast))), min(rope_dim - 1.0, math.ceil(dim(beta_slow)))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
@@ -82,6 +118,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
         x0, x1 = rot[..., : d // 2], rot[..., d // 2:]
         out = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
     return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+
+@dataclass(frozen=True)
+class Scores:
+    """How a layer's q.k become attention weights."""
+
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+    softcap: float = 0.0  # gemma2: scores -> softcap * tanh(scores / softcap) before the mask; 0: none
+    window: int = 0  # a sliding-window layer: a query at position p sees keys (p - window, p]; 0: every earlier key
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Scores, mask: torch.Tensor | None = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """F.scaled_dot_product_attention with how's scale and soft cap: q [B, H, T, hd], k / v [B, KVH, S, hd] ->
+    [B, H, T, hd]; mask [.., T, S] boolean (True: visible) or additive. The window is the caller's mask."""
+    if not how.softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=how.scale, enable_gqa=enable_gqa)
+    if (group := q.shape[-3] // k.shape[-3]) > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scale = how.scale if how.scale is not None else q.shape[-1] ** -0.5
+    s = torch.tanh(q.float() @ k.float().transpose(-1, -2) * (scale / how.softcap)) * how.softcap  # [B, H, T, S]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
 
 
 @dataclass
@@ -104,6 +164,8 @@ class Block:
     down_bias: torch.Tensor | None = None  # [D]
     router: torch.Tensor | None = None  # MoE: [E, D] float32; then gate_up / w_down are None and experts hold them
     experts: list[tuple[Linear, Linear]] | None = None  # MoE: per expert (gate_up [D] -> [2 I], down [I] -> [D])
+    post_attn_norm: torch.Tensor | None = None  # gemma2/3: RMSNorm ([D]) of the attention's / the MLP's output
+    post_ffn_norm: torch.Tensor | None = None
 
     def linears(self) -> dict[str, Linear]:
         dense = {"qkv": self.qkv, "wo": self.wo, "gate_up": self.gate_up, "w_down": self.w_down}
@@ -112,7 +174,8 @@ class Block:
 
     def vectors(self) -> list[torch.Tensor]:
         return [t for t in (self.attn_norm, self.qkv_bias, self.q_norm, self.k_norm, self.ffn_norm, self.attn_norm_b,
-                            self.ffn_norm_b, self.wo_bias, self.up_bias, self.down_bias, self.router) if t is not None]
+                            self.ffn_norm_b, self.wo_bias, self.up_bias, self.down_bias, self.router, self.post_attn_norm,
+                            self.post_ffn_norm) if t is not None]
 
 
 def expert_rows(raw: RawTensor, e: int) -> RawTensor:
@@ -195,13 +258,14 @@ class TransformerModel:
         p = {ours: f"blk.{i}.{gguf_name}" for gguf_name, ours in BLOCK_TENSORS.items() if f"blk.{i}.{gguf_name}" in raw}
         qkv = [p["wqkv"]] if t.fused_qkv and "wqkv" in p else [p.get("wq"), p.get("wk"), p.get("wv")]
         gate_up = {"swiglu": [p.get("w_up")] if t.fused_gate_up else [p.get("w_gate"), p.get("w_up")],
-                   "gelu": [p.get("w_up")]}[t.mlp] if not t.moe else []
+                   "geglu": [p.get("w_gate"), p.get("w_up")], "gelu": [p.get("w_up")]}[t.mlp] if not t.moe else []
         required = {"attn_norm", "wo"} | (set() if t.parallel else {"ffn_norm"})
         required |= {"router", "gate_exps", "up_exps", "down_exps"} if t.moe else {"w_down"}
         required |= ({"bqkv"} if "wqkv" in p else {"bq", "bk", "bv"}) if t.qkv_bias else set()
         required |= {"q_norm", "k_norm"} if t.qk_norm else set()
         required |= ({"attn_norm_b"} | (set() if t.parallel else {"ffn_norm_b"})) if t.norm == "layer" else set()
         required |= {"bo", "b_up", "b_down"} if t.linear_bias else set()
+        required |= {"post_attn_norm", "post_ffn_norm"} if t.post_norms else set()
         missing = [BLOCK_TENSORS_INV[r] for r in sorted(required) if r not in p]
         missing += [what for what, names in (("attn_q/k/v (or attn_qkv)", qkv), ("ffn_gate/ffn_up", gate_up)) if None in names]
         if missing:
@@ -231,7 +295,8 @@ class TransformerModel:
             w_down=linear(*fused["w_down"]) if not t.moe else None, experts=experts,
             router=vector(p["router"]).view(config.num_experts, -1) if t.moe else None,  # [E, D]
             attn_norm_b=optional("attn_norm_b"), ffn_norm_b=optional("ffn_norm_b"), wo_bias=optional("bo"),
-            up_bias=optional("b_up"), down_bias=optional("b_down"),
+            up_bias=optional("b_up"), down_bias=optional("b_down"), post_attn_norm=optional("post_attn_norm"),
+            post_ffn_norm=optional("post_ffn_norm"),
         )
 
     # ---- capabilities ----------------------------------------------------------------------------------
@@ -280,7 +345,8 @@ class TransformerModel:
         if self.embedding is None:
             raise CapabilityMissing(f"layers {self.layers} ({self.position.value} stage) hold no token embedding; "
                                     "only the first stage embeds token ids")
-        return self.embedding(token_ids)
+        hidden = self.embedding(token_ids)
+        return hidden if self.config.embed_scale == 1.0 else hidden * self.config.embed_scale
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, D] -> logits [M, V] float32 (final norm included)."""
@@ -288,13 +354,19 @@ class TransformerModel:
             raise CapabilityMissing(f"layers {self.layers} ({self.position.value} stage) hold no lm_head; "
                                     "only the last stage computes logits")
         logits = self.output(norm(hidden, self.output_norm, self.output_norm_b, self.config.norm_eps, self.dtype)).float()
+        if cap := self.config.final_softcap:  # gemma2
+            logits = torch.tanh(logits / cap) * cap
         return logits if self.output_bias is None else logits + self.output_bias
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
         """hidden [N, D] float32 -> [N, D] float32 through this piece's layers, writing their K/V into kv."""
         c = self.config
-        cos, sin = rope_cos_sin(layout.positions, c.rope_dim, c.rope_theta)
+        rope = rope_cos_sin(layout.positions, c.rope_dim, c.rope_theta, c.rope_scaling, kv.max_seq_len)
+        sliding = [c.is_sliding(layer) for layer in self.layers]
+        rope_swa = (rope_cos_sin(layout.positions, c.rope_dim, c.rope_theta_swa, c.rope_scaling_swa, kv.max_seq_len)
+                    if any(sliding) else None)  # gemma3: the sliding layers' own rope
+        scores = {False: Scores(c.attn_scale, c.attn_softcap), True: Scores(c.attn_scale, c.attn_softcap, c.sliding_window)}
         decode = DecodeWindow.of(layout, c, self.dtype) if layout.decode_only and not self.batch_invariant else None
         for local, block in enumerate(self.blocks):
             layer = self.layers.start + local
@@ -302,12 +374,16 @@ class TransformerModel:
                 hidden = hook.on_layer_input(layer, hidden)
             # float32 residual stream + the block's outputs (bf16 or float32; the add promotes, no extra copy)
             x = norm(hidden, block.attn_norm, block.attn_norm_b, c.norm_eps, self.dtype)
-            attn = self._attention(block, x, cos, sin, layout, decode, kv.k[local], kv.v[local])
+            cos, sin = rope_swa if sliding[local] else rope
+            attn = self._attention(block, x, cos, sin, layout, decode, kv.k[local], kv.v[local], scores[sliding[local]])
+            if block.post_attn_norm is not None:  # gemma2/3: each branch's output is normed before its add
+                attn = rms_norm(attn, block.post_attn_norm, c.norm_eps)
             if block.ffn_norm is None:  # parallel block (phi2): attention and MLP both read x
                 hidden = hidden + (attn + self._mlp(block, x))
             else:
                 h = hidden + attn
-                hidden = h + self._mlp(block, norm(h, block.ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype))
+                mlp = self._mlp(block, norm(h, block.ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype))
+                hidden = h + (mlp if block.post_ffn_norm is None else rms_norm(mlp, block.post_ffn_norm, c.norm_eps))
             if hook is not None:
                 hidden = hook.on_layer_output(layer, hidden)
         return hidden
@@ -321,7 +397,8 @@ class TransformerModel:
             out = b.w_down(up.to(self.dtype))  # [N, D]
         else:
             gate, up = b.gate_up(x).chunk(2, dim=-1)  # [N, I] each
-            out = b.w_down(F.silu(gate) * up)  # [N, D]
+            act = F.gelu(gate, approximate="tanh") if self.config.traits.mlp == "geglu" else F.silu(gate)
+            out = b.w_down(act * up)  # [N, D]
         return out if b.down_bias is None else out.float() + b.down_bias
 
     def _moe(self, b: Block, x: torch.Tensor) -> torch.Tensor:
@@ -339,7 +416,8 @@ class TransformerModel:
         return out
 
     def _attention(self, b: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
-                   decode: DecodeWindow | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                   decode: DecodeWindow | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   how: Scores = Scores()) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
         qkv = b.qkv(x)  # [N, q_size + 2 kv_size]
@@ -359,35 +437,39 @@ class TransformerModel:
         k_cache[layout.token_slots, :, layout.positions] = k
         v_cache[layout.token_slots, :, layout.positions] = v
         if decode is not None:
-            out = decode.attention(q, k_cache, v_cache)
+            out = decode.attention(q, k_cache, v_cache, how)
         else:
             attend = self._rowwise_attention if self.batch_invariant else self._sequence_attention
-            out = torch.cat([attend(q[o:o + ln], slot, start, ln, k_cache, v_cache)
+            out = torch.cat([attend(q[o:o + ln], slot, start, ln, k_cache, v_cache, how)
                              for slot, start, ln, o in zip(layout.slots, layout.starts, layout.lengths, layout.offsets)])
         out = b.wo(out.reshape(n, c.q_size))  # [N, D]
         return out if b.wo_bias is None else out.float() + b.wo_bias
 
     @classmethod
-    def _rowwise_attention(cls, q, slot, start, length, k_cache, v_cache) -> torch.Tensor:
+    def _rowwise_attention(cls, q, slot, start, length, k_cache, v_cache, how: Scores = Scores()) -> torch.Tensor:
         """The batch-invariant mode's attention: each query row of a chunk computed exactly as a decode step
         computes it (one query over its `position + 1` keys), so a prompt prefilled in one pass, in chunks, or
         token by token -- and a sequence replayed after a failover -- gives the same numbers, bit for bit. One
         attention call per token: prefill pays for it, decode (length 1) does not."""
-        return torch.cat([cls._sequence_attention(q[t:t + 1], slot, start + t, 1, k_cache, v_cache)
+        return torch.cat([cls._sequence_attention(q[t:t + 1], slot, start + t, 1, k_cache, v_cache, how)
                           for t in range(length)])
 
     @staticmethod
-    def _sequence_attention(q, slot, start, length, k_cache, v_cache) -> torch.Tensor:
+    def _sequence_attention(q, slot, start, length, k_cache, v_cache, how: Scores = Scores()) -> torch.Tensor:
         """A chunk of one sequence at positions [start, start+length): q [T, H, hd] -> [T, H, hd], causal, reading
-        exactly `start + length` cached positions in place. Also the batch-invariant decode path (T = 1)."""
+        exactly the cached positions its queries can see, [first, start + length), in place (first: 0, or on a
+        sliding layer the first query's oldest key). Also the batch-invariant decode path (T = 1)."""
         end = start + length
-        keys, values = k_cache[slot, :, :end][None], v_cache[slot, :, :end][None]  # [1, KVH, end, hd] views
-        if length == 1:  # one query sees every cached key: no mask
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, enable_gqa=True)
-            return out[0].transpose(0, 1)
-        query_pos = torch.arange(start, end, device=q.device)
-        mask = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]  # [T, end]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
+        first = max(0, start + 1 - how.window) if how.window else 0
+        keys, values = k_cache[slot, :, first:end][None], v_cache[slot, :, first:end][None]  # [1, KVH, S, hd] views
+        if length == 1:  # one query sees every key read: no mask
+            return sdpa(q.transpose(0, 1)[None], keys, values, how, enable_gqa=True)[0].transpose(0, 1)
+        query_pos = torch.arange(start, end, device=q.device)[:, None]
+        key_pos = torch.arange(first, end, device=q.device)[None, :]
+        mask = key_pos <= query_pos  # [T, S]
+        if how.window:
+            mask &= key_pos > query_pos - how.window
+        out = sdpa(q.transpose(0, 1)[None], keys, values, how, mask, enable_gqa=True)
         return out[0].transpose(0, 1)
 
 
@@ -405,6 +487,7 @@ class DecodeWindow:
     mask: torch.Tensor | None  # [span, 1, 1, ctx] additive (0 / -inf, the query dtype); None: every row sees ctx keys
     ctx: int
     group: int
+    sliding_mask: torch.Tensor | None = None  # the same for sliding-window layers; None: as mask (no key out of window)
 
     @classmethod
     def of(cls, layout: BatchLayout, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow:
@@ -413,16 +496,24 @@ class DecodeWindow:
         ctx = int(layout.positions.max()) + 1
         in_order = layout.slots == list(range(lo, lo + span))
         rows = None if in_order else layout.token_slots - lo
-        mask = None
-        if not (in_order and bool((layout.positions == ctx - 1).all())):
+        ragged = not (in_order and bool((layout.positions == ctx - 1).all()))
+        sliding = bool(c.sliding_window) and ctx > c.sliding_window  # some key lies outside some row's window
+        mask = sliding_mask = None
+        if ragged or sliding:
             ends = torch.ones(span, dtype=torch.long, device=layout.positions.device)  # unused rows: key 0 only
             ends[layout.token_slots - lo] = layout.positions + 1
-            visible = torch.arange(ctx, device=ends.device)[None, :] < ends[:, None]  # [span, ctx]
-            mask = torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))
-            mask = mask[:, None, None, :]
-        return cls(lo, span, rows, mask, ctx, c.num_heads // c.num_kv_heads)
+            keys = torch.arange(ctx, device=ends.device)[None, :]
+            visible = keys < ends[:, None]  # [span, ctx]
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            def additive(visible: torch.Tensor) -> torch.Tensor:  # [span, ctx] bool -> [span, 1, 1, ctx] 0 / -inf
+                out = torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))
+                return out[:, None, None, :]
+
+            mask = additive(visible) if ragged else None
+            sliding_mask = additive(visible & (keys >= ends[:, None] - c.sliding_window)) if sliding else None
+        return cls(lo, span, rows, mask, ctx, c.num_heads // c.num_kv_heads, sliding_mask)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
         """q [B, H, hd] -> [B, H, hd] against k_cache / v_cache [slots, KVH, max_seq, hd]."""
         b, h, hd = q.shape
         window = slice(self.lo, self.lo + self.span)
@@ -432,7 +523,8 @@ class DecodeWindow:
         else:
             queries = q.new_zeros(self.span, h // self.group, self.group, hd)
             queries[self.rows] = q.view(b, h // self.group, self.group, hd)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask)  # [span, KVH, g, hd]
+        mask = self.sliding_mask if how.window and self.sliding_mask is not None else self.mask
+        out = sdpa(queries, keys, values, how, mask)  # [span, KVH, g, hd]
         return (out if self.rows is None else out[self.rows]).view(b, h, hd)
 
 
