@@ -39,6 +39,11 @@ def check_pipeline(infos: list[dict | str], fingerprint: str, num_layers: int) -
         expected = rng.position(num_layers).value
         if info.get("position") != expected:
             return f"stage {i} ({rng}) reports position {info.get('position')}, expected {expected}"
+    # every stage must serve the same context: it picks rope factors (LongRoPE's long or short set) and bounds positions
+    lengths = [info.get("kv", {}).get("max_seq_len") for info in infos]
+    if len(set(lengths)) > 1:
+        return (f"the stages serve different contexts (max_seq_len {', '.join(map(str, lengths))} for stages "
+                f"0..{len(lengths) - 1}); start every stage with the same --max-seq-len")
     return None
 
 
