@@ -33,6 +33,7 @@ class TinySpec:
     quant: str | None = None  # Q4_0 / Q4_1 / Q8_0 ...: matmul weights quantized with gguf.quants (token_embd: Q8_0)
     sliding_window: int = 8  # gemma2 / gemma3: attention.sliding_window (shorter than the test prompts)
     softcaps: tuple[float, float] = (1.0, 5.0)  # gemma2: attn_logit_softcapping, final_logit_softcapping (small: they bite)
+    router_ties: bool = False  # qwen3moe, 4 experts top-2: experts 1 and 2 tie exactly at the top-k boundary (_tied_router)
 
 
 def _copy_tokenizer(writer: GGUFWriter, src: GgufLoader) -> None:
@@ -47,6 +48,15 @@ def _copy_tokenizer(writer: GGUFWriter, src: GgufLoader) -> None:
 
 
 LAYER_NORM_ARCHS = ("starcoder2", "phi2")  # LayerNorm (weight + bias, layer_norm_epsilon) instead of RMSNorm
+
+
+def _tied_router(rng: np.random.Generator, spec: TinySpec) -> np.ndarray:
+    """Router rows [u, 0, 0, -u]: for every token experts 1 and 2 score exactly 0 (bitwise, whatever the matmul
+    kernel) and sit between +-u.x, so the top-2 is expert 0 or 3 (by the sign of u.x) plus one of the tied pair:
+    which one is down to the tie rule alone (their expert weights differ)."""
+    assert (spec.experts, spec.experts_used) == (4, 2), "router_ties: 4 experts, top-2"
+    u = rng.standard_normal(spec.hidden) * 0.5
+    return np.stack([u, np.zeros_like(u), np.zeros_like(u), -u]).astype(np.float32)
 
 
 def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override: dict | None = None,
@@ -135,7 +145,8 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
                 b + "attn_q.weight": mat(q, spec.hidden), b + "attn_k.weight": mat(kv, spec.hidden),
                 b + "attn_v.weight": mat(kv, spec.hidden), b + "attn_output.weight": mat(spec.hidden, q),
                 b + "attn_q_norm.weight": vec(spec.head_dim), b + "attn_k_norm.weight": vec(spec.head_dim),
-                b + "ffn_gate_inp.weight": (rng.standard_normal((e, spec.hidden)) * 0.5).astype(np.float32),
+                b + "ffn_gate_inp.weight": _tied_router(rng, spec) if spec.router_ties
+                else (rng.standard_normal((e, spec.hidden)) * 0.5).astype(np.float32),
                 b + "ffn_gate_exps.weight": mat(e * spec.ffn, spec.hidden).reshape(e, spec.ffn, spec.hidden),
                 b + "ffn_up_exps.weight": mat(e * spec.ffn, spec.hidden).reshape(e, spec.ffn, spec.hidden),
                 b + "ffn_down_exps.weight": mat(e * spec.hidden, spec.ffn).reshape(e, spec.hidden, spec.ffn),

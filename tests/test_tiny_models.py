@@ -39,6 +39,8 @@ IDS = [504, 3458, 282, 4649, 314, 7042, 30, 378, 2358, 16, 28, 99, 1234, 77, 5, 
     (TinySpec(arch="phi3", tied=False), 1e-3),  # fused attn_qkv and gate|up
     (TinySpec(arch="phi2", tied=False, rope_dim=8), 1e-3),  # parallel block, partial rotary, output bias
     (TinySpec(arch="qwen3moe", tied=False, experts=4, experts_used=2), 1e-3),  # router, top-2 of 4, 3-D experts
+    # every token's 2nd expert is a tie (experts 1 and 2 score the same): llama.cpp takes the lower index
+    (TinySpec(arch="qwen3moe", tied=False, experts=4, experts_used=2, router_ties=True), 1e-3),
     (TinySpec(arch="mistral3", tied=False), 1e-3),  # its text model is the llama block
     (TinySpec(arch="starcoder2", float_type="F16", tied=False), 1e-2),
     (TinySpec(arch="phi3", float_type="F16", tied=False), 1e-2),
@@ -50,7 +52,8 @@ IDS = [504, 3458, 282, 4649, 314, 7042, 30, 378, 2358, 16, 28, 99, 1234, 77, 5, 
     (TinySpec(arch="gemma3", layers=6, head_dim=32), 1e-3),
     (TinySpec(arch="gemma3", layers=6, head_dim=32, tied=False), 1e-3),
     (TinySpec(arch="gemma3", layers=6, head_dim=32, float_type="F16"), 1e-2),
-], ids=lambda v: v if isinstance(v, float) else f"{v.arch}-{v.float_type}-{'tied' if v.tied else 'untied'}")
+], ids=lambda v: v if isinstance(v, float) else
+   f"{v.arch}-{v.float_type}-{'tied' if v.tied else 'untied'}{'-router_ties' if v.router_ties else ''}")
 def test_tiny_model_logits_match_llama_cpp(tmp_path, spec, tolerance):
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), spec)
     ref = llama_cpp_logits(llama_cpp_model(path, n_ctx=64), IDS)

@@ -405,7 +405,8 @@ class TransformerModel:
         """Each token's top-k experts by softmax router probability, their outputs weighted by those probabilities
         renormalised over the k (qwen3moe). x [N, D] -> [N, D] float32; each expert runs once on its tokens."""
         probs = torch.softmax(x.float() @ b.router.T, dim=-1)  # [N, E]
-        weights, chosen = probs.topk(self.config.experts_used, dim=-1)  # [N, k]
+        # ties to the lower expert index, as llama.cpp's argsort (std::sort, insertion sort for <= 16 experts)
+        weights, chosen = (t[:, :self.config.experts_used] for t in probs.sort(dim=-1, descending=True, stable=True))
         weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros(x.shape[0], self.config.hidden_size, dtype=torch.float32, device=x.device)
         for e in chosen.unique().tolist():
