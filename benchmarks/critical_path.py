@@ -1,6 +1,7 @@
 """Where one stream's inter-token time goes: the stage's compute per step against the gap between tokens the client
 sees, through a real `stagemesh up --stages N`. The difference is the critical path outside compute (gateway
-scheduler, ZeroMQ hops, SSE), which issue 14 holds to <= 1.5 ms per token at one stream.
+scheduler, ZeroMQ hops, SSE), which issue 14 holds to <= 1.5 ms per token at one stream; the hops are split out
+from the stages' and the gateway's own hop-latency histograms (send time in the header, receipt at decode).
 
     python -m benchmarks.critical_path [--stages 1] [--tokens 128] [--runs 3] [--dtype bfloat16] [-- extra up flags]
 
@@ -21,28 +22,37 @@ from loadtest.client import send_sse
 from services.launch import scrape_metric, start_up
 
 
-def stage_counters(urls: list[str]) -> list[tuple[float, float]]:
-    out = []
-    for u in urls:
-        text = urllib.request.urlopen(f"{u}/metrics", timeout=5).read().decode()
-        out.append((scrape_metric(text, "stagemesh_stage_busy_seconds_total"),
-                    scrape_metric(text, "stagemesh_stage_microbatches_total")))
-    return out
+def metrics(url: str, names: list[str]) -> list[float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    return [scrape_metric(text, n) for n in names]
+
+
+STAGE = ["stagemesh_stage_busy_seconds_total", "stagemesh_stage_microbatches_total",
+         "stagemesh_stage_hop_latency_seconds_sum", "stagemesh_stage_hop_latency_seconds_count"]
+GATEWAY = ["stagemesh_gateway_result_hop_latency_seconds_sum", "stagemesh_gateway_result_hop_latency_seconds_count"]
+
+
+def per_event(before: list[float], after: list[float]) -> list[float]:
+    """(sum, count) counter pairs -> mean per event over the run."""
+    deltas = [b - a for a, b in zip(before, after)]
+    return [deltas[i] / max(1.0, deltas[i + 1]) for i in range(0, len(deltas), 2)]
 
 
 async def one_run(url: str, stage_urls: list[str], tokens: int) -> dict:
-    before = stage_counters(stage_urls)
+    before = [metrics(u, STAGE) for u in stage_urls], metrics(url, GATEWAY)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         res = await send_sse(s, url, "openai", "smollm2", "The history of the printing press", 0, tokens,
                              ignore_eos=True, temperature=0.0)
-    after = stage_counters(stage_urls)
+    after = [metrics(u, STAGE) for u in stage_urls], metrics(url, GATEWAY)
     if not res.success:
         raise RuntimeError(res.error)
-    per_stage = [(b1 - b0) / max(1.0, n1 - n0) for (b0, n0), (b1, n1) in zip(before, after)]
+    stages = [per_event(b, a) for b, a in zip(before[0], after[0])]  # [compute per micro-batch, hop into the stage]
+    per_stage = [s[0] for s in stages]
+    hops = [s[1] for s in stages] + per_event(before[1], after[1])  # every hop of a token's round trip, in order
     itl = statistics.mean(res.itl)
     compute = sum(per_stage)  # one stream: the stages run one after another on every step
     return {"itl_ms": itl * 1e3, "compute_ms": compute * 1e3, "overhead_ms": (itl - compute) * 1e3,
-            "per_stage_ms": [x * 1e3 for x in per_stage], "ttft_ms": res.ttft * 1e3}
+            "per_stage_ms": [x * 1e3 for x in per_stage], "ttft_ms": res.ttft * 1e3, "hops_ms": [h * 1e3 for h in hops]}
 
 
 def main() -> None:
@@ -66,6 +76,9 @@ def main() -> None:
         stages = " + ".join(f"{x:.2f}" for x in r["per_stage_ms"])
         print(f"  client ITL {r['itl_ms']:6.2f} ms = stage compute {r['compute_ms']:6.2f} ms ({stages}) "
               f"+ outside compute {r['overhead_ms']:5.2f} ms   (TTFT {r['ttft_ms']:.0f} ms)")
+        hops = r["hops_ms"]
+        print(f"    of which ZeroMQ hops (send to receipt) {' + '.join(f'{h:.2f}' for h in hops)} = {sum(hops):.2f} ms; "
+              f"the rest, {r['overhead_ms'] - sum(hops):.2f} ms, is the gateway's turnaround and the stages' loops")
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
     print(f"median: ITL {med('itl_ms'):.2f} ms, compute {med('compute_ms'):.2f} ms, outside compute "
           f"{med('overhead_ms'):.2f} ms per token ({med('overhead_ms') / med('itl_ms'):.1%} of the gap)")

@@ -54,7 +54,7 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     """The gateway's scheduling knobs (`gateway`, `up`)."""
     d = SERVING_DEFAULTS
     p.add_argument("--max-inflight", type=int, default=None,
-                   help="micro-batches in flight at once (default: number of stages, at least 2)")
+                   help="micro-batches in flight at once (default: the number of stages)")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help=f"requests waiting for admission before 429 (default {d.max_queue})")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
