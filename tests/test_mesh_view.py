@@ -60,8 +60,10 @@ def status(gw) -> subprocess.CompletedProcess:
 async def test_snapshot_describes_each_stage_and_the_stream_delivers_snapshots(gateway):
     results = await load(gateway.url, 6, 32)
     assert all(r.success for r in results), [r.error for r in results if not r.success]
-    snap = wait_for(lambda: (s := mesh(gateway)) and all(st.get("compute_ms") for st in s["stages"]) and s, 10,
-                    "a snapshot with compute times of both stages")
+    # snapshots are built once a second: wait for one taken after the load finished
+    snap = wait_for(lambda: (s := mesh(gateway)) and all(st.get("compute_ms") for st in s["stages"])
+                    and s["gateway"]["generated_tokens"] >= 6 * 32 and s, 10,
+                    "a snapshot after the load, with compute times of both stages")
     assert snap["ready"] and snap["problem"] is None
     assert [st["layers"] for st in snap["stages"]] == [[0, 17], [17, 30]]
     for st in snap["stages"]:
