@@ -8,10 +8,10 @@ Each batch size decodes B sequences that each hold --context tokens of prompt; t
 against whatever `shared` is on the path: PYTHONPATH=<an older tree> measures the code before a change (weights
 modes it lacks are skipped; bf16 there is its default).
 
---compile also measures each mode with the decode step under torch.compile (inductor, dynamic=False; prefill stays
-eager: inductor cannot lower the prepacked bf16 op). Measured on 2 cores: compiling took minutes and the step was no
-faster than eager (26.2 vs 25.7 ms at B=1 under load); the step's shapes change with the context length, so it
-recompiles as sequences grow. Serving does not use it.
+--compile also measures each mode loaded with compile_decode=True (shared.models.compiled_decode: one sequence's
+decode step under torch.compile with static shapes, one graph per context bucket, compiled at load; its load s
+includes compilation, seconds when inductor's on-disk cache has the graphs). Only B=1 runs compiled; larger batches
+run the eager step in both rows. Modes the compiled step does not cover (bf16, f32) are skipped.
 """
 
 from __future__ import annotations
@@ -29,11 +29,17 @@ from shared.runtime import LocalPipeline, SeqWork
 from shared.steps import Decode, Prefill
 
 
-def load(loader: GgufLoader, weights: str, slots: int, batch_invariant: bool) -> LocalPipeline | None:
+def load(loader: GgufLoader, weights: str, slots: int, batch_invariant: bool,
+         compile_decode: bool = False) -> LocalPipeline | None:
     dtype = torch.float32 if weights == "f32" else torch.bfloat16
-    if "weights" not in inspect.signature(LocalPipeline.load).parameters:  # the code before weights modes existed
+    params = inspect.signature(LocalPipeline.load).parameters
+    if "weights" not in params:  # the code before weights modes existed
         return LocalPipeline.load(loader, None, dtype, kv_slots=slots) if weights in ("bf16", "f32") else None
-    return LocalPipeline.load(loader, None, dtype, kv_slots=slots, weights=weights, batch_invariant=batch_invariant)
+    if not compile_decode:
+        return LocalPipeline.load(loader, None, dtype, kv_slots=slots, weights=weights, batch_invariant=batch_invariant)
+    if "compile_decode" not in params or weights not in ("auto", "int4"):
+        return None
+    return LocalPipeline.load(loader, None, dtype, kv_slots=slots, weights=weights, compile_decode=True)
 
 
 def decode_ms(pipeline: LocalPipeline, batch: int, context: int, steps: int, step_fn=None) -> tuple[float, float]:
@@ -56,16 +62,6 @@ def decode_ms(pipeline: LocalPipeline, batch: int, context: int, steps: int, ste
     return 1e3 * min(times), 1e3 * statistics.median(times)
 
 
-def compile_decode(pipeline: LocalPipeline) -> None:
-    """Each piece's forward under torch.compile for decode-only micro-batches; prefill stays eager."""
-    torch._inductor.config.compile_threads = 1  # compile workers otherwise keep burning the machine's cores
-    for piece in pipeline.pieces:
-        eager = piece.model.forward
-        compiled = torch.compile(eager, dynamic=False)
-        piece.model.forward = lambda h, layout, kv, hook=None, e=eager, c=compiled: (
-            (c if layout.decode_only else e)(h, layout, kv, hook))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -74,7 +70,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch-invariant", action="store_true", help="also measure each mode with batch_invariant=True")
-    p.add_argument("--compile", action="store_true", help="also measure each mode with a torch.compile'd decode step")
+    p.add_argument("--compile", action="store_true", help="also measure each mode with --compile-decode")
     args = p.parse_args()
     loader = GgufLoader(resolve_model(args.model))
     batches = [int(b) for b in args.batch.split(",")]
@@ -91,16 +87,18 @@ def main() -> None:
         if pipeline is None:
             continue
         cells = [decode_ms(pipeline, b, args.context, args.steps) for b in batches]
-        if args.compile:
-            print(f"{weights:<18}" + "".join(f"{f'{lo:.1f} / {med:.1f}':>16}" for lo, med in cells) + f"{load_s:>9.2f}")
-            weights += " compiled"
-            compile_decode(pipeline)
-            t = time.perf_counter()
-            cells = [decode_ms(pipeline, b, args.context, args.steps) for b in batches]
-            load_s = time.perf_counter() - t  # here: compilation + the measured steps
         name = weights + (" +invariant" if invariant else "")
         print(f"{name:<18}" + "".join(f"{f'{lo:.1f} / {med:.1f}':>16}" for lo, med in cells) + f"{load_s:>9.2f}")
         del pipeline
+        if args.compile and not invariant:
+            t = time.perf_counter()
+            pipeline = load(loader, weights, max(batches), False, compile_decode=True)
+            load_s = time.perf_counter() - t
+            if pipeline is not None:
+                cells = [decode_ms(pipeline, b, args.context, args.steps) for b in batches]
+                print(f"{weights + ' compiled':<18}" + "".join(f"{f'{lo:.1f} / {med:.1f}':>16}" for lo, med in cells)
+                      + f"{load_s:>9.2f}")
+                del pipeline
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                        help="each sequence's numbers independent of what else is in its micro-batch (fixed kernels "
                             "and reduction order): greedy output reproducible under any load; costs speed at large "
                             "batches")
+        p.add_argument("--compile-decode", action="store_true",
+                       help="run one sequence's decode step under torch.compile (~20%% faster per token on SmolLM2; "
+                            "compiles for ~45 s at the first start, seconds from inductor's cache after; not with "
+                            "--batch-invariant)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +107,8 @@ def model_flags(args) -> list[str]:
         flags += ["--weights", args.weights]
     if getattr(args, "batch_invariant", False):
         flags.append("--batch-invariant")
+    if getattr(args, "compile_decode", False):
+        flags.append("--compile-decode")
     return flags
 
 

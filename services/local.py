@@ -58,7 +58,8 @@ def _pipeline(files: ModelFiles, args, kv_slots: int = 1) -> LocalPipeline:
     ranges = parse_split(args.split, files.config.num_layers) if getattr(args, "split", None) else None
     device = default_device()
     return LocalPipeline.load(files.loader, ranges, resolve_dtype(args.dtype, device), device, kv_slots=kv_slots,
-                              weights=args.weights, batch_invariant=args.batch_invariant)
+                              weights=args.weights, batch_invariant=args.batch_invariant,
+                              compile_decode=args.compile_decode)
 
 
 def cmd_generate(args) -> int:

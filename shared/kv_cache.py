@@ -15,15 +15,17 @@ from shared.steps import InferenceStep
 
 
 class KVCache:
-    """k, v: [local_layers, slots, kv_heads, max_seq_len, head_dim]. A sequence owns one slot from its first
-    prefill chunk until it is released."""
+    """k, v: one tensor per local layer, each [slots, kv_heads, max_seq_len, head_dim]. A sequence owns one slot from
+    its first prefill chunk until it is released. (Separate tensors, not one [layers, ...] tensor: a compiled decode
+    step writes each in place, where a view of a larger tensor would make inductor copy all of it back.)"""
 
     def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
+        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
         # zeros, not empty: masked positions are still multiplied by 0 in attention, and 0 * NaN is NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = self.k[0].device
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self._free: list[int] = list(range(num_slots))  # a min-heap: the lowest free slot is handed out first, so
@@ -76,7 +78,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
 
 
 @dataclass

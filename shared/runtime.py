@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import SERVING_DEFAULTS
-from shared.errors import BadBatch, MissingActivation
+from shared.errors import BadBatch, CapabilityMissing, MissingActivation
 from shared.gguf_loader import GgufLoader
 from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
+from shared.models.compiled_decode import CompiledDecode, why_not_compilable
 from shared.models.crossover import apply_measured_crossover
 from shared.steps import InferenceStep
 
@@ -30,24 +31,34 @@ class StageRuntime:
     """Runs micro-batches through one TransformerModel piece and owns its KV cache: a sequence's KV
     slot is allocated exactly once (its first prefill chunk) and freed by release()."""
 
-    def __init__(self, model: TransformerModel, kv: KVCache):
+    def __init__(self, model: TransformerModel, kv: KVCache, compiled: CompiledDecode | None = None):
         self.model = model
         self.kv = kv
+        self.compiled = compiled  # one-sequence decode steps under torch.compile (--compile-decode), else None
 
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
              kv_slots: int = SERVING_DEFAULTS.kv_slots, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
-             weights: str | None = None, batch_invariant: bool = False) -> StageRuntime:
+             weights: str | None = None, batch_invariant: bool = False, compile_decode: bool = False) -> StageRuntime:
         """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
-        batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel)."""
+        batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel);
+        compile_decode: compile the one-sequence decode step (shared.models.compiled_decode) before returning."""
         model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant)
         apply_measured_crossover(model)  # auto: where int4 hands over to bf16, timed on this machine
         max_seq_len = min(max_seq_len, model.config.context_length)
-        return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device))
+        kv = model.new_kv_cache(kv_slots, max_seq_len, device)
+        compiled = None
+        if compile_decode:
+            if (reason := why_not_compilable(model)) is not None:
+                raise CapabilityMissing(f"--compile-decode cannot compile layers {model.layers}: {reason}; "
+                                        "drop --compile-decode to decode eagerly")
+            compiled = CompiledDecode(model, kv)
+            compiled.warm_up()
+        return cls(model, kv, compiled)
 
     @property
     def device(self) -> torch.device:
-        return self.kv.k.device
+        return self.kv.device
 
     # ---- sequence lifecycle ------------------------------------------------------------------------------
 
@@ -90,7 +101,8 @@ class StageRuntime:
             raise
         with torch.inference_mode():
             x = model.embed(token_ids.to(self.device)) if model.has_embedding else hidden.to(self.device, torch.float32)
-            x = model.forward(x, layout, self.kv, hook)
+            compiled = self.compiled.forward(x, layout) if self.compiled is not None and hook is None else None
+            x = compiled if compiled is not None else model.forward(x, layout, self.kv, hook)
             if not model.has_lm_head:
                 return x
             if not all_logits:
@@ -108,10 +120,10 @@ class LocalPipeline:
     @classmethod
     def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
              device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
-             weights: str | None = None, batch_invariant: bool = False) -> LocalPipeline:
+             weights: str | None = None, batch_invariant: bool = False, compile_decode: bool = False) -> LocalPipeline:
         ranges = ranges or [None]
         return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len, weights=weights,
-                                      batch_invariant=batch_invariant) for r in ranges])
+                                      batch_invariant=batch_invariant, compile_decode=compile_decode) for r in ranges])
 
     @property
     def config(self):

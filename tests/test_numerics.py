@@ -124,3 +124,80 @@ def test_batched_decode_reads_the_cache_in_place_around_idle_slots(smollm2, wind
         for row, s in zip(out, batch):
             full = window_logits(pipeline, texts[s][:lengths[s] + step + 1], seq_id="check")
             np.testing.assert_allclose(row.numpy(), full[-1].numpy(), rtol=0, atol=1e-3)
+
+
+def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Tensor:
+    """Teacher-forced logits of ids[:-1] one token per step: a 1-token prefill, then a decode step per token."""
+    from shared.runtime import SeqWork
+    from shared.steps import Decode, Prefill
+
+    rows = [pipeline.run([SeqWork(seq_id, Prefill(1, 0, 1, True))], torch.tensor(ids[:1]))]
+    for t in range(1, len(ids) - 1):
+        rows.append(pipeline.run([SeqWork(seq_id, Decode(t))], torch.tensor(ids[t:t + 1])))
+    pipeline.release(seq_id)
+    return torch.cat(rows)
+
+
+@pytest.fixture(scope="module")
+def compiled_pipeline(smollm2):
+    return LocalPipeline.load(smollm2.loader, None, torch.bfloat16, kv_slots=3, max_seq_len=CONTEXT,
+                              compile_decode=True)
+
+
+def test_compiled_decode_parity_with_llama_cpp(windows, reference_logits, compiled_pipeline):
+    """--compile-decode: every decode step of two windows runs the compiled graph (both context buckets) and keeps
+    the default path's fidelity thresholds against llama.cpp."""
+    compiled = compiled_pipeline.pieces[0].compiled
+    assert set(compiled.compile_seconds) == {128, CONTEXT}  # buckets cap at max_seq_len
+    kls, agree = [], []
+    for w, ref in list(zip(windows, reference_logits))[:2]:
+        steps = compiled.steps
+        ours = decode_logits(compiled_pipeline, w).double()
+        assert compiled.steps - steps == len(w) - 1  # every step ran compiled (a 1-token prefill is decode-shaped)
+        lr, lo = torch.log_softmax(ref[:-1], -1), torch.log_softmax(ours, -1)
+        kls.append((lr.exp() * (lr - lo)).sum(-1))
+        agree.append(ref[:-1].argmax(-1) == ours.argmax(-1))
+    kl, top1 = float(torch.cat(kls).mean()), float(torch.cat(agree).double().mean())
+    print(f"\ncompiled decode: top1 {top1:.4f} KL {kl:.5f} over {torch.cat(agree).numel()} decode steps")
+    assert not compiled.broken
+    assert top1 >= 0.95
+    assert kl <= 0.01
+
+
+def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smollm2, windows, compiled_pipeline):
+    """Two sequences in a step, or a context past the largest bucket: eager, with the eager pipeline's numbers."""
+    from shared.kv_cache import BatchLayout
+    from shared.models.compiled_decode import CompiledDecode
+    from shared.runtime import SeqWork
+    from shared.steps import Decode, Prefill
+
+    eager = LocalPipeline.load(smollm2.loader, None, torch.bfloat16, kv_slots=3, max_seq_len=CONTEXT)
+    compiled = compiled_pipeline.pieces[0].compiled
+    text = windows[0]
+    outs = []
+    for pipe in (eager, compiled_pipeline):
+        for name, n in (("a", 20), ("b", 30)):
+            pipe.run([SeqWork(name, Prefill(n, 0, n, True))], torch.tensor(text[:n]))
+        steps = compiled.steps
+        outs.append(pipe.run([SeqWork("a", Decode(20)), SeqWork("b", Decode(30))], torch.tensor([text[20], text[30]])))
+        assert compiled.steps == steps  # a 2-sequence batch never runs the one-sequence graph
+        for name in ("a", "b"):
+            pipe.release(name)
+    assert torch.equal(outs[0], outs[1])
+    piece = compiled_pipeline.pieces[0]
+    short = CompiledDecode(piece.model, piece.kv, buckets=(128,))  # graphs for contexts <= 128 only
+    short.compile_seconds[128] = 0.0  # as if compiled: forward must decline on the context alone, never compile
+    hidden = torch.zeros(1, piece.model.config.hidden_size)
+    assert short.forward(hidden, BatchLayout.build([0], [Decode(200)], CONTEXT)) is None
+    assert short.steps == 0
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"batch_invariant": True}, "batch-invariant"),
+    ({"weights": "bf16"}, "not int4"),
+])
+def test_compile_decode_refuses_what_it_does_not_cover(smollm2, kwargs, reason):
+    from shared.errors import CapabilityMissing
+
+    with pytest.raises(CapabilityMissing, match=reason):
+        LocalPipeline.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, compile_decode=True, **kwargs)

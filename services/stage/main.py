@@ -141,7 +141,8 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     try:
         runtime = await loop.run_in_executor(
             compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len,
-                                            weights=args.weights, batch_invariant=args.batch_invariant))
+                                            weights=args.weights, batch_invariant=args.batch_invariant,
+                                            compile_decode=args.compile_decode))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))
         await runner.cleanup()

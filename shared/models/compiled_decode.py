@@ -1,0 +1,165 @@
+"""One sequence's decode step under torch.compile (inductor), opt-in: `--compile-decode`.
+
+Eager decode pays ~16 small ops per layer (norm, casts, rope, cache writes, adds, silu) at a few µs of dispatch and
+Python each: on SmolLM2 at one token that is about as much as its 120 int4 matmuls. Inductor fuses those ops into a
+handful of C++ kernels per layer and runs the step from generated code. It only pays with static shapes (measured on
+a 2-core Zen 4, torch 2.13; see benchmarks/decode_step.py):
+
+- one graph per context bucket (CONTEXT_BUCKETS): attention reads the bucket's first C cached positions with an
+  additive mask (keys past the sequence's position get -inf), so a graph serves every position below C;
+- the KV cache is one tensor per layer (KVCache) and the step writes it with index_put on that tensor. Handing the
+  graph a view of a larger cache tensor instead made inductor copy the whole cache back every step (~180-500 ms);
+- one sequence (B = 1), int4 weights (the step is memory- and overhead-bound; larger micro-batches stay eager, where
+  the SwitchedLinear's kernel choice applies).
+
+Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
+batch-invariant mode never compiles. Graphs compile when the stage loads, before it reports ready (the stage's /info
+reports the seconds); inductor's on-disk cache makes later starts fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from shared.kv_cache import BatchLayout, KVCache
+from shared.models.linear import GROUP, Int4Linear, SwitchedLinear
+
+log = logging.getLogger("stagemesh.compiled_decode")
+
+CONTEXT_BUCKETS = (128, 512)  # a decode step at context length ctx runs the smallest bucket >= ctx; beyond: eager
+
+
+def _int4(linear) -> Int4Linear | None:
+    return linear.small if isinstance(linear, SwitchedLinear) else linear if isinstance(linear, Int4Linear) else None
+
+
+def why_not_compilable(model) -> str | None:
+    """None when the compiled step covers this piece; otherwise what it does not cover (then decode stays eager)."""
+    c = model.config
+    if model.batch_invariant:
+        return "the batch-invariant mode needs eager decode (compiled kernels round differently at other batch sizes)"
+    if model.dtype != torch.bfloat16 or next(iter(model.blocks[0].vectors())).device.type != "cpu":
+        return "the compiled step is built for bfloat16 activations on the CPU"
+    if c.traits.norm != "rms" or c.traits.mlp != "swiglu" or c.attn_softcap or c.sliding_window:
+        return f"architecture {c.architecture!r} (needs RMSNorm, a SwiGLU MLP, no soft cap, no sliding window)"
+    for b in model.blocks:
+        if any(t is not None for t in (b.qkv_bias, b.q_norm, b.wo_bias, b.up_bias, b.down_bias, b.experts,
+                                       b.post_attn_norm, b.post_ffn_norm, b.attn_norm_b)) or b.ffn_norm is None:
+            return f"architecture {c.architecture!r} (biases, q/k norms, post norms, experts or a parallel block)"
+        if any(_int4(w) is None for w in (b.qkv, b.wo, b.gate_up, b.w_down)):
+            return "some block matmul is not int4 (weights mode bf16 / f32, or a GGUF type other than Q4_0 / Q4_1 / Q4_K)"
+    return None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """x [1, heads, hd] float32; cos / sin [1, 1, d/2]: transformer.apply_rope in real arithmetic (inductor does not
+    fuse complex numbers)."""
+    d = cos.shape[-1] * 2
+    rot, rest = x[..., :d], x[..., d:]
+    if style == "normal":  # pairs (2i, 2i+1)
+        pairs = rot.unflatten(-1, (d // 2, 2))
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    else:  # neox: (i, i + d/2)
+        x0, x1 = rot[..., : d // 2], rot[..., d // 2:]
+        out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class CompiledDecode:
+    """The compiled decode step of one TransformerModel piece over its KVCache, one graph per context bucket."""
+
+    def __init__(self, model, kv: KVCache, buckets: tuple[int, ...] = CONTEXT_BUCKETS):
+        self.model, self.kv = model, kv
+        self.buckets = tuple(sorted({min(b, kv.max_seq_len) for b in buckets}))  # none past the cache's length
+        c = model.config
+        # (attn_norm [D] f32, qkv, wo, ffn_norm [D] f32, gate_up, w_down) per layer; matmuls as their int4 form
+        self._layers = [(b.attn_norm, _int4(b.qkv), _int4(b.wo), b.ffn_norm, _int4(b.gate_up), _int4(b.w_down))
+                        for b in model.blocks]
+        self._shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.q_size, c.kv_size, c.norm_eps, c.attn_scale,
+                       c.traits.rope_style)
+        self._compiled = torch.compile(self._step, dynamic=False, fullgraph=True)
+        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
+        self.broken = False  # set when a serving-time call would have recompiled: eager from then on
+        self.steps = 0  # decode steps run compiled
+
+    def _step(self, hidden: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              mask: torch.Tensor, k_layers: list[torch.Tensor], v_layers: list[torch.Tensor]) -> torch.Tensor:
+        """hidden [1, D] f32, slot / pos [1] int64, cos / sin [1, 1, rope_dim/2] f32, mask [1, 1, 1, C] bf16 additive;
+        k_layers / v_layers: per layer [slots, KVH, max_seq, hd] bf16, written at (slot, pos) -> hidden [1, D] f32.
+        The bucket C is mask's last dim (static: one graph per C)."""
+        h, kvh, hd, q_size, kv_size, eps, scale, style = self._shape
+        bf16 = torch.bfloat16
+        ctx = mask.shape[-1]
+        for (attn_norm, qkv_w, wo, ffn_norm, gate_up, w_down), k_cache, v_cache in zip(self._layers, k_layers, v_layers):
+            x = F.rms_norm(hidden, attn_norm.shape, attn_norm, eps).to(bf16)
+            qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qkv_w.packed, GROUP, qkv_w.scales_and_zeros)
+            qk = _rope(qkv[:, :q_size + kv_size].float().view(1, h + kvh, hd), cos, sin, style).to(bf16)
+            k_cache[slot, :, pos] = qk[:, h:]  # [1, KVH, hd]
+            v_cache[slot, :, pos] = qkv[:, q_size + kv_size:].view(1, kvh, hd)
+            keys, values = k_cache[slot, :, :ctx], v_cache[slot, :, :ctx]  # [1, KVH, C, hd]
+            queries = qk[:, :h].view(1, kvh, h // kvh, hd)  # GQA as query length: [1, KVH, g, hd]
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(attn.reshape(1, q_size), wo.packed, GROUP,
+                                                             wo.scales_and_zeros)
+            hidden = hidden + out
+            x = F.rms_norm(hidden, ffn_norm.shape, ffn_norm, eps).to(bf16)
+            gate, up = torch.ops.aten._weight_int4pack_mm_for_cpu(x, gate_up.packed, GROUP,
+                                                                  gate_up.scales_and_zeros).chunk(2, dim=-1)
+            hidden = hidden + torch.ops.aten._weight_int4pack_mm_for_cpu(F.silu(gate) * up, w_down.packed, GROUP,
+                                                                         w_down.scales_and_zeros)
+        return hidden
+
+    def bucket(self, ctx: int) -> int | None:
+        return next((b for b in self.buckets if ctx <= b), None)
+
+    def _inputs(self, hidden: torch.Tensor, slot: int, pos: int, ctx_bucket: int):
+        """The graph's arguments, built here under inference mode: a tensor from outside it (BatchLayout's) differs in
+        dispatch keys, which dynamo guards on, and would recompile."""
+        from shared.models.transformer import rope_cos_sin
+
+        c = self.model.config
+        position = torch.tensor([pos])
+        cos, sin = rope_cos_sin(position, c.rope_dim, c.rope_theta, c.rope_scaling, self.kv.max_seq_len)
+        mask = torch.zeros(1, 1, 1, ctx_bucket, dtype=torch.bfloat16)
+        mask[..., pos + 1:] = float("-inf")
+        return hidden, torch.tensor([slot]), position, cos[:, None], sin[:, None], mask, self.kv.k, self.kv.v
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile every bucket's graph (one call each, writing slot 0's last cache position: no sequence is live yet,
+        and a sequence writes a position before any query of it can see it). Returns the seconds it took."""
+        start = time.perf_counter()
+        for b in self.buckets:
+            t = time.perf_counter()
+            hidden = torch.zeros(1, self.model.config.hidden_size)
+            self._compiled(*self._inputs(hidden, 0, self.kv.max_seq_len - 1, b))
+            self.compile_seconds[b] = round(time.perf_counter() - t, 1)
+            log.info("compiled the decode step for contexts <= %d in %.1f s", b, self.compile_seconds[b])
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor | None:
+        """hidden [1, D] f32 of a one-sequence decode micro-batch -> [1, D] f32, or None when no compiled graph covers
+        it (more than one sequence, not a decode step, a context past the largest bucket): run eager then. Never
+        compiles: a call that would (a guard that fails on an input nobody foresaw) runs eager instead, and is logged."""
+        if not layout.decode_only or len(layout.slots) != 1 or self.broken:
+            return None
+        pos = int(layout.positions[0])
+        bucket = self.bucket(pos + 1)
+        if bucket is None or bucket not in self.compile_seconds:
+            return None
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                out = self._compiled(*self._inputs(hidden, layout.slots[0], pos, bucket))
+        except RuntimeError as e:  # dynamo's "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+            self.broken = True
+            log.warning("compiled decode step would recompile while serving (%s); decoding eagerly from now on",
+                        str(e).splitlines()[0][:300])
+            return None
+        self.steps += 1
+        return out
