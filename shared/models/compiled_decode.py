@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from shared.errors import CapabilityMissing
 from shared.kv_cache import BatchLayout, KVCache
 from shared.models.linear import GROUP, Int4Linear, SwitchedLinear
 
@@ -137,7 +138,12 @@ class CompiledDecode:
         for b in self.buckets:
             t = time.perf_counter()
             hidden = torch.zeros(1, self.model.config.hidden_size)
-            self._compiled(*self._inputs(hidden, 0, self.kv.max_seq_len - 1, b))
+            try:
+                self._compiled(*self._inputs(hidden, 0, self.kv.max_seq_len - 1, b))
+            except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
+                raise CapabilityMissing(f"--compile-decode: torch.compile failed for contexts <= {b}: "
+                                        f"{str(e).strip().splitlines()[0][:300]} (inductor needs a C++ compiler, g++); "
+                                        "drop --compile-decode to decode eagerly") from None
             self.compile_seconds[b] = round(time.perf_counter() - t, 1)
             log.info("compiled the decode step for contexts <= %d in %.1f s", b, self.compile_seconds[b])
         return time.perf_counter() - start
