@@ -45,8 +45,10 @@ def why_not_compilable(model) -> str | None:
         return "the batch-invariant mode needs eager decode (compiled kernels round differently at other batch sizes)"
     if model.dtype != torch.bfloat16 or next(iter(model.blocks[0].vectors())).device.type != "cpu":
         return "the compiled step is built for bfloat16 activations on the CPU"
-    if c.traits.norm != "rms" or c.traits.mlp != "swiglu" or c.attn_softcap or c.sliding_window:
-        return f"architecture {c.architecture!r} (needs RMSNorm, a SwiGLU MLP, no soft cap, no sliding window)"
+    if (c.traits.norm != "rms" or c.traits.mlp != "swiglu" or c.traits.rope_style != "normal" or c.attn_softcap
+            or c.sliding_window):
+        return (f"architecture {c.architecture!r} (needs RMSNorm, a SwiGLU MLP, llama's rope pairs, no soft cap, "
+                "no sliding window)")
     for b in model.blocks:
         if any(t is not None for t in (b.qkv_bias, b.q_norm, b.wo_bias, b.up_bias, b.down_bias, b.experts,
                                        b.post_attn_norm, b.post_ffn_norm, b.attn_norm_b)) or b.ffn_norm is None:
@@ -56,18 +58,14 @@ def why_not_compilable(model) -> str | None:
     return None
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-    """x [1, heads, hd] float32; cos / sin [1, 1, d/2]: transformer.apply_rope in real arithmetic (inductor does not
-    fuse complex numbers)."""
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, heads, hd] float32; cos / sin [1, 1, d/2]: transformer.apply_rope's "normal" style (pairs (2i, 2i+1)) in
+    real arithmetic (inductor does not fuse complex numbers)."""
     d = cos.shape[-1] * 2
     rot, rest = x[..., :d], x[..., d:]
-    if style == "normal":  # pairs (2i, 2i+1)
-        pairs = rot.unflatten(-1, (d // 2, 2))
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    else:  # neox: (i, i + d/2)
-        x0, x1 = rot[..., : d // 2], rot[..., d // 2:]
-        out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    pairs = rot.unflatten(-1, (d // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
@@ -81,8 +79,7 @@ class CompiledDecode:
         # (attn_norm [D] f32, qkv, wo, ffn_norm [D] f32, gate_up, w_down) per layer; matmuls as their int4 form
         self._layers = [(b.attn_norm, _int4(b.qkv), _int4(b.wo), b.ffn_norm, _int4(b.gate_up), _int4(b.w_down))
                         for b in model.blocks]
-        self._shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.q_size, c.kv_size, c.norm_eps, c.attn_scale,
-                       c.traits.rope_style)
+        self._shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.q_size, c.kv_size, c.norm_eps, c.attn_scale)
         self._compiled = torch.compile(self._step, dynamic=False, fullgraph=True)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
         self.broken = False  # set when a serving-time call would have recompiled: eager from then on
@@ -93,13 +90,13 @@ class CompiledDecode:
         """hidden [1, D] f32, slot / pos [1] int64, cos / sin [1, 1, rope_dim/2] f32, mask [1, 1, 1, C] bf16 additive;
         k_layers / v_layers: per layer [slots, KVH, max_seq, hd] bf16, written at (slot, pos) -> hidden [1, D] f32.
         The bucket C is mask's last dim (static: one graph per C)."""
-        h, kvh, hd, q_size, kv_size, eps, scale, style = self._shape
+        h, kvh, hd, q_size, kv_size, eps, scale = self._shape
         bf16 = torch.bfloat16
         ctx = mask.shape[-1]
         for (attn_norm, qkv_w, wo, ffn_norm, gate_up, w_down), k_cache, v_cache in zip(self._layers, k_layers, v_layers):
             x = F.rms_norm(hidden, attn_norm.shape, attn_norm, eps).to(bf16)
             qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qkv_w.packed, GROUP, qkv_w.scales_and_zeros)
-            qk = _rope(qkv[:, :q_size + kv_size].float().view(1, h + kvh, hd), cos, sin, style).to(bf16)
+            qk = _rope(qkv[:, :q_size + kv_size].float().view(1, h + kvh, hd), cos, sin).to(bf16)
             k_cache[slot, :, pos] = qk[:, h:]  # [1, KVH, hd]
             v_cache[slot, :, pos] = qkv[:, q_size + kv_size:].view(1, kvh, hd)
             keys, values = k_cache[slot, :, :ctx], v_cache[slot, :, :ctx]  # [1, KVH, C, hd]
