@@ -225,12 +225,8 @@ class StageWorker:
     def _weights_info(self) -> dict:
         """What each matmul of this stage runs as (GGUF tensor name -> kernel) and the bytes it holds."""
         model = self.runtime.model
-        compiled = self.runtime.compiled
         return {"mode": model.weights, "batch_invariant": model.batch_invariant, "bytes": model.weight_bytes(),
-                "tensors": model.weight_summary(),
-                # --compile-decode: context bucket -> seconds its graph took to compile at start (None: eager decode)
-                "compiled_decode": None if compiled is None else {
-                    "compile_seconds": {str(b): s for b, s in compiled.compile_seconds.items()}}}
+                "tensors": model.weight_summary()}
 
     def info(self) -> dict:
         ident, kv = self.identity, self.runtime.kv
@@ -239,9 +235,7 @@ class StageWorker:
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
             "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
             "weights": self._weights_info,
-            # --compile-decode: decode steps run by the compiled graph so far, and whether it fell back to eager
-            "compiled_decode": None if self.runtime.compiled is None else {
-                "steps": self.runtime.compiled.steps, "fell_back_to_eager": self.runtime.compiled.broken},
+            "compiled_decode": None if self.runtime.compiled is None else self.runtime.compiled.info(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
                    "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed},
             "prefetch": self.io.prefetch,

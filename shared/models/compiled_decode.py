@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from shared.errors import CapabilityMissing
 from shared.kv_cache import BatchLayout, KVCache
 from shared.models.linear import GROUP, Int4Linear, SwitchedLinear
+from shared.models.transformer import rope_cos_sin
 
 log = logging.getLogger("stagemesh.compiled_decode")
 
@@ -43,7 +44,7 @@ def why_not_compilable(model) -> str | None:
     c = model.config
     if model.batch_invariant:
         return "the batch-invariant mode needs eager decode (compiled kernels round differently at other batch sizes)"
-    if model.dtype != torch.bfloat16 or next(iter(model.blocks[0].vectors())).device.type != "cpu":
+    if model.dtype != torch.bfloat16 or model.blocks[0].attn_norm.device.type != "cpu":
         return "the compiled step is built for bfloat16 activations on the CPU"
     if (c.traits.norm != "rms" or c.traits.mlp != "swiglu" or c.traits.rope_style != "normal" or c.attn_softcap
             or c.sliding_window):
@@ -118,8 +119,6 @@ class CompiledDecode:
     def _inputs(self, hidden: torch.Tensor, slot: int, pos: int, ctx_bucket: int):
         """The graph's arguments, built here under inference mode: a tensor from outside it (BatchLayout's) differs in
         dispatch keys, which dynamo guards on, and would recompile."""
-        from shared.models.transformer import rope_cos_sin
-
         c = self.model.config
         position = torch.tensor([pos])
         cos, sin = rope_cos_sin(position, c.rope_dim, c.rope_theta, c.rope_scaling, self.kv.max_seq_len)
@@ -128,10 +127,9 @@ class CompiledDecode:
         return hidden, torch.tensor([slot]), position, cos[:, None], sin[:, None], mask, self.kv.k, self.kv.v
 
     @torch.inference_mode()
-    def warm_up(self) -> float:
+    def warm_up(self) -> None:
         """Compile every bucket's graph (one call each, writing slot 0's last cache position: no sequence is live yet,
-        and a sequence writes a position before any query of it can see it). Returns the seconds it took."""
-        start = time.perf_counter()
+        and a sequence writes a position before any query of it can see it); compile_seconds records each."""
         for b in self.buckets:
             t = time.perf_counter()
             hidden = torch.zeros(1, self.model.config.hidden_size)
@@ -143,7 +141,12 @@ class CompiledDecode:
                                         "drop --compile-decode to decode eagerly") from None
             self.compile_seconds[b] = round(time.perf_counter() - t, 1)
             log.info("compiled the decode step for contexts <= %d in %.1f s", b, self.compile_seconds[b])
-        return time.perf_counter() - start
+
+    def info(self) -> dict:
+        """What a stage's /info reports: each bucket's compile seconds at start, the steps run compiled so far, and
+        whether a serving-time call fell back to eager for good."""
+        return {"compile_seconds": {str(b): s for b, s in self.compile_seconds.items()}, "steps": self.steps,
+                "fell_back_to_eager": self.broken}
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor | None:
