@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from shared.device import resolve_dtype
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
 from shared.runtime import LocalPipeline, SeqWork
@@ -31,7 +32,7 @@ from shared.steps import Decode, Prefill
 
 def load(loader: GgufLoader, weights: str, slots: int, batch_invariant: bool,
          compile_decode: bool = False) -> LocalPipeline | None:
-    dtype = torch.float32 if weights == "f32" else torch.bfloat16
+    dtype = torch.float32 if weights == "f32" else resolve_dtype(None)  # the serving default: bf16 where it is fast
     params = inspect.signature(LocalPipeline.load).parameters
     if "weights" not in params:  # the code before weights modes existed
         return LocalPipeline.load(loader, None, dtype, kv_slots=slots) if weights in ("bf16", "f32") else None

@@ -19,8 +19,9 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
         p.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 where the CPU/GPU supports it, else float32)")
         p.add_argument("--weights", choices=list(WEIGHT_MODES), default=None,
-                       help="matmul kernels: auto (4-bit GGUF types stay int4 for decode, prepacked bf16 for prefill), "
-                            "int4, bf16, f32 (exact reference) (default: f32 with --dtype float32, else auto)")
+                       help="matmul kernels: auto (4-bit GGUF types stay int4 for decode, the CPU's fastest dense "
+                            "kernel for prefill: prepacked bf16, or prepacked f32 without native bf16), int4, bf16, "
+                            "f32 (exact reference) (default: f32 when --dtype float32 is given, else auto)")
         p.add_argument("--batch-invariant", action="store_true",
                        help="each sequence's numbers independent of what else is in its micro-batch (fixed kernels "
                             "and reduction order): greedy output reproducible under any load; costs speed at large "
@@ -29,6 +30,13 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                        help="run one sequence's decode step under torch.compile (~20%% faster per token on SmolLM2; "
                             "compiles for ~45 s at the first start, seconds from inductor's cache after; not with "
                             "--batch-invariant)")
+
+
+def weights_from_args(args) -> str | None:
+    """The weights mode a command loads with: --weights; else auto when --dtype is left to its default (a CPU without
+    native bf16 computes in float32 by default and still serves with the fast kernels); else None, which
+    resolve_weights turns into f32 for an explicit --dtype float32 (the exact reference) and auto otherwise."""
+    return args.weights or (None if args.dtype else "auto")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

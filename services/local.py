@@ -9,7 +9,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from services.cli_args import add_model_args, add_sampling_args, sampling_from_args
+from services.cli_args import add_model_args, add_sampling_args, sampling_from_args, weights_from_args
 from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.generation import GenerationTimings, generate_tokens, perplexity, split_windows
@@ -58,7 +58,7 @@ def _pipeline(files: ModelFiles, args, kv_slots: int = 1) -> LocalPipeline:
     ranges = parse_split(args.split, files.config.num_layers) if getattr(args, "split", None) else None
     device = default_device()
     return LocalPipeline.load(files.loader, ranges, resolve_dtype(args.dtype, device), device, kv_slots=kv_slots,
-                              weights=args.weights, batch_invariant=args.batch_invariant,
+                              weights=weights_from_args(args), batch_invariant=args.batch_invariant,
                               compile_decode=args.compile_decode)
 
 
@@ -141,7 +141,7 @@ def cmd_inspect(args) -> int:
                       f"bos {tok.bos_id}, eos {tok.eos_id}, add_bos {tok.add_bos}"),
         ("chat template", (loader.chat_template or "none")[:200].replace("\n", "\\n")),
     ]
-    model = TransformerModel.from_gguf(loader, None, resolve_dtype(None, default_device()), default_device())
+    model = TransformerModel.from_gguf(loader, None, resolve_dtype(None, default_device()), default_device(), weights="auto")
     apply_measured_crossover(model)
     summary = model.weight_summary()
     runs_as = Counter(summary.values())

@@ -11,6 +11,7 @@ from shared.gguf_loader import RawTensor
 from shared.models.linear import (
     INT4_MAX_TOKENS,
     DenseLinear,
+    dense_dtype,
     Int4Linear,
     SwitchedLinear,
     dequantize,
@@ -81,5 +82,20 @@ def test_fused_rows_of_different_types_still_run_each_as_its_own_kind():
     expected = x @ torch.from_numpy(np.concatenate([ref_a, ref_b])).T
     torch.testing.assert_close(fused(x), expected, rtol=0, atol=1e-4)
     assert fused.out_features == 2 * ROWS
-    kinds = make_linear([a, b], "int4").kind  # q|k|v of mixed types: int4 for the Q4_1 rows, bf16 for the Q8_0 rows
-    assert "int4" in kinds and "bf16" in kinds, kinds
+    # q|k|v of mixed types: int4 for the Q4_1 rows, the CPU's dense kernel (bf16 or f32, dense_dtype) for the Q8_0 rows
+    kinds = make_linear([a, b], "int4").kind
+    dense = {torch.bfloat16: "bf16", torch.float32: "f32"}[dense_dtype()]
+    assert "int4" in kinds and dense in kinds, kinds
+
+
+def test_prepacked_f32_is_the_f32_product_in_another_summation_order():
+    """The auto modes' dense kernel on CPUs without fast bf16 (oneDNN-prepacked float32) computes the same fp32
+    products as F.linear, summed in its own order: equal to float32 rounding, at decode and prefill sizes."""
+    _, ref = _raw("Q8_0", seed=4)
+    w = torch.from_numpy(ref)
+    dense = DenseLinear(w, torch.float32, prepack_f32=True)
+    assert dense.kind == ("f32-prepacked" if torch.backends.mkldnn.is_available() else "float32"), dense.kind
+    for m in (1, 7, 64):
+        x = torch.randn(m, COLS)
+        torch.testing.assert_close(dense(x), x @ w.T, rtol=1e-5, atol=1e-4)
+    assert DenseLinear(w, torch.float32).kind == "float32"  # the f32 reference mode keeps F.linear

@@ -18,6 +18,7 @@ from services.cli_args import (
     otlp_from_args,
     parse_host_port,
     serving_from_args,
+    weights_from_args,
 )
 from services.keys_cli import add_security_args, key_set_from_args
 from services.stage.http import LOAD_ERROR, WORKER, make_app
@@ -141,7 +142,7 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     try:
         runtime = await loop.run_in_executor(
             compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len,
-                                            weights=args.weights, batch_invariant=args.batch_invariant,
+                                            weights=weights_from_args(args), batch_invariant=args.batch_invariant,
                                             compile_decode=args.compile_decode))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))

@@ -5,10 +5,14 @@ Every matmul of TransformerModel goes through one of these: `w(x)` takes x [M, K
 each tensor runs as (`kind`) follows from its GGUF type and the weights mode:
 
     mode   Q4_0 / Q4_1 / Q4_K                              other types (Q8_0, Q5_*, Q6_K, F16, BF16, F32, ...)
-    auto   int4 g32 for M < INT4_MAX_TOKENS, else bf16     bf16 (oneDNN-prepacked)
-    int4   int4 g32 at every M (0.4x auto's memory)      bf16 (oneDNN-prepacked)
+    auto   int4 g32 for M < INT4_MAX_TOKENS, else dense    dense
+    int4   int4 g32 at every M (0.4x auto's memory)      dense
     bf16   bf16 (oneDNN-prepacked), today's behaviour      bf16 (oneDNN-prepacked)
     f32    float32, the GGUF's numbers exactly             float32
+
+"dense" is the fastest dense kernel of the CPU (dense_dtype()): oneDNN-prepacked bf16 where the CPU has native bf16
+(AVX512-BF16, AMX), oneDNN-prepacked float32 elsewhere -- on an AVX2 CPU bf16 GEMMs are emulated: SmolLM2's block
+matmuls at 32 tokens took 403 ms in bf16 against 75 ms prepacked f32 (plain F.linear f32: 126 ms) on a 2-core Zen 3.
 
 int4 is torch's `_weight_int4pack_mm_for_cpu`: w = (nibble - 8) * scale + zero per group of 32 along K, fp32
 accumulation. Its AVX512 path takes only bf16 activations with bf16 scales/zeros (fp32 scales with bf16
@@ -113,6 +117,13 @@ def prepacked_bf16_available() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
+def dense_dtype() -> torch.dtype:
+    """The dtype of the auto / int4 modes' dense kernel (prefill-sized micro-batches, non-4-bit types): bf16 where
+    oneDNN has a fast bf16 GEMM, else float32 (see the module docstring for the measured gap)."""
+    return torch.bfloat16 if prepacked_bf16_available() else torch.float32
+
+
 def int4_fits(shape: Sequence[int]) -> bool:
     """The int4 kernel's constraints: N divisible by 16, K by the group."""
     n, k = shape
@@ -142,19 +153,25 @@ class Int4Linear:
 
 class DenseLinear:
     """A plain matrix: float32 (F.linear, exact) or bf16 (oneDNN-prepacked where the CPU has it, else F.linear).
+    prepack_f32: float32 through oneDNN's prepacked GEMM too (the auto modes' dense kernel on CPUs without fast bf16;
+    the same fp32 products, summed in oneDNN's order rather than MKL's; the f32 reference mode keeps F.linear).
 
     fixed_rows: call the kernel only ever on exactly this many rows (the last call zero-padded), so that a row's
     result cannot depend on how many rows came with it (BLAS / oneDNN pick different blockings and reduction
     orders by M, e.g. gemv at M = 1); the batch-invariant mode's dense path."""
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, fixed_rows: int | None = None):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, fixed_rows: int | None = None,
+                 prepack_f32: bool = False):
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
         self.fixed_rows = fixed_rows
         w = weight.to(dtype).contiguous()
-        self.prepacked = dtype == torch.bfloat16 and w.device.type == "cpu" and prepacked_bf16_available()
+        self.prepacked = w.device.type == "cpu" and (
+            prepacked_bf16_available() if dtype == torch.bfloat16
+            else prepack_f32 and dtype == torch.float32 and torch.backends.mkldnn.is_available())
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.prepacked else w
-        self.kind = "bf16-prepacked" if self.prepacked else str(dtype).removeprefix("torch.")
+        name = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(dtype, str(dtype).removeprefix("torch."))
+        self.kind = f"{name}-prepacked" if self.prepacked else str(dtype).removeprefix("torch.")
         if fixed_rows:
             self.kind += f" (rows of {fixed_rows})"
 
@@ -234,13 +251,14 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
         return DenseLinear(torch.cat([dequantize(r) for r in raws]).to(device), dtype, rows)
     data = raws[0].data if len(raws) == 1 else torch.cat([r.data for r in raws])  # rows = output features
     raw = RawTensor("+".join(r.name for r in raws), raws[0].ggml_type, (n, k), data)
+    dense = torch.bfloat16 if mode == "bf16" else dense_dtype()
     if raw.ggml_type not in INT4_TYPES or mode == "bf16" or not int4_fits(raw.shape):
-        return DenseLinear(dequantize(raw), torch.bfloat16, rows)
+        return DenseLinear(dequantize(raw), dense, rows, prepack_f32=True)
     q, scale, low = unpack_4bit(raw)
     small = Int4Linear(q, scale, low)
     if mode == "int4" or batch_invariant:
         return small
-    return SwitchedLinear(small, DenseLinear(_apply_groups(q, scale, low), torch.bfloat16), INT4_MAX_TOKENS)
+    return SwitchedLinear(small, DenseLinear(_apply_groups(q, scale, low), dense, prepack_f32=True), INT4_MAX_TOKENS)
 
 
 class QuantizedRows:
