@@ -11,9 +11,9 @@ from shared.gguf_loader import RawTensor
 from shared.models.linear import (
     INT4_MAX_TOKENS,
     DenseLinear,
-    dense_dtype,
     Int4Linear,
     SwitchedLinear,
+    dense_dtype,
     dequantize,
     make_linear,
     unpack_4bit,
