@@ -20,6 +20,7 @@ import time
 import urllib.request
 
 from services.launch import free_port, start_up
+from shared.device import cpu_has_fast_bf16, default_dtype_name
 from shared.model_registry import resolve_model
 
 LLAMA_SERVER = os.path.expanduser("~/.cache/stagemesh/llama-server/bin/llama-server")
@@ -119,7 +120,6 @@ def main() -> None:
     args = p.parse_args()
     if not os.access(args.llama_server, os.X_OK):
         sys.exit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
-    args.dtype = args.dtype or "bfloat16"
     levels = [int(x) for x in args.concurrency.split(",")]
     os.makedirs(args.out, exist_ok=True)
     results = {"llama-server": run_llama_server(levels, args.out, args)}
@@ -128,7 +128,9 @@ def main() -> None:
     md = table(results, levels)
     header = (f"SmolLM2-135M-Instruct Q4_1, {os.cpu_count()} CPU cores, {args.input_len} prompt tokens, "
               f"{args.output_len} output tokens (ignore_eos), temperature 0.7; llama-server -t {os.cpu_count()} -np 32 "
-              f"-cb -c 8192; stagemesh up {' '.join(args.extra) or '(defaults)'}")
+              f"-cb -c 8192; stagemesh up {' '.join(([f'--dtype {args.dtype}'] if args.dtype else []) + args.extra) or '(defaults)'}"
+              f" (activations {args.dtype or default_dtype_name()}, {'native' if cpu_has_fast_bf16() else 'no native'} "
+              "bf16 on this CPU)")
     print(header + "\n\n" + md)
     with open(os.path.join(args.out, "comparison.md"), "w") as f:
         f.write(header + "\n\n" + md + "\n")

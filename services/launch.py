@@ -226,13 +226,14 @@ def scrape_metric(text: str, sample_name: str, labels: dict[str, str] | None = N
     return float("nan")
 
 
-def start_up(stages: int, dtype: str, log_dir: str, *extra: str, timeout: float = 240) -> RunningGateway:
-    """`stagemesh up --stages N` as a subprocess on a free port; returns once /ready answers 200."""
+def start_up(stages: int, dtype: str | None, log_dir: str, *extra: str, timeout: float = 240) -> RunningGateway:
+    """`stagemesh up --stages N` as a subprocess on a free port; returns once /ready answers 200. dtype None: up's
+    default (and with it weights auto)."""
     port = free_port()
     log_path = os.path.join(log_dir, f"up-{stages}.log")
     out = open(log_path, "w")
-    cmd = [sys.executable, "-m", "services.cli", "up", "--stages", str(stages), "--dtype", dtype, "--port", str(port),
-           "--log-dir", log_dir, *extra]
+    cmd = [sys.executable, "-m", "services.cli", "up", "--stages", str(stages), *(["--dtype", dtype] if dtype else []),
+           "--port", str(port), "--log-dir", log_dir, *extra]
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from shared.device import resolve_dtype
 from shared.generation import split_windows, window_logits
 from shared.layers import LayerRange, split_at
 from shared.models import TransformerModel
@@ -13,6 +14,7 @@ from shared.runtime import LocalPipeline
 from tests.factories import llama_cpp_logits
 
 CONTEXT = 256
+SERVING_DTYPE = resolve_dtype(None)  # the activation dtype a stage serves with here: bf16 where the CPU has it, else f32
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,7 @@ def reference_logits(llama_ref, windows):
 @pytest.mark.parametrize("dtype,weights,min_top1,max_kl,max_ppl_rel", [
     (torch.float32, "f32", 0.95, 0.01, 0.015),
     (torch.bfloat16, "auto", 0.95, 0.01, 0.015),  # the default: these windows take auto's prefill kernel
+    (torch.float32, "auto", 0.95, 0.01, 0.015),  # the default on CPUs without native bf16 (int4 | prepacked f32)
     (torch.bfloat16, "int4", 0.95, 0.01, 0.015),  # auto's decode kernel (int4 from the GGUF's Q4_1) at every size
     (torch.bfloat16, "bf16", 0.94, 0.02, 0.02),
 ])
@@ -140,7 +143,7 @@ def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Ten
 
 @pytest.fixture(scope="module")
 def compiled_pipeline(smollm2):
-    return LocalPipeline.load(smollm2.loader, None, torch.bfloat16, kv_slots=3, max_seq_len=CONTEXT,
+    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT,
                               compile_decode=True)
 
 
@@ -171,7 +174,7 @@ def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smol
     from shared.runtime import SeqWork
     from shared.steps import Decode, Prefill
 
-    eager = LocalPipeline.load(smollm2.loader, None, torch.bfloat16, kv_slots=3, max_seq_len=CONTEXT)
+    eager = LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT)
     compiled = compiled_pipeline.pieces[0].compiled
     text = windows[0]
     outs = []

@@ -44,8 +44,8 @@ def why_not_compilable(model) -> str | None:
     c = model.config
     if model.batch_invariant:
         return "the batch-invariant mode needs eager decode (compiled kernels round differently at other batch sizes)"
-    if model.dtype != torch.bfloat16 or model.blocks[0].attn_norm.device.type != "cpu":
-        return "the compiled step is built for bfloat16 activations on the CPU"
+    if model.dtype not in (torch.bfloat16, torch.float32) or model.blocks[0].attn_norm.device.type != "cpu":
+        return "the compiled step is built for bfloat16 or float32 activations on the CPU"
     if (c.traits.norm != "rms" or c.traits.mlp != "swiglu" or c.traits.rope_style != "normal" or c.attn_softcap
             or c.sliding_window):
         return (f"architecture {c.architecture!r} (needs RMSNorm, a SwiGLU MLP, llama's rope pairs, no soft cap, "
@@ -88,28 +88,29 @@ class CompiledDecode:
 
     def _step(self, hidden: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               mask: torch.Tensor, k_layers: list[torch.Tensor], v_layers: list[torch.Tensor]) -> torch.Tensor:
-        """hidden [1, D] f32, slot / pos [1] int64, cos / sin [1, 1, rope_dim/2] f32, mask [1, 1, 1, C] bf16 additive;
-        k_layers / v_layers: per layer [slots, KVH, max_seq, hd] bf16, written at (slot, pos) -> hidden [1, D] f32.
-        The bucket C is mask's last dim (static: one graph per C)."""
+        """hidden [1, D] f32, slot / pos [1] int64, cos / sin [1, 1, rope_dim/2] f32, mask [1, 1, 1, C] additive;
+        k_layers / v_layers: per layer [slots, KVH, max_seq, hd] in the activation dtype (bf16, or f32 on CPUs
+        without native bf16), written at (slot, pos) -> hidden [1, D] f32. The int4 kernel takes bf16 inputs
+        whatever the activation dtype. The bucket C is mask's last dim (static: one graph per C)."""
         h, kvh, hd, q_size, kv_size, eps, scale = self._shape
-        bf16 = torch.bfloat16
+        bf16, act = torch.bfloat16, mask.dtype
         ctx = mask.shape[-1]
         for (attn_norm, qkv_w, wo, ffn_norm, gate_up, w_down), k_cache, v_cache in zip(self._layers, k_layers, v_layers):
             x = F.rms_norm(hidden, attn_norm.shape, attn_norm, eps).to(bf16)
             qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qkv_w.packed, GROUP, qkv_w.scales_and_zeros)
-            qk = _rope(qkv[:, :q_size + kv_size].float().view(1, h + kvh, hd), cos, sin).to(bf16)
+            qk = _rope(qkv[:, :q_size + kv_size].float().view(1, h + kvh, hd), cos, sin).to(act)
             k_cache[slot, :, pos] = qk[:, h:]  # [1, KVH, hd]
-            v_cache[slot, :, pos] = qkv[:, q_size + kv_size:].view(1, kvh, hd)
+            v_cache[slot, :, pos] = qkv[:, q_size + kv_size:].view(1, kvh, hd).to(act)
             keys, values = k_cache[slot, :, :ctx], v_cache[slot, :, :ctx]  # [1, KVH, C, hd]
             queries = qk[:, :h].view(1, kvh, h // kvh, hd)  # GQA as query length: [1, KVH, g, hd]
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(attn.reshape(1, q_size), wo.packed, GROUP,
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(attn.reshape(1, q_size).to(bf16), wo.packed, GROUP,
                                                              wo.scales_and_zeros)
             hidden = hidden + out
             x = F.rms_norm(hidden, ffn_norm.shape, ffn_norm, eps).to(bf16)
             gate, up = torch.ops.aten._weight_int4pack_mm_for_cpu(x, gate_up.packed, GROUP,
                                                                   gate_up.scales_and_zeros).chunk(2, dim=-1)
-            hidden = hidden + torch.ops.aten._weight_int4pack_mm_for_cpu(F.silu(gate) * up, w_down.packed, GROUP,
+            hidden = hidden + torch.ops.aten._weight_int4pack_mm_for_cpu((F.silu(gate) * up).to(bf16), w_down.packed, GROUP,
                                                                          w_down.scales_and_zeros)
         return hidden
 
@@ -122,7 +123,7 @@ class CompiledDecode:
         c = self.model.config
         position = torch.tensor([pos])
         cos, sin = rope_cos_sin(position, c.rope_dim, c.rope_theta, c.rope_scaling, self.kv.max_seq_len)
-        mask = torch.zeros(1, 1, 1, ctx_bucket, dtype=torch.bfloat16)
+        mask = torch.zeros(1, 1, 1, ctx_bucket, dtype=self.model.dtype)
         mask[..., pos + 1:] = float("-inf")
         return hidden, torch.tensor([slot]), position, cos[:, None], sin[:, None], mask, self.kv.k, self.kv.v
 
