@@ -3,7 +3,7 @@ sees, through a real `stagemesh up --stages N`. The difference is the critical p
 scheduler, ZeroMQ hops, SSE), which issue 14 holds to <= 1.5 ms per token at one stream; the hops are split out
 from the stages' and the gateway's own hop-latency histograms (send time in the header, receipt at decode).
 
-    python -m benchmarks.critical_path [--stages 1] [--tokens 128] [--runs 3] [--dtype bfloat16] [-- extra up flags]
+    python -m benchmarks.critical_path [--stages 1] [--tokens 128] [--runs 3] [--dtype D] [-- extra up flags]
 
 Each run streams one /v1/completions request (ignore_eos, greedy) and reads every stage's busy seconds and
 micro-batch count from /metrics before and after, so compute per step is the stage's own measurement."""
@@ -60,7 +60,7 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
     p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as logs:
@@ -71,7 +71,7 @@ def main() -> None:
             runs = [asyncio.run(one_run(gw.url, stage_urls, args.tokens)) for _ in range(args.runs)]
         finally:
             gw.stop()
-    print(f"critical path: up --stages {args.stages} ({args.dtype}), 1 stream, {args.tokens} tokens, {args.runs} runs")
+    print(f"critical path: up --stages {args.stages} ({args.dtype or 'default dtype'}), 1 stream, {args.tokens} tokens, {args.runs} runs")
     for r in runs:
         stages = " + ".join(f"{x:.2f}" for x in r["per_stage_ms"])
         print(f"  client ITL {r['itl_ms']:6.2f} ms = stage compute {r['compute_ms']:6.2f} ms ({stages}) "

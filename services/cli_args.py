@@ -27,8 +27,8 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                             "and reduction order): greedy output reproducible under any load; costs speed at large "
                             "batches")
         p.add_argument("--compile-decode", action="store_true",
-                       help="run one sequence's decode step under torch.compile (~20%% faster per token on SmolLM2; "
-                            "compiles for ~45 s at the first start, seconds from inductor's cache after; not with "
+                       help="run one sequence's decode step under torch.compile (20-45%% faster per token on SmolLM2; "
+                            "compiles for 45-90 s at the first start, seconds from inductor's cache after; not with "
                             "--batch-invariant)")
 
 

@@ -71,3 +71,28 @@ def test_bad_flags_are_clear_errors():
     assert proc.returncode == 2 and "top_p" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run(stagemesh_cmd("perplexity", "--file", "/nonexistent"), capture_output=True, text=True)
     assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ([], "auto"),  # --dtype left to its default: the fast kernels, whatever the CPU's default activation dtype
+    (["--dtype", "float32"], "f32"),  # an explicit float32: the exact reference
+    (["--dtype", "bfloat16"], "auto"),
+    (["--dtype", "float32", "--weights", "int4"], "int4"),
+])
+def test_weights_mode_follows_the_dtype_flag(flags, expected):
+    import argparse
+
+    import torch
+
+    from services.cli_args import add_model_args, weights_from_args
+    from shared.device import resolve_dtype
+    from shared.models.transformer import resolve_weights
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args(flags)
+    assert resolve_weights(weights_from_args(args), resolve_dtype(args.dtype, torch.device("cpu"))) == expected
+
+
+def test_inspect_reports_the_serving_default():
+    assert "runs as (auto)" in run("inspect")

@@ -170,8 +170,8 @@ class DenseLinear:
             prepacked_bf16_available() if dtype == torch.bfloat16
             else prepack_f32 and dtype == torch.float32 and torch.backends.mkldnn.is_available())
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.prepacked else w
-        name = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(dtype, str(dtype).removeprefix("torch."))
-        self.kind = f"{name}-prepacked" if self.prepacked else str(dtype).removeprefix("torch.")
+        self.kind = (f"{'bf16' if dtype == torch.bfloat16 else 'f32'}-prepacked" if self.prepacked
+                     else str(dtype).removeprefix("torch."))
         if fixed_rows:
             self.kind += f" (rows of {fixed_rows})"
 
