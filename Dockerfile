@@ -32,6 +32,10 @@ LABEL org.opencontainers.image.title="stagemesh" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/stagemesh/stagemesh"
 COPY --from=build /opt/stagemesh /opt/stagemesh
+# g++: torch.compile (inductor) builds the compiled decode step (--compile-decode, auto by default) where the stage runs;
+# without it the stage decodes eagerly and says so. Debian's g++ of the base image's release, not pinned further.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/stagemesh/bin:$PATH PYTHONUNBUFFERED=1
 RUN useradd --system --uid 10001 --home-dir /home/stagemesh --create-home stagemesh
 USER 10001

@@ -67,6 +67,7 @@ def run_stagemesh(stages: int, levels: list[int], out: str, args) -> dict:
     with tempfile.TemporaryDirectory() as logs:
         gw = start_up(stages, args.dtype, logs, *args.extra)
         try:
+            print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
             return {c: bench(gw.url, f"stagemesh {stages} stage{'s' * (stages > 1)}", c, out, args) for c in levels}
         finally:
             gw.stop()

@@ -66,12 +66,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs:
         gw = start_up(args.stages, args.dtype, logs, *args.extra)
         try:
+            compiled = gw.wait_compiled()
             stage_urls = gw.stage_urls()
             asyncio.run(one_run(gw.url, stage_urls, 8))  # warm-up
             runs = [asyncio.run(one_run(gw.url, stage_urls, args.tokens)) for _ in range(args.runs)]
         finally:
             gw.stop()
-    print(f"critical path: up --stages {args.stages} ({args.dtype or 'default dtype'}), 1 stream, {args.tokens} tokens, {args.runs} runs")
+    print(f"critical path: up --stages {args.stages} ({args.dtype or 'default dtype'}) {' '.join(args.extra)}, 1 stream, "
+          f"{args.tokens} tokens, {args.runs} runs; compiled decode step: {[c['state'] for c in compiled]}")
     for r in runs:
         stages = " + ".join(f"{x:.2f}" for x in r["per_stage_ms"])
         print(f"  client ITL {r['itl_ms']:6.2f} ms = stage compute {r['compute_ms']:6.2f} ms ({stages}) "

@@ -8,7 +8,7 @@ Each batch size decodes B sequences that each hold --context tokens of prompt; t
 against whatever `shared` is on the path: PYTHONPATH=<an older tree> measures the code before a change (weights
 modes it lacks are skipped; bf16 there is its default).
 
---compile also measures each mode loaded with compile_decode=True (shared.models.compiled_decode: one sequence's
+--compile also measures each mode loaded with compile_decode="on" (shared.models.compiled_decode: one sequence's
 decode step under torch.compile with static shapes, one graph per context bucket, compiled at load; its load s
 includes compilation, seconds when inductor's on-disk cache has the graphs). Only B=1 runs compiled; larger batches
 run the eager step in both rows. Modes the compiled step does not cover (bf16, f32) are skipped.
@@ -40,7 +40,7 @@ def load(loader: GgufLoader, weights: str, slots: int, batch_invariant: bool,
         return LocalPipeline.load(loader, None, dtype, kv_slots=slots, weights=weights, batch_invariant=batch_invariant)
     if "compile_decode" not in params or weights not in ("auto", "int4"):
         return None
-    return LocalPipeline.load(loader, None, dtype, kv_slots=slots, weights=weights, compile_decode=True)
+    return LocalPipeline.load(loader, None, dtype, kv_slots=slots, weights=weights, compile_decode="on")
 
 
 def decode_ms(pipeline: LocalPipeline, batch: int, context: int, steps: int, step_fn=None) -> tuple[float, float]:

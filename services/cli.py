@@ -29,7 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except StagemeshError as e:  # a flag default from the environment that is not valid (STAGEMESH_*)
+        print(f"stagemesh: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -4,16 +4,22 @@ declared here, once, with its default from shared.config where it has one."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.device import DTYPES
 from shared.errors import StagemeshError
+from shared.models.compiled_decode import COMPILE_MODES
 from shared.models.linear import WEIGHT_MODES
 from shared.otlp import otlp_endpoint, require_sdk
 from shared.sampling import SamplingParams
 
+COMPILE_DECODE_ENV = "STAGEMESH_COMPILE_DECODE"  # the serving commands' --compile-decode default, when set
 
-def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+
+def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool = False) -> None:
+    """serving: a command that serves (stage, up): --compile-decode defaults to auto (or $STAGEMESH_COMPILE_DECODE)
+    there, to off elsewhere (a one-off generate would spend its run compiling)."""
     p.add_argument("--model", default="smollm2", help="alias (smollm2) or path to a .gguf file (default: smollm2)")
     if dtype:
         p.add_argument("--dtype", choices=list(DTYPES), default=None,
@@ -26,10 +32,15 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                        help="each sequence's numbers independent of what else is in its micro-batch (fixed kernels "
                             "and reduction order): greedy output reproducible under any load; costs speed at large "
                             "batches")
-        p.add_argument("--compile-decode", action="store_true",
-                       help="run one sequence's decode step under torch.compile (20-45%% faster per token on SmolLM2; "
-                            "compiles for 45-90 s at the first start, seconds from inductor's cache after; not with "
-                            "--batch-invariant)")
+        default = os.environ.get(COMPILE_DECODE_ENV, "auto") if serving else "off"
+        if default not in COMPILE_MODES:
+            raise StagemeshError(f"{COMPILE_DECODE_ENV}={default!r} must be one of {', '.join(COMPILE_MODES)}")
+        p.add_argument("--compile-decode", nargs="?", const="on", choices=COMPILE_MODES, default=default,
+                       help="one sequence's decode step under torch.compile (20-45%% faster per token on SmolLM2; "
+                            "compiling takes 45-90 s at the first start, seconds from inductor's cache after): auto "
+                            "compiles in the background while the stage already serves eagerly, where the model and "
+                            "weights allow it; on (the flag alone) compiles before the stage is ready and refuses what "
+                            f"it does not cover (e.g. --batch-invariant); off never (default: {default})")
 
 
 def weights_from_args(args) -> str | None:
@@ -115,8 +126,8 @@ def model_flags(args) -> list[str]:
         flags += ["--weights", args.weights]
     if getattr(args, "batch_invariant", False):
         flags.append("--batch-invariant")
-    if getattr(args, "compile_decode", False):
-        flags.append("--compile-decode")
+    if getattr(args, "compile_decode", None):
+        flags += ["--compile-decode", args.compile_decode]
     return flags
 
 

@@ -203,6 +203,16 @@ class RunningGateway:
         with urllib.request.urlopen(self.stage_urls()[i] + "/info", timeout=5) as r:
             return json.loads(r.read())
 
+    def wait_compiled(self, timeout: float = 900) -> list[dict]:
+        """Wait until no stage is still compiling its decode step (--compile-decode auto compiles in the background
+        after /ready); returns each stage's compiled_decode /info entry. Benchmarks call it to measure steady state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            infos = [self.stage_info(i)["compiled_decode"] for i in range(len(self.stage_urls()))]
+            if all(i["state"] != "compiling" for i in infos) or time.monotonic() > deadline:
+                return infos
+            time.sleep(1)
+
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample on /metrics (NaN when absent), read with prometheus_client's parser."""
         return scrape_metric(self.get("/metrics")[1], name, labels or None)

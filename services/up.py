@@ -28,7 +28,7 @@ from shared.errors import StagemeshError
 def register(sub) -> None:
     p = sub.add_parser("up", help="start a gateway and N stages on this machine",
                        description="Start N stage processes on loopback and a gateway in front of them.")
-    add_model_args(p)
+    add_model_args(p, serving=True)
     p.add_argument("--stages", type=int, default=2, help="number of stage processes (default 2)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")

@@ -15,13 +15,17 @@ from shared.steps import InferenceStep
 
 
 class KVCache:
-    """k, v: one tensor per local layer, each [slots, kv_heads, max_seq_len, head_dim]. A sequence owns one slot from
-    its first prefill chunk until it is released. (Separate tensors, not one [layers, ...] tensor: a compiled decode
-    step writes each in place, where a view of a larger tensor would make inductor copy all of it back.)"""
+    """k, v: one tensor per local layer, each [slots (+1 scratch), kv_heads, max_seq_len, head_dim]. A sequence owns
+    one slot from its first prefill chunk until it is released. (Separate tensors, not one [layers, ...] tensor: a
+    compiled decode step writes each in place, where a view of a larger tensor would make inductor copy all of it back.)
+
+    scratch: one more row, index `scratch_slot` = num_slots, that no sequence is ever given: a compiled decode step
+    warming up in the background writes there while live sequences decode in the other rows."""
 
     def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
+                 dtype: torch.dtype, device: torch.device | str = "cpu", scratch: bool = False):
+        self.scratch_slot = num_slots if scratch else None
+        shape = (num_slots + int(scratch), num_kv_heads, max_seq_len, head_dim)
         # zeros, not empty: masked positions are still multiplied by 0 in attention, and 0 * NaN is NaN.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

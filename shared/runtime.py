@@ -3,6 +3,7 @@ in one process, handing each other only the hidden state (the code path a stage 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -14,10 +15,11 @@ from shared.gguf_loader import GgufLoader
 from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
-from shared.models.compiled_decode import CompiledDecode, why_not_compilable
+from shared.models.compiled_decode import COMPILE_MODES, CompiledDecode, why_not_compilable
 from shared.models.crossover import apply_measured_crossover
 from shared.steps import InferenceStep
 
+log = logging.getLogger("stagemesh.runtime")
 
 @dataclass(frozen=True)
 class SeqWork:
@@ -31,30 +33,48 @@ class StageRuntime:
     """Runs micro-batches through one TransformerModel piece and owns its KV cache: a sequence's KV
     slot is allocated exactly once (its first prefill chunk) and freed by release()."""
 
-    def __init__(self, model: TransformerModel, kv: KVCache, compiled: CompiledDecode | None = None):
+    def __init__(self, model: TransformerModel, kv: KVCache, compiled: CompiledDecode | None = None,
+                 eager_reason: str = "--compile-decode off"):
         self.model = model
         self.kv = kv
         self.compiled = compiled  # one-sequence decode steps under torch.compile (--compile-decode), else None
+        self.eager_reason = eager_reason  # why there is no compiled step (when compiled is None)
 
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
              kv_slots: int = SERVING_DEFAULTS.kv_slots, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
-             weights: str | None = None, batch_invariant: bool = False, compile_decode: bool = False) -> StageRuntime:
+             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off") -> StageRuntime:
         """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
         batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel);
-        compile_decode: compile the one-sequence decode step (shared.models.compiled_decode) before returning."""
+        compile_decode: a COMPILE_MODES entry (shared.models.compiled_decode): "on" compiles the one-sequence decode
+        step before returning (refusing a piece it does not cover), "auto" starts compiling it in the background
+        where it covers the piece, "off" never."""
+        if compile_decode not in COMPILE_MODES:
+            raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
         model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant)
         apply_measured_crossover(model)  # auto: where int4 hands over to bf16, timed on this machine
         max_seq_len = min(max_seq_len, model.config.context_length)
-        kv = model.new_kv_cache(kv_slots, max_seq_len, device)
-        compiled = None
-        if compile_decode:
-            if (reason := why_not_compilable(model)) is not None:
-                raise CapabilityMissing(f"--compile-decode cannot compile layers {model.layers}: {reason}; "
-                                        "drop --compile-decode to decode eagerly")
-            compiled = CompiledDecode(model, kv)
+        reason = "--compile-decode off" if compile_decode == "off" else why_not_compilable(model)
+        if compile_decode == "on" and reason is not None:
+            raise CapabilityMissing(f"--compile-decode cannot compile layers {model.layers}: {reason}; "
+                                    "drop --compile-decode to decode eagerly")
+        if reason is not None:
+            if compile_decode == "auto":
+                log.info("layers %s decode eagerly: %s", model.layers, reason)
+            return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device), eager_reason=reason)
+        kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True)  # the warm-up writes the scratch row
+        compiled = CompiledDecode(model, kv)
+        if compile_decode == "on":
             compiled.warm_up()
+        else:
+            compiled.warm_up_in_background()
         return cls(model, kv, compiled)
+
+    def compiled_decode_info(self) -> dict:
+        """What /info reports of the compiled decode step: CompiledDecode.info(), or why decode is eager."""
+        if self.compiled is None:
+            return {"state": "off", "reason": self.eager_reason}
+        return self.compiled.info()
 
     @property
     def device(self) -> torch.device:
@@ -120,7 +140,7 @@ class LocalPipeline:
     @classmethod
     def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
              device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
-             weights: str | None = None, batch_invariant: bool = False, compile_decode: bool = False) -> LocalPipeline:
+             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off") -> LocalPipeline:
         ranges = ranges or [None]
         return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len, weights=weights,
                                       batch_invariant=batch_invariant, compile_decode=compile_decode) for r in ranges])

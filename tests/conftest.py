@@ -9,6 +9,11 @@ from shared.model_files import ModelFiles
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 
+# Stages the suite starts (dozens of them, each a real process) decode eagerly unless a test asks otherwise: with the
+# serving default (auto) each would spend a minute of both cores compiling in the background. The compiled step is
+# tested where it is the point: tests/test_numerics.py (in process) and tests/test_compiled_mesh.py (real stages).
+os.environ["STAGEMESH_COMPILE_DECODE"] = "off"
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> ModelFiles:

@@ -96,3 +96,37 @@ def test_weights_mode_follows_the_dtype_flag(flags, expected):
 
 def test_inspect_reports_the_serving_default():
     assert "runs as (auto)" in run("inspect")
+
+
+@pytest.mark.parametrize("serving,env,flags,expected", [
+    (True, None, [], "auto"),  # stage / up: compile in the background by default
+    (True, "off", [], "off"),  # STAGEMESH_COMPILE_DECODE sets a serving command's default (the suite's is off)
+    (True, "off", ["--compile-decode"], "on"),  # the flag alone: compile before ready, as before
+    (True, None, ["--compile-decode", "off"], "off"),
+    (False, None, [], "off"),  # generate / perplexity: a one-off run would spend itself compiling
+])
+def test_compile_decode_mode_follows_command_env_and_flag(monkeypatch, serving, env, flags, expected):
+    import argparse
+
+    from services.cli_args import COMPILE_DECODE_ENV, add_model_args, model_flags
+
+    if env is None:
+        monkeypatch.delenv(COMPILE_DECODE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(COMPILE_DECODE_ENV, env)
+    p = argparse.ArgumentParser()
+    add_model_args(p, serving=serving)
+    args = p.parse_args(flags)
+    assert args.compile_decode == expected
+    assert model_flags(args)[-2:] == ["--compile-decode", expected]  # what `up` hands its stages
+
+
+def test_a_bad_compile_decode_default_is_a_clear_error(monkeypatch):
+    import argparse
+
+    from services.cli_args import COMPILE_DECODE_ENV, add_model_args
+    from shared.errors import StagemeshError
+
+    monkeypatch.setenv(COMPILE_DECODE_ENV, "sometimes")
+    with pytest.raises(StagemeshError, match="STAGEMESH_COMPILE_DECODE='sometimes' must be one of auto, on, off"):
+        add_model_args(argparse.ArgumentParser(), serving=True)

@@ -1,6 +1,7 @@
 """Numerical parity with llama.cpp on SmolLM2, split invariance, and what a stage holds in memory."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -143,14 +144,69 @@ def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Ten
 
 @pytest.fixture(scope="module")
 def compiled_pipeline(smollm2):
-    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT,
-                              compile_decode=True)
+    """Compiling in the background, as a stage does by default (--compile-decode auto); wait_compiled() waits for it.
+    (tests/test_compiled_mesh.py starts real stages with these KV shapes: one compilation, then inductor's cache.)
+    Weights int4: auto's decode kernels without its measured switch to dense ones, whose threshold a loaded machine
+    can measure differently in two pipelines, so an eager pipeline with int4 weights computes the same numbers."""
+    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="int4",
+                              compile_decode="auto")
+
+
+def eager_twin(smollm2) -> LocalPipeline:
+    """compiled_pipeline's eager twin: the same weights and KV shape, no compiled step."""
+    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="int4")
+
+
+def wait_compiled(pipeline, timeout_s: float = 900.0):
+    compiled = pipeline.pieces[0].compiled
+    deadline = time.monotonic() + timeout_s
+    while compiled.state == "compiling" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert compiled.state == "ready", compiled.info()
+    return compiled
+
+
+def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, windows, compiled_pipeline):
+    """--compile-decode auto: the pipeline serves at once; until every graph is compiled its decode steps are the eager
+    step's, bit for bit, although the warm-up runs the graphs on the same KV tensors (in their scratch row, which no
+    sequence holds); then the steps run compiled."""
+    from shared.runtime import SeqWork
+    from shared.steps import Decode, Prefill
+
+    piece = compiled_pipeline.pieces[0]
+    compiled = piece.compiled
+    assert compiled.state == "compiling"  # load returned before compiling (seconds even from inductor's cache)
+    assert piece.kv.num_slots == 3 and piece.kv.scratch_slot == 3 and piece.kv.k[0].shape[0] == 4
+    eager = eager_twin(smollm2)
+    assert eager.pieces[0].compiled is None and eager.pieces[0].kv.scratch_slot is None
+    text = windows[0]
+    for pipe in (compiled_pipeline, eager):  # two live sequences: slots 0 and 1
+        for name, n in (("a", 20), ("b", 30)):
+            pipe.run([SeqWork(name, Prefill(n, 0, n, True))], torch.tensor(text[:n]))
+    during = 0
+    for t in range(30, CONTEXT - 1):  # one-sequence decode steps, the compiled step's shape, for each sequence
+        state_before = compiled.state
+        for name, pos in (("b", t), ("a", t - 10)):
+            steps = compiled.steps
+            ours, ref = (p.run([SeqWork(name, Decode(pos))], torch.tensor([text[pos]])) for p in (compiled_pipeline, eager))
+            if state_before == compiled.state == "compiling":
+                assert torch.equal(ours, ref) and compiled.steps == steps
+                during += 1
+        if compiled.state != "compiling":
+            break
+    assert during > 0
+    wait_compiled(compiled_pipeline)
+    steps = compiled.steps
+    compiled_pipeline.run([SeqWork("b", Decode(t + 1))], torch.tensor([text[t + 1]]))
+    assert compiled.steps == steps + 1
+    for name in ("a", "b"):
+        compiled_pipeline.release(name)
 
 
 def test_compiled_decode_parity_with_llama_cpp(windows, reference_logits, compiled_pipeline):
     """--compile-decode: every decode step of two windows runs the compiled graph (both context buckets) and keeps
     the default path's fidelity thresholds against llama.cpp."""
-    compiled = compiled_pipeline.pieces[0].compiled
+    compiled = wait_compiled(compiled_pipeline)
     assert set(compiled.compile_seconds) == {128, CONTEXT}  # buckets cap at max_seq_len
     kls, agree = [], []
     for w, ref in list(zip(windows, reference_logits))[:2]:
@@ -174,8 +230,8 @@ def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smol
     from shared.runtime import SeqWork
     from shared.steps import Decode, Prefill
 
-    eager = LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT)
-    compiled = compiled_pipeline.pieces[0].compiled
+    eager = eager_twin(smollm2)
+    compiled = wait_compiled(compiled_pipeline)
     text = windows[0]
     outs = []
     for pipe in (eager, compiled_pipeline):
@@ -189,7 +245,7 @@ def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smol
     assert torch.equal(outs[0], outs[1])
     piece = compiled_pipeline.pieces[0]
     short = CompiledDecode(piece.model, piece.kv, buckets=(128,))  # graphs for contexts <= 128 only
-    short.compile_seconds[128] = 0.0  # as if compiled: forward must decline on the context alone, never compile
+    short.compile_seconds[128], short.state = 0.0, "ready"  # as if compiled: forward must decline on the context alone
     hidden = torch.zeros(1, piece.model.config.hidden_size)
     assert short.forward(hidden, BatchLayout.build([0], [Decode(200)], CONTEXT)) is None
     assert short.steps == 0
@@ -203,4 +259,4 @@ def test_compile_decode_refuses_what_it_does_not_cover(smollm2, kwargs, reason):
     from shared.errors import CapabilityMissing
 
     with pytest.raises(CapabilityMissing, match=reason):
-        LocalPipeline.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, compile_decode=True, **kwargs)
+        LocalPipeline.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, compile_decode="on", **kwargs)

@@ -41,7 +41,7 @@ log = logging.getLogger("stagemesh.stage")
 def register(sub) -> None:
     p = sub.add_parser("stage", help="serve one layer range as a pipeline stage",
                        description="Receive activations on --listen, compute this stage's layers, send to --next.")
-    add_model_args(p)
+    add_model_args(p, serving=True)
     p.add_argument("--layers", help="layer range START:STOP served by this stage, e.g. 0:15 (with --keys, also give "
                                     "--stage-index: which stage's keys are this one's)")
     p.add_argument("--stage-index", type=int,

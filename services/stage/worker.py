@@ -235,7 +235,7 @@ class StageWorker:
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
             "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
             "weights": self._weights_info,
-            "compiled_decode": None if self.runtime.compiled is None else self.runtime.compiled.info(),
+            "compiled_decode": self.runtime.compiled_decode_info(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
                    "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed},
             "prefetch": self.io.prefetch,

@@ -13,13 +13,21 @@ a 2-core Zen 4, torch 2.13; see benchmarks/decode_step.py):
   the SwitchedLinear's kernel choice applies).
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
-batch-invariant mode never compiles. Graphs compile when the stage loads, before it reports ready (the stage's /info
-reports the seconds); inductor's on-disk cache makes later starts fast.
+batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile
+(COMPILE_MODES, `--compile-decode`):
+
+- auto (a stage's default): in a background thread once the stage has loaded. The stage is ready at once and decodes
+  eagerly until every graph is compiled, then switches; a piece the step does not cover, or a failed compilation
+  (no C++ compiler), stays eager and says why in the log and /info. The warm-up writes the KV cache's scratch row,
+  which no sequence ever holds, so it never touches a live sequence's keys.
+- on: before the stage reports ready; a piece the step does not cover is refused at load.
+- off: never.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -33,6 +41,7 @@ from shared.models.transformer import rope_cos_sin
 log = logging.getLogger("stagemesh.compiled_decode")
 
 CONTEXT_BUCKETS = (128, 512)  # a decode step at context length ctx runs the smallest bucket >= ctx; beyond: eager
+COMPILE_MODES = ("auto", "on", "off")  # when the graphs compile: in the background, before ready, never
 
 
 def _int4(linear) -> Int4Linear | None:
@@ -83,6 +92,10 @@ class CompiledDecode:
         self._shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.q_size, c.kv_size, c.norm_eps, c.attn_scale)
         self._compiled = torch.compile(self._step, dynamic=False, fullgraph=True)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
+        # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written
+        # by the compiling thread only; forward reads it and runs nothing compiled before "ready".
+        self.state = "pending"
+        self.error: str | None = None
         self.broken = False  # set when a serving-time call would have recompiled: eager from then on
         self.steps = 0  # decode steps run compiled
 
@@ -129,32 +142,58 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile every bucket's graph (one call each, writing slot 0's last cache position: no sequence is live yet,
-        and a sequence writes a position before any query of it can see it); compile_seconds records each."""
+        """Compile every bucket's graph, one call each at the last position of the KV cache's scratch row (slot 0 when
+        the cache has none: then no sequence may be live yet); compile_seconds records each. Raises CapabilityMissing
+        when inductor fails (state "failed")."""
+        self.state = "compiling"
+        slot = self.kv.scratch_slot if self.kv.scratch_slot is not None else 0
         for b in self.buckets:
             t = time.perf_counter()
             hidden = torch.zeros(1, self.model.config.hidden_size)
             try:
-                self._compiled(*self._inputs(hidden, 0, self.kv.max_seq_len - 1, b))
+                self._compiled(*self._inputs(hidden, slot, self.kv.max_seq_len - 1, b))
             except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
-                raise CapabilityMissing(f"--compile-decode: torch.compile failed for contexts <= {b}: "
-                                        f"{str(e).strip().splitlines()[0][:300]} (inductor needs a C++ compiler, g++); "
-                                        "drop --compile-decode to decode eagerly") from None
+                self.error = (f"torch.compile failed for contexts <= {b}: {str(e).strip().splitlines()[0][:300]} "
+                              "(inductor needs a C++ compiler, g++)")
+                self.state = "failed"
+                raise CapabilityMissing(f"--compile-decode: {self.error}; drop --compile-decode to decode eagerly") from None
             self.compile_seconds[b] = round(time.perf_counter() - t, 1)
             log.info("compiled the decode step for contexts <= %d in %.1f s", b, self.compile_seconds[b])
+        self.state = "ready"
+
+    def warm_up_in_background(self) -> threading.Thread:
+        """warm_up in a daemon thread with the caller's torch thread count; until it is done, forward declines and the
+        step runs eager. A failure is logged and leaves decode eager. Needs the KV cache's scratch row."""
+        if self.kv.scratch_slot is None:
+            raise ValueError("a background warm-up needs a KV cache with a scratch slot (new_kv_cache(scratch=True))")
+        threads = torch.get_num_threads()
+        self.state = "compiling"
+
+        def run() -> None:
+            torch.set_num_threads(threads)
+            try:
+                self.warm_up()
+            except CapabilityMissing:
+                log.warning("compiled decode step unavailable, decoding eagerly: %s", self.error)
+
+        thread = threading.Thread(target=run, name="compile-decode", daemon=True)
+        thread.start()
+        return thread
 
     def info(self) -> dict:
-        """What a stage's /info reports: each bucket's compile seconds at start, the steps run compiled so far, and
-        whether a serving-time call fell back to eager for good."""
-        return {"compile_seconds": {str(b): s for b, s in self.compile_seconds.items()}, "steps": self.steps,
+        """What a stage's /info reports: the compile state (and error), each bucket's compile seconds, the steps run
+        compiled so far, and whether a serving-time call fell back to eager for good."""
+        return {"state": self.state, "error": self.error,
+                "compile_seconds": {str(b): s for b, s in self.compile_seconds.items()}, "steps": self.steps,
                 "fell_back_to_eager": self.broken}
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor | None:
         """hidden [1, D] f32 of a one-sequence decode micro-batch -> [1, D] f32, or None when no compiled graph covers
-        it (more than one sequence, not a decode step, a context past the largest bucket): run eager then. Never
+        it (graphs not compiled yet, more than one sequence, not a decode step, a context past the largest bucket): run
+        eager then. Never
         compiles: a call that would (a guard that fails on an input nobody foresaw) runs eager instead, and is logged."""
-        if not layout.decode_only or len(layout.slots) != 1 or self.broken:
+        if self.state != "ready" or not layout.decode_only or len(layout.slots) != 1 or self.broken:
             return None
         pos = int(layout.positions[0])
         bucket = self.bucket(pos + 1)

@@ -334,9 +334,10 @@ class TransformerModel:
             out["token_embd.weight"] = f"{self.embedding.kind} (embedding)" + (f", {head} (lm_head)" if head else "")
         return out
 
-    def new_kv_cache(self, num_slots: int, max_seq_len: int, device: torch.device | str = "cpu") -> KVCache:
+    def new_kv_cache(self, num_slots: int, max_seq_len: int, device: torch.device | str = "cpu",
+                     scratch: bool = False) -> KVCache:
         c = self.config
-        return KVCache(len(self.layers), num_slots, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, device)
+        return KVCache(len(self.layers), num_slots, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, device, scratch)
 
     # ---- compute -----------------------------------------------------------------------------------------
 

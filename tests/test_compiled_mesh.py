@@ -1,0 +1,61 @@
+"""`--compile-decode auto` (a stage's default) through real processes: `stagemesh up` serves while its stage compiles
+the decode step in the background, then runs one stream's decode steps compiled; the stage's /info says which.
+(The compiled step's numbers against llama.cpp: tests/test_numerics.py.)"""
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from services.launch import start_up
+
+# The KV shapes of test_numerics' compiled pipeline (3 slots + the scratch row, 256 positions): one compilation
+# serves both tests, the second from inductor's on-disk cache.
+SHAPE_FLAGS = ("--kv-slots", "3", "--max-seq-len", "256")
+
+
+def complete(url: str, max_tokens: int) -> dict:
+    body = json.dumps({"model": "smollm2", "prompt": "The history of the printing press", "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    gw = start_up(1, None, str(tmp_path_factory.mktemp("compiled")), "--compile-decode", "auto", *SHAPE_FLAGS)
+    yield gw
+    gw.stop()
+
+
+def test_up_serves_while_the_stage_compiles_then_decodes_compiled(gateway):
+    before = gateway.stage_info(0)["compiled_decode"]
+    assert before["state"] in ("compiling", "ready") and before["error"] is None
+    out = complete(gateway.url, 8)  # served at once, whatever the compilation's progress
+    assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
+    after = gateway.stage_info(0)["compiled_decode"]
+    if before["state"] == after["state"] == "compiling":
+        assert after["steps"] == 0  # every step of that request ran eager
+    deadline = time.monotonic() + 900  # a cold compilation takes 1-2 minutes on 2 busy cores
+    while gateway.stage_info(0)["compiled_decode"]["state"] == "compiling" and time.monotonic() < deadline:
+        time.sleep(1)
+    info = gateway.stage_info(0)["compiled_decode"]
+    assert info["state"] == "ready" and set(info["compile_seconds"]) == {"128", "256"}
+    assert not info["fell_back_to_eager"]
+    out = complete(gateway.url, 16)
+    assert out["usage"]["completion_tokens"] == 16
+    # the first token comes from the prefill; each of the other 15 from a one-sequence decode step, now compiled
+    assert gateway.stage_info(0)["compiled_decode"]["steps"] - info["steps"] == 15
+
+
+def test_off_and_uncovered_setups_say_why_decode_is_eager(tmp_path):
+    gw = start_up(1, None, str(tmp_path), "--batch-invariant", "--compile-decode", "auto", *SHAPE_FLAGS)
+    try:
+        info = gw.stage_info(0)["compiled_decode"]
+        assert info["state"] == "off" and "batch-invariant" in info["reason"]
+        assert complete(gw.url, 4)["usage"]["completion_tokens"] == 4
+    finally:
+        gw.stop()
