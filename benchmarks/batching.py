@@ -48,6 +48,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs:
         gw = start_up(args.stages, args.dtype, logs, "--kv-slots", str(max(levels)))
         try:
+            gw.wait_compiled()  # measure steady state: --compile-decode auto compiles after /ready
             print(f"batching benchmark: stagemesh up --stages {args.stages} --dtype {args.dtype}, "
                   f"{args.max_tokens} tokens per request (ignore_eos)")
             base = None

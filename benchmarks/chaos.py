@@ -89,6 +89,7 @@ def main() -> None:
     extra = ["--batch-invariant"] if args.batch_invariant else []
     gw = start_up(args.stages, args.dtype, tempfile.mkdtemp(prefix="stagemesh-chaos-"), *extra)
     try:
+        gw.wait_compiled()  # measure steady state: --compile-decode auto compiles after /ready
         ref = asyncio.run(reference(gw.url, args.max_tokens))
         print(f"undisturbed run done; chaos for {args.duration:.0f} s, a SIGKILL every {args.kill_every:.0f} s",
               flush=True)

@@ -50,6 +50,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs:
         gw = start_up(args.stages, args.dtype, logs, "--kv-slots", str(max(16, args.concurrency)))
         try:
+            gw.wait_compiled()  # measure steady state: --compile-decode auto compiles after /ready
             off, on, snapshots = [], [], 0
             for r in range(args.rounds):
                 off.append(asyncio.run(with_subscribers(gw.url, 0, args.concurrency, args.max_tokens))[0])

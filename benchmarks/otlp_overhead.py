@@ -73,6 +73,7 @@ def main() -> None:
         try:
             on_gw = start_up(args.stages, args.dtype, logs_on, *slots, "--otlp-endpoint", rx.url)
             try:
+                off_gw.wait_compiled(), on_gw.wait_compiled()  # steady state: --compile-decode auto compiles after /ready
                 off, on = [], []
                 for r in range(args.rounds):  # the order alternates too: neither side always runs first
                     for gw, out in [(off_gw, off), (on_gw, on)][:: 1 if r % 2 == 0 else -1]:

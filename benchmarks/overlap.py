@@ -97,6 +97,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as logs:
             mesh = start_mesh(args.model, args.stages, dtype=args.dtype, threads=args.threads, extra=extra, log_dir=logs)
             try:
+                mesh.wait_compiled()  # steady state: --compile-decode auto compiles after /ready
                 r = asyncio.run(run_groups(mesh, prompt, inflight, args.batch, args.steps, args.warmup))
             finally:
                 mesh.stop()

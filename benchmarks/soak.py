@@ -105,6 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     gw = start_up(args.stages, args.dtype, tempfile.mkdtemp(prefix="stagemesh-soak-"), "--kv-slots", "32")
     try:
+        gw.wait_compiled()  # measure steady state: --compile-decode auto compiles after /ready
         cap = asyncio.run(capacity(gw.url, args.max_tokens))
         rate = args.load * cap
         print(f"capacity {cap:.2f} req/s; soaking {args.minutes:g} min at {rate:.2f} req/s, "

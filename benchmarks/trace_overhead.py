@@ -30,6 +30,8 @@ def main() -> None:
         meshes = {"idle": start_mesh("smollm2", 2, dtype=args.dtype, log_dir=logs),
                   "bypassed": start_mesh("smollm2", 2, dtype=args.dtype, extra=["--no-trace"], log_dir=logs)}
         try:
+            for mesh in meshes.values():
+                mesh.wait_compiled()  # steady state: --compile-decode auto compiles after /ready
             for _ in range(args.rounds):
                 for mode, mesh in meshes.items():
                     r = asyncio.run(drive(mesh, prompt, args.inflight, args.batch, args.steps, warmup=3))

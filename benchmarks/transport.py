@@ -139,6 +139,7 @@ def mesh_tokens(rounds: int, dtype: str) -> None:
             with tempfile.TemporaryDirectory() as logs:
                 mesh = start_mesh("smollm2", 2, dtype=dtype, log_dir=logs, insecure_plaintext=plaintext)
                 try:
+                    mesh.wait_compiled()  # steady state: --compile-decode auto compiles after /ready
                     for shape, (inflight, batch) in shapes.items():
                         r = asyncio.run(run_groups(mesh, prompt, inflight, batch, steps=40, warmup=5))
                         runs.setdefault((shape, mode), []).append(r["throughput_mb_s"] * batch)

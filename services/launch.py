@@ -42,6 +42,18 @@ def free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
             s.close()
 
 
+def wait_compiled(stage_infos, timeout: float = 900) -> list[dict]:
+    """Poll `stage_infos()` (every stage's /info) until no stage is still compiling its decode step (--compile-decode
+    auto compiles in the background after /ready); returns each stage's compiled_decode entry. Benchmarks wait for it
+    so that they measure steady state, not a stage sharing its cores with the compiler."""
+    deadline = time.monotonic() + timeout
+    while True:
+        entries = [info["compiled_decode"] for info in stage_infos()]
+        if all(e["state"] != "compiling" for e in entries) or time.monotonic() > deadline:
+            return entries
+        time.sleep(1)
+
+
 @dataclass
 class StageProcess:
     index: int
@@ -87,6 +99,9 @@ class LocalMesh:
     @property
     def stage_urls(self) -> list[str]:
         return [s.url for s in self.stages]
+
+    def wait_compiled(self, timeout: float = 900) -> list[dict]:
+        return wait_compiled(lambda: [s.info() for s in self.stages], timeout)
 
     def restart_dead(self) -> list[int]:
         """Start again, with the same command and ports, every stage process that has exited (what a
@@ -204,14 +219,7 @@ class RunningGateway:
             return json.loads(r.read())
 
     def wait_compiled(self, timeout: float = 900) -> list[dict]:
-        """Wait until no stage is still compiling its decode step (--compile-decode auto compiles in the background
-        after /ready); returns each stage's compiled_decode /info entry. Benchmarks call it to measure steady state."""
-        deadline = time.monotonic() + timeout
-        while True:
-            infos = [self.stage_info(i)["compiled_decode"] for i in range(len(self.stage_urls()))]
-            if all(i["state"] != "compiling" for i in infos) or time.monotonic() > deadline:
-                return infos
-            time.sleep(1)
+        return wait_compiled(lambda: [self.stage_info(i) for i in range(len(self.stage_urls()))], timeout)
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample on /metrics (NaN when absent), read with prometheus_client's parser."""

@@ -21,6 +21,7 @@ from shared.steps import InferenceStep
 
 log = logging.getLogger("stagemesh.runtime")
 
+
 @dataclass(frozen=True)
 class SeqWork:
     """One sequence's share of a micro-batch."""

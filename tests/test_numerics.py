@@ -249,6 +249,17 @@ def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smol
     hidden = torch.zeros(1, piece.model.config.hidden_size)
     assert short.forward(hidden, BatchLayout.build([0], [Decode(200)], CONTEXT)) is None
     assert short.steps == 0
+    # while another piece of the process compiles (dynamo's stance is process-wide), a covered step runs eager too
+    from shared.models import compiled_decode
+
+    layout = BatchLayout.build([0], [Decode(10)], CONTEXT)  # slot 0 is free again: nothing live is written
+    compiled_decode._compiling.add(id(short))
+    try:
+        assert compiled.forward(hidden, layout) is None
+    finally:
+        compiled_decode._compiling.discard(id(short))
+    steps = compiled.steps
+    assert compiled.forward(hidden, layout) is not None and compiled.steps == steps + 1
 
 
 @pytest.mark.parametrize("kwargs,reason", [

@@ -42,6 +42,9 @@ log = logging.getLogger("stagemesh.compiled_decode")
 
 CONTEXT_BUCKETS = (128, 512)  # a decode step at context length ctx runs the smallest bucket >= ctx; beyond: eager
 COMPILE_MODES = ("auto", "on", "off")  # when the graphs compile: in the background, before ready, never
+# CompiledDecodes of this process whose warm-up is running. No compiled step runs while it is non-empty: forward sets
+# dynamo's stance, which is process-wide, and would make a compilation in another thread fail as a "recompile".
+_compiling: set[int] = set()
 
 
 def _int4(linear) -> Int4Linear | None:
@@ -147,19 +150,24 @@ class CompiledDecode:
         when inductor fails (state "failed")."""
         self.state = "compiling"
         slot = self.kv.scratch_slot if self.kv.scratch_slot is not None else 0
-        for b in self.buckets:
-            t = time.perf_counter()
-            hidden = torch.zeros(1, self.model.config.hidden_size)
-            try:
-                self._compiled(*self._inputs(hidden, slot, self.kv.max_seq_len - 1, b))
-            except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
-                self.error = (f"torch.compile failed for contexts <= {b}: {str(e).strip().splitlines()[0][:300]} "
-                              "(inductor needs a C++ compiler, g++)")
-                self.state = "failed"
-                raise CapabilityMissing(f"--compile-decode: {self.error}; drop --compile-decode to decode eagerly") from None
-            self.compile_seconds[b] = round(time.perf_counter() - t, 1)
-            log.info("compiled the decode step for contexts <= %d in %.1f s", b, self.compile_seconds[b])
-        self.state = "ready"
+        _compiling.add(id(self))
+        try:
+            for b in self.buckets:
+                t = time.perf_counter()
+                hidden = torch.zeros(1, self.model.config.hidden_size)
+                try:
+                    self._compiled(*self._inputs(hidden, slot, self.kv.max_seq_len - 1, b))
+                except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
+                    self.error = (f"torch.compile failed for contexts <= {b}: {str(e).strip().splitlines()[0][:300]} "
+                                  "(inductor needs a C++ compiler, g++)")
+                    self.state = "failed"
+                    raise CapabilityMissing(f"--compile-decode: {self.error}; drop --compile-decode to decode "
+                                            "eagerly") from None
+                self.compile_seconds[b] = round(time.perf_counter() - t, 1)
+                log.info("compiled the decode step for contexts <= %d in %.1f s", b, self.compile_seconds[b])
+            self.state = "ready"
+        finally:
+            _compiling.discard(id(self))
 
     def warm_up_in_background(self) -> threading.Thread:
         """warm_up in a daemon thread with the caller's torch thread count; until it is done, forward declines and the
@@ -190,10 +198,10 @@ class CompiledDecode:
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor | None:
         """hidden [1, D] f32 of a one-sequence decode micro-batch -> [1, D] f32, or None when no compiled graph covers
-        it (graphs not compiled yet, more than one sequence, not a decode step, a context past the largest bucket): run
-        eager then. Never
-        compiles: a call that would (a guard that fails on an input nobody foresaw) runs eager instead, and is logged."""
-        if self.state != "ready" or not layout.decode_only or len(layout.slots) != 1 or self.broken:
+        it (graphs not compiled yet, or another piece's compiling; more than one sequence, not a decode step, a context
+        past the largest bucket): run eager then. Never compiles: a call that would (a guard that fails on an input
+        nobody foresaw) runs eager instead, and is logged."""
+        if self.state != "ready" or _compiling or not layout.decode_only or len(layout.slots) != 1 or self.broken:
             return None
         pos = int(layout.positions[0])
         bucket = self.bucket(pos + 1)
