@@ -86,6 +86,8 @@ class CompiledDecode:
     """The compiled decode step of one TransformerModel piece over its KVCache, one graph per context bucket."""
 
     def __init__(self, model, kv: KVCache, buckets: tuple[int, ...] = CONTEXT_BUCKETS):
+        if kv.scratch_slot is None:
+            raise ValueError("the compiled decode step warms up in a KV scratch row: new_kv_cache(..., scratch=True)")
         self.model, self.kv = model, kv
         self.buckets = tuple(sorted({min(b, kv.max_seq_len) for b in buckets}))  # none past the cache's length
         c = model.config
@@ -145,18 +147,16 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile every bucket's graph, one call each at the last position of the KV cache's scratch row (slot 0 when
-        the cache has none: then no sequence may be live yet); compile_seconds records each. Raises CapabilityMissing
-        when inductor fails (state "failed")."""
+        """Compile every bucket's graph, one call each at the last position of the KV cache's scratch row (no sequence
+        ever holds it); compile_seconds records each. Raises CapabilityMissing when inductor fails (state "failed")."""
         self.state = "compiling"
-        slot = self.kv.scratch_slot if self.kv.scratch_slot is not None else 0
         _compiling.add(id(self))
         try:
             for b in self.buckets:
                 t = time.perf_counter()
                 hidden = torch.zeros(1, self.model.config.hidden_size)
                 try:
-                    self._compiled(*self._inputs(hidden, slot, self.kv.max_seq_len - 1, b))
+                    self._compiled(*self._inputs(hidden, self.kv.scratch_slot, self.kv.max_seq_len - 1, b))
                 except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
                     self.error = (f"torch.compile failed for contexts <= {b}: {str(e).strip().splitlines()[0][:300]} "
                                   "(inductor needs a C++ compiler, g++)")
@@ -169,11 +169,9 @@ class CompiledDecode:
         finally:
             _compiling.discard(id(self))
 
-    def warm_up_in_background(self) -> threading.Thread:
+    def warm_up_in_background(self) -> None:
         """warm_up in a daemon thread with the caller's torch thread count; until it is done, forward declines and the
-        step runs eager. A failure is logged and leaves decode eager. Needs the KV cache's scratch row."""
-        if self.kv.scratch_slot is None:
-            raise ValueError("a background warm-up needs a KV cache with a scratch slot (new_kv_cache(scratch=True))")
+        step runs eager. A failure is logged and leaves decode eager."""
         threads = torch.get_num_threads()
         self.state = "compiling"
 
@@ -184,9 +182,7 @@ class CompiledDecode:
             except CapabilityMissing:
                 log.warning("compiled decode step unavailable, decoding eagerly: %s", self.error)
 
-        thread = threading.Thread(target=run, name="compile-decode", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=run, name="compile-decode", daemon=True).start()
 
     def info(self) -> dict:
         """What a stage's /info reports: the compile state (and error), each bucket's compile seconds, the steps run
