@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool
             raise StagemeshError(f"{COMPILE_DECODE_ENV}={default!r} must be one of {', '.join(COMPILE_MODES)}")
         p.add_argument("--compile-decode", nargs="?", const="on", choices=COMPILE_MODES, default=default,
                        help="one sequence's decode step under torch.compile (20-45%% faster per token on SmolLM2; "
-                            "compiling takes 45-90 s at the first start, seconds from inductor's cache after): auto "
+                            "compiling takes ~3 min at the first start, seconds from inductor's cache after): auto "
                             "compiles in the background while the stage already serves eagerly, where the model and "
                             "weights allow it; on (the flag alone) compiles before the stage is ready and refuses what "
                             f"it does not cover (e.g. --batch-invariant); off never (default: {default})")
