@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,12 +71,6 @@ def why_not_compilable(model) -> str | None:
     return None
 
 
-class _Packed(NamedTuple):
-    """One layer's int4 matmul inside the graph: views of _stack_layers's tensors."""
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
-
-
 def _stack_layers(blocks) -> dict[str, torch.Tensor]:
     """The piece's per-layer weights as one tensor per kind, [layers, ...]: attn_norm / ffn_norm [L, D] f32 and each
     int4 matmul's packed / scales_and_zeros. Each block is rebound to views of these (same bytes, no second copy), so
@@ -96,6 +89,12 @@ def _stack_layers(blocks) -> dict[str, torch.Tensor]:
             for i, lin in enumerate(linears):
                 setattr(lin, part, stacked[f"{name}.{part}"][i])
     return stacked
+
+
+def _int4_mm(x: torch.Tensor, stacked: dict[str, torch.Tensor], name: str, layer: int) -> torch.Tensor:
+    """x [1, K] bf16 @ layer `layer`'s int4 matmul `name` (qkv, wo, gate_up, w_down) from _stack_layers -> [1, N] bf16."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, stacked[f"{name}.packed"][layer], GROUP,
+                                                      stacked[f"{name}.scales_and_zeros"][layer])
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,7 +120,7 @@ class CompiledDecode:
         self._weights = _stack_layers(model.blocks)
         self._shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.q_size, c.kv_size, c.norm_eps, c.attn_scale)
         # cpp_wrapper: the generated code calls its kernels from C++, not Python (measured on the 2-core
-        # Xeon: 7-10 % off a one-token step, for about twice the first compilation, 45 -> 90 s)
+        # Xeon: 7-10 % off a one-token step, for about twice the first compilation: both graphs ~84 -> ~170 s)
         self._compiled = torch.compile(self._step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
         # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written
@@ -143,24 +142,19 @@ class CompiledDecode:
         w = self._weights
         for i, (k_cache, v_cache) in enumerate(zip(k_layers, v_layers)):
             attn_norm, ffn_norm = w["attn_norm"][i], w["ffn_norm"][i]
-            qkv_w, wo, gate_up, w_down = (_Packed(w[f"{n}.packed"][i], w[f"{n}.scales_and_zeros"][i])
-                                          for n in ("qkv", "wo", "gate_up", "w_down"))
             x = F.rms_norm(hidden, attn_norm.shape, attn_norm, eps).to(bf16)
-            qkv = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qkv_w.packed, GROUP, qkv_w.scales_and_zeros)
+            qkv = _int4_mm(x, w, "qkv", i)
             qk = _rope(qkv[:, :q_size + kv_size].float().view(1, h + kvh, hd), cos, sin).to(act)
             k_cache[slot, :, pos] = qk[:, h:]  # [1, KVH, hd]
             v_cache[slot, :, pos] = qkv[:, q_size + kv_size:].view(1, kvh, hd).to(act)
             keys, values = k_cache[slot, :, :ctx], v_cache[slot, :, :ctx]  # [1, KVH, C, hd]
             queries = qk[:, :h].view(1, kvh, h // kvh, hd)  # GQA as query length: [1, KVH, g, hd]
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(attn.reshape(1, q_size).to(bf16), wo.packed, GROUP,
-                                                             wo.scales_and_zeros)
+            out = _int4_mm(attn.reshape(1, q_size).to(bf16), w, "wo", i)
             hidden = hidden + out
             x = F.rms_norm(hidden, ffn_norm.shape, ffn_norm, eps).to(bf16)
-            gate, up = torch.ops.aten._weight_int4pack_mm_for_cpu(x, gate_up.packed, GROUP,
-                                                                  gate_up.scales_and_zeros).chunk(2, dim=-1)
-            hidden = hidden + torch.ops.aten._weight_int4pack_mm_for_cpu((F.silu(gate) * up).to(bf16), w_down.packed, GROUP,
-                                                                         w_down.scales_and_zeros)
+            gate, up = _int4_mm(x, w, "gate_up", i).chunk(2, dim=-1)
+            hidden = hidden + _int4_mm((F.silu(gate) * up).to(bf16), w, "w_down", i)
         return hidden
 
     def bucket(self, ctx: int) -> int | None:
