@@ -3,14 +3,22 @@
 random prompts, --ignore-eos, temperature 0.7), at concurrency 1 / 4 / 16 / 32.
 
     make llama-server                                   # builds it once into ~/.cache/stagemesh (~8 min)
-    python -m benchmarks.compare_llamacpp [--out benchmarks/results/DATE] [--concurrency 1,4,16,32] [-- up flags]
+    python -m benchmarks.compare_llamacpp [--out benchmarks/results/DATE] [--concurrency 1,4,16,32] [--rounds 2]
+        [-- up flags]
 
-Writes comparison.json, comparison.md (the table, with ratios to llama-server) and comparison.png (output
-tokens/s and p99 TTFT against concurrency) into --out."""
+The three servers run at once (an idle `stagemesh up` uses under 1 % of a core) and are measured interleaved: at
+each concurrency level, --rounds rounds, each round benching every server once, the order reversed every other round
+(A B C, C B A, ...). This shared machine's speed drifts by tens of percent over minutes, so a ratio is only fair
+between runs minutes apart at most; each table row is the mean over rounds, and the ratio column also gives every
+round's own ratio (the servers it divides ran within a minute of each other).
+
+Writes comparison.json (every round's metrics too), comparison.md (the table, with ratios to llama-server) and
+comparison.png (output tokens/s and p99 TTFT against concurrency) into --out."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -26,8 +34,8 @@ from shared.model_registry import resolve_model
 LLAMA_SERVER = os.path.expanduser("~/.cache/stagemesh/llama-server/bin/llama-server")
 
 
-def bench(url: str, label: str, concurrency: int, out: str, args) -> dict:
-    result = os.path.join(out, f"{label.replace(' ', '_')}-c{concurrency}.json")
+def bench(url: str, label: str, concurrency: int, round_: int, out: str, args) -> dict:
+    result = os.path.join(out, f"{label.replace(' ', '_')}-c{concurrency}-r{round_}.json")
     cmd = [sys.executable, "-m", "services.cli", "bench", "--base-url", url, "--label", label,
            "--max-concurrency", str(concurrency), "--num-prompts", str(max(args.min_prompts, 2 * concurrency)),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
@@ -49,53 +57,76 @@ def wait_http(url: str, timeout: float = 120) -> None:
     raise TimeoutError(url)
 
 
-def run_llama_server(levels: list[int], out: str, args) -> dict:
+def start_llama_server(stack: contextlib.ExitStack, args) -> str:
+    """llama-server on a free port, stopped when `stack` closes; returns its base URL once /health answers."""
     port = free_port()
     # -c is shared by the 32 slots: 8192 gives each 256 tokens, room for 64 in + 64 out (4096 would give 128)
     cmd = [args.llama_server, "-m", resolve_model("smollm2"), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(os.cpu_count()), "-np", "32", "-cb", "-c", "8192", "--no-webui"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health")
-        return {c: bench(f"http://127.0.0.1:{port}", "llama-server", c, out, args) for c in levels}
-    finally:
-        server.terminate()
-        server.wait(30)
+    stack.callback(lambda: (server.terminate(), server.wait(30)))
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return f"http://127.0.0.1:{port}"
 
 
-def run_stagemesh(stages: int, levels: list[int], out: str, args) -> dict:
-    with tempfile.TemporaryDirectory() as logs:
-        gw = start_up(stages, args.dtype, logs, *args.extra)
-        try:
-            print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
-            return {c: bench(gw.url, f"stagemesh {stages} stage{'s' * (stages > 1)}", c, out, args) for c in levels}
-        finally:
-            gw.stop()
+def start_stagemesh(stack: contextlib.ExitStack, stages: int, args) -> str:
+    """`stagemesh up --stages N`, stopped when `stack` closes; returns its URL once its decode graphs compiled
+    (one mesh at a time, so no compilation overlaps another server's start or a measurement)."""
+    logs = stack.enter_context(tempfile.TemporaryDirectory())
+    gw = start_up(stages, args.dtype, logs, *args.extra)
+    stack.callback(gw.stop)
+    print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
+    return gw.url
 
 
-def table(results: dict[str, dict], levels: list[int]) -> str:
-    ref = results["llama-server"]
-    rows = ["| server | concurrency | output tok/s | × llama-server | mean TTFT | p99 TTFT | mean ITL | failed |",
+def measure(servers: dict[str, str], levels: list[int], out: str, args) -> dict[str, dict[int, list[dict]]]:
+    """server name -> level -> one bench result per round, the servers interleaved within each round."""
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in servers}
+    names = list(servers)
+    for c in levels:
+        for r in range(args.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                runs[name][c].append(bench(servers[name], name, c, r, out, args))
+            print(f"  {c:>3} streams, round {r + 1}: " + ", ".join(
+                f"{name} {runs[name][c][-1]['output_throughput']:.1f}" for name in names) + " tok/s", flush=True)
+    return runs
+
+
+def combine(rounds: list[dict]) -> dict:
+    """One server's rounds at one level -> the row's figures: means over rounds (failed: the sum)."""
+    def mean(key: str) -> float:
+        return sum(m[key] for m in rounds) / len(rounds)
+
+    return {"output_throughput": mean("output_throughput"), "mean_ttft_ms": mean("mean_ttft_ms"),
+            "p99_ttft_ms": mean("p99_ttft_ms"), "mean_itl_ms": mean("mean_itl_ms"),
+            "failed": sum(m["failed"] for m in rounds)}
+
+
+def table(runs: dict[str, dict[int, list[dict]]], levels: list[int]) -> str:
+    ref = runs["llama-server"]
+    rows = ["| server | concurrency | output tok/s | × llama-server (each round) | mean TTFT | p99 TTFT | mean ITL | failed |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, by_level in results.items():
+    for name, by_level in runs.items():
         for c in levels:
-            m = by_level[c]
-            ratio = m["output_throughput"] / ref[c]["output_throughput"]
-            rows.append(f"| {name} | {c} | {m['output_throughput']:.1f} | {ratio:.2f}× | {m['mean_ttft_ms']:.0f} ms | "
+            m, base = combine(by_level[c]), combine(ref[c])
+            each = ", ".join(f"{a['output_throughput'] / b['output_throughput']:.2f}" for a, b in zip(by_level[c], ref[c]))
+            ratio = f"{m['output_throughput'] / base['output_throughput']:.2f}×" + (f" ({each})" if len(ref[c]) > 1 else "")
+            rows.append(f"| {name} | {c} | {m['output_throughput']:.1f} | {ratio} | {m['mean_ttft_ms']:.0f} ms | "
                         f"{m['p99_ttft_ms']:.0f} ms | {m['mean_itl_ms']:.1f} ms | {m['failed']} |")
     return "\n".join(rows)
 
 
-def plot(results: dict[str, dict], levels: list[int], path: str) -> None:
+def plot(runs: dict[str, dict[int, list[dict]]], levels: list[int], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, by_level in results.items():
-        a.plot(levels, [by_level[c]["output_throughput"] for c in levels], marker="o", label=name)
-        b.plot(levels, [by_level[c]["p99_ttft_ms"] for c in levels], marker="o", label=name)
+    for name, by_level in runs.items():
+        rows = [combine(by_level[c]) for c in levels]
+        a.plot(levels, [m["output_throughput"] for m in rows], marker="o", label=name)
+        b.plot(levels, [m["p99_ttft_ms"] for m in rows], marker="o", label=name)
     for ax, title in ((a, "output tokens/s"), (b, "p99 TTFT (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(c) for c in levels])
@@ -113,6 +144,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-output/compare")
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--min-prompts", type=int, default=8, help="requests per level at least (else 2 x concurrency)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per level, the servers interleaved in each")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
@@ -123,22 +155,27 @@ def main() -> None:
         sys.exit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
     levels = [int(x) for x in args.concurrency.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    results = {"llama-server": run_llama_server(levels, args.out, args)}
-    for stages in (1, 2):
-        results[f"stagemesh up --stages {stages}"] = run_stagemesh(stages, levels, args.out, args)
-    md = table(results, levels)
+    if args.rounds < 1:
+        sys.exit("--rounds must be at least 1")
+    with contextlib.ExitStack() as stack:
+        servers = {"llama-server": start_llama_server(stack, args)}
+        for stages in (1, 2):
+            servers[f"stagemesh up --stages {stages}"] = start_stagemesh(stack, stages, args)
+        runs = measure(servers, levels, args.out, args)
+    md = table(runs, levels)
     header = (f"SmolLM2-135M-Instruct Q4_1, {os.cpu_count()} CPU cores, {args.input_len} prompt tokens, "
               f"{args.output_len} output tokens (ignore_eos), temperature 0.7; llama-server -t {os.cpu_count()} -np 32 "
               f"-cb -c 8192; stagemesh up {' '.join(([f'--dtype {args.dtype}'] if args.dtype else []) + args.extra) or '(defaults)'}"
               f" (activations {args.dtype or default_dtype_name()}, {'native' if cpu_has_fast_bf16() else 'no native'} "
-              "bf16 on this CPU)")
+              f"bf16 on this CPU); {args.rounds} round(s) per level, the servers interleaved")
     print(header + "\n\n" + md)
     with open(os.path.join(args.out, "comparison.md"), "w") as f:
         f.write(header + "\n\n" + md + "\n")
     with open(os.path.join(args.out, "comparison.json"), "w") as f:
-        json.dump({"settings": header, "results": {k: {str(c): m for c, m in v.items()} for k, v in results.items()}},
-                  f, indent=1)
-    plot(results, levels, os.path.join(args.out, "comparison.png"))
+        json.dump({"settings": header,
+                   "results": {k: {str(c): combine(r) for c, r in v.items()} for k, v in runs.items()},
+                   "rounds": {k: {str(c): r for c, r in v.items()} for k, v in runs.items()}}, f, indent=1)
+    plot(runs, levels, os.path.join(args.out, "comparison.png"))
 
 
 if __name__ == "__main__":
