@@ -59,3 +59,21 @@ def test_off_and_uncovered_setups_say_why_decode_is_eager(tmp_path):
         assert complete(gw.url, 4)["usage"]["completion_tokens"] == 4
     finally:
         gw.stop()
+
+
+def test_every_stage_of_a_two_stage_mesh_decodes_compiled(tmp_path):
+    # The stages after the first take their input from the wire: a view of a ZeroMQ frame, not a tensor made under
+    # inference mode like the first stage's embedding. The graph must take it without recompiling (which would
+    # leave that stage eager for good).
+    gw = start_up(2, None, str(tmp_path), "--compile-decode", "auto", *SHAPE_FLAGS)
+    try:
+        ready = gw.wait_compiled()
+        assert [i["state"] for i in ready] == ["ready", "ready"]
+        out = complete(gw.url, 16)
+        assert out["usage"]["completion_tokens"] == 16
+        after = [gw.stage_info(i)["compiled_decode"] for i in range(2)]
+        assert [i["fell_back_to_eager"] for i in after] == [False, False]
+        # 15 one-sequence decode steps after the prefill, compiled on each stage
+        assert [a["steps"] - r["steps"] for a, r in zip(after, ready)] == [15, 15]
+    finally:
+        gw.stop()

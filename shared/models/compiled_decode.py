@@ -162,7 +162,11 @@ class CompiledDecode:
 
     def _inputs(self, hidden: torch.Tensor, slot: int, pos: int, ctx_bucket: int):
         """The graph's arguments, built here under inference mode: a tensor from outside it (BatchLayout's) differs in
-        dispatch keys, which dynamo guards on, and would recompile."""
+        dispatch keys, which dynamo guards on, and would recompile. hidden is copied (D floats) for the same reason: a
+        stage after the first gets it straight from the wire, a view of a ZeroMQ frame made outside inference mode
+        (and at any alignment, which inductor also guards); uncopied, that stage's first compiled call recompiled
+        and the stage decoded eagerly for good."""
+        hidden = hidden.clone(memory_format=torch.contiguous_format)
         c = self.model.config
         position = torch.tensor([pos])
         cos, sin = rope_cos_sin(position, c.rope_dim, c.rope_theta, c.rope_scaling, self.kv.max_seq_len)
