@@ -64,7 +64,12 @@ def start_llama_server(stack: contextlib.ExitStack, args) -> str:
     cmd = [args.llama_server, "-m", resolve_model("smollm2"), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(os.cpu_count()), "-np", "32", "-cb", "-c", "8192", "--no-webui"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    stack.callback(lambda: (server.terminate(), server.wait(30)))
+
+    def stop() -> None:
+        server.terminate()
+        server.wait(30)
+
+    stack.callback(stop)
     wait_http(f"http://127.0.0.1:{port}/health")
     return f"http://127.0.0.1:{port}"
 
