@@ -53,7 +53,7 @@ class StageRuntime:
         if compile_decode not in COMPILE_MODES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
         model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant)
-        apply_measured_crossover(model)  # auto: where int4 hands over to bf16, timed on this machine
+        apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
         max_seq_len = min(max_seq_len, model.config.context_length)
         reason = "--compile-decode off" if compile_decode == "off" else why_not_compilable(model)
         if compile_decode == "on" and reason is not None:

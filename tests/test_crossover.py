@@ -1,9 +1,10 @@
-"""The int4 -> bf16 crossover of weights mode `auto` is measured when a stage loads, not assumed."""
+"""Weights mode `auto`'s kernels are measured when a stage loads, not assumed: the dense kernel of prefill-sized
+micro-batches (prepacked bf16 or f32) and the crossover from int4 to it."""
 
 import torch
 
-from shared.models.crossover import CANDIDATES, measure_int4_crossover
-from shared.models.linear import SwitchedLinear
+from shared.models.crossover import CANDIDATES, measure_int4_crossover, measure_prefill_dtype
+from shared.models.linear import SwitchedLinear, prepacked_bf16_available
 from shared.runtime import StageRuntime
 
 
@@ -24,8 +25,9 @@ def test_a_stage_load_sets_one_measured_threshold_on_every_switched_linear(smoll
 
 
 def test_the_measurement_picks_the_kernel_that_is_faster_by_a_wide_margin(smollm2):
-    """At 1 token int4 reads a quarter of bf16's bytes, at 64 tokens bf16's blocked GEMM amortises them: every
-    machine this runs on should put the crossover strictly between (the measured numbers, not a constant)."""
+    """At 1 token int4 reads a quarter of bf16's bytes (an eighth of f32's), at 128 tokens the dense kernel's blocked
+    GEMM amortises them: every machine this runs on should put the crossover strictly between (the measured numbers,
+    not a constant)."""
     runtime = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights="auto")
     first_block = [w for w in runtime.model.blocks[0].linears().values() if isinstance(w, SwitchedLinear)]
     threshold = measure_int4_crossover(first_block, repeat=7)
@@ -38,3 +40,16 @@ def test_modes_without_a_switch_are_left_alone(smollm2):
                                     batch_invariant=invariant)
         assert _switched(runtime.model) == []
         assert not any("measured" in kind for kind in runtime.model.weight_summary().values())
+
+
+def test_the_prefill_kernel_is_the_measured_dtype_on_every_switched_linear(smollm2):
+    runtime = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights="auto")
+    c = runtime.model.config
+    measured = measure_prefill_dtype(c.intermediate_size, c.hidden_size)
+    assert measured in (torch.bfloat16, torch.float32)
+    if not prepacked_bf16_available():
+        assert measured == torch.float32  # bf16 GEMMs would be emulated
+    assert {w.large.dtype for w in _switched(runtime.model)} == {measured}
+    name = {torch.bfloat16: "bf16", torch.float32: "f32"}[measured]
+    blocks = {k: v for k, v in runtime.model.weight_summary().items() if k.startswith("blk.")}
+    assert blocks and all(kind.split(" | ")[1].startswith(name) for kind in blocks.values()), blocks

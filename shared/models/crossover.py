@@ -1,22 +1,35 @@
-"""Where the int4 kernel stops paying, measured on this machine when a stage loads (weights mode `auto`).
+"""Which kernel runs which micro-batch size in weights mode `auto`, measured on this machine when a piece loads.
 
-int4 g32 reads 4x fewer weight bytes than bf16 but unpacks every group per call; oneDNN's prepacked bf16 kernel
-amortises its weight reads over the rows of a micro-batch (and uses AMX where the CPU has it). So int4 wins at
-decode-sized micro-batches and bf16 at prefill-sized ones, and the crossover moves with the CPU: 9 tokens on a
-2-core Zen 4 (benchmarks/kernels.py), elsewhere something else. A SwitchedLinear runs int4 below `max_tokens`
-rows; this sets that threshold from a timing of the stage's own first block (about 0.1 s at load).
+Two measurements, both because the answer moves with the CPU:
+
+- the prefill kernel (measure_prefill_dtype): oneDNN-prepacked bf16 or float32 for prefill-sized micro-batches. With
+  AMX, bf16 wins by far; on AVX512-BF16 without AMX (the 2-core Sapphire Rapids VM) oneDNN's bf16 GEMM reaches
+  80-100 GFLOP/s per core and its f32 GEMM 120-150, so over SmolLM2's 210 block matrices f32 took 0.74x / 0.94x
+  bf16's speed at 9 / 24 rows but 1.20x at 48, 1.33x at 128 and 1.57x at 512; on AVX2 bf16 is emulated (5x slower).
+- the int4 crossover (apply_measured_crossover): int4 g32 reads a quarter of bf16's bytes (an eighth of f32's) but
+  unpacks every group per call; the dense kernel amortises its weight reads over the micro-batch's rows. So int4
+  wins decode-sized micro-batches and the dense kernel prefill-sized ones. A SwitchedLinear runs int4 below
+  `max_tokens` rows; this sets that threshold from timings of the piece's first blocks.
+
+The crossover is timed over several distinct blocks so that, as in a real step, each matrix comes from memory rather
+than from cache: timed on one block (~3.5 MB of bf16, cache-resident) bf16 looked faster from 10 rows on the
+Sapphire Rapids VM, while a whole model's decode step at 12 / 16 sequences ran 20-24 % faster with int4 (the whole
+model's matmuls: int4 and bf16 within 10 % of each other from 20 to 48 rows).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
-from shared.models.linear import SwitchedLinear
+from shared.config import SERVING_DEFAULTS
+from shared.models.linear import DenseLinear, SwitchedLinear, prepacked_bf16_available
 
-CANDIDATES = (2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # token counts tried, ascending
+CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending
 REPEAT = 5  # fastest of REPEAT timings per kernel and size (noise on a shared machine only ever adds time)
+CROSSOVER_BLOCKS = 4  # distinct blocks the crossover is timed over (their weights no longer fit in a core's cache)
 
 
 def _best_ms(fn, repeat: int) -> float:
@@ -28,30 +41,56 @@ def _best_ms(fn, repeat: int) -> float:
     return 1e3 * best
 
 
+@functools.cache
+def measure_prefill_dtype(out_features: int, in_features: int, rows: int = SERVING_DEFAULTS.prefill_chunk,
+                          repeat: int = REPEAT) -> torch.dtype:
+    """bfloat16 or float32: whichever oneDNN-prepacked GEMM multiplies a prefill chunk (`rows` x in_features) by a
+    random [out_features, in_features] matrix faster here (interleaved, each kernel's fastest of `repeat`; ~0.1 s,
+    once per process and shape). float32 where oneDNN has no native bf16 (it would be emulated)."""
+    if not prepacked_bf16_available():
+        return torch.float32
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
+    kernels = {dtype: DenseLinear(w, dtype, prepack_f32=True) for dtype in (torch.bfloat16, torch.float32)}
+    for kernel in kernels.values():  # first calls allocate and pick code paths
+        kernel(x)
+    best = {dtype: float("inf") for dtype in kernels}
+    for _ in range(repeat):
+        for dtype, kernel in kernels.items():
+            best[dtype] = min(best[dtype], _best_ms(lambda k=kernel: k(x), 1))
+    return min(best, key=best.__getitem__)
+
+
 def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = REPEAT) -> int:
-    """The smallest candidate token count at which prepacked bf16 beats int4 over `linears` (timed interleaved,
-    each kernel's fastest of `repeat`); the largest candidate + 1 when int4 wins at every one of them."""
+    """The smallest candidate token count from which the dense kernel beats int4 over `linears` at that candidate and
+    the next one too (timed interleaved, each kernel's fastest of `repeat`: one noisy win in the flat region where the
+    two are within a few percent does not end the scan); the largest candidate + 1 when int4 wins throughout."""
     inputs = {w.in_features: torch.randn(CANDIDATES[-1], w.in_features).to(torch.bfloat16) for w in linears}
     for w in linears:  # warm up both kernels (first calls allocate and pick code paths)
         w.small(inputs[w.in_features][:1])
         w.large(inputs[w.in_features][:1])
+    dense_won_at = None
     for m in CANDIDATES:
         xs = [inputs[w.in_features][:m] for w in linears]
         small = _best_ms(lambda xs=xs: [w.small(x) for w, x in zip(linears, xs)], repeat)
         large = _best_ms(lambda xs=xs: [w.large(x) for w, x in zip(linears, xs)], repeat)
-        if large < small:
-            return m
-    return CANDIDATES[-1] + 1
+        if large >= small:
+            dense_won_at = None
+        elif dense_won_at is not None:
+            return dense_won_at
+        else:
+            dense_won_at = m
+    return dense_won_at or CANDIDATES[-1] + 1
 
 
 def apply_measured_crossover(model) -> int | None:
-    """Measure on the model's first block and set every SwitchedLinear's threshold; returns it (None: the model
-    has no switched linears, e.g. weights bf16 / f32 / int4 or the batch-invariant mode)."""
+    """Measure on the model's first CROSSOVER_BLOCKS blocks and set every SwitchedLinear's threshold; returns it
+    (None: the model has no switched linears, e.g. weights bf16 / f32 / int4 or the batch-invariant mode)."""
     switched = [w for b in model.blocks for w in b.linears().values() if isinstance(w, SwitchedLinear)]
     if not switched:
         return None
-    first = [w for w in model.blocks[0].linears().values() if isinstance(w, SwitchedLinear)] or switched[:4]
-    threshold = measure_int4_crossover(first)
+    timed = [w for b in model.blocks[:CROSSOVER_BLOCKS] for w in b.linears().values() if isinstance(w, SwitchedLinear)]
+    threshold = measure_int4_crossover(timed or switched[:4 * CROSSOVER_BLOCKS])
     for w in switched + ([model.output] if isinstance(model.output, SwitchedLinear) else []):
         w.max_tokens = threshold
         w.kind = f"{w.small.kind} (< {threshold} tokens, measured) | {w.large.kind}"

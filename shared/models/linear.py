@@ -4,15 +4,18 @@ Every matmul of TransformerModel goes through one of these: `w(x)` takes x [M, K
 [M, N] in the weight's compute dtype (bfloat16 for packed/bf16 kernels, float32 for the f32 reference). What
 each tensor runs as (`kind`) follows from its GGUF type and the weights mode:
 
-    mode   Q4_0 / Q4_1 / Q4_K                              other types (Q8_0, Q5_*, Q6_K, F16, BF16, F32, ...)
-    auto   int4 g32 for M < INT4_MAX_TOKENS, else dense    dense
-    int4   int4 g32 at every M (0.4x auto's memory)      dense
-    bf16   bf16 (oneDNN-prepacked), today's behaviour      bf16 (oneDNN-prepacked)
-    f32    float32, the GGUF's numbers exactly             float32
+    mode   Q4_0 / Q4_1 / Q4_K                                  other types (Q8_0, Q5_*, Q6_K, F16, BF16, F32, ...)
+    auto   int4 g32 below the measured crossover, else prefill  dense
+    int4   int4 g32 at every M (0.4x auto's memory)            dense
+    bf16   bf16 (oneDNN-prepacked), today's behaviour            bf16 (oneDNN-prepacked)
+    f32    float32, the GGUF's numbers exactly                   float32
 
-"dense" is the fastest dense kernel of the CPU (dense_dtype()): oneDNN-prepacked bf16 where the CPU has native bf16
-(AVX512-BF16, AMX), oneDNN-prepacked float32 elsewhere -- on an AVX2 CPU bf16 GEMMs are emulated: SmolLM2's block
-matmuls at 32 tokens took 403 ms in bf16 against 75 ms prepacked f32 (plain F.linear f32: 126 ms) on a 2-core Zen 3.
+"dense" is the fastest dense kernel of the CPU at decode sizes (dense_dtype()): oneDNN-prepacked bf16 where the CPU
+has native bf16 (AVX512-BF16, AMX), oneDNN-prepacked float32 elsewhere -- on an AVX2 CPU bf16 GEMMs are emulated:
+SmolLM2's block matmuls at 32 tokens took 403 ms in bf16 against 75 ms prepacked f32 (plain F.linear f32: 126 ms) on
+a 2-core Zen 3. "prefill" is the dense kernel measured fastest for a prefill chunk when the piece loads
+(shared.models.crossover.measure_prefill_dtype: prepacked bf16 or f32; f32 on AVX512-BF16 CPUs without AMX), and
+the crossover from int4 to it is measured too (apply_measured_crossover).
 
 int4 is torch's `_weight_int4pack_mm_for_cpu`: w = (nibble - 8) * scale + zero per group of 32 along K, fp32
 accumulation. Its AVX512 path takes only bf16 activations with bf16 scales/zeros (fp32 scales with bf16
@@ -39,9 +42,9 @@ from shared.gguf_loader import RawTensor
 
 WEIGHT_MODES = ("auto", "int4", "bf16", "f32")
 GROUP = 32  # ggml's block of 4-bit types (Q4_K: a 256-superblock of 8 such groups)
-# auto switches from int4 to prepacked bf16 at this many tokens in a micro-batch: the crossover benchmarks/kernels.py
-# printed on the 2-core Zen 4 (SmolLM2's 120 block matmuls, 2 threads, fastest of 9): int4 / bf16 time 0.54 at
-# 1 token, 0.97 at 8, 1.25 at 10, 1.20 at 12, 2.36 at 128 (an earlier, noisier run: 0.94 at 8, 1.18 at 12).
+# auto switches from int4 to its prefill kernel at this many tokens in a micro-batch until a piece's load measures
+# the crossover (shared.models.crossover); what benchmarks/kernels.py printed on the 2-core Zen 4 (SmolLM2's 120
+# block matmuls, 2 threads, fastest of 9): int4 / bf16 time 0.54 at 1 token, 0.97 at 8, 1.25 at 10, 2.36 at 128.
 INT4_MAX_TOKENS = 9
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INVARIANT_ROWS = 8  # the batch-invariant mode's fixed M for dense kernels (about one row's cost: memory-bound)
@@ -194,7 +197,8 @@ class DenseLinear:
 
 
 class SwitchedLinear:
-    """The same weight twice: int4 for micro-batches of fewer than `max_tokens` rows, prepacked bf16 above."""
+    """The same weight twice: int4 for micro-batches of fewer than `max_tokens` rows, a dense kernel (oneDNN-prepacked
+    bf16 or f32: the prefill kernel) from there on."""
 
     def __init__(self, small: Int4Linear, large: DenseLinear, max_tokens: int):
         self.small, self.large, self.max_tokens = small, large, max_tokens
@@ -232,8 +236,9 @@ Linear = Int4Linear | DenseLinear | SwitchedLinear | ConcatLinear
 
 
 def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "cpu",
-                batch_invariant: bool = False) -> Linear:
+                batch_invariant: bool = False, prefill_dtype: torch.dtype | None = None) -> Linear:
     """One linear for the row-concatenation of `raws` (q|k|v, gate|up, or a single matrix), in `mode`.
+    prefill_dtype: auto's dense kernel above the int4 crossover (bf16 or float32, prepacked; None: dense_dtype()).
 
     batch_invariant: a row's result must not depend on how many rows a call has: auto never switches kernels
     (int4 at every size, as in mode int4; its per-row results were checked equal for any M), dense kernels
@@ -245,7 +250,7 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
     n = sum(r.shape[0] for r in raws)
     rows = INVARIANT_ROWS if batch_invariant else None
     if len(types) > 1:
-        return ConcatLinear([make_linear([r], mode, device, batch_invariant) for r in raws])
+        return ConcatLinear([make_linear([r], mode, device, batch_invariant, prefill_dtype) for r in raws])
     if mode == "f32" or torch.device(device).type != "cpu":
         dtype = torch.float32 if mode == "f32" else torch.bfloat16
         return DenseLinear(torch.cat([dequantize(r) for r in raws]).to(device), dtype, rows)
@@ -258,7 +263,8 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
     small = Int4Linear(q, scale, low)
     if mode == "int4" or batch_invariant:
         return small
-    return SwitchedLinear(small, DenseLinear(_apply_groups(q, scale, low), dense, prepack_f32=True), INT4_MAX_TOKENS)
+    large = DenseLinear(_apply_groups(q, scale, low), prefill_dtype or dense, prepack_f32=True)
+    return SwitchedLinear(small, large, INT4_MAX_TOKENS)
 
 
 class QuantizedRows:

@@ -22,6 +22,7 @@ from shared.gguf_loader import GgufLoader, RawTensor
 from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models.config import ModelConfig, RopeScaling
+from shared.models.crossover import measure_prefill_dtype
 from shared.models.linear import WEIGHT_MODES, Linear, QuantizedRows, dequantize, make_linear
 
 
@@ -232,8 +233,13 @@ class TransformerModel:
         names = loader.names_for(layers, position)
         raw: dict[str, RawTensor] = {r.name: r for r in loader.iter_raw(names, desc=f"layers {layers}")}
 
+        # auto's kernel for prefill-sized micro-batches, timed here on a matrix of the model's MLP shape
+        prefill = (measure_prefill_dtype(config.intermediate_size, config.hidden_size)
+                   if weights == "auto" and not batch_invariant and torch.device(device).type == "cpu" else None)
+
         def linear(*parts: str | RawTensor) -> Linear:  # GGUF tensor names, or tensors already cut (an expert's rows)
-            return make_linear([raw[n] if isinstance(n, str) else n for n in parts], weights, device, batch_invariant)
+            return make_linear([raw[n] if isinstance(n, str) else n for n in parts], weights, device, batch_invariant,
+                               prefill)
 
         def vector(name: str) -> torch.Tensor:
             return dequantize(raw[name]).reshape(-1).to(device)
