@@ -1,8 +1,9 @@
-"""All of SmolLM2's linears per step (30 layers x 4 fused matmuls + lm_head), ms, int4 g32 vs oneDNN-prepacked bf16,
-at several token counts; prints where prepacked bf16 starts to win (shared.models.linear.INT4_MAX_TOKENS comes from
-this line) and what int4's bf16 scales cost in fidelity against the GGUF's exact numbers.
+"""All of SmolLM2's linears per step (30 layers x 4 fused matmuls + lm_head), ms, int4 g32 vs oneDNN-prepacked bf16
+vs oneDNN-prepacked f32 (the two candidates for weights auto's prefill kernel), at several token counts; prints where
+the dense kernels start to beat int4 (what shared.models.crossover measures at load, there over 4 blocks) and what
+int4's bf16 scales cost in fidelity against the GGUF's exact numbers.
 
-    .venv/bin/python -m benchmarks.kernels [--tokens 1,2,4,8,12,16,32,128] [--repeat 5]
+    .venv/bin/python -m benchmarks.kernels [--tokens 1,2,4,8,12,16,32,48,64,128,512] [--repeat 5]
 
 Only ratios within one run mean anything on a shared machine.
 """
@@ -35,13 +36,13 @@ def _step_ms(kinds: list[list], xs: dict[int, torch.Tensor], m: int, repeat: int
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--tokens", default="1,2,4,8,12,16,24,32,128")
+    p.add_argument("--tokens", default="1,2,4,8,12,16,24,32,48,64,128,512")
     p.add_argument("--repeat", type=int, default=9)
     args = p.parse_args()
     loader = GgufLoader(resolve_model(args.model))
     n_layers = int(loader.arch_get("block_count"))
     groups = [["attn_q", "attn_k", "attn_v"], ["attn_output"], ["ffn_gate", "ffn_up"], ["ffn_down"]]
-    int4, bf16 = [], []
+    int4, bf16, f32 = [], [], []
     scale_err, weight_noise, two_part = [], [], []
     for i in range(n_layers):
         for g in groups:
@@ -53,6 +54,7 @@ def main() -> None:
             w4 = Int4Linear(q, scale, low)
             int4.append(w4)
             bf16.append(DenseLinear(exact, torch.bfloat16))
+            f32.append(DenseLinear(exact, torch.float32, prepack_f32=True))
             if i % 10 == 0:  # int4's weights as the kernel sees them (bf16 scale/zero) vs the GGUF's exact ones
                 sz = w4.scales_and_zeros.float()
                 seen = torch.addcmul(sz[..., 1].t()[..., None], q.view(q.shape[0], -1, 32).float() - 8,
@@ -69,17 +71,18 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     xs = {k: torch.randn(max(tokens), k).bfloat16() for k in {w.in_features for w in int4}}
     print(f"{torch.get_num_threads()} threads; ms per step for all {len(int4)} block matmuls (+ lm_head {head_w.kind})")
-    print(f"{'tokens':>6} {'int4 g32':>9} {'bf16 prepacked':>15} {'ratio':>6}")
-    crossover = None
+    print(f"{'tokens':>6} {'int4 g32':>9} {'bf16 prepacked':>15} {f32[0].kind:>15} {'int4/bf16':>9} {'bf16/f32':>8}")
+    crossover = {"bf16": None, "f32": None}
     for m in tokens:
-        a, b = _step_ms([int4, bf16], xs, m, args.repeat)
-        print(f"{m:>6} {a:>9.2f} {b:>15.2f} {a / b:>6.2f}")
-        if crossover is None and b < a:
-            crossover = m
+        a, b, c = _step_ms([int4, bf16, f32], xs, m, args.repeat)
+        print(f"{m:>6} {a:>9.2f} {b:>15.2f} {c:>15.2f} {a / b:>9.2f} {b / c:>8.2f}")
+        for name, t in (("bf16", b), ("f32", c)):
+            if crossover[name] is None and t < a:
+                crossover[name] = m
     (h,) = _step_ms([[head_w]], xs, 1, args.repeat)
     print(f"lm_head alone at 1 token: {h:.2f} ms")
-    print(f"crossover: prepacked bf16 first beats int4 at {crossover} tokens "
-          f"(set INT4_MAX_TOKENS between the last int4 win and this)")
+    print(f"crossover: prepacked bf16 first beats int4 at {crossover['bf16']} tokens, prepacked f32 at "
+          f"{crossover['f32']} (weights auto measures its own at load)")
     print(f"int4's bf16 scales/zeros: weight error rms {statistics.mean(scale_err):.2e} of weight rms "
           f"(rounding the dequantized weights to bf16 instead: {statistics.mean(weight_noise):.2e}); "
           f"scales and zeros exact as hi + lo bf16 pairs: {100 * statistics.mean(two_part):.2f} %")

@@ -20,6 +20,8 @@ model's matmuls: int4 and bf16 within 10 % of each other from 20 to 48 rows).
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import time
 
 import torch
@@ -30,6 +32,9 @@ from shared.models.linear import DenseLinear, SwitchedLinear, prepacked_bf16_ava
 CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending
 REPEAT = 5  # fastest of REPEAT timings per kernel and size (noise on a shared machine only ever adds time)
 CROSSOVER_BLOCKS = 4  # distinct blocks the crossover is timed over (their weights no longer fit in a core's cache)
+PREFILL_PROBE_MAX = 2048  # the prefill kernels are timed on a matrix of the model's MLP shape, capped at this per side
+
+log = logging.getLogger("stagemesh.crossover")
 
 
 def _best_ms(fn, repeat: int) -> float:
@@ -59,6 +64,34 @@ def measure_prefill_dtype(out_features: int, in_features: int, rows: int = SERVI
         for dtype, kernel in kernels.items():
             best[dtype] = min(best[dtype], _best_ms(lambda k=kernel: k(x), 1))
     return min(best, key=best.__getitem__)
+
+
+def _available_bytes() -> int:
+    """Memory available to a new allocation now (MemAvailable: free + reclaimable cache), or free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def choose_prefill_dtype(config, layers: int) -> torch.dtype:
+    """auto's prefill kernel for a piece of `layers` blocks: measure_prefill_dtype on the model's MLP shape, except
+    that float32 copies of the piece's block matrices may take at most half the memory available now (bf16 copies
+    take half as much; a large model on a CPU without AMX gets bf16 rather than running out of memory)."""
+    dtype = measure_prefill_dtype(min(config.intermediate_size, PREFILL_PROBE_MAX),
+                                  min(config.hidden_size, PREFILL_PROBE_MAX))
+    if dtype == torch.float32 and prepacked_bf16_available():
+        d, mlp = config.hidden_size, (2 if config.traits.mlp == "gelu" else 3) * max(1, config.num_experts)
+        f32_bytes = 4 * layers * (2 * config.q_size * d + 2 * config.kv_size * d + mlp * d * config.intermediate_size)
+        if f32_bytes > _available_bytes() / 2:
+            log.info("prefill kernel: bf16, not the faster f32 (f32 copies of %d blocks would take %.1f GiB, more "
+                     "than half the memory available)", layers, f32_bytes / 2**30)
+            return torch.bfloat16
+    return dtype
 
 
 def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = REPEAT) -> int:

@@ -22,7 +22,7 @@ from shared.gguf_loader import GgufLoader, RawTensor
 from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models.config import ModelConfig, RopeScaling
-from shared.models.crossover import measure_prefill_dtype
+from shared.models.crossover import choose_prefill_dtype
 from shared.models.linear import WEIGHT_MODES, Linear, QuantizedRows, dequantize, make_linear
 
 
@@ -233,8 +233,7 @@ class TransformerModel:
         names = loader.names_for(layers, position)
         raw: dict[str, RawTensor] = {r.name: r for r in loader.iter_raw(names, desc=f"layers {layers}")}
 
-        # auto's kernel for prefill-sized micro-batches, timed here on a matrix of the model's MLP shape
-        prefill = (measure_prefill_dtype(config.intermediate_size, config.hidden_size)
+        prefill = (choose_prefill_dtype(config, len(layers))  # auto's kernel for prefill-sized micro-batches
                    if weights == "auto" and not batch_invariant and torch.device(device).type == "cpu" else None)
 
         def linear(*parts: str | RawTensor) -> Linear:  # GGUF tensor names, or tensors already cut (an expert's rows)
