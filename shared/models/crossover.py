@@ -9,7 +9,7 @@ Two measurements, both because the answer moves with the CPU:
 - the int4 crossover (apply_measured_crossover): int4 g32 reads a quarter of bf16's bytes (an eighth of f32's) but
   unpacks every group per call; the dense kernel amortises its weight reads over the micro-batch's rows. So int4
   wins decode-sized micro-batches and the dense kernel prefill-sized ones. A SwitchedLinear runs int4 below
-  `max_tokens` rows; this sets that threshold from timings of the piece's first blocks.
+  `max_tokens` rows; this sets that threshold from timings of the piece's first CROSSOVER_BLOCKS blocks.
 
 The crossover is timed over several distinct blocks so that, as in a real step, each matrix comes from memory rather
 than from cache: timed on one block (~3.5 MB of bf16, cache-resident) bf16 looked faster from 10 rows on the
@@ -19,9 +19,12 @@ model's matmuls: int4 and bf16 within 10 % of each other from 20 to 48 rows).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
+import tempfile
 import time
 
 import torch
@@ -30,11 +33,28 @@ from shared.config import SERVING_DEFAULTS
 from shared.models.linear import DenseLinear, SwitchedLinear, prepacked_bf16_available
 
 CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending
-REPEAT = 5  # fastest of REPEAT timings per kernel and size (noise on a shared machine only ever adds time)
-CROSSOVER_BLOCKS = 4  # distinct blocks the crossover is timed over (their weights no longer fit in a core's cache)
+REPEAT = 5  # the prefill probe: fastest of REPEAT timings per kernel (noise on a shared machine only ever adds time)
+# The crossover is timed over this many distinct blocks, fastest of CROSSOVER_REPEAT (their weights no longer fit in a
+# core's cache, and each timing is long enough to average out a VM's jitter): on the 2-core VM, at 1 thread, 4 blocks
+# x 5 gave 24 / 12 / 16 in three runs, 8 x 3 gave 24 five times in 0.5-0.7 s (the whole model: int4 and f32 tie at 24).
+CROSSOVER_BLOCKS = 8
+CROSSOVER_REPEAT = 3
 PREFILL_PROBE_MAX = 2048  # the prefill kernels are timed on a matrix of the model's MLP shape, capped at this per side
 
 log = logging.getLogger("stagemesh.crossover")
+
+
+@contextlib.contextmanager
+def timing_alone():
+    """Hold the machine-wide lock of load-time kernel timings: the stages of a mesh load at once, and two stages
+    timing kernels on the same cores measure each other (on the 2-core VM a 2-stage mesh's crossovers came out 16
+    where int4 is 1.28x faster than f32 at 16 rows, timed alone). Other loading work still runs meanwhile."""
+    with open(os.path.join(tempfile.gettempdir(), "stagemesh-kernel-timing.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _best_ms(fn, repeat: int) -> float:
@@ -82,8 +102,9 @@ def choose_prefill_dtype(config, layers: int) -> torch.dtype:
     """auto's prefill kernel for a piece of `layers` blocks: measure_prefill_dtype on the model's MLP shape, except
     that float32 copies of the piece's block matrices may take at most half the memory available now (bf16 copies
     take half as much; a large model on a CPU without AMX gets bf16 rather than running out of memory)."""
-    dtype = measure_prefill_dtype(min(config.intermediate_size, PREFILL_PROBE_MAX),
-                                  min(config.hidden_size, PREFILL_PROBE_MAX))
+    with timing_alone():
+        dtype = measure_prefill_dtype(min(config.intermediate_size, PREFILL_PROBE_MAX),
+                                      min(config.hidden_size, PREFILL_PROBE_MAX))
     if dtype == torch.float32 and prepacked_bf16_available():
         d, mlp = config.hidden_size, (2 if config.traits.mlp == "gelu" else 3) * max(1, config.num_experts)
         f32_bytes = 4 * layers * (2 * config.q_size * d + 2 * config.kv_size * d + mlp * d * config.intermediate_size)
@@ -94,7 +115,7 @@ def choose_prefill_dtype(config, layers: int) -> torch.dtype:
     return dtype
 
 
-def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = REPEAT) -> int:
+def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = CROSSOVER_REPEAT) -> int:
     """The smallest candidate token count from which the dense kernel beats int4 over `linears` at that candidate and
     the next one too (timed interleaved, each kernel's fastest of `repeat`: one noisy win in the flat region where the
     two are within a few percent does not end the scan); the largest candidate + 1 when int4 wins throughout."""
@@ -123,7 +144,8 @@ def apply_measured_crossover(model) -> int | None:
     if not switched:
         return None
     timed = [w for b in model.blocks[:CROSSOVER_BLOCKS] for w in b.linears().values() if isinstance(w, SwitchedLinear)]
-    threshold = measure_int4_crossover(timed or switched[:4 * CROSSOVER_BLOCKS])
+    with timing_alone():
+        threshold = measure_int4_crossover(timed or switched[:4 * CROSSOVER_BLOCKS])
     for w in switched + ([model.output] if isinstance(model.output, SwitchedLinear) else []):
         w.max_tokens = threshold
         w.kind = f"{w.small.kind} (< {threshold} tokens, measured) | {w.large.kind}"
