@@ -25,8 +25,8 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool
         p.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 where the CPU/GPU supports it, else float32)")
         p.add_argument("--weights", choices=list(WEIGHT_MODES), default=None,
-                       help="matmul kernels: auto (4-bit GGUF types stay int4 for decode, the CPU's fastest dense "
-                            "kernel for prefill: prepacked bf16, or prepacked f32 without native bf16), int4, bf16, "
+                       help="matmul kernels: auto (4-bit GGUF types stay int4 for decode, the dense kernel timed "
+                            "fastest at load for prefill: prepacked bf16 or prepacked f32), int4, bf16, "
                             "f32 (exact reference) (default: f32 when --dtype float32 is given, else auto)")
         p.add_argument("--batch-invariant", action="store_true",
                        help="each sequence's numbers independent of what else is in its micro-batch (fixed kernels "
