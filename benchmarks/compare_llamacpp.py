@@ -1,6 +1,7 @@
 """Side by side, in one run: llama.cpp's own C++ `llama-server` (continuous batching, 32 parallel slots) against
 `stagemesh up --stages 1` and `--stages 2`, same model file, same machine, same load generator (`stagemesh bench`,
-random prompts, --ignore-eos, temperature 0.7), at concurrency 1 / 4 / 16 / 32.
+random prompts, fresh for every level and round (prompt_seed), --ignore-eos, temperature 0.7), at concurrency 1 / 4 /
+16 / 32.
 
     make llama-server                                   # builds it once into ~/.cache/stagemesh (~8 min)
     python -m benchmarks.compare_llamacpp [--out benchmarks/results/DATE] [--concurrency 1,4,16,32] [--rounds 2]
@@ -34,12 +35,22 @@ from shared.model_registry import resolve_model
 LLAMA_SERVER = os.path.expanduser("~/.cache/stagemesh/llama-server/bin/llama-server")
 
 
+def prompt_seed(concurrency: int, round_: int) -> int:
+    """The random prompts' seed of one level's round: distinct for every (level, round), the same for every server in
+    a round. llama-server keeps each slot's last prompt and reuses it (`cache_prompt`, on by default): a repeated
+    64-token prompt was prefilled in 11 ms instead of 204-283 ms (timings.prompt_n 1, not 64), so benching every
+    round with the same prompts measured llama-server's prompt cache from the second round on. stagemesh has no
+    prefix cache; fresh random prompts measure both the same way, as a stream of distinct requests."""
+    return 1000 * concurrency + round_
+
+
 def bench(url: str, label: str, concurrency: int, round_: int, out: str, args) -> dict:
     result = os.path.join(out, f"{label.replace(' ', '_')}-c{concurrency}-r{round_}.json")
     cmd = [sys.executable, "-m", "services.cli", "bench", "--base-url", url, "--label", label,
            "--max-concurrency", str(concurrency), "--num-prompts", str(max(args.min_prompts, 2 * concurrency)),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
-           "--temperature", "0.7", "--save-result", result, "--quiet", "--warmup", "2"]
+           "--temperature", "0.7", "--save-result", result, "--quiet", "--warmup", "2",
+           "--seed", str(prompt_seed(concurrency, round_))]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.load(open(result))  # vLLM-named metrics at the top level
 

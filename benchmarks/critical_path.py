@@ -3,10 +3,13 @@ sees, through a real `stagemesh up --stages N`. The difference is the critical p
 scheduler, ZeroMQ hops, SSE), which issue 14 holds to <= 1.5 ms per token at one stream; the hops are split out
 from the stages' and the gateway's own hop-latency histograms (send time in the header, receipt at decode).
 
-    python -m benchmarks.critical_path [--stages 1] [--tokens 128] [--runs 3] [--dtype D] [-- extra up flags]
+    python -m benchmarks.critical_path [--stages 1] [--tokens 128] [--runs 3] [--prompt-tokens 64] [--dtype D]
+                                       [-- extra up flags]
 
 Each run streams one /v1/completions request (ignore_eos, greedy) and reads every stage's busy seconds and
-micro-batch count from /metrics before and after, so compute per step is the stage's own measurement."""
+micro-batch count from /metrics before and after, so compute per step is the stage's own measurement. The first
+token's time is split the same way: a random prompt of --prompt-tokens tokens (the comparison benchmark's 64) with
+max_tokens 1, TTFT against the stages' compute of that one prefill micro-batch."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import urllib.request
 import aiohttp
 
 from loadtest.client import send_sse
+from loadtest.datasets import random_requests
 from services.launch import scrape_metric, start_up
+from shared.model_files import ModelFiles
 
 
 def metrics(url: str, names: list[str]) -> list[float]:
@@ -38,21 +43,21 @@ def per_event(before: list[float], after: list[float]) -> list[float]:
     return [deltas[i] / max(1.0, deltas[i + 1]) for i in range(0, len(deltas), 2)]
 
 
-async def one_run(url: str, stage_urls: list[str], tokens: int) -> dict:
+async def one_run(url: str, stage_urls: list[str], tokens: int,
+                  prompt: str = "The history of the printing press") -> dict:
     before = [metrics(u, STAGE) for u in stage_urls], metrics(url, GATEWAY)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-        res = await send_sse(s, url, "openai", "smollm2", "The history of the printing press", 0, tokens,
-                             ignore_eos=True, temperature=0.0)
+        res = await send_sse(s, url, "openai", "smollm2", prompt, 0, tokens, ignore_eos=True, temperature=0.0)
     after = [metrics(u, STAGE) for u in stage_urls], metrics(url, GATEWAY)
     if not res.success:
         raise RuntimeError(res.error)
     stages = [per_event(b, a) for b, a in zip(before[0], after[0])]  # [compute per micro-batch, hop into the stage]
     per_stage = [s[0] for s in stages]
     hops = [s[1] for s in stages] + per_event(before[1], after[1])  # every hop of a token's round trip, in order
-    itl = statistics.mean(res.itl)
+    itl = statistics.mean(res.itl) if res.itl else 0.0
     compute = sum(per_stage)  # one stream: the stages run one after another on every step
     return {"itl_ms": itl * 1e3, "compute_ms": compute * 1e3, "overhead_ms": (itl - compute) * 1e3,
-            "per_stage_ms": [x * 1e3 for x in per_stage], "ttft_ms": res.ttft * 1e3, "hops_ms": [h * 1e3 for h in hops]}
+            "per_stage_ms": [x * 1e3 for x in per_stage], "ttft_ms": (res.ttft or res.latency) * 1e3, "hops_ms": [h * 1e3 for h in hops]}
 
 
 def main() -> None:
@@ -60,6 +65,7 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of the first-token split")
     p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
     p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
     args = p.parse_args()
@@ -70,6 +76,9 @@ def main() -> None:
             stage_urls = gw.stage_urls()
             asyncio.run(one_run(gw.url, stage_urls, 8))  # warm-up
             runs = [asyncio.run(one_run(gw.url, stage_urls, args.tokens)) for _ in range(args.runs)]
+            tokenizer = ModelFiles.open("smollm2").tokenizer
+            prompts = random_requests(tokenizer, args.runs, args.prompt_tokens, 1, 0.0, seed=1)
+            firsts = [asyncio.run(one_run(gw.url, stage_urls, 1, r.prompt)) for r in prompts]
         finally:
             gw.stop()
     print(f"critical path: up --stages {args.stages} ({args.dtype or 'default dtype'}) {' '.join(args.extra)}, 1 stream, "
@@ -84,6 +93,11 @@ def main() -> None:
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
     print(f"median: ITL {med('itl_ms'):.2f} ms, compute {med('compute_ms'):.2f} ms, outside compute "
           f"{med('overhead_ms'):.2f} ms per token ({med('overhead_ms') / med('itl_ms'):.1%} of the gap)")
+    print(f"first token of a {args.prompt_tokens}-token prompt (max_tokens 1, {args.runs} random prompts):")
+    for r in firsts:  # one micro-batch: the whole prompt in one chunk, as prefill_chunk (128) >= the prompt
+        stages = " + ".join(f"{x:.2f}" for x in r["per_stage_ms"])
+        print(f"  TTFT {r['ttft_ms']:6.2f} ms = prefill compute {r['compute_ms']:6.2f} ms ({stages}) "
+              f"+ outside compute {r['ttft_ms'] - r['compute_ms']:5.2f} ms")
 
 
 if __name__ == "__main__":
