@@ -1,7 +1,7 @@
 """All of SmolLM2's linears per step (30 layers x 4 fused matmuls + lm_head), ms, int4 g32 vs oneDNN-prepacked bf16
 vs oneDNN-prepacked f32 (the two candidates for weights auto's prefill kernel), at several token counts; prints where
-the dense kernels start to beat int4 (what shared.models.crossover measures at load, there over 4 blocks) and what
-int4's bf16 scales cost in fidelity against the GGUF's exact numbers.
+the dense kernels start to beat int4 (what shared.models.crossover measures at load, over the piece's first
+CROSSOVER_BLOCKS blocks) and what int4's bf16 scales cost in fidelity against the GGUF's exact numbers.
 
     .venv/bin/python -m benchmarks.kernels [--tokens 1,2,4,8,12,16,32,48,64,128,512] [--repeat 5]
 

@@ -61,7 +61,7 @@ def test_float32_prefill_copies_must_fit_in_half_the_available_memory(smollm2, m
     """A machine short of memory cannot be had here, so its free memory is what is substituted: the f32 choice
     (measured faster) gives way to bf16 when f32 copies of the piece's blocks would take over half of it."""
     config = ModelConfig.from_gguf(smollm2.loader)
-    f32_bytes = 4 * config.num_layers * config.layer_weights  # SmolLM2: ~0.4 GiB
+    f32_bytes = 4 * config.num_layers * config.stored_layer_weights  # SmolLM2: ~0.4 GiB
     monkeypatch.setattr(crossover, "measure_prefill_dtype", lambda *shape: torch.float32)
     monkeypatch.setattr(crossover, "_available_bytes", lambda: f32_bytes)  # f32 would take all of it
     assert crossover.choose_prefill_dtype(config, config.num_layers) == (

@@ -176,9 +176,17 @@ class ModelConfig:
 
     @property
     def layer_weights(self) -> int:
-        """Matmul weights of one block (what a decode step streams through)."""
+        """Matmul weights of one block a token goes through (what a decode step streams: the used experts only)."""
+        return self._block_weights(self.experts_used)
+
+    @property
+    def stored_layer_weights(self) -> int:
+        """Matmul weights of one block as held in memory (every expert)."""
+        return self._block_weights(self.num_experts)
+
+    def _block_weights(self, experts: int) -> int:
         d = self.hidden_size
-        mlp_matrices = (2 if self.traits.mlp == "gelu" else 3) * max(1, self.experts_used)
+        mlp_matrices = (2 if self.traits.mlp == "gelu" else 3) * max(1, experts)
         return 2 * self.q_size * d + 2 * self.kv_size * d + mlp_matrices * d * self.intermediate_size
 
     @property

@@ -106,8 +106,7 @@ def choose_prefill_dtype(config, layers: int) -> torch.dtype:
         dtype = measure_prefill_dtype(min(config.intermediate_size, PREFILL_PROBE_MAX),
                                       min(config.hidden_size, PREFILL_PROBE_MAX))
     if dtype == torch.float32 and prepacked_bf16_available():
-        d, mlp = config.hidden_size, (2 if config.traits.mlp == "gelu" else 3) * max(1, config.num_experts)
-        f32_bytes = 4 * layers * (2 * config.q_size * d + 2 * config.kv_size * d + mlp * d * config.intermediate_size)
+        f32_bytes = 4 * layers * config.stored_layer_weights
         if f32_bytes > _available_bytes() / 2:
             log.info("prefill kernel: bf16, not the faster f32 (f32 copies of %d blocks would take %.1f GiB, more "
                      "than half the memory available)", layers, f32_bytes / 2**30)
