@@ -1,6 +1,6 @@
 """ms per decode step of the whole SmolLM2 (one process, every layer + lm_head), per weights mode, side by side.
 
-    .venv/bin/python -m benchmarks.decode_step [--weights auto,int4,bf16,f32] [--batch 1,8,32] [--context 64]
+    .venv/bin/python -m benchmarks.decode_step [--weights auto,lean,bf16,f32] [--batch 1,8,32] [--context 64]
         [--batch-invariant] [--compile]
 
 Each batch size decodes B sequences that each hold --context tokens of prompt; the fastest and the median of
@@ -38,7 +38,7 @@ def load(loader: GgufLoader, weights: str, slots: int, batch_invariant: bool,
         return LocalPipeline.load(loader, None, dtype, kv_slots=slots) if weights in ("bf16", "f32") else None
     if not compile_decode:
         return LocalPipeline.load(loader, None, dtype, kv_slots=slots, weights=weights, batch_invariant=batch_invariant)
-    if "compile_decode" not in params or weights not in ("auto", "int4"):
+    if "compile_decode" not in params or weights not in ("auto", "lean"):
         return None
     return LocalPipeline.load(loader, None, dtype, kv_slots=slots, weights=weights, compile_decode="on")
 
@@ -66,7 +66,7 @@ def decode_ms(pipeline: LocalPipeline, batch: int, context: int, steps: int, ste
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--weights", default="auto,int4,bf16,f32")
+    p.add_argument("--weights", default="auto,lean,bf16,f32")
     p.add_argument("--batch", default="1,8,32")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--steps", type=int, default=12)

@@ -18,7 +18,7 @@ import torch
 
 from shared.gguf_loader import GgufLoader, RawTensor
 from shared.model_registry import resolve_model
-from shared.models.linear import DenseLinear, Int4Linear, _apply_groups, dequantize, unpack_4bit
+from shared.models.linear import DenseLinear, Int4Linear, _apply_groups, dequantize, unpack_levels
 
 
 def _step_ms(kinds: list[list], xs: dict[int, torch.Tensor], m: int, repeat: int) -> list[float]:
@@ -49,7 +49,7 @@ def main() -> None:
             raws = [loader.raw(f"blk.{i}.{n}.weight") for n in g]
             data = torch.cat([r.data for r in raws])
             raw = RawTensor("+".join(g), raws[0].ggml_type, (sum(r.shape[0] for r in raws), raws[0].shape[1]), data)
-            q, scale, low = unpack_4bit(raw)
+            q, scale, low = unpack_levels(raw)
             exact = _apply_groups(q, scale, low)
             w4 = Int4Linear(q, scale, low)
             int4.append(w4)

@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -141,22 +142,32 @@ class GgufLoader:
             names += [n for n in ("output_norm.bias", "output.bias") if n in self._tensors]
         return list(dict.fromkeys(names))
 
-    def raw(self, name: str) -> RawTensor:
-        """One tensor's bytes as stored (copied out of the map), shape in torch order. Types we cannot decode
-        are refused here, before anything is built from them."""
+    def tensor_bytes(self, names: list[str]) -> int:
+        """The bytes these tensors take in the file."""
+        return sum(int(self._tensors[n].n_bytes) for n in names)
+
+    def raw(self, name: str, mapped: bool = False) -> RawTensor:
+        """One tensor's bytes as stored, shape in torch order: copied out of the map, or with mapped=True a
+        read-only view of it (pages are read, and held, only where touched: an embedding table). Types we cannot
+        decode are refused here, before anything is built from them."""
         try:
             t = self._tensors[name]
         except KeyError:
             raise GgufError(f"{self.path} has no tensor {name!r}") from None
         if t.tensor_type.name not in supported_tensor_types():
             raise UnsupportedTensorType(
-                f"tensor {name} has type {t.tensor_type.name}, which cannot be dequantized; "
-                f"supported: {', '.join(supported_tensor_types())}"
+                f"{self.path}: tensor {name} has type {t.tensor_type.name}, which stagemesh cannot decode; "
+                f"supported types: {', '.join(supported_tensor_types())} (requantize the file with llama.cpp's "
+                "llama-quantize to one of them)"
             )
         shape = self.tensor_shape(name)
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        data = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8).reshape(rows, -1))
-        return RawTensor(name, t.tensor_type.name, shape, data)
+        data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        if not mapped:
+            data = data.copy()
+        with warnings.catch_warnings():  # torch warns that the map is read-only; nothing ever writes through it
+            warnings.simplefilter("ignore", UserWarning)
+            return RawTensor(name, t.tensor_type.name, shape, torch.from_numpy(data))
 
     def iter_raw(self, names: list[str], desc: str = "loading") -> Iterator[RawTensor]:
         """Yield each requested tensor's RawTensor, with a progress bar when stderr is a terminal."""

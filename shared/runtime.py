@@ -17,6 +17,7 @@ from shared.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
 from shared.models.compiled_decode import COMPILE_MODES, CompiledDecode, why_not_compilable
 from shared.models.crossover import apply_measured_crossover
+from shared.models.memory import default_budget
 from shared.steps import InferenceStep
 
 log = logging.getLogger("stagemesh.runtime")
@@ -44,15 +45,18 @@ class StageRuntime:
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
              kv_slots: int = SERVING_DEFAULTS.kv_slots, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
-             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off") -> StageRuntime:
+             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
+             memory_budget: int | None = None) -> StageRuntime:
         """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
         batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel);
+        memory_budget: bytes for the piece's weights and KV cache (None: shared.models.memory's default);
         compile_decode: a COMPILE_MODES entry (shared.models.compiled_decode): "on" compiles the one-sequence decode
         step before returning (refusing a piece it does not cover), "auto" starts compiling it in the background
         where it covers the piece, "off" never."""
         if compile_decode not in COMPILE_MODES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
-        model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant)
+        model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant,
+                                           memory_budget=memory_budget, kv_slots=kv_slots, max_seq_len=max_seq_len)
         apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
         max_seq_len = min(max_seq_len, model.config.context_length)
         reason = "--compile-decode off" if compile_decode == "off" else why_not_compilable(model)
@@ -141,10 +145,15 @@ class LocalPipeline:
     @classmethod
     def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
              device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
-             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off") -> LocalPipeline:
+             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
+             memory_budget: int | None = None) -> LocalPipeline:
+        """memory_budget: per piece (each piece is a stage's share); None: the default, split over the pieces."""
         ranges = ranges or [None]
+        if memory_budget is None:
+            memory_budget = default_budget(len(ranges))
         return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len, weights=weights,
-                                      batch_invariant=batch_invariant, compile_decode=compile_decode) for r in ranges])
+                                      batch_invariant=batch_invariant, compile_decode=compile_decode,
+                                      memory_budget=memory_budget) for r in ranges])
 
     @property
     def config(self):

@@ -77,7 +77,7 @@ def test_bad_flags_are_clear_errors():
     ([], "auto"),  # --dtype left to its default: the fast kernels, whatever the CPU's default activation dtype
     (["--dtype", "float32"], "f32"),  # an explicit float32: the exact reference
     (["--dtype", "bfloat16"], "auto"),
-    (["--dtype", "float32", "--weights", "int4"], "int4"),
+    (["--dtype", "float32", "--weights", "lean"], "lean"),
 ])
 def test_weights_mode_follows_the_dtype_flag(flags, expected):
     import argparse

@@ -3,8 +3,6 @@ micro-batches (prepacked bf16 or f32) and the crossover from int4 to it."""
 
 import torch
 
-from shared.models import crossover
-from shared.models.config import ModelConfig
 from shared.models.crossover import CANDIDATES, measure_int4_crossover, measure_prefill_dtype
 from shared.models.linear import SwitchedLinear, prepacked_bf16_available
 from shared.runtime import StageRuntime
@@ -37,7 +35,7 @@ def test_the_measurement_picks_the_kernel_that_is_faster_by_a_wide_margin(smollm
 
 
 def test_modes_without_a_switch_are_left_alone(smollm2):
-    for weights, invariant in (("int4", False), ("bf16", False), ("auto", True)):
+    for weights, invariant in (("lean", False), ("bf16", False), ("auto", True)):
         runtime = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights=weights,
                                     batch_invariant=invariant)
         assert _switched(runtime.model) == []
@@ -55,16 +53,3 @@ def test_the_prefill_kernel_is_the_measured_dtype_on_every_switched_linear(smoll
     name = {torch.bfloat16: "bf16", torch.float32: "f32"}[measured]
     blocks = {k: v for k, v in runtime.model.weight_summary().items() if k.startswith("blk.")}
     assert blocks and all(kind.split(" | ")[1].startswith(name) for kind in blocks.values()), blocks
-
-
-def test_float32_prefill_copies_must_fit_in_half_the_available_memory(smollm2, monkeypatch):
-    """A machine short of memory cannot be had here, so its free memory is what is substituted: the f32 choice
-    (measured faster) gives way to bf16 when f32 copies of the piece's blocks would take over half of it."""
-    config = ModelConfig.from_gguf(smollm2.loader)
-    f32_bytes = 4 * config.num_layers * config.stored_layer_weights  # SmolLM2: ~0.4 GiB
-    monkeypatch.setattr(crossover, "measure_prefill_dtype", lambda *shape: torch.float32)
-    monkeypatch.setattr(crossover, "_available_bytes", lambda: f32_bytes)  # f32 would take all of it
-    assert crossover.choose_prefill_dtype(config, config.num_layers) == (
-        torch.bfloat16 if prepacked_bf16_available() else torch.float32)  # without native bf16, f32 regardless
-    monkeypatch.setattr(crossover, "_available_bytes", lambda: 2 * f32_bytes + 1)
-    assert crossover.choose_prefill_dtype(config, config.num_layers) == torch.float32

@@ -10,13 +10,16 @@ from gguf.quants import quantize
 from shared.gguf_loader import RawTensor
 from shared.models.linear import (
     INT4_MAX_TOKENS,
+    ConcatLinear,
     DenseLinear,
     Int4Linear,
+    Int8Linear,
     SwitchedLinear,
-    dense_dtype,
     dequantize,
     make_linear,
-    unpack_4bit,
+    stored_kernel,
+    stored_nbytes,
+    unpack_levels,
 )
 
 ROWS, COLS = 48, 512  # 48 rows: a multiple of 16 (int4 kernel); 512 columns: two Q4_K superblocks
@@ -25,11 +28,11 @@ ROWS, COLS = 48, 512  # 48 rows: a multiple of 16 (int4 kernel); 512 columns: tw
 def _raw(qtype: str, seed: int = 0) -> tuple[RawTensor, np.ndarray]:
     """Raw bytes of a ROWS x COLS tensor of qtype, and gguf's float32 dequantization of them."""
     rng = np.random.default_rng(seed)
-    if qtype in ("Q4_K", "Q6_K"):  # gguf cannot quantize these: random blocks with sane fp16 super-scales
-        size = {"Q4_K": 144, "Q6_K": 210}[qtype]
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):  # gguf cannot quantize these: random blocks with sane fp16 super-scales
+        size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
         blocks = rng.integers(0, 256, (ROWS * COLS // 256, size), dtype=np.uint8)
         scales = (rng.random((blocks.shape[0], 2)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
-        if qtype == "Q4_K":
+        if qtype in ("Q4_K", "Q5_K"):
             blocks[:, 0:4] = scales
         else:
             blocks[:, -2:] = scales[:, :2]
@@ -42,7 +45,7 @@ def _raw(qtype: str, seed: int = 0) -> tuple[RawTensor, np.ndarray]:
     return RawTensor("w", qtype, (ROWS, COLS), torch.from_numpy(np.ascontiguousarray(data)).view(ROWS, -1)), ref
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K", "F16"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "F16"])
 def test_dequantize_equals_gguf_exactly(qtype):
     raw, ref = _raw(qtype)
     ours = dequantize(raw).numpy()
@@ -50,42 +53,65 @@ def test_dequantize_equals_gguf_exactly(qtype):
     np.testing.assert_array_equal(ours, ref)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
-def test_int4_kernel_runs_the_files_nibbles(qtype):
-    """The packed int4 weight times x equals x times the GGUF's own weights, up to bf16 activations/scales: a
-    wrong nibble order or scale/zero convention would be off by the size of the weights themselves."""
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "F16"])
+def test_stored_kernel_runs_the_files_numbers(qtype):
+    """Each type's own kernel (int4, two int4 planes, int8 rows, dense) times x equals x times the GGUF's own weights
+    (gguf's dequantization), up to bf16 activations and scales -- and int8's requantization, which stays well
+    inside a bf16-sized error: a wrong nibble order, plane or zero convention would be off by the size of the
+    weights themselves. Its bytes are what stored_nbytes plans with."""
     raw, ref = _raw(qtype, seed=1)
-    q, scale, low = unpack_4bit(raw)
-    w = Int4Linear(q, scale, low)
+    w = stored_kernel(raw)
+    expected = {"Q4_0": Int4Linear, "Q4_1": Int4Linear, "Q4_K": Int4Linear, "Q8_0": Int4Linear, "Q5_0": Int4Linear,
+                "Q5_1": Int4Linear, "Q5_K": Int4Linear, "F16": DenseLinear}.get(qtype, Int8Linear)
+    assert isinstance(w, expected), w.kind
+    if isinstance(w, Int4Linear):  # the levels the kernel packs reproduce the file exactly
+        q, scale, low = unpack_levels(raw)
+        np.testing.assert_array_equal((q.view(ROWS, -1, 32) * scale[..., None] + low[..., None]).view(ROWS, COLS).numpy(), ref)
     x = torch.randn(5, COLS)
     exact = x.bfloat16().double() @ torch.from_numpy(ref).double().T  # [5, ROWS]
     err = (w(x).double() - exact).abs().max() / exact.abs().max()
-    assert err < 1e-2, err
+    assert err < (2e-2 if isinstance(w, Int8Linear) else 1e-2), err
+    assert w.nbytes == stored_nbytes(qtype, (ROWS, COLS))
 
 
-def test_auto_switches_kernel_by_tokens_and_int4_mode_does_not():
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+def test_quantized_kernels_give_a_row_the_same_numbers_at_any_batch_size(qtype):
+    """What the batch-invariant mode relies on (it never pads the quantized kernels): row i of an M-row call equals
+    the same row computed alone, for every M up to 40."""
+    w = stored_kernel(_raw(qtype, seed=5)[0])
+    x = torch.randn(40, COLS)
+    alone = torch.cat([w(x[i:i + 1]) for i in range(40)])
+    for m in range(1, 41):
+        assert torch.equal(w(x[:m]), alone[:m]), m
+
+
+def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
     raw, _ = _raw("Q4_1")
-    auto, int4 = make_linear([raw], "auto"), make_linear([raw], "int4")
-    assert isinstance(auto, SwitchedLinear) and isinstance(int4, Int4Linear)
+    auto, lean = make_linear([raw], "auto"), make_linear([raw], "lean")
+    assert isinstance(auto, SwitchedLinear) and isinstance(lean, Int4Linear)
     x = torch.randn(INT4_MAX_TOKENS, COLS)
     small, large = x[:INT4_MAX_TOKENS - 1], x
     assert torch.equal(auto(small), auto.small(small)) and torch.equal(auto(large), auto.large(large))
     assert isinstance(make_linear([raw], "auto", batch_invariant=True), Int4Linear)
-    assert isinstance(make_linear([_raw("Q8_0")[0]], "auto"), DenseLinear)
+    assert isinstance(make_linear([_raw("F16")[0]], "auto"), DenseLinear)  # float types have no quantized kernel
 
 
-def test_fused_rows_of_different_types_still_run_each_as_its_own_kind():
-    a, ref_a = _raw("Q4_1", seed=2)
-    b, ref_b = _raw("Q8_0", seed=3)
-    fused = make_linear([a, b], "f32")
+@pytest.mark.parametrize("mode", ["f32", "bf16", "lean", "auto"])
+def test_fused_rows_of_any_type_mix_compute_the_concatenation(mode):
+    """q|k|v of three different types (as real Q4_K_M files have: Q5_0, Q5_0, Q8_0 / Q4_K / Q6_K) in every mode:
+    the fused linear equals x times the parts' own weights stacked, each part on its own kernel where they differ."""
+    parts = [_raw(t, seed=i) for i, t in enumerate(("Q4_K", "Q5_0", "Q5_0", "Q6_K", "Q8_0"))]
+    fused = make_linear([raw for raw, _ in parts], mode)
     x = torch.randn(3, COLS)
-    expected = x @ torch.from_numpy(np.concatenate([ref_a, ref_b])).T
-    torch.testing.assert_close(fused(x), expected, rtol=0, atol=1e-4)
-    assert fused.out_features == 2 * ROWS
-    # q|k|v of mixed types: int4 for the Q4_1 rows, the CPU's dense kernel (bf16 or f32, dense_dtype) for the Q8_0 rows
-    kinds = make_linear([a, b], "int4").kind
-    dense = {torch.bfloat16: "bf16", torch.float32: "f32"}[dense_dtype()]
-    assert "int4" in kinds and dense in kinds, kinds
+    expected = x.double() @ torch.from_numpy(np.concatenate([ref for _, ref in parts])).double().T
+    err = (fused(x).double() - expected).abs().max() / expected.abs().max()
+    assert err < (1e-6 if mode == "f32" else 2e-2), err
+    assert fused.out_features == len(parts) * ROWS
+    if mode in ("lean", "auto"):
+        small = fused.small if mode == "auto" else fused
+        assert isinstance(small, ConcatLinear) and [p.kind for p in small.parts] == ["int4-g32", "int4x2-g32",
+                                                                                    "int8-rows", "int4x2-g32"]
+        assert small.parts[1].out_features == 2 * ROWS  # the two Q5_0 runs share one kernel
 
 
 def test_prepacked_f32_is_the_f32_product_in_another_summation_order():

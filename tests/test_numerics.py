@@ -35,7 +35,7 @@ def reference_logits(llama_ref, windows):
     (torch.float32, "f32", 0.95, 0.01, 0.015),
     (torch.bfloat16, "auto", 0.95, 0.01, 0.015),  # the default: these windows take auto's prefill kernel
     (torch.float32, "auto", 0.95, 0.01, 0.015),  # the default on CPUs without native bf16 (int4 | prepacked f32)
-    (torch.bfloat16, "int4", 0.95, 0.01, 0.015),  # auto's decode kernel (int4 from the GGUF's Q4_1) at every size
+    (torch.bfloat16, "lean", 0.95, 0.01, 0.015),  # auto's decode kernel (int4 from the GGUF's Q4_1) at every size
     (torch.bfloat16, "bf16", 0.94, 0.02, 0.02),
 ])
 def test_teacher_forced_parity_with_llama_cpp(smollm2, windows, reference_logits, dtype, weights, min_top1, max_kl,
@@ -146,15 +146,15 @@ def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Ten
 def compiled_pipeline(smollm2):
     """Compiling in the background, as a stage does by default (--compile-decode auto); wait_compiled() waits for it.
     (tests/test_compiled_mesh.py starts real stages with these KV shapes: one compilation, then inductor's cache.)
-    Weights int4: auto's decode kernels without its measured switch to dense ones, whose threshold a loaded machine
-    can measure differently in two pipelines, so an eager pipeline with int4 weights computes the same numbers."""
-    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="int4",
+    Weights lean: auto's decode kernels without its measured switch to dense ones, whose threshold a loaded machine
+    can measure differently in two pipelines, so an eager pipeline with lean weights computes the same numbers."""
+    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="lean",
                               compile_decode="auto")
 
 
 def eager_twin(smollm2) -> LocalPipeline:
     """compiled_pipeline's eager twin: the same weights and KV shape, no compiled step."""
-    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="int4")
+    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="lean")
 
 
 def wait_compiled(pipeline, timeout_s: float = 900.0):

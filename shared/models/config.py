@@ -179,11 +179,6 @@ class ModelConfig:
         """Matmul weights of one block a token goes through (what a decode step streams: the used experts only)."""
         return self._block_weights(self.experts_used)
 
-    @property
-    def stored_layer_weights(self) -> int:
-        """Matmul weights of one block as held in memory (every expert)."""
-        return self._block_weights(self.num_experts)
-
     def _block_weights(self, experts: int) -> int:
         d = self.hidden_size
         mlp_matrices = (2 if self.traits.mlp == "gelu" else 3) * max(1, experts)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import logging
 import os
 import tempfile
 import time
@@ -40,8 +39,6 @@ REPEAT = 5  # the prefill probe: fastest of REPEAT timings per kernel (noise on 
 CROSSOVER_BLOCKS = 8
 CROSSOVER_REPEAT = 3
 PREFILL_PROBE_MAX = 2048  # the prefill kernels are timed on a matrix of the model's MLP shape, capped at this per side
-
-log = logging.getLogger("stagemesh.crossover")
 
 
 @contextlib.contextmanager
@@ -86,36 +83,16 @@ def measure_prefill_dtype(out_features: int, in_features: int, rows: int = SERVI
     return min(best, key=best.__getitem__)
 
 
-def _available_bytes() -> int:
-    """Memory available to a new allocation now (MemAvailable: free + reclaimable cache), or free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def choose_prefill_dtype(config, layers: int) -> torch.dtype:
-    """auto's prefill kernel for a piece of `layers` blocks: measure_prefill_dtype on the model's MLP shape, except
-    that float32 copies of the piece's block matrices may take at most half the memory available now (bf16 copies
-    take half as much; a large model on a CPU without AMX gets bf16 rather than running out of memory)."""
+def choose_prefill_dtype(config) -> torch.dtype:
+    """auto's prefill kernel: measure_prefill_dtype on the model's MLP shape (capped at PREFILL_PROBE_MAX a side),
+    timed alone. Whether a copy in it fits in memory is shared.models.memory's decision."""
     with timing_alone():
-        dtype = measure_prefill_dtype(min(config.intermediate_size, PREFILL_PROBE_MAX),
-                                      min(config.hidden_size, PREFILL_PROBE_MAX))
-    if dtype == torch.float32 and prepacked_bf16_available():
-        f32_bytes = 4 * layers * config.stored_layer_weights
-        if f32_bytes > _available_bytes() / 2:
-            log.info("prefill kernel: bf16, not the faster f32 (f32 copies of %d blocks would take %.1f GiB, more "
-                     "than half the memory available)", layers, f32_bytes / 2**30)
-            return torch.bfloat16
-    return dtype
+        return measure_prefill_dtype(min(config.intermediate_size, PREFILL_PROBE_MAX),
+                                     min(config.hidden_size, PREFILL_PROBE_MAX))
 
 
 def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = CROSSOVER_REPEAT) -> int:
-    """The smallest candidate token count from which the dense kernel beats int4 over `linears` at that candidate and
+    """The smallest candidate token count from which the dense kernel beats the quantized one (int4, int8) over `linears` at that candidate and
     the next one too (timed interleaved, each kernel's fastest of `repeat`: one noisy win in the flat region where the
     two are within a few percent does not end the scan); the largest candidate + 1 when int4 wins throughout."""
     inputs = {w.in_features: torch.randn(CANDIDATES[-1], w.in_features).to(torch.bfloat16) for w in linears}

@@ -1,36 +1,37 @@
 """Linear weights in the form the CPU kernels want, built straight from a GGUF tensor's bytes.
 
 Every matmul of TransformerModel goes through one of these: `w(x)` takes x [M, K] (any float dtype) and returns
-[M, N] in the weight's compute dtype (bfloat16 for packed/bf16 kernels, float32 for the f32 reference). What
-each tensor runs as (`kind`) follows from its GGUF type and the weights mode:
+[M, N] in the weight's compute dtype (bfloat16 for the quantized and bf16 kernels, float32 for the f32 reference).
+What each tensor runs as (`kind`) follows from its GGUF type and the weights mode:
 
-    mode   Q4_0 / Q4_1 / Q4_K                                  other types (Q8_0, Q5_*, Q6_K, F16, BF16, F32, ...)
-    auto   int4 g32 below the measured crossover, else prefill  dense
-    int4   int4 g32 at every M (0.4x auto's memory)            dense
-    bf16   bf16 (oneDNN-prepacked), today's behaviour            bf16 (oneDNN-prepacked)
-    f32    float32, the GGUF's numbers exactly                   float32
+    mode   Q4_0 / Q4_1 / Q4_K     Q8_0                   other quantized types     F16 / BF16 / F32
+    lean   int4 g32               int4 g32, two planes   int8, a scale per row     dense
+    auto   lean's kernel below the measured crossover, a dense prefill copy from there on (when the memory budget
+           holds it; shared.models.memory decides, else lean)
+    bf16   bf16 (oneDNN-prepacked) for every type
+    f32    float32, the GGUF's numbers exactly (the reference)
+
+So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
+Q4_K 0.56 in the file), the two int4 planes of Q8_0 1.25 (file: 1.06), int8 rows 1.0 (Q5_0 0.69, Q6_K 0.82).
 
 "dense" is the fastest dense kernel of the CPU at decode sizes (dense_dtype()): oneDNN-prepacked bf16 where the CPU
-has native bf16 (AVX512-BF16, AMX), oneDNN-prepacked float32 elsewhere -- on an AVX2 CPU bf16 GEMMs are emulated:
-SmolLM2's block matmuls at 32 tokens took 403 ms in bf16 against 75 ms prepacked f32 (plain F.linear f32: 126 ms) on
-a 2-core Zen 3. "prefill" is the dense kernel measured fastest for a prefill chunk when the piece loads
-(shared.models.crossover.measure_prefill_dtype: prepacked bf16 or f32; f32 on AVX512-BF16 CPUs without AMX), and
-the crossover from int4 to it is measured too (apply_measured_crossover).
+has native bf16 (AVX512-BF16, AMX), oneDNN-prepacked float32 elsewhere (bf16 GEMMs are emulated on AVX2 CPUs;
+benchmarks/kernels.py prints both). "prefill" is the dense kernel measured fastest for a prefill chunk when the
+piece loads (shared.models.crossover), and so is the crossover from the quantized kernel to it.
 
 int4 is torch's `_weight_int4pack_mm_for_cpu`: w = (nibble - 8) * scale + zero per group of 32 along K, fp32
-accumulation. Its AVX512 path takes only bf16 activations with bf16 scales/zeros (fp32 scales with bf16
-activations are refused: "expected scalar type BFloat16 but found Float"; fp32 activations run scalar code ~25x
-slower), so the GGUF's fp16 scale and offset -- Q4_0: d, 0; Q4_1: d, m + 8d; Q4_K: d*sc, 8*d*sc - dmin*mn -- are
-rounded to bf16 once. That is the one rounding int4 adds: on SmolLM2 a weight error of rms 2.0e-3 of the weights'
-rms (rounding the dequantized weights to bf16, the bf16 mode, costs 1.3e-3). The nibbles are the file's, untouched.
-Exactness would be possible: every scale and zero of SmolLM2 is a sum of two bf16 numbers, so two int4 matmuls
-(hi and lo scales over the same nibbles) reproduce the GGUF exactly -- at twice int4's cost, which at one token is
-about prepacked bf16's (benchmarks/kernels.py prints both), so it is not done. The f32 mode is exact.
+accumulation. Its AVX512 path takes only bf16 activations with bf16 scales/zeros, so the GGUF's fp16 scale and
+offset -- Q4_0: d, 0; Q4_1: d, m + 8d; Q4_K: d*sc, 8*d*sc - dmin*mn; Q8_0: 16d and d over its high and low
+nibbles -- are rounded to bf16 once. That is the one rounding int4 adds (of the order of rounding the dequantized
+weights to bf16, the bf16 mode); the levels are the file's, untouched. int8 is `_weight_int8pack_mm` (one scale per
+output row), the only kernel here that requantizes (Int8Linear). The f32 mode is exact.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,16 +41,22 @@ import torch.nn.functional as F
 from shared.errors import GgufError
 from shared.gguf_loader import RawTensor
 
-WEIGHT_MODES = ("auto", "int4", "bf16", "f32")
+WEIGHT_MODES = ("auto", "lean", "bf16", "f32")
 GROUP = 32  # ggml's block of 4-bit types (Q4_K: a 256-superblock of 8 such groups)
-# auto switches from int4 to its prefill kernel at this many tokens in a micro-batch until a piece's load measures
-# the crossover (shared.models.crossover); what benchmarks/kernels.py printed on the 2-core Zen 4 (SmolLM2's 120
-# block matmuls, 2 threads, fastest of 9): int4 / bf16 time 0.54 at 1 token, 0.97 at 8, 1.25 at 10, 2.36 at 128.
+# auto switches from the quantized kernel to its prefill kernel at this many tokens in a micro-batch until a piece's
+# load measures the crossover (shared.models.crossover); benchmarks/kernels.py prints the curve it comes from.
 INT4_MAX_TOKENS = 9
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # a nibble x scale + low per group of 32: one int4 plane, as stored
+INT4_PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # up to 8 bits x scale + low per group of 32: two int4 planes
+FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
+# Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
+# (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
+_PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
+# Every other quantized type (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) runs as int8 with one scale per row.
 INVARIANT_ROWS = 8  # the batch-invariant mode's fixed M for dense kernels (about one row's cost: memory-bound)
 # Bytes per block and elements per block of the types unpacked here with torch (the rest go through gguf.quants).
-_BLOCK = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256), "Q8_0": (34, 32)}
+_BLOCK = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
+          "Q5_1": (24, 32), "Q5_K": (176, 256)}
 
 
 # ---- unpacking GGUF blocks (torch, vectorised) -------------------------------------------------------------------
@@ -67,12 +74,48 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def unpack_4bit(raw: RawTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 / Q4_K -> (q [N, K] uint8 0..15, scale [N, K/32] f32, low [N, K/32] f32) with, exactly,
-    w = q * scale + low   (Q4_0: d*(q-8) -> scale d, low -8d; Q4_1: d*q + m; Q4_K: d*sc*q - dmin*mn)."""
-    n, k = raw.shape
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., count/8] bytes -> [..., count] bits 0/1, little-endian (bit i of byte j is element 8j + i)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+    return ((b[..., :, None] >> shifts) & 1).reshape(*b.shape[:-1], count)
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks -> scales, mins [..., 8] float32."""
+    sc = b.to(torch.int32)
+    lo4, hi4, mix = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scales = torch.cat([lo4 & 0x3F, (mix & 0x0F) | ((lo4 >> 2) & 0x30)], dim=-1).float()
+    mins = torch.cat([hi4 & 0x3F, (mix >> 4) | ((hi4 >> 2) & 0x30)], dim=-1).float()
+    return scales, mins
+
+
+def unpack_levels(raw: RawTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 -> (q [N, K] uint8 levels, scale [N, K/32] f32, low [N, K/32]
+    f32) with, exactly, w = q * scale + low (Q4_0: d*(q-8) -> scale d, low -8d; Q4_1: d*q + m; Q4_K: d*sc*q -
+    dmin*mn; Q5_0: d*(q-16); Q5_1: d*q + m; Q5_K: d*sc*q - dmin*mn; Q8_0: d*i8 -> levels i8 + 128 in 0..255, scale
+    d, low -128d). A 3-D tensor comes back as its rows, [E * N, K]."""
+    n, k = raw.data.shape[0], raw.shape[-1]
     size, per = _BLOCK[raw.ggml_type]
     b = raw.data.reshape(n, k // per, size)
+    if raw.ggml_type == "Q8_0":
+        d = _f16(b[..., 0:2])
+        q = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return q.reshape(n, k), d, -128.0 * d
+    if raw.ggml_type in ("Q5_0", "Q5_1"):  # [d, (m,) qh: 4 bytes of fifth bits, 16 bytes of nibbles]
+        d, at = _f16(b[..., 0:2]), 2
+        low = -16.0 * d
+        if raw.ggml_type == "Q5_1":
+            low, at = _f16(b[..., 2:4]), 4
+        q = _nibbles(b[..., at + 4:]) | (_bits(b[..., at:at + 4], 32) << 4)
+        return q.reshape(n, k), d, low
+    if raw.ggml_type == "Q5_K":  # d, dmin, 12 bytes of scales, 32 bytes of fifth bits (bit j: sub-block j), 128 of nibbles
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        scales, mins = _k_scales(b[..., 4:16])
+        high = _bits(b[..., 16:48], 256).view(n, k // per, 32, 8).transpose(-1, -2)  # [N, K/256, 8 sub-blocks, 32]
+        qs = b[..., 48:].reshape(n, k // per, 4, 32)
+        low4 = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, k // per, 8, 32)
+        q = (low4 | (high << 4)).reshape(n, k)
+        return q, (d[..., None] * scales).reshape(n, -1), (-(dmin[..., None] * mins)).reshape(n, -1)
     if raw.ggml_type == "Q4_0":
         d = _f16(b[..., 0:2])
         return _nibbles(b[..., 2:]).reshape(n, k), d, -8.0 * d
@@ -80,29 +123,23 @@ def unpack_4bit(raw: RawTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         return _nibbles(b[..., 4:]).reshape(n, k), _f16(b[..., 0:2]), _f16(b[..., 2:4])
     # Q4_K: d, dmin fp16; 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks; 128 bytes of nibbles where byte
     # chunk j (32 bytes) holds sub-block 2j in its low nibbles and 2j+1 in its high ones.
-    d, dmin, sc = _f16(b[..., 0:2]), _f16(b[..., 2:4]), b[..., 4:16].to(torch.int32)
-    lo4, hi4, mix = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
-    scales = torch.cat([lo4 & 0x3F, (mix & 0x0F) | ((lo4 >> 2) & 0x30)], dim=-1).float()  # [N, K/256, 8]
-    mins = torch.cat([hi4 & 0x3F, (mix >> 4) | ((hi4 >> 2) & 0x30)], dim=-1).float()
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    scales, mins = _k_scales(b[..., 4:16])  # [N, K/256, 8]
     qs = b[..., 16:].reshape(n, k // per, 4, 32)
     q = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, k)  # [N, K/256, 4, 2, 32] -> sub-block order
     return q, (d[..., None] * scales).reshape(n, -1), (-(dmin[..., None] * mins)).reshape(n, -1)
 
 
 def _apply_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """q [N, K] 0..15, scale / low [N, K/32] -> w = q * scale + low, float32 [N, K] (exact: 4 x 17 bits)."""
+    """q [N, K] levels, scale / low [N, K/32] -> w = q * scale + low, float32 [N, K] (exact: 8 x 17 bits)."""
     n = q.shape[0]
     return torch.addcmul(low[..., None], q.view(n, -1, GROUP), scale[..., None]).view(n, -1)
 
 
 def dequantize(raw: RawTensor) -> torch.Tensor:
     """The GGUF's own numbers as float32 in raw.shape (exactly what llama.cpp dequantizes to)."""
-    if raw.ggml_type in INT4_TYPES:
-        return _apply_groups(*unpack_4bit(raw)).view(raw.shape)
-    if raw.ggml_type == "Q8_0":
-        b = raw.data.reshape(raw.data.shape[0], -1, 34)
-        q = b[..., 2:].contiguous().view(torch.int8).float()
-        return (q * _f16(b[..., 0:2])[..., None]).view(raw.shape)
+    if raw.ggml_type in INT4_TYPES + INT4_PAIR_TYPES:
+        return _apply_groups(*unpack_levels(raw)).view(raw.shape)
     if raw.ggml_type in ("F32", "F16", "BF16"):
         dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[raw.ggml_type]
         return raw.data.contiguous().view(dt).float().view(raw.shape)
@@ -134,24 +171,63 @@ def int4_fits(shape: Sequence[int]) -> bool:
 
 
 class Int4Linear:
-    """int4 weight-only, group 32: packed [N, K/2] uint8 + scales_and_zeros [K/32, N, 2] bf16; bf16 out."""
+    """int4 weight-only, group 32: packed [N, planes * K/2] uint8 + scales_and_zeros [planes * K/32, N, 2] bf16;
+    bf16 out. One plane holds a 4-bit type's nibbles as stored. Two planes hold an 8-bit type exactly: level q in
+    0..255 = 16 hi + lo, so w = q*scale + low = (16 scale) hi + scale lo + low, i.e. the kernel runs over K twice
+    (x repeated) with the high nibbles' groups first -- one call, fp32 accumulation, one bf16 rounding at the end."""
 
-    kind = "int4-g32"
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor):
-        # q [N, K] 0..15, w = q*scale + low per group  ==  (q - 8)*scale + (low + 8*scale): the kernel's form.
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, planes: int = 1,
+                 pair_zeros: tuple[float, float] | None = None):
+        # q [N, K] levels (0..15 for one plane, 0..255 for two), w = q*scale + low per group. The kernel's form per
+        # plane is (nibble - 8) * s + z, so two planes need z_hi + z_lo = low + 136 scale: z_hi = 128 scale and
+        # z_lo = low + 8 scale, or pair_zeros (z_hi, z_lo) in units of scale where low is a fixed multiple of it --
+        # powers of two, which bf16 rounds exactly as it rounds the scale (no error beyond the scale's own).
         self.out_features, self.in_features = q.shape
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        zero = low + 8.0 * scale  # exact in fp32 for GGUF scales (fp16 values a few binades apart)
-        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.planes = planes
+        self.kind = "int4-g32" if planes == 1 else "int4x2-g32"
+        if planes == 1:
+            nibbles, scales, zeros = q, scale, low + 8.0 * scale  # exact in fp32 (fp16 values a few binades apart)
+        else:
+            nibbles = torch.cat([q >> 4, q & 0x0F], dim=1)  # [N, 2K]: high nibbles, then low ones
+            scales = torch.cat([16.0 * scale, scale], dim=1)
+            z_hi, z_lo = ((128.0 * scale, low + 8.0 * scale) if pair_zeros is None
+                          else (pair_zeros[0] * scale, pair_zeros[1] * scale))
+            zeros = torch.cat([z_hi, z_lo], dim=1)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), 1)
+        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
-                                                          self.scales_and_zeros)
+        x = x.to(torch.bfloat16)
+        if self.planes == 2:
+            x = torch.cat([x, x], dim=-1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+class Int8Linear:
+    """int8 weight-only with one bf16 scale per output row (`_weight_int8pack_mm`): the types whose levels are not a
+    nibble or a byte per group of 32 (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, ...). Not exact: the GGUF's values are
+    requantized to 255 levels of their row's absolute maximum (an error a few times smaller than the type's own step
+    for 5/6-bit types, far smaller for 2/3/4-bit ones; tests/test_real_files.py holds it to llama.cpp's logits).
+    A row's result does not depend on the other rows of the call (checked for every M in tests/test_linear.py)."""
+
+    kind = "int8-rows"
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+        self.weight = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.scales = scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
 
 
 class DenseLinear:
@@ -197,10 +273,10 @@ class DenseLinear:
 
 
 class SwitchedLinear:
-    """The same weight twice: int4 for micro-batches of fewer than `max_tokens` rows, a dense kernel (oneDNN-prepacked
-    bf16 or f32: the prefill kernel) from there on."""
+    """The same weight twice: its quantized kernel for micro-batches of fewer than `max_tokens` rows, a dense copy
+    (oneDNN-prepacked bf16 or f32: the prefill kernel) from there on."""
 
-    def __init__(self, small: Int4Linear, large: DenseLinear, max_tokens: int):
+    def __init__(self, small: Linear, large: DenseLinear, max_tokens: int):
         self.small, self.large, self.max_tokens = small, large, max_tokens
         self.out_features, self.in_features = small.out_features, small.in_features
         self.kind = f"{small.kind} (< {max_tokens} tokens) | {large.kind}"
@@ -214,7 +290,8 @@ class SwitchedLinear:
 
 
 class ConcatLinear:
-    """Output-concatenation of weights that cannot share one kernel (e.g. q|k|v of different GGUF types)."""
+    """Output-concatenation of weights that cannot share one kernel (q|k|v or gate|up of different GGUF types, any
+    number of them); the parts' outputs are cast to the widest of their dtypes."""
 
     def __init__(self, parts: list[Linear]):
         self.parts = parts
@@ -224,7 +301,7 @@ class ConcatLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         outs = [p(x) for p in self.parts]
-        dtype = torch.promote_types(*[o.dtype for o in outs]) if len(outs) > 1 else outs[0].dtype
+        dtype = functools.reduce(torch.promote_types, (o.dtype for o in outs))
         return torch.cat([o.to(dtype) for o in outs], dim=-1)
 
     @property
@@ -232,38 +309,62 @@ class ConcatLinear:
         return sum(p.nbytes for p in self.parts)
 
 
-Linear = Int4Linear | DenseLinear | SwitchedLinear | ConcatLinear
+Linear = Int4Linear | Int8Linear | DenseLinear | SwitchedLinear | ConcatLinear
+
+
+def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | Int8Linear | DenseLinear:
+    """The kernel that runs one GGUF type from (about) its stored size: int4 for 4-bit types, two int4 planes for
+    Q8_0 (both exact up to bf16 scales), int8 per row for every other quantized type, and the dense kernel
+    (dense_dtype()) for float types. fixed_rows: as DenseLinear's (the quantized kernels need none: their rows are
+    independent of M)."""
+    if raw.ggml_type in FLOAT_TYPES:
+        return DenseLinear(dequantize(raw), dense_dtype(), fixed_rows, prepack_f32=True)
+    if raw.ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits(raw.shape):
+        return Int4Linear(*unpack_levels(raw), planes=1 if raw.ggml_type in INT4_TYPES else 2,
+                          pair_zeros=_PAIR_ZEROS.get(raw.ggml_type))
+    return Int8Linear(dequantize(raw))
+
+
+def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
+    """The bytes stored_kernel holds for a matrix of this type and shape [N, K] (3-D: its rows), without building it."""
+    n, k = math.prod(shape[:-1]), shape[-1]
+    if ggml_type in FLOAT_TYPES:
+        return n * k * dense_dtype().itemsize
+    if ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits((n, k)):
+        planes = 1 if ggml_type in INT4_TYPES else 2
+        return planes * (n * k // 2 + n * (k // GROUP) * 2 * 2)  # nibbles + a bf16 scale and zero per group
+    return n * k + n * 2  # int8 + a bf16 scale per row
+
+
+def _rows_of(raws: list[RawTensor]) -> RawTensor:
+    """Tensors of one type and width as one, their rows (output features) concatenated in order."""
+    if len(raws) == 1:
+        return raws[0]
+    n, k = sum(r.shape[0] for r in raws), raws[0].shape[1]
+    return RawTensor("+".join(r.name for r in raws), raws[0].ggml_type, (n, k), torch.cat([r.data for r in raws]))
 
 
 def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "cpu",
                 batch_invariant: bool = False, prefill_dtype: torch.dtype | None = None) -> Linear:
-    """One linear for the row-concatenation of `raws` (q|k|v, gate|up, or a single matrix), in `mode`.
-    prefill_dtype: auto's dense kernel above the int4 crossover (bf16 or float32, prepacked; None: dense_dtype()).
+    """One linear for the row-concatenation of `raws` (q|k|v, gate|up, or a single matrix; any mix of types), in
+    `mode`: f32 and bf16 run one dense matrix; lean runs each run of same-typed parts through its stored_kernel (a
+    ConcatLinear when the types differ); auto is lean plus a dense copy of the whole matrix for micro-batches from
+    the crossover on (prefill_dtype: its dtype, bf16 or float32, prepacked; None: dense_dtype()).
 
     batch_invariant: a row's result must not depend on how many rows a call has: auto never switches kernels
-    (int4 at every size, as in mode int4; its per-row results were checked equal for any M), dense kernels
-    run on fixed blocks of INVARIANT_ROWS rows."""
+    (lean; the quantized kernels' per-row results were checked equal for any M), dense kernels run on fixed blocks
+    of INVARIANT_ROWS rows."""
     if mode not in WEIGHT_MODES:
         raise GgufError(f"unknown weights mode {mode!r}; choose one of {', '.join(WEIGHT_MODES)}")
-    types = {r.ggml_type for r in raws}
-    k = raws[0].shape[1]
-    n = sum(r.shape[0] for r in raws)
     rows = INVARIANT_ROWS if batch_invariant else None
-    if len(types) > 1:
-        return ConcatLinear([make_linear([r], mode, device, batch_invariant, prefill_dtype) for r in raws])
-    if mode == "f32" or torch.device(device).type != "cpu":
+    if mode in ("f32", "bf16") or torch.device(device).type != "cpu":
         dtype = torch.float32 if mode == "f32" else torch.bfloat16
-        return DenseLinear(torch.cat([dequantize(r) for r in raws]).to(device), dtype, rows)
-    data = raws[0].data if len(raws) == 1 else torch.cat([r.data for r in raws])  # rows = output features
-    raw = RawTensor("+".join(r.name for r in raws), raws[0].ggml_type, (n, k), data)
-    dense = torch.bfloat16 if mode == "bf16" else dense_dtype()
-    if raw.ggml_type not in INT4_TYPES or mode == "bf16" or not int4_fits(raw.shape):
-        return DenseLinear(dequantize(raw), dense, rows, prepack_f32=True)
-    q, scale, low = unpack_4bit(raw)
-    small = Int4Linear(q, scale, low)
-    if mode == "int4" or batch_invariant:
+        return DenseLinear(torch.cat([dequantize(r) for r in raws]).to(device), dtype, rows, prepack_f32=mode != "f32")
+    parts = [stored_kernel(_rows_of(list(run)), rows) for _, run in itertools.groupby(raws, lambda r: r.ggml_type)]
+    small = parts[0] if len(parts) == 1 else ConcatLinear(parts)
+    if mode == "lean" or batch_invariant or all(isinstance(p, DenseLinear) for p in parts):
         return small
-    large = DenseLinear(_apply_groups(q, scale, low), prefill_dtype or dense, prepack_f32=True)
+    large = DenseLinear(torch.cat([dequantize(r) for r in raws]), prefill_dtype or dense_dtype(), prepack_f32=True)
     return SwitchedLinear(small, large, INT4_MAX_TOKENS)
 
 

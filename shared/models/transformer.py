@@ -10,6 +10,7 @@ bf16 / float32 by the weights mode) whose output is added to the stream as it is
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,7 +24,16 @@ from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
-from shared.models.linear import WEIGHT_MODES, Linear, QuantizedRows, dequantize, make_linear
+from shared.models.linear import (
+    FLOAT_TYPES,
+    WEIGHT_MODES,
+    Linear,
+    QuantizedRows,
+    dequantize,
+    make_linear,
+    stored_nbytes,
+)
+from shared.models.memory import PieceMemory, PrefillCopy, default_budget, plan_prefill_copy
 
 
 class LayerHook(Protocol):
@@ -37,6 +47,8 @@ class LayerHook(Protocol):
 # GGUF per-block tensor names -> our parameter names, declared once (tinygrad's convert_from_gguf style).
 # Fused at load: q|k|v -> qkv, gate|up -> gate_up, so one matmul does the work of several (packed form included).
 # Already fused in some files (phi3): attn_qkv, and ffn_up holding gate|up.
+log = logging.getLogger("stagemesh.model")
+
 BLOCK_TENSORS = {
     "attn_norm.weight": "attn_norm", "attn_norm.bias": "attn_norm_b",
     "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_qkv.weight": "wqkv",
@@ -217,24 +229,45 @@ class TransformerModel:
         self.weights = weights
         self.batch_invariant = batch_invariant
         self._sources = sources or {}  # our weight name -> the GGUF tensors it was built from
+        self.memory: PieceMemory | None = None  # set by from_gguf
 
     # ---- construction --------------------------------------------------------------------------------
 
     @classmethod
     def from_gguf(cls, loader: GgufLoader, layers: LayerRange | None = None, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", *, weights: str | None = None,
-                  batch_invariant: bool = False) -> TransformerModel:
+                  batch_invariant: bool = False, memory_budget: int | None = None, kv_slots: int = 0,
+                  max_seq_len: int = 0) -> TransformerModel:
         """Load only the tensors of `layers` (default: all), plus embedding / head by stage position.
-        weights: a WEIGHT_MODES entry; None means f32 for float32 dtype, else auto."""
+        weights: a WEIGHT_MODES entry; None means f32 for float32 dtype, else auto. memory_budget (bytes; None:
+        shared.models.memory.default_budget()) and the KV cache the piece will hold (kv_slots x max_seq_len) decide
+        whether auto keeps its dense prefill copy or runs lean (shared.models.memory)."""
         weights = resolve_weights(weights, dtype)
         config = ModelConfig.from_gguf(loader)
         layers = layers or LayerRange(0, config.num_layers)
         position = layers.position(config.num_layers)
         names = loader.names_for(layers, position)
-        raw: dict[str, RawTensor] = {r.name: r for r in loader.iter_raw(names, desc=f"layers {layers}")}
+        # the embedding table stays in the file's map (only looked-up rows are read); the rest is copied out
+        raw: dict[str, RawTensor] = {r.name: r for r in loader.iter_raw(
+            [n for n in names if n != "token_embd.weight" or (position.has_lm_head and config.tied_embeddings)],
+            desc=f"layers {layers}")}
+        embedding = QuantizedRows(loader.raw("token_embd.weight", mapped=True)) if position.has_embedding else None
 
-        prefill = (choose_prefill_dtype(config, len(layers))  # auto's kernel for prefill-sized micro-batches
-                   if weights == "auto" and not batch_invariant and torch.device(device).type == "cpu" else None)
+        budget = memory_budget if memory_budget is not None else default_budget()
+        kv_bytes = (2 * len(layers) * (kv_slots + 1) * min(max_seq_len, config.context_length) * config.kv_size
+                    * dtype.itemsize)  # KVCache: k and v per layer, one scratch row
+        matrices = [r for n, r in raw.items() if len(r.shape) >= 2 and not n.endswith("ffn_gate_inp.weight")
+                    and (n != "token_embd.weight" or position.has_lm_head)]
+        lean_bytes = sum(stored_nbytes(r.ggml_type, r.shape) for r in matrices)
+        prefill = None
+        if weights == "auto" and not batch_invariant and torch.device(device).type == "cpu":
+            copy = plan_prefill_copy(budget, lean_bytes, kv_bytes,
+                                     sum(math.prod(r.shape) for r in matrices if r.ggml_type not in FLOAT_TYPES),
+                                     choose_prefill_dtype(config))
+            log.info("layers %s: %s", layers, copy.reason)
+            prefill, weights = copy.dtype, ("auto" if copy.dtype is not None else "lean")
+        else:
+            copy = PrefillCopy(None, f"weights mode {weights}" + (", batch-invariant" if batch_invariant else ""))
 
         def linear(*parts: str | RawTensor) -> Linear:  # GGUF tensor names, or tensors already cut (an expert's rows)
             return make_linear([raw[n] if isinstance(n, str) else n for n in parts], weights, device, batch_invariant,
@@ -245,7 +278,6 @@ class TransformerModel:
 
         sources: dict[str, list[str]] = {}
         blocks = [cls._block(config, raw, i, linear, vector, sources, loader.path) for i in layers]
-        embedding = QuantizedRows(raw["token_embd.weight"]) if position.has_embedding else None
         output_norm = output = output_norm_b = output_bias = None
         if position.has_lm_head:
             output_norm = vector("output_norm.weight")
@@ -253,8 +285,11 @@ class TransformerModel:
             output_bias = vector("output.bias") if "output.bias" in raw else None
             head = "output.weight" if not config.tied_embeddings else "token_embd.weight"
             output, sources["output"] = linear(head), [head]
-        return cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
-                   output_norm_b, output_bias)
+        model = cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
+                    output_norm_b, output_bias)
+        model.memory = PieceMemory(budget=budget, kv_bytes=kv_bytes, file_bytes=loader.tensor_bytes(names),
+                                   prefill_copy=copy.reason)
+        return model
 
     @staticmethod
     def _block(config: ModelConfig, raw: dict[str, RawTensor], i: int, linear, vector, sources: dict[str, list[str]],
@@ -315,13 +350,18 @@ class TransformerModel:
         return self.position.has_lm_head
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight representation this piece holds (int4 and bf16 copies both counted; a tied
-        embedding/head counted as the two representations it is)."""
+        """Bytes of every weight representation this piece holds in memory (quantized kernels and dense copies both
+        counted); the embedding table is read from the file's map and not counted (mapped_bytes)."""
         total = sum(t.nbytes for b in self.blocks for t in b.vectors())
         total += sum(w.nbytes for b in self.blocks for w in b.linears().values())
-        for part in (self.embedding, self.output_norm, self.output_norm_b, self.output_bias, self.output):
+        for part in (self.output_norm, self.output_norm_b, self.output_bias, self.output):
             total += part.nbytes if part is not None else 0
         return total
+
+    def memory_report(self) -> dict:
+        """Budget, KV cache, the file's share, the weights held against it, and the prefill-copy decision."""
+        mapped = self.embedding.nbytes if self.embedding is not None else 0
+        return self.memory.report(self.weight_bytes(), mapped) if self.memory is not None else {}
 
     def weight_summary(self) -> dict[str, str]:
         """GGUF matrix name -> what it runs as here, e.g. 'int4-g32 (< 12 tokens) | bf16-prepacked'. Norms and

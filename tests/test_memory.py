@@ -1,0 +1,72 @@
+"""A stage's memory budget: auto keeps its dense prefill copy only where it fits beside the lean weights and the KV
+cache; lean holds about the file's share; what a piece holds is reported against that share."""
+
+import pytest
+import torch
+
+from shared.layers import LayerRange
+from shared.models import TransformerModel
+from shared.models.linear import SwitchedLinear
+from shared.models.memory import parse_bytes, plan_prefill_copy
+
+MIB = 2**20
+
+
+def test_the_copy_takes_the_fastest_dtype_that_fits_else_bf16_else_none():
+    lean, kv, weights = 100 * MIB, 50 * MIB, 25 * MIB  # a copy: 100 MiB in f32, 50 MiB in bf16
+    assert plan_prefill_copy(250 * MIB, lean, kv, weights, torch.float32).dtype == torch.float32
+    assert plan_prefill_copy(249 * MIB, lean, kv, weights, torch.float32).dtype == torch.bfloat16
+    assert plan_prefill_copy(250 * MIB, lean, kv, weights, torch.bfloat16).dtype == torch.bfloat16
+    none = plan_prefill_copy(199 * MIB, lean, kv, weights, torch.float32)
+    assert none.dtype is None and "--memory-budget" in none.reason and "199 MiB" in none.reason
+
+
+@pytest.mark.parametrize("text,expected", [("4G", 4 * 2**30), ("512M", 512 * MIB), ("1.5GiB", 3 * 2**29),
+                                           ("1000", 1000), ("64mb", 64 * MIB)])
+def test_sizes_parse(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1G", "4X", "G"])
+def test_bad_sizes_name_the_form(text):
+    with pytest.raises(ValueError, match="e.g. 4G"):
+        parse_bytes(text)
+
+
+def _load(smollm2, **kw) -> TransformerModel:
+    return TransformerModel.from_gguf(smollm2.loader, LayerRange(10, 20), torch.bfloat16, weights="auto",
+                                      kv_slots=4, max_seq_len=256, **kw)
+
+
+def test_a_piece_whose_budget_cannot_hold_the_copy_runs_lean_by_itself(smollm2):
+    """The same middle piece of SmolLM2 (Q4_1) with a roomy budget keeps auto's dense copies; with a budget that
+    holds the lean weights and the KV cache but not the copy, it loads lean without being told, says why, and
+    holds at most 1.5x the file's bytes of its layers (the copy: ~5x)."""
+    roomy = _load(smollm2, memory_budget=8 * 2**30)
+    tight = _load(smollm2, memory_budget=int(1.6 * roomy.memory.file_bytes) + roomy.memory.kv_bytes)
+    switched = [w for b in roomy.blocks for w in b.linears().values() if isinstance(w, SwitchedLinear)]
+    assert switched and roomy.weights == "auto"
+    assert tight.weights == "lean"
+    assert not [w for b in tight.blocks for w in b.linears().values() if isinstance(w, SwitchedLinear)]
+    report, roomy_report = tight.memory_report(), roomy.memory_report()
+    assert "no dense prefill copy" in report["prefill_copy"] and "fits" in roomy_report["prefill_copy"]
+    assert report["file_bytes"] == smollm2.loader.tensor_bytes(smollm2.loader.names_for(LayerRange(10, 20),
+                                                                                         tight.position))
+    print(f"\nlayers 10-19: file {report['file_bytes'] / MIB:.1f} MiB, lean {report['weight_bytes'] / MIB:.1f} MiB "
+          f"({report['weights_per_file_byte']}x), with the copy {roomy_report['weight_bytes'] / MIB:.1f} MiB "
+          f"({roomy_report['weights_per_file_byte']}x)")
+    assert report["weights_per_file_byte"] <= 1.5
+    assert roomy_report["weights_per_file_byte"] > 3 * report["weights_per_file_byte"]
+    for a, b in zip(roomy.blocks[0].linears().values(), tight.blocks[0].linears().values()):  # the same decode kernel
+        x = torch.randn(3, a.in_features)
+        assert torch.equal(a(x), b(x))
+
+
+def test_the_embedding_is_read_from_the_files_map_not_copied(smollm2):
+    first = TransformerModel.from_gguf(smollm2.loader, LayerRange(0, 2), torch.bfloat16, weights="lean")
+    table = first.embedding.raw.data
+    again = smollm2.loader.raw("token_embd.weight", mapped=True).data
+    copied = smollm2.loader.raw("token_embd.weight").data
+    assert table.data_ptr() == again.data_ptr() != copied.data_ptr()  # both views of the one map; a copy is not
+    assert first.memory_report()["mapped_bytes"] == table.nbytes
+    assert first.weight_bytes() < table.nbytes  # two lean blocks hold less than the (uncounted) table
