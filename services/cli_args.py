@@ -11,6 +11,7 @@ from shared.device import DTYPES
 from shared.errors import StagemeshError
 from shared.models.compiled_decode import COMPILE_MODES
 from shared.models.linear import WEIGHT_MODES
+from shared.models.memory import default_budget, parse_bytes
 from shared.otlp import otlp_endpoint, require_sdk
 from shared.sampling import SamplingParams
 
@@ -25,9 +26,15 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool
         p.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 where the CPU/GPU supports it, else float32)")
         p.add_argument("--weights", choices=list(WEIGHT_MODES), default=None,
-                       help="matmul kernels: auto (4-bit GGUF types stay int4 for decode, the dense kernel timed "
-                            "fastest at load for prefill: prepacked bf16 or prepacked f32), int4, bf16, "
-                            "f32 (exact reference) (default: f32 when --dtype float32 is given, else auto)")
+                       help="matmul kernels: auto (every quantized type decodes from a kernel of about its stored "
+                            "size -- int4, two int4 planes, int8 rows -- and prefills from a dense copy, prepacked "
+                            "bf16 or f32 as timed at load, where --memory-budget holds it), lean (the quantized "
+                            "kernels only: memory about the file's share, slower prefill), bf16, f32 (exact "
+                            "reference) (default: f32 when --dtype float32 is given, else auto)")
+        p.add_argument("--memory-budget", type=_size, default=None, metavar="BYTES",
+                       help="bytes a stage's weights and KV cache may take, e.g. 4G: auto keeps its dense prefill "
+                            "copy only where it fits (default: 80%% of the memory available at load, shared by the "
+                            "stages `up` starts)")
         p.add_argument("--batch-invariant", action="store_true",
                        help="each sequence's numbers independent of what else is in its micro-batch (fixed kernels "
                             "and reduction order): greedy output reproducible under any load; costs speed at large "
@@ -41,6 +48,13 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool
                             "compiles in the background while the stage already serves eagerly, where the model and "
                             "weights allow it; on (the flag alone) compiles before the stage is ready and refuses what "
                             f"it does not cover (e.g. --batch-invariant); off never (default: {default})")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def weights_from_args(args) -> str | None:
@@ -126,6 +140,10 @@ def model_flags(args) -> list[str]:
         flags += ["--weights", args.weights]
     if getattr(args, "batch_invariant", False):
         flags.append("--batch-invariant")
+    if getattr(args, "memory_budget", None) is not None or getattr(args, "stages", None):
+        # up's stages load at once on one host: each gets its share of the default, fixed here
+        budget = args.memory_budget if args.memory_budget is not None else default_budget(args.stages)
+        flags += ["--memory-budget", str(budget)]
     if getattr(args, "compile_decode", None):
         flags += ["--compile-decode", args.compile_decode]
     return flags

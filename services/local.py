@@ -59,7 +59,7 @@ def _pipeline(files: ModelFiles, args, kv_slots: int = 1) -> LocalPipeline:
     device = default_device()
     return LocalPipeline.load(files.loader, ranges, resolve_dtype(args.dtype, device), device, kv_slots=kv_slots,
                               weights=weights_from_args(args), batch_invariant=args.batch_invariant,
-                              compile_decode=args.compile_decode)
+                              compile_decode=args.compile_decode, memory_budget=args.memory_budget)
 
 
 def cmd_generate(args) -> int:
@@ -146,7 +146,10 @@ def cmd_inspect(args) -> int:
     summary = model.weight_summary()
     runs_as = Counter(summary.values())
     rows.append((f"runs as ({model.weights})", "; ".join(f"{k} x{v}" for k, v in runs_as.most_common())))
-    rows.append(("weights in memory", f"{model.weight_bytes() / 2**20:.1f} MiB"))
+    mem = model.memory_report()
+    rows.append(("weights in memory", f"{mem['weight_bytes'] / 2**20:.1f} MiB = {mem['weights_per_file_byte']}x the "
+                                      f"file's {mem['file_bytes'] / 2**20:.1f} MiB (embedding read from the file: "
+                                      f"{mem['mapped_bytes'] / 2**20:.1f} MiB); {mem['prefill_copy']}"))
     rows += _per_layer_rows(loader, summary, c.num_layers)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

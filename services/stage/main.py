@@ -143,7 +143,8 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
         runtime = await loop.run_in_executor(
             compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len,
                                             weights=weights_from_args(args), batch_invariant=args.batch_invariant,
-                                            compile_decode=args.compile_decode))
+                                            compile_decode=args.compile_decode,
+                                            memory_budget=args.memory_budget))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))
         await runner.cleanup()

@@ -223,10 +223,11 @@ class StageWorker:
 
     @functools.cached_property
     def _weights_info(self) -> dict:
-        """What each matmul of this stage runs as (GGUF tensor name -> kernel) and the bytes it holds."""
+        """What each matmul of this stage runs as (GGUF tensor name -> kernel), the bytes it holds against its share
+        of the file, and the memory budget's decision (shared.models.memory)."""
         model = self.runtime.model
         return {"mode": model.weights, "batch_invariant": model.batch_invariant, "bytes": model.weight_bytes(),
-                "tensors": model.weight_summary()}
+                "memory": model.memory_report(), "tensors": model.weight_summary()}
 
     def info(self) -> dict:
         ident, kv = self.identity, self.runtime.kv
