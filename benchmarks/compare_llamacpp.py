@@ -5,7 +5,7 @@ random prompts, fresh for every level and round (prompt_seed), --ignore-eos, tem
 
     make llama-server                                   # builds it once into ~/.cache/stagemesh (~8 min)
     python -m benchmarks.compare_llamacpp [--out benchmarks/results/DATE] [--concurrency 1,4,16,32] [--rounds 2]
-        [-- up flags]
+        [--model ALIAS_OR_GGUF] [--stages 1,2] [-- up flags]
 
 The three servers run at once (an idle `stagemesh up` uses under 1 % of a core) and are measured interleaved: at
 each concurrency level, --rounds rounds, each round benching every server once, the order reversed every other round
@@ -30,6 +30,7 @@ import urllib.request
 
 from services.launch import free_port, start_up
 from shared.device import cpu_has_fast_bf16, default_dtype_name
+from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
 
 LLAMA_SERVER = os.path.expanduser("~/.cache/stagemesh/llama-server/bin/llama-server")
@@ -72,7 +73,7 @@ def start_llama_server(stack: contextlib.ExitStack, args) -> str:
     """llama-server on a free port, stopped when `stack` closes; returns its base URL once /health answers."""
     port = free_port()
     # -c is shared by the 32 slots: 8192 gives each 256 tokens, room for 64 in + 64 out (4096 would give 128)
-    cmd = [args.llama_server, "-m", resolve_model("smollm2"), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [args.llama_server, "-m", resolve_model(args.model), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(os.cpu_count()), "-np", "32", "-cb", "-c", "8192", "--no-webui"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -89,7 +90,7 @@ def start_stagemesh(stack: contextlib.ExitStack, stages: int, args) -> str:
     """`stagemesh up --stages N`, stopped when `stack` closes; returns its URL once its decode graphs compiled
     (one mesh at a time, so no compilation overlaps another server's start or a measurement)."""
     logs = stack.enter_context(tempfile.TemporaryDirectory())
-    gw = start_up(stages, args.dtype, logs, *args.extra)
+    gw = start_up(stages, args.dtype, logs, "--model", resolve_model(args.model), *args.extra)
     stack.callback(gw.stop)
     print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
     return gw.url
@@ -164,6 +165,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
+    p.add_argument("--model", default="smollm2", help="alias or GGUF path, served by all of them (default smollm2)")
+    p.add_argument("--stages", default="1,2", help="stagemesh meshes to run beside llama-server (default 1,2)")
     p.add_argument("--llama-server", default=LLAMA_SERVER, help="path of llama.cpp's llama-server (make llama-server)")
     p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
     args = p.parse_args()
@@ -175,11 +178,12 @@ def main() -> None:
         sys.exit("--rounds must be at least 1")
     with contextlib.ExitStack() as stack:
         servers = {"llama-server": start_llama_server(stack, args)}
-        for stages in (1, 2):
+        for stages in [int(x) for x in args.stages.split(",")]:
             servers[f"stagemesh up --stages {stages}"] = start_stagemesh(stack, stages, args)
         runs = measure(servers, levels, args.out, args)
     md = table(runs, levels)
-    header = (f"SmolLM2-135M-Instruct Q4_1, {os.cpu_count()} CPU cores, {args.input_len} prompt tokens, "
+    header = (f"{GgufLoader(resolve_model(args.model)).model_name} ({os.path.basename(resolve_model(args.model))}), "
+              f"{os.cpu_count()} CPU cores, {args.input_len} prompt tokens, "
               f"{args.output_len} output tokens (ignore_eos), temperature 0.7; llama-server -t {os.cpu_count()} -np 32 "
               f"-cb -c 8192; stagemesh up {' '.join(([f'--dtype {args.dtype}'] if args.dtype else []) + args.extra) or '(defaults)'}"
               f" (activations {args.dtype or default_dtype_name()}, {'native' if cpu_has_fast_bf16() else 'no native'} "

