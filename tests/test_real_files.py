@@ -168,3 +168,29 @@ def test_real_gemma3_split_equals_unsplit_in_float32(gemma3, varied_text):
     ranges = split_at(gemma3.config.num_layers, [7, 13])
     split = window_logits(LocalPipeline.load(gemma3.loader, ranges, torch.float32, kv_slots=1, max_seq_len=128), ids)
     assert torch.equal(split, unsplit)
+
+
+@pytest.mark.parametrize("preset", ["Q8_0", "Q5_0"])
+def test_the_compiled_decode_step_covers_two_int4_planes(smollm2, preset):
+    """SmolLM2 requantized to Q8_0 / Q5_0 runs every block matmul as two int4 planes, which the compiled decode step
+    covers: its step function (run here as Python, as inductor traces it) gives the eager decode step's logits, bit
+    for bit with float32 activations (with bf16 ones the two round at different points)."""
+    from shared.models.compiled_decode import CompiledDecode, why_not_compilable
+    from shared.runtime import SeqWork, StageRuntime
+    from shared.steps import Decode, Prefill
+
+    loader = GgufLoader(_preset(smollm2.loader.path, preset))
+    runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=2, max_seq_len=128, weights="lean")
+    model = runtime.model
+    assert why_not_compilable(model) is None
+    assert {model.blocks[0].qkv.kind, model.blocks[0].gate_up.kind} == {"int4x2-g32"}
+    runtime.kv = model.new_kv_cache(2, 128, scratch=True)
+    step = CompiledDecode(model, runtime.kv)
+    ids = IDS[:12]
+    runtime.run([SeqWork("s", Prefill(11, 0, 11, True))], token_ids=torch.tensor(ids[:11]))
+    slot = runtime.kv._slot_of["s"]
+    with torch.inference_mode():
+        hidden = step._step(*step._inputs(model.embed(torch.tensor(ids[11:12])), slot, 11, step.bucket(12)))
+        stepped = model.lm_head(hidden)
+    eager = runtime.run([SeqWork("s", Decode(11))], token_ids=torch.tensor(ids[11:12]))
+    assert eager.max() - eager.min() > 1.0 and torch.equal(stepped, eager)

@@ -9,8 +9,8 @@ a 2-core Zen 4, torch 2.13; see benchmarks/decode_step.py):
   additive mask (keys past the sequence's position get -inf), so a graph serves every position below C;
 - the KV cache is one tensor per layer (KVCache) and the step writes it with index_put on that tensor. Handing the
   graph a view of a larger cache tensor instead made inductor copy the whole cache back every step (~180-500 ms);
-- one sequence (B = 1), int4 weights (the step is memory- and overhead-bound; larger micro-batches stay eager, where
-  the SwitchedLinear's kernel choice applies).
+- one sequence (B = 1), int4 weights, one plane or two (the step is memory- and overhead-bound; larger micro-batches
+  stay eager, where the SwitchedLinear's kernel choice applies).
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
 batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile
@@ -67,7 +67,11 @@ def why_not_compilable(model) -> str | None:
                                        b.post_attn_norm, b.post_ffn_norm, b.attn_norm_b)) or b.ffn_norm is None:
             return f"architecture {c.architecture!r} (biases, q/k norms, post norms, experts or a parallel block)"
         if any(_int4(w) is None for w in (b.qkv, b.wo, b.gate_up, b.w_down)):
-            return "some block matmul is not int4 (weights mode bf16 / f32, or a GGUF type other than Q4_0 / Q4_1 / Q4_K)"
+            return ("some block matmul is not int4 (weights mode bf16 / f32, types mixed in one fused matmul, or a "
+                    "type without an int4 form: Q6_K, Q2_K, Q3_K, IQ*)")
+    for name in ("qkv", "wo", "gate_up", "w_down"):
+        if len({_int4(getattr(b, name)).planes for b in model.blocks}) > 1:
+            return f"{name} is one int4 plane in some layers and two in others (the step stacks each kind's layers)"
     return None
 
 
@@ -92,9 +96,12 @@ def _stack_layers(blocks) -> dict[str, torch.Tensor]:
 
 
 def _int4_mm(x: torch.Tensor, stacked: dict[str, torch.Tensor], name: str, layer: int) -> torch.Tensor:
-    """x [1, K] bf16 @ layer `layer`'s int4 matmul `name` (qkv, wo, gate_up, w_down) from _stack_layers -> [1, N] bf16."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, stacked[f"{name}.packed"][layer], GROUP,
-                                                      stacked[f"{name}.scales_and_zeros"][layer])
+    """x [1, K] bf16 @ layer `layer`'s int4 matmul `name` (qkv, wo, gate_up, w_down) from _stack_layers -> [1, N] bf16,
+    as Int4Linear computes it: packed [N, K/2] bytes for one plane, [N, K] for two (the input repeated over them)."""
+    packed = stacked[f"{name}.packed"][layer]
+    if packed.shape[-1] == x.shape[-1]:  # two planes (Q8_0, Q5_*): static in a graph
+        x = torch.cat([x, x], dim=-1)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, stacked[f"{name}.scales_and_zeros"][layer])
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
