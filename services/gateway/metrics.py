@@ -36,6 +36,9 @@ class GatewayMetrics:
                                  "Times the pipeline's KV state was lost (a stage died or restarted)", registry=r)
         self.replayed = Counter("stagemesh_gateway_replayed_sequences",
                                 "Running sequences replayed from their token history after a failover", registry=r)
+        self.kv_full_requeued = Counter("stagemesh_gateway_kv_full_requeued_sequences",
+                                        "New sequences sent back to the queue because a stage's KV slots were full",
+                                        registry=r)
         self.result_hop = Histogram("stagemesh_gateway_result_hop_latency_seconds",
                                     "Last stage's send to the gateway's receipt of a result", buckets=HOP_BUCKETS,
                                     registry=r)

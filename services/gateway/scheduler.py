@@ -25,8 +25,9 @@ import torch
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from shared.config import SERVING_DEFAULTS, ServingConfig
-from shared.errors import UnknownSequence
+from shared.errors import KVCacheFull, UnknownSequence
 from shared.generation import SequenceState
+from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer
 from shared.pipeline_client import PipelineError
 from shared.protocol import BatchResult, ForwardBatch
@@ -34,6 +35,7 @@ from shared.protocol import BatchResult, ForwardBatch
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
 IDLE_TICK_S = 0.25  # how often deadlines and pipeline health are checked when nothing else wakes the loop
+KV_FULL_BACKOFF_S = 1.0  # after a stage answered kv_full, admission holds at what fits for this long
 
 
 class QueueFull(Exception):
@@ -63,6 +65,7 @@ class Sequence(SequenceState):
     trace: bool = False
     outputs: asyncio.Queue[SeqOutput] = field(default_factory=asyncio.Queue)
     feeding: int = 0  # tokens in the micro-batch now in flight (0: not in flight)
+    sent: bool = False  # a micro-batch of it was sent since its last release: stages may hold a slot for it
     replays: int = 0
     captures: list[dict] = field(default_factory=list)  # trace captures (wire form), when traced
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -105,6 +108,8 @@ class Scheduler:
         self._generation = pipeline.generation
         self._lost_since: float | None = None
         self._replay_pending = False
+        self._kv_cap: int | None = None  # after a kv_full: admit no more than this many running sequences ...
+        self._kv_cap_until = 0.0  # ... until this perf_counter time (or until one of them finishes)
 
     @property
     def max_running(self) -> int:
@@ -146,8 +151,10 @@ class Scheduler:
             self.metrics.e2e.observe(time.perf_counter() - seq.t_arrival)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if self.running.pop(seq.seq_id, None) is not None and seq.computed + seq.feeding > 0:
+        self.running.pop(seq.seq_id, None)
+        if seq.sent:  # even at computed 0 (reset for a replay): surviving stages still hold its slot
             self._release.append(seq.seq_id)  # ordered after any micro-batch of it already sent
+            seq.sent = False
         self.metrics.requests.labels(reason).inc()
         self._update_gauges()
         self._wake.set()
@@ -205,11 +212,41 @@ class Scheduler:
                     len(self.running))
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
+        limit = self.max_running
+        if self._kv_cap is not None:
+            if time.perf_counter() < self._kv_cap_until:
+                limit = min(limit, self._kv_cap)
+            else:
+                self._kv_cap = None  # probe again: leased or foreign slots may have been freed
+        while self.waiting and len(self.running) < limit:
             seq = self.waiting.popleft()
-            seq.t_admitted = time.perf_counter()
             self.running[seq.seq_id] = seq
-            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+            if seq.t_admitted is None:  # not a re-admission after a kv_full
+                seq.t_admitted = time.perf_counter()
+                self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+
+    def _kv_full(self, seqs: list[Sequence]) -> None:
+        """A stage had no free slot for a sequence this micro-batch started: slots the gateway does not know of are
+        held there (a lease not yet expired, another gateway). Nothing of the micro-batch counts. Its running
+        sequences run the same step again (recomputing K/V at the same positions writes the same values); the ones
+        it started go back to the front of the queue, released first (the stages before the full one allocated
+        them), and admission holds at the running sequences (which fit) for KV_FULL_BACKOFF_S or until one ends."""
+        started = []
+        for s in seqs:
+            s.feeding = 0
+            if not s.done and s.computed == 0:  # this micro-batch held its first chunk: it asked for a slot
+                started.append(s)
+        for s in reversed(started):
+            del self.running[s.seq_id]
+            self._release.append(s.seq_id)
+            s.sent = False
+            self.waiting.appendleft(s)
+        self._kv_cap = len(self.running)
+        self._kv_cap_until = time.perf_counter() + KV_FULL_BACKOFF_S
+        self.metrics.kv_full_requeued.inc(len(started))
+        throttled(log, logging.WARNING, "kv_full", "a stage's KV slots are full (slots held by sequences this gateway "
+                  "does not own?): %d new sequences wait in the queue, admission holds at %d running for %g s",
+                  len(started), self._kv_cap, KV_FULL_BACKOFF_S)
 
     async def _step(self) -> None:
         now = time.perf_counter()
@@ -266,6 +303,7 @@ class Scheduler:
                 break
             entry, toks = s.next_step(min(self.config.prefill_chunk, budget))
             s.feeding = len(toks)
+            s.sent = True
             budget -= len(toks)
             entries.append(entry)
             tokens.extend(toks)
@@ -282,6 +320,9 @@ class Scheduler:
         if isinstance(error, PipelineError) and error.code == UnknownSequence.code:
             # a stage lost our sequences (it restarted between health polls): replay them
             self.pipeline.mark_lost(str(error))
+            return
+        if isinstance(error, PipelineError) and error.code == KVCacheFull.code:
+            self._kv_full(seqs)
             return
         sampled = dict(zip(result.seq_ids, zip(result.tokens, result.logprobs))) if result else {}
         if result is not None and result.hop_s is not None:

@@ -1,0 +1,266 @@
+"""Faults and insiders against one gateway over a 2-stage mesh (issue 31): clients leaving during an outage, slots held
+by someone the gateway does not know, a stage restarted with another key set, two stage deaths in one request, an
+authenticated peer sending what it should not, and a stage whose /info is malformed. Real stage processes and a real
+`stagemesh gateway` process on loopback, SmolLM2 in float32."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import os
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import aiohttp
+import pytest
+import torch
+import zmq
+
+from loadtest.client import sse_events
+from services.launch import LocalMesh, RunningGateway, free_ports, start_mesh
+from shared.mesh_keys import KeySet
+from shared.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, encode
+from shared.steps import Prefill
+from tests.conftest import stagemesh_cmd
+
+KV_SLOTS = 4
+
+
+class InfoProxy:
+    """An HTTP proxy in front of one stage's endpoint (a thread): forwards every GET, except that /info answers
+    `info_body` while it is set -- a stage whose /info is malformed, without touching the stage."""
+
+    def __init__(self, target: str):
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                status, body = proxy.answer(self.path)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.target = target
+        self.info_body: bytes | None = None
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, path: str) -> tuple[int, bytes]:
+        if path == "/info" and self.info_body is not None:
+            return 200, self.info_body
+        try:
+            with urllib.request.urlopen(self.target + path, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except OSError as e:
+            return 502, f'{{"error": "{type(e).__name__}"}}'.encode()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Outage:
+    """The module's mesh, the proxy in front of stage 1's HTTP, and the gateway (a RunningGateway)."""
+
+    def __init__(self, mesh: LocalMesh, proxy: InfoProxy, gw: RunningGateway):
+        self.mesh, self.proxy, self.gw = mesh, proxy, gw
+
+    def kv_used(self) -> list[int]:
+        return [s.info()["kv"]["used_slots"] for s in self.mesh.stages]
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.gw.metric(name, **labels)
+        return 0.0 if value != value else value
+
+    def restart(self, index: int, args: list[str] | None = None) -> None:
+        """Kill stage `index` (if it runs) and start it again (with `args` as its command line when given)."""
+        stage = self.mesh.stages[index]
+        if stage.proc.poll() is None:
+            stage.proc.kill()
+            stage.proc.wait()
+        if args is not None:
+            stage.args = args
+        self.mesh.restart_dead()
+
+    def ready(self) -> tuple[int, str]:
+        return self.gw.get("/ready")
+
+
+@pytest.fixture(scope="module")
+def outage(tmp_path_factory):
+    log_dir = str(tmp_path_factory.mktemp("outage"))
+    mesh = start_mesh("smollm2", 2, dtype="float32", log_dir=log_dir, extra=["--kv-slots", str(KV_SLOTS)])
+    proxy = InfoProxy(mesh.stages[1].url)
+    port, = free_ports(1)
+    log_path = os.path.join(log_dir, "gateway.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages",
+                                              f"{mesh.stages[0].url},{proxy.url}", "--listen", f"127.0.0.1:{port}",
+                                              "--result-listen", mesh.result_listen, "--keys", mesh.keys_dir),
+                                stdout=log, stderr=subprocess.STDOUT)
+    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        wait_until(lambda: _ready(gw), 120, "the gateway never became ready")
+        yield Outage(mesh, proxy, gw)
+    finally:
+        gw.stop()
+        proxy.close()
+        mesh.stop()
+
+
+@pytest.fixture
+def clean(outage):
+    """The module's mesh as each test wants it: both stages up, the gateway ready and no slot held. A test that
+    failed half-way leaves no stranger's slot or dead stage to the next one."""
+    outage.mesh.restart_dead()
+    outage.proxy.info_body = None
+    wait_until(lambda: _ready(outage.gw), 120, "the gateway is not ready before the test")
+    wait_until(lambda: outage.metric("stagemesh_gateway_running_sequences") == 0, 30, "requests still running")
+    if outage.kv_used() != [0, 0]:
+        push_as_gateway(outage.mesh, [ReleaseSeqs([], everything=True)])
+        wait_until(lambda: outage.kv_used() == [0, 0], 10, "slots still held before the test")
+    return outage
+
+
+def stage_metric(stage, name: str, **labels: str) -> float:
+    from services.launch import scrape_metric
+
+    with urllib.request.urlopen(f"{stage.url}/metrics", timeout=5) as r:
+        value = scrape_metric(r.read().decode(), name, labels or None)
+    return 0.0 if value != value else value
+
+
+def _ready(gw: RunningGateway) -> bool:
+    assert gw.proc.poll() is None, open(gw.log_path).read()[-3000:]
+    try:
+        return gw.get("/ready")[0] == 200
+    except OSError:
+        return False
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `cond` (every 0.2 s) until it holds; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} (after {timeout:g} s)")
+        time.sleep(0.2)
+
+
+async def async_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(cond):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} (after {timeout:g} s)")
+        await asyncio.sleep(0.2)
+
+
+async def stream(url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion: {"tokens": completion tokens, "finish": finish_reason, "error": error or None}."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = {"tokens": 0, "finish": None, "error": None}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return {**out, "error": f"HTTP {r.status}: {await r.text()}"}
+        async for chunk in sse_events(r):
+            if "error" in chunk:
+                out["error"] = chunk["error"]
+                continue
+            if chunk.get("usage"):
+                out["tokens"] = chunk["usage"]["completion_tokens"]
+            for c in chunk["choices"]:
+                out["finish"] = c["finish_reason"] or out["finish"]
+    return out
+
+
+def push_as_gateway(mesh: LocalMesh, messages: list) -> None:
+    """Send messages into stage 0 from a fresh socket holding the gateway's keys (an insider, or a second gateway);
+    returns once they have left the socket. What stage 1 answers goes to the real gateway's result socket."""
+    keys = KeySet(mesh.keys_dir).for_gateway()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.next_server, keys.send.public, keys.send.secret
+    sock.connect(mesh.first_stage)
+    for msg in messages:
+        sock.send_multipart(encode(msg))
+    sock.close(linger=10_000)
+    ctx.term()
+
+
+# micro-batch ids far beyond any the gateway's client hands out, so a forged result never matches one in flight
+FOREIGN_MB = 1 << 40
+
+
+def squatters(n: int, tokens: list[int]) -> list[ForwardBatch]:
+    """Micro-batches that start n sequences the gateway does not know of (each takes a KV slot on every stage)."""
+    k = len(tokens)
+    return [ForwardBatch(FOREIGN_MB + i, [SeqEntry(f"squatter-{i}", Prefill(k, 0, k, True))],
+                         tokens=torch.tensor(tokens, dtype=torch.int64)) for i in range(n)]
+
+
+# ---- High 1: slots -------------------------------------------------------------------------------------------------
+
+async def test_slots_held_by_strangers_requeue_new_requests_and_never_fail_running_ones(clean, smollm2):
+    """Two requests run; two sequences the gateway does not know of fill the other two slots; two more requests are
+    admitted (the gateway counts 4 slots) and stage 0 answers kv_full: the new ones wait in the queue, the running
+    ones go on, and once the strangers' slots are freed every request completes."""
+    url = clean.gw.url
+    errors_before = clean.metric("stagemesh_gateway_requests_total", outcome="error")
+    running = [asyncio.create_task(stream(url, f"Tell a long story about ship {i}.", 160)) for i in range(2)]
+    await async_until(lambda: clean.kv_used() == [2, 2], 60, "the two running requests never took their slots")
+    strangers = squatters(2, smollm2.tokenizer.encode("Someone else's prompt"))
+    await asyncio.to_thread(push_as_gateway, clean.mesh, strangers)
+    await async_until(lambda: clean.kv_used() == [4, 4], 30, "the strangers never took the other two slots")
+    stage0 = clean.mesh.stages[0]
+    refused = stage_metric(stage0, "stagemesh_stage_microbatch_errors_total")
+    late = [asyncio.create_task(stream(url, f"Name three rivers, take {i}.", 12)) for i in range(2)]
+    await async_until(lambda: stage_metric(stage0, "stagemesh_stage_microbatch_errors_total") > refused, 30,
+                      "stage 0 never answered kv_full")
+    await asyncio.to_thread(push_as_gateway, clean.mesh, [ReleaseSeqs([s.seqs[0].seq_id for s in strangers])])
+    results = await asyncio.wait_for(asyncio.gather(*running, *late), 180)
+    for r, want in zip(results, [160, 160, 12, 12]):
+        assert r["error"] is None and r["finish"] == "length" and r["tokens"] == want, r
+    assert clean.metric("stagemesh_gateway_requests_total", outcome="error") == errors_before
+    assert clean.metric("stagemesh_gateway_kv_full_requeued_sequences_total") >= 1  # they really were refused once
+    await async_until(lambda: clean.kv_used() == [0, 0], 10, "slots still held after every request finished")
+
+
+async def test_clients_leaving_during_an_outage_leave_no_slot_held(clean):
+    """Four streams run; stage 1 is killed; once the gateway has reset them for replay the clients leave; stage 1
+    comes back: the slots the survivor (stage 0) held for them are released within seconds, not at the lease's end,
+    and all four slots serve new requests."""
+    url = clean.gw.url
+    failovers = clean.metric("stagemesh_gateway_pipeline_failovers_total")
+    cancelled = clean.metric("stagemesh_gateway_requests_total", outcome="cancelled")
+    streams = [asyncio.create_task(stream(url, f"Describe city number {i} in detail.", 400)) for i in range(4)]
+    await async_until(lambda: clean.kv_used() == [4, 4], 60, "the four streams never took their slots")
+    victim = clean.mesh.stages[1].proc
+    victim.kill()
+    victim.wait()
+    await async_until(lambda: clean.metric("stagemesh_gateway_pipeline_failovers_total") > failovers, 30,
+                      "the gateway never noticed the dead stage")
+    for t in streams:
+        t.cancel()
+    await asyncio.gather(*streams, return_exceptions=True)
+    await async_until(lambda: clean.metric("stagemesh_gateway_requests_total", outcome="cancelled") >= cancelled + 4,
+                      10, "the gateway never saw the clients leave")
+    assert clean.mesh.stages[0].info()["kv"]["used_slots"] == 4  # the survivor still holds them
+    clean.mesh.restart_dead()
+    await async_until(lambda: _ready(clean.gw), 120, "the gateway never became ready again")
+    await async_until(lambda: clean.kv_used() == [0, 0], 10, "the survivor kept the leavers' slots")
+    results = await asyncio.wait_for(asyncio.gather(*(stream(url, f"Count to {i + 3}.", 6) for i in range(4))), 120)
+    assert all(r["error"] is None and r["tokens"] == 6 for r in results), results
