@@ -107,6 +107,10 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages of ORIGIN (e.g. https://app.example.com; repeatable; * = any) call the API "
                         "and the websocket; default: only pages the gateway serves itself")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host is NAME (repeatable; .example.com = that domain and every "
+                        "name below it; * = any); default: IP addresses, localhost and the --listen/--host address "
+                        "only, so a page on another name that resolves here (DNS rebinding) is refused with 403")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require the API key (STAGEMESH_API_KEY) on /metrics too")
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
@@ -125,9 +129,16 @@ def edge_from_args(args) -> dict:
             raise StagemeshError(f"--allow-origin {o!r} must be '*' or SCHEME://HOST[:PORT], "
                                  "e.g. https://app.example.com (no path)")
         origins.append(o)
+    hosts = []
+    for h in args.allow_host:
+        h = h.strip().lower().rstrip(".")
+        if not h or "/" in h or ":" in h:
+            raise StagemeshError(f"--allow-host {h!r} must be a host name such as gateway.example.com, "
+                                 ".example.com (a domain and the names below it) or * (no scheme, port or path)")
+        hosts.append(h)
     if args.drain_timeout < 0 or args.keepalive_timeout <= 0:
         raise StagemeshError("--drain-timeout must be >= 0 and --keepalive-timeout > 0 (seconds)")
-    return {"allow_origins": tuple(origins), "metrics_require_key": args.metrics_require_key,
+    return {"allow_origins": tuple(origins), "allow_hosts": tuple(hosts), "metrics_require_key": args.metrics_require_key,
             "drain_timeout_s": args.drain_timeout, "keepalive_timeout_s": args.keepalive_timeout}
 
 

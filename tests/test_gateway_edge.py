@@ -26,11 +26,13 @@ KEEPALIVE_S = 2.0
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory):
-    """A gateway with an API key, one allowed foreign origin, /metrics behind the key and a 2 s keep-alive."""
+    """A gateway with an API key, one allowed foreign origin, two allowed Host names (one a domain), /metrics behind
+    the key and a 2 s keep-alive."""
     os.environ["STAGEMESH_API_KEY"] = KEY
     try:
         gw = start_up(1, "float32", str(tmp_path_factory.mktemp("edge")), "--allow-origin", GOOD_ORIGIN,
-                      "--metrics-require-key", "--keepalive-timeout", str(KEEPALIVE_S))
+                      "--metrics-require-key", "--keepalive-timeout", str(KEEPALIVE_S), "--allow-host", "good.example",
+                      "--allow-host", ".corp.example")
     finally:
         del os.environ["STAGEMESH_API_KEY"]
     yield gw
@@ -110,7 +112,7 @@ def port_of(gw) -> int:
 
 async def test_api_key_edge_cases(edge):
     port = port_of(edge)
-    answer = raw_http(port, "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer clé\r\nConnection: close\r\n\r\n"
+    answer = raw_http(port, "GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer clé\r\nConnection: close\r\n\r\n"
                       .encode())
     assert answer.startswith(b"HTTP/1.1 401") and b'"invalid_api_key"' in answer, answer[:300]
     async with aiohttp.ClientSession() as s:
@@ -154,6 +156,44 @@ async def test_origin_policy_cors_and_content_type(edge):
         for ctype in ("text/plain", "application/x-www-form-urlencoded"):
             status, payload, _ = await post(s, edge.url + "/v1/completions", completion(), {"Content-Type": ctype})
             assert_openai_error(status, payload, 415, "application/json")
+
+
+REBOUND = ["evil.example", "127.0.0.1.nip.io", "localhost.evil.example", "good.example.evil.example",
+           "notgood.example", "corp.example.evil.example", "xn--80ak6aa92e.com", "LOCALHOST.evil.example."]
+ANSWERED = ["localhost", "127.0.0.1", "[::1]", "app.localhost", "good.example", "GOOD.example.", "corp.example",
+            "api.corp.example"]
+
+
+def _get_with_host(port: int, path: str, host: str) -> tuple[int, bytes]:
+    """(status, raw answer) of a GET naming `host` in Host and in Origin, as a page on that name would send it."""
+    answer = raw_http(port, (f"GET {path} HTTP/1.1\r\nHost: {host}\r\nOrigin: http://{host}\r\n"
+                             f"Authorization: Bearer {KEY}\r\nConnection: close\r\n\r\n").encode())
+    return int(answer.split(b" ", 2)[1]), answer
+
+
+async def test_dns_rebinding_a_name_the_gateway_does_not_answer_to_is_refused(edge):
+    """A page on an attacker's name that resolves to 127.0.0.1 sends that name as Host and as Origin, so it is
+    same-origin by them: the Host check refuses it on every route (API, mesh view, page, metrics, websocket), while
+    IP addresses, localhost names and the --allow-host names are answered."""
+    port = port_of(edge)
+    for name in REBOUND:
+        for path in ("/v1/models", "/v1/mesh", "/", "/metrics", "/health"):
+            status, answer = _get_with_host(port, path, f"{name}:{port}")
+            assert status == 403 and b'"host_not_allowed"' in answer and b"--allow-host" in answer, (name, path, answer)
+    async with aiohttp.ClientSession() as s:
+        for name in REBOUND[:2]:
+            host = f"{name}:{port}"
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await s.ws_connect(edge.url + f"/v1/stream?api_key={KEY}", headers={"Host": host,
+                                                                                     "Origin": f"http://{host}"})
+            assert refused.value.status == 403
+        for name in ANSWERED:
+            for host in (name, f"{name}:{port}"):
+                status, answer = _get_with_host(port, "/v1/models", host)
+                assert status == 200, (host, answer)
+        ws = await s.ws_connect(edge.url + f"/v1/stream?api_key={KEY}",
+                                headers={"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"})
+        await ws.close()
 
 
 async def test_big_prompts_do_not_delay_a_small_request(edge):

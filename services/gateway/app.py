@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import os
 import signal
@@ -54,6 +55,8 @@ class GatewayConfig:
     default_max_tokens: int = 256
     request_timeout_s: float = DEFAULT_TIMEOUT_S
     allow_origins: tuple[str, ...] = ()  # browser origins besides the gateway's own; "*" = any
+    allow_hosts: tuple[str, ...] = ()  # Host names besides IP addresses, localhost and bind_host; ".dom" = dom and below
+    bind_host: str | None = None  # the address it listens on (serve_until_signal sets it)
     metrics_require_key: bool = False  # /metrics needs the API key too
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
@@ -224,6 +227,37 @@ CORS_HEADERS = "Authorization, Content-Type"
 HTTP_LOG = "stagemesh.gateway.http"  # aiohttp's per-connection logger: one line per reason per interval
 
 
+def host_allowed(config: GatewayConfig, host: str | None) -> bool:
+    """DNS rebinding guard (as Jupyter and webpack-dev-server do): a page on an attacker's name that resolves to this
+    gateway is "same-origin" by its Host, so the name in Host must be one this gateway answers to: an IP address (a
+    rebinding needs a name), localhost or a *.localhost name, the address it listens on, or one of --allow-host
+    ("*" = any; ".example.com" = example.com and every name below it). No Host header at all names nothing: allowed."""
+    if host is None or "*" in config.allow_hosts:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    name = name.rstrip(".")
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    if name == "localhost" or name.endswith(".localhost") or (config.bind_host and name == config.bind_host.lower()):
+        return True
+    return any(name == a or (a.startswith(".") and (name.endswith(a) or name == a[1:])) for a in config.allow_hosts)
+
+
+def _check_host(request: web.Request) -> None:
+    host = request.headers.get("Host")
+    if not host_allowed(request.app[GATEWAY].config, host):
+        raise RequestError(f"Host {host[:100]!r} is not a name this gateway answers to (a page on another name that "
+                           "resolves here -- DNS rebinding -- is refused); use its IP address or localhost, or start "
+                           "the gateway with --allow-host NAME", status=403, code="host_not_allowed")
+
+
 def _own_origin(request: web.Request) -> str:
     return f"{request.scheme}://{request.host}".lower()
 
@@ -285,9 +319,11 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
-    """Origin policy, API key and content type, then the handler. Every error leaves in OpenAI's shape with a
-    message that says what to fix; an unexpected exception becomes a 500 in that shape, logged (throttled)."""
+    """Host (DNS rebinding), origin policy, API key and content type, then the handler. Every error leaves in
+    OpenAI's shape with a message that says what to fix; an unexpected exception becomes a 500 in that shape, logged
+    (throttled). The origin policy trusts Host for the gateway's own origin only because it was checked first."""
     try:
+        _check_host(request)
         origin = request.headers.get("Origin")
         if origin is not None and not origin_allowed(request, origin):
             raise RequestError(f"origin {origin[:100]!r} may not use this gateway: pages of other origins are "
@@ -396,6 +432,7 @@ async def serve_until_signal(app: web.Application, host: str, port: int,
                              started: Callable[[], Awaitable[None]] | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain (Gateway.drain) and only then close connections. `started` runs
     alongside (the `up` supervisor) and is cancelled at the signal."""
+    app[GATEWAY].config.bind_host = host  # a name it listens on is a name it answers to (host_allowed)
     runner = make_runner(app)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
