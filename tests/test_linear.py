@@ -15,6 +15,7 @@ from shared.models.linear import (
     Int4Linear,
     Int8Linear,
     SwitchedLinear,
+    auto_nbytes,
     dequantize,
     make_linear,
     stored_kernel,
@@ -94,6 +95,8 @@ def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
     assert torch.equal(auto(small), auto.small(small)) and torch.equal(auto(large), auto.large(large))
     assert isinstance(make_linear([raw], "auto", batch_invariant=True), Int4Linear)
     assert isinstance(make_linear([_raw("F16")[0]], "auto"), DenseLinear)  # float types have no quantized kernel
+    assert isinstance(make_linear([_raw("Q8_0")[0]], "auto"), DenseLinear)  # auto: dense beats two int4 planes
+    assert isinstance(make_linear([_raw("Q8_0")[0]], "lean"), Int4Linear)
 
 
 @pytest.mark.parametrize("mode", ["f32", "bf16", "lean", "auto"])
@@ -107,11 +110,14 @@ def test_fused_rows_of_any_type_mix_compute_the_concatenation(mode):
     err = (fused(x).double() - expected).abs().max() / expected.abs().max()
     assert err < (1e-6 if mode == "f32" else 2e-2), err
     assert fused.out_features == len(parts) * ROWS
-    if mode in ("lean", "auto"):
-        small = fused.small if mode == "auto" else fused
-        assert isinstance(small, ConcatLinear) and [p.kind for p in small.parts] == ["int4-g32", "int4x2-g32",
+    if mode == "lean":  # each type on its stored kernel, the two Q5_0 parts on one
+        assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == ["int4-g32", "int4x2-g32",
                                                                                     "int8-rows", "int4x2-g32"]
-        assert small.parts[1].out_features == 2 * ROWS  # the two Q5_0 runs share one kernel
+        assert fused.parts[1].out_features == 2 * ROWS
+    if mode == "auto":  # int4 for the 4-bit part below the crossover, one dense matrix for the rest; a prefill copy
+        assert isinstance(fused, SwitchedLinear) and isinstance(fused.small, ConcatLinear)
+        assert [p.out_features for p in fused.small.parts] == [ROWS, 4 * ROWS]
+        assert isinstance(fused.small.parts[1], DenseLinear) and fused.large.out_features == 5 * ROWS
 
 
 def test_prepacked_f32_is_the_f32_product_in_another_summation_order():
@@ -125,3 +131,11 @@ def test_prepacked_f32_is_the_f32_product_in_another_summation_order():
         x = torch.randn(m, COLS)
         torch.testing.assert_close(dense(x), x @ w.T, rtol=1e-5, atol=1e-4)
     assert DenseLinear(w, torch.float32).kind == "float32"  # the f32 reference mode keeps F.linear
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K", "F16"])
+def test_auto_holds_the_bytes_its_plan_counts(qtype):
+    """shared.models.memory plans auto against auto_nbytes: what make_linear's auto then holds."""
+    raw, _ = _raw(qtype)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert make_linear([raw], "auto", prefill_dtype=dtype).nbytes == auto_nbytes(qtype, (ROWS, COLS), dtype)

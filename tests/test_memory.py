@@ -13,11 +13,12 @@ MIB = 2**20
 
 
 def test_the_copy_takes_the_fastest_dtype_that_fits_else_bf16_else_none():
-    lean, kv, weights = 100 * MIB, 50 * MIB, 25 * MIB  # a copy: 100 MiB in f32, 50 MiB in bf16
-    assert plan_prefill_copy(250 * MIB, lean, kv, weights, torch.float32).dtype == torch.float32
-    assert plan_prefill_copy(249 * MIB, lean, kv, weights, torch.float32).dtype == torch.bfloat16
-    assert plan_prefill_copy(250 * MIB, lean, kv, weights, torch.bfloat16).dtype == torch.bfloat16
-    none = plan_prefill_copy(199 * MIB, lean, kv, weights, torch.float32)
+    lean, kv = 30 * MIB, 50 * MIB
+    auto = {torch.float32: 200 * MIB, torch.bfloat16: 150 * MIB}.__getitem__  # auto's weights by prefill dtype
+    assert plan_prefill_copy(250 * MIB, lean, kv, auto, torch.float32).dtype == torch.float32
+    assert plan_prefill_copy(249 * MIB, lean, kv, auto, torch.float32).dtype == torch.bfloat16
+    assert plan_prefill_copy(250 * MIB, lean, kv, auto, torch.bfloat16).dtype == torch.bfloat16
+    none = plan_prefill_copy(199 * MIB, lean, kv, auto, torch.float32)
     assert none.dtype is None and "--memory-budget" in none.reason and "199 MiB" in none.reason
 
 
@@ -49,7 +50,7 @@ def test_a_piece_whose_budget_cannot_hold_the_copy_runs_lean_by_itself(smollm2):
     assert tight.weights == "lean"
     assert not [w for b in tight.blocks for w in b.linears().values() if isinstance(w, SwitchedLinear)]
     report, roomy_report = tight.memory_report(), roomy.memory_report()
-    assert "no dense prefill copy" in report["prefill_copy"] and "fits" in roomy_report["prefill_copy"]
+    assert "no dense copies" in report["prefill_copy"] and "fit" in roomy_report["prefill_copy"]
     assert report["file_bytes"] == smollm2.loader.tensor_bytes(smollm2.loader.names_for(LayerRange(10, 20),
                                                                                          tight.position))
     print(f"\nlayers 10-19: file {report['file_bytes'] / MIB:.1f} MiB, lean {report['weight_bytes'] / MIB:.1f} MiB "

@@ -132,8 +132,8 @@ def _decode_logits(pipeline: LocalPipeline, ids: list[int]) -> np.ndarray:
     return torch.cat(rows).double().numpy()
 
 
-# 8 heads x 12 + 2 x 1 kv head x 12 = 120 qkv rows: not a multiple of 16, so the int4 kernel cannot take q|k|v and
-# it must fall back to int8 rows while the other matrices of the same file still run as int4.
+# 8 heads x 12 = 96 q rows, 1 kv head x 12 = 12 k and v rows: not a multiple of 16, so the int4 kernel cannot take
+# k and v, which fall back (int8 rows in lean, the dense kernel in auto) while q and the other matrices stay int4.
 _NO_INT4_QKV = dict(heads=8, kv_heads=1, head_dim=12)
 
 
@@ -153,16 +153,20 @@ def test_quantized_tiny_model_matches_llama_cpp(tmp_path, spec, weights, toleran
     dtype = torch.float32 if weights == "f32" else torch.bfloat16
     pipeline = LocalPipeline.load(GgufLoader(path), None, dtype, kv_slots=1, weights=None if weights == "auto" else weights)
     runs_as = pipeline.pieces[0].model.weight_summary()
-    # token_embd is Q8_0 in these files (as in SmolLM2): two int4 planes as the lm_head
-    int4_expected = spec.quant in INT4_TYPES + INT4_PAIR_TYPES and weights in ("auto", "lean")
+
+    def int4_expected(ggml_type: str) -> bool:  # lean: every 4- and 8-bit type; auto: the 4-bit ones
+        return ggml_type in INT4_TYPES + INT4_PAIR_TYPES if weights == "lean" else (
+            weights == "auto" and ggml_type in INT4_TYPES)
+
     for name, kind in runs_as.items():
         if name == "token_embd.weight" and not spec.tied:  # the embedding alone: looked up from the file's bytes
             assert kind == "gguf-rows (embedding)", kind
             continue
-        fits = not (name.startswith("blk.") and "attn_" in name and name.split(".")[2] in ("attn_q", "attn_k", "attn_v")
-                    and spec.head_dim == 12)
-        assert ("int4" in kind) == (int4_expected and fits), (name, kind)
-        assert ("int8" in kind) == (int4_expected and not fits), (name, kind)
+        # fused q|k|v where q fits int4 (96 rows) and k and v do not (12 each): the kind names both kernels
+        k_v_misfit = name.split(".")[-2] in ("attn_q", "attn_k", "attn_v") and spec.head_dim == 12
+        ggml_type = "Q8_0" if name == "token_embd.weight" else spec.quant  # token_embd is Q8_0 in these files
+        assert ("int4" in kind) == int4_expected(ggml_type), (name, kind)
+        assert ("int8" in kind) == (weights == "lean" and k_v_misfit), (name, kind)  # auto: the dense kernel
     logit_range = ref.max() - ref.min()
     assert logit_range > 1.0  # the comparison is not vacuous
     for path_name, ours in (("prefill", window_logits(pipeline, IDS).double().numpy()), ("decode", _decode_logits(pipeline, IDS))):

@@ -4,15 +4,16 @@ Every matmul of TransformerModel goes through one of these: `w(x)` takes x [M, K
 [M, N] in the weight's compute dtype (bfloat16 for the quantized and bf16 kernels, float32 for the f32 reference).
 What each tensor runs as (`kind`) follows from its GGUF type and the weights mode:
 
-    mode   Q4_0 / Q4_1 / Q4_K     Q8_0                   other quantized types     F16 / BF16 / F32
-    lean   int4 g32               int4 g32, two planes   int8, a scale per row     dense
-    auto   lean's kernel below the measured crossover, a dense prefill copy from there on (when the memory budget
-           holds it; shared.models.memory decides, else lean)
+    mode   Q4_0 / Q4_1 / Q4_K     Q8_0 / Q5_0 / Q5_1 / Q5_K     other quantized types     F16 / BF16 / F32
+    lean   int4 g32               int4 g32, two planes          int8, a scale per row     dense
+    auto   int4 g32 below the     dense                         dense                     dense
+           measured crossover,    (when the memory budget holds auto's copies beside the KV cache;
+           prefill from there on   shared.models.memory decides, else the piece loads lean)
     bf16   bf16 (oneDNN-prepacked) for every type
     f32    float32, the GGUF's numbers exactly (the reference)
 
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
-Q4_K 0.56 in the file), the two int4 planes of Q8_0 1.25 (file: 1.06), int8 rows 1.0 (Q5_0 0.69, Q6_K 0.82).
+Q4_K 0.56 in the file), two int4 planes 1.25 (Q8_0 1.06, Q5_0 0.69, Q5_K 0.69), int8 rows 1.0 (Q6_K 0.82, Q3_K 0.43).
 
 "dense" is the fastest dense kernel of the CPU at decode sizes (dense_dtype()): oneDNN-prepacked bf16 where the CPU
 has native bf16 (AVX512-BF16, AMX), oneDNN-prepacked float32 elsewhere (bf16 GEMMs are emulated on AVX2 CPUs;
@@ -21,8 +22,8 @@ piece loads (shared.models.crossover), and so is the crossover from the quantize
 
 int4 is torch's `_weight_int4pack_mm_for_cpu`: w = (nibble - 8) * scale + zero per group of 32 along K, fp32
 accumulation. Its AVX512 path takes only bf16 activations with bf16 scales/zeros, so the GGUF's fp16 scale and
-offset -- Q4_0: d, 0; Q4_1: d, m + 8d; Q4_K: d*sc, 8*d*sc - dmin*mn; Q8_0: 16d and d over its high and low
-nibbles -- are rounded to bf16 once. That is the one rounding int4 adds (of the order of rounding the dequantized
+offset -- Q4_0: d, 0; Q4_1: d, m + 8d; Q4_K: d*sc, 8*d*sc - dmin*mn; Q8_0 and Q5_*: 16d and d over the high and
+low nibbles of their levels -- are rounded to bf16 once. That is the one rounding int4 adds (of the order of rounding the dequantized
 weights to bf16, the bf16 mode); the levels are the file's, untouched. int8 is `_weight_int8pack_mm` (one scale per
 output row), the only kernel here that requantizes (Int8Linear). The f32 mode is exact.
 """
@@ -336,6 +337,14 @@ def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
     return n * k + n * 2  # int8 + a bf16 scale per row
 
 
+def auto_nbytes(ggml_type: str, shape: Sequence[int], prefill_dtype: torch.dtype) -> int:
+    """The bytes make_linear's auto holds for a matrix of this type and shape with a prefill copy in prefill_dtype."""
+    n, k = math.prod(shape[:-1]), shape[-1]
+    if ggml_type in INT4_TYPES and int4_fits((n, k)):
+        return stored_nbytes(ggml_type, (n, k)) + n * k * prefill_dtype.itemsize
+    return n * k * dense_dtype().itemsize
+
+
 def _rows_of(raws: list[RawTensor]) -> RawTensor:
     """Tensors of one type and width as one, their rows (output features) concatenated in order."""
     if len(raws) == 1:
@@ -347,9 +356,15 @@ def _rows_of(raws: list[RawTensor]) -> RawTensor:
 def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "cpu",
                 batch_invariant: bool = False, prefill_dtype: torch.dtype | None = None) -> Linear:
     """One linear for the row-concatenation of `raws` (q|k|v, gate|up, or a single matrix; any mix of types), in
-    `mode`: f32 and bf16 run one dense matrix; lean runs each run of same-typed parts through its stored_kernel (a
-    ConcatLinear when the types differ); auto is lean plus a dense copy of the whole matrix for micro-batches from
-    the crossover on (prefill_dtype: its dtype, bf16 or float32, prepacked; None: dense_dtype()).
+    `mode` (each run of same-typed parts on one kernel, a ConcatLinear where the kernels differ):
+
+    - f32, bf16: one dense matrix;
+    - lean: each type's stored_kernel (memory about the file's);
+    - auto: the fastest kernels, memory permitting (the caller runs lean when the budget says no): 4-bit types decode
+      as int4, faster than any dense kernel at decode sizes; every other type runs the dense kernel (dense_dtype())
+      at every size, faster than two int4 planes or int8 rows (benchmarks/kernels.py); and a dense copy of the
+      whole matrix (prefill_dtype, bf16 or float32, prepacked; None: dense_dtype()) takes micro-batches from the
+      crossover on wherever int4 runs below it.
 
     batch_invariant: a row's result must not depend on how many rows a call has: auto never switches kernels
     (lean; the quantized kernels' per-row results were checked equal for any M), dense kernels run on fixed blocks
@@ -360,10 +375,20 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
     if mode in ("f32", "bf16") or torch.device(device).type != "cpu":
         dtype = torch.float32 if mode == "f32" else torch.bfloat16
         return DenseLinear(torch.cat([dequantize(r) for r in raws]).to(device), dtype, rows, prepack_f32=mode != "f32")
-    parts = [stored_kernel(_rows_of(list(run)), rows) for _, run in itertools.groupby(raws, lambda r: r.ggml_type)]
+    if mode == "lean" or batch_invariant:  # runs of one type (and one int4 fit: q may fit where k and v do not)
+        parts = [stored_kernel(_rows_of(list(run)), rows)
+                 for _, run in itertools.groupby(raws, lambda r: (r.ggml_type, int4_fits(r.shape)))]
+        return parts[0] if len(parts) == 1 else ConcatLinear(parts)
+
+    def int4_run(r: RawTensor) -> str:  # a run's key: its type where int4 takes it, else "dense" (runs merge)
+        return r.ggml_type if r.ggml_type in INT4_TYPES and int4_fits(r.shape) else "dense"
+
+    parts = [stored_kernel(_rows_of(run)) if key != "dense" else
+             DenseLinear(torch.cat([dequantize(r) for r in run]), dense_dtype(), prepack_f32=True)
+             for key, run in ((k, list(g)) for k, g in itertools.groupby(raws, int4_run))]
+    if all(isinstance(p, DenseLinear) for p in parts):
+        return parts[0]
     small = parts[0] if len(parts) == 1 else ConcatLinear(parts)
-    if mode == "lean" or batch_invariant or all(isinstance(p, DenseLinear) for p in parts):
-        return small
     large = DenseLinear(torch.cat([dequantize(r) for r in raws]), prefill_dtype or dense_dtype(), prepack_f32=True)
     return SwitchedLinear(small, large, INT4_MAX_TOKENS)
 

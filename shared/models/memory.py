@@ -1,11 +1,11 @@
 """A stage's memory budget, and what it decides: whether weights mode auto keeps a dense prefill copy of its matrices.
 
 In lean form a piece holds each matrix about as the file stores it (shared.models.linear: int4, two int4 planes,
-int8 rows). auto adds a dense copy of every quantized matrix for prefill-sized micro-batches (2 or 4 bytes a
-weight: 3-7x the file), which makes prefill faster but is the difference between fitting and not for the users a
-pipeline exists for. So the copy is kept only where the whole piece fits the budget with it:
+int8 rows). auto holds dense copies for speed -- of every 4-bit matrix for prefill-sized micro-batches, and of every
+other quantized matrix instead of its lean kernel (2 or 4 bytes a weight: 3-7x the file) -- which is the difference
+between fitting and not for the users a pipeline exists for. So auto is kept only where the piece fits with it:
 
-    lean weights + KV cache + copy <= budget   (the copy in the measured prefill dtype, else bf16, else none)
+    auto's weights + KV cache <= budget   (its prefill copy in the measured prefill dtype, else bf16; else lean)
 
 The budget is per stage (--memory-budget); by default DEFAULT_FRACTION of the memory available when the piece loads,
 divided by the stages `up` starts on the host.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,21 +60,22 @@ class PrefillCopy:
     reason: str
 
 
-def plan_prefill_copy(budget: int, lean_bytes: int, kv_bytes: int, copy_weights: int,
+def plan_prefill_copy(budget: int, lean_bytes: int, kv_bytes: int, auto_bytes: Callable[[torch.dtype], int],
                       fastest: torch.dtype) -> PrefillCopy:
-    """copy_weights: elements of the matrices that would get a copy; fastest: the prefill kernel measured fastest
-    here. Tries fastest, then bf16 (half of f32's bytes), then gives the copy up."""
-    base = lean_bytes + kv_bytes
+    """lean_bytes: the piece's weights in lean form; auto_bytes(dtype): in auto form with a prefill copy in dtype;
+    fastest: the prefill kernel measured fastest here. Tries fastest, then bf16 (half of f32's bytes), then gives
+    the copy up (lean)."""
     for dtype in dict.fromkeys((fastest, torch.bfloat16)):
-        need = base + copy_weights * dtype.itemsize
+        need = auto_bytes(dtype) + kv_bytes
         if need <= budget:
-            return PrefillCopy(dtype, f"a {str(dtype).removeprefix('torch.')} prefill copy ({mib(need - base)}) fits "
-                                      f"the budget of {mib(budget)} beside {mib(lean_bytes)} of lean weights and "
-                                      f"{mib(kv_bytes)} of KV cache")
-    return PrefillCopy(None, f"no dense prefill copy: even in bf16 it takes {mib(copy_weights * 2)}, and the budget of "
-                             f"{mib(budget)} holds {mib(max(0, budget - base))} beside {mib(lean_bytes)} of lean weights "
-                             f"and {mib(kv_bytes)} of KV cache (raise --memory-budget, or lower --kv-slots / "
-                             "--max-seq-len, to prefill faster)")
+            return PrefillCopy(dtype, f"auto's dense copies ({str(dtype).removeprefix('torch.')} prefill) fit the "
+                                      f"budget of {mib(budget)}: {mib(need - kv_bytes)} of weights (lean: "
+                                      f"{mib(lean_bytes)}) and {mib(kv_bytes)} of KV cache")
+    return PrefillCopy(None, f"no dense copies (lean): auto's weights take {mib(auto_bytes(torch.bfloat16))} even with "
+                             f"a bf16 prefill copy, and the budget of {mib(budget)} holds "
+                             f"{mib(max(0, budget - kv_bytes))} beside {mib(kv_bytes)} of KV cache (lean weights: "
+                             f"{mib(lean_bytes)}; raise --memory-budget, or lower --kv-slots / --max-seq-len, to "
+                             "prefill faster)")
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from shared.layers import LayerRange
 from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
 from shared.models.linear import (
-    FLOAT_TYPES,
     WEIGHT_MODES,
     Linear,
     QuantizedRows,
+    auto_nbytes,
     dequantize,
     make_linear,
     stored_nbytes,
@@ -262,7 +262,7 @@ class TransformerModel:
         prefill = None
         if weights == "auto" and not batch_invariant and torch.device(device).type == "cpu":
             copy = plan_prefill_copy(budget, lean_bytes, kv_bytes,
-                                     sum(math.prod(r.shape) for r in matrices if r.ggml_type not in FLOAT_TYPES),
+                                     lambda dt: sum(auto_nbytes(r.ggml_type, r.shape, dt) for r in matrices),
                                      choose_prefill_dtype(config))
             log.info("layers %s: %s", layers, copy.reason)
             prefill, weights = copy.dtype, ("auto" if copy.dtype is not None else "lean")
