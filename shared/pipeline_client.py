@@ -37,16 +37,17 @@ class PipelineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._mb_ids = itertools.count(1)
         self.releases_acknowledged = 0  # sequences the last stage confirmed released
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._receive_loop(), name="pipeline-results")
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="pipeline-results"),
+                       asyncio.create_task(self.transport.watch_handshakes(), name="pipeline-handshakes")]
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(StagemeshError("pipeline client closed"))

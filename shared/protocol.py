@@ -43,7 +43,8 @@ _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 CAPTURE_KEYS = frozenset({"stage", "layer", "point", "position", "shape", "summary", "data"})  # shared.trace.HookCapture
 
 REJECT_REASONS = ("msgpack", "oversize", "version", "kind", "schema", "dtype", "shape", "length", "frames",
-                  "auth")  # auth: a CURVE handshake with a key other than the upstream peer's (shared.transport)
+                  "auth", "handshake")  # auth: a CURVE handshake with a key other than the upstream peer's; handshake:
+# one that failed before that (another server key, plaintext against CURVE) -- both in shared.transport
 
 # torch.frombuffer warns on read-only buffers; received frames are only ever read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")

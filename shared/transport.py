@@ -8,6 +8,7 @@ sockets are plaintext and open to anyone who can reach them."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import itertools
 import logging
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from shared.errors import StagemeshError
 from shared.log_throttle import throttled
@@ -27,6 +29,9 @@ from shared.protocol import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, Message, Protoco
 log = logging.getLogger("stagemesh.transport")
 
 HIGH_WATER_MARK = 64  # messages queued per socket before a send waits
+# socket monitor events of a failed ZMTP/CURVE handshake: a peer with another key set, a plaintext peer, an impostor
+HANDSHAKE_FAILURES = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+                      zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth"}
 
 
 def check_address(addr: str, flag: str) -> str:
@@ -59,6 +64,9 @@ class TransportStats:
         self.bytes_out = 0
         self.rejected: dict[str, int] = {}
         self.on_reject: Callable[[str], None] | None = None
+        # failed handshakes per socket: "out" (our PUSH dialling the next hop: the peer there holds another key
+        # set) is evidence about the mesh; "in" (anyone who can reach our port) is only counted
+        self.handshakes_failed = {"in": 0, "out": 0}
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -184,6 +192,37 @@ class ZmqTransport:
             if keys is not None:
                 curve_sender(self.outbound, keys, next_hop)
             self.outbound.connect(check_address(next_hop, "--next"))
+
+    async def watch_handshakes(self) -> None:
+        """Count failed handshakes on both sockets (socket monitor events) until cancelled: without this a hop whose
+        peer holds another key set is a silent black hole. An inbound failure that ZAP did not cause (ZAP counts its
+        own refusals as "auth") is also a rejected message with reason "handshake"."""
+        watched = [(d, sock) for d, sock in (("in", self.inbound), ("out", self.outbound)) if sock is not None]
+        monitors = [(d, sock.get_monitor_socket(sum(HANDSHAKE_FAILURES))) for d, sock in watched]
+        try:
+            await asyncio.gather(*(self._count_failures(d, mon) for d, mon in monitors))
+        finally:
+            for (_, sock), (_, mon) in zip(watched, monitors):
+                if not sock.closed:
+                    sock.disable_monitor()
+                mon.close(0)
+
+    async def _count_failures(self, direction: str, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except zmq.Again:
+                continue
+            kind = HANDSHAKE_FAILURES.get(event["event"])
+            if kind is None:
+                continue
+            self.stats.handshakes_failed[direction] += 1
+            if direction == "in" and kind != "auth":
+                self.stats.reject("handshake")
+            where = event["endpoint"].decode(errors="replace")
+            throttled(log, logging.WARNING, f"handshake:{direction}", "%s handshake failed (%s) %s %s: the peer holds "
+                      "another key set, or is not part of this mesh", "CURVE" if self.keys else "ZMTP", kind,
+                      "dialling" if direction == "out" else "on", where)
 
     async def receive(self) -> Message:
         """The next valid message; malformed ones are counted under their reason and dropped."""

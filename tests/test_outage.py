@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import os
 import subprocess
 import threading
@@ -21,8 +22,8 @@ import torch
 import zmq
 
 from loadtest.client import sse_events
-from services.launch import LocalMesh, RunningGateway, free_ports, start_mesh
-from shared.mesh_keys import KeySet
+from services.launch import LocalMesh, RunningGateway, free_ports, start_mesh, wait_ready
+from shared.mesh_keys import KeySet, write_key_set
 from shared.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, encode
 from shared.steps import Prefill
 from tests.conftest import stagemesh_cmd
@@ -264,3 +265,41 @@ async def test_clients_leaving_during_an_outage_leave_no_slot_held(clean):
     await async_until(lambda: clean.kv_used() == [0, 0], 10, "the survivor kept the leavers' slots")
     results = await asyncio.wait_for(asyncio.gather(*(stream(url, f"Count to {i + 3}.", 6) for i in range(4))), 120)
     assert all(r["error"] is None and r["tokens"] == 6 for r in results), results
+
+
+# ---- High 2: a stage with another key set ------------------------------------------------------------------------
+
+def _problem(o: Outage) -> str:
+    status, body = o.ready()
+    return "" if status == 200 else json.loads(body)["problem"] or ""
+
+
+async def test_a_stage_with_another_key_set_makes_the_pipeline_not_ready_naming_the_hop(clean, smollm2, tmp_path):
+    """Stage 1 restarts with another key set: every handshake on its hops fails. The gateway says so within seconds,
+    naming the hop -- first from the keys each /info reports, then, with stage 1's /info lying (the right keys, the
+    old incarnation), from stage 0's failed dials alone -- and refuses requests instead of letting them hang."""
+    other = str(tmp_path / "other-keys")
+    write_key_set(other, 2)
+    stage0, stage1 = clean.mesh.stages
+    good_args = list(stage1.args)
+    good_info = stage1.info()
+    try:
+        clean.restart(1, [other if a == clean.mesh.keys_dir else a for a in good_args])
+        await asyncio.to_thread(wait_ready, [stage1.url], 120, [stage1.proc])
+        await async_until(lambda: "hop stage 0 -> stage 1: stage 1 holds another key set" in _problem(clean), 15,
+                          "the gateway never named the hop to the stage with another key set")
+        refused = await stream(clean.gw.url, "Say hello.", 4)
+        assert refused["error"] and "HTTP 503" in refused["error"] and "stage 1" in refused["error"], refused
+        clean.proxy.info_body = json.dumps(good_info).encode()  # /info claims the mesh's keys
+        await async_until(lambda: "hop stage 0 -> stage 1:" in _problem(clean)
+                          and "handshakes failed" in _problem(clean), 15,
+                          "the gateway never noticed stage 0's failed handshakes")
+        assert stage0.info()["handshakes_failed"]["out"] > 0
+        assert stage_metric(stage1, "stagemesh_stage_rejected_messages_total", reason="handshake") > 0
+    finally:
+        clean.proxy.info_body = None
+        clean.restart(1, good_args)
+    await asyncio.to_thread(wait_ready, [stage1.url], 120, [stage1.proc])
+    await async_until(lambda: _ready(clean.gw), 30, "the gateway never became ready with the mesh's keys back")
+    result = await stream(clean.gw.url, "Say hello.", 4)
+    assert result["error"] is None and result["tokens"] == 4, result

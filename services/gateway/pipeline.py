@@ -47,6 +47,35 @@ def check_pipeline(infos: list[dict | str], fingerprint: str, num_layers: int) -
     return None
 
 
+def _short(key: str | None) -> str:
+    return f"{key[:8]}..." if key else "none"
+
+
+def check_keys(infos: list[dict], keys: SocketKeys | None) -> str | None:
+    """None when every hop's two ends hold the same key set: each sender dials the key its next hop serves, and
+    each receiver accepts the key its upstream sends with. Otherwise the first hop that does not, named. `infos`:
+    consistent stages' /info (their "keys"); `keys`: the gateway's own (None: plaintext, nothing to check)."""
+    if keys is None:
+        return None
+    gateway = {"public": keys.receive.public.decode(), "accepts": keys.accept.decode(),
+               "next": keys.next_server.decode() if keys.next_server else None, "send": keys.send.public.decode()}
+    ends: list[tuple[str, dict | None]] = [("the gateway", gateway)]
+    ends += [(f"stage {i}", info.get("keys")) for i, info in enumerate(infos)]
+    ends.append(("the gateway", gateway))
+    for (a, ka), (b, kb) in zip(ends, ends[1:]):
+        if ka is None or kb is None:
+            plain = a if ka is None else b
+            return f"hop {a} -> {b}: {plain} serves plaintext and the other end uses CURVE; start both with one key set"
+        sends_with = ka.get("send", ka.get("public"))
+        if ka.get("next") != kb.get("public"):
+            return (f"hop {a} -> {b}: {b} holds another key set (its public key {_short(kb.get('public'))} is not "
+                    f"the key {a} dials, {_short(ka.get('next'))}); restart it with the mesh's keys")
+        if kb.get("accepts") != sends_with:
+            return (f"hop {a} -> {b}: {b} accepts {_short(kb.get('accepts'))}, not {a}'s key {_short(sends_with)}; "
+                    "restart it with the mesh's keys")
+    return None
+
+
 class Pipeline:
     def __init__(self, stage_urls: list[str], result_listen: str, fingerprint: str, num_layers: int,
                  first_stage: str | None = None, poll_s: float = 2.0, keys: SocketKeys | None = None):
@@ -64,6 +93,7 @@ class Pipeline:
         self._task: asyncio.Task | None = None
         self.generation = 0  # bumped only by mark_lost(): KV state in the pipeline is gone
         self._incarnations: list[str] | None = None
+        self._dial_failures: list[int] | None = None  # each sender's failed outbound handshakes at the last check
 
     @property
     def ready(self) -> bool:
@@ -107,9 +137,28 @@ class Pipeline:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             return f"{url}: {type(e).__name__} {e}".strip()
 
+    def _failed_dials(self) -> str | None:
+        """A hop whose sender's handshakes failed since the last check (socket monitor counts: the gateway's own
+        PUSH, each stage's "out" in its /info), named; None when none did. Only dialling counts: a receiver's
+        failures come from whoever can reach its port, which says nothing about the mesh."""
+        senders = ["the gateway", *(f"stage {i}" for i in range(len(self.infos)))]
+        receivers = [*(f"stage {i}" for i in range(len(self.infos))), "the gateway"]
+        counts = [self.client.transport.stats.handshakes_failed["out"] if self.client else 0]
+        counts += [int((i.get("handshakes_failed") or {}).get("out", 0)) for i in self.infos]
+        before, self._dial_failures = self._dial_failures, counts
+        if before is None or len(before) != len(counts):
+            return None
+        for sender, receiver, was, now in zip(senders, receivers, before, counts):
+            if now > was:
+                return (f"hop {sender} -> {receiver}: {now - was} CURVE handshakes failed since the last check "
+                        f"({self.poll_s:g} s): {receiver} holds another key set, or something else serves its address")
+        return None
+
     async def check(self) -> None:
         self.infos = list(await asyncio.gather(*(self._info(u) for u in self.stage_urls)))
         problem = check_pipeline(self.infos, self.fingerprint, self.num_layers)
+        if problem is None:
+            problem = check_keys(self.infos, self.keys) or self._failed_dials()
         if problem != self.problem:
             (log.info if problem is None else log.warning)("pipeline %s", "consistent" if problem is None else problem)
             if problem is not None and self.problem is None:

@@ -27,9 +27,10 @@ class StageIO:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self.transport.watch_handshakes(), name="handshakes")]
         if self.prefetch:
-            self._tasks = [asyncio.create_task(self._receiver(), name="receiver"),
-                           asyncio.create_task(self._sender(), name="sender")]
+            self._tasks += [asyncio.create_task(self._receiver(), name="receiver"),
+                            asyncio.create_task(self._sender(), name="sender")]
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -229,6 +229,16 @@ class StageWorker:
         return {"mode": model.weights, "batch_invariant": model.batch_invariant, "bytes": model.weight_bytes(),
                 "memory": model.memory_report(), "tensors": model.weight_summary()}
 
+    @functools.cached_property
+    def _keys_info(self) -> dict | None:
+        """The public keys of this stage's sockets (None: plaintext), for the gateway to check every hop's pair:
+        a stage restarted with another key set is named before a micro-batch is lost to it."""
+        keys = self.io.transport.keys
+        if keys is None:
+            return None
+        return {"public": keys.receive.public.decode(), "accepts": keys.accept.decode(),
+                "next": keys.next_server.decode() if keys.next_server else None}
+
     def info(self) -> dict:
         ident, kv = self.identity, self.runtime.kv
         return {
@@ -242,6 +252,8 @@ class StageWorker:
             "prefetch": self.io.prefetch,
             "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
             "rejected": dict(self.io.transport.stats.rejected),
+            "handshakes_failed": dict(self.io.transport.stats.handshakes_failed),
+            "keys": self._keys_info,
             # cumulative, with this process's monotonic clock, so a poller can take exact rates between two polls
             "clock_s": round(time.monotonic(), 4), "microbatches": self.mb_count,
             "sending_seconds": round(self.io.send_seconds, 4), "hop_seconds": round(self.hop_s, 6), "hops": self.hop_count,
