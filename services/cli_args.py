@@ -21,7 +21,7 @@ COMPILE_DECODE_ENV = "STAGEMESH_COMPILE_DECODE"  # the serving commands' --compi
 def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool = False) -> None:
     """serving: a command that serves (stage, up): --compile-decode defaults to auto (or $STAGEMESH_COMPILE_DECODE)
     there, to off elsewhere (a one-off generate would spend its run compiling)."""
-    p.add_argument("--model", default="smollm2", help="alias (smollm2) or path to a .gguf file (default: smollm2)")
+    p.add_argument("--model", default="smollm2", help="alias (smollm2, gemma3-270m) or path to a .gguf file (default: smollm2)")
     if dtype:
         p.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 where the CPU/GPU supports it, else float32)")
