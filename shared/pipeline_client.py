@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable
 
 import zmq.asyncio
 
 from shared.errors import StagemeshError
+from shared.log_throttle import throttled
 from shared.mesh_keys import SocketKeys
 from shared.protocol import BatchError, BatchResult, ForwardBatch, ReleaseDone, ReleaseSeqs
 from shared.transport import ZmqTransport
@@ -37,6 +39,8 @@ class PipelineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._mb_ids = itertools.count(1)
         self.releases_acknowledged = 0  # sequences the last stage confirmed released
+        self.unexpected = 0  # results and errors for micro-batches not in flight, dropped
+        self.on_unexpected: Callable[[], None] | None = None  # called for each (the gateway counts them)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -97,8 +101,12 @@ class PipelineClient:
                 self.releases_acknowledged += len(msg.seq_ids)
                 continue
             fut = self._pending.pop(msg.mb_id, None)
-            if fut is None or fut.done():
-                log.debug("result for unknown or abandoned micro-batch %s", msg.mb_id)
+            if fut is None or fut.done():  # abandoned after a failover, or never ours: never acted on
+                self.unexpected += 1
+                if self.on_unexpected is not None:
+                    self.on_unexpected()
+                throttled(log, logging.INFO, "unexpected", "dropped a %s for micro-batch %s, which is not in flight "
+                          "(abandoned after a failover, or forged)", type(msg).__name__, msg.mb_id)
                 continue
             if isinstance(msg, BatchError):
                 fut.set_exception(PipelineError(msg))

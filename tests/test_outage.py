@@ -25,7 +25,7 @@ from loadtest.client import sse_events
 from services.launch import LocalMesh, RunningGateway, free_ports, start_mesh, wait_ready
 from shared.mesh_keys import KeySet, write_key_set
 from shared.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, encode
-from shared.steps import Prefill
+from shared.steps import Decode, Prefill
 from tests.conftest import stagemesh_cmd
 
 KV_SLOTS = 4
@@ -301,5 +301,90 @@ async def test_a_stage_with_another_key_set_makes_the_pipeline_not_ready_naming_
         clean.restart(1, good_args)
     await asyncio.to_thread(wait_ready, [stage1.url], 120, [stage1.proc])
     await async_until(lambda: _ready(clean.gw), 30, "the gateway never became ready with the mesh's keys back")
+    result = await stream(clean.gw.url, "Say hello.", 4)
+    assert result["error"] is None and result["tokens"] == 4, result
+
+
+# ---- Medium 4: two deaths in one request ------------------------------------------------------------------------
+
+async def test_two_stage_deaths_in_one_request_cost_two_replays_and_every_stream_completes(clean):
+    """Stage 1, then stage 0, is killed and restarted while three streams run (each death is noticed twice: the stage
+    unreachable, then its new incarnation). Replays are counted when sent, so two deaths cost two of the three a
+    request may have, and every stream completes."""
+    url = clean.gw.url
+    replayed = clean.metric("stagemesh_gateway_replayed_sequences_total")
+    streams = [asyncio.create_task(stream(url, f"Write a long letter to friend number {i}.", 240)) for i in range(3)]
+    await async_until(lambda: clean.kv_used() == [3, 3], 60, "the three streams never took their slots")
+    for victim in (1, 0):
+        failovers = clean.metric("stagemesh_gateway_pipeline_failovers_total")
+        clean.restart(victim)  # SIGKILL, then the same command again
+        await async_until(lambda f=failovers: clean.metric("stagemesh_gateway_pipeline_failovers_total") >= f + 2,
+                          120, f"the gateway never saw stage {victim} die and come back")
+        await async_until(lambda: _ready(clean.gw), 60, "the gateway never became ready again")
+        assert not any(t.done() for t in streams), [t.result() for t in streams if t.done()]  # both deaths mid-stream
+    results = await asyncio.wait_for(asyncio.gather(*streams), 300)
+    assert all(r["error"] is None and r["tokens"] == 240 for r in results), results
+    assert clean.metric("stagemesh_gateway_replayed_sequences_total") - replayed == 6  # 3 sequences x 2 deaths
+
+
+# ---- Medium 6: an authenticated peer ------------------------------------------------------------------------------
+
+def _forward(mb: int, seq_id: str, tokens: list[int]) -> ForwardBatch:
+    k = len(tokens)
+    return ForwardBatch(mb, [SeqEntry(seq_id, Prefill(k, 0, k, True))], tokens=torch.tensor(tokens, dtype=torch.int64))
+
+
+async def test_an_insider_cannot_crash_a_stage_or_end_requests(clean, smollm2):
+    """The gateway's key holder sends token ids outside the vocabulary (stage 0 once died of an IndexError), decodes of
+    sequences nobody started, and well-formed work under micro-batch ids the gateway never sent, while a request runs:
+    each is answered as an error of its own micro-batch, every answer the gateway did not ask for is dropped and
+    counted, no failover happens, and the running request completes."""
+    vocab = smollm2.config.vocab_size
+    good = smollm2.tokenizer.encode("An ordinary prompt")
+    hostile = [_forward(FOREIGN_MB + i, f"bad-{i}", ids) for i, ids in enumerate([
+        [vocab], [-1], good + [vocab + 12345], [1 << 40], [-(1 << 40), 5], [0, vocab - 1, vocab]])]
+    strays = [_forward(FOREIGN_MB + 100, "stray", good)]  # valid work, but no micro-batch of the gateway's
+    strays.append(ForwardBatch(FOREIGN_MB + 101, [SeqEntry("nobody", Decode(7))], tokens=torch.tensor([42])))
+    stage0 = clean.mesh.stages[0]
+    errors = stage_metric(stage0, "stagemesh_stage_microbatch_errors_total")
+    unexpected = clean.metric("stagemesh_gateway_unexpected_results_total")
+    failovers = clean.metric("stagemesh_gateway_pipeline_failovers_total")
+    running = asyncio.create_task(stream(clean.gw.url, "Tell me about lighthouses.", 48))
+    await async_until(lambda: clean.kv_used() == [1, 1], 60, "the request never started")
+    await asyncio.to_thread(push_as_gateway, clean.mesh, hostile + strays + [ReleaseSeqs(["stray"])])
+    await async_until(lambda: clean.metric("stagemesh_gateway_unexpected_results_total") >= unexpected + 8, 30,
+                      "the gateway never received the answers to the insider's micro-batches")
+    assert all(s.proc.poll() is None for s in clean.mesh.stages)  # nothing crashed
+    assert stage_metric(stage0, "stagemesh_stage_microbatch_errors_total") == errors + len(hostile) + 1  # + nobody
+    result = await asyncio.wait_for(running, 120)
+    assert result["error"] is None and result["tokens"] == 48, result
+    assert clean.metric("stagemesh_gateway_pipeline_failovers_total") == failovers
+    await async_until(lambda: clean.kv_used() == [0, 0], 10, "a slot is still held")
+
+
+# ---- Medium 7: a malformed /info --------------------------------------------------------------------------------
+
+MALFORMED_INFO = [b"[1, 2, 3]", b'"ready"', b"null", b"{not json", b"{}", b"\xff\xfe",
+                  b'{"fingerprint": 7, "layers": [0, 30]}']
+
+
+async def test_a_malformed_info_is_a_problem_named_and_the_poller_lives_on(clean):
+    """Stage 1's /info answers nonsense of several shapes, one after another: each makes the pipeline not ready with
+    a problem naming stage 1 and what is wrong; the right /info back makes it ready again (only a living poller can
+    notice), and a request completes."""
+    good = clean.mesh.stages[1].info()
+    bodies = MALFORMED_INFO + [json.dumps({**good, **change}).encode() for change in (
+        {"layers": "0:30"}, {"layers": [0, "30"]}, {"kv": {"slots": "4", "max_seq_len": 64}}, {"kv": None},
+        {"incarnation": ["x"]}, {"keys": {"public": 5}}, {"handshakes_failed": {"out": "many"}}, {"layers": [9, 3]})]
+    try:
+        for body in bodies:
+            clean.proxy.info_body = body
+            await async_until(lambda b=body: "stage 1" in _problem(clean), 15,
+                              f"the gateway never refused /info {body[-80:]!r}")
+            assert "stage 1 is not usable" in _problem(clean) and "malformed" in _problem(clean), _problem(clean)
+            clean.proxy.info_body = None  # ready in between, so each body is a fresh transition
+            await async_until(lambda: _ready(clean.gw), 15, f"the poller did not survive /info {body[-80:]!r}")
+    finally:
+        clean.proxy.info_body = None
     result = await stream(clean.gw.url, "Say hello.", 4)
     assert result["error"] is None and result["tokens"] == 4, result

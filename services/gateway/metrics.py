@@ -39,6 +39,9 @@ class GatewayMetrics:
         self.kv_full_requeued = Counter("stagemesh_gateway_kv_full_requeued_sequences",
                                         "New sequences sent back to the queue because a stage's KV slots were full",
                                         registry=r)
+        self.unexpected_results = Counter("stagemesh_gateway_unexpected_results",
+                                          "Results and errors for micro-batches not in flight (late after a failover, "
+                                          "or forged by a key holder), dropped", registry=r)
         self.result_hop = Histogram("stagemesh_gateway_result_hop_latency_seconds",
                                     "Last stage's send to the gateway's receipt of a result", buckets=HOP_BUCKETS,
                                     registry=r)

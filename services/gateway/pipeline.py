@@ -5,17 +5,59 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 import aiohttp
 
 from shared.errors import LayerRangeError
 from shared.layers import LayerRange, check_cover
+from shared.log_throttle import throttled
 from shared.mesh_keys import SocketKeys
 from shared.pipeline_client import PipelineClient
 
 log = logging.getLogger("stagemesh.gateway.pipeline")
+
+
+class Malformed(str):
+    """Why a stage's /info cannot be used although the stage answered (check_pipeline says so, not "unreachable")."""
+
+
+def _is_int(v, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < 1 << 62
+
+
+# what the gateway reads of a stage's /info: field -> (what it must be, test)
+INFO_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "fingerprint": ("a string", lambda v: isinstance(v, str)),
+    "layers": ("[start, stop] integers, start < stop",
+               lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_int, v)) and v[0] < v[1]),
+    "position": ("a string", lambda v: isinstance(v, str)),
+    "incarnation": ("a string", lambda v: isinstance(v, str)),
+    "listen": ("a string", lambda v: isinstance(v, str)),
+    "kv": ("a map with integer slots >= 1 and max_seq_len >= 1",
+           lambda v: isinstance(v, dict) and _is_int(v.get("slots"), 1) and _is_int(v.get("max_seq_len"), 1)),
+    "keys": ("null or a map of public keys (strings or null)",
+             lambda v: v is None or isinstance(v, dict) and all(isinstance(k, (str, type(None))) for k in v.values())),
+    "handshakes_failed": ("a map of counts", lambda v: isinstance(v, dict) and all(map(_is_int, v.values()))),
+}
+OPTIONAL_INFO = frozenset({"keys", "handshakes_failed"})  # stages of an older build do not report them
+
+
+def info_problem(info) -> str | None:
+    """None when a stage's /info has the shape the gateway reads; otherwise which field is wrong."""
+    if not isinstance(info, dict):
+        return f"a JSON {type(info).__name__}, not a map"
+    for name, (want, ok) in INFO_FIELDS.items():
+        if name not in info:
+            if name in OPTIONAL_INFO:
+                continue
+            return f"field {name!r} is missing"
+        if not ok(info[name]):
+            return f"field {name!r} must be {want}, got {str(info[name])[:60]!r}"
+    return None
 
 
 def check_pipeline(infos: list[dict | str], fingerprint: str, num_layers: int) -> str | None:
@@ -23,12 +65,12 @@ def check_pipeline(infos: list[dict | str], fingerprint: str, num_layers: int) -
     An entry that is a string is a stage we could not reach (the string says why)."""
     for i, info in enumerate(infos):
         if isinstance(info, str):
-            return f"stage {i} is unreachable: {info}"
+            return f"stage {i} {'is not usable' if isinstance(info, Malformed) else 'is unreachable'}: {info}"
         if info.get("fingerprint") != fingerprint:
             return (f"stage {i} serves model fingerprint {info.get('fingerprint')} ({info.get('model')}), "
                     f"the gateway's model is {fingerprint}")
-    ranges = [LayerRange(*info["layers"]) for info in infos]
     try:
+        ranges = [LayerRange(*info["layers"]) for info in infos]
         check_cover(ranges, num_layers)
     except LayerRangeError as e:
         return str(e)
@@ -94,6 +136,7 @@ class Pipeline:
         self.generation = 0  # bumped only by mark_lost(): KV state in the pipeline is gone
         self._incarnations: list[str] | None = None
         self._dial_failures: list[int] | None = None  # each sender's failed outbound handshakes at the last check
+        self.on_unexpected_result: Callable[[], None] | None = None  # handed to the client (the gateway counts)
 
     @property
     def ready(self) -> bool:
@@ -129,13 +172,20 @@ class Pipeline:
             await self._session.close()
 
     async def _info(self, url: str) -> dict | str:
+        """The stage's /info, or why not: unreachable, not 200, or not the shape check_pipeline reads."""
         try:
             async with self._session.get(f"{url}/info") as r:
                 if r.status != 200:
                     return f"{url}/info answered {r.status} (still loading?)"
-                return await r.json()
+                body = await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             return f"{url}: {type(e).__name__} {e}".strip()
+        try:
+            info = json.loads(body)
+        except ValueError as e:  # UnicodeDecodeError included
+            return Malformed(f"{url}/info is malformed: not JSON ({type(e).__name__})")
+        problem = info_problem(info)
+        return info if problem is None else Malformed(f"{url}/info is malformed: {problem}")
 
     def _failed_dials(self) -> str | None:
         """A hop whose sender's handshakes failed since the last check (socket monitor counts: the gateway's own
@@ -172,6 +222,7 @@ class Pipeline:
         if problem is None and self.client is None:
             self.client = PipelineClient(self.first_stage or self._first_stage_address(), self.result_listen,
                                          keys=self.keys)
+            self.client.on_unexpected = self.on_unexpected_result
             await self.client.start()
             await self.client.release_all()  # we own no sequence yet: take back what an earlier gateway left
 
@@ -186,6 +237,11 @@ class Pipeline:
         return listen
 
     async def _poll(self) -> None:
+        """Check every poll_s for as long as the gateway runs: a failed check is logged, never the poller's end
+        (after which stage failures would go unnoticed)."""
         while True:
             await asyncio.sleep(self.poll_s)
-            await self.check()
+            try:
+                await self.check()
+            except Exception as e:
+                throttled(log, logging.ERROR, "check", "pipeline check failed: %s: %s", type(e).__name__, e, exc_info=e)

@@ -66,7 +66,8 @@ class Sequence(SequenceState):
     outputs: asyncio.Queue[SeqOutput] = field(default_factory=asyncio.Queue)
     feeding: int = 0  # tokens in the micro-batch now in flight (0: not in flight)
     sent: bool = False  # a micro-batch of it was sent since its last release: stages may hold a slot for it
-    replays: int = 0
+    replays: int = 0  # replays started: counted when its first replay micro-batch is sent
+    replay_due: bool = False  # reset for replay, that micro-batch not sent yet
     captures: list[dict] = field(default_factory=list)  # trace captures (wire form), when traced
     t_arrival: float = field(default_factory=time.perf_counter)
     t_admitted: float | None = None
@@ -81,9 +82,11 @@ class Sequence(SequenceState):
         return self.feeding > 0
 
     def reset_for_replay(self) -> None:
+        """Prefill the history again. Every loss noticed before the replay is sent (a stage's death, then its restart
+        under a new incarnation) is one replay: `replays` counts in Scheduler._build_batch."""
         super().reset_for_replay()
         self.feeding = 0
-        self.replays += 1
+        self.replay_due = True
 
 
 class Scheduler:
@@ -110,6 +113,7 @@ class Scheduler:
         self._replay_pending = False
         self._kv_cap: int | None = None  # after a kv_full: admit no more than this many running sequences ...
         self._kv_cap_until = 0.0  # ... until this perf_counter time (or until one of them finishes)
+        pipeline.on_unexpected_result = metrics.unexpected_results.inc
 
     @property
     def max_running(self) -> int:
@@ -206,7 +210,6 @@ class Scheduler:
                 self.finish(seq, "error", f"the pipeline failed {seq.replays} times during this request")
             else:
                 seq.reset_for_replay()
-                self.metrics.replayed.inc()
         self._replay_pending = True  # release what surviving stages still hold before replaying
         log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.problem or "a stage restarted",
                     len(self.running))
@@ -304,6 +307,10 @@ class Scheduler:
             entry, toks = s.next_step(min(self.config.prefill_chunk, budget))
             s.feeding = len(toks)
             s.sent = True
+            if s.replay_due:
+                s.replay_due = False
+                s.replays += 1
+                self.metrics.replayed.inc()
             budget -= len(toks)
             entries.append(entry)
             tokens.extend(toks)

@@ -15,7 +15,7 @@ import torch
 
 from services.stage.io import StageIO
 from services.stage.metrics import StageMetrics, size_class
-from shared.errors import StagemeshError
+from shared.errors import BadBatch, StagemeshError
 from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer, trace_id_of
@@ -193,6 +193,11 @@ class StageWorker:
         ident = self.identity
         work = [SeqWork(s.seq_id, s.step) for s in batch.seqs]
         try:
+            if batch.tokens is not None and batch.tokens.numel():
+                vocab = self.runtime.model.config.vocab_size
+                lo, hi = (int(t) for t in torch.aminmax(batch.tokens))
+                if lo < 0 or hi >= vocab:  # an embedding lookup would raise, or wrap a negative id around
+                    raise BadBatch(f"token ids must lie in 0..{vocab - 1}; this micro-batch has {lo}..{hi}")
             capture = self._capture_hook(batch) if self.tracing else None
             out = self.runtime.run(work, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
             captures = batch.captures + ([c.to_wire() for c in capture.captures] if capture else [])
@@ -202,11 +207,13 @@ class StageWorker:
             producing = [s for s in batch.seqs if s.step.produces_token]
             tokens, logprobs = sample(out, [s.sampling for s in producing], [s.sample_position for s in producing])
             return BatchResult(batch.mb_id, [s.seq_id for s in producing], tokens, logprobs, captures)
-        except (StagemeshError, ValueError, RuntimeError) as e:
+        except Exception as e:  # whatever it was, it ends this micro-batch only: the stage keeps serving
             self.metrics.errors.inc()
-            log.warning("micro-batch %d failed on %s: %s", batch.mb_id, ident.name, e)
             code = e.code if isinstance(e, StagemeshError) else "internal"
-            return BatchError(batch.mb_id, ident.name, code, str(e), [s.seq_id for s in batch.seqs])
+            throttled(log, logging.WARNING, f"failed:{code}", "micro-batch %d failed on %s: %s: %s", batch.mb_id,
+                      ident.name, type(e).__name__, e, exc_info=None if isinstance(e, StagemeshError) else e)
+            message = str(e) if isinstance(e, StagemeshError) else f"{type(e).__name__}: {e}"
+            return BatchError(batch.mb_id, ident.name, code, message[:1000], [s.seq_id for s in batch.seqs])
 
     def _capture_hook(self, batch: ForwardBatch) -> CaptureHook | None:
         if batch.trace is None:
