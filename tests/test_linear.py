@@ -86,6 +86,10 @@ def test_quantized_kernels_give_a_row_the_same_numbers_at_any_batch_size(qtype):
         assert torch.equal(w(x[:m]), alone[:m]), m
 
 
+def dense_kind() -> str:
+    return make_linear([_raw("F16")[0]], "auto").kind
+
+
 def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
     raw, _ = _raw("Q4_1")
     auto, lean = make_linear([raw], "auto"), make_linear([raw], "lean")
@@ -95,8 +99,8 @@ def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
     assert torch.equal(auto(small), auto.small(small)) and torch.equal(auto(large), auto.large(large))
     assert isinstance(make_linear([raw], "auto", batch_invariant=True), Int4Linear)
     assert isinstance(make_linear([_raw("F16")[0]], "auto"), DenseLinear)  # float types have no quantized kernel
-    assert isinstance(make_linear([_raw("Q8_0")[0]], "auto"), DenseLinear)  # auto: dense beats two int4 planes
-    assert isinstance(make_linear([_raw("Q8_0")[0]], "lean"), Int4Linear)
+    assert isinstance(make_linear([_raw("Q6_K")[0]], "auto"), DenseLinear)  # auto: dense, no slower than int8 rows
+    assert isinstance(make_linear([_raw("Q6_K")[0]], "lean"), Int8Linear)
 
 
 @pytest.mark.parametrize("mode", ["f32", "bf16", "lean", "auto"])
@@ -114,10 +118,10 @@ def test_fused_rows_of_any_type_mix_compute_the_concatenation(mode):
         assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == ["int4-g32", "int4x2-g32",
                                                                                     "int8-rows", "int4x2-g32"]
         assert fused.parts[1].out_features == 2 * ROWS
-    if mode == "auto":  # int4 for the 4-bit part below the crossover, one dense matrix for the rest; a prefill copy
+    if mode == "auto":  # int4 (one or two planes) below the crossover, dense for Q6_K; a prefill copy of the whole
         assert isinstance(fused, SwitchedLinear) and isinstance(fused.small, ConcatLinear)
-        assert [p.out_features for p in fused.small.parts] == [ROWS, 4 * ROWS]
-        assert isinstance(fused.small.parts[1], DenseLinear) and fused.large.out_features == 5 * ROWS
+        assert [p.kind for p in fused.small.parts] == ["int4-g32", "int4x2-g32", dense_kind(), "int4x2-g32"]
+        assert fused.large.out_features == 5 * ROWS
 
 
 def test_prepacked_f32_is_the_f32_product_in_another_summation_order():

@@ -1,5 +1,5 @@
 """Every tensor type common hub GGUFs use, one tiny GGUF each, against llama.cpp on the default (bfloat16, auto)
-path: a 20-token prefill (dense kernels) and 1-token decode steps (int4 where the type is a 4-bit affine one); the
+path: a 20-token prefill (dense kernels) and 1-token decode steps (int4, one plane or two, for Q4_*, Q5_* and Q8_0); the
 lean kernels of every type (two int4 planes, int8 rows) are held to llama.cpp in tests/test_real_files.py.
 
 Files come from the `gguf` package's quantizers where it has them, else from llama.cpp's own quantizer
@@ -12,7 +12,7 @@ import torch
 
 from shared.generation import window_logits
 from shared.gguf_loader import GgufLoader
-from shared.models.linear import INT4_TYPES
+from shared.models.linear import INT4_PAIR_TYPES, INT4_TYPES
 from shared.runtime import LocalPipeline
 from tests.factories import (
     LLAMA_QUANTIZED_TYPES,
@@ -51,8 +51,8 @@ def test_every_tensor_type_matches_llama_cpp(qtype, f32_source, tmp_path):
     ref = llama_cpp_logits(llama_cpp_model(path, n_ctx=64), IDS)
     pipeline = LocalPipeline.load(loader, None, torch.bfloat16, kv_slots=1)
     for name, kind in pipeline.pieces[0].model.weight_summary().items():
-        if name.startswith("blk."):  # auto: int4 for 4-bit types below the crossover, the dense kernel for the rest
-            assert ("int4" in kind) == (qtype in INT4_TYPES), (name, kind)
+        if name.startswith("blk."):  # auto: int4 for 4/5/8-bit types below the crossover, the dense kernel for the rest
+            assert ("int4" in kind) == (qtype in INT4_TYPES + INT4_PAIR_TYPES), (name, kind)
     logit_range = ref.max() - ref.min()
     assert logit_range > 1.0  # the comparison is not vacuous
     lean = LocalPipeline.load(loader, None, torch.bfloat16, kv_slots=1, weights="lean")  # each type's stored kernel

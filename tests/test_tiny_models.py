@@ -154,9 +154,8 @@ def test_quantized_tiny_model_matches_llama_cpp(tmp_path, spec, weights, toleran
     pipeline = LocalPipeline.load(GgufLoader(path), None, dtype, kv_slots=1, weights=None if weights == "auto" else weights)
     runs_as = pipeline.pieces[0].model.weight_summary()
 
-    def int4_expected(ggml_type: str) -> bool:  # lean: every 4- and 8-bit type; auto: the 4-bit ones
-        return ggml_type in INT4_TYPES + INT4_PAIR_TYPES if weights == "lean" else (
-            weights == "auto" and ggml_type in INT4_TYPES)
+    def int4_expected(ggml_type: str) -> bool:  # lean and auto: every 4- and 8-bit type (one int4 plane or two)
+        return weights in ("auto", "lean") and ggml_type in INT4_TYPES + INT4_PAIR_TYPES
 
     for name, kind in runs_as.items():
         if name == "token_embd.weight" and not spec.tied:  # the embedding alone: looked up from the file's bytes

@@ -6,9 +6,9 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
 
     mode   Q4_0 / Q4_1 / Q4_K     Q8_0 / Q5_0 / Q5_1 / Q5_K     other quantized types     F16 / BF16 / F32
     lean   int4 g32               int4 g32, two planes          int8, a scale per row     dense
-    auto   int4 g32 below the     dense                         dense                     dense
-           measured crossover,    (when the memory budget holds auto's copies beside the KV cache;
-           prefill from there on   shared.models.memory decides, else the piece loads lean)
+    auto   lean's int4 below the measured crossover, prefill     dense                     dense
+           from there on (when the memory budget holds auto's copies beside the KV cache; shared.models.memory
+           decides, else the piece loads lean)
     bf16   bf16 (oneDNN-prepacked) for every type
     f32    float32, the GGUF's numbers exactly (the reference)
 
@@ -340,7 +340,7 @@ def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
 def auto_nbytes(ggml_type: str, shape: Sequence[int], prefill_dtype: torch.dtype) -> int:
     """The bytes make_linear's auto holds for a matrix of this type and shape with a prefill copy in prefill_dtype."""
     n, k = math.prod(shape[:-1]), shape[-1]
-    if ggml_type in INT4_TYPES and int4_fits((n, k)):
+    if ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits((n, k)):
         return stored_nbytes(ggml_type, (n, k)) + n * k * prefill_dtype.itemsize
     return n * k * dense_dtype().itemsize
 
@@ -360,10 +360,10 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
 
     - f32, bf16: one dense matrix;
     - lean: each type's stored_kernel (memory about the file's);
-    - auto: the fastest kernels, memory permitting (the caller runs lean when the budget says no): 4-bit types decode
-      as int4, faster than any dense kernel at decode sizes; every other type runs the dense kernel (dense_dtype())
-      at every size, faster than two int4 planes or int8 rows (benchmarks/kernels.py); and a dense copy of the
-      whole matrix (prefill_dtype, bf16 or float32, prepacked; None: dense_dtype()) takes micro-batches from the
+    - auto: the fastest kernels, memory permitting (the caller runs lean when the budget says no): 4- and 8-bit
+      types decode as int4 (one plane or two), which the compiled decode step covers; every other type runs the
+      dense kernel (dense_dtype()) at every size, as fast as int8 rows eagerly; and a dense copy of the whole
+      matrix (prefill_dtype, bf16 or float32, prepacked; None: dense_dtype()) takes micro-batches from the
       crossover on wherever int4 runs below it.
 
     batch_invariant: a row's result must not depend on how many rows a call has: auto never switches kernels
@@ -381,7 +381,7 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
         return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 
     def int4_run(r: RawTensor) -> str:  # a run's key: its type where int4 takes it, else "dense" (runs merge)
-        return r.ggml_type if r.ggml_type in INT4_TYPES and int4_fits(r.shape) else "dense"
+        return r.ggml_type if r.ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits(r.shape) else "dense"
 
     parts = [stored_kernel(_rows_of(run)) if key != "dense" else
              DenseLinear(torch.cat([dequantize(r) for r in run]), dense_dtype(), prepack_f32=True)
