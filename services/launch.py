@@ -13,6 +13,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.errors import StagemeshError
@@ -145,10 +146,11 @@ def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop
 def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: int | None = None,
                extra: list[str] | None = None, result_listen: str | None = None, log_dir: str | None = None,
                ready_timeout: float = 180.0, avoid_ports: frozenset[int] = frozenset(), keys_dir: str | None = None,
-               insecure_plaintext: bool = False) -> LocalMesh:
+               insecure_plaintext: bool = False, progress: Callable[[str], None] | None = None) -> LocalMesh:
     """Start num_stages stage processes on loopback and wait until every one is ready. Their sockets use CURVE with
     the key set in keys_dir, or with ephemeral keys made here (a private 0700 temporary directory, deleted by
-    stop()); plaintext only with insecure_plaintext. Each stage exits when this process dies."""
+    stop()); plaintext only with insecure_plaintext. Each stage exits when this process dies. `progress` (e.g.
+    print) hears one line as each stage becomes ready, and one every PROGRESS_EVERY_S while any is loading."""
     owns_keys = False
     if insecure_plaintext:
         keys_dir = None
@@ -169,31 +171,78 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
         stages.append(stage)
     mesh = LocalMesh(stages, result_listen, keys_dir, owns_keys)
     try:
-        wait_ready([s.url for s in stages], ready_timeout, procs=[s.proc for s in stages])
+        wait_ready([s.url for s in stages], ready_timeout, procs=[s.proc for s in stages],
+                   log_paths=[s.log_path for s in stages], progress=progress)
     except BaseException:
         mesh.stop()
         raise
     return mesh
 
 
-def wait_ready(urls: list[str], timeout: float, procs: list[subprocess.Popen] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(urls)
+PROGRESS_EVERY_S = 15.0  # how often wait_ready says which stages are still loading
+
+
+def wait_ready(urls: list[str], timeout: float, procs: list[subprocess.Popen] | None = None,
+               log_paths: list[str | None] | None = None, progress: Callable[[str], None] | None = None) -> None:
+    """Wait until every stage answers /ready with 200. A stage process that exits first raises a StagemeshError that
+    names the stage and quotes the last line of its log (its own one-line error, e.g. an unreadable model file)."""
+    start = time.monotonic()
+    deadline, next_note = start + timeout, start + PROGRESS_EVERY_S
+    pending = dict(enumerate(urls))
     while pending:
-        for p in procs or []:
+        for i, p in enumerate(procs or []):
             if p.poll() is not None:
-                raise StagemeshError(f"a stage process exited with code {p.returncode} before it was ready")
-        url = pending[0]
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
-                if r.status == 200:
-                    pending.pop(0)
-                    continue
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise StagemeshError(f"{url} not ready after {timeout:.0f} s")
+                last = _last_line(log_paths[i] if log_paths and i < len(log_paths) else None)
+                who = f"stage {i}" if log_paths else f"the stage at {urls[i]}"  # log_paths: urls is the whole mesh
+                raise StagemeshError(f"{who} exited with code {p.returncode} before it was ready"
+                                     + (f": {last}" if last else ""))
+        for i, url in list(pending.items()):
+            if _is_ready(url):
+                del pending[i]
+                if progress:
+                    progress(f"stage {i} loaded{_layers_note(url)} in {time.monotonic() - start:.0f} s")
+        if not pending:
+            return
+        now = time.monotonic()
+        if now > deadline:
+            raise StagemeshError(f"{', '.join(pending.values())} not ready after {timeout:.0f} s")
+        if progress and now >= next_note:
+            waiting = ", ".join(str(i) for i in pending)
+            progress(f"still loading stage{'s' if len(pending) > 1 else ''} {waiting} ({now - start:.0f} s) ...")
+            next_note = now + PROGRESS_EVERY_S
         time.sleep(0.2)
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _layers_note(url: str) -> str:
+    """" (layers a:b)" from the stage's /info, or "" when it cannot be read (the note is for people, not a check)."""
+    try:
+        with urllib.request.urlopen(f"{url}/info", timeout=2) as r:
+            start, stop = json.loads(r.read())["layers"]
+        return f" (layers {start}:{stop})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _last_line(path: str | None) -> str:
+    """The last non-empty line of a log file ("" when there is none)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 @dataclass

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import errno
+import json
 import os
+import shlex
+import shutil
+import socket
+import sys
 import tempfile
+import time
 
 from aiohttp import web
 
@@ -23,6 +31,7 @@ from services.gateway.main import build_app
 from services.keys_cli import add_security_args
 from services.launch import LocalMesh, start_mesh
 from shared.errors import StagemeshError
+from shared.model_registry import resolve_model
 
 
 def register(sub) -> None:
@@ -30,7 +39,7 @@ def register(sub) -> None:
                        description="Start N stage processes on loopback and a gateway in front of them.")
     add_model_args(p, serving=True)
     p.add_argument("--stages", type=int, default=2, help="number of stage processes (default 2)")
-    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
     add_kv_args(p)
     p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
@@ -39,6 +48,15 @@ def register(sub) -> None:
     add_otlp_args(p)
     add_security_args(p, up=True)  # up makes ephemeral keys itself; only --insecure-plaintext is offered
     p.set_defaults(func=cmd_up)
+    p.error = _one_line_error(p.prog)  # a bad flag: one line, not argparse's page of usage
+
+
+def _one_line_error(prog: str):
+    def error(message: str):
+        print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+    return error
 
 
 def log_dir_from_args(given: str | None) -> str:
@@ -54,31 +72,167 @@ def log_dir_from_args(given: str | None) -> str:
     return given
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1-65535)")
+    return port
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise a one-line StagemeshError when the gateway could not listen on host:port, before any stage starts: a
+    taken port found only after the stages load would cost the user their load time. The bind mirrors aiohttp's
+    (SO_REUSEADDR), so a port in TIME_WAIT passes and one a server listens on does not."""
+    try:
+        addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StagemeshError(f"--host {host!r} does not resolve ({e.strerror}); pass an address such as 127.0.0.1") from None
+    for family, kind, proto, _, addr in addrs:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                raise StagemeshError(_bind_problem(host, port, e)) from None
+
+
+def _bind_problem(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} is already in use on {host}; stop what is listening there or pass --port with a free port"
+    if e.errno == errno.EACCES:
+        return f"not allowed to listen on port {port} on {host}; pass --port 1024 or above"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host} is not an address of this machine; pass 127.0.0.1 or 0.0.0.0"
+    return f"cannot listen on {host}:{port}: {e.strerror}"
+
+
+def check_model(name: str) -> str:
+    """The model file `name` resolves to, checked to be a GGUF before any stage starts; else a one-line error."""
+    path = resolve_model(name)  # ModelNotFound names the alias's package or the missing path
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise StagemeshError(f"model file {path} cannot be read: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise StagemeshError(f"model file {path} is not a GGUF file (it does not start with the GGUF magic)")
+    return path
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def cmd_up(args) -> int:
-    otlp_url = otlp_from_args(args)  # checked before any stage starts; the stages export to the same collector
+    # Everything a user can get wrong is checked here, in a second, before any stage loads a model.
+    if args.stages < 1:
+        raise StagemeshError(f"--stages {args.stages} must be at least 1")
+    check_port_free(args.host, args.port)
+    model_path = check_model(args.model)
+    otlp_url = otlp_from_args(args)  # the stages export to the same collector
     log_dir = log_dir_from_args(args.log_dir)
-    print(f"starting {args.stages} stages (logs in {log_dir}) ...", flush=True)
     serving = serving_from_args(args)
+    _say(f"starting {args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
+         f"(logs in {log_dir}) ...")
     mesh = start_mesh(args.model, args.stages, log_dir=log_dir, avoid_ports=frozenset({args.port}),
                       extra=model_flags(args) + ["--kv-slots", str(serving.kv_slots),
                                                  "--max-seq-len", str(serving.max_seq_len)]
                       + (["--otlp-endpoint", otlp_url] if otlp_url else []),
-                      insecure_plaintext=args.insecure_plaintext)
+                      insecure_plaintext=args.insecure_plaintext, progress=lambda line: _say(f"  {line}"))
     args.keys = mesh.keys_dir  # the ephemeral key set (0700 temporary directory, deleted at stop)
     try:
         app = build_app(args.model, mesh.stage_urls, mesh.result_listen, mesh.first_stage, args)
         asyncio.run(_serve(app, args.host, args.port, mesh))
+    except OSError as e:  # the port was taken between check_port_free and the gateway's bind
+        if e.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            raise StagemeshError(_bind_problem(args.host, args.port, e)) from None
+        raise
     finally:
-        print("stopping stages ...", flush=True)
+        _say("stopping stages ...")
         mesh.stop()
     return 0
 
 
+def ready_banner(host: str, port: int, stages: int, model: str) -> str:
+    """What `up` prints once the gateway is ready: where to go, a request to paste, and how to run `stagemesh`."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard listens on loopback too
+    url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}"
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    return "\n".join([
+        f"stagemesh is up ({stages} stage{'s' if stages > 1 else ''}, pid {os.getpid()}; Ctrl-C to stop)",
+        f"  chat page  {url}/",
+        f"  API        {url}/v1   (OpenAI-compatible)",
+        f"  try        curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+        f"  CLI        {_cli_hint()}",
+    ])
+
+
+def _cli_hint() -> str:
+    """How to run `stagemesh` from the user's shell: plain `stagemesh` when PATH already finds this one, else the
+    path of the script beside this interpreter (a venv's bin/) and how to activate that venv."""
+    here = os.path.join(os.path.dirname(sys.executable), "stagemesh")
+    found = shutil.which("stagemesh")
+    if found and os.path.realpath(found) == os.path.realpath(here):
+        return "stagemesh status   (stagemesh --help for every command)"
+    shown = os.path.relpath(here) if not os.path.relpath(here).startswith("..") else here
+    activate = os.path.join(os.path.dirname(shown), "activate")
+    return f"{shown} status   (or `source {activate}`, then `stagemesh --help`)"
+
+
+def decode_notes(previous: dict[int, str], infos: dict[int, dict]) -> list[str]:
+    """Lines announcing each stage's change of decode mode since `previous` (stage -> state, updated in place), from
+    the `compiled_decode` entries of the stages' /info: compiling in the background, switched to the compiled step,
+    failed (decoding eagerly, with the reason), off (with the reason)."""
+    lines = []
+    for i, info in sorted(infos.items()):
+        entry = info.get("compiled_decode") or {}
+        state = entry.get("state")
+        if state == previous.get(i) or state is None:
+            continue
+        previous[i] = state
+        if state == "compiling":
+            lines.append(f"stage {i}: decode runs eagerly while its compiled step builds in the background "
+                         "(minutes the first time on a small CPU, seconds from inductor's cache)")
+        elif state == "ready":
+            took = sum((entry.get("compile_seconds") or {}).values())
+            lines.append(f"stage {i}: decode switched to the compiled step" + (f" (compiled in {took:.0f} s)" if took else ""))
+        elif state == "failed":
+            lines.append(f"stage {i}: the compiled decode step failed, decoding stays eager: {entry.get('error')}")
+        elif state == "off":
+            lines.append(f"stage {i}: decode runs eagerly ({entry.get('reason') or 'compiled decode off'})")
+    return lines
+
+
 async def _supervise(mesh: LocalMesh) -> None:
+    """Restart a stage process that exits, and announce each stage's decode mode as it changes."""
+    states: dict[int, str] = {}
+    watching, last_poll = True, 0.0
     while True:
         await asyncio.sleep(1.0)
         for i in mesh.restart_dead():
             print(f"stage {i} exited; restarted it (the gateway replays what it was serving)", flush=True)
+            states.pop(i, None)
+            watching = True
+        if watching and time.monotonic() - last_poll >= 2.0:
+            last_poll = time.monotonic()
+            infos = await asyncio.to_thread(_stage_infos, mesh)
+            for line in decode_notes(states, infos):
+                _say(line)
+            watching = len(states) < len(mesh.stages) or "compiling" in states.values() or "pending" in states.values()
+
+
+def _stage_infos(mesh: LocalMesh) -> dict[int, dict]:
+    """Each reachable stage's /info (a stage that does not answer is left out and asked again next time)."""
+    infos = {}
+    for s in mesh.stages:
+        try:
+            infos[s.index] = s.info()
+        except (OSError, ValueError):
+            pass
+    return infos
 
 
 async def _serve(app: web.Application, host: str, port: int, mesh: LocalMesh) -> None:
@@ -89,8 +243,7 @@ async def _serve(app: web.Application, host: str, port: int, mesh: LocalMesh) ->
         pipeline = app[GATEWAY].pipeline
         while not pipeline.ready:
             await asyncio.sleep(0.2)
-        print(f"stagemesh is up: open http://{host}:{port}/ (chat page), API at http://{host}:{port}/v1 "
-              f"({len(mesh.stages)} stages, pid {os.getpid()}; Ctrl-C to stop)", flush=True)
+        _say(ready_banner(host, port, len(mesh.stages), app[GATEWAY].config.model_id))
         await _supervise(mesh)
 
     await serve_until_signal(app, host, port, started)
