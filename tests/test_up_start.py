@@ -1,0 +1,87 @@
+"""`stagemesh up` fails fast and in one line on what a user gets wrong first (issue 32): a taken port, a missing or
+non-GGUF model file, a bad flag; all before any stage loads. Plus the lines it prints as the mesh comes up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from services.launch import free_port
+from services.up import decode_notes, ready_banner
+from tests.conftest import ROOT, stagemesh_cmd
+
+FAST_S = 5.0  # the whole command, interpreter start and imports included
+
+
+def run_up(*args: str, log_dir: str) -> tuple[int, str, float]:
+    """`stagemesh up ARGS` to its exit: (exit code, stderr, seconds). A run that starts stages is killed at 60 s."""
+    start = time.monotonic()
+    try:
+        p = subprocess.run(stagemesh_cmd("up", "--log-dir", log_dir, *args), capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"stagemesh up {' '.join(args)} was still running after 60 s: {e.stdout!r}")
+    return p.returncode, p.stderr, time.monotonic() - start
+
+
+def assert_fast_one_line(rc: int, err: str, took: float, log_dir: str, *must_name: str) -> None:
+    assert rc != 0
+    assert took < FAST_S, f"took {took:.1f} s"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    for word in must_name:
+        assert word in lines[0], lines[0]
+    assert not any(name.startswith("stage") for name in os.listdir(log_dir)), "a stage was started"
+
+
+def test_port_in_use_exits_at_once_naming_the_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, err, took = run_up("--port", str(port), log_dir=str(tmp_path))
+    assert_fast_one_line(rc, err, took, str(tmp_path), str(port), "in use")
+
+
+@pytest.mark.parametrize("model, words", [
+    ("/nonexistent/model.gguf", ["/nonexistent/model.gguf"]),
+    (__file__, ["not a GGUF file", os.path.basename(__file__)]),
+], ids=["missing", "not-gguf"])
+def test_bad_model_exits_at_once(tmp_path, model, words):
+    rc, err, took = run_up("--model", model, "--port", str(free_port()), log_dir=str(tmp_path))
+    assert_fast_one_line(rc, err, took, str(tmp_path), *words)
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--port", "70000"], "--port"),
+    (["--stages", "two"], "--stages"),
+    (["--stages", "0"], "--stages"),
+    (["--dtype", "float8"], "--dtype"),
+], ids=["port-range", "stages-type", "stages-zero", "dtype"])
+def test_bad_flag_is_one_line(tmp_path, flags, word):
+    rc, err, took = run_up("--port", str(free_port()), *flags, log_dir=str(tmp_path))  # the last --port wins
+    assert_fast_one_line(rc, err, took, str(tmp_path), word)
+
+
+def test_banner_has_url_curl_and_cli():
+    text = ready_banner("0.0.0.0", 8123, 2, "smollm2")
+    assert "http://127.0.0.1:8123/" in text
+    curl = next(ln for ln in text.splitlines() if "curl" in ln)
+    assert "http://127.0.0.1:8123/v1/chat/completions" in curl and '"smollm2"' in curl
+    assert "stagemesh" in text.splitlines()[-1]
+
+
+def test_decode_notes_announce_each_change_once():
+    states: dict[int, str] = {}
+    compiling = {"compiled_decode": {"state": "compiling"}}
+    assert len(decode_notes(states, {0: compiling, 1: compiling})) == 2
+    assert decode_notes(states, {0: compiling, 1: compiling}) == []
+    done = {"compiled_decode": {"state": "ready", "compile_seconds": {"256": 100.0, "2048": 80.0}}}
+    notes = decode_notes(states, {0: done, 1: compiling})
+    assert notes == ["stage 0: decode switched to the compiled step (compiled in 180 s)"]
+    failed = {"compiled_decode": {"state": "failed", "error": "no C++ compiler"}}
+    assert "no C++ compiler" in decode_notes(states, {1: failed})[0]
