@@ -171,8 +171,8 @@ def add_otlp_args(p: argparse.ArgumentParser) -> None:
     """Optional distributed tracing (`gateway`, `stage`, `up`, which passes it to its stages)."""
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",
                    help="export OpenTelemetry traces (one per request, a span per micro-batch per stage) over "
-                        "OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (needs pip install "
-                        "'stagemesh[otlp]'; default: off)")
+                        "OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (needs the otlp extra: from the "
+                        "checkout, .venv/bin/pip install -e '.[otlp]'; default: off)")
 
 
 def otlp_from_args(args) -> str | None:

@@ -3,7 +3,7 @@ Tempo, an OpenTelemetry Collector...), one trace per request.
 
 Off by default. With `--otlp-endpoint URL` a process builds one OtlpTracer; without it every holder keeps None, so
 the hot path's whole cost is an `is None` check: no span objects, no header field. The SDK is imported here, lazily,
-only when a tracer is built (`pip install 'stagemesh[otlp]'`); nothing else in stagemesh imports opentelemetry.
+only when a tracer is built (INSTALL_HINT: stagemesh is not on PyPI, the extra installs from a checkout); nothing else in stagemesh imports opentelemetry.
 
 The spans (names and attributes are what a tracing UI shows):
   stagemesh.request        gateway: arrival to finish; the root of the request's trace
@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 from shared.errors import StagemeshError
 from shared.log_throttle import LogThrottle
 
-INSTALL_HINT = "pip install 'stagemesh[otlp]'"
+INSTALL_HINT = "from the stagemesh checkout: .venv/bin/pip install -e '.[otlp]'"
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, appended to an endpoint given without a path
 EXPORT_TIMEOUT_S = 5.0  # per export request, retries included: an unreachable collector never holds shutdown long
 FLUSH_DELAY_MS = 1000  # how often the batch processor exports what has ended
