@@ -130,11 +130,11 @@ def cmd_up(args) -> int:
     # Everything a user can get wrong is checked here, in a second, before any stage loads a model.
     if args.stages < 1:
         raise StagemeshError(f"--stages {args.stages} must be at least 1")
+    otlp_url = otlp_from_args(args)  # the stages export to the same collector
+    serving = serving_from_args(args)
+    log_dir = log_dir_from_args(args.log_dir)
     check_port_free(args.host, args.port)
     model_path = check_model(args.model)
-    otlp_url = otlp_from_args(args)  # the stages export to the same collector
-    log_dir = log_dir_from_args(args.log_dir)
-    serving = serving_from_args(args)
     _say(f"starting {args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
          f"(logs in {log_dir}) ...")
     mesh = start_mesh(args.model, args.stages, log_dir=log_dir, avoid_ports=frozenset({args.port}),

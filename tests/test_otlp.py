@@ -92,7 +92,7 @@ def test_bad_endpoint_is_refused(url):
 
 def test_missing_sdk_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # what an absent package looks like
-    with pytest.raises(StagemeshError, match=r"pip install 'stagemesh\[otlp\]'"):
+    with pytest.raises(StagemeshError, match=r"pip install -e '\.\[otlp\]'"):
         require_sdk()
     # `up` checks before it starts any stage: one line on stderr, exit 2
     assert cli_main(["up", "--otlp-endpoint", "http://127.0.0.1:4318", "--port", "1"]) == 2
