@@ -1,0 +1,119 @@
+"""The README and docs/ stay a user's documents (issue 32): README.md short, every relative link resolving to a file
+in the repository (and an anchor to a heading of it), every page of docs/ reachable from the README, and the image
+tag the docs build equal to the one the Kubernetes overlay deploys. No processes: text only."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+README = os.path.join(ROOT, "README.md")
+PAGES = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+MAX_README_LINES = 300
+
+FENCE = re.compile(r"^(```|~~~)")
+INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def prose_lines(path: str) -> list[str]:
+    """The file's lines outside fenced code blocks."""
+    out, fenced = [], False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if FENCE.match(line.lstrip()):
+                fenced = not fenced
+                continue
+            if not fenced:
+                out.append(line.rstrip("\n"))
+    return out
+
+
+def links(path: str) -> list[str]:
+    """Every link and image target of a markdown file, outside code blocks and code spans."""
+    found = []
+    for line in prose_lines(path):
+        found += LINK.findall(INLINE_CODE.sub(lambda m: "x" * len(m.group(2)), line))
+    return found
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text (links as their text, code as its content) lower-cased, everything but
+    letters, digits, spaces, hyphens and underscores dropped, spaces made hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose_lines(path):
+        m = HEADING.match(line)
+        if not m:
+            continue
+        base = slug(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")  # GitHub numbers repeated headings
+    return out
+
+
+def test_slug_matches_github():
+    assert slug("What each type runs as (`--weights`)") == "what-each-type-runs-as---weights"
+    assert slug("Memory: `auto` and `lean`") == "memory-auto-and-lean"
+    assert slug("Websocket protocol (`/v1/stream`)") == "websocket-protocol-v1stream"
+
+
+def test_readme_is_short():
+    with open(README, encoding="utf-8") as f:
+        n = sum(1 for _ in f)
+    assert n <= MAX_README_LINES, f"README.md has {n} lines; move detail into docs/ (at most {MAX_README_LINES})"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_relative_links_resolve(page):
+    problems = []
+    for target in links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ... not checked here
+            continue
+        path, _, anchor = target.partition("#")
+        dest = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if os.path.commonpath([dest, ROOT]) != ROOT:
+            problems.append(f"{target}: outside the repository")
+        elif not os.path.exists(dest):
+            problems.append(f"{target}: no such file")
+        elif anchor:
+            if not dest.endswith(".md"):
+                problems.append(f"{target}: an anchor into a file that is not markdown")
+            elif anchor not in anchors(dest):
+                problems.append(f"{target}: no heading '{anchor}' in {os.path.relpath(dest, ROOT)}")
+    assert not problems, f"{os.path.relpath(page, ROOT)}:\n" + "\n".join(problems)
+
+
+def test_every_doc_page_is_linked_from_the_readme():
+    linked = {os.path.normpath(os.path.join(ROOT, t.partition("#")[0])) for t in links(README)}
+    orphans = [os.path.relpath(p, ROOT) for p in PAGES[1:] if p not in linked]
+    assert not orphans, f"not linked from README.md: {orphans}"
+
+
+def test_docker_tag_is_the_one_the_overlays_deploy():
+    """A `docker build -t stagemesh:TAG` in the docs builds the image an overlay's `images:` names."""
+    deployed = set()
+    for overlay in glob.glob(os.path.join(ROOT, "k8s", "overlays", "*", "kustomization.yaml")):
+        with open(overlay, encoding="utf-8") as f:
+            for image in yaml.safe_load(f).get("images", []):
+                deployed.add(f"{image.get('newName', image['name'])}:{image['newTag']}")
+    built = set()
+    for page in PAGES:
+        with open(page, encoding="utf-8") as f:
+            built |= set(re.findall(r"docker build -t (\S+)", f.read()))
+    assert built, "no `docker build -t` in README.md or docs/"
+    assert built <= deployed, f"docs build {sorted(built - deployed)}; the overlays deploy {sorted(deployed)}"
