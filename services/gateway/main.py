@@ -61,8 +61,8 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
     pipeline = Pipeline(stage_urls, result_listen, files.loader.fingerprint, files.config.num_layers, first_stage,
                         keys=keys)
     # K = stages: each stage has a micro-batch to work on; more splits the running sequences into smaller
-    # micro-batches, which on a CPU costs more than the gateway's turnaround it hides (1 stage, 16-32 streams:
-    # K=1 gave 1.3-1.6x the output tokens/s of K=2, benchmarks.compare_llamacpp settings)
+    # micro-batches, which on a CPU costs more than the gateway's turnaround it hides (compare --max-inflight
+    # values with benchmarks.compare_llamacpp, which passes up flags after --)
     inflight = args.max_inflight or len(stage_urls)
     if inflight < 1:
         raise StagemeshError("--max-inflight must be positive")

@@ -52,8 +52,8 @@ DEFAULT_SLOT_LEASE_S = 120.0
 
 def compute_executor() -> ThreadPoolExecutor:
     """The stage's one compute thread. Loading and computing on the same thread matters: each thread that enters a
-    torch parallel region gets its own OpenMP team, and with two teams on the machine's cores a decode step took
-    20-27 ms instead of 14 ms (SmolLM2, 2 cores; measured with benchmarks.critical_path)."""
+    torch parallel region gets its own OpenMP team, and two teams contending for the machine's cores made a decode
+    step up to twice as slow on a small CPU (benchmarks.critical_path shows a stage's compute time per token)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
 
