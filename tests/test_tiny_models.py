@@ -219,3 +219,35 @@ def test_unsupported_tensor_type_names_the_tensor_and_types(tmp_path):
 
 def test_missing_file_and_unknown_alias():
     assert "neither a known alias" in _cli_error("inspect", "--model", "no-such-model")
+
+
+def _header(reader) -> tuple:
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    tensors = [(t.name, t.tensor_type, t.shape.tolist(), int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+    return fields, tensors
+
+
+def test_loader_reads_the_header_as_the_gguf_package_does(smollm2, tmp_path):
+    """The loader's faster reader (a plain view of the memory map) yields the library's fields and tensors, on the
+    real SmolLM2 file and on a file of many tensor types."""
+    from gguf import GGUFReader
+
+    from shared.gguf_loader import _PlainArrayReader
+
+    mixed = write_tiny_gguf(str(tmp_path / "mixed.gguf"), TinySpec(),
+                            {"blk.0.attn_q.weight": (q8_1_bytes(64, 64), GGMLQuantizationType.Q8_1)})
+    for path in (smollm2.loader.path, mixed):
+        fast, lib = _PlainArrayReader(path), GGUFReader(path)
+        assert len(lib.fields) > 20 and len(lib.tensors) > 10
+        assert _header(fast) == _header(lib)
+        for a, b in zip(fast.tensors, lib.tensors):
+            assert np.array_equal(a.data, b.data)
+
+
+def test_loader_parses_a_rewritten_file_again(tmp_path):
+    """The per-process header cache is keyed by the file's identity: a file rewritten in place reads anew."""
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(path, TinySpec(layers=2))
+    assert GgufLoader(path).arch_get("block_count") == 2
+    write_tiny_gguf(path, TinySpec(layers=3))
+    assert GgufLoader(path).arch_get("block_count") == 3
