@@ -10,6 +10,7 @@ from gguf.quants import quantize
 from shared.gguf_loader import RawTensor
 from shared.models.linear import (
     INT4_MAX_TOKENS,
+    LEAN_INT8_TYPES,
     ConcatLinear,
     DenseLinear,
     Int4Linear,
@@ -17,6 +18,8 @@ from shared.models.linear import (
     SwitchedLinear,
     auto_nbytes,
     dequantize,
+    lean_kernel,
+    lean_nbytes,
     make_linear,
     stored_kernel,
     stored_nbytes,
@@ -75,6 +78,21 @@ def test_stored_kernel_runs_the_files_numbers(qtype):
     assert w.nbytes == stored_nbytes(qtype, (ROWS, COLS))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_lean_kernel_is_the_smallest_within_the_types_own_error(qtype):
+    """lean holds 5-bit types as int8 rows (1 byte a weight, not two int4 planes' 1.25): the result stays within
+    the int8 bound of the exact product, and its bytes are what lean_nbytes plans with and less than stored's."""
+    raw, ref = _raw(qtype, seed=2)
+    w = lean_kernel(raw)
+    assert isinstance(w, Int8Linear if qtype in LEAN_INT8_TYPES + ("Q6_K",) else Int4Linear), w.kind
+    x = torch.randn(5, COLS)
+    exact = x.bfloat16().double() @ torch.from_numpy(ref).double().T
+    assert (w(x).double() - exact).abs().max() / exact.abs().max() < 2e-2
+    assert w.nbytes == lean_nbytes(qtype, (ROWS, COLS)) <= stored_nbytes(qtype, (ROWS, COLS))
+    if qtype in LEAN_INT8_TYPES:
+        assert w.nbytes < stored_nbytes(qtype, (ROWS, COLS))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 def test_quantized_kernels_give_a_row_the_same_numbers_at_any_batch_size(qtype):
     """What the batch-invariant mode relies on (it never pads the quantized kernels): row i of an M-row call equals
@@ -114,8 +132,8 @@ def test_fused_rows_of_any_type_mix_compute_the_concatenation(mode):
     err = (fused(x).double() - expected).abs().max() / expected.abs().max()
     assert err < (1e-6 if mode == "f32" else 2e-2), err
     assert fused.out_features == len(parts) * ROWS
-    if mode == "lean":  # each type on its stored kernel, the two Q5_0 parts on one
-        assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == ["int4-g32", "int4x2-g32",
+    if mode == "lean":  # each type on its lean kernel, the two Q5_0 parts on one
+        assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == ["int4-g32", "int8-rows",
                                                                                     "int8-rows", "int4x2-g32"]
         assert fused.parts[1].out_features == 2 * ROWS
     if mode == "auto":  # int4 (one or two planes) below the crossover, dense for Q6_K; a prefill copy of the whole

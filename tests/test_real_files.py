@@ -30,15 +30,18 @@ TOLERANCE = 1e-2  # max |diff| / logit range on the default path, as for the sin
 # the tiny gemma2's soft caps (1 on attention scores, 5 on logits: small so that they bite) amplify the bf16 path's
 # rounding whatever the weights' type (its float32 path stays within 5e-4 of exact)
 TOLERANCE_OF = {"gemma2": 2e-2}
+# lean requantizes 5-bit, 6-bit, 2/3-bit and IQ types to int8 rows: a per-row int8 step on top of the file's own
+LEAN_TOLERANCE = 1.5e-2
+# the tiny qwen3moe routes each token to its top 2 of 4 experts by random router weights: a token whose 2nd and 3rd
+# experts nearly tie may route the other way under bf16 activations (its float32 path stays within 1e-3 of exact),
+# which moves that one position's logits by the size of an expert's output; so one position of the window may
+FLIPS_OF = {"qwen3moe": 1}  # differ by more than the tolerance, and only there (each position is still compared)
 # llama at two widths: 576 (SmolLM2's: every K-quant falls back to Q5_0 / Q5_1 / Q8_0 / IQ4_NL on the 576-wide rows)
 # and 256 (every row a whole superblock: the presets' own types throughout)
 WIDTHS = {"w576": TinySpec(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536, weight_scale=0.03),
           "w256": TinySpec(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, weight_scale=0.04)}
-COMMON = ("Q4_K_M", "Q5_K_M", "Q8_0", "IQ4_XS")  # on every other architecture
 SMOLLM2_PRESETS = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "Q8_0")
-# lean's weights per file byte, at most: 1.5, but SmolLM2's 576-wide rows make Q4_K_M / Q5_K_M mostly Q5_0 / Q5_1
-# fallbacks (0.69 / 0.75 bytes a weight), which lean keeps exact in two int4 planes (1.25), not requantized to int8
-LEAN_BOUND = {"Q4_K_M": 1.55, "Q5_K_M": 1.55}
+LEAN_BOUND = 1.5  # lean's weights per file byte, at most (the issue's bound)
 
 
 def _preset(src: str, preset: str) -> str:
@@ -57,12 +60,13 @@ def sources(tmp_path_factory) -> dict[str, str]:
     return files
 
 
-def _check_tiny(path: str, tolerance: float = TOLERANCE) -> None:
+def _check_tiny(path: str, tolerance: float = TOLERANCE, flips: int = 0) -> None:
     """Three references, all llama.cpp's: its run of the file dequantized to F32 by its own quantizer (the file's
     numbers, computed exactly: our float32 must read every type to 1e-3 of it, and a float32 split must equal the
     unsplit run exactly); that same run for our default path (bf16, auto: each type's stored kernel for decode, the
     dense copy for a prefill) and lean, to `tolerance`; and its run of the quantized file itself, which computes with
-    activations quantized to 8 bits -- our serving paths within `tolerance` plus that run's own distance from exact."""
+    activations quantized to 8 bits -- our serving paths within `tolerance` plus that run's own distance from exact.
+    flips: how many positions (of the 20) may exceed the tolerances on the bf16 paths (an MoE's routing flips)."""
     loader = GgufLoader(path)
     types = "/".join(sorted({loader.tensor_type(n) for n in loader.tensor_names if n.startswith("blk.")}))
     ref_quantized = llama_cpp_logits(llama_cpp_model(path, n_ctx=64), IDS)
@@ -71,8 +75,9 @@ def _check_tiny(path: str, tolerance: float = TOLERANCE) -> None:
     assert logit_range > 1.0  # the comparison is not vacuous
     llama_own = np.abs(ref_quantized - ref_exact).max() / logit_range
 
-    def rel(ours, ref) -> float:
-        return float(np.abs(ours - ref).max() / logit_range)
+    def rel(ours, ref, skip: int = 0) -> float:  # the max over positions but the `skip` worst
+        per_position = np.sort(np.abs(ours - ref).max(-1) / logit_range)
+        return float(per_position[len(per_position) - 1 - skip])
 
     layers = int(loader.arch_get("block_count"))
     unsplit = window_logits(LocalPipeline.load(loader, None, torch.float32, kv_slots=1), IDS)
@@ -85,10 +90,12 @@ def _check_tiny(path: str, tolerance: float = TOLERANCE) -> None:
         pipeline = LocalPipeline.load(loader, None, torch.bfloat16, kv_slots=1, weights=weights)
         for name, ours in (("prefill", window_logits(pipeline, IDS).double().numpy()),
                            ("decode", _decode_logits(pipeline, IDS))):
-            print(f"  {weights or 'auto'} {name}: {rel(ours, ref_exact):.1e} from exact, "
+            bound = max(tolerance, LEAN_TOLERANCE) if weights == "lean" else tolerance
+            print(f"  {weights or 'auto'} {name}: {rel(ours, ref_exact):.1e} from exact "
+                  f"({rel(ours, ref_exact, flips):.1e} but {flips} positions), "
                   f"{rel(ours, ref_quantized):.1e} from llama.cpp's run of the quantized file")
-            assert rel(ours, ref_exact) <= tolerance, (weights, name)
-            assert rel(ours, ref_quantized) <= tolerance + llama_own, (weights, name)
+            assert rel(ours, ref_exact, flips) <= bound, (weights, name)
+            assert rel(ours, ref_quantized, flips) <= bound + llama_own, (weights, name)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -97,10 +104,10 @@ def test_every_preset_on_llama_matches_llama_cpp(sources, width, preset):
     _check_tiny(_preset(sources[width], preset))
 
 
-@pytest.mark.parametrize("preset", COMMON)
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
-def test_common_presets_on_every_architecture_match_llama_cpp(sources, arch, preset):
-    _check_tiny(_preset(sources[arch], preset), TOLERANCE_OF.get(arch, TOLERANCE))
+def test_every_preset_on_every_architecture_matches_llama_cpp(sources, arch, preset):
+    _check_tiny(_preset(sources[arch], preset), TOLERANCE_OF.get(arch, TOLERANCE), FLIPS_OF.get(arch, 0))
 
 
 def _perplexities(path: str, windows: list[list[int]], ref_path: str | None = None, **load) -> tuple[float, float]:
@@ -125,7 +132,7 @@ def windows(smollm2, varied_text) -> list[list[int]]:
 @pytest.mark.parametrize("preset", SMOLLM2_PRESETS)
 def test_smollm2_requantized_to_common_presets_matches_llama_cpp_perplexity(smollm2, windows, preset):
     """SmolLM2's Q4_1 file requantized by llama.cpp to each common preset: our default path and lean within 2 % of
-    llama.cpp's perplexity on the same file (>= 1,000 tokens); lean holds at most LEAN_BOUND x its bytes (1 stage)."""
+    llama.cpp's perplexity on the same file (>= 1,000 tokens); lean holds at most 1.5x its bytes (1 stage)."""
     path = _preset(smollm2.loader.path, preset)
     for weights in ("auto", "lean"):
         ours, ref = _perplexities(path, windows, weights=weights)
@@ -134,7 +141,7 @@ def test_smollm2_requantized_to_common_presets_matches_llama_cpp_perplexity(smol
     model = LocalPipeline.load(GgufLoader(path), None, torch.bfloat16, kv_slots=1, weights="lean").pieces[0].model
     report = model.memory_report()
     print(f"SmolLM2 {preset} lean: {report['weight_bytes'] / 2**20:.1f} MiB = {report['weights_per_file_byte']}x the file")
-    assert report["weights_per_file_byte"] <= LEAN_BOUND.get(preset, 1.5)
+    assert report["weights_per_file_byte"] <= LEAN_BOUND
 
 
 @pytest.fixture(scope="module")
@@ -170,16 +177,16 @@ def test_real_gemma3_split_equals_unsplit_in_float32(gemma3, varied_text):
     assert torch.equal(split, unsplit)
 
 
-@pytest.mark.parametrize("preset", ["Q8_0", "Q5_0"])
-def test_the_compiled_decode_step_covers_two_int4_planes(smollm2, preset):
-    """SmolLM2 requantized to Q8_0 / Q5_0 runs every block matmul as two int4 planes, which the compiled decode step
-    covers: its step function (run here as Python, as inductor traces it) gives the eager decode step's logits, bit
-    for bit with float32 activations (with bf16 ones the two round at different points)."""
+def test_the_compiled_decode_step_covers_two_int4_planes(smollm2):
+    """SmolLM2 requantized to Q8_0 runs every block matmul as two int4 planes (in lean too; the Q5_* types' planes
+    differ only in their zeros, fixed at load), which the compiled decode step covers: its step function (run here as
+    Python, as inductor traces it) gives the eager decode step's logits, bit for bit with float32 activations (with
+    bf16 ones the two round at different points)."""
     from shared.models.compiled_decode import CompiledDecode, why_not_compilable
     from shared.runtime import SeqWork, StageRuntime
     from shared.steps import Decode, Prefill
 
-    loader = GgufLoader(_preset(smollm2.loader.path, preset))
+    loader = GgufLoader(_preset(smollm2.loader.path, "Q8_0"))
     runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=2, max_seq_len=128, weights="lean")
     model = runtime.model
     assert why_not_compilable(model) is None

@@ -5,7 +5,8 @@ Every matmul of TransformerModel goes through one of these: `w(x)` takes x [M, K
 What each tensor runs as (`kind`) follows from its GGUF type and the weights mode:
 
     mode   Q4_0 / Q4_1 / Q4_K     Q8_0 / Q5_0 / Q5_1 / Q5_K     other quantized types     F16 / BF16 / F32
-    lean   int4 g32               int4 g32, two planes          int8, a scale per row     dense
+    lean   int4 g32               Q8_0: int4 g32, two planes;   int8, a scale per row     dense
+                                  Q5_*: int8, a scale per row
     auto   lean's int4 below the measured crossover, prefill     dense                     dense
            from there on (when the memory budget holds auto's copies beside the KV cache; shared.models.memory
            decides, else the piece loads lean)
@@ -13,7 +14,10 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
     f32    float32, the GGUF's numbers exactly (the reference)
 
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
-Q4_K 0.56 in the file), two int4 planes 1.25 (Q8_0 1.06, Q5_0 0.69, Q5_K 0.69), int8 rows 1.0 (Q6_K 0.82, Q3_K 0.43).
+Q4_K 0.56 in the file), two int4 planes 1.25 (Q8_0 1.06), int8 rows 1.0 (Q5_0 0.69, Q5_K 0.69, Q6_K 0.82, Q3_K 0.43).
+Lean holds a 5-bit type as int8 rows rather than two exact int4 planes: a per-row int8 step is a fraction of the
+type's own per-block 5-bit step, and the K-quant presets on rows that are not a multiple of 256 (SmolLM2's 576) are
+mostly Q5_0 / Q5_1.
 
 "dense" is the fastest dense kernel of the CPU at decode sizes (dense_dtype()): oneDNN-prepacked bf16 where the CPU
 has native bf16 (AVX512-BF16, AMX), oneDNN-prepacked float32 elsewhere (bf16 GEMMs are emulated on AVX2 CPUs;
@@ -326,6 +330,24 @@ def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear |
     return Int8Linear(dequantize(raw))
 
 
+LEAN_INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K")  # lean: int8 rows (1 byte a weight) instead of two int4 planes (1.25)
+
+
+def lean_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | Int8Linear | DenseLinear:
+    """lean's kernel, the least memory within the fidelity thresholds: stored_kernel, but int8 rows for 5-bit types."""
+    if raw.ggml_type in LEAN_INT8_TYPES:
+        return Int8Linear(dequantize(raw))
+    return stored_kernel(raw, fixed_rows)
+
+
+def lean_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
+    """The bytes lean_kernel holds for a matrix of this type and shape [N, K] (3-D: its rows), without building it."""
+    if ggml_type in LEAN_INT8_TYPES:
+        n, k = math.prod(shape[:-1]), shape[-1]
+        return n * k + n * 2  # int8 + a bf16 scale per row
+    return stored_nbytes(ggml_type, shape)
+
+
 def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
     """The bytes stored_kernel holds for a matrix of this type and shape [N, K] (3-D: its rows), without building it."""
     n, k = math.prod(shape[:-1]), shape[-1]
@@ -359,7 +381,7 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
     `mode` (each run of same-typed parts on one kernel, a ConcatLinear where the kernels differ):
 
     - f32, bf16: one dense matrix;
-    - lean: each type's stored_kernel (memory about the file's);
+    - lean: each type's lean_kernel (memory about the file's);
     - auto: the fastest kernels, memory permitting (the caller runs lean when the budget says no): 4- and 8-bit
       types decode as int4 (one plane or two), which the compiled decode step covers; every other type runs the
       dense kernel (dense_dtype()) at every size, as fast as int8 rows eagerly; and a dense copy of the whole
@@ -376,7 +398,8 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
         dtype = torch.float32 if mode == "f32" else torch.bfloat16
         return DenseLinear(torch.cat([dequantize(r) for r in raws]).to(device), dtype, rows, prepack_f32=mode != "f32")
     if mode == "lean" or batch_invariant:  # runs of one type (and one int4 fit: q may fit where k and v do not)
-        parts = [stored_kernel(_rows_of(list(run)), rows)
+        kernel = lean_kernel if mode == "lean" else stored_kernel
+        parts = [kernel(_rows_of(list(run)), rows)
                  for _, run in itertools.groupby(raws, lambda r: (r.ggml_type, int4_fits(r.shape)))]
         return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 

@@ -30,8 +30,8 @@ from shared.models.linear import (
     QuantizedRows,
     auto_nbytes,
     dequantize,
+    lean_nbytes,
     make_linear,
-    stored_nbytes,
 )
 from shared.models.memory import PieceMemory, PrefillCopy, default_budget, plan_prefill_copy
 
@@ -258,7 +258,7 @@ class TransformerModel:
                     * dtype.itemsize)  # KVCache: k and v per layer, one scratch row
         matrices = [r for n, r in raw.items() if len(r.shape) >= 2 and not n.endswith("ffn_gate_inp.weight")
                     and (n != "token_embd.weight" or position.has_lm_head)]
-        lean_bytes = sum(stored_nbytes(r.ggml_type, r.shape) for r in matrices)
+        lean_bytes = sum(lean_nbytes(r.ggml_type, r.shape) for r in matrices)
         prefill = None
         if weights == "auto" and not batch_invariant and torch.device(device).type == "cpu":
             copy = plan_prefill_copy(budget, lean_bytes, kv_bytes,
