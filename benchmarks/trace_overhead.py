@@ -11,7 +11,7 @@ import asyncio
 import statistics
 import tempfile
 
-from benchmarks.overlap import drive
+from benchmarks.overlap import run_groups
 from services.launch import start_mesh
 from shared.model_files import ModelFiles
 
@@ -34,7 +34,7 @@ def main() -> None:
                 mesh.wait_compiled()  # steady state: --compile-decode auto compiles after /ready
             for _ in range(args.rounds):
                 for mode, mesh in meshes.items():
-                    r = asyncio.run(drive(mesh, prompt, args.inflight, args.batch, args.steps, warmup=3))
+                    r = asyncio.run(run_groups(mesh, prompt, args.inflight, args.batch, args.steps, warmup=3))
                     runs[mode].append(r["throughput_mb_s"] * args.batch)
         finally:
             for mesh in meshes.values():
