@@ -66,19 +66,13 @@ async def test_16_concurrent_streams_complete_correctly_with_several_microbatche
 
 
 async def test_disconnected_clients_free_everything_within_2s(gateway):
-    started = asyncio.Event()
-    got = {"n": 0}
-
     async def sse_then_drop(i):
         async with aiohttp.ClientSession() as s:
             async with s.post(gateway.url + "/v1/completions",
                               json={"prompt": f"Tell a long story number {i}.", "max_tokens": 400, "stream": True,
                                     "ignore_eos": True}) as r:
                 async for line in r.content:
-                    if line.startswith(b"data: "):
-                        got["n"] += 1
-                        if got["n"] >= 20:
-                            started.set()
+                    if line.startswith(b"data: "):  # streaming has begun: leave mid-stream
                         break
         # leaving the session closes the connection mid-stream
 

@@ -67,7 +67,10 @@ async def test_several_microbatches_in_flight(smollm2, client, reference, mesh):
     results = await asyncio.gather(*(generate_group(client, g, MAX_TOKENS) for g in groups))
     merged = {k: v for r in results for k, v in r.items()}
     assert [merged[f"p{i}"] for i in range(len(PROMPTS))] == [reference[p] for p in PROMPTS]
-    await asyncio.sleep(0.3)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0  # the releases travel the ring after the last token: poll, don't guess a delay
+    while any(s.info()["kv"]["used_slots"] for s in mesh.stages) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
     assert all(s.info()["kv"]["used_slots"] == 0 for s in mesh.stages)  # every slot released
 
 
