@@ -225,7 +225,17 @@ async def test_key_asked_once_markdown_renders_and_reload_keeps_conversation_and
 
             await dt.js("document.getElementById('new-chat').click(); true")  # a new chat: empty, the old one listed
             assert await dt.js("document.getElementById('log').children.length") == 0
-            await send(dt, "Say hello.")
+            # Stop: active (red) while an answer streams; a click ends it, the partial answer kept
+            await dt.js("document.getElementById('prompt').value = 'Write a long story about a dragon and a knight.';"
+                        "document.getElementById('send').click(); true")
+            await wait_js(dt, "(document.querySelector('.assistant .body') || {}).textContent.length > 10", 60,
+                          "a few tokens")
+            assert await dt.js("getComputedStyle(document.getElementById('stop')).backgroundColor") == "rgb(220, 38, 38)"
+            await dt.js("document.getElementById('stop').click(); true")
+            await wait_js(dt, "document.getElementById('stop').disabled", 30, "the stopped answer")
+            assert (await dt.js("document.getElementById('stats').textContent")).endswith("stopped")
+            kept = await dt.js("conv.messages")
+            assert [m["role"] for m in kept] == ["user", "assistant"] and len(kept[1]["content"]) > 10, kept
             assert await dt.js("document.querySelectorAll('#conversations li').length") == 2
             await screenshot(dt, "chat-two-conversations.png")
             assert not csp_violations(dt), csp_violations(dt)

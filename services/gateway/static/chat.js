@@ -8,6 +8,7 @@ const statusEl = $("status"), stats = $("stats"), ctxEl = $("ctx");
 const STORE = {convs: "stagemesh.conversations", current: "stagemesh.current", settings: "stagemesh.settings",
                key: "stagemesh.apiKey"};
 const MAX_CONVERSATIONS = 50;
+const HINT = "Enter sends · Shift+Enter starts a new line";
 const DEFAULTS = {system: "", temperature: 0.7, top_p: 0.95, max_tokens: null};  // max_tokens null: the gateway's
 
 function load(name, fallback) {
@@ -95,8 +96,13 @@ function addMessage(role, text) {
 
 function drawConversation() {
   logEl.replaceChildren();
+  if (conv.dropped) {
+    const d = document.createElement("div");
+    d.className = "dropped"; d.textContent = `${conv.dropped} older messages were dropped to fit the model's context`;
+    logEl.appendChild(d);
+  }
   for (const m of conv.messages) addMessage(m.role, m.content);
-  stats.textContent = ""; drawContext();
+  stats.textContent = conv.messages.length ? "" : HINT; drawContext();
 }
 
 function drawContext() {
@@ -137,8 +143,7 @@ function dropOldest(retry) {
     const text = msgs.pop().content; persist(); drawConversation(); promptBox.value = text;
     stats.textContent = "this message alone does not fit the context: shorten it"; return;
   }
-  conv.messages = msgs.slice(i); conv.used = null; persist(); drawConversation();
-  stats.textContent = `dropped the ${i} oldest messages`;
+  conv.messages = msgs.slice(i); conv.used = null; conv.dropped = (conv.dropped || 0) + i; persist(); drawConversation();
   if (retry) generate();
 }
 
@@ -177,7 +182,9 @@ function onEvent(ev) {
     if (c.frame) cancelAnimationFrame(c.frame);
     renderMarkdown(c.el, c.text);
     const tps = t.per_token_ms ? (1000 / t.per_token_ms).toFixed(1) : "–";
-    stats.textContent = `${ev.usage.completion_tokens} tokens · ${tps} tokens/s · first token after ${t.ttft_ms} ms · ${ev.finish_reason}`;
+    const why = {length: "cut at the token limit", stop: "done", cancelled: "stopped"}[ev.finish_reason] || ev.finish_reason;
+    stats.textContent = `${ev.usage.completion_tokens} tokens · ${tps} tokens/s · first token after ` +
+                        `${Math.round(t.ttft_ms)} ms · ${why}`;
     conv.messages.push({role: "assistant", content: c.text});
     conv.used = ev.usage.prompt_tokens + ev.usage.completion_tokens;
     finish(); persist(); drawContext();
@@ -188,7 +195,7 @@ function onEvent(ev) {
   } else if (ev.type === "error") {
     const c = current;
     if (c.frame) cancelAnimationFrame(c.frame);
-    c.el.parentElement.remove(); finish();
+    c.el.parentElement.remove(); finish(); stats.textContent = "";
     if (ev.code === "context_length_exceeded") {
       notice(`This conversation no longer fits the model's context${context ? ` (${context} tokens)` : ""}. ` +
              "Drop the oldest turns and retry, or start a new chat with your message.", true);
@@ -216,7 +223,8 @@ promptBox.addEventListener("keydown", (e) => {
 });
 stopBtn.addEventListener("click", () => { if (current && ws) ws.send(JSON.stringify({type: "cancel", id: current.id})); });
 $("new-chat").addEventListener("click", () => { newChat(); $("app").classList.remove("show-sidebar"); });
-$("toggle-sidebar").addEventListener("click", () => $("app").classList.toggle("show-sidebar"));
+$("toggle-sidebar").addEventListener("click", (e) => { e.stopPropagation(); $("app").classList.toggle("show-sidebar"); });
+document.querySelector("main").addEventListener("click", () => $("app").classList.remove("show-sidebar"));
 
 // ---- settings -------------------------------------------------------------------------------------------------
 function drawSettings() {
@@ -274,12 +282,14 @@ function connect() {
   const q = apiKey() ? "?api_key=" + encodeURIComponent(apiKey()) : "";
   const sock = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/stream" + q);
   ws = sock;
-  sock.onopen = () => { retryMs = 1000; statusEl.textContent = "connected"; sendBtn.disabled = Boolean(current); };
+  sock.onopen = () => {
+    retryMs = 1000; statusEl.textContent = "connected"; statusEl.className = "ok"; sendBtn.disabled = Boolean(current);
+  };
   sock.onmessage = (event) => onEvent(JSON.parse(event.data));
   sock.onclose = () => {
     if (ws !== sock) return;
     if (current) onEvent({type: "error", id: current.id, code: "disconnected", message: "the connection dropped; send again"});
-    sendBtn.disabled = true; statusEl.textContent = "disconnected, retrying…";
+    sendBtn.disabled = true; statusEl.textContent = "disconnected, retrying…"; statusEl.className = "";
     // a refused upgrade looks like any other close: ask the info endpoint whether the key is the reason
     setTimeout(() => fetchInfo().then((ok) => { if (ok) connect(); }, () => connect()), retryMs);
     retryMs = Math.min(10000, retryMs * 2);
