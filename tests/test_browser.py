@@ -293,3 +293,16 @@ async def test_phone_width_has_no_horizontal_scroll(gateway, chromium):
             assert await dt.js("document.getElementById('sidebar').getBoundingClientRect().left") >= 0
             assert await dt.js("document.documentElement.scrollWidth") <= 390
             await screenshot(dt, "phone-conversations.png")
+
+            # what localStorage holds may be junk (an older page, a hand edit): the page still opens and works
+            await dt.js("localStorage.setItem('stagemesh.settings', '{\"temperature\": \"hot\", \"top_p\": 7}');"
+                        "localStorage.setItem('stagemesh.conversations', '[{\"id\": 1}, {\"id\": \"x\", "
+                        "\"messages\": [{\"role\": \"user\", \"content\": 3}]}, \"text\"]'); true")
+            await dt.call("Page.reload")
+            await wait_js(dt, "document.readyState === 'complete' && "
+                              "document.getElementById('status').textContent === 'connected'", 30, "reconnect")
+            assert await dt.js("document.querySelectorAll('#conversations li').length") == 0
+            assert await dt.js("[settings.temperature, settings.top_p]") == [0.7, 0.95]
+            seen = await send(dt, "Say hi.")
+            assert seen and seen[-1].strip()
+            assert not csp_violations(dt), csp_violations(dt)

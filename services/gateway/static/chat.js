@@ -16,8 +16,20 @@ function load(name, fallback) {
 }
 const save = (name, value) => localStorage.setItem(name, JSON.stringify(value));
 
-let settings = {...DEFAULTS, ...load(STORE.settings, {})};
-let conversations = load(STORE.convs, []).filter((c) => c && Array.isArray(c.messages));  // newest first
+// What localStorage holds was written by an older page or edited by hand: only well-formed values are taken.
+function validSettings(v) {
+  const s = {...DEFAULTS}, ok = v && typeof v === "object";
+  if (ok && typeof v.system === "string") s.system = v.system;
+  if (ok && typeof v.temperature === "number" && v.temperature >= 0 && v.temperature <= 2) s.temperature = v.temperature;
+  if (ok && typeof v.top_p === "number" && v.top_p > 0 && v.top_p <= 1) s.top_p = v.top_p;
+  if (ok && Number.isInteger(v.max_tokens) && v.max_tokens >= 1) s.max_tokens = v.max_tokens;
+  return s;
+}
+const validMessage = (m) => m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string";
+const validConversation = (c) => c && typeof c.id === "string" && Array.isArray(c.messages) && c.messages.every(validMessage);
+
+let settings = validSettings(load(STORE.settings, {}));
+let conversations = (Array.isArray(load(STORE.convs, [])) ? load(STORE.convs, []) : []).filter(validConversation);  // newest first
 let conv = null;              // {id, title, messages: [{role, content}], updated, used}
 let ws = null, current = null, counter = 0, retryMs = 1000, context = null, keyWanted = false;
 
