@@ -201,20 +201,27 @@ async def test_key_asked_once_markdown_renders_and_reload_keeps_conversation_and
             html = await dt.js("document.querySelector('.assistant .body').innerHTML")
             assert "<pre" in html or "<strong>" in html, html  # markdown rendered, not shown raw
             assert "```" not in await dt.js("document.querySelector('.assistant .body').textContent")
-            if "<pre" in html:
-                assert await dt.js("!!document.querySelector('.assistant pre button.copy')")
+            if "<pre" in html:  # its Copy button puts the code (without the button's own label) on the clipboard
+                await dt.call("Browser.grantPermissions", permissions=["clipboardReadWrite", "clipboardSanitizedWrite"])
+                await dt.js("document.querySelector('.assistant pre button.copy').click(); true")
+                await wait_js(dt, "document.querySelector('.assistant pre button.copy').textContent === 'Copied'", 5,
+                              "the copy")
+                code = await dt.js("document.querySelector('.assistant pre code').textContent")
+                assert await dt.js("navigator.clipboard.readText()") == code and "Copy" not in code
             # Stop, disabled after the answer, looks it: not the red of an active Stop
             assert await dt.js("getComputedStyle(document.getElementById('stop')).backgroundColor") != "rgb(220, 38, 38)"
             used = await dt.js("document.getElementById('ctx').textContent")
             assert used.startswith("context ") and 0 < int(used.split()[1]) <= CONTEXT, used
             await screenshot(dt, "chat-markdown.png")
-            before = await dt.js("document.getElementById('log').textContent")
+            log_text = ("(() => { const c = document.getElementById('log').cloneNode(true);"
+                        "c.querySelectorAll('button.copy').forEach((b) => b.remove()); return c.textContent; })()")
+            before = await dt.js(log_text)
 
             await dt.call("Page.reload")
             await wait_js(dt, "document.readyState === 'complete' && "
                               "document.getElementById('status').textContent === 'connected'", 30, "reconnect")
             assert await dt.js("document.getElementById('key-form').hidden")  # the key was kept: not asked again
-            assert await dt.js("document.getElementById('log').textContent") == before
+            assert await dt.js(log_text) == before
             assert await dt.js("document.querySelectorAll('#conversations li').length") == 1
             await dt.js("document.getElementById('open-settings').click(); true")
             assert await dt.js("[document.getElementById('set-temperature').value, document.getElementById('set-top-p')"
