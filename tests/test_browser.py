@@ -313,3 +313,11 @@ async def test_phone_width_has_no_horizontal_scroll(gateway, chromium):
             seen = await send(dt, "Say hi.")
             assert seen and seen[-1].strip()
             assert not csp_violations(dt), csp_violations(dt)
+            # an answer that carries HTML renders through DOMPurify: markup kept, script handlers gone (the policy
+            # would block an inline handler too: Chromium reports one blocked while the hostile text is parsed)
+            html = await dt.js("(() => { const d = document.createElement('div'); renderMarkdown(d, '**bold** "
+                               "<img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>'); "
+                               "document.body.appendChild(d); return d.innerHTML; })()")
+            await asyncio.sleep(0.3)
+            assert "<strong>bold</strong>" in html and "onerror" not in html and "<script" not in html, html
+            assert await dt.js("window.pwned === undefined")
