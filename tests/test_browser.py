@@ -1,8 +1,11 @@
-"""A real browser (Debian's headless Chromium, driven over the DevTools protocol) uses the chat page."""
+"""A real browser (Debian's headless Chromium, driven over the DevTools protocol) uses the chat page of a real
+`stagemesh up` in API key mode with a small context: the key asked once, markdown, the context limit, reload,
+settings, phone width. Screenshots go to tests/output/browser/ (committed, to be looked at)."""
 
 import asyncio
 import base64
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -14,11 +17,22 @@ import pytest
 from services.launch import free_port, start_up
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SHOTS = os.path.join(os.path.dirname(__file__), "output", "browser")
+API_KEY = "browser-test-key-7"
+CONTEXT = 320  # tokens: a few turns fill it, so the page meets the limit quickly
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwbrowser")))
+    old = os.environ.get("STAGEMESH_API_KEY")
+    os.environ["STAGEMESH_API_KEY"] = API_KEY  # start_up's process inherits it: the gateway runs in API key mode
+    try:
+        gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwbrowser")), "--max-seq-len", str(CONTEXT))
+    finally:
+        if old is None:
+            os.environ.pop("STAGEMESH_API_KEY")
+        else:
+            os.environ["STAGEMESH_API_KEY"] = old
     yield gw
     gw.stop()
 
@@ -41,6 +55,7 @@ def chromium():
 class DevTools:
     def __init__(self, ws):
         self.ws, self.ids = ws, itertools.count(1)
+        self.events: list[dict] = []  # every event seen while waiting for an answer (console, CSP reports, ...)
 
     async def call(self, method, **params):
         mid = next(self.ids)
@@ -50,6 +65,8 @@ class DevTools:
             if msg.get("id") == mid:
                 assert "error" not in msg, msg
                 return msg["result"]
+            if "method" in msg:
+                self.events.append(msg)
 
     async def js(self, expression):
         r = await self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
@@ -70,34 +87,237 @@ async def page_ws_url(session: aiohttp.ClientSession, port: int) -> str:
     raise AssertionError("chromium never listed a page")
 
 
-async def test_chat_page_streams_text_in_a_real_browser(gateway, chromium, output_dir):
+
+
+async def wait_js(dt: DevTools, expression: str, timeout: float, what: str):
+    for _ in range(int(timeout / 0.1)):
+        value = await dt.js(expression)
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}: {expression}")
+
+
+async def screenshot(dt: DevTools, name: str) -> str:
+    os.makedirs(SHOTS, exist_ok=True)
+    shot = await dt.call("Page.captureScreenshot", format="png")
+    path = os.path.join(SHOTS, name)
+    with open(path, "wb") as f:
+        f.write(base64.b64decode(shot["data"]))
+    assert os.path.getsize(path) > 5000
+    return path
+
+
+async def open_chat(dt: DevTools, url: str, enter_key: bool = True) -> None:
+    """Navigate to the page; when it asks for the API key, give it; return once the websocket is connected."""
+    await dt.call("Page.enable")
+    await dt.call("Log.enable")
+    await dt.call("Runtime.enable")
+    await dt.call("Page.navigate", url=url + "/")
+    state = await wait_js(dt, "document.readyState === 'complete' && (!document.getElementById('key-form').hidden"
+                              " ? 'key' : document.getElementById('status').textContent === 'connected' && 'ok')",
+                          30, "the page to connect or ask for the key")
+    if state == "key" and enter_key:
+        await dt.js(f"document.getElementById('api-key').value = {json.dumps(API_KEY)};"
+                    "document.getElementById('key-form').requestSubmit(); true")
+        await wait_js(dt, "document.getElementById('status').textContent === 'connected'", 30, "the websocket")
+
+
+async def save_settings(dt: DevTools, **values) -> None:
+    """Fill the settings panel as a user would (ids set-system, set-temperature, set-top-p, set-max-tokens)."""
+    await dt.js("document.getElementById('open-settings').click(); true")
+    for name, value in values.items():
+        await dt.js(f"document.getElementById('set-{name.replace('_', '-')}').value = {json.dumps(str(value))}; true")
+    await dt.js("document.getElementById('save-settings').click(); true")
+    assert await dt.js("document.getElementById('settings').hidden"), await dt.js(
+        "document.getElementById('settings-note').textContent")
+
+
+async def send(dt: DevTools, text: str, timeout: float = 240) -> list[str]:
+    """Type and send with Enter (a real key event); wait for the answer to end. Returns the answer's text as it
+    was seen growing."""
+    await dt.js(f"document.getElementById('prompt').value = {json.dumps(text)}; document.getElementById('prompt').focus(); true")
+    await dt.call("Input.dispatchKeyEvent", type="keyDown", key="Enter", code="Enter", windowsVirtualKeyCode=13, text="\r")
+    await dt.call("Input.dispatchKeyEvent", type="keyUp", key="Enter", code="Enter", windowsVirtualKeyCode=13)
+    await wait_js(dt, "!document.getElementById('stop').disabled || !!document.getElementById('context-notice')", 10,
+                  "the generation to start")
+    seen = []
+    for _ in range(int(timeout / 0.05)):
+        text = await dt.js("[...document.querySelectorAll('.assistant .body')].map((e) => e.textContent).pop() || ''")
+        if text and (not seen or text != seen[-1]):
+            seen.append(text)
+        if await dt.js("document.getElementById('stop').disabled"):
+            return seen
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no end of the answer to {text!r} within {timeout} s")
+
+
+def csp_violations(dt: DevTools) -> list[str]:
+    texts = [json.dumps(e["params"]) for e in dt.events
+             if e["method"] in ("Log.entryAdded", "Runtime.consoleAPICalled", "Runtime.exceptionThrown")]
+    return [t for t in texts if "Content Security Policy" in t or "exceptionDetails" in t]
+
+
+async def test_static_files_and_csp(gateway):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gateway.url + "/") as r:
+            csp = r.headers["Content-Security-Policy"]
+            page = await r.text()
+        assert "script-src 'self'" in csp and "unsafe" not in csp
+        assert "<script>" not in page and "<style>" not in page  # nothing inline: the policy allows none
+        js = ("text/javascript", "application/javascript")  # both are JavaScript MIME types to a browser
+        for path, ctypes in [("/static/vendor/marked-15.0.12.min.js", js), ("/static/vendor/purify-3.2.6.min.js", js),
+                             ("/static/chat.js", js), ("/static/mesh.js", js), ("/static/chat.css", ("text/css",))]:
+            assert f'"{path}"' in page
+            async with s.get(gateway.url + path) as r:
+                assert r.status == 200 and r.headers["Content-Type"].split(";")[0] in ctypes, (path, r.headers)
+        async with s.get(gateway.url + "/static/../app.py") as r:
+            assert r.status in (403, 404)
+
+
+async def test_key_asked_once_markdown_renders_and_reload_keeps_conversation_and_settings(gateway, chromium):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            model_id = (await r.json())["data"][0]["id"]
+        async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
+            dt = DevTools(ws)
+            await open_chat(dt, gateway.url, enter_key=False)
+            assert not await dt.js("document.getElementById('key-form').hidden")  # API key mode: the page asks
+            assert await dt.js("document.getElementById('send').disabled")
+            await screenshot(dt, "key-asked.png")
+            await dt.js(f"document.getElementById('api-key').value = {json.dumps(API_KEY)};"
+                        "document.getElementById('key-form').requestSubmit(); true")
+            await wait_js(dt, "document.getElementById('status').textContent === 'connected'", 30, "the websocket")
+            assert await dt.js("localStorage.getItem('stagemesh.apiKey')") == API_KEY
+            assert await dt.js("document.getElementById('model').textContent") == model_id
+            assert await dt.js("document.getElementById('ctx').textContent") == f"context 0 / {CONTEXT}"
+
+            await save_settings(dt, temperature=0, top_p=0.9, max_tokens=150, system="You are a concise assistant.")
+            seen = await send(dt, "Show a Python function that adds two numbers, in a markdown code block, "
+                                  "and put the most important word in **bold**.")
+            assert len(seen) >= 3 and len(seen[-1]) > 20, seen  # it streamed, in several steps
+            stats = await dt.js("document.getElementById('stats').textContent")
+            assert "tokens/s" in stats, stats
+            html = await dt.js("document.querySelector('.assistant .body').innerHTML")
+            assert "<pre" in html or "<strong>" in html, html  # markdown rendered, not shown raw
+            assert "```" not in await dt.js("document.querySelector('.assistant .body').textContent")
+            if "<pre" in html:  # its Copy button puts the code (without the button's own label) on the clipboard
+                await dt.call("Browser.grantPermissions", permissions=["clipboardReadWrite", "clipboardSanitizedWrite"])
+                await dt.js("document.querySelector('.assistant pre button.copy').click(); true")
+                await wait_js(dt, "document.querySelector('.assistant pre button.copy').textContent === 'Copied'", 5,
+                              "the copy")
+                code = await dt.js("document.querySelector('.assistant pre code').textContent")
+                assert await dt.js("navigator.clipboard.readText()") == code and "Copy" not in code
+            # Stop, disabled after the answer, looks it: not the red of an active Stop
+            assert await dt.js("getComputedStyle(document.getElementById('stop')).backgroundColor") != "rgb(220, 38, 38)"
+            used = await dt.js("document.getElementById('ctx').textContent")
+            assert used.startswith("context ") and 0 < int(used.split()[1]) <= CONTEXT, used
+            await screenshot(dt, "chat-markdown.png")
+            log_text = ("(() => { const c = document.getElementById('log').cloneNode(true);"
+                        "c.querySelectorAll('button.copy').forEach((b) => b.remove()); return c.textContent; })()")
+            before = await dt.js(log_text)
+
+            await dt.call("Page.reload")
+            await wait_js(dt, "document.readyState === 'complete' && "
+                              "document.getElementById('status').textContent === 'connected'", 30, "reconnect")
+            assert await dt.js("document.getElementById('key-form').hidden")  # the key was kept: not asked again
+            assert await dt.js(log_text) == before
+            assert await dt.js("document.querySelectorAll('#conversations li').length") == 1
+            await dt.js("document.getElementById('open-settings').click(); true")
+            assert await dt.js("[document.getElementById('set-temperature').value, document.getElementById('set-top-p')"
+                               ".value, document.getElementById('set-max-tokens').value, "
+                               "document.getElementById('set-system').value]") == \
+                ["0", "0.9", "150", "You are a concise assistant."]
+            await dt.js("document.getElementById('open-settings').click(); true")
+
+            await dt.js("document.getElementById('new-chat').click(); true")  # a new chat: empty, the old one listed
+            assert await dt.js("document.getElementById('log').children.length") == 0
+            # Stop: active (red) while an answer streams; a click ends it, the partial answer kept
+            await dt.js("document.getElementById('prompt').value = 'Write a long story about a dragon and a knight.';"
+                        "document.getElementById('send').click(); true")
+            await wait_js(dt, "(document.querySelector('.assistant .body') || {}).textContent.length > 10", 60,
+                          "a few tokens")
+            assert await dt.js("getComputedStyle(document.getElementById('stop')).backgroundColor") == "rgb(220, 38, 38)"
+            await dt.js("document.getElementById('stop').click(); true")
+            await wait_js(dt, "document.getElementById('stop').disabled", 30, "the stopped answer")
+            assert (await dt.js("document.getElementById('stats').textContent")).endswith("stopped")
+            kept = await dt.js("conv.messages")
+            assert [m["role"] for m in kept] == ["user", "assistant"] and len(kept[1]["content"]) > 10, kept
+            assert await dt.js("document.querySelectorAll('#conversations li').length") == 2
+            await screenshot(dt, "chat-two-conversations.png")
+            assert not csp_violations(dt), csp_violations(dt)
+
+
+async def test_long_conversation_continues_past_the_context_limit(gateway, chromium):
     async with aiohttp.ClientSession() as s:
         async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
             dt = DevTools(ws)
-            await dt.call("Page.enable")
-            await dt.call("Page.navigate", url=gateway.url + "/")
-            for _ in range(100):
-                if await dt.js("document.readyState === 'complete' && !document.getElementById('send').disabled"):
+            await open_chat(dt, gateway.url)
+            await save_settings(dt, temperature=0, max_tokens=64)
+            notice = False
+            for i in range(12):
+                await send(dt, f"Tell me one interesting fact about the number {i + 7}.")
+                if await dt.js("!!document.getElementById('context-notice')"):
+                    notice = True
                     break
-                await asyncio.sleep(0.1)
-            assert await dt.js("document.getElementById('status').textContent") == "connected"
-            await dt.js("document.getElementById('prompt').value = 'Tell me about the ocean in three sentences.';"
-                        "document.getElementById('send').click(); true")
-            snapshots = []
-            for _ in range(300):
-                text = await dt.js("(document.querySelector('.assistant') || {}).textContent || ''")
-                if text and (not snapshots or text != snapshots[-1]):
-                    snapshots.append(text)
-                if await dt.js("document.getElementById('stop').disabled && !!document.querySelector('.assistant')"):
-                    break
-                await asyncio.sleep(0.05)
-            stats = await dt.js("document.getElementById('stats').textContent")
-            shot = await dt.call("Page.captureScreenshot", format="png")
-    path = os.path.join(output_dir, "browser-chat.png")
-    with open(path, "wb") as f:
-        f.write(base64.b64decode(shot["data"]))
-    assert len(snapshots) >= 3, snapshots  # the text grew in several steps: it streamed
-    assert all(b.startswith(a) for a, b in zip(snapshots, snapshots[1:]))
-    assert len(snapshots[-1]) > 20
-    assert "tokens/s" in stats
-    assert os.path.getsize(path) > 5000
+            assert notice, "the context never filled"
+            text = await dt.js("document.getElementById('context-notice').textContent")
+            assert f"{CONTEXT} tokens" in text, text
+            await screenshot(dt, "context-full.png")
+            count = await dt.js("conv.messages.length")
+            retries = await dt.js("document.getElementById('drop-oldest').textContent.includes('retry')")
+            await dt.js("document.getElementById('drop-oldest').click(); true")
+            if retries:  # the refused message is sent again at once
+                await wait_js(dt, "document.getElementById('stop').disabled", 240, "the retried answer")
+            else:
+                await send(dt, "And one more fact, please.")
+            assert not await dt.js("!!document.getElementById('context-notice')")
+            assert await dt.js("conv.messages.length") <= count + 1
+            last = await dt.js("conv.messages[conv.messages.length - 1]")
+            assert last["role"] == "assistant" and last["content"].strip(), last
+            # the conversation goes on: one more turn after the drop
+            await send(dt, "Thanks! One more, about the number 3.")
+            assert await dt.js("conv.messages[conv.messages.length - 1].role") == "assistant"
+            await screenshot(dt, "context-continued.png")
+
+
+async def test_phone_width_has_no_horizontal_scroll(gateway, chromium):
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
+            dt = DevTools(ws)
+            await dt.call("Emulation.setDeviceMetricsOverride", width=390, height=844, deviceScaleFactor=1, mobile=True)
+            await open_chat(dt, gateway.url)
+            await save_settings(dt, temperature=0, max_tokens=80)
+            await send(dt, "Write a one-line shell command that counts the lines of every .py file in a directory, "
+                           "in a code block.")
+            widths = await dt.js("[document.documentElement.scrollWidth, document.documentElement.clientWidth, "
+                                 "innerWidth]")
+            assert widths[0] <= widths[1] <= 390, widths
+            assert await dt.js("document.getElementById('send').getBoundingClientRect().right") <= 390
+            await screenshot(dt, "phone.png")
+            await dt.js("document.getElementById('toggle-sidebar').click(); true")
+            await asyncio.sleep(0.4)
+            assert await dt.js("document.getElementById('sidebar').getBoundingClientRect().left") >= 0
+            assert await dt.js("document.documentElement.scrollWidth") <= 390
+            await screenshot(dt, "phone-conversations.png")
+
+            # what localStorage holds may be junk (an older page, a hand edit): the page still opens and works
+            await dt.js("localStorage.setItem('stagemesh.settings', '{\"temperature\": \"hot\", \"top_p\": 7}');"
+                        "localStorage.setItem('stagemesh.conversations', '[{\"id\": 1}, {\"id\": \"x\", "
+                        "\"messages\": [{\"role\": \"user\", \"content\": 3}]}, \"text\"]'); true")
+            await dt.call("Page.reload")
+            await wait_js(dt, "document.readyState === 'complete' && "
+                              "document.getElementById('status').textContent === 'connected'", 30, "reconnect")
+            assert await dt.js("document.querySelectorAll('#conversations li').length") == 0
+            assert await dt.js("[settings.temperature, settings.top_p]") == [0.7, 0.95]
+            seen = await send(dt, "Say hi.")
+            assert seen and seen[-1].strip()
+            assert not csp_violations(dt), csp_violations(dt)
+            # an answer that carries HTML renders through DOMPurify: markup kept, script handlers gone (the policy
+            # would block an inline handler too: Chromium reports one blocked while the hostile text is parsed)
+            html = await dt.js("(() => { const d = document.createElement('div'); renderMarkdown(d, '**bold** "
+                               "<img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>'); "
+                               "document.body.appendChild(d); return d.innerHTML; })()")
+            await asyncio.sleep(0.3)
+            assert "<strong>bold</strong>" in html and "onerror" not in html and "<script" not in html, html
+            assert await dt.js("window.pwned === undefined")

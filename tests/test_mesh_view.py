@@ -136,7 +136,7 @@ async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromiu
 
             await until("document.getElementById('mesh-verdict').textContent === 'ready' && "
                         "!!document.getElementById('stage-1')", 20, "a ready mesh")
-            assert await dt.js("getComputedStyle(document.querySelector('main')).display") == "none"  # chat hidden
+            assert await dt.js("getComputedStyle(document.getElementById('app')).display") == "none"  # chat hidden
 
             # under load: both stages busy, tokens/s and running sequences charted
             first = asyncio.create_task(load(gateway.url, 8, 256))  # ~10 s: several /info polls see it

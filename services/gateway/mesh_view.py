@@ -154,7 +154,8 @@ class MeshView:
             busy_fraction=None if busy is None else round(min(1.0, max(0.0, busy)), 4),
             compute_ms=_ms(_rate(track.samples, "busy_seconds", "microbatches", self.window_s)),
             hop_in_ms=_ms(_rate(track.samples, "hop_seconds", "hops", self.window_s)),
-            kv_used=kv.get("used_slots"), kv_slots=kv.get("slots"), microbatches=info.get("microbatches"))
+            kv_used=kv.get("used_slots"), kv_slots=kv.get("slots"), max_seq_len=kv.get("max_seq_len"),
+            microbatches=info.get("microbatches"))
         return st
 
     # ---- serving ------------------------------------------------------------------------------------------------
