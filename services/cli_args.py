@@ -98,6 +98,11 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help=f"prompt tokens per prefill chunk (default {d.prefill_chunk})")
     p.add_argument("--token-budget", type=int, default=d.token_budget,
                    help=f"tokens per micro-batch (default {d.token_budget})")
+    from services.gateway.pipeline import DEFAULT_STALL_S
+
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="SECONDS",
+                   help="a micro-batch not back after this long marks the pipeline not ready, naming the hop where it "
+                        f"stopped, and its requests are replayed (default {DEFAULT_STALL_S:g})")
 
 
 def add_edge_args(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from shared.steps import Decode, Prefill
 from tests.conftest import stagemesh_cmd
 
 KV_SLOTS = 4
+STALL_S = 6  # the gateway's --stall-timeout: well above any micro-batch here, short enough for a test
 
 
 class InfoProxy:
@@ -110,7 +111,8 @@ def outage(tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages",
                                               f"{mesh.stages[0].url},{proxy.url}", "--listen", f"127.0.0.1:{port}",
-                                              "--result-listen", mesh.result_listen, "--keys", mesh.keys_dir),
+                                              "--result-listen", mesh.result_listen, "--keys", mesh.keys_dir,
+                                              "--stall-timeout", str(STALL_S)),
                                 stdout=log, stderr=subprocess.STDOUT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     try:
@@ -301,6 +303,70 @@ async def test_a_stage_with_another_key_set_makes_the_pipeline_not_ready_naming_
         clean.restart(1, good_args)
     await asyncio.to_thread(wait_ready, [stage1.url], 120, [stage1.proc])
     await async_until(lambda: _ready(clean.gw), 30, "the gateway never became ready with the mesh's keys back")
+    result = await stream(clean.gw.url, "Say hello.", 4)
+    assert result["error"] is None and result["tokens"] == 4, result
+
+
+class Decoy:
+    """A PULL socket holding stage 1's server keys (a thread): what a mis-set --next or a stale DNS entry reaches.
+    Its handshakes succeed, so nothing fails but the micro-batches themselves, which it swallows and counts."""
+
+    def __init__(self, keys_dir: str):
+        pair = KeySet(keys_dir).pair("stage1")
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.curve_server, self.sock.curve_publickey, self.sock.curve_secretkey = True, pair.public, pair.secret
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.swallowed = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if self.sock.poll(100):
+                self.sock.recv_multipart()
+                self.swallowed += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.mark.parametrize("prompts", [[("Explain tides to a child.", 30), ("List prime numbers below fifty, "
+                                                                        "with a remark about each one.", 9)]])
+async def test_micro_batches_lost_past_a_healthy_looking_stage_make_the_pipeline_not_ready_naming_the_hop(
+        clean, prompts):
+    """Stage 0 restarts with its next hop at a decoy holding stage 1's keys: every handshake succeeds and every
+    /info is right, yet each micro-batch vanishes. Within the stall bound (plus a poll) the gateway says so, naming
+    the hop (stage 0 passed the micro-batch on, stage 1 never took it in); the requests are replayed while their
+    replays last and then end with an error that names the hop -- never a hang to their deadline. With stage 0's
+    next hop right again, a request completes."""
+    stage0 = clean.mesh.stages[0]
+    good_args = list(stage0.args)
+    decoy = Decoy(clean.mesh.keys_dir)
+    i = good_args.index("--next")
+    try:
+        clean.restart(0, good_args[:i + 1] + [decoy.address] + good_args[i + 2:])
+        await asyncio.to_thread(wait_ready, [stage0.url], 120, [stage0.proc])
+        await async_until(lambda: _ready(clean.gw), 30, "the gateway never took the restarted stage 0")
+        t0 = time.monotonic()
+        streams = [asyncio.create_task(stream(clean.gw.url, p, n)) for p, n in prompts]
+        await async_until(lambda: "hop stage 0 -> stage 1" in _problem(clean), STALL_S + 10,
+                          "the gateway never named the hop that loses micro-batches")
+        assert "never took it in" in _problem(clean), _problem(clean)
+        assert time.monotonic() - t0 < STALL_S + 10
+        assert decoy.swallowed > 0  # the micro-batches really left stage 0
+        results = await asyncio.wait_for(asyncio.gather(*streams), 12 * (STALL_S + 4))
+        for r in results:
+            assert r["tokens"] == 0 and "hop stage 0 -> stage 1" in str(r["error"]), r
+    finally:
+        clean.restart(0, good_args)
+        decoy.close()
+    await asyncio.to_thread(wait_ready, [stage0.url], 120, [stage0.proc])
+    await async_until(lambda: _ready(clean.gw), 30, "the gateway never became ready with stage 0 right again")
     result = await stream(clean.gw.url, "Say hello.", 4)
     assert result["error"] is None and result["tokens"] == 4, result
 

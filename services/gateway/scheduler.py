@@ -103,6 +103,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.inflight: dict[int, list[Sequence]] = {}
+        self._sent_at: dict[int, float] = {}  # micro-batch in flight -> perf_counter time sent, oldest first
         self.max_inflight_seen = 0
         self._release: list[str] = []
         self._wake = asyncio.Event()
@@ -204,10 +205,12 @@ class Scheduler:
             if client is not None:
                 client.abandon(mb)
         self.inflight.clear()
+        self._sent_at.clear()
         self.metrics.failovers.inc()
         for seq in list(self.running.values()):
             if seq.replays >= self.max_replays:
-                self.finish(seq, "error", f"the pipeline failed {seq.replays} times during this request")
+                self.finish(seq, "error", f"the pipeline failed {seq.replays} times during this request; the last "
+                                          f"time: {self.pipeline.problem or 'a stage restarted'}")
             else:
                 seq.reset_for_replay()
         self._replay_pending = True  # release what surviving stages still hold before replaying
@@ -267,6 +270,11 @@ class Scheduler:
                     self.finish(seq, "error", f"the pipeline is unavailable: {self.pipeline.problem}")
             return
         self._lost_since = None
+        if self._sent_at:  # dicts keep insertion order: the first is the oldest in flight
+            mb, sent = next(iter(self._sent_at.items()))
+            if now - sent > self.pipeline.stall_s:
+                self.pipeline.mark_stalled(mb, now - sent)  # not ready, naming where; the next step replays
+                return
         if self._replay_pending:
             self._replay_pending = False
             self._release.extend(self.running)
@@ -281,6 +289,7 @@ class Scheduler:
             entries, tokens, seqs = batch
             mb = client.next_mb_id()
             self.inflight[mb] = seqs
+            self._sent_at[mb] = time.perf_counter()
             self.max_inflight_seen = max(self.max_inflight_seen, len(self.inflight))
             traced = next((s.seq_id for s in seqs if s.trace), None)
             batch = ForwardBatch(mb, entries, tokens=torch.tensor(tokens, dtype=torch.int64),
@@ -321,6 +330,7 @@ class Scheduler:
         if self.otlp is not None:
             self._end_microbatch_span(mb, fut)
         seqs = self.inflight.pop(mb, [])
+        self._sent_at.pop(mb, None)
         self._wake.set()
         error = None if fut.cancelled() else fut.exception()
         result: BatchResult | None = None if error or fut.cancelled() else fut.result()
