@@ -60,6 +60,8 @@ class GatewayConfig:
     metrics_require_key: bool = False  # /metrics needs the API key too
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    allow_trace: bool = False  # answer "trace": true (an operator's tool: every layer's activations of the request)
+    trace_budget: int = 64 << 20  # activation bytes one traced request may collect
 
 
 class TokenizeLanes:
@@ -123,6 +125,10 @@ class Gateway:
     async def prepare(self, spec: GenerationSpec) -> Sequence:
         """Check the size, tokenize (off the loop, in a lane by size: chat templates may take up to their time
         cap) and check the context."""
+        if spec.trace and not self.config.allow_trace:  # another request's activations, the model's internals
+            raise RequestError("\"trace\" is an operator's debugging tool and this gateway does not answer it: start "
+                               "the gateway (or up) with --allow-trace, or leave \"trace\" out", "trace", status=403,
+                               code="trace_disabled")
         if self.draining:
             raise RequestError("the gateway is draining before it stops; retry on another replica or shortly",
                                status=503, code="draining")
@@ -152,7 +158,8 @@ class Gateway:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                                f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
         timeout = spec.timeout_s or self.config.request_timeout_s
-        return Sequence(seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
+        return Sequence(trace_budget=self.config.trace_budget if spec.trace else 0,
+                        seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
                         stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
                         deadline=time.perf_counter() + timeout, trace=spec.trace)
 
