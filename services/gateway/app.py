@@ -288,7 +288,9 @@ def _check_key(request: web.Request) -> None:
     given = request.headers.get("Authorization", "")
     if not given and request.path == WS_PATH:  # browsers cannot set headers on a websocket: the query, here only
         given = f"Bearer {request.query.get('api_key', '')}"
-    if not _key_matches(given, f"Bearer {cfg.api_key}"):
+    # RFC 7235: the scheme is case-insensitive ("bearer" is "Bearer"), then one or more spaces, then the token
+    scheme, _, token = given.strip().partition(" ")
+    if not (_key_matches(scheme.lower(), "bearer") & _key_matches(token.strip(), cfg.api_key)):
         hint = " (or ?api_key= on the websocket)" if request.path == WS_PATH else ""
         raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>'{hint} ({API_KEY_ENV})",
                            status=401, code="invalid_api_key")
