@@ -6,6 +6,7 @@ authenticated peer sending what it should not, and a stage whose /info is malfor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import os
@@ -24,7 +25,7 @@ import zmq
 from loadtest.client import sse_events
 from services.launch import LocalMesh, RunningGateway, free_ports, start_mesh, wait_ready
 from shared.mesh_keys import KeySet, write_key_set
-from shared.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, encode
+from shared.protocol import BatchError, BatchResult, ForwardBatch, ReleaseSeqs, SeqEntry, encode
 from shared.steps import Decode, Prefill
 from tests.conftest import stagemesh_cmd
 
@@ -474,3 +475,60 @@ async def test_trace_is_refused_unless_the_gateway_allows_it(clean, body):
     assert proc.returncode != 0 and "HTTP 403" in proc.stderr and "--allow-trace" in proc.stderr, proc.stderr
     result = await stream(clean.gw.url, "Say hello.", 4)  # the gateway serves on
     assert result["error"] is None and result["tokens"] == 4, result
+
+
+# ---- Low 10: refusals counted, forged errors named ------------------------------------------------------------------
+
+def push_from(address: str, messages: list, curve: tuple[bytes, bytes, bytes] | None) -> None:
+    """Send from a fresh PUSH socket; `curve` = (public, secret, server's public) or None for plaintext."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    if curve:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
+    sock.connect(address)
+    for msg in messages:
+        with contextlib.suppress(zmq.Again):
+            sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+    time.sleep(1.5)  # time for the handshake (and its failure) to happen
+    sock.close(0)
+    ctx.term()
+
+
+async def test_refusals_are_counted_and_forged_errors_are_named(clean, smollm2, tmp_path):
+    """Strangers at the gateway's result port -- plaintext, and a CURVE key of another mesh -- and a plaintext one at
+    stage 0 are refused and counted (gateway: handshakes and result-port rejects; stage: handshakes). A holder of the
+    last stage's key forges unknown_sequence for the micro-batch ids the gateway uses: the failover it causes is
+    counted and logged as what it was, not as a restart, and the running request is replayed and completes."""
+    gw, mesh = clean.gw, clean.mesh
+    before = {"in": clean.metric("stagemesh_gateway_handshakes_failed_total", direction="in"),
+              "auth": clean.metric("stagemesh_gateway_result_port_rejected_messages_total", reason="auth"),
+              "stage": stage_metric(mesh.stages[0], "stagemesh_stage_handshakes_failed_total", direction="in")}
+    gateway_public = KeySet(mesh.keys_dir).public("gateway")
+    other = str(tmp_path / "other")
+    write_key_set(other, 2)
+    stranger = KeySet(other).pair("stage1")
+    ids = smollm2.tokenizer.encode("forged")
+    junk = [BatchResult(7, ["x"], [1], [0.0])]
+    await asyncio.to_thread(push_from, mesh.result_listen, junk, None)
+    await asyncio.to_thread(push_from, mesh.result_listen, junk, (stranger.public, stranger.secret, gateway_public))
+    await asyncio.to_thread(push_from, mesh.first_stage, [_forward(FOREIGN_MB, "plain", ids)], None)
+    await async_until(lambda: clean.metric("stagemesh_gateway_handshakes_failed_total", direction="in") > before["in"]
+                      and clean.metric("stagemesh_gateway_result_port_rejected_messages_total", reason="auth")
+                      > before["auth"], 10, "the gateway never counted the strangers at its result port")
+    assert stage_metric(mesh.stages[0], "stagemesh_stage_handshakes_failed_total", direction="in") > before["stage"]
+
+    forged_before = clean.metric("stagemesh_gateway_unknown_sequence_failovers_total")
+    running = asyncio.create_task(stream(gw.url, "Write about the sea, at length.", 40))
+    await async_until(lambda: clean.kv_used() == [1, 1], 60, "the request never started")
+    sent = int(clean.metric("stagemesh_gateway_microbatches_total"))
+    last = KeySet(mesh.keys_dir).pair("stage1")
+    forged = [BatchError(mb, "stage[forged]", "unknown_sequence", "forged by an insider", []) for mb in
+              range(max(1, sent - 5), sent + 400)]
+    await asyncio.to_thread(push_from, mesh.result_listen, forged, (last.public, last.secret, gateway_public))
+    await async_until(lambda: clean.metric("stagemesh_gateway_unknown_sequence_failovers_total") > forged_before, 15,
+                      "no forged error hit a micro-batch in flight")
+    result = await asyncio.wait_for(running, 180)
+    assert result["error"] is None and result["tokens"] == 40, result
+    log = open(gw.log_path).read()
+    assert "answered unknown_sequence" in log and "forged" in log
+    assert "pipeline lost (a stage restarted)" not in log

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, watch_transport
 from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
 from services.gateway.scheduler import QueueFull, Scheduler, Sequence, new_seq_id
@@ -409,6 +409,7 @@ def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_i
     from services.gateway.ws import stream_ws
 
     metrics_ = GatewayMetrics()
+    watch_transport(metrics_, lambda: pipeline.client.transport.stats if pipeline.client else None)
     scheduler = Scheduler(pipeline, metrics_, max_inflight=max_inflight, config=serving, otlp=otlp)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
     app[GATEWAY] = Gateway(files, pipeline, scheduler, metrics_, config)

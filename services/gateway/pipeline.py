@@ -164,6 +164,7 @@ class Pipeline:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self.generation = 0  # bumped only by mark_lost(): KV state in the pipeline is gone
+        self.lost_reason = ""  # why, the last time
         self._incarnations: list[str] | None = None
         self._dial_failures: list[int] | None = None  # each sender's failed outbound handshakes at the last check
         self.on_unexpected_result: Callable[[], None] | None = None  # handed to the client (the gateway counts)
@@ -187,6 +188,7 @@ class Pipeline:
         """The one place that declares the pipeline's KV state lost (a stage died, restarted, or forgot a
         sequence): the scheduler sees the new generation and replays every running sequence."""
         self.generation += 1
+        self.lost_reason = reason
         log.warning("pipeline state lost (%s): generation %d", reason, self.generation)
 
     def mark_stalled(self, mb_id: int, age_s: float) -> None:

@@ -224,12 +224,11 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.replays >= self.max_replays:
                 self.finish(seq, "error", f"the pipeline failed {seq.replays} times during this request; the last "
-                                          f"time: {self.pipeline.problem or 'a stage restarted'}")
+                                          f"time: {self.pipeline.problem or self.pipeline.lost_reason}")
             else:
                 seq.reset_for_replay()
         self._replay_pending = True  # release what surviving stages still hold before replaying
-        log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.problem or "a stage restarted",
-                    len(self.running))
+        log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.lost_reason, len(self.running))
 
     def _admit(self) -> None:
         limit = self.max_running
@@ -359,8 +358,11 @@ class Scheduler:
         error = None if fut.cancelled() else fut.exception()
         result: BatchResult | None = None if error or fut.cancelled() else fut.result()
         if isinstance(error, PipelineError) and error.code == UnknownSequence.code:
-            # a stage lost our sequences (it restarted between health polls): replay them
-            self.pipeline.mark_lost(str(error))
+            # a stage lost our sequences: it restarted between health polls -- or a holder of the last stage's key
+            # forged the answer (only the last stage's key reaches this port); either way replaying is safe
+            self.metrics.unknown_sequence_failovers.inc()
+            self.pipeline.mark_lost(f"{error.error.stage} answered unknown_sequence for micro-batch {mb} (it restarted "
+                                    f"between health polls, or a holder of the last stage's key forged it): {error}")
             return
         if isinstance(error, PipelineError) and error.code == KVCacheFull.code:
             self._kv_full(seqs)

@@ -89,7 +89,8 @@ class StageWorker:
     def live_stats(self) -> dict:
         stats = self.io.transport.stats
         return {"bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out, "send_seconds": self.io.send_seconds,
-                "rejected": dict(stats.rejected), "queue_depth": self.io.queue_depth,
+                "rejected": dict(stats.rejected), "handshakes_failed": dict(stats.handshakes_failed),
+                "queue_depth": self.io.queue_depth,
                 "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots,
                 "bubble_ratio": self.wait_s / (self.wait_s + self.busy_s) if self.wait_s + self.busy_s else 0.0}
 
