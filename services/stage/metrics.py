@@ -30,7 +30,7 @@ class _LiveCollector:
                                      "(in: whoever reaches the input port; out: dialling the next hop)",
                                      labels=["direction"])
         for direction in ("in", "out"):
-            failed.add_metric([direction], s["handshakes_failed"][direction])
+            failed.add_metric([direction], (s.get("handshakes_failed") or {}).get(direction, 0))
         yield failed
         yield GaugeMetricFamily("stagemesh_stage_queue_depth", "Prefetched inputs waiting for compute", value=s["queue_depth"])
         yield GaugeMetricFamily("stagemesh_stage_kv_slots_used", "KV cache slots held by live sequences", value=s["kv_used"])
