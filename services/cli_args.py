@@ -105,6 +105,13 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         f"stopped, and its requests are replayed (default {DEFAULT_STALL_S:g})")
 
 
+def stall_from_args(args) -> float:
+    """--stall-timeout, checked: seconds > 0 (inf: never)."""
+    if not args.stall_timeout > 0:
+        raise StagemeshError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
+    return args.stall_timeout
+
+
 def add_edge_args(p: argparse.ArgumentParser) -> None:
     """The gateway's HTTP edge: origin policy, /metrics access, timeouts, drain (`gateway`, `up`)."""
     from services.gateway.app import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S
