@@ -5,8 +5,17 @@ undisturbed run. With --batch-invariant (passed to `up`) every text must equal i
 without it a replayed greedy stream may legitimately differ in its tail (the batch it ran in changed), so mismatches
 are only reported.
 
+Then three targeted faults (issue 31), each on the same `up`:
+- leavers: streams run, a stage is SIGKILLed, the clients leave while the gateway waits to replay them; once the
+  stage is back, every stage's KV slots must be free again within seconds (not at the slot lease's end).
+- two-deaths: streams run while one stage, then another, is SIGKILLed (each restarted by `up`) inside the same
+  requests; every stream must complete, and with --batch-invariant equal its undisturbed run.
+- wrong-keys: one stage's key files are replaced by another key set's and the stage is SIGKILLed, so `up` restarts
+  it with the wrong keys (a rotation that reached one host first); the gateway must report not ready, naming that
+  stage, within seconds of the stage answering; with the keys back it must serve again.
+
     python -m benchmarks.chaos [--stages 2] [--duration 180] [--kill-every 20] [--max-tokens 48] [--dtype float32]
-        [--batch-invariant]"""
+        [--batch-invariant] [--scenarios kills,leavers,two-deaths,wrong-keys] [--out results.json]"""
 
 from __future__ import annotations
 
@@ -15,15 +24,20 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 
 import aiohttp
 
 from benchmarks.procs import children
 from loadtest.client import send_sse
-from services.launch import start_up
+from services.launch import RunningGateway, start_up
+from shared.mesh_keys import write_key_set
+
+SCENARIOS = ("kills", "leavers", "two-deaths", "wrong-keys")
 
 STREAMS = 16
 PROMPTS = [f"Write a few sentences about topic number {i}: " + t for i, t in enumerate(
@@ -36,9 +50,9 @@ async def one(session, url: str, i: int, max_tokens: int):
                           temperature=0.0)
 
 
-async def reference(url: str, max_tokens: int) -> list[str]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-        results = await asyncio.gather(*(one(s, url, i, max_tokens) for i in range(STREAMS)))
+async def reference(url: str, max_tokens: int, streams: int = STREAMS) -> list[str]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        results = await asyncio.gather(*(one(s, url, i, max_tokens) for i in range(streams)))
     bad = [r.error for r in results if not r.success]
     if bad:
         raise SystemExit(f"the undisturbed run failed: {bad[0]}")
@@ -75,6 +89,148 @@ async def chaos(url: str, up_pid: int, ref: list[str], duration: float, kill_eve
     return stats
 
 
+# ---- targeted faults ----------------------------------------------------------------------------------------------
+
+async def until(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    """Seconds until `cond` held (polled every 0.1 s off the loop); SystemExit naming `what` after `timeout`."""
+    t0 = time.monotonic()
+    while not await asyncio.to_thread(cond):
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"chaos: {what} (after {timeout:g} s)")
+        await asyncio.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _metric(gw: RunningGateway, name: str) -> float:
+    value = gw.metric(name)
+    return 0.0 if value != value else value
+
+
+def _ready(gw: RunningGateway) -> bool:
+    try:
+        return gw.get("/ready")[0] == 200
+    except OSError:
+        return False
+
+
+def _problem(gw: RunningGateway) -> str:
+    try:
+        status, body = gw.get("/ready")
+    except OSError:
+        return ""
+    return "" if status == 200 else (json.loads(body).get("problem") or "")
+
+
+def _kv_used(gw: RunningGateway, n: int) -> list[int | None]:
+    out = []
+    for i in range(n):
+        try:
+            out.append(gw.stage_info(i)["kv"]["used_slots"])
+        except (OSError, ValueError, KeyError):
+            out.append(None)
+    return out
+
+
+def _stage_pids(gw: RunningGateway) -> dict[int, int]:
+    """Stage index -> pid of the up's stage processes (from their command lines)."""
+    out = {}
+    for pid in children(gw.proc.pid):
+        try:
+            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if "--stage-index" in argv:
+            out[int(argv[argv.index("--stage-index") + 1])] = pid
+    return out
+
+
+async def _kill(gw: RunningGateway, index: int) -> None:
+    """SIGKILL stage `index` and wait until the gateway has noticed and `up` has it ready again."""
+    failovers = _metric(gw, "stagemesh_gateway_pipeline_failovers_total")
+    os.kill(_stage_pids(gw)[index], signal.SIGKILL)
+    await until(lambda: _metric(gw, "stagemesh_gateway_pipeline_failovers_total") > failovers, 60,
+                f"the gateway never noticed stage {index}'s death")
+    await until(lambda: _ready(gw), 300, f"the gateway never became ready after stage {index} restarted")
+
+
+async def leavers(gw: RunningGateway, stages: int, max_tokens: int) -> dict:
+    """Clients leave during an outage; seconds from the gateway's readiness to every stage's slots free."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        tasks = [asyncio.create_task(one(s, gw.url, i, max_tokens)) for i in range(8)]
+        await until(lambda: min(u or 0 for u in _kv_used(gw, stages)) >= 8, 120, "the streams never took their slots")
+        failovers = _metric(gw, "stagemesh_gateway_pipeline_failovers_total")
+        os.kill(_stage_pids(gw)[stages - 1], signal.SIGKILL)
+        await until(lambda: _metric(gw, "stagemesh_gateway_pipeline_failovers_total") > failovers, 60,
+                    "the gateway never noticed the death")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    held = [u for u in _kv_used(gw, stages) if u is not None]  # the survivors still hold the leavers' slots
+    await until(lambda: _ready(gw), 300, "the gateway never became ready again")
+    freed_s = await until(lambda: _kv_used(gw, stages) == [0] * stages, 60, "slots still held after recovery")
+    return {"clients": 8, "slots_held_by_survivors_during_outage": held, "slots_zero_after_ready_s": round(freed_s, 2),
+            "ok": freed_s < 10}
+
+
+async def two_deaths(gw: RunningGateway, stages: int, max_tokens: int, ref: list[str], streams: int) -> dict:
+    """Two stage deaths inside the same requests: every stream completes; texts compared with the undisturbed run."""
+    replayed = _metric(gw, "stagemesh_gateway_replayed_sequences_total")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        tasks = [asyncio.create_task(one(s, gw.url, i, max_tokens)) for i in range(streams)]
+        await until(lambda: min(u or 0 for u in _kv_used(gw, stages)) >= streams, 120, "the streams never started")
+        victims = [stages - 1, 0]
+        for victim in victims:
+            await _kill(gw, victim)
+        mid_stream = not any(t.done() for t in tasks)  # both deaths fell inside every request
+        results = await asyncio.gather(*tasks)
+    failed = [r.error[:200] for r in results if not r.success]
+    differs = sum(r.success and r.text != want for r, want in zip(results, ref))
+    return {"streams": streams, "deaths": victims, "both_deaths_mid_stream": mid_stream, "failed": len(failed),
+            "errors": failed[:3], "differs": differs,
+            "replayed": _metric(gw, "stagemesh_gateway_replayed_sequences_total") - replayed}
+
+
+async def wrong_keys(gw: RunningGateway, stages: int) -> dict:
+    """Stage `stages - 1` restarted by `up` with another key set: seconds to not ready, naming it; then the keys back."""
+    index = stages - 1
+    argv = open(f"/proc/{_stage_pids(gw)[index]}/cmdline").read().split("\0")
+    keys_dir = argv[argv.index("--keys") + 1]
+    role = f"stage{index}"
+    saved = tempfile.mkdtemp(prefix="stagemesh-chaos-keys-")
+    other = os.path.join(saved, "other")
+    write_key_set(other, stages)
+    for suffix in (".key", ".key_secret"):
+        shutil.copy2(os.path.join(keys_dir, role + suffix), os.path.join(saved, role + suffix))
+    try:
+        for suffix in (".key", ".key_secret"):
+            shutil.copy2(os.path.join(other, role + suffix), os.path.join(keys_dir, role + suffix))
+        before = gw.stage_info(index)["incarnation"]
+        t_kill = time.monotonic()
+        os.kill(_stage_pids(gw)[index], signal.SIGKILL)
+        await until(lambda: _incarnation(gw, index) not in (None, before), 300, "up never restarted the stage")
+        t_up = time.monotonic()
+        await until(lambda: f"stage {index}" in _problem(gw) and "key" in _problem(gw), 60,
+                    "the gateway never named the stage with the wrong keys")
+        named_s, problem = time.monotonic() - t_up, _problem(gw)
+        total_s = time.monotonic() - t_kill
+    finally:
+        for suffix in (".key", ".key_secret"):
+            shutil.copy2(os.path.join(saved, role + suffix), os.path.join(keys_dir, role + suffix))
+        shutil.rmtree(saved, ignore_errors=True)
+    os.kill(_stage_pids(gw)[index], signal.SIGKILL)
+    back_s = await until(lambda: _ready(gw), 300, "the gateway never became ready with the keys back")
+    return {"stage": index, "not_ready_after_stage_answered_s": round(named_s, 2), "from_kill_s": round(total_s, 2),
+            "problem": problem, "ready_again_s": round(back_s, 2), "ok": named_s < 10}
+
+
+def _incarnation(gw: RunningGateway, index: int) -> str | None:
+    """The stage's incarnation id, or None while it does not answer."""
+    try:
+        return gw.stage_info(index)["incarnation"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, default=2)
@@ -85,28 +241,62 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true",
                     help="run the stages batch-invariant: every text must then equal its undisturbed run")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    ap.add_argument("--death-tokens", type=int, default=160,
+                    help="max_tokens of the two-deaths streams: long enough that both deaths fall inside them")
+    ap.add_argument("--death-streams", type=int, default=4, help="streams of the two-deaths scenario (default 4)")
+    ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args()
+    scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
+    if not scenarios or set(scenarios) - set(SCENARIOS):
+        ap.error(f"--scenarios must name some of {', '.join(SCENARIOS)}")
     extra = ["--batch-invariant"] if args.batch_invariant else []
+    results: dict = {"stages": args.stages, "dtype": args.dtype, "batch_invariant": args.batch_invariant}
     gw = start_up(args.stages, args.dtype, tempfile.mkdtemp(prefix="stagemesh-chaos-"), *extra)
     try:
         gw.wait_compiled()  # measure steady state: --compile-decode auto compiles after /ready
-        ref = asyncio.run(reference(gw.url, args.max_tokens))
-        print(f"undisturbed run done; chaos for {args.duration:.0f} s, a SIGKILL every {args.kill_every:.0f} s",
-              flush=True)
-        stats = asyncio.run(chaos(gw.url, gw.proc.pid, ref, args.duration, args.kill_every, args.max_tokens))
+        if "kills" in scenarios:
+            ref = asyncio.run(reference(gw.url, args.max_tokens))
+            print(f"undisturbed run done; chaos for {args.duration:.0f} s, a SIGKILL every {args.kill_every:.0f} s",
+                  flush=True)
+            stats = asyncio.run(chaos(gw.url, gw.proc.pid, ref, args.duration, args.kill_every, args.max_tokens))
+            stats["errors"] = stats["errors"][:5]
+            stats.update(duration_s=args.duration, kill_every_s=args.kill_every, max_tokens=args.max_tokens)
+            results["kills"] = stats
+            expectation = "expected 0" if args.batch_invariant else "allowed without --batch-invariant"
+            print(f"{stats['kills']} stage kills, {stats['completed']} requests completed, {stats['failed']} failed "
+                  f"(expected 0); {stats['differs']} completed texts differ from their undisturbed run "
+                  f"({expectation})", flush=True)
+        if "leavers" in scenarios:
+            results["leavers"] = r = asyncio.run(leavers(gw, args.stages, 400))
+            print(f"leavers: {r['clients']} clients left during an outage; slots free {r['slots_zero_after_ready_s']} s "
+                  f"after the gateway was ready again", flush=True)
+        if "two-deaths" in scenarios:
+            ref = asyncio.run(reference(gw.url, args.death_tokens, args.death_streams))
+            results["two_deaths"] = r = asyncio.run(two_deaths(gw, args.stages, args.death_tokens, ref,
+                                                               args.death_streams))
+            print(f"two deaths: {r['streams']} streams, {r['failed']} failed, {r['differs']} differ from their "
+                  f"undisturbed run, {r['replayed']:.0f} replays, both deaths mid-stream: {r['both_deaths_mid_stream']}",
+                  flush=True)
+        if "wrong-keys" in scenarios:
+            results["wrong_keys"] = r = asyncio.run(wrong_keys(gw, args.stages))
+            print(f"wrong keys: not ready {r['not_ready_after_stage_answered_s']} s after stage {r['stage']} answered "
+                  f"({r['from_kill_s']} s from its kill): {r['problem']}", flush=True)
     finally:
         gw.stop()
-    stats["errors"] = stats["errors"][:5]
-    stats["batch_invariant"] = args.batch_invariant
+    failed = (results.get("kills", {}).get("failed") or results.get("two_deaths", {}).get("failed")
+              or (args.batch_invariant and (results.get("kills", {}).get("differs")
+                                            or results.get("two_deaths", {}).get("differs")))
+              or not results.get("leavers", {}).get("ok", True) or not results.get("wrong_keys", {}).get("ok", True))
+    results["passed"] = not failed
     if args.json:
-        print(json.dumps(stats))
-    else:
-        expectation = "expected 0" if args.batch_invariant else "allowed without --batch-invariant"
-        print(f"{stats['kills']} stage kills, {stats['completed']} requests completed, {stats['failed']} failed "
-              f"(expected 0); {stats['differs']} completed texts differ from their undisturbed run ({expectation})")
-        for e in stats["errors"]:
-            print("  error:", e)
-    if stats["failed"] or (args.batch_invariant and stats["differs"]):
+        print(json.dumps(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    for e in results.get("kills", {}).get("errors", []) + results.get("two_deaths", {}).get("errors", []):
+        print("  error:", e)
+    if failed:
         raise SystemExit(1)
 
 

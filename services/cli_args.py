@@ -98,6 +98,18 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help=f"prompt tokens per prefill chunk (default {d.prefill_chunk})")
     p.add_argument("--token-budget", type=int, default=d.token_budget,
                    help=f"tokens per micro-batch (default {d.token_budget})")
+    from services.gateway.pipeline import DEFAULT_STALL_S
+
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="SECONDS",
+                   help="a micro-batch not back after this long marks the pipeline not ready, naming the hop where it "
+                        f"stopped, and its requests are replayed (default {DEFAULT_STALL_S:g})")
+
+
+def stall_from_args(args) -> float:
+    """--stall-timeout, checked: seconds > 0 (inf: never)."""
+    if not args.stall_timeout > 0:
+        raise StagemeshError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
+    return args.stall_timeout
 
 
 def add_edge_args(p: argparse.ArgumentParser) -> None:
@@ -111,6 +123,12 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
                    help="also answer requests whose Host is NAME (repeatable; .example.com = that domain and every "
                         "name below it; * = any); default: IP addresses, localhost and the --listen/--host address "
                         "only, so a page on another name that resolves here (DNS rebinding) is refused with 403")
+    p.add_argument("--allow-trace", action="store_true",
+                   help="answer requests with \"trace\": true (every layer's activations of that request: an operator's "
+                        "debugging tool, off by default; `stagemesh trace` needs it)")
+    p.add_argument("--trace-budget", default="64M", metavar="BYTES",
+                   help="activation bytes one traced request may collect (e.g. 16M); beyond it the trace stops and "
+                        "says so (default 64M)")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require the API key (STAGEMESH_API_KEY) on /metrics too")
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
@@ -138,7 +156,11 @@ def edge_from_args(args) -> dict:
         hosts.append(h)
     if args.drain_timeout < 0 or args.keepalive_timeout <= 0:
         raise StagemeshError("--drain-timeout must be >= 0 and --keepalive-timeout > 0 (seconds)")
-    return {"allow_origins": tuple(origins), "allow_hosts": tuple(hosts), "metrics_require_key": args.metrics_require_key,
+    try:
+        trace_budget = parse_bytes(args.trace_budget)
+    except ValueError as e:
+        raise StagemeshError(f"--trace-budget: {e}") from None
+    return {"allow_trace": args.allow_trace, "trace_budget": trace_budget,"allow_origins": tuple(origins), "allow_hosts": tuple(hosts), "metrics_require_key": args.metrics_require_key,
             "drain_timeout_s": args.drain_timeout, "keepalive_timeout_s": args.keepalive_timeout}
 
 

@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.errors import StagemeshError
-from shared.mesh_keys import KeySet, write_key_set
+from shared.mesh_keys import KeySet, ephemeral_key_set
 from shared.pipeline_client import PipelineClient
 
 
@@ -155,8 +154,7 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
     if insecure_plaintext:
         keys_dir = None
     elif keys_dir is None:
-        keys_dir, owns_keys = tempfile.mkdtemp(prefix="stagemesh-keys-"), True
-        write_key_set(keys_dir, num_stages)
+        keys_dir, owns_keys = ephemeral_key_set(num_stages), True
     threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
     ports = free_ports(2 * num_stages + 1, avoid_ports)
     listens = [f"tcp://127.0.0.1:{p}" for p in ports[:num_stages]]

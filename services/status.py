@@ -1,6 +1,6 @@
 """`stagemesh status [URL] [--watch] [--json]`: the gateway's mesh view (`GET /v1/mesh`) as a terminal table.
 Exit code 0 when the mesh is ready, 1 when it is not (the message names the stage), 2 when the gateway cannot be
-reached -- so scripts and probes can use it."""
+reached, 3 when it refuses the API key -- so scripts and probes can use it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ from shared.errors import StagemeshError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 NOT_READY = 1
+KEY_REFUSED = 3
+
+
+class KeyRefused(StagemeshError):
+    """The gateway answered, and refused our API key (401/403): not the same as unreachable."""
 
 
 def register(sub) -> None:
@@ -22,7 +27,8 @@ def register(sub) -> None:
                        description="Stages left to right with layer range, address, state, busy fraction, compute "
                                    "time per micro-batch, hop latency and KV slots, and the gateway's queue, running "
                                    "sequences, micro-batches in flight, tokens/s and TTFT, from one gateway. Exit "
-                                   "code 0 when ready, 1 when not (naming the stage), 2 when the gateway is unreachable.")
+                                   "code 0 when ready, 1 when not (naming the stage), 2 when the gateway is "
+                                   "unreachable, 3 when it refuses the API key (STAGEMESH_API_KEY).")
     p.add_argument("url", nargs="?", default=os.environ.get("STAGEMESH_URL", DEFAULT_URL),
                    help=f"the gateway (default $STAGEMESH_URL or {DEFAULT_URL})")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
@@ -40,6 +46,10 @@ def fetch(url: str, timeout: float = 10.0) -> dict:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            why = "sent no API key: set STAGEMESH_API_KEY to the gateway's key" if not key else \
+                "refused STAGEMESH_API_KEY: it is not the gateway's key"
+            raise KeyRefused(f"{url}/v1/mesh answered {e.code}: the gateway is up and {why}") from None
         raise StagemeshError(f"{url}/v1/mesh answered {e.code}: {e.read()[:300].decode(errors='replace')}") from None
     except (OSError, ValueError) as e:
         raise StagemeshError(f"cannot reach the gateway at {url}: {e}") from None
@@ -92,6 +102,14 @@ def cmd_status(args) -> int:
     from rich.console import Console
 
     console = Console()
+    try:
+        return _status(args, console)
+    except KeyRefused as e:
+        print(f"stagemesh status: {e}", file=sys.stderr)
+        return KEY_REFUSED
+
+
+def _status(args, console) -> int:
     if not args.watch:
         snap = fetch(args.url)
         if args.json:

@@ -1,11 +1,14 @@
 """`stagemesh trace`: pin where a deployment diverges from a reference, layer by layer and step by step.
 
 REF and TARGET are each either an in-process run -- `local`, `local:bfloat16`, `local:float32@10,20` (dtype and
-split points) -- or the URL of a running gateway (`http://127.0.0.1:8000`), traced through a real request."""
+split points) -- or the URL of a running gateway started with --allow-trace (`http://127.0.0.1:8000`), traced through
+a real request."""
 
 from __future__ import annotations
 
 import json
+import os
+import urllib.error
 import urllib.request
 
 import torch
@@ -13,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli_args import add_model_args
+from services.gateway.app import API_KEY_ENV
 from shared.device import DTYPES
 from shared.errors import StagemeshError
 from shared.layers import parse_split
@@ -55,17 +59,31 @@ def run_spec(spec: str, files: ModelFiles, prompt: str, steps: int) -> TraceReco
 
 
 def trace_gateway(url: str, prompt: str, steps: int) -> TraceRecorder:
+    """One traced greedy completion through a gateway started with --allow-trace (the API key from
+    STAGEMESH_API_KEY when set)."""
     body = json.dumps({"prompt": prompt, "max_tokens": steps + 1, "temperature": 0, "ignore_eos": True,
                        "trace": True}).encode()
-    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(API_KEY_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", body, headers)
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             answer = json.loads(r.read())
+    except urllib.error.HTTPError as e:  # the gateway's error says why (e.g. trace off: --allow-trace)
+        try:
+            why = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = str(e)
+        raise StagemeshError(f"tracing through {url} failed: HTTP {e.code}: {why}") from None
     except OSError as e:
         raise StagemeshError(f"tracing through {url} failed: {e}") from None
     trace = answer.get("trace")
     if not trace:
         raise StagemeshError(f"{url} returned no trace; is it a stagemesh gateway?")
+    if trace.get("truncated"):
+        raise StagemeshError(f"{url} stopped the trace at its --trace-budget; trace fewer --steps or a shorter prompt, "
+                             "or raise the gateway's --trace-budget")
     return TraceRecorder.from_json(trace)
 
 

@@ -22,9 +22,11 @@ from services.cli_args import (
     add_model_args,
     add_otlp_args,
     add_scheduler_args,
+    edge_from_args,
     model_flags,
     otlp_from_args,
     serving_from_args,
+    stall_from_args,
 )
 from services.gateway.app import GATEWAY, serve_until_signal
 from services.gateway.main import build_app
@@ -132,6 +134,8 @@ def cmd_up(args) -> int:
         raise StagemeshError(f"--stages {args.stages} must be at least 1")
     otlp_url = otlp_from_args(args)  # the stages export to the same collector
     serving = serving_from_args(args)
+    edge_from_args(args)  # the gateway's edge flags (origins, hosts, trace budget), checked again by build_app
+    stall_from_args(args)
     log_dir = log_dir_from_args(args.log_dir)
     check_port_free(args.host, args.port)
     model_path = check_model(args.model)

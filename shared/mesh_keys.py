@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import stat
+import tempfile
 from dataclasses import dataclass
 
 import zmq.auth
@@ -155,3 +158,48 @@ class KeySet:
         sender = self.upstream_of(enter_at)
         return SocketKeys(self.pair(GATEWAY), self.public(last), last, self.pair(sender),
                           self.public(self.role_of(enter_at)), self.role_of(enter_at))
+
+
+EPHEMERAL_PREFIX = "stagemesh-keys-"  # + the owner's pid + "-" + random: a private key set made for one launch
+
+
+def ephemeral_key_set(num_stages: int) -> str:
+    """A fresh key set in a private (0700) temporary directory named after this process, made after removing the ones
+    that processes no longer alive left behind: a launcher that was SIGKILLed could not delete its own, and its
+    secret keys must not outlive it for long. The caller deletes the directory when it stops."""
+    sweep_orphan_key_sets(tempfile.gettempdir())
+    directory = tempfile.mkdtemp(prefix=f"{EPHEMERAL_PREFIX}{os.getpid()}-")
+    write_key_set(directory, num_stages)
+    return directory
+
+
+def sweep_orphan_key_sets(parent: str) -> list[str]:
+    """Delete the ephemeral key sets in `parent` that this user's processes made and that are no longer alive;
+    returns their paths. Another user's, a living process's and anything not named so are left alone."""
+    removed = []
+    for name in os.listdir(parent):
+        m = re.fullmatch(rf"{EPHEMERAL_PREFIX}(\d+)-[A-Za-z0-9_]+", name)
+        if not m:
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

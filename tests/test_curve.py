@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -28,7 +29,7 @@ from services.launch import (
     wait_ready,
 )
 from shared.errors import StagemeshError
-from shared.mesh_keys import KeySet, write_key_set
+from shared.mesh_keys import KeySet, ephemeral_key_set, sweep_orphan_key_sets, write_key_set
 from shared.pipeline_client import PipelineError
 from shared.protocol import ForwardBatch, SeqEntry, encode
 from shared.steps import Decode, Prefill
@@ -382,6 +383,14 @@ def test_up_gives_its_stages_private_keys_and_they_exit_when_up_is_killed(tmp_pa
         while any(_alive(p) for p in stages) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [p for p in stages if _alive(p)] == []
+        # a SIGKILLed up cannot delete its keys; the next launch on this machine does, before making its own
+        assert os.path.isdir(keys_dir) and os.path.basename(keys_dir).startswith(f"stagemesh-keys-{gw.proc.pid}-")
+        mine = ephemeral_key_set(1)
+        try:
+            assert not os.path.exists(keys_dir)
+            assert sweep_orphan_key_sets(os.path.dirname(mine)) == [] and os.path.isdir(mine)  # a living owner's stays
+        finally:
+            shutil.rmtree(mine)
     finally:
         for p in stages:
             if _alive(p):

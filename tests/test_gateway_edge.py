@@ -17,6 +17,7 @@ import pytest
 
 from loadtest.client import StreamEndedEarly, sse_events
 from services.launch import LocalMesh, StageProcess, start_up
+from tests.conftest import stagemesh_cmd
 
 KEY = "k3y-for-tests"
 GOOD_ORIGIN = "http://good.example"
@@ -126,6 +127,22 @@ async def test_api_key_edge_cases(edge):
             assert r.status == 401
         async with s.get(edge.url + "/metrics", headers=AUTH) as r:
             assert r.status == 200 and "stagemesh_gateway" in await r.text()
+        for given, want in [(f"bearer {KEY}", 200), (f"BEARER {KEY}", 200), (f"BeArEr   {KEY} ", 200),  # RFC 7235
+                            (f"Basic {KEY}", 401), (f"Bearer{KEY}", 401), ("Bearer", 401), (f"bearer {KEY}x", 401),
+                            (f"{KEY}", 401), (f"Bearer {KEY.upper()}", 401)]:
+            async with s.get(edge.url + "/v1/models", headers={"Authorization": given}) as r:
+                assert r.status == want, (given, r.status)
+
+
+@pytest.mark.parametrize("key, rc, says", [(None, 3, "sent no API key"), ("not-the-key", 3, "refused"), (KEY, 0, "")])
+def test_status_with_an_api_key_gateway_tells_a_refused_key_from_unreachable(edge, key, rc, says):
+    env = {k: v for k, v in os.environ.items() if k != "STAGEMESH_API_KEY"}
+    if key is not None:
+        env["STAGEMESH_API_KEY"] = key
+    proc = subprocess.run(stagemesh_cmd("status", edge.url), capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == rc, proc.stderr
+    assert says in proc.stderr and ("STAGEMESH_API_KEY" in proc.stderr) == (rc == 3), proc.stderr
+    assert "cannot reach" not in proc.stderr
 
 
 async def test_origin_policy_cors_and_content_type(edge):

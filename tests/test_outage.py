@@ -6,6 +6,7 @@ authenticated peer sending what it should not, and a stage whose /info is malfor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import os
@@ -24,11 +25,12 @@ import zmq
 from loadtest.client import sse_events
 from services.launch import LocalMesh, RunningGateway, free_ports, start_mesh, wait_ready
 from shared.mesh_keys import KeySet, write_key_set
-from shared.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, encode
+from shared.protocol import BatchError, BatchResult, ForwardBatch, ReleaseSeqs, SeqEntry, encode
 from shared.steps import Decode, Prefill
 from tests.conftest import stagemesh_cmd
 
 KV_SLOTS = 4
+STALL_S = 6  # the gateway's --stall-timeout: well above any micro-batch here, short enough for a test
 
 
 class InfoProxy:
@@ -110,7 +112,8 @@ def outage(tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages",
                                               f"{mesh.stages[0].url},{proxy.url}", "--listen", f"127.0.0.1:{port}",
-                                              "--result-listen", mesh.result_listen, "--keys", mesh.keys_dir),
+                                              "--result-listen", mesh.result_listen, "--keys", mesh.keys_dir,
+                                              "--stall-timeout", str(STALL_S)),
                                 stdout=log, stderr=subprocess.STDOUT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     try:
@@ -305,6 +308,70 @@ async def test_a_stage_with_another_key_set_makes_the_pipeline_not_ready_naming_
     assert result["error"] is None and result["tokens"] == 4, result
 
 
+class Decoy:
+    """A PULL socket holding stage 1's server keys (a thread): what a mis-set --next or a stale DNS entry reaches.
+    Its handshakes succeed, so nothing fails but the micro-batches themselves, which it swallows and counts."""
+
+    def __init__(self, keys_dir: str):
+        pair = KeySet(keys_dir).pair("stage1")
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.curve_server, self.sock.curve_publickey, self.sock.curve_secretkey = True, pair.public, pair.secret
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.swallowed = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if self.sock.poll(100):
+                self.sock.recv_multipart()
+                self.swallowed += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.mark.parametrize("prompts", [[("Explain tides to a child.", 30), ("List prime numbers below fifty, "
+                                                                        "with a remark about each one.", 9)]])
+async def test_micro_batches_lost_past_a_healthy_looking_stage_make_the_pipeline_not_ready_naming_the_hop(
+        clean, prompts):
+    """Stage 0 restarts with its next hop at a decoy holding stage 1's keys: every handshake succeeds and every
+    /info is right, yet each micro-batch vanishes. Within the stall bound (plus a poll) the gateway says so, naming
+    the hop (stage 0 passed the micro-batch on, stage 1 never took it in); the requests are replayed while their
+    replays last and then end with an error that names the hop -- never a hang to their deadline. With stage 0's
+    next hop right again, a request completes."""
+    stage0 = clean.mesh.stages[0]
+    good_args = list(stage0.args)
+    decoy = Decoy(clean.mesh.keys_dir)
+    i = good_args.index("--next")
+    try:
+        clean.restart(0, good_args[:i + 1] + [decoy.address] + good_args[i + 2:])
+        await asyncio.to_thread(wait_ready, [stage0.url], 120, [stage0.proc])
+        await async_until(lambda: _ready(clean.gw), 30, "the gateway never took the restarted stage 0")
+        t0 = time.monotonic()
+        streams = [asyncio.create_task(stream(clean.gw.url, p, n)) for p, n in prompts]
+        await async_until(lambda: "hop stage 0 -> stage 1" in _problem(clean), STALL_S + 10,
+                          "the gateway never named the hop that loses micro-batches")
+        assert "never took it in" in _problem(clean), _problem(clean)
+        assert time.monotonic() - t0 < STALL_S + 10
+        assert decoy.swallowed > 0  # the micro-batches really left stage 0
+        results = await asyncio.wait_for(asyncio.gather(*streams), 12 * (STALL_S + 4))
+        for r in results:
+            assert r["tokens"] == 0 and "hop stage 0 -> stage 1" in str(r["error"]), r
+    finally:
+        clean.restart(0, good_args)
+        decoy.close()
+    await asyncio.to_thread(wait_ready, [stage0.url], 120, [stage0.proc])
+    await async_until(lambda: _ready(clean.gw), 30, "the gateway never became ready with stage 0 right again")
+    result = await stream(clean.gw.url, "Say hello.", 4)
+    assert result["error"] is None and result["tokens"] == 4, result
+
+
 # ---- Medium 4: two deaths in one request ------------------------------------------------------------------------
 
 async def test_two_stage_deaths_in_one_request_cost_two_replays_and_every_stream_completes(clean):
@@ -388,3 +455,80 @@ async def test_a_malformed_info_is_a_problem_named_and_the_poller_lives_on(clean
         clean.proxy.info_body = None
     result = await stream(clean.gw.url, "Say hello.", 4)
     assert result["error"] is None and result["tokens"] == 4, result
+
+
+# ---- Medium 5: trace is an operator's tool --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [{"prompt": "Say hello.", "trace": True},
+                                  {"messages": [{"role": "user", "content": "Hi"}], "trace": True, "stream": True}])
+async def test_trace_is_refused_unless_the_gateway_allows_it(clean, body):
+    """This gateway was started without --allow-trace: a request asking for a trace is refused (403, naming the flag)
+    before it reaches a stage, and `stagemesh trace` against it says what to do."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with aiohttp.ClientSession() as s, s.post(clean.gw.url + path, json=body) as r:
+        assert r.status == 403, await r.text()
+        error = (await r.json())["error"]
+    assert error["code"] == "trace_disabled" and "--allow-trace" in error["message"] and error["param"] == "trace"
+    proc = await asyncio.to_thread(subprocess.run, stagemesh_cmd("trace", "--baseline", clean.gw.url, "--target",
+                                                                 clean.gw.url, "--prompt", "Hi", "--steps", "1"),
+                                   capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "HTTP 403" in proc.stderr and "--allow-trace" in proc.stderr, proc.stderr
+    result = await stream(clean.gw.url, "Say hello.", 4)  # the gateway serves on
+    assert result["error"] is None and result["tokens"] == 4, result
+
+
+# ---- Low 10: refusals counted, forged errors named ------------------------------------------------------------------
+
+def push_from(address: str, messages: list, curve: tuple[bytes, bytes, bytes] | None) -> None:
+    """Send from a fresh PUSH socket; `curve` = (public, secret, server's public) or None for plaintext."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    if curve:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
+    sock.connect(address)
+    for msg in messages:
+        with contextlib.suppress(zmq.Again):
+            sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+    time.sleep(1.5)  # time for the handshake (and its failure) to happen
+    sock.close(0)
+    ctx.term()
+
+
+async def test_refusals_are_counted_and_forged_errors_are_named(clean, smollm2, tmp_path):
+    """Strangers at the gateway's result port -- plaintext, and a CURVE key of another mesh -- and a plaintext one at
+    stage 0 are refused and counted (gateway: handshakes and result-port rejects; stage: handshakes). A holder of the
+    last stage's key forges unknown_sequence for the micro-batch ids the gateway uses: the failover it causes is
+    counted and logged as what it was, not as a restart, and the running request is replayed and completes."""
+    gw, mesh = clean.gw, clean.mesh
+    before = {"in": clean.metric("stagemesh_gateway_handshakes_failed_total", direction="in"),
+              "auth": clean.metric("stagemesh_gateway_result_port_rejected_messages_total", reason="auth"),
+              "stage": stage_metric(mesh.stages[0], "stagemesh_stage_handshakes_failed_total", direction="in")}
+    gateway_public = KeySet(mesh.keys_dir).public("gateway")
+    other = str(tmp_path / "other")
+    write_key_set(other, 2)
+    stranger = KeySet(other).pair("stage1")
+    ids = smollm2.tokenizer.encode("forged")
+    junk = [BatchResult(7, ["x"], [1], [0.0])]
+    await asyncio.to_thread(push_from, mesh.result_listen, junk, None)
+    await asyncio.to_thread(push_from, mesh.result_listen, junk, (stranger.public, stranger.secret, gateway_public))
+    await asyncio.to_thread(push_from, mesh.first_stage, [_forward(FOREIGN_MB, "plain", ids)], None)
+    await async_until(lambda: clean.metric("stagemesh_gateway_handshakes_failed_total", direction="in") > before["in"]
+                      and clean.metric("stagemesh_gateway_result_port_rejected_messages_total", reason="auth")
+                      > before["auth"], 10, "the gateway never counted the strangers at its result port")
+    assert stage_metric(mesh.stages[0], "stagemesh_stage_handshakes_failed_total", direction="in") > before["stage"]
+
+    forged_before = clean.metric("stagemesh_gateway_unknown_sequence_failovers_total")
+    running = asyncio.create_task(stream(gw.url, "Write about the sea, at length.", 40))
+    await async_until(lambda: clean.kv_used() == [1, 1], 60, "the request never started")
+    sent = int(clean.metric("stagemesh_gateway_microbatches_total"))
+    last = KeySet(mesh.keys_dir).pair("stage1")
+    forged = [BatchError(mb, "stage[forged]", "unknown_sequence", "forged by an insider", []) for mb in
+              range(max(1, sent - 5), sent + 400)]
+    await asyncio.to_thread(push_from, mesh.result_listen, forged, (last.public, last.secret, gateway_public))
+    await async_until(lambda: clean.metric("stagemesh_gateway_unknown_sequence_failovers_total") > forged_before, 15,
+                      "no forged error hit a micro-batch in flight")
+    result = await asyncio.wait_for(running, 180)
+    assert result["error"] is None and result["tokens"] == 40, result
+    log = open(gw.log_path).read()
+    assert "answered unknown_sequence" in log and "forged" in log
+    assert "pipeline lost (a stage restarted)" not in log

@@ -3,7 +3,7 @@ a pure function over the stages' /info documents, so each mismatch is one row of
 
 import pytest
 
-from services.gateway.pipeline import check_pipeline
+from services.gateway.pipeline import check_pipeline, stalled_hop
 
 FP = "abc123"
 
@@ -29,3 +29,19 @@ def test_a_consistent_pipeline_passes():
 def test_each_mismatch_is_named(infos, says):
     problem = check_pipeline(infos, FP, 30)
     assert problem is not None and says in problem, problem
+
+
+def _seen(ins: list[int], outs: list[int]) -> dict:
+    return {"recent_mb": {"in": ins, "out": outs}}
+
+
+@pytest.mark.parametrize("infos, mb, says", [
+    ([_seen([], []), _seen([], [])], 7, "hop the gateway -> stage 0: micro-batch 7 sent"),
+    ([_seen([5, 9], [5, 9]), _seen([5], [5])], 9, "hop stage 0 -> stage 1: micro-batch 9"),
+    ([_seen([3], [3]), _seen([3], [])], 3, "stage 1: micro-batch 3 sent 12 s ago never came back; stage 1 took it in"),
+    ([_seen([1, 2], [1]), _seen([1], [1])], 2, "stage 0: micro-batch 2"),
+    ([_seen([4], [4]), _seen([4], [4]), _seen([4], [4])], 4, "hop stage 2 -> the gateway: micro-batch 4"),
+    ([_seen([4], [4]), {}], 4, "a stage does not report which micro-batches it saw"),
+])
+def test_a_lost_micro_batch_is_placed_where_it_stopped(infos, mb, says):
+    assert stalled_hop(infos, mb, 12.3).startswith(says) or says in stalled_hop(infos, mb, 12.3)

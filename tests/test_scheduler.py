@@ -253,9 +253,10 @@ async def test_a_sequence_replayed_too_often_fails_with_a_reason(tiny_path):
     h.scheduler.submit(seq)
     for _ in range(2):
         await h.step()
-        h.pipeline.mark_lost("test")
+        h.pipeline.mark_lost("stage 1 vanished")
     await h.step()
-    assert drain(seq)[-1] == SeqOutput(finish_reason="error", error="the pipeline failed 1 times during this request")
+    assert drain(seq)[-1] == SeqOutput(finish_reason="error", error="the pipeline failed 1 times during this request; "
+                                                                    "the last time: stage 1 vanished")  # the cause
 
 
 def test_text_held_for_a_stop_string_reaches_the_client_when_eos_arrives(smollm2):

@@ -2,6 +2,8 @@
 
 import json
 import subprocess
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -9,11 +11,19 @@ import torch
 from services.launch import start_up
 from shared.layers import balanced_split, split_at
 from shared.runtime import LocalPipeline
-from shared.trace import LAYER_OUTPUT, STAGE_TRANSFER, CaptureHook, compare_captures, trace_local
+from shared.trace import (
+    LAYER_OUTPUT,
+    STAGE_TRANSFER,
+    CaptureHook,
+    TraceRecorder,
+    compare_captures,
+    trace_local,
+)
 from tests.conftest import stagemesh_cmd
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 STEPS = 3
+TRACE_BUDGET = 2 << 20  # the up's --trace-budget: PROMPT's trace fits, a long prompt's prefill alone does not
 
 
 @pytest.fixture(scope="module")
@@ -22,17 +32,31 @@ def reference(smollm2):
                        smollm2.tokenizer.encode(PROMPT), STEPS)
 
 
-def test_in_process_vs_running_3_stage_mesh_is_exactly_equal(tmp_path, smollm2):
-    gw = start_up(3, "float32", str(tmp_path))
-    try:
-        threads = {gw.stage_info(i)["threads"] for i in range(3)}
-        assert len(threads) == 1
-        proc = subprocess.run(stagemesh_cmd("trace", "--baseline", "local:float32", "--target", gw.url,
-                                            "--threads", str(threads.pop()),
-                                            "--prompt", PROMPT, "--steps", str(STEPS), "--json"),
-                              capture_output=True, text=True, timeout=300)
-    finally:
-        gw.stop()
+def traced(url: str, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "trace": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def up3(tmp_path_factory):
+    # one micro-batch in flight: every running request shares it, which is where one trace could leak into another
+    gw = start_up(3, "float32", str(tmp_path_factory.mktemp("trace")), "--allow-trace",
+                  "--trace-budget", str(TRACE_BUDGET), "--max-inflight", "1")
+    yield gw
+    gw.stop()
+
+
+def test_in_process_vs_running_3_stage_mesh_is_exactly_equal(up3, smollm2):
+    gw = up3
+    threads = {gw.stage_info(i)["threads"] for i in range(3)}
+    assert len(threads) == 1
+    proc = subprocess.run(stagemesh_cmd("trace", "--baseline", "local:float32", "--target", gw.url,
+                                        "--threads", str(threads.pop()),
+                                        "--prompt", PROMPT, "--steps", str(STEPS), "--json"),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     rows = result["comparisons"]
@@ -45,6 +69,45 @@ def test_in_process_vs_running_3_stage_mesh_is_exactly_equal(tmp_path, smollm2):
     assert all(r["problem"] is None and r["max_abs_diff"] == 0.0 for r in rows), [r for r in rows if r["max_abs_diff"]][:3]
     assert result["first_divergence"] is None
     assert result["tokens_baseline"] == result["tokens_target"] and len(result["tokens_target"]) == STEPS + 1
+
+
+@pytest.mark.parametrize("prompts", [("Rain falls on the quiet harbour town", "Seven planets circle a dim red star, "
+                                      "and on the fourth one lives"), ("Hello", "Once upon a time in a land far away")])
+def test_traced_requests_sharing_the_mesh_each_get_only_their_own_activations(up3, smollm2, prompts):
+    """Two traced requests (and an untraced one) at once: each trace holds every layer at every step of its own
+    prompt -- the same numbers as an in-process run of that prompt alone -- and nothing of the other's (a victim's
+    activations once reached whoever shared its micro-batch)."""
+    with ThreadPoolExecutor(3) as pool:
+        plain = pool.submit(lambda: urllib.request.urlopen(urllib.request.Request(
+            up3.url + "/v1/completions", json.dumps({"prompt": "An untraced bystander", "max_tokens": 6}).encode(),
+            {"Content-Type": "application/json"}), timeout=300).read())
+        answers = list(pool.map(lambda p: traced(up3.url, p, STEPS + 1), prompts))
+        assert "trace" not in json.loads(plain.result())
+    for prompt, answer in zip(prompts, answers):
+        ids = smollm2.tokenizer.encode(prompt)
+        trace = answer["trace"]
+        assert trace["prompt_ids"] == ids and trace["truncated"] is False
+        got = TraceRecorder.from_json(trace)
+        assert len(got.captures) == (30 + 2) * (STEPS + 1)  # 30 layers and 2 stage boundaries per step, no more
+        ref = trace_local(LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=1), ids, STEPS)
+        result = compare_captures(ref, got, threshold=1e-3)
+        assert result.first_divergence is None, result.first_divergence
+        assert all(c.problem is None for c in result.comparisons), [c for c in result.comparisons if c.problem][:3]
+
+
+def test_a_traced_request_stops_capturing_at_its_budget(up3, smollm2):
+    """A prompt whose first prefill chunk (128 tokens) is already over the gateway's --trace-budget: its trace holds
+    that chunk and no later chunk or decode step, says it is truncated, and the request itself completes."""
+    prompt = " ".join(f"word{i}" for i in range(100))
+    assert len(smollm2.tokenizer.encode(prompt)) > 128
+    answer = traced(up3.url, prompt, 8)
+    trace = answer["trace"]
+    assert trace["truncated"] is True and answer["usage"]["completion_tokens"] == 8
+    got = TraceRecorder.from_json(trace)
+    positions = {c.position for c in got.captures}
+    assert positions == {0}, sorted(positions)  # the prefill only: every later step asked for nothing
+    held = sum(len(c.data or b"") for c in got.captures)
+    assert TRACE_BUDGET <= held + 256 * len(got.captures) < 3 * TRACE_BUDGET
 
 
 def test_float32_vs_bfloat16_shows_the_difference_growing(smollm2, reference):

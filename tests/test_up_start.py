@@ -61,7 +61,10 @@ def test_bad_model_exits_at_once(tmp_path, model, words):
     (["--stages", "two"], "--stages"),
     (["--stages", "0"], "--stages"),
     (["--dtype", "float8"], "--dtype"),
-], ids=["port-range", "stages-type", "stages-zero", "dtype"])
+    (["--trace-budget", "lots"], "--trace-budget"),
+    (["--stall-timeout", "0"], "--stall-timeout"),
+    (["--allow-origin", "example.com/x"], "--allow-origin"),
+], ids=["port-range", "stages-type", "stages-zero", "dtype", "trace-budget", "stall-timeout", "origin"])
 def test_bad_flag_is_one_line(tmp_path, flags, word):
     rc, err, took = run_up("--port", str(free_port()), *flags, log_dir=str(tmp_path))  # the last --port wins
     assert_fast_one_line(rc, err, took, str(tmp_path), word)

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, watch_transport
 from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
 from services.gateway.scheduler import QueueFull, Scheduler, Sequence, new_seq_id
@@ -60,6 +60,8 @@ class GatewayConfig:
     metrics_require_key: bool = False  # /metrics needs the API key too
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    allow_trace: bool = False  # answer "trace": true (an operator's tool: every layer's activations of the request)
+    trace_budget: int = 64 << 20  # activation bytes one traced request may collect
 
 
 class TokenizeLanes:
@@ -123,6 +125,10 @@ class Gateway:
     async def prepare(self, spec: GenerationSpec) -> Sequence:
         """Check the size, tokenize (off the loop, in a lane by size: chat templates may take up to their time
         cap) and check the context."""
+        if spec.trace and not self.config.allow_trace:  # another request's activations, the model's internals
+            raise RequestError("\"trace\" is an operator's debugging tool and this gateway does not answer it: start "
+                               "the gateway (or up) with --allow-trace, or leave \"trace\" out", "trace", status=403,
+                               code="trace_disabled")
         if self.draining:
             raise RequestError("the gateway is draining before it stops; retry on another replica or shortly",
                                status=503, code="draining")
@@ -152,7 +158,8 @@ class Gateway:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                                f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
         timeout = spec.timeout_s or self.config.request_timeout_s
-        return Sequence(seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
+        return Sequence(trace_budget=self.config.trace_budget if spec.trace else 0,
+                        seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
                         stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
                         deadline=time.perf_counter() + timeout, trace=spec.trace)
 
@@ -281,7 +288,9 @@ def _check_key(request: web.Request) -> None:
     given = request.headers.get("Authorization", "")
     if not given and request.path == WS_PATH:  # browsers cannot set headers on a websocket: the query, here only
         given = f"Bearer {request.query.get('api_key', '')}"
-    if not _key_matches(given, f"Bearer {cfg.api_key}"):
+    # RFC 7235: the scheme is case-insensitive ("bearer" is "Bearer"), then one or more spaces, then the token
+    scheme, _, token = given.strip().partition(" ")
+    if not (_key_matches(scheme.lower(), "bearer") & _key_matches(token.strip(), cfg.api_key)):
         hint = " (or ?api_key= on the websocket)" if request.path == WS_PATH else ""
         raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>'{hint} ({API_KEY_ENV})",
                            status=401, code="invalid_api_key")
@@ -406,6 +415,7 @@ def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_i
     from services.gateway.ws import stream_ws
 
     metrics_ = GatewayMetrics()
+    watch_transport(metrics_, lambda: pipeline.client.transport.stats if pipeline.client else None)
     scheduler = Scheduler(pipeline, metrics_, max_inflight=max_inflight, config=serving, otlp=otlp)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
     app[GATEWAY] = Gateway(files, pipeline, scheduler, metrics_, config)

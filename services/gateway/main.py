@@ -17,6 +17,7 @@ from services.cli_args import (
     otlp_from_args,
     parse_host_port,
     serving_from_args,
+    stall_from_args,
 )
 from services.gateway.app import API_KEY_ENV, GatewayConfig, make_app, serve_until_signal
 from services.gateway.pipeline import Pipeline
@@ -59,7 +60,7 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
         key_set.check_stages(len(stage_urls), "the gateway's --stages")
         keys = key_set.for_gateway()
     pipeline = Pipeline(stage_urls, result_listen, files.loader.fingerprint, files.config.num_layers, first_stage,
-                        keys=keys)
+                        keys=keys, stall_s=stall_from_args(args))
     # K = stages: each stage has a micro-batch to work on; more splits the running sequences into smaller
     # micro-batches, which on a CPU costs more than the gateway's turnaround it hides (compare --max-inflight
     # values with benchmarks.compare_llamacpp, which passes up flags after --)

@@ -1,6 +1,12 @@
 """Prometheus metrics of the gateway (own registry per app)."""
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from shared.protocol import REJECT_REASONS
+from shared.transport import TransportStats
 
 REJECT_STATUSES = ("400", "401", "403", "404", "408", "413", "429", "500", "503")
 OUTCOMES = ("stop", "length", "cancelled", "timeout", "error")
@@ -45,5 +51,35 @@ class GatewayMetrics:
         self.result_hop = Histogram("stagemesh_gateway_result_hop_latency_seconds",
                                     "Last stage's send to the gateway's receipt of a result", buckets=HOP_BUCKETS,
                                     registry=r)
+        self.unknown_sequence_failovers = Counter(
+            "stagemesh_gateway_unknown_sequence_failovers",
+            "Failovers because a stage answered unknown_sequence (it restarted between health polls, or a holder of "
+            "the last stage's key forged the answer)", registry=r)
         self.pipeline_ready = Gauge("stagemesh_gateway_pipeline_ready", "1 when every stage is ready and consistent",
                                     registry=r)
+
+
+class _ResultPortCollector:
+    """What the gateway's own sockets refused, read at scrape time from its transport (one source of truth): messages
+    dropped at the result port by reason, and failed handshakes per direction ("in": anyone reaching the result port;
+    "out": dialling stage 0)."""
+
+    def __init__(self, stats: Callable[[], TransportStats | None]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats() or TransportStats()  # no client yet: zeros, so the series exist from the start
+        rejected = CounterMetricFamily("stagemesh_gateway_result_port_rejected_messages",
+                                       "Messages the gateway's result port dropped, by reason", labels=["reason"])
+        for reason in REJECT_REASONS:
+            rejected.add_metric([reason], s.rejected.get(reason, 0))
+        yield rejected
+        failed = CounterMetricFamily("stagemesh_gateway_handshakes_failed",
+                                     "Failed CURVE/ZMTP handshakes on the gateway's sockets", labels=["direction"])
+        for direction in ("in", "out"):
+            failed.add_metric([direction], s.handshakes_failed[direction])
+        yield failed
+
+
+def watch_transport(metrics: GatewayMetrics, stats: Callable[[], TransportStats | None]) -> None:
+    metrics.registry.register(_ResultPortCollector(stats))

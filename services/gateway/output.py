@@ -72,4 +72,6 @@ class OutputProcessor:
         if seq.trace:
             rec = TraceRecorder([HookCapture.from_wire(c) for c in seq.captures], seq.output_ids, len(seq.prompt_ids))
             done["trace"] = rec.to_json(seq.prompt_ids)
+            # over its budget: the captures stop at some step; say so rather than look like a complete trace
+            done["trace"]["truncated"] = seq.trace_bytes >= seq.trace_budget
         return done

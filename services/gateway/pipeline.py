@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from urllib.parse import urlparse
 
@@ -42,8 +43,12 @@ INFO_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "keys": ("null or a map of public keys (strings or null)",
              lambda v: v is None or isinstance(v, dict) and all(isinstance(k, (str, type(None))) for k in v.values())),
     "handshakes_failed": ("a map of counts", lambda v: isinstance(v, dict) and all(map(_is_int, v.values()))),
+    "recent_mb": ("a map of two lists of micro-batch ids, in and out",
+                  lambda v: isinstance(v, dict) and all(isinstance(v.get(k), list) and len(v[k]) <= 1024
+                                                        and all(map(_is_int, v[k])) for k in ("in", "out"))),
 }
-OPTIONAL_INFO = frozenset({"keys", "handshakes_failed"})  # stages of an older build do not report them
+OPTIONAL_INFO = frozenset({"keys", "handshakes_failed", "recent_mb"})  # stages of an older build do not report them
+DEFAULT_STALL_S = 30.0  # a micro-batch not back after this long is lost: far above any one micro-batch's compute
 
 
 def info_problem(info) -> str | None:
@@ -118,9 +123,34 @@ def check_keys(infos: list[dict], keys: SocketKeys | None) -> str | None:
     return None
 
 
+def stalled_hop(infos: list[dict], mb_id: int, age_s: float) -> str:
+    """Where micro-batch `mb_id`, sent `age_s` ago and never answered, stopped: the first stage whose /info does not
+    list it as taken in (the hop before it lost it), or that took it in and never passed it on (stuck computing),
+    else the hop back to the gateway. `infos`: consistent stages' /info; their "recent_mb" lists the ids each
+    stage's loop last took in and passed on (absent for an older build: then the pipeline as a whole is named)."""
+    lost = f"micro-batch {mb_id} sent {age_s:.0f} s ago never came back"
+    if any("recent_mb" not in i for i in infos):
+        return f"{lost}; a stage does not report which micro-batches it saw (an older build)"
+    before = "the gateway"
+    for i, info in enumerate(infos):
+        seen = info["recent_mb"]
+        if mb_id not in seen["in"]:
+            return (f"hop {before} -> stage {i}: {lost}, and stage {i} never took it in (something else serves "
+                    f"stage {i}'s address, or the network between them drops it)")
+        if mb_id not in seen["out"]:
+            return f"stage {i}: {lost}; stage {i} took it in and never passed it on (its compute is stuck?)"
+        before = f"stage {i}"
+    return (f"hop {before} -> the gateway: {lost}, and {before} passed it on (its results go elsewhere than this "
+            "gateway's --result-listen, or the network drops them)")
+
+
 class Pipeline:
+    """`stall_s`: a micro-batch in flight longer than this marks the pipeline not ready, naming where it stopped
+    (stalled_hop), for as long again or until a stage restarts; its sequences are replayed after that."""
+
     def __init__(self, stage_urls: list[str], result_listen: str, fingerprint: str, num_layers: int,
-                 first_stage: str | None = None, poll_s: float = 2.0, keys: SocketKeys | None = None):
+                 first_stage: str | None = None, poll_s: float = 2.0, keys: SocketKeys | None = None,
+                 stall_s: float = DEFAULT_STALL_S):
         self.keys = keys  # the gateway's CURVE keys (None: plaintext, only with --insecure-plaintext)
         self.stage_urls = [u.rstrip("/") for u in stage_urls]
         self.result_listen = result_listen
@@ -134,9 +164,13 @@ class Pipeline:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self.generation = 0  # bumped only by mark_lost(): KV state in the pipeline is gone
+        self.lost_reason = ""  # why, the last time
         self._incarnations: list[str] | None = None
         self._dial_failures: list[int] | None = None  # each sender's failed outbound handshakes at the last check
         self.on_unexpected_result: Callable[[], None] | None = None  # handed to the client (the gateway counts)
+        self.stall_s = stall_s
+        # (why, monotonic time it holds until, the stages' incarnations then) after a micro-batch was lost
+        self._stall: tuple[str, float, list[str]] | None = None
 
     @property
     def ready(self) -> bool:
@@ -154,7 +188,29 @@ class Pipeline:
         """The one place that declares the pipeline's KV state lost (a stage died, restarted, or forgot a
         sequence): the scheduler sees the new generation and replays every running sequence."""
         self.generation += 1
+        self.lost_reason = reason
         log.warning("pipeline state lost (%s): generation %d", reason, self.generation)
+
+    def mark_stalled(self, mb_id: int, age_s: float) -> None:
+        """A micro-batch has been in flight longer than stall_s: the pipeline is not ready, naming where it stopped,
+        for stall_s more or until a stage restarts (a fix); its KV state counts as lost (the scheduler replays)."""
+        infos = [i for i in self.infos if isinstance(i, dict)]
+        why = stalled_hop(infos, mb_id, age_s) if len(infos) == len(self.infos) else f"micro-batch {mb_id} was lost"
+        self._stall = (why, time.monotonic() + self.stall_s, [i["incarnation"] for i in infos])
+        log.warning("pipeline %s", why)
+        if self.problem is None:
+            self.mark_lost(why)
+        self.problem = why
+
+    def _stalled(self) -> str | None:
+        """The stall still held (mark_stalled), or None once it expired or a stage restarted since."""
+        if self._stall is None:
+            return None
+        why, until, incarnations = self._stall
+        if time.monotonic() < until and [i["incarnation"] for i in self.infos] == incarnations:
+            return why
+        self._stall = None
+        return None
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3))
@@ -208,7 +264,7 @@ class Pipeline:
         self.infos = list(await asyncio.gather(*(self._info(u) for u in self.stage_urls)))
         problem = check_pipeline(self.infos, self.fingerprint, self.num_layers)
         if problem is None:
-            problem = check_keys(self.infos, self.keys) or self._failed_dials()
+            problem = check_keys(self.infos, self.keys) or self._failed_dials() or self._stalled()
         if problem != self.problem:
             (log.info if problem is None else log.warning)("pipeline %s", "consistent" if problem is None else problem)
             if problem is not None and self.problem is None:

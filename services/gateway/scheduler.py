@@ -69,6 +69,8 @@ class Sequence(SequenceState):
     replays: int = 0  # replays started: counted when its first replay micro-batch is sent
     replay_due: bool = False  # reset for replay, that micro-batch not sent yet
     captures: list[dict] = field(default_factory=list)  # trace captures (wire form), when traced
+    trace_budget: int = 0  # activation bytes its trace may collect (GatewayConfig.trace_budget)
+    trace_bytes: int = 0  # ... collected so far: once at the budget, its micro-batches ask for no more captures
     t_arrival: float = field(default_factory=time.perf_counter)
     t_admitted: float | None = None
     t_first: float | None = None
@@ -80,6 +82,16 @@ class Sequence(SequenceState):
     @property
     def in_flight(self) -> bool:
         return self.feeding > 0
+
+    @property
+    def tracing(self) -> bool:
+        """Its next micro-batch asks the stages for captures: traced, and under its capture budget."""
+        return self.trace and self.trace_bytes < self.trace_budget
+
+    def take_captures(self, captures: list[dict]) -> None:
+        """Keep the captures of its own rows (the stages captured only them), counted against its budget."""
+        self.captures.extend(captures)
+        self.trace_bytes += sum(len(c.get("data") or b"") + 256 for c in captures)  # 256: the summary and names
 
     def reset_for_replay(self) -> None:
         """Prefill the history again. Every loss noticed before the replay is sent (a stage's death, then its restart
@@ -103,6 +115,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.inflight: dict[int, list[Sequence]] = {}
+        self._sent_at: dict[int, float] = {}  # micro-batch in flight -> perf_counter time sent, oldest first
+        self._traced: dict[int, Sequence] = {}  # micro-batch in flight -> the one sequence whose rows it captures
         self.max_inflight_seen = 0
         self._release: list[str] = []
         self._wake = asyncio.Event()
@@ -204,15 +218,17 @@ class Scheduler:
             if client is not None:
                 client.abandon(mb)
         self.inflight.clear()
+        self._sent_at.clear()
+        self._traced.clear()
         self.metrics.failovers.inc()
         for seq in list(self.running.values()):
             if seq.replays >= self.max_replays:
-                self.finish(seq, "error", f"the pipeline failed {seq.replays} times during this request")
+                self.finish(seq, "error", f"the pipeline failed {seq.replays} times during this request; the last "
+                                          f"time: {self.pipeline.problem or self.pipeline.lost_reason}")
             else:
                 seq.reset_for_replay()
         self._replay_pending = True  # release what surviving stages still hold before replaying
-        log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.problem or "a stage restarted",
-                    len(self.running))
+        log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.lost_reason, len(self.running))
 
     def _admit(self) -> None:
         limit = self.max_running
@@ -267,6 +283,11 @@ class Scheduler:
                     self.finish(seq, "error", f"the pipeline is unavailable: {self.pipeline.problem}")
             return
         self._lost_since = None
+        if self._sent_at:  # dicts keep insertion order: the first is the oldest in flight
+            mb, sent = next(iter(self._sent_at.items()))
+            if now - sent > self.pipeline.stall_s:
+                self.pipeline.mark_stalled(mb, now - sent)  # not ready, naming where; the next step replays
+                return
         if self._replay_pending:
             self._replay_pending = False
             self._release.extend(self.running)
@@ -281,10 +302,13 @@ class Scheduler:
             entries, tokens, seqs = batch
             mb = client.next_mb_id()
             self.inflight[mb] = seqs
+            self._sent_at[mb] = time.perf_counter()
             self.max_inflight_seen = max(self.max_inflight_seen, len(self.inflight))
-            traced = next((s.seq_id for s in seqs if s.trace), None)
+            traced = next((s for s in seqs if s.tracing), None)  # _build_batch puts at most one in
+            if traced is not None:
+                self._traced[mb] = traced
             batch = ForwardBatch(mb, entries, tokens=torch.tensor(tokens, dtype=torch.int64),
-                                 trace={"seq_id": traced} if traced else None)
+                                 trace={"seq_id": traced.seq_id} if traced else None)
             if self.otlp is not None:
                 self._start_microbatch_span(batch, seqs)
             fut = await client.submit(batch)
@@ -293,7 +317,9 @@ class Scheduler:
         self._update_gauges()
 
     def _build_batch(self):
-        """The next micro-batch: at most ceil(running / K) sequences and token_budget tokens, decodes first."""
+        """The next micro-batch: at most ceil(running / K) sequences and token_budget tokens, decodes first, and at
+        most one sequence whose trace is collecting (the stages capture one sequence's rows per micro-batch; a second
+        waits for the next micro-batch, so each gets every step and only its own activations)."""
         ready = [s for s in self.running.values() if not s.in_flight and not s.done]
         if not ready:
             return None
@@ -301,9 +327,14 @@ class Scheduler:
         decodes = [s for s in ready if not s.prefilling]
         prefills = [s for s in ready if s.prefilling]
         entries, tokens, seqs, budget = [], [], [], self.config.token_budget
+        tracing = False
         for s in decodes + prefills:
             if len(seqs) >= per_batch or budget <= 0:
                 break
+            if s.tracing:
+                if tracing:
+                    continue
+                tracing = True
             entry, toks = s.next_step(min(self.config.prefill_chunk, budget))
             s.feeding = len(toks)
             s.sent = True
@@ -321,12 +352,17 @@ class Scheduler:
         if self.otlp is not None:
             self._end_microbatch_span(mb, fut)
         seqs = self.inflight.pop(mb, [])
+        self._sent_at.pop(mb, None)
+        traced = self._traced.pop(mb, None)
         self._wake.set()
         error = None if fut.cancelled() else fut.exception()
         result: BatchResult | None = None if error or fut.cancelled() else fut.result()
         if isinstance(error, PipelineError) and error.code == UnknownSequence.code:
-            # a stage lost our sequences (it restarted between health polls): replay them
-            self.pipeline.mark_lost(str(error))
+            # a stage lost our sequences: it restarted between health polls -- or a holder of the last stage's key
+            # forged the answer (only the last stage's key reaches this port); either way replaying is safe
+            self.metrics.unknown_sequence_failovers.inc()
+            self.pipeline.mark_lost(f"{error.error.stage} answered unknown_sequence for micro-batch {mb} (it restarted "
+                                    f"between health polls, or a holder of the last stage's key forged it): {error}")
             return
         if isinstance(error, PipelineError) and error.code == KVCacheFull.code:
             self._kv_full(seqs)
@@ -344,8 +380,8 @@ class Scheduler:
                 self.finish(s, "error", msg)
                 continue
             s.advance(fed)
-            if s.trace and result is not None:
-                s.captures.extend(result.captures)
+            if s is traced and result is not None:  # the captures are its rows, never another sequence's
+                s.take_captures(result.captures)
             if s.seq_id in sampled:
                 self._accept_token(s, *sampled[s.seq_id], now)
         self._update_gauges()

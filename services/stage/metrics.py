@@ -26,6 +26,12 @@ class _LiveCollector:
         for reason in REJECT_REASONS:
             rejected.add_metric([reason], s["rejected"].get(reason, 0))
         yield rejected
+        failed = CounterMetricFamily("stagemesh_stage_handshakes_failed", "Failed CURVE/ZMTP handshakes, by direction "
+                                     "(in: whoever reaches the input port; out: dialling the next hop)",
+                                     labels=["direction"])
+        for direction in ("in", "out"):
+            failed.add_metric([direction], (s.get("handshakes_failed") or {}).get(direction, 0))
+        yield failed
         yield GaugeMetricFamily("stagemesh_stage_queue_depth", "Prefetched inputs waiting for compute", value=s["queue_depth"])
         yield GaugeMetricFamily("stagemesh_stage_kv_slots_used", "KV cache slots held by live sequences", value=s["kv_used"])
         yield GaugeMetricFamily("stagemesh_stage_kv_slots", "KV cache slots in total", value=s["kv_slots"])

@@ -8,6 +8,7 @@ import functools
 import logging
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class StageIdentity:
 
 
 DEFAULT_SLOT_LEASE_S = 120.0
+RECENT_MB = 64  # micro-batch ids /info lists as taken in and passed on: the gateway finds where a lost one stopped
 
 
 def compute_executor() -> ThreadPoolExecutor:
@@ -80,11 +82,15 @@ class StageWorker:
         self.busy_s = self.wait_s = 0.0
         self.mb_count = self.hop_count = 0  # with busy_s and hop_s: what /info reports for the gateway's mesh view
         self.hop_s = 0.0
+        # the ids of the last RECENT_MB ForwardBatches this loop took in, and passed on (result or hidden state)
+        self.recent_in: deque[int] = deque(maxlen=RECENT_MB)
+        self.recent_out: deque[int] = deque(maxlen=RECENT_MB)
 
     def live_stats(self) -> dict:
         stats = self.io.transport.stats
         return {"bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out, "send_seconds": self.io.send_seconds,
-                "rejected": dict(stats.rejected), "queue_depth": self.io.queue_depth,
+                "rejected": dict(stats.rejected), "handshakes_failed": dict(stats.handshakes_failed),
+                "queue_depth": self.io.queue_depth,
                 "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots,
                 "bubble_ratio": self.wait_s / (self.wait_s + self.busy_s) if self.wait_s + self.busy_s else 0.0}
 
@@ -104,6 +110,7 @@ class StageWorker:
                 if isinstance(msg, ForwardBatch) and msg.hop_s is not None:
                     self._hopped(max(0.0, msg.hop_s))
                 if isinstance(msg, ForwardBatch):
+                    self.recent_in.append(msg.mb_id)
                     t0 = time.perf_counter()
                     span = None if self.otlp is None else self._start_span(msg)
                     out = await loop.run_in_executor(self.compute_thread, self.compute, msg)
@@ -111,6 +118,7 @@ class StageWorker:
                     if span is not None:
                         self.otlp.end(span, error=out.message if isinstance(out, BatchError) else None)
                     await self.io.send(out)
+                    self.recent_out.append(msg.mb_id)
                 elif isinstance(msg, ReleaseSeqs):
                     if msg.everything:
                         held = self.runtime.kv.holders
@@ -261,6 +269,7 @@ class StageWorker:
             "rejected": dict(self.io.transport.stats.rejected),
             "handshakes_failed": dict(self.io.transport.stats.handshakes_failed),
             "keys": self._keys_info,
+            "recent_mb": {"in": list(self.recent_in), "out": list(self.recent_out)},
             # cumulative, with this process's monotonic clock, so a poller can take exact rates between two polls
             "clock_s": round(time.monotonic(), 4), "microbatches": self.mb_count,
             "sending_seconds": round(self.io.send_seconds, 4), "hop_seconds": round(self.hop_s, 6), "hops": self.hop_count,
