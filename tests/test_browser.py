@@ -245,6 +245,10 @@ async def test_key_asked_once_markdown_renders_and_reload_keeps_conversation_and
             assert [m["role"] for m in kept] == ["user", "assistant"] and len(kept[1]["content"]) > 10, kept
             assert await dt.js("document.querySelectorAll('#conversations li').length") == 2
             await screenshot(dt, "chat-two-conversations.png")
+            # the mesh view's EventSource carries the kept key too (it cannot send a header)
+            await dt.js("location.hash = '#mesh'; true")
+            await wait_js(dt, "document.getElementById('mesh-verdict').textContent === 'ready' && "
+                              "!!document.getElementById('stage-1')", 30, "the mesh view in API key mode")
             assert not csp_violations(dt), csp_violations(dt)
 
 

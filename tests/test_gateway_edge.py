@@ -119,8 +119,12 @@ async def test_api_key_edge_cases(edge):
     async with aiohttp.ClientSession() as s:
         async with s.get(edge.url + "/v1/stream?api_key=%C3%A9") as r:  # the websocket's query key, non-ASCII
             assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
-        async with s.get(edge.url + f"/v1/models?api_key={KEY}") as r:  # keys in URLs: the websocket only
+        async with s.get(edge.url + f"/v1/models?api_key={KEY}") as r:  # keys in URLs: the websocket and mesh stream only
             assert r.status == 401, await r.text()
+        async with s.get(edge.url + "/v1/mesh/stream") as r:  # the page's EventSource, which cannot send a header
+            assert r.status == 401
+        async with s.get(edge.url + f"/v1/mesh/stream?api_key={KEY}") as r:
+            assert r.status == 200 and (await r.content.readuntil(b"\n\n")).startswith(b"data: ")
         async with s.get(edge.url + "/v1/models", headers=AUTH) as r:
             assert r.status == 200
         async with s.get(edge.url + "/metrics") as r:  # --metrics-require-key

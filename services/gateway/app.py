@@ -280,18 +280,21 @@ def origin_allowed(request: web.Request, origin: str) -> bool:
     return bool(parts.scheme and parts.netloc) and o == _own_origin(request)
 
 
+QUERY_KEY_PATHS = (WS_PATH, "/v1/mesh/stream")  # a websocket and an EventSource: no way to set a header
+
+
 def _check_key(request: web.Request) -> None:
     cfg = request.app[GATEWAY].config
     needs_key = request.path.startswith("/v1/") or (cfg.metrics_require_key and request.path == "/metrics")
     if not cfg.api_key or not needs_key:
         return
     given = request.headers.get("Authorization", "")
-    if not given and request.path == WS_PATH:  # browsers cannot set headers on a websocket: the query, here only
+    if not given and request.path in QUERY_KEY_PATHS:  # browsers cannot set headers on these: the query, here only
         given = f"Bearer {request.query.get('api_key', '')}"
     # RFC 7235: the scheme is case-insensitive ("bearer" is "Bearer"), then one or more spaces, then the token
     scheme, _, token = given.strip().partition(" ")
     if not (_key_matches(scheme.lower(), "bearer") & _key_matches(token.strip(), cfg.api_key)):
-        hint = " (or ?api_key= on the websocket)" if request.path == WS_PATH else ""
+        hint = " (or ?api_key= on the websocket and the mesh stream)" if request.path in QUERY_KEY_PATHS else ""
         raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>'{hint} ({API_KEY_ENV})",
                            status=401, code="invalid_api_key")
 

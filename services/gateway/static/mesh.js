@@ -100,7 +100,8 @@ function drawMesh(snap) {
 function openMesh() {
   if (meshSource) return;
   const conn = document.getElementById("mesh-conn");
-  meshSource = new EventSource("/v1/mesh/stream");
+  const key = typeof apiKey === "function" ? apiKey() : "";  // EventSource sends no headers: the key as a query
+  meshSource = new EventSource("/v1/mesh/stream" + (key ? "?api_key=" + encodeURIComponent(key) : ""));
   meshSource.onopen = () => { conn.textContent = "live"; };
   meshSource.onerror = () => { conn.textContent = "reconnecting…"; };
   meshSource.onmessage = (event) => { drawMesh(JSON.parse(event.data)); };
