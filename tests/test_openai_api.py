@@ -120,3 +120,14 @@ async def test_websocket_envelope_is_not_an_unknown_field_but_a_stray_one_is(up)
                 seen[ev["id"]] = ev["type"] if ev["type"] == "done" else ev["message"]
         assert seen["a"] == "done"
         assert "frobnicate" in seen["b"]
+
+
+def test_message_fields_that_would_be_dropped_are_refused_and_nulls_pass():
+    def msg(**kw):
+        return {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", **kw}]}
+
+    parse_generation(msg(refusal=None, tool_calls=None, audio=None), True, 8192)
+    assert refused(msg(name="bob"), True).param == "messages[1].name"
+    assert refused(msg(tool_calls=[{"id": "c"}]), True).code == "unsupported_parameter"
+    err = refused(msg(colour="red"), True)
+    assert err.param == "messages[1].colour" and err.code == "unknown_parameter"

@@ -126,6 +126,13 @@ def _content(msg: dict, i: int) -> str:
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
+# Message fields OpenAI defines that would change the prompt but are not rendered yet (refused unless null).
+MESSAGE_NOT_YET = {"name": "the chat template has no participant names", "tool_calls": "tools are not implemented",
+                   "tool_call_id": "tools are not implemented", "function_call": "tools are not implemented",
+                   "audio": "text only", "refusal": "an assistant refusal is not rendered",
+                   "annotations": "not rendered"}
+
+
 def parse_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -135,6 +142,14 @@ def parse_messages(value: Any) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}] needs a role among {', '.join(ROLES)}", f"messages[{i}].role")
+        for key, v in m.items():  # null = left out (the SDK echoes an assistant message with refusal: null, ...)
+            if key in ("role", "content") or v is None:
+                continue
+            if key in MESSAGE_NOT_YET:
+                raise RequestError(f"messages[{i}].{key} is not supported by this server yet ({MESSAGE_NOT_YET[key]}); "
+                                   "leave it out", f"messages[{i}].{key}", code="unsupported_parameter")
+            raise RequestError(f"Unrecognized message field supplied: messages[{i}].{key}; a message has 'role' and "
+                               "'content'", f"messages[{i}].{key}", code="unknown_parameter")
         out.append({"role": m["role"], "content": _content(m, i)})
     if sum(len(m["content"]) for m in out) > MAX_PROMPT_CHARS:
         raise RequestError(f"messages exceed {MAX_PROMPT_CHARS} characters", "messages")
