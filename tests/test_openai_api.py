@@ -31,7 +31,7 @@ def test_an_unknown_field_is_a_400_naming_it(chat, field, value):
     assert err.param == field and f"'{field}'" in err.message and err.code == "unknown_parameter"
 
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -1), ("min_p", 0.1),
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -1),
                                          ("repetition_penalty", 1.2), ("logit_bias", {"42": 5}), ("top_logprobs", 3),
                                          ("response_format", {"type": "json_object"}), ("echo", True), ("best_of", 2),
                                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -62,6 +62,11 @@ def test_null_is_left_out_and_fields_of_the_other_endpoint_are_named():
 def test_n_other_than_1_is_a_clear_400(n):
     err = refused({**CHAT, "n": n}, True)
     assert err.param == "n" and "parallel requests" in err.message
+
+
+def test_min_p_is_read_and_range_checked():
+    assert parse_generation({**CHAT, "min_p": 0.2}, True, 8192).sampling.min_p == 0.2
+    assert refused({**CHAT, "min_p": 2}, True).param == "min_p"
 
 
 def test_completions_logprobs_integer():
@@ -131,3 +136,13 @@ def test_message_fields_that_would_be_dropped_are_refused_and_nulls_pass():
     assert refused(msg(tool_calls=[{"id": "c"}]), True).code == "unsupported_parameter"
     err = refused(msg(colour="red"), True)
     assert err.param == "messages[1].colour" and err.code == "unknown_parameter"
+
+
+def test_min_p_reaches_the_last_stage(client):
+    """min_p 1 keeps only the most likely token: a hot seeded draw becomes the greedy text; without it, it is not."""
+    kw = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    hot = {**kw, "temperature": 2.0, "seed": 3}
+    assert client.completions.create(**hot).choices[0].text != greedy
+    kw["extra_body"] = {"ignore_eos": True, "min_p": 1.0}
+    assert client.completions.create(temperature=2.0, seed=3, **kw).choices[0].text == greedy

@@ -159,7 +159,7 @@ def parse_messages(value: Any) -> list[dict]:
 # Every top-level field a request may carry, by what it does here (docs/openai.md lists them for users). A field
 # sent as null is the same as a field left out, as in OpenAI's API.
 READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                         "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout"})
+                         "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens"})
 COMPLETION_FIELDS = frozenset({"prompt"})
 # Accepted and ignored: none of them can change the tokens generated (bookkeeping for the caller's own records, or
@@ -181,7 +181,6 @@ NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
     "frequency_penalty": (_is_zero, "0", "penalizes tokens by how often they were generated"),
     "repetition_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1, "1",
                            "divides the logits of tokens already seen"),
-    "min_p": (_is_zero, "0", "drops tokens less likely than min_p times the top one"),
     "logit_bias": (lambda v: v == {}, "{}", "adds a bias to chosen tokens' logits"),
     "top_logprobs": (_is_zero, "0", "returns the most likely alternatives of each token"),
     "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', "constrains the output to JSON"),
@@ -263,6 +262,7 @@ def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
             top_p=_number(body, "top_p", 1e-6, 1.0, 1.0),
             top_k=_integer(body, "top_k", 0, 1_000_000, 0) or 0,
             seed=_integer(body, "seed", 0, 2**62, None),
+            min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
             logprobs=spec.logprobs,
         )
     except ValueError as e:
