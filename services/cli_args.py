@@ -133,6 +133,9 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
                    help="require the API key (STAGEMESH_API_KEY) on /metrics too")
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
                    help=f"on SIGTERM, how long running requests may finish (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="a request that leaves out max_tokens generates at most N tokens (default: until a stop or "
+                        "the context is full, as OpenAI's API defines it)")
     p.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S, metavar="SECONDS",
                    help="close a connection idle this long, or that has not sent its request headers within it "
                         f"(default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
@@ -154,14 +157,18 @@ def edge_from_args(args) -> dict:
             raise StagemeshError(f"--allow-host {h!r} must be a host name such as gateway.example.com, "
                                  ".example.com (a domain and the names below it) or * (no scheme, port or path)")
         hosts.append(h)
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise StagemeshError(f"--default-max-tokens must be a positive number of tokens, got {args.default_max_tokens}")
     if args.drain_timeout < 0 or args.keepalive_timeout <= 0:
         raise StagemeshError("--drain-timeout must be >= 0 and --keepalive-timeout > 0 (seconds)")
     try:
         trace_budget = parse_bytes(args.trace_budget)
     except ValueError as e:
         raise StagemeshError(f"--trace-budget: {e}") from None
-    return {"allow_trace": args.allow_trace, "trace_budget": trace_budget,"allow_origins": tuple(origins), "allow_hosts": tuple(hosts), "metrics_require_key": args.metrics_require_key,
-            "drain_timeout_s": args.drain_timeout, "keepalive_timeout_s": args.keepalive_timeout}
+    return {"allow_trace": args.allow_trace, "trace_budget": trace_budget, "allow_origins": tuple(origins),
+            "allow_hosts": tuple(hosts), "metrics_require_key": args.metrics_require_key,
+            "drain_timeout_s": args.drain_timeout, "keepalive_timeout_s": args.keepalive_timeout,
+            "default_max_tokens": args.default_max_tokens}
 
 
 def model_flags(args) -> list[str]:

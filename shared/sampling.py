@@ -23,6 +23,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     seed: int | None = None  # None: drawn once at the edge so the request stays reproducible
     logprobs: bool = False
+    min_p: float = 0.0  # 0 = off; else drop tokens less likely than min_p x the most likely one (after temperature)
 
     def __post_init__(self):
         if not (0.0 <= self.temperature <= 100.0):
@@ -31,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 (off) or a positive count, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be within 0..1, got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative 63-bit integer, got {self.seed}")
 
@@ -63,7 +66,8 @@ def _uniform(seed: int, position: int) -> float:
 
 
 def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Probabilities after temperature, top-k and top-p: (probs, token ids they belong to, or None for all)."""
+    """Probabilities after temperature, top-k, top-p and min-p: (probs, token ids they belong to, or None for all);
+    probs are not renormalized (the draw scales by their sum)."""
     row = row / p.temperature
     if p.top_k and p.top_k < row.numel():
         values, ids = torch.topk(row, p.top_k)  # sorted, descending
@@ -75,11 +79,15 @@ def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor,
         if float(probs.sum()) < p.top_p and k < row.numel():
             probs, ids = torch.sort(probs_all, descending=True)
     else:
-        return torch.softmax(row, dim=-1), None
-    if p.top_p < 1.0:
+        probs, ids = torch.softmax(row, dim=-1), None
+    if p.top_p < 1.0 and ids is not None:
         cum = probs.cumsum(0)
         keep = int((cum - probs < p.top_p).sum())  # the smallest prefix whose mass reaches top_p
         probs, ids = probs[:keep], ids[:keep]
+    if p.min_p > 0.0:  # the kept tokens stay in their order; the most likely one always stays
+        keep_mask = probs >= p.min_p * probs.max()
+        ids = keep_mask.nonzero().flatten() if ids is None else ids[keep_mask]
+        probs = probs[keep_mask]
     return probs, ids
 
 

@@ -31,6 +31,16 @@ def test_top_k_and_top_p_keep_exactly_their_support():
     assert got[2:] == [0, 0, 0] and got[1] == pytest.approx(probs[1] / (probs[0] + probs[1]), abs=0.015)
 
 
+def test_min_p_keeps_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+    probs = torch.softmax(LOGITS[0], 0).tolist()  # ~[0.64, 0.23, 0.09, 0.03, 0.004]; 0.3 x 0.64 = 0.19 -> {0, 1}
+    want = probs[1] / (probs[0] + probs[1])
+    for extra in ({}, {"top_p": 0.95}):  # alone (full vocabulary) and after top-p's support {0, 1, 2}
+        got = frequencies(lambda s, extra=extra: SamplingParams(temperature=1.0, min_p=0.3, seed=s, **extra))
+        assert got[2:] == [0, 0, 0] and got[1] == pytest.approx(want, abs=0.015), extra
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+
+
 def test_top_p_beyond_the_candidate_set_falls_back_to_a_full_sort():
     flat = torch.zeros(1, NUCLEUS_CANDIDATES * 4)  # uniform: 1024 candidates hold only 25% of the mass
     picks = {sample(flat, [SamplingParams(temperature=1.0, top_p=0.9, seed=s)], [0])[0][0] for s in range(3000)}
@@ -66,3 +76,13 @@ def test_small_temperature_above_the_greedy_bound_still_samples_finite_probabili
     assert set(picks) == {0, 1}
     expected = float(torch.softmax(logits[0].double() / 1e-4, 0)[1])
     assert picks[1] / 4000 == pytest.approx(expected, abs=0.03)
+
+
+def test_min_p_draws_are_the_same_alone_and_in_a_batch():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    mine = SamplingParams(temperature=1.2, min_p=0.05, seed=7, logprobs=True)
+    others = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=1), SamplingParams(temperature=1.0, seed=2)]
+    for pos in range(20):
+        alone = sample(logits[2:3], [mine], [pos])
+        batched = sample(logits, [others[0], others[1], mine, others[2]], [pos] * 4)
+        assert (alone[0][0], alone[1][0]) == (batched[0][2], batched[1][2])

@@ -52,7 +52,7 @@ FLUSH_AFTER_DRAIN_S = 5.0  # after the drain, how long handlers get to send thei
 class GatewayConfig:
     model_id: str
     api_key: str | None = None
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # a request without max_tokens: at most this many (None: the context)
     request_timeout_s: float = DEFAULT_TIMEOUT_S
     allow_origins: tuple[str, ...] = ()  # browser origins besides the gateway's own; "*" = any
     allow_hosts: tuple[str, ...] = ()  # Host names besides IP addresses, localhost and bind_host; ".dom" = dom and below
@@ -153,7 +153,8 @@ class Gateway:
         if len(ids) >= context:
             raise RequestError(f"the prompt has {len(ids)} tokens; this deployment's context is {context} tokens",
                                "messages" if spec.messages is not None else "prompt", code="context_length_exceeded")
-        max_tokens = spec.max_tokens or min(self.config.default_max_tokens, context - len(ids))
+        # no max_tokens: until a stop or the context is full (OpenAI's meaning), within the operator's cap if set
+        max_tokens = spec.max_tokens or min(self.config.default_max_tokens or context, context - len(ids))
         if len(ids) + max_tokens > context:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                                f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")

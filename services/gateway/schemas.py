@@ -126,6 +126,13 @@ def _content(msg: dict, i: int) -> str:
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
+# Message fields OpenAI defines that would change the prompt but are not rendered yet (refused unless null).
+MESSAGE_NOT_YET = {"name": "the chat template has no participant names", "tool_calls": "tools are not implemented",
+                   "tool_call_id": "tools are not implemented", "function_call": "tools are not implemented",
+                   "audio": "text only", "refusal": "an assistant refusal is not rendered",
+                   "annotations": "not rendered"}
+
+
 def parse_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -135,16 +142,94 @@ def parse_messages(value: Any) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}] needs a role among {', '.join(ROLES)}", f"messages[{i}].role")
+        for key, v in m.items():  # null = left out (the SDK echoes an assistant message with refusal: null, ...)
+            if key in ("role", "content") or v is None:
+                continue
+            if key in MESSAGE_NOT_YET:
+                raise RequestError(f"messages[{i}].{key} is not supported by this server yet ({MESSAGE_NOT_YET[key]}); "
+                                   "leave it out", f"messages[{i}].{key}", code="unsupported_parameter")
+            raise RequestError(f"Unrecognized message field supplied: messages[{i}].{key}; a message has 'role' and "
+                               "'content'", f"messages[{i}].{key}", code="unknown_parameter")
         out.append({"role": m["role"], "content": _content(m, i)})
     if sum(len(m["content"]) for m in out) > MAX_PROMPT_CHARS:
         raise RequestError(f"messages exceed {MAX_PROMPT_CHARS} characters", "messages")
     return out
 
 
+# Every top-level field a request may carry, by what it does here (docs/openai.md lists them for users). A field
+# sent as null is the same as a field left out, as in OpenAI's API.
+READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                         "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p"})
+CHAT_FIELDS = frozenset({"messages", "max_completion_tokens"})
+COMPLETION_FIELDS = frozenset({"prompt"})
+# Accepted and ignored: none of them can change the tokens generated (bookkeeping for the caller's own records, or
+# options of features this server refuses when they would take effect). Value: the JSON types accepted.
+IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
+    "user": (str,), "metadata": (dict,), "store": (bool,), "service_tier": (str,), "safety_identifier": (str,),
+    "prompt_cache_key": (str,), "parallel_tool_calls": (bool,),
+}
+
+
+def _is_zero(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == 0
+
+
+# Known OpenAI (and vLLM/llama.cpp) fields not implemented yet: accepted only at the value that leaves the output
+# as it is, refused otherwise. Value: (is the value neutral, the neutral value as a client writes it, what it does).
+NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
+    "presence_penalty": (_is_zero, "0", "penalizes tokens already generated"),
+    "frequency_penalty": (_is_zero, "0", "penalizes tokens by how often they were generated"),
+    "repetition_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1, "1",
+                           "divides the logits of tokens already seen"),
+    "logit_bias": (lambda v: v == {}, "{}", "adds a bias to chosen tokens' logits"),
+    "top_logprobs": (_is_zero, "0", "returns the most likely alternatives of each token"),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', "constrains the output to JSON"),
+    "tools": (lambda v: v == [], "[]", "lets the model call functions"),
+    "tool_choice": (lambda v: v == "none", '"none"', "makes the model call functions"),
+    "functions": (lambda v: v == [], "[]", "lets the model call functions (deprecated form of 'tools')"),
+    "function_call": (lambda v: v == "none", '"none"', "makes the model call functions (deprecated)"),
+    "echo": (lambda v: v is False, "false", "returns the prompt with the completion"),
+    "best_of": (lambda v: not isinstance(v, bool) and v == 1, "1", "generates several completions, returns the best"),
+    "suffix": (lambda v: v == "", '""', "inserts the completion before a suffix"),
+    "modalities": (lambda v: v == ["text"], '["text"]', "asks for audio output"),
+    "audio": (lambda v: False, "null", "asks for audio output"),
+    "prediction": (lambda v: False, "null", "speeds up output the client predicts"),
+    "reasoning_effort": (lambda v: False, "null", "sets a reasoning model's effort"),
+    "web_search_options": (lambda v: False, "null", "searches the web"),
+}
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuse what this server would otherwise silently ignore: an unknown field, or a known one not implemented
+    yet at a value that would change the output (each with a 400 naming it)."""
+    own, other = (CHAT_FIELDS, COMPLETION_FIELDS) if chat else (COMPLETION_FIELDS, CHAT_FIELDS)
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    for key, v in body.items():
+        if v is None or key in READ_FIELDS or key in own:
+            continue
+        if key in IGNORED_FIELDS:
+            if not isinstance(v, IGNORED_FIELDS[key]) or (isinstance(v, bool) and bool not in IGNORED_FIELDS[key]):
+                kinds = " or ".join({str: "a string", dict: "an object", bool: "true or false"}[t]
+                                    for t in IGNORED_FIELDS[key])
+                raise RequestError(f"'{key}' must be {kinds}, got {v!r}", key)
+        elif key in NOT_YET_FIELDS:
+            neutral, as_written, what = NOT_YET_FIELDS[key]
+            if not neutral(v):
+                raise RequestError(f"'{key}' ({what}) is not supported by this server yet; leave it out or send "
+                                   f"{as_written}", key, code="unsupported_parameter")
+        elif key in other:
+            raise RequestError(f"'{key}' belongs to the other endpoint than {endpoint}; "
+                               f"use {'messages' if not chat else 'prompt'} here", key, code="unknown_parameter")
+        else:
+            raise RequestError(f"Unrecognized request argument supplied: '{key}' (the parameters this server reads "
+                               "are listed in docs/openai.md)", key, code="unknown_parameter")
+
+
 def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
-    """OpenAI-style body (also the websocket `generate` message) -> GenerationSpec."""
+    """OpenAI-style body (also the websocket `generate` message, its `id` and `type` taken out) -> GenerationSpec."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    check_fields(body, chat)
     spec = GenerationSpec()
     if chat:
         spec.messages = parse_messages(body.get("messages"))
@@ -157,21 +242,27 @@ def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
         if len(prompt) > MAX_PROMPT_CHARS:
             raise RequestError(f"'prompt' exceeds {MAX_PROMPT_CHARS} characters", "prompt")
         spec.prompt = _text(prompt, "prompt")
-    n = _integer(body, "n", 1, 1, 1)
-    assert n == 1
+    if body.get("n") is not None and body["n"] != 1:
+        raise RequestError(f"'n' must be 1 here (one choice per request), got {body['n']!r}; send n parallel "
+                           "requests instead", "n", code="unsupported_parameter")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     spec.max_tokens = _integer(body, key, 1, max_context, None)
     spec.stop = _stop(body)
     lp = body.get("logprobs")
-    if lp is not None and not isinstance(lp, (bool, int)):
-        raise RequestError("'logprobs' must be a boolean (chat) or an integer (completions)", "logprobs")
-    spec.logprobs = bool(lp)
+    if lp is not None and not isinstance(lp, bool) and (chat or not isinstance(lp, int) or not 0 <= lp <= 5):
+        raise RequestError("'logprobs' must be true or false (chat) or an integer 0-5 (completions)", "logprobs")
+    if not chat and not isinstance(lp, bool) and isinstance(lp, int) and lp > 0:
+        raise RequestError(f"'logprobs': {lp} asks for the top {lp} alternatives of each token, which this server "
+                           "does not return yet; send 0 (or true) for the chosen tokens' log probabilities",
+                           "logprobs", code="unsupported_parameter")
+    spec.logprobs = lp if isinstance(lp, bool) else lp is not None  # completions' integer 0: the chosen tokens'
     try:
         spec.sampling = SamplingParams(
             temperature=_number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI default; 0 = greedy
             top_p=_number(body, "top_p", 1e-6, 1.0, 1.0),
             top_k=_integer(body, "top_k", 0, 1_000_000, 0) or 0,
             seed=_integer(body, "seed", 0, 2**62, None),
+            min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
             logprobs=spec.logprobs,
         )
     except ValueError as e:

@@ -83,7 +83,8 @@ class WsSession:
         if len(self.active) >= MAX_STREAMS_PER_SOCKET:
             return await self.error(rid, "too_many_streams", f"at most {MAX_STREAMS_PER_SOCKET} generations per socket")
         try:
-            spec, seq = await self.gw.start(data, chat="messages" in data)
+            body = {k: v for k, v in data.items() if k not in ("id", "type")}  # the envelope; the rest is OpenAI's
+            spec, seq = await self.gw.start(body, chat="messages" in body)
         except RequestError as e:
             self.gw.metrics.rejected.labels(str(e.status)).inc()
             return await self.error(rid, e.code, e.message)

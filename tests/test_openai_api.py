@@ -1,0 +1,148 @@
+"""The OpenAI API as real clients use it (issue 30): every request field read, accepted-and-ignored, or refused with
+a 400 naming it; `max_tokens` left out. The validator alone, then the real `openai` SDK against one real
+`stagemesh up` (1 stage, SmolLM2) shared by the module."""
+
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from services.gateway.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
+from services.launch import start_up
+
+CAP = 6  # the gateway's --default-max-tokens in the module's up
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+COMPLETION = {"prompt": "Hi"}
+
+
+def refused(body: dict, chat: bool) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        parse_generation(body, chat, 8192)
+    assert e.value.status == 400
+    return e.value
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+@pytest.mark.parametrize("field,value", [("frobnicate", 1), ("temprature", 0.5), ("max_token", 5)])
+def test_an_unknown_field_is_a_400_naming_it(chat, field, value):
+    err = refused({**(CHAT if chat else COMPLETION), field: value}, chat)
+    assert err.param == field and f"'{field}'" in err.message and err.code == "unknown_parameter"
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -1),
+                                         ("repetition_penalty", 1.2), ("logit_bias", {"42": 5}), ("top_logprobs", 3),
+                                         ("response_format", {"type": "json_object"}), ("echo", True), ("best_of", 2),
+                                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("tool_choice", "required"), ("suffix", "end"), ("audio", {"voice": "x"})])
+def test_a_known_field_not_implemented_yet_is_a_400_unless_neutral(field, value):
+    err = refused({**CHAT, field: value}, True)
+    assert err.param == field and err.code == "unsupported_parameter" and f"'{field}'" in err.message
+    _, neutral, _ = NOT_YET_FIELDS[field]
+    parse_generation({**CHAT, field: json.loads(neutral)}, True, 8192)  # the neutral value as the message writes it
+
+
+def test_ignored_fields_are_accepted_with_their_type_checked():
+    samples = {str: "someone", dict: {"k": "v"}, bool: True}
+    for field, types in IGNORED_FIELDS.items():
+        parse_generation({**CHAT, field: samples[types[0]]}, True, 8192)
+        err = refused({**CHAT, field: 12345}, True)
+        assert err.param == field
+
+
+def test_null_is_left_out_and_fields_of_the_other_endpoint_are_named():
+    spec = parse_generation({**CHAT, "presence_penalty": None, "frobnicate": None, "n": None}, True, 8192)
+    assert spec.max_tokens is None
+    assert refused({**CHAT, "prompt": "x"}, True).param == "prompt"
+    assert refused({**COMPLETION, "max_completion_tokens": 3}, False).param == "max_completion_tokens"
+
+
+@pytest.mark.parametrize("n", [2, 0, "1"])
+def test_n_other_than_1_is_a_clear_400(n):
+    err = refused({**CHAT, "n": n}, True)
+    assert err.param == "n" and "parallel requests" in err.message
+
+
+def test_min_p_is_read_and_range_checked():
+    assert parse_generation({**CHAT, "min_p": 0.2}, True, 8192).sampling.min_p == 0.2
+    assert refused({**CHAT, "min_p": 2}, True).param == "min_p"
+
+
+def test_completions_logprobs_integer():
+    assert parse_generation({**COMPLETION, "logprobs": 0}, False, 8192).logprobs is True
+    assert parse_generation({**COMPLETION, "logprobs": False}, False, 8192).logprobs is False
+    assert refused({**COMPLETION, "logprobs": 2}, False).param == "logprobs"
+    assert refused({**CHAT, "logprobs": 1}, True).param == "logprobs"
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    gw = start_up(1, None, str(tmp_path_factory.mktemp("openai")), "--default-max-tokens", str(CAP))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def client(up):
+    return openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_sdk_unknown_and_unsupported_parameters_are_400s_naming_them(client):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, extra_body={"frobnicate": 1})
+    assert e.value.param == "frobnicate" and "frobnicate" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, presence_penalty=0.5)
+    assert e.value.param == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, echo=True)
+    assert e.value.param == "echo"
+    # the gateway keeps serving, and fields that cannot change the output pass
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, user="u-1", store=False,
+                                       metadata={"k": "v"}, presence_penalty=0, n=1)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_max_tokens_left_out_runs_to_the_servers_cap(client):
+    r = client.completions.create(model="smollm2", prompt="Count: 1, 2, 3,", temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == CAP and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model="smollm2", prompt="Count: 1, 2, 3,", temperature=0, max_tokens=CAP + 3,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == CAP + 3  # an explicit max_tokens is not capped
+
+
+async def test_websocket_envelope_is_not_an_unknown_field_but_a_stray_one_is(up):
+    async with aiohttp.ClientSession() as s, s.ws_connect(up.url.replace("http", "ws") + "/v1/stream") as ws:
+        await ws.send_json({"type": "generate", "id": "a", "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        await ws.send_json({"type": "generate", "id": "b", "prompt": "Hi", "max_tokens": 2, "frobnicate": 1})
+        seen: dict[str, str] = {}
+        while len(seen) < 2:
+            ev = await ws.receive_json(timeout=60)
+            if ev["type"] in ("done", "error"):
+                seen[ev["id"]] = ev["type"] if ev["type"] == "done" else ev["message"]
+        assert seen["a"] == "done"
+        assert "frobnicate" in seen["b"]
+
+
+def test_message_fields_that_would_be_dropped_are_refused_and_nulls_pass():
+    def msg(**kw):
+        return {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", **kw}]}
+
+    parse_generation(msg(refusal=None, tool_calls=None, audio=None), True, 8192)
+    assert refused(msg(name="bob"), True).param == "messages[1].name"
+    assert refused(msg(tool_calls=[{"id": "c"}]), True).code == "unsupported_parameter"
+    err = refused(msg(colour="red"), True)
+    assert err.param == "messages[1].colour" and err.code == "unknown_parameter"
+
+
+def test_min_p_reaches_the_last_stage(client):
+    """min_p 1 keeps only the most likely token: a hot seeded draw becomes the greedy text; without it, it is not."""
+    kw = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    hot = {**kw, "temperature": 2.0, "seed": 3}
+    assert client.completions.create(**hot).choices[0].text != greedy
+    kw["extra_body"] = {"ignore_eos": True, "min_p": 1.0}
+    assert client.completions.create(temperature=2.0, seed=3, **kw).choices[0].text == greedy
