@@ -8,7 +8,7 @@ import logging
 import os
 
 from shared.errors import StagemeshError
-from shared.mesh_keys import KEYS_ENV, KeySet, write_key_set
+from shared.mesh_keys import KEYS_ENV, KeySet, extract_role, write_key_set
 
 log = logging.getLogger("stagemesh.keys")
 
@@ -17,13 +17,26 @@ def register(sub) -> None:
     p = sub.add_parser("keys", help="write a CURVE key set for a mesh of N stages",
                        description="Write one CURVE key pair per role (gateway, stage 0..N-1) into DIR (created 0700, "
                                    "secret files 0600). Give DIR to every process with --keys DIR; in Kubernetes: "
-                                   "kubectl create secret generic stagemesh-keys --from-file=DIR")
+                                   "kubectl create secret generic stagemesh-keys --from-file=DIR. With --role ROLE "
+                                   "--from SET instead: copy into DIR what ROLE needs of the key set SET (every "
+                                   "public key, ROLE's secret key only), as the Kubernetes pods' init containers do")
     p.add_argument("directory", metavar="DIR", help="directory to create (must not hold a key set already)")
-    p.add_argument("--stages", type=int, required=True, help="number of stages in the mesh")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--stages", type=int, help="number of stages in the mesh")
+    what.add_argument("--role", help="gateway, stage0, stage1, ...: the one role whose secret key DIR gets")
+    p.add_argument("--from", dest="source", metavar="SET", help="with --role: the key set to copy from")
     p.set_defaults(func=cmd_keys)
 
 
 def cmd_keys(args) -> int:
+    if args.role is not None:
+        if not args.source:
+            raise StagemeshError("--role needs --from SET, the key set to copy the role's keys from")
+        written = extract_role(args.source, args.directory, args.role)
+        print(f"wrote {len(written)} key files for {args.role} to {args.directory}")
+        return 0
+    if args.source:
+        raise StagemeshError("--from goes with --role ROLE (copy one role's keys); --stages writes a new key set")
     written = write_key_set(args.directory, args.stages)
     print(f"wrote {len(written)} key files for a gateway and {args.stages} stages to {args.directory}")
     return 0

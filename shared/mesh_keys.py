@@ -81,6 +81,29 @@ def write_key_set(directory: str, num_stages: int) -> list[str]:
     return written
 
 
+def extract_role(source: str, directory: str, role: str) -> list[str]:
+    """Copy into `directory` what one role's process needs of the key set in `source`: every role's public key, the
+    stage count, and that role's secret key only (0600). A Kubernetes init container runs this, so a stage's
+    container never holds another role's secret key (k8s/base). Returns the files written."""
+    keys = KeySet(source)
+    roles = [GATEWAY, *(stage_role(i) for i in range(keys.num_stages))]
+    if role not in roles:
+        raise StagemeshError(f"role {role!r} is not in the key set {source} (its roles: {', '.join(roles)})")
+    keys.pair(role)  # the secret is there, readable, and matches its public key
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        written = []
+        for name in [MESH_FILE, *(r + ".key" for r in roles), role + ".key_secret"]:
+            target = os.path.join(directory, name)
+            shutil.copyfile(os.path.join(source, name), target)
+            os.chmod(target, 0o600 if name.endswith("_secret") else 0o644)
+            written.append(target)
+    except OSError as e:
+        raise StagemeshError(f"cannot write {role}'s keys to {directory}: {e.strerror}; pass a writable directory") \
+            from None
+    return written
+
+
 class KeySet:
     """A key directory, read on demand: each process reads its own secret and its two peers' public keys."""
 
