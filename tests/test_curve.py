@@ -147,6 +147,18 @@ def test_cli_keys_then_stage_without_keys_is_a_one_line_error(tmp_path):
                                                "tcp://127.0.0.1:1", "--next", "tcp://127.0.0.1:2", "--keys", d),
                                  capture_output=True, text=True, timeout=120, env=env)
     assert wrong_count.returncode == 2 and "is for 3 stages" in wrong_count.stderr, wrong_count.stderr
+    # one role's share of the set (what a Kubernetes pod's init container writes), and its clear refusals
+    for args, says in [(("--role", "stage7", "--from", d), "'stage7' is not in the key set"),
+                       (("--role", "stage1"), "--role needs --from"),
+                       (("--stages", "2", "--from", d), "--from goes with --role")]:
+        refused = subprocess.run(stagemesh_cmd("keys", str(tmp_path / "own"), *args), capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 2 and says in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    own = subprocess.run(stagemesh_cmd("keys", str(tmp_path / "own"), "--role", "stage1", "--from", d),
+                         capture_output=True, text=True, timeout=60)
+    assert own.returncode == 0, own.stderr
+    assert sorted(os.listdir(tmp_path / "own")) == ["gateway.key", "mesh.json", "stage0.key", "stage1.key",
+                                                    "stage1.key_secret", "stage2.key"]
 
 
 # ---- who may talk to a stage -----------------------------------------------------------------------------
