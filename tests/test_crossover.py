@@ -1,6 +1,8 @@
 """Weights mode `auto`'s kernels are measured when a stage loads, not assumed: the dense kernel of prefill-sized
 micro-batches (prepacked bf16 or f32) and the crossover from int4 to it."""
 
+import json
+
 import torch
 
 from shared.models.crossover import CANDIDATES, measure_int4_crossover, measure_prefill_dtype
@@ -52,3 +54,33 @@ def test_the_prefill_kernel_is_the_measured_dtype_on_every_switched_linear(smoll
     name = {torch.bfloat16: "bf16", torch.float32: "f32"}[measured]
     blocks = {k: v for k, v in runtime.model.weight_summary().items() if k.startswith("blk.")}
     assert blocks and all(kind.split(" | ")[1].startswith(name) for kind in blocks.values()), blocks
+
+
+def test_two_loads_of_a_file_pick_the_same_kernels_and_the_second_times_nothing(smollm2, tmp_path, monkeypatch):
+    """The kernel plan is measured once per machine and shape, kept in the plans file, and read back: a second load
+    picks the same crossover and prefill kernel without timing anything; an unusable entry is measured anew."""
+    from shared.models import crossover
+
+    plans = tmp_path / "plans.json"
+    monkeypatch.setenv(crossover.PLANS_ENV, str(plans))
+
+    def load():
+        model = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights="auto").model
+        first = _switched(model)[0]
+        return first.max_tokens, first.large.kind
+
+    measured = load()
+    recorded = json.loads(plans.read_text())
+    assert len(recorded) == 2 and measured[0] in recorded.values()
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a load with a plan on file timed kernels")
+
+    with monkeypatch.context() as m:
+        m.setattr(crossover, "measure_int4_crossover", no_timing)
+        m.setattr(crossover, "measure_prefill_dtype", no_timing)
+        assert load() == measured
+
+    plans.write_text(json.dumps({key: "garbage" for key in recorded}))  # a hand edit: measured again, not trusted
+    assert load()[0] in (*CANDIDATES, CANDIDATES[-1] + 1)
+    assert set(json.loads(plans.read_text()).values()) <= {*CANDIDATES, CANDIDATES[-1] + 1, "bfloat16", "float32"}

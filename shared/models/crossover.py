@@ -15,6 +15,11 @@ The crossover is timed over several distinct blocks so that, as in a real step, 
 than from cache: timed on one block (~3.5 MB of bf16, cache-resident) bf16 looked faster from 10 rows on the
 Sapphire Rapids VM, while a whole model's decode step at 12 / 16 sequences ran 20-24 % faster with int4 (the whole
 model's matmuls: int4 and bf16 within 10 % of each other from 20 to 48 rows).
+
+Both are measured once per machine and shape and kept in a plans file (kernel_plan: ~/.cache/stagemesh/
+kernel-plans.json, or $STAGEMESH_KERNEL_PLANS; "off" measures at every load), so the same file loads with the same
+kernels from run to run and a load does not time kernels again. Delete the file to measure anew (e.g. after a
+first start on a busy machine).
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import json
 import os
+import platform
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -52,6 +60,55 @@ def timing_alone():
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+PLANS_ENV = "STAGEMESH_KERNEL_PLANS"  # the plans file; "off": measure at every load
+
+
+def plans_path() -> str | None:
+    value = os.environ.get(PLANS_ENV)
+    if value == "off":
+        return None
+    return value or os.path.join(os.path.expanduser("~"), ".cache", "stagemesh", "kernel-plans.json")
+
+
+@functools.cache
+def machine_id() -> str:
+    """What the timings depend on besides the shapes: the CPU, torch's version and the thread count."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def _read_plans(path: str | None) -> dict:
+    try:
+        with open(path) as f:
+            plans = json.load(f)
+        return plans if isinstance(plans, dict) else {}
+    except (OSError, TypeError, ValueError):  # none yet, unreadable or not JSON: measure (and rewrite it)
+        return {}
+
+
+def kernel_plan(key: str, measure: Callable[[], str | int], valid: Callable[[object], bool]) -> tuple[str | int, bool]:
+    """This machine's plan for `key` (a kernel choice for one shape): from the plans file where `valid` accepts it,
+    else measure() timed alone and recorded there. Returns (value, whether it came from the file)."""
+    path, full = plans_path(), f"{machine_id()} | {key}"
+    with timing_alone():
+        plans = _read_plans(path)
+        if valid(plans.get(full)):
+            return plans[full], True
+        value = measure()
+        if path:
+            plans[full] = value
+            with contextlib.suppress(OSError):  # a read-only home: measured again next time, nothing worse
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(plans, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
+    return value, False
 
 
 def _best_ms(fn, repeat: int) -> float:
@@ -85,10 +142,12 @@ def measure_prefill_dtype(out_features: int, in_features: int, rows: int = SERVI
 
 def choose_prefill_dtype(config) -> torch.dtype:
     """auto's prefill kernel: measure_prefill_dtype on the model's MLP shape (capped at PREFILL_PROBE_MAX a side),
-    timed alone. Whether a copy in it fits in memory is shared.models.memory's decision."""
-    with timing_alone():
-        return measure_prefill_dtype(min(config.intermediate_size, PREFILL_PROBE_MAX),
-                                     min(config.hidden_size, PREFILL_PROBE_MAX))
+    this machine's kernel plan. Whether a copy in it fits in memory is shared.models.memory's decision."""
+    n, k = min(config.intermediate_size, PREFILL_PROBE_MAX), min(config.hidden_size, PREFILL_PROBE_MAX)
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    name, _ = kernel_plan(f"prefill kernel {n}x{k}", lambda: str(measure_prefill_dtype(n, k)).removeprefix("torch."),
+                          lambda v: v in dtypes)
+    return dtypes[name]
 
 
 def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = CROSSOVER_REPEAT) -> int:
@@ -120,8 +179,10 @@ def apply_measured_crossover(model) -> int | None:
     if not switched:
         return None
     timed = [w for b in model.blocks[:CROSSOVER_BLOCKS] for w in b.linears().values() if isinstance(w, SwitchedLinear)]
-    with timing_alone():
-        threshold = measure_int4_crossover(timed or switched[:4 * CROSSOVER_BLOCKS])
+    timed = timed or switched[:4 * CROSSOVER_BLOCKS]
+    shapes = sorted({f"{w.small.kind}/{w.large.kind} {w.out_features}x{w.in_features}" for w in timed})
+    threshold, _ = kernel_plan(f"int4 crossover over {len(timed)} of {', '.join(shapes)}",
+                               lambda: measure_int4_crossover(timed), lambda v: v in (*CANDIDATES, CANDIDATES[-1] + 1))
     for w in switched + ([model.output] if isinstance(model.output, SwitchedLinear) else []):
         w.max_tokens = threshold
         w.kind = f"{w.small.kind} (< {threshold} tokens, measured) | {w.large.kind}"
