@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 MAX_TOP_K = 1_000_000
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
 # Below this temperature the draw is greedy (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow float32 and the
 # softmax turns to NaN; at 1e-5 a logit gap of 1e-4 is already e^-10 apart, i.e. greedy for any real model.
 GREEDY_BELOW = 1e-5
@@ -24,6 +25,8 @@ class SamplingParams:
     seed: int | None = None  # None: drawn once at the edge so the request stays reproducible
     logprobs: bool = False
     min_p: float = 0.0  # 0 = off; else drop tokens less likely than min_p x the most likely one (after temperature)
+    # ((token id, bias), ...) added to those logits before anything else (OpenAI's logit_bias: -100 bans, +100 forces)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not (0.0 <= self.temperature <= 100.0):
@@ -34,6 +37,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be within 0..1, got {self.min_p}")
+        try:  # from the wire: a list of [id, bias] pairs
+            bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}") from None
+        if len(bias) > MAX_LOGIT_BIAS or any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids >= 0, each biased by -100..100")
+        object.__setattr__(self, "logit_bias", bias)
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative 63-bit integer, got {self.seed}")
 
@@ -95,6 +105,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     """logits [M, V] float32, one row per sequence; positions: each sampled token's position.
     Returns token ids and (when asked) the chosen token's log-probability under the unmodified distribution."""
     logits = logits.float()
+    unbiased = logits
+    if any(p.logit_bias for p in params):  # a row's bias touches that row only
+        logits = logits.clone()
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                ids, bias = zip(*p.logit_bias)
+                if max(ids) >= logits.shape[-1]:
+                    raise ValueError(f"logit_bias names token {max(ids)}, past the vocabulary's {logits.shape[-1]}")
+                logits[i, list(ids)] += torch.tensor(bias)
     tokens = logits.argmax(dim=-1).tolist()
     logprobs: list[float | None] = [None] * len(params)
     for i, p in enumerate(params):
@@ -106,5 +125,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
             pick = min(pick, probs.numel() - 1)
             tokens[i] = int(ids[pick]) if ids is not None else pick
         if p.logprobs:
-            logprobs[i] = float(torch.log_softmax(logits[i], dim=-1)[tokens[i]])
+            logprobs[i] = float(torch.log_softmax(unbiased[i], dim=-1)[tokens[i]])
     return tokens, logprobs

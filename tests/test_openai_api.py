@@ -13,13 +13,14 @@ from services.launch import start_up
 
 CAP = 6  # the gateway's --default-max-tokens in the module's up
 
+VOCAB = 49152  # SmolLM2's, the model of the module's up
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION = {"prompt": "Hi"}
 
 
 def refused(body: dict, chat: bool) -> RequestError:
     with pytest.raises(RequestError) as e:
-        parse_generation(body, chat, 8192)
+        parse_generation(body, chat, 8192, VOCAB)
     assert e.value.status == 400
     return e.value
 
@@ -32,7 +33,7 @@ def test_an_unknown_field_is_a_400_naming_it(chat, field, value):
 
 
 @pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -1),
-                                         ("repetition_penalty", 1.2), ("logit_bias", {"42": 5}), ("top_logprobs", 3),
+                                         ("repetition_penalty", 1.2), ("top_logprobs", 3),
                                          ("response_format", {"type": "json_object"}), ("echo", True), ("best_of", 2),
                                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
                                          ("tool_choice", "required"), ("suffix", "end"), ("audio", {"voice": "x"})])
@@ -40,19 +41,19 @@ def test_a_known_field_not_implemented_yet_is_a_400_unless_neutral(field, value)
     err = refused({**CHAT, field: value}, True)
     assert err.param == field and err.code == "unsupported_parameter" and f"'{field}'" in err.message
     _, neutral, _ = NOT_YET_FIELDS[field]
-    parse_generation({**CHAT, field: json.loads(neutral)}, True, 8192)  # the neutral value as the message writes it
+    parse_generation({**CHAT, field: json.loads(neutral)}, True, 8192, VOCAB)  # the neutral value as the message writes it
 
 
 def test_ignored_fields_are_accepted_with_their_type_checked():
     samples = {str: "someone", dict: {"k": "v"}, bool: True}
     for field, types in IGNORED_FIELDS.items():
-        parse_generation({**CHAT, field: samples[types[0]]}, True, 8192)
+        parse_generation({**CHAT, field: samples[types[0]]}, True, 8192, VOCAB)
         err = refused({**CHAT, field: 12345}, True)
         assert err.param == field
 
 
 def test_null_is_left_out_and_fields_of_the_other_endpoint_are_named():
-    spec = parse_generation({**CHAT, "presence_penalty": None, "frobnicate": None, "n": None}, True, 8192)
+    spec = parse_generation({**CHAT, "presence_penalty": None, "frobnicate": None, "n": None}, True, 8192, VOCAB)
     assert spec.max_tokens is None
     assert refused({**CHAT, "prompt": "x"}, True).param == "prompt"
     assert refused({**COMPLETION, "max_completion_tokens": 3}, False).param == "max_completion_tokens"
@@ -65,13 +66,20 @@ def test_n_other_than_1_is_a_clear_400(n):
 
 
 def test_min_p_is_read_and_range_checked():
-    assert parse_generation({**CHAT, "min_p": 0.2}, True, 8192).sampling.min_p == 0.2
+    assert parse_generation({**CHAT, "min_p": 0.2}, True, 8192, VOCAB).sampling.min_p == 0.2
     assert refused({**CHAT, "min_p": 2}, True).param == "min_p"
 
 
+def test_logit_bias_is_read_and_checked():
+    spec = parse_generation({**CHAT, "logit_bias": {"42": 5, "7": -100.0}}, True, 8192, VOCAB)
+    assert spec.sampling.logit_bias == ((7, -100.0), (42, 5.0))
+    for bad in ({"-1": 5}, {str(VOCAB): 5}, {"x": 1}, {"42": 101}, {"42": True}, [42], {str(i): 1 for i in range(301)}):
+        assert refused({**CHAT, "logit_bias": bad}, True).param == "logit_bias", bad
+
+
 def test_completions_logprobs_integer():
-    assert parse_generation({**COMPLETION, "logprobs": 0}, False, 8192).logprobs is True
-    assert parse_generation({**COMPLETION, "logprobs": False}, False, 8192).logprobs is False
+    assert parse_generation({**COMPLETION, "logprobs": 0}, False, 8192, VOCAB).logprobs is True
+    assert parse_generation({**COMPLETION, "logprobs": False}, False, 8192, VOCAB).logprobs is False
     assert refused({**COMPLETION, "logprobs": 2}, False).param == "logprobs"
     assert refused({**CHAT, "logprobs": 1}, True).param == "logprobs"
 
@@ -131,7 +139,7 @@ def test_message_fields_that_would_be_dropped_are_refused_and_nulls_pass():
     def msg(**kw):
         return {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", **kw}]}
 
-    parse_generation(msg(refusal=None, tool_calls=None, audio=None), True, 8192)
+    parse_generation(msg(refusal=None, tool_calls=None, audio=None), True, 8192, VOCAB)
     assert refused(msg(name="bob"), True).param == "messages[1].name"
     assert refused(msg(tool_calls=[{"id": "c"}]), True).code == "unsupported_parameter"
     err = refused(msg(colour="red"), True)
@@ -146,3 +154,16 @@ def test_min_p_reaches_the_last_stage(client):
     assert client.completions.create(**hot).choices[0].text != greedy
     kw["extra_body"] = {"ignore_eos": True, "min_p": 1.0}
     assert client.completions.create(temperature=2.0, seed=3, **kw).choices[0].text == greedy
+
+
+def test_logit_bias_reaches_the_last_stage(client):
+    """Banning the greedy answer's first token changes the greedy answer, and it never appears first again; the
+    openai SDK sends logit_bias as it is."""
+    kw = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    plain = client.completions.create(**kw).choices[0]
+    first = client.completions.create(**{**kw, "max_tokens": 1}).choices[0].text
+    from shared.model_files import ModelFiles
+
+    banned = ModelFiles.open("smollm2").tokenizer.encode(first)[0]
+    biased = client.completions.create(**kw, logit_bias={str(banned): -100}).choices[0]
+    assert biased.text != plain.text and not biased.text.startswith(first)

@@ -86,3 +86,23 @@ def test_min_p_draws_are_the_same_alone_and_in_a_batch():
         alone = sample(logits[2:3], [mine], [pos])
         batched = sample(logits, [others[0], others[1], mine, others[2]], [pos] * 4)
         assert (alone[0][0], alone[1][0]) == (batched[0][2], batched[1][2])
+
+
+def test_logit_bias_shifts_those_logits_only_and_leaves_logprobs_unbiased():
+    """+bias on token 3 (of 5): the temperature draw follows softmax(logits + bias); -100 bans the top token under
+    greedy; the row's neighbours in the batch keep their own draws; logprobs are the unbiased distribution's."""
+    biased = LOGITS.clone()
+    biased[0, 3] += 4.0
+    expected = torch.softmax(biased[0], 0).tolist()
+    got = frequencies(lambda s: SamplingParams(temperature=1.0, seed=s, logit_bias=((3, 4.0),)))
+    assert all(abs(g - e) < 0.015 for g, e in zip(got, expected)), (got, expected)
+    banned = SamplingParams(temperature=0.0, logit_bias=((0, -100.0),), logprobs=True)
+    plain = SamplingParams(temperature=0.0, logprobs=True)
+    tokens, logprobs = sample(LOGITS.repeat(2, 1), [banned, plain], [0, 0])
+    assert tokens == [1, 0]  # the banned top token gives way to the next; the other row is untouched
+    assert logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS[0], 0)[1]))
+    wire = SamplingParams.from_wire({**banned.to_wire(), "logit_bias": [[0, -100]]})  # msgpack's lists back
+    assert wire == banned
+    for bad in (((0, 101.0),), ((-1, 1.0),), ((0,),), tuple((i, 1.0) for i in range(301))):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -172,7 +172,7 @@ class Gateway:
 
     async def start(self, body: dict, chat: bool) -> tuple[GenerationSpec, Sequence]:
         """Validate, tokenize and queue one generation request."""
-        spec = parse_generation(body, chat, self.pipeline.max_seq_len or 1 << 20)
+        spec = parse_generation(body, chat, self.pipeline.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
         seq = await self.prepare(spec)
         self.submit(seq)
         return spec, seq

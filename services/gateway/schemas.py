@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 128
@@ -159,7 +159,8 @@ def parse_messages(value: Any) -> list[dict]:
 # Every top-level field a request may carry, by what it does here (docs/openai.md lists them for users). A field
 # sent as null is the same as a field left out, as in OpenAI's API.
 READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                         "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p"})
+                         "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p",
+                         "logit_bias"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens"})
 COMPLETION_FIELDS = frozenset({"prompt"})
 # Accepted and ignored: none of them can change the tokens generated (bookkeeping for the caller's own records, or
@@ -181,7 +182,6 @@ NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
     "frequency_penalty": (_is_zero, "0", "penalizes tokens by how often they were generated"),
     "repetition_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1, "1",
                            "divides the logits of tokens already seen"),
-    "logit_bias": (lambda v: v == {}, "{}", "adds a bias to chosen tokens' logits"),
     "top_logprobs": (_is_zero, "0", "returns the most likely alternatives of each token"),
     "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', "constrains the output to JSON"),
     "tools": (lambda v: v == [], "[]", "lets the model call functions"),
@@ -225,7 +225,27 @@ def check_fields(body: dict, chat: bool) -> None:
                                "are listed in docs/openai.md)", key, code="unknown_parameter")
 
 
-def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias -100..100} (at most MAX_LOGIT_BIAS) -> ((id, bias), ...) sorted."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise RequestError(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) to "
+                           "biases between -100 and 100", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise RequestError(f"'logit_bias' key {key!r} is not a token id of this model (0..{vocab_size - 1})",
+                               "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise RequestError(f"'logit_bias' for token {key} must be a number between -100 and 100, got {bias!r}",
+                               "logit_bias")
+        out[int(key)] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -> GenerationSpec:
     """OpenAI-style body (also the websocket `generate` message, its `id` and `type` taken out) -> GenerationSpec."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -263,6 +283,7 @@ def parse_generation(body: Any, chat: bool, max_context: int) -> GenerationSpec:
             top_k=_integer(body, "top_k", 0, 1_000_000, 0) or 0,
             seed=_integer(body, "seed", 0, 2**62, None),
             min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+            logit_bias=_logit_bias(body, vocab_size),
             logprobs=spec.logprobs,
         )
     except ValueError as e:
