@@ -115,14 +115,16 @@ async def test_release_acknowledgements_are_counted_not_kept(client):
 
     ids = [f"never-started-{i:06d}-{'x' * 40}" for i in range(100)]
     await client.release(ids)  # warm up sockets and codecs before measuring
-    while client.releases_acknowledged < len(ids):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while client.releases_acknowledged < len(ids) and loop.time() < deadline:
         await asyncio.sleep(0.01)
+    assert client.releases_acknowledged >= len(ids), "the warm-up releases were never acknowledged"
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     for _ in range(300):
         await client.release(ids)
-    loop = asyncio.get_running_loop()
     deadline = loop.time() + 60
     while client.releases_acknowledged < 301 * len(ids) and loop.time() < deadline:
         await asyncio.sleep(0.01)
