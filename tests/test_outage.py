@@ -6,7 +6,6 @@ authenticated peer sending what it should not, and a stage whose /info is malfor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.server
 import json
 import os
@@ -28,6 +27,7 @@ from shared.mesh_keys import KeySet, write_key_set
 from shared.protocol import BatchError, BatchResult, ForwardBatch, ReleaseSeqs, SeqEntry, encode
 from shared.steps import Decode, Prefill
 from tests.conftest import stagemesh_cmd
+from tests.test_curve import push
 
 KV_SLOTS = 4
 STALL_S = 6  # the gateway's --stall-timeout: well above any micro-batch here, short enough for a test
@@ -480,18 +480,8 @@ async def test_trace_is_refused_unless_the_gateway_allows_it(clean, body):
 # ---- Low 10: refusals counted, forged errors named ------------------------------------------------------------------
 
 def push_from(address: str, messages: list, curve: tuple[bytes, bytes, bytes] | None) -> None:
-    """Send from a fresh PUSH socket; `curve` = (public, secret, server's public) or None for plaintext."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    if curve:
-        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
-    sock.connect(address)
-    for msg in messages:
-        with contextlib.suppress(zmq.Again):
-            sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
-    time.sleep(1.5)  # time for the handshake (and its failure) to happen
-    sock.close(0)
-    ctx.term()
+    """test_curve's push of these protocol messages, with time for the handshake (and its failure) to happen."""
+    push(address, [encode(msg) for msg in messages], curve, wait_s=1.5)
 
 
 async def test_refusals_are_counted_and_forged_errors_are_named(clean, smollm2, tmp_path):

@@ -343,9 +343,12 @@ def lean_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | I
 def lean_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
     """The bytes lean_kernel holds for a matrix of this type and shape [N, K] (3-D: its rows), without building it."""
     if ggml_type in LEAN_INT8_TYPES:
-        n, k = math.prod(shape[:-1]), shape[-1]
-        return n * k + n * 2  # int8 + a bf16 scale per row
+        return _int8_rows_nbytes(math.prod(shape[:-1]), shape[-1])
     return stored_nbytes(ggml_type, shape)
+
+
+def _int8_rows_nbytes(n: int, k: int) -> int:
+    return n * k + n * 2  # int8 + a bf16 scale per row
 
 
 def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
@@ -356,7 +359,7 @@ def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
     if ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits((n, k)):
         planes = 1 if ggml_type in INT4_TYPES else 2
         return planes * (n * k // 2 + n * (k // GROUP) * 2 * 2)  # nibbles + a bf16 scale and zero per group
-    return n * k + n * 2  # int8 + a bf16 scale per row
+    return _int8_rows_nbytes(n, k)
 
 
 def auto_nbytes(ggml_type: str, shape: Sequence[int], prefill_dtype: torch.dtype) -> int:
