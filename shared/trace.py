@@ -168,9 +168,12 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
 
 
 def compare_captures(baseline: TraceRecorder, target: TraceRecorder, threshold: float = 1e-3,
-                     baseline_name: str = "baseline", target_name: str = "target", prompt: str = "") -> TraceResult:
+                     baseline_name: str = "baseline", target_name: str = "target", prompt: str = "",
+                     rtol: float = 0.0) -> TraceResult:
     """Per (step, layer, point): max / mean abs diff and cosine similarity. Missing fields and shape mismatches
-    are reported, not crashed on. The first layer and step whose max abs diff crosses threshold is named."""
+    are reported, not crashed on. The first layer and step whose max abs diff crosses threshold + rtol * (the
+    baseline tensor's largest magnitude) is named -- rtol as in numpy's allclose, for activations that reach 1e4
+    and more, where one float32 ulp already exceeds an absolute threshold."""
     base = {c.key: c for c in baseline.captures}
     targ = {c.key: c for c in target.captures}
 
@@ -186,6 +189,7 @@ def compare_captures(baseline: TraceRecorder, target: TraceRecorder, threshold: 
         b, t = counterpart(base, key), counterpart(targ, key)
         position, layer, point = key
         row = StageComparison(baseline.step_of(position), layer, point, b and b.stage, t and t.stage)
+        limit = threshold
         if b is None or t is None:
             row.problem = f"missing in {'baseline' if b is None else 'target'}"
         elif b.shape != t.shape:
@@ -197,7 +201,8 @@ def compare_captures(baseline: TraceRecorder, target: TraceRecorder, threshold: 
                 row.max_abs_diff = abs(b.summary["absmax"] - t.summary["absmax"])
             else:
                 row.max_abs_diff, row.mean_abs_diff, row.cosine = _diff(tb, tt)
-        row.exceeds = row.max_abs_diff is not None and (row.max_abs_diff > threshold or math.isnan(row.max_abs_diff))
+                limit = threshold + rtol * float(tb.abs().max()) if tb.numel() else threshold
+        row.exceeds = row.max_abs_diff is not None and (row.max_abs_diff > limit or math.isnan(row.max_abs_diff))
         rows.append(row)
     first = next((r for r in rows if r.exceeds), None)
     return TraceResult(baseline_name, target_name, prompt, threshold, baseline.tokens, target.tokens, rows, first)

@@ -153,11 +153,14 @@ def test_streaming_across_namespaces_with_the_manifests_commands(deployment, net
 
 def test_hop_latency_with_microbatches_in_flight(deployment, network):
     url, _ = deployment
-    results = {}
-    for delay_ms in (0, 5):
+    results = {0: {1: 0.0, 8: 0.0}, 5: {1: 0.0, 8: 0.0}}
+    # each delay twice, interleaved, best of the two: one slow round on a shared machine (a lone stream once ran at
+    # 11.5 tok/s at 0 ms, then 27 at 5 ms) must not decide which delay is the slower
+    for delay_ms in (0, 5, 0, 5):
         network.set_delay(delay_ms / 1000)
         asyncio.run(_streams(url, 2, 4))  # warm
-        results[delay_ms] = {n: asyncio.run(_streams(url, n, 32)) for n in (1, 8)}
+        for n in (1, 8):
+            results[delay_ms][n] = max(results[delay_ms][n], asyncio.run(_streams(url, n, 32)))
     network.set_delay(0)
     print("\nmulti-host rehearsal (3 namespaces, 3 hops, delay each way per hop), generated tokens/s:")
     for n in (1, 8):
