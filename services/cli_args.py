@@ -98,6 +98,10 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help=f"prompt tokens per prefill chunk (default {d.prefill_chunk})")
     p.add_argument("--token-budget", type=int, default=d.token_budget,
                    help=f"tokens per micro-batch (default {d.token_budget})")
+    p.add_argument("--prefix-cache", choices=("on", "off"), default="on",
+                   help="keep finished sequences' K/V on every stage and start later requests that share their prefix "
+                        "(a chat's history, a common system prompt) from it, in blocks of 16 tokens; kept prefixes "
+                        "use KV slots no request holds and give them up, least recently used first (default on)")
     from services.gateway.pipeline import DEFAULT_STALL_S
 
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="SECONDS",

@@ -86,6 +86,8 @@ def render(snap: dict):
         layers = f"{s['layers'][0]}:{s['layers'][1]}" if s.get("layers") else "–"
         busy = None if s.get("busy_fraction") is None else 100 * s["busy_fraction"]
         kv = f"{s['kv_used']}/{s['kv_slots']}" if s.get("kv_slots") is not None else "–"
+        if s.get("kv_cached"):
+            kv += f" ({s['kv_cached']} cached)"
         addr = s["url"] + (f"\n{s['listen']}" if s.get("listen") else "")
         t.add_row(str(s["index"]), layers, addr, Text(s["state"], style=colors.get(s["state"], "")), _fmt(busy, "%"),
                   _fmt(s.get("compute_ms"), " ms"), _fmt(s.get("hop_next_ms"), " ms", 2), kv, str(s.get("restarts", 0)))
@@ -93,6 +95,12 @@ def render(snap: dict):
     line = (f"gateway: queue {g.get('queue')} · running {g.get('running')} · in flight {g.get('inflight')}/"
             f"{g.get('max_inflight')} · {_fmt(g.get('tokens_per_s'), ' tok/s')} · TTFT {_fmt(g.get('ttft_ms'), ' ms', 0)}"
             f" · failovers {g.get('failovers')} · replayed {g.get('replayed_sequences')}")
+    pc = g.get("prefix_cache")
+    if pc:
+        rate = "–" if pc.get("hit_rate") is None else f"{100 * pc['hit_rate']:.0f}%"
+        line += (f"\nprefix cache: {pc['prefixes']} prefixes, {pc['cached_tokens']} tokens · hits {pc['hits']}/"
+                 f"{pc['lookups']} ({rate}) · {pc['reused_tokens']} prompt tokens reused · evicted {pc['evicted']}"
+                 f" · misses {pc['misses']}")
     reason = not_ready_reason(snap)
     verdict = Text("ready", style="bold green") if reason is None else Text(f"NOT READY: {reason}", style="bold red")
     return Group(t, Text(line), verdict)

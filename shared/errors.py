@@ -42,6 +42,13 @@ class UnknownSequence(StagemeshError):
     code = "unknown_sequence"
 
 
+class PrefixMiss(StagemeshError):
+    """A stage was asked to start a sequence from a cached prefix it no longer keeps (evicted for room, or the stage
+    restarted): the gateway drops that prefix from its index and prefills the sequence in full."""
+
+    code = "prefix_miss"
+
+
 class MissingActivation(StagemeshError):
     """A middle or last stage got a micro-batch without its input activation (never falls back to embeddings)."""
 
@@ -59,4 +66,5 @@ class BadBatch(StagemeshError):
 
 
 # Every code a stage may put in a BatchError; "internal" is an unexpected failure inside the stage.
-ERROR_CODES = frozenset({StagemeshError.code, KVCacheFull.code, UnknownSequence.code, BadBatch.code, "internal"})
+ERROR_CODES = frozenset({StagemeshError.code, KVCacheFull.code, UnknownSequence.code, BadBatch.code, PrefixMiss.code,
+                         "internal"})

@@ -43,6 +43,7 @@ class SequenceState:
     computed: int = 0
     prefill_target: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output when replaying
     finish_reason: str | None = None
+    attach: str | None = None  # a cached prefix holding positions [0, computed) that its first chunk starts from
 
     def __post_init__(self):
         self.prefill_target = self.prefill_target or len(self.prompt_ids)
@@ -63,13 +64,20 @@ class SequenceState:
         """This sequence's next slice of work (at most max_tokens tokens) and the token ids it feeds."""
         if self.prefilling:
             n = min(max_tokens, self.prefill_target - self.computed)
-            step: InferenceStep = Prefill(n, self.computed, self.prefill_target, self.computed + n == self.prefill_target)
+            step: InferenceStep = Prefill(n, self.computed, self.prefill_target, self.computed + n == self.prefill_target,
+                                          self.attach)
             return SeqEntry(self.seq_id, step, self.params), self.all_ids[self.computed:self.computed + n]
         return SeqEntry(self.seq_id, Decode(self.computed), self.params), [self.output_ids[-1]]
 
     def advance(self, fed: int) -> None:
         """The pipeline now holds the KV of `fed` more tokens."""
         self.computed += fed
+        self.attach = None  # the first chunk attached the prefix: its slot holds those positions now
+
+    def start_from(self, prefix_id: str | None, tokens: int) -> None:
+        """Begin (again) from nothing, or from a cached prefix holding the K/V of the first `tokens` prompt tokens."""
+        self.computed = tokens if prefix_id is not None else 0
+        self.attach = prefix_id
 
     def append(self, token: int, logprob: float | None = None) -> str | None:
         """Record a sampled token; returns the finish reason it causes ("stop" for a stop id, "length"), if any."""
@@ -85,6 +93,7 @@ class SequenceState:
         """The pipeline lost this sequence's KV: prefill everything it has (prompt + output so far) again; the
         final chunk samples the next token at the same position a decode would have (same seed, same draw)."""
         self.computed = 0
+        self.attach = None
         self.prefill_target = len(self.all_ids)
 
 

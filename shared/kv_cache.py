@@ -1,17 +1,22 @@
-"""KV cache owned by the runtime, never by the model: fixed slots, one per live sequence."""
+"""KV cache owned by the runtime, never by the model: fixed slots, one per live sequence -- or per cached prefix: a
+finished sequence the gateway asked the stage to keep, whose K/V a later sequence with the same prefix copies."""
 
 from __future__ import annotations
 
 import heapq
+import logging
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from shared.errors import BadBatch, KVCacheFull, UnknownSequence
+from shared.errors import BadBatch, KVCacheFull, PrefixMiss, UnknownSequence
 from shared.steps import InferenceStep
+
+log = logging.getLogger("stagemesh.kv")
 
 
 class KVCache:
@@ -20,7 +25,11 @@ class KVCache:
     compiled decode step writes each in place, where a view of a larger tensor would make inductor copy all of it back.)
 
     scratch: one more row, index `scratch_slot` = num_slots, that no sequence is ever given: a compiled decode step
-    warming up in the background writes there while live sequences decode in the other rows."""
+    warming up in the background writes there while live sequences decode in the other rows.
+
+    kept: finished sequences whose slots stay as cached prefixes (keep()). They have no lease; the gateway owns
+    the index of what they hold and releases them itself. When a new sequence finds no free slot, the least
+    recently used kept one is given up (counted in `evicted`): the gateway learns of it from a prefix_miss."""
 
     def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", scratch: bool = False):
@@ -36,10 +45,17 @@ class KVCache:
         # live sequences stay packed at the bottom and batched decode can read them as one slice (DecodeWindow)
         self._slot_of: dict[Hashable, int] = {}
         self._touched: dict[Hashable, float] = {}  # seq_id -> monotonic time its slot was last allocated or used
+        self._kept: OrderedDict[Hashable, None] = OrderedDict()  # cached prefixes, least recently used first
+        self.evicted = 0  # kept slots given up for a new sequence
 
     def allocate(self, seq_id: Hashable) -> int:
         if seq_id in self._slot_of:
             raise BadBatch(f"sequence {seq_id!r} already holds KV slot {self._slot_of[seq_id]}")
+        if not self._free and self._kept:
+            oldest = next(iter(self._kept))
+            log.info("gave up the cached prefix %r for a new sequence: every KV slot was in use", oldest)
+            self.release(oldest)
+            self.evicted += 1
         if not self._free:
             raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
         slot = heapq.heappop(self._free)
@@ -51,10 +67,32 @@ class KVCache:
         slot = self._slot_of.pop(seq_id, None)
         if slot is None:
             return False
-        del self._touched[seq_id]
+        self._touched.pop(seq_id, None)
+        self._kept.pop(seq_id, None)
         heapq.heappush(self._free, slot)
         return True
 
+    def keep(self, seq_id: Hashable) -> bool:
+        """The finished sequence's slot stays, as a cached prefix: no lease; released by the gateway or given up
+        for room. False when the stage holds no slot for it."""
+        if seq_id not in self._slot_of:
+            return False
+        self._touched.pop(seq_id, None)
+        self._kept[seq_id] = None
+        return True
+
+    def attach(self, seq_id: Hashable, prefix_id: Hashable, length: int) -> None:
+        """Start the (just allocated) sequence from the cached prefix `prefix_id`: copy its K/V at positions
+        [0, length) into the sequence's slot. PrefixMiss when this stage no longer keeps that prefix."""
+        if prefix_id not in self._kept:
+            raise PrefixMiss(f"cached prefix {prefix_id!r} is not kept on this stage (given up for room, or the stage "
+                             "restarted); the gateway prefills the sequence in full")
+        if length > self.max_seq_len:
+            raise BadBatch(f"cached prefix of {length} tokens is past this stage's max_seq_len {self.max_seq_len}")
+        self._kept.move_to_end(prefix_id)
+        src, dst = self._slot_of[prefix_id], self._slot_of[seq_id]
+        for cache in (*self.k, *self.v):
+            cache[dst, :, :length].copy_(cache[src, :, :length])
     def slot(self, seq_id: Hashable) -> int:
         """The sequence's slot; asking for it (a micro-batch computing the sequence) renews its lease."""
         try:
@@ -66,7 +104,8 @@ class KVCache:
         return slot
 
     def untouched_since(self, cutoff: float) -> list[Hashable]:
-        """Sequences whose slot has not been allocated or used since monotonic time `cutoff` (expired leases)."""
+        """Sequences whose slot has not been allocated or used since monotonic time `cutoff` (expired leases; kept
+        prefixes have none)."""
         return [seq_id for seq_id, t in self._touched.items() if t < cutoff]
 
     @property
@@ -78,7 +117,12 @@ class KVCache:
 
     @property
     def used_slots(self) -> int:
+        """Slots held, by live sequences and kept prefixes."""
         return len(self._slot_of)
+
+    @property
+    def kept_slots(self) -> int:
+        return len(self._kept)
 
     @property
     def nbytes(self) -> int:

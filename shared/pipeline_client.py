@@ -84,10 +84,11 @@ class PipelineClient:
         if fut and not fut.done():
             fut.cancel()
 
-    async def release(self, seq_ids: list[str]) -> None:
-        """Free these sequences' KV slots on every stage (fire and forget; the ack is counted)."""
-        if seq_ids:
-            await self.transport.send(ReleaseSeqs(list(seq_ids)))
+    async def release(self, seq_ids: list[str], keep: list[str] = ()) -> None:
+        """Free these sequences' KV slots on every stage (fire and forget; the ack is counted); `keep`: finished
+        sequences whose slots stay, as cached prefixes."""
+        if seq_ids or keep:
+            await self.transport.send(ReleaseSeqs(list(seq_ids), keep=list(keep)))
 
     async def release_all(self) -> None:
         """Free every KV slot the stages hold (reconcile): only for a client that owns no sequence yet, e.g. a

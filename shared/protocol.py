@@ -22,7 +22,7 @@ from shared.errors import ERROR_CODES
 from shared.sampling import SamplingParams
 from shared.steps import Decode, InferenceStep, Prefill
 
-PROTOCOL_VERSION = 2  # 2: BatchError carries a machine-readable code
+PROTOCOL_VERSION = 3  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep")
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
@@ -95,6 +95,7 @@ class ForwardBatch:
 class ReleaseSeqs:
     seq_ids: list[str]
     everything: bool = False  # also release every other sequence the stage holds (a gateway starting afresh)
+    keep: list[str] = field(default_factory=list)  # finished sequences whose slots stay, as cached prefixes (no lease)
 
 
 @dataclass
@@ -133,8 +134,11 @@ Message = Union[ForwardBatch, ReleaseSeqs, BatchResult, BatchError, ReleaseDone]
 
 def _step_to_wire(step: InferenceStep) -> dict:
     if isinstance(step, Prefill):
-        return {"t": "prefill", "n": step.chunk_tokens, "start": step.chunk_start_position,
+        wire = {"t": "prefill", "n": step.chunk_tokens, "start": step.chunk_start_position,
                 "total": step.total_prompt_tokens, "final": step.is_final_chunk}
+        if step.attach is not None:
+            wire["attach"] = step.attach
+        return wire
     return {"t": "decode", "pos": step.current_position}
 
 
@@ -175,6 +179,8 @@ def encode(msg: Message) -> list:
         header = {"kind": "release", "seq_ids": list(msg.seq_ids)}
         if msg.everything:
             header["all"] = True
+        if msg.keep:
+            header["keep"] = list(msg.keep)
     elif isinstance(msg, ReleaseDone):
         header = {"kind": "released", "seq_ids": list(msg.seq_ids)}
     elif isinstance(msg, BatchResult):
@@ -232,7 +238,10 @@ def _step_from_wire(d: Any) -> InferenceStep:
         if d.get("t") == "prefill":
             final = d.get("final")
             _need(isinstance(final, bool), "schema", "prefill.final must be a boolean")
-            return Prefill(_int(d, "n", 1, MAX_TOKENS_PER_BATCH), _int(d, "start"), _int(d, "total", 1), final)
+            attach = d.get("attach")
+            _need(attach is None or (isinstance(attach, str) and 0 < len(attach) <= MAX_SEQ_ID_LEN), "schema",
+                  f"prefill.attach must be a sequence id (a string of 1..{MAX_SEQ_ID_LEN} chars)")
+            return Prefill(_int(d, "n", 1, MAX_TOKENS_PER_BATCH), _int(d, "start"), _int(d, "total", 1), final, attach)
         if d.get("t") == "decode":
             return Decode(_int(d, "pos", 1))
     except ValueError as e:
@@ -356,7 +365,7 @@ def decode(frames: list) -> Message:
             return ReleaseDone(ids)
         everything = header.get("all", False)
         _need(isinstance(everything, bool), "schema", "field 'all' must be a boolean")
-        return ReleaseSeqs(ids, everything)
+        return ReleaseSeqs(ids, everything, _str_list(header, "keep") if "keep" in header else [])
     if kind == "result":
         ids = _str_list(header, "seq_ids")
         toks, lps = header.get("tokens"), header.get("logprobs")

@@ -93,6 +93,10 @@ class StageRuntime:
     def release(self, seq_id: Hashable) -> bool:
         return self.kv.release(seq_id)
 
+    def keep(self, seq_id: Hashable) -> bool:
+        """The finished sequence's K/V stays, as a cached prefix (KVCache.keep)."""
+        return self.kv.keep(seq_id)
+
     # ---- compute -------------------------------------------------------------------------------------------
 
     def run(self, work: Sequence[SeqWork], *, token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
@@ -118,6 +122,8 @@ class StageRuntime:
                 if w.step.starts_sequence:
                     self.init_pipeline_request(w.seq_id)
                     fresh.append(w.seq_id)
+                    if getattr(w.step, "attach", None) is not None:  # a Prefill starting from a cached prefix
+                        self.kv.attach(w.seq_id, w.step.attach, w.step.start_position)
             slots = [self.kv.slot(w.seq_id) for w in work]
             layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device)
         except Exception:
@@ -178,3 +184,7 @@ class LocalPipeline:
     def release(self, seq_id: Hashable) -> None:
         for piece in self.pieces:
             piece.release(seq_id)
+
+    def keep(self, seq_id: Hashable) -> None:
+        for piece in self.pieces:
+            piece.keep(seq_id)

@@ -8,12 +8,17 @@ from typing import Union
 
 @dataclass(frozen=True)
 class Prefill:
-    """A chunk of the prompt: tokens [chunk_start_position, chunk_start_position + chunk_tokens)."""
+    """A chunk of the prompt: tokens [chunk_start_position, chunk_start_position + chunk_tokens).
+
+    attach: a cached prefix -- the id of a sequence every stage keeps after it finished (the gateway's prefix cache)
+    -- whose K/V at positions [0, chunk_start_position) this sequence starts from: the chunk is the sequence's
+    first, its slot is allocated here and those positions copied in before the chunk computes."""
 
     chunk_tokens: int
     chunk_start_position: int
     total_prompt_tokens: int
     is_final_chunk: bool
+    attach: str | None = None
 
     def __post_init__(self):
         if self.chunk_tokens < 1 or self.chunk_start_position < 0:
@@ -22,6 +27,8 @@ class Prefill:
             raise ValueError(f"prefill chunk {self} runs past the prompt")
         if self.is_final_chunk != (self.chunk_start_position + self.chunk_tokens == self.total_prompt_tokens):
             raise ValueError(f"prefill chunk {self}: is_final_chunk disagrees with the positions")
+        if self.attach is not None and self.chunk_start_position == 0:
+            raise ValueError(f"prefill chunk {self} attaches a cached prefix but starts at position 0")
 
     @property
     def num_tokens(self) -> int:
@@ -34,7 +41,7 @@ class Prefill:
     @property
     def starts_sequence(self) -> bool:
         """The first chunk of a sequence: the runtime allocates its KV slot here, exactly once."""
-        return self.chunk_start_position == 0
+        return self.chunk_start_position == 0 or self.attach is not None
 
     @property
     def produces_token(self) -> bool:

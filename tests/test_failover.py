@@ -61,13 +61,19 @@ PROMPTS = ["Write a long story about a lighthouse keeper.", "List ten facts abou
            "Tell me about the history of tea.", "Write a poem about winter rain."]
 
 
+SYSTEM = "You are a storyteller. Answer in full sentences, with concrete details and no lists.\n\n"
+
+
 async def test_batch_invariant_replay_reproduces_every_concurrent_stream(tmp_path):
     """The default weights (int4/bf16) with --batch-invariant: six greedy streams share micro-batches; stage 0 is
     killed mid-stream, every sequence is replayed (re-prefilled from its token history) into different company,
     and every text still equals its undisturbed run token for token."""
     gw = start_up(2, "bfloat16", str(tmp_path), "--batch-invariant")
     try:
-        bodies = [{**BODY, "prompt": p, "max_tokens": 40} for p in PROMPTS]
+        # a shared system prompt: the disturbed run starts every stream from the reference run's cached prefix, so it
+        # also shows a cache hit sampling what a full prefill does -- and the replay, on a restarted stage that
+        # keeps nothing, prefilling it all again to the same text
+        bodies = [{**BODY, "prompt": SYSTEM + p, "max_tokens": 40} for p in PROMPTS]
         reference = await asyncio.gather(*(stream(gw.url, body=b) for b in bodies))
         assert len({text for text, _ in reference}) == len(PROMPTS)  # six different texts, not one repeated
         killed = {}
@@ -80,6 +86,7 @@ async def test_batch_invariant_replay_reproduces_every_concurrent_stream(tmp_pat
             stream(gw.url, kill_once, bodies[0]), *(stream(gw.url, body=b) for b in bodies[1:])), 240)
         assert killed, "the stage was never killed"
         assert gw.metric("stagemesh_gateway_replayed_sequences_total") > 0  # sequences really were replayed
+        assert gw.metric("stagemesh_gateway_prefix_cache_hits_total") >= len(PROMPTS)  # ... and started from the cache
         for (want, _), (got, _) in zip(reference, disturbed):
             assert got == want
     finally:

@@ -113,6 +113,22 @@ def test_sdk_unknown_and_unsupported_parameters_are_400s_naming_them(client):
     assert r.usage.completion_tokens >= 1
 
 
+def test_the_next_turn_of_a_chat_reports_the_history_it_did_not_prefill_again(client, up):
+    """A multi-turn chat through the SDK: the second turn's prompt starts with the first turn's (rendered by the
+    chat template), so the stages start it from the first turn's cached K/V; the SDK reads how many tokens in
+    usage.prompt_tokens_details.cached_tokens, as OpenAI reports them."""
+    system = {"role": "system", "content": "You are a careful assistant who answers in plain English. " * 6}
+    turn1 = [system, {"role": "user", "content": "Name a colour of the sky."}]
+    r1 = client.chat.completions.create(model="smollm2", messages=turn1, max_tokens=12, temperature=0)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And at night?"}]
+    r2 = client.chat.completions.create(model="smollm2", messages=turn2, max_tokens=4, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens - 16 < cached < r2.usage.prompt_tokens and cached % 16 == 0
+    assert up.metric("stagemesh_gateway_prefix_cache_reused_tokens_total") >= cached
+
+
 def test_max_tokens_left_out_runs_to_the_servers_cap(client):
     r = client.completions.create(model="smollm2", prompt="Count: 1, 2, 3,", temperature=0,
                                   extra_body={"ignore_eos": True})

@@ -45,6 +45,7 @@ class RecordingClient:
         self.sent: dict[int, tuple[ForwardBatch, asyncio.Future]] = {}
         self.order: list[ForwardBatch] = []
         self.released: list[list[str]] = []
+        self.kept: list[str] = []
         self.abandoned: list[int] = []
         self._ids = itertools.count(1)
 
@@ -62,10 +63,13 @@ class RecordingClient:
         _, fut = self.sent.pop(mb)
         fut.cancel()
 
-    async def release(self, ids: list[str]) -> None:
+    async def release(self, ids: list[str], keep: list[str] = ()) -> None:
         self.released.append(list(ids))
+        self.kept.extend(keep)
         for sid in ids:
             self.local.release(sid)
+        for sid in keep:
+            self.local.keep(sid)
 
     def deliver(self, mb: int | None = None) -> ForwardBatch:
         """Compute micro-batch mb (default: the oldest pending) and resolve its future."""
@@ -82,13 +86,14 @@ class RecordingClient:
 
 
 class Harness:
-    def __init__(self, tiny_path: str, kv_slots: int = 4, max_inflight: int = 1, **serving):
+    def __init__(self, tiny_path: str, kv_slots: int = 4, max_inflight: int = 1, prefix_cache: bool = True, **serving):
         local = LocalPipeline.load(GgufLoader(tiny_path), None, torch.float32, kv_slots=kv_slots, max_seq_len=CONTEXT)
         self.client = RecordingClient(local)
         self.pipeline = Pipeline(["http://unused"], "tcp://unused", "fp", 2)
         self.pipeline.infos = [{"kv": {"slots": kv_slots, "max_seq_len": CONTEXT}}]
         self.pipeline.problem, self.pipeline.client = None, self.client
-        self.scheduler = Scheduler(self.pipeline, GatewayMetrics(), max_inflight, ServingConfig(**serving))
+        self.scheduler = Scheduler(self.pipeline, GatewayMetrics(), max_inflight, ServingConfig(**serving),
+                                   prefix_cache=prefix_cache)
         self.ids = itertools.count()
 
     def seq(self, prompt_len: int = 5, max_tokens: int = 8, **kw) -> Sequence:

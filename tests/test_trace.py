@@ -98,6 +98,27 @@ def test_traced_requests_sharing_the_mesh_each_get_only_their_own_activations(up
         assert all(c.problem is None for c in result.comparisons), [c for c in result.comparisons if c.problem][:3]
 
 
+def test_a_prompt_repeated_on_a_split_mesh_starts_from_every_stages_cached_prefix_with_the_same_tokens(up3):
+    """float32 over 3 stages: the second request finds the first one's K/V kept on every stage, computes only its
+    last block's worth of prompt, and samples the same greedy tokens (a full prefill's)."""
+    prompt = "A list of rivers, mountains, cities and the countries they lie in, one per line:\n" * 3
+
+    def complete() -> dict:
+        body = json.dumps({"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).encode()
+        with urllib.request.urlopen(urllib.request.Request(up3.url + "/v1/completions", body,
+                                                           {"Content-Type": "application/json"}), timeout=300) as r:
+            return json.loads(r.read())
+
+    first, second = complete(), complete()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    n = second["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16 > 0
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    for i in range(3):
+        kv = up3.stage_info(i)["kv"]
+        assert kv["kept_prefixes"] >= 1 and kv["evicted_prefixes"] == 0
+
+
 def test_a_traced_request_stops_capturing_at_its_budget(up3, smollm2):
     """A prompt whose first prefill chunk (128 tokens) is already over the gateway's --trace-budget: its trace holds
     that chunk and no later chunk or decode step, says it is truncated, and the request itself completes."""

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.metrics import GatewayMetrics, watch_transport
+from services.gateway.metrics import GatewayMetrics, watch_prefix_cache, watch_transport
 from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
 from services.gateway.scheduler import QueueFull, Scheduler, Sequence, new_seq_id
@@ -413,14 +413,18 @@ async def _background(app: web.Application):
 
 
 def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_inflight: int,
-             serving: ServingConfig = SERVING_DEFAULTS, otlp: OtlpTracer | None = None) -> web.Application:
+             serving: ServingConfig = SERVING_DEFAULTS, otlp: OtlpTracer | None = None,
+             prefix_cache: bool = True) -> web.Application:
     from services.gateway.mesh_view import add_mesh_view
     from services.gateway.openai_api import chat_completions, completions, models
     from services.gateway.ws import stream_ws
 
     metrics_ = GatewayMetrics()
     watch_transport(metrics_, lambda: pipeline.client.transport.stats if pipeline.client else None)
-    scheduler = Scheduler(pipeline, metrics_, max_inflight=max_inflight, config=serving, otlp=otlp)
+    scheduler = Scheduler(pipeline, metrics_, max_inflight=max_inflight, config=serving, otlp=otlp,
+                          prefix_cache=prefix_cache)
+    if scheduler.prefix is not None:
+        watch_prefix_cache(metrics_, scheduler.prefix)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
     app[GATEWAY] = Gateway(files, pipeline, scheduler, metrics_, config)
     app.cleanup_ctx.append(_background)

@@ -74,7 +74,7 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
     otlp_url = otlp_from_args(args)
     otlp = OtlpTracer(otlp_url, "stagemesh-gateway") if otlp_url else None
     return make_app(files, pipeline, GatewayConfig(model_id=model, api_key=api_key, **edge), inflight,
-                    serving_from_args(args), otlp)
+                    serving_from_args(args), otlp, prefix_cache=getattr(args, "prefix_cache", "on") == "on")
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:

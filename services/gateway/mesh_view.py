@@ -116,6 +116,7 @@ class MeshView:
             "generated_tokens": int(values.get("stagemesh_gateway_generated_tokens_total", 0)),
             "failovers": int(values.get("stagemesh_gateway_pipeline_failovers_total", 0)),
             "replayed_sequences": int(values.get("stagemesh_gateway_replayed_sequences_total", 0)),
+            "prefix_cache": sched.prefix.info() if sched.prefix is not None else None,
         }
         gw.metrics.pipeline_ready.set(1 if pipe.ready else 0)
         stages = [self._stage(i, url, sched.replaying) for i, url in enumerate(pipe.stage_urls)]
@@ -155,6 +156,7 @@ class MeshView:
             compute_ms=_ms(_rate(track.samples, "busy_seconds", "microbatches", self.window_s)),
             hop_in_ms=_ms(_rate(track.samples, "hop_seconds", "hops", self.window_s)),
             kv_used=kv.get("used_slots"), kv_slots=kv.get("slots"), max_seq_len=kv.get("max_seq_len"),
+            kv_cached=kv.get("kept_prefixes"), prefixes_evicted=kv.get("evicted_prefixes"),
             microbatches=info.get("microbatches"))
         return st
 

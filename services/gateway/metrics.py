@@ -3,7 +3,7 @@
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.protocol import REJECT_REASONS
 from shared.transport import TransportStats
@@ -83,3 +83,31 @@ class _ResultPortCollector:
 
 def watch_transport(metrics: GatewayMetrics, stats: Callable[[], TransportStats | None]) -> None:
     metrics.registry.register(_ResultPortCollector(stats))
+
+
+class _PrefixCacheCollector:
+    """The prefix cache index's counters (services/gateway/prefix_cache.py), read at scrape time."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def collect(self):
+        s = self.index.stats
+        yield CounterMetricFamily("stagemesh_gateway_prefix_cache_lookups", "Admitted requests looked up in the prefix "
+                                  "cache", value=s.lookups)
+        yield CounterMetricFamily("stagemesh_gateway_prefix_cache_hits", "Requests that started from a cached prefix",
+                                  value=s.hits)
+        yield CounterMetricFamily("stagemesh_gateway_prefix_cache_reused_tokens", "Prompt tokens a cached prefix "
+                                  "supplied (not computed)", value=s.cached_tokens)
+        yield CounterMetricFamily("stagemesh_gateway_prefix_cache_evictions", "Cached prefixes released for room",
+                                  value=s.evicted)
+        yield CounterMetricFamily("stagemesh_gateway_prefix_cache_misses", "Cached prefixes a stage no longer kept "
+                                  "(prefix_miss: the request prefilled in full)", value=s.misses)
+        yield GaugeMetricFamily("stagemesh_gateway_prefix_cache_prefixes", "Finished sequences every stage keeps as "
+                                "cached prefixes", value=len(self.index))
+        yield GaugeMetricFamily("stagemesh_gateway_prefix_cache_tokens", "Tokens the cached prefixes hold",
+                                value=self.index.cached_tokens)
+
+
+def watch_prefix_cache(metrics: GatewayMetrics, index) -> None:
+    metrics.registry.register(_PrefixCacheCollector(index))

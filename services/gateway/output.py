@@ -67,7 +67,8 @@ class OutputProcessor:
     def _done(self, reason: str) -> dict:
         seq = self.seq
         usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": self.completion_tokens,
-                 "total_tokens": len(seq.prompt_ids) + self.completion_tokens}
+                 "total_tokens": len(seq.prompt_ids) + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
         done = {"type": "done", "finish_reason": reason, "usage": usage, "timings": timings(seq)}
         if seq.trace:
             rec = TraceRecorder([HookCapture.from_wire(c) for c in seq.captures], seq.output_ids, len(seq.prompt_ids))

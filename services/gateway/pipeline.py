@@ -180,6 +180,13 @@ class Pipeline:
     def kv_slots(self) -> int:
         return min((i["kv"]["slots"] for i in self.infos if isinstance(i, dict)), default=1)
 
+    def cache_identity(self) -> str:
+        """What a cached prefix's K/V depends on besides its tokens: the model, and each stage's layers, dtype,
+        weights mode and incarnation (a restarted stage keeps nothing). The prefix index roots its hashes here."""
+        stages = [(i.get("layers"), i.get("dtype"), i.get("weights", {}).get("mode"),
+                   i.get("weights", {}).get("batch_invariant"), i.get("incarnation")) for i in self.infos if isinstance(i, dict)]
+        return repr((self.fingerprint, stages))
+
     @property
     def max_seq_len(self) -> int:
         return min((i["kv"]["max_seq_len"] for i in self.infos if isinstance(i, dict)), default=0)

@@ -24,8 +24,9 @@ import torch
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
+from services.gateway.prefix_cache import PrefixIndex
 from shared.config import SERVING_DEFAULTS, ServingConfig
-from shared.errors import KVCacheFull, UnknownSequence
+from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.generation import SequenceState
 from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer
@@ -65,6 +66,8 @@ class Sequence(SequenceState):
     trace: bool = False
     outputs: asyncio.Queue[SeqOutput] = field(default_factory=asyncio.Queue)
     feeding: int = 0  # tokens in the micro-batch now in flight (0: not in flight)
+    starting: bool = False  # ... and that micro-batch holds its first chunk (it allocates the slot on every stage)
+    cached_tokens: int = 0  # prompt tokens a cached prefix supplied (usage.prompt_tokens_details.cached_tokens)
     sent: bool = False  # a micro-batch of it was sent since its last release: stages may hold a slot for it
     replays: int = 0  # replays started: counted when its first replay micro-batch is sent
     replay_due: bool = False  # reset for replay, that micro-batch not sent yet
@@ -104,7 +107,8 @@ class Sequence(SequenceState):
 class Scheduler:
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
                  config: ServingConfig = SERVING_DEFAULTS, max_running: int | None = None,
-                 failover_timeout_s: float = 120.0, max_replays: int = 3, otlp: OtlpTracer | None = None):
+                 failover_timeout_s: float = 120.0, max_replays: int = 3, otlp: OtlpTracer | None = None,
+                 prefix_cache: bool = True):
         self.pipeline = pipeline
         self.otlp = otlp  # distributed tracing (None: off)
         self._mb_spans: dict[int, Any] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
@@ -119,6 +123,8 @@ class Scheduler:
         self._traced: dict[int, Sequence] = {}  # micro-batch in flight -> the one sequence whose rows it captures
         self.max_inflight_seen = 0
         self._release: list[str] = []
+        self._keep: list[str] = []  # finished sequences to keep on every stage, as cached prefixes
+        self.prefix = PrefixIndex() if prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
         self._wake = asyncio.Event()
         self.failover_timeout_s = failover_timeout_s
         self.max_replays = max_replays
@@ -171,11 +177,28 @@ class Scheduler:
             self.waiting.remove(seq)
         self.running.pop(seq.seq_id, None)
         if seq.sent:  # even at computed 0 (reset for a replay): surviving stages still hold its slot
-            self._release.append(seq.seq_id)  # ordered after any micro-batch of it already sent
+            if self._keeps(seq, reason):
+                self._keep.append(seq.seq_id)  # ordered after any micro-batch of it already sent, as a release is
+            else:
+                self._release.append(seq.seq_id)
             seq.sent = False
         self.metrics.requests.labels(reason).inc()
         self._update_gauges()
         self._wake.set()
+
+    def _keeps(self, seq: Sequence, reason: str) -> bool:
+        """Index a finished sequence as a cached prefix (True: keep its slots), releasing the prefixes it contains.
+        Its first `computed` tokens have K/V on every stage (a micro-batch still in flight writes only later
+        positions). Not after a failure, nor for a traced request (its rows carry capture hooks' numbers)."""
+        if self.prefix is None or reason not in ("stop", "length", "cancelled") or seq.trace or seq.attach:
+            return False
+        kept, contained = self.prefix.insert(seq.seq_id, seq.all_ids[:seq.computed], self._pinned())
+        self._release.extend(contained)
+        return kept
+
+    def _pinned(self) -> set[str]:
+        """Prefixes an admitted sequence will attach with its first chunk, not sent yet: not to be released."""
+        return {s.attach for s in self.running.values() if s.attach is not None}
 
     def shutdown(self, message: str = "the gateway is shutting down") -> int:
         """The gateway is stopping: end every open request so its handler returns (with `message` as its error
@@ -227,6 +250,10 @@ class Scheduler:
                                           f"time: {self.pipeline.problem or self.pipeline.lost_reason}")
             else:
                 seq.reset_for_replay()
+        if self.prefix is not None:  # a replaced stage keeps nothing: forget every prefix, release it where it is left
+            self._release.extend(self.prefix.reset(""))
+            for seq in self.running.values():
+                seq.attach = None
         self._replay_pending = True  # release what surviving stages still hold before replaying
         log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.lost_reason, len(self.running))
 
@@ -238,11 +265,54 @@ class Scheduler:
             else:
                 self._kv_cap = None  # probe again: leased or foreign slots may have been freed
         while self.waiting and len(self.running) < limit:
-            seq = self.waiting.popleft()
+            seq, hit = self.waiting[0], None
+            if self.prefix is not None:
+                if seq.computed == 0 and not seq.trace and not seq.replays:
+                    hit = self.prefix.lookup(seq.all_ids)
+                if len(self.running) + len(self.prefix) >= self.pipeline.kv_slots:
+                    # a cached prefix gives its slots up for the request -- never the one it is about to attach
+                    victim = self.prefix.evict(self._pinned() | ({hit.prefix.seq_id} if hit else set()))
+                    if victim is None:
+                        break
+                    self._release.append(victim)
+                self.prefix.count(hit)
+                if hit is not None:
+                    seq.start_from(hit.prefix.seq_id, hit.tokens)
+                seq.cached_tokens = hit.tokens if hit else 0
+            self.waiting.popleft()
             self.running[seq.seq_id] = seq
             if seq.t_admitted is None:  # not a re-admission after a kv_full
                 seq.t_admitted = time.perf_counter()
                 self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+
+    def _prefix_miss(self, seqs: list[Sequence], error: PipelineError) -> None:
+        """A stage no longer keeps a prefix this micro-batch attached (it gave it up for room, or restarted): forget
+        the prefixes these sequences attached, release them, and run the micro-batch's sequences as after a
+        kv_full -- the started ones prefill again, looking the cache up anew."""
+        for s in seqs:
+            if s.starting and s.attach is not None and self.prefix is not None:
+                self.prefix.discard(s.attach)
+                self._release.append(s.attach)
+        throttled(log, logging.WARNING, "prefix_miss", "%s", error)
+        self._requeue_started(seqs)
+
+    def _requeue_started(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Nothing of this failed micro-batch counts: its running sequences run the same step again (recomputing
+        K/V at the same positions writes the same values); the ones it started go back to the front of the queue,
+        released first (the stages before the failing one allocated them). Returns those."""
+        started = []
+        for s in seqs:
+            s.feeding = 0
+            if not s.done and s.starting:  # this micro-batch held its first chunk: it asked for a slot
+                started.append(s)
+            s.starting = False
+        for s in reversed(started):
+            del self.running[s.seq_id]
+            self._release.append(s.seq_id)
+            s.sent = False
+            s.start_from(None, 0)
+            self.waiting.appendleft(s)
+        return started
 
     def _kv_full(self, seqs: list[Sequence]) -> None:
         """A stage had no free slot for a sequence this micro-batch started: slots the gateway does not know of are
@@ -250,16 +320,7 @@ class Scheduler:
         sequences run the same step again (recomputing K/V at the same positions writes the same values); the ones
         it started go back to the front of the queue, released first (the stages before the full one allocated
         them), and admission holds at the running sequences (which fit) for KV_FULL_BACKOFF_S or until one ends."""
-        started = []
-        for s in seqs:
-            s.feeding = 0
-            if not s.done and s.computed == 0:  # this micro-batch held its first chunk: it asked for a slot
-                started.append(s)
-        for s in reversed(started):
-            del self.running[s.seq_id]
-            self._release.append(s.seq_id)
-            s.sent = False
-            self.waiting.appendleft(s)
+        started = self._requeue_started(seqs)
         self._kv_cap = len(self.running)
         self._kv_cap_until = time.perf_counter() + KV_FULL_BACKOFF_S
         self.metrics.kv_full_requeued.inc(len(started))
@@ -291,9 +352,11 @@ class Scheduler:
         if self._replay_pending:
             self._replay_pending = False
             self._release.extend(self.running)
-        if self._release:
-            ids, self._release = self._release, []
-            await client.release(ids)
+        if self.prefix is not None and self.prefix.identity != (identity := self.pipeline.cache_identity()):
+            self._release.extend(self.prefix.reset(identity))  # another pipeline (or the first): nothing it keeps
+        if self._release or self._keep:
+            (ids, self._release), (keep, self._keep) = (self._release, []), (self._keep, [])
+            await client.release(ids, keep)
         self._admit()
         while len(self.inflight) < self.max_inflight:
             batch = self._build_batch()
@@ -337,6 +400,7 @@ class Scheduler:
                 tracing = True
             entry, toks = s.next_step(min(self.config.prefill_chunk, budget))
             s.feeding = len(toks)
+            s.starting = entry.step.starts_sequence
             s.sent = True
             if s.replay_due:
                 s.replay_due = False
@@ -367,12 +431,15 @@ class Scheduler:
         if isinstance(error, PipelineError) and error.code == KVCacheFull.code:
             self._kv_full(seqs)
             return
+        if isinstance(error, PipelineError) and error.code == PrefixMiss.code:
+            self._prefix_miss(seqs, error)
+            return
         sampled = dict(zip(result.seq_ids, zip(result.tokens, result.logprobs))) if result else {}
         if result is not None and result.hop_s is not None:
             self.metrics.result_hop.observe(max(0.0, result.hop_s))
         now = time.perf_counter()
         for s in seqs:
-            fed, s.feeding = s.feeding, 0
+            fed, s.feeding, s.starting = s.feeding, 0, False
             if s.done:
                 continue
             if error is not None:

@@ -33,7 +33,12 @@ class _LiveCollector:
             failed.add_metric([direction], (s.get("handshakes_failed") or {}).get(direction, 0))
         yield failed
         yield GaugeMetricFamily("stagemesh_stage_queue_depth", "Prefetched inputs waiting for compute", value=s["queue_depth"])
-        yield GaugeMetricFamily("stagemesh_stage_kv_slots_used", "KV cache slots held by live sequences", value=s["kv_used"])
+        yield GaugeMetricFamily("stagemesh_stage_kv_slots_used", "KV cache slots held, by live sequences and cached "
+                                "prefixes", value=s["kv_used"])
+        yield GaugeMetricFamily("stagemesh_stage_kv_slots_cached", "KV cache slots kept as cached prefixes (the "
+                                "gateway's prefix cache)", value=s.get("kv_kept", 0))
+        yield CounterMetricFamily("stagemesh_stage_prefixes_evicted", "Cached prefixes this stage gave up because a new "
+                                  "sequence found no free slot", value=s.get("kv_evicted", 0))
         yield GaugeMetricFamily("stagemesh_stage_kv_slots", "KV cache slots in total", value=s["kv_slots"])
         yield GaugeMetricFamily("stagemesh_stage_bubble_ratio",
                                 "Share of the compute loop's time spent waiting for input since start "

@@ -92,6 +92,7 @@ class StageWorker:
                 "rejected": dict(stats.rejected), "handshakes_failed": dict(stats.handshakes_failed),
                 "queue_depth": self.io.queue_depth,
                 "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots,
+                "kv_kept": self.runtime.kv.kept_slots, "kv_evicted": self.runtime.kv.evicted,
                 "bubble_ratio": self.wait_s / (self.wait_s + self.busy_s) if self.wait_s + self.busy_s else 0.0}
 
     async def run(self) -> None:
@@ -127,6 +128,8 @@ class StageWorker:
                             self.runtime.release(seq_id)
                     for seq_id in msg.seq_ids:
                         self.runtime.release(seq_id)
+                    for seq_id in msg.keep:
+                        self.runtime.keep(seq_id)
                     await self.io.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
                 elif isinstance(msg, BatchError):  # an earlier stage failed this micro-batch: pass it on to the client
                     await self.io.send(msg)
@@ -263,7 +266,8 @@ class StageWorker:
             "weights": self._weights_info,
             "compiled_decode": self.runtime.compiled_decode_info(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
-                   "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed},
+                   "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed,
+                   "kept_prefixes": kv.kept_slots, "evicted_prefixes": kv.evicted},
             "prefetch": self.io.prefetch,
             "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
             "rejected": dict(self.io.transport.stats.rejected),

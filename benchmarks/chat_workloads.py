@@ -1,0 +1,217 @@
+"""Chat workloads side by side, in one run: llama.cpp's `llama-server` (its prompt cache on, as by default) against
+`stagemesh up` (its prefix cache on, as by default), same model file, same machine, the same requests to both.
+
+    make llama-server                                     # builds it once into ~/.cache/stagemesh (~8 min)
+    python -m benchmarks.chat_workloads [--out benchmarks/results/DATE-chat] [--turns 12] [--rounds 3]
+        [--stages 1] [--model ALIAS_OR_GGUF] [-- up flags]
+
+Two workloads, each server measured in turn within every round (the order reversed every other round):
+- multi-turn chat: one conversation of --turns turns whose history grows to ~1.9k tokens (a long system prompt,
+  user messages of ~120 tokens, scripted assistant replies of ~40 tokens -- the same history for every server, so
+  both reuse exactly the previous request's prompt); each turn streams a 16-token reply; time to first token (TTFT)
+  per turn. A new conversation (new words) for every server and round.
+- shared system prompt: a ~700-token system prompt and --concurrent distinct short questions at once, 32 tokens
+  each; wall time of the whole burst, per round (round 1 also primes the caches; new questions every round).
+
+Writes chat.json, chat.md (tables with ratios to llama-server) and chat.png (TTFT per turn against history length)
+into --out."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+
+from benchmarks.compare_llamacpp import LLAMA_SERVER, wait_http
+from loadtest.client import sse_events
+from services.launch import free_port, start_up
+from shared.gguf_loader import GgufLoader
+from shared.model_registry import resolve_model
+
+WORDS = ("river mountain city garden window morning evening market bridge harbour library station forest meadow "
+         "village kitchen letter teacher student doctor farmer sailor painter engineer question answer story history "
+         "science music weather winter summer autumn spring journey travel machine engine signal network language "
+         "number figure table chapter reason method result problem solution careful quiet bright heavy gentle simple "
+         "ancient modern distant narrow open closed early late quick slow warm cold green blue yellow silver golden "
+         "walks reads writes builds carries opens closes finds keeps shows brings follows explains remembers "
+         "describes compares measures repairs collects").split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    out = []
+    for i in range(n):
+        out.append(rng.choice(WORDS))
+        if i % 12 == 11:
+            out[-1] += "."
+    return " ".join(out).capitalize() + "."
+
+
+def conversation(seed: int, turns: int) -> tuple[str, list[str], list[str]]:
+    """(system prompt, user messages, scripted assistant replies) of one conversation."""
+    rng = random.Random(seed)
+    return (words(rng, 120), [words(rng, 90) for _ in range(turns)], [words(rng, 30) for _ in range(turns)])
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat completion: TTFT (to the first content), total time, and the prompt's token count."""
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, usage = None, {}
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: {r.status} {await r.text()}")
+        async for chunk in sse_events(r):
+            if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "total_s": time.perf_counter() - t0,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+async def multi_turn(url: str, seed: int, turns: int) -> list[dict]:
+    system, users, replies = conversation(seed, turns)
+    messages = [{"role": "system", "content": system}]
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for user, reply in zip(users, replies):
+            messages.append({"role": "user", "content": user})
+            out.append(await stream_chat(s, url, messages, 16))
+            messages.append({"role": "assistant", "content": reply})
+    return out
+
+
+async def shared_prompt(url: str, system: str, seed: int, concurrent: int) -> float:
+    rng = random.Random(seed)
+    questions = [words(rng, 14).rstrip(".") + "?" for _ in range(concurrent)]
+    async with aiohttp.ClientSession() as s:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream_chat(s, url, [{"role": "system", "content": system},
+                                                    {"role": "user", "content": q}], 32) for q in questions))
+        return time.perf_counter() - t0
+
+
+def start_llama_server(stack: contextlib.ExitStack, args) -> str:
+    port = free_port()
+    ctx = 2304  # per slot: the longest conversation (~1.9k tokens) and its reply
+    cmd = [args.llama_server, "-m", resolve_model(args.model), "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(os.cpu_count()), "-np", str(args.concurrent), "-cb", "-c", str(ctx * args.concurrent),
+           "--no-webui"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stack.callback(lambda: (server.terminate(), server.wait(30)))
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return f"http://127.0.0.1:{port}"
+
+
+def start_stagemesh(stack: contextlib.ExitStack, stages: int, args) -> str:
+    logs = stack.enter_context(tempfile.TemporaryDirectory())
+    gw = start_up(stages, args.dtype, logs, "--model", resolve_model(args.model), *args.extra)
+    stack.callback(gw.stop)
+    print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
+    return gw.url
+
+
+def tables(chat: dict[str, list[list[dict]]], burst: dict[str, list[float]], turns: int) -> str:
+    names = list(chat)
+    ref = "llama-server"
+
+    def mean_ttft(name: str, turn: int) -> float:
+        return sum(r[turn]["ttft_s"] for r in chat[name]) / len(chat[name])
+
+    tokens = [chat[names[-1]][0][t]["prompt_tokens"] for t in range(turns)]
+    rows = ["| turn | prompt tokens | " + " | ".join(f"{n} TTFT" for n in names) + " | "
+            + " | ".join(f"{n} ÷ llama-server" for n in names if n != ref) + " |",
+            "| ---: | ---: | " + " | ".join("---:" for _ in names) + " | " + " | ".join("---:" for n in names if n != ref) + " |"]
+    for t in range(turns):
+        rows.append(f"| {t + 1} | {tokens[t]} | " + " | ".join(f"{1e3 * mean_ttft(n, t):.0f} ms" for n in names) + " | "
+                    + " | ".join(f"{mean_ttft(n, t) / mean_ttft(ref, t):.2f}×" for n in names if n != ref) + " |")
+    rows += ["", "| server | shared system prompt, burst wall time per round | mean of rounds 2+ | ÷ llama-server |",
+             "| --- | --- | ---: | ---: |"]
+
+    def warm(name: str) -> float:
+        later = burst[name][1:] or burst[name]
+        return sum(later) / len(later)
+
+    for n in names:
+        rows.append(f"| {n} | {', '.join(f'{w:.2f} s' for w in burst[n])} | {warm(n):.2f} s | {warm(n) / warm(ref):.2f}× |")
+    return "\n".join(rows)
+
+
+def plot(chat: dict[str, list[list[dict]]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rounds in chat.items():
+        turns = len(rounds[0])
+        xs = [rounds[0][t]["prompt_tokens"] or t for t in range(turns)]
+        ax.plot(xs, [1e3 * sum(r[t]["ttft_s"] for r in rounds) / len(rounds) for t in range(turns)], marker="o",
+                label=name)
+    ax.set_xlabel("prompt tokens (the conversation so far)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("multi-turn chat, each turn's prompt = the last one + a reply + a message")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-output/chat")
+    p.add_argument("--turns", type=int, default=12, help="turns of the multi-turn conversation (default 12)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the servers in turn in each (default 3)")
+    p.add_argument("--concurrent", type=int, default=8, help="questions at once after the shared prompt (default 8)")
+    p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
+    p.add_argument("--model", default="smollm2", help="alias or GGUF path, served by all of them (default smollm2)")
+    p.add_argument("--stages", default="1", help="stagemesh meshes to run beside llama-server (default 1)")
+    p.add_argument("--llama-server", default=LLAMA_SERVER, help="path of llama.cpp's llama-server (make llama-server)")
+    p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
+    args = p.parse_args()
+    if not os.access(args.llama_server, os.X_OK):
+        sys.exit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
+    if args.rounds < 1 or args.turns < 1 or args.concurrent < 1:
+        sys.exit("--rounds, --turns and --concurrent must be at least 1")
+    os.makedirs(args.out, exist_ok=True)
+    system = words(random.Random(7), 520)  # ~700 tokens
+    with contextlib.ExitStack() as stack:
+        servers = {"llama-server": start_llama_server(stack, args)}
+        for stages in [int(x) for x in args.stages.split(",")]:
+            servers[f"stagemesh --stages {stages}"] = start_stagemesh(stack, stages, args)
+        names = list(servers)
+        chat: dict[str, list[list[dict]]] = {n: [] for n in names}
+        burst: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for n in names if r % 2 == 0 else names[::-1]:
+                chat[n].append(asyncio.run(multi_turn(servers[n], 100 + r, args.turns)))
+                burst[n].append(asyncio.run(shared_prompt(servers[n], system, 200 + r, args.concurrent)))
+            print(f"round {r + 1}: last-turn TTFT " + ", ".join(
+                f"{n} {1e3 * chat[n][-1][-1]['ttft_s']:.0f} ms" for n in names) + "; burst " + ", ".join(
+                f"{n} {burst[n][-1]:.2f} s" for n in names), flush=True)
+    md = tables(chat, burst, args.turns)
+    model = resolve_model(args.model)
+    header = (f"{GgufLoader(model).model_name} ({os.path.basename(model)}), {os.cpu_count()} CPU cores; llama-server "
+              f"-np {args.concurrent} -cb (prompt cache on); stagemesh up {' '.join(args.extra) or '(defaults)'}; "
+              f"{args.rounds} rounds, the servers in turn; TTFT = mean over rounds")
+    print(header + "\n\n" + md)
+    with open(os.path.join(args.out, "chat.md"), "w") as f:
+        f.write(header + "\n\n" + md + "\n")
+    with open(os.path.join(args.out, "chat.json"), "w") as f:
+        json.dump({"settings": header, "multi_turn": chat, "shared_prompt_burst_s": burst}, f, indent=1)
+    plot(chat, os.path.join(args.out, "chat.png"))
+
+
+if __name__ == "__main__":
+    main()

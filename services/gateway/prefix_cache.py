@@ -1,0 +1,158 @@
+"""The gateway's prefix cache index: which finished sequences every stage still keeps, and what they hold.
+
+A layer split makes a prefix reusable only if *every* stage holds its K/V, so one controller owns the index (as
+vLLM's scheduler and llama.cpp's RPC host do): the gateway. A finished sequence is not released but kept on every
+stage (ReleaseSeqs.keep) and indexed here by chained hashes of its full BLOCK_TOKENS-token blocks; a new sequence
+whose prompt starts with indexed blocks attaches the longest such prefix (Prefill.attach: each stage copies those
+positions' K/V into the new slot) and prefills only the rest. A stage that no longer keeps a prefix answers
+prefix_miss; the scheduler drops it from here and prefills that sequence in full.
+
+Kept prefixes use KV slots a running sequence would otherwise use: running + kept <= the pipeline's slots, and
+admission evicts the least recently used prefix that no admitted sequence is about to attach. Pure bookkeeping,
+no I/O: the scheduler sends the keeps and releases this returns."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BLOCK_TOKENS = 16  # the unit of reuse: a prefix is reused in whole blocks (vLLM's default block size)
+
+
+@dataclass
+class CachedPrefix:
+    seq_id: str  # the finished sequence every stage keeps
+    hashes: list[bytes]  # chained hash of each full block of the tokens whose K/V it holds
+
+    @property
+    def tokens(self) -> int:
+        return len(self.hashes) * BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class Hit:
+    prefix: CachedPrefix
+    tokens: int  # positions [0, tokens) of the new sequence come from the prefix (a multiple of BLOCK_TOKENS)
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0  # sequences admitted with the cache on
+    hits: int = 0  # ... that attached a prefix
+    cached_tokens: int = 0  # prompt tokens those hits did not compute
+    kept: int = 0  # finished sequences kept as prefixes
+    evicted: int = 0  # prefixes released for room
+    misses: int = 0  # prefixes a stage no longer had (prefix_miss)
+
+
+class PrefixIndex:
+    """identity: what the K/V depends on besides the tokens -- the model fingerprint, the layer split, dtype, weights
+    mode and each stage's incarnation (Pipeline.cache_identity()); it roots every hash chain, and a new identity
+    empties the index."""
+
+    def __init__(self, identity: str = ""):
+        self.identity = identity
+        self._root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        self._prefixes: OrderedDict[str, CachedPrefix] = OrderedDict()  # seq_id -> prefix, least recently used first
+        self._holders: dict[bytes, set[str]] = {}  # block hash -> prefixes holding that block (and all before it)
+        self.stats = PrefixStats()
+
+    def __len__(self) -> int:
+        return len(self._prefixes)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens held by the kept prefixes (what the stages' kept slots hold)."""
+        return sum(p.tokens for p in self._prefixes.values())
+
+    def reset(self, identity: str) -> list[str]:
+        """Forget everything (the pipeline changed); returns the kept sequences to release on the stages."""
+        dropped = list(self._prefixes)
+        stats = self.stats
+        self.__init__(identity)
+        self.stats = stats
+        return dropped
+
+    def chain(self, ids: list[int]) -> list[bytes]:
+        """The chained hash of each full block of ids: hash i covers ids[:BLOCK_TOKENS * (i + 1)]."""
+        out, h = [], self._root
+        for i in range(len(ids) // BLOCK_TOKENS):
+            block = array("q", ids[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])
+            h = hashlib.blake2b(h + block.tobytes(), digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def lookup(self, ids: list[int]) -> Hit | None:
+        """The longest indexed prefix of ids that leaves at least one token to compute (the last prompt token's
+        logits give the first output token); None when no full block matches. Counted by count()."""
+        best = None
+        for i, h in enumerate(self.chain(ids[:-1])):
+            holders = self._holders.get(h)
+            if not holders:
+                break
+            best = (i + 1, holders)
+        if best is None:
+            return None
+        blocks, holders = best
+        seq_id = next(s for s in reversed(self._prefixes) if s in holders)  # the most recently used holder
+        self._prefixes.move_to_end(seq_id)
+        return Hit(self._prefixes[seq_id], blocks * BLOCK_TOKENS)
+
+    def count(self, hit: Hit | None) -> None:
+        """A sequence was admitted with this lookup's outcome."""
+        self.stats.lookups += 1
+        if hit is not None:
+            self.stats.hits += 1
+            self.stats.cached_tokens += hit.tokens
+
+    def insert(self, seq_id: str, ids: list[int], pinned: set[str] = frozenset()) -> tuple[bool, list[str]]:
+        """A finished sequence whose K/V covers ids (every stage holds those positions). Returns (keep it, prefixes
+        to release): it is not kept when it holds no full block or an indexed prefix already holds all of its
+        blocks; kept prefixes it wholly contains are released (it serves every lookup they would), except pinned
+        ones (an admitted sequence is about to attach them)."""
+        hashes = self.chain(ids)
+        if not hashes:
+            return False, []
+        covering = self._holders.get(hashes[-1])
+        if covering:
+            self._prefixes.move_to_end(next(iter(covering)))
+            return False, []
+        mine = set(hashes)
+        contained = [p for p in self._prefixes.values() if p.hashes[-1] in mine and p.seq_id not in pinned]
+        for p in contained:
+            self._forget(p.seq_id)
+        self._prefixes[seq_id] = CachedPrefix(seq_id, hashes)
+        for h in hashes:
+            self._holders.setdefault(h, set()).add(seq_id)
+        self.stats.kept += 1
+        return True, [p.seq_id for p in contained]
+
+    def evict(self, pinned: set[str] = frozenset()) -> str | None:
+        """Drop the least recently used prefix not in pinned; returns its sequence id to release (None: none)."""
+        victim = next((s for s in self._prefixes if s not in pinned), None)
+        if victim is not None:
+            self._forget(victim)
+            self.stats.evicted += 1
+        return victim
+
+    def discard(self, seq_id: str) -> None:
+        """A stage no longer keeps it (prefix_miss): forget it; the caller releases it everywhere else."""
+        if seq_id in self._prefixes:
+            self._forget(seq_id)
+            self.stats.misses += 1
+
+    def _forget(self, seq_id: str) -> None:
+        prefix = self._prefixes.pop(seq_id)
+        for h in prefix.hashes:
+            holders = self._holders[h]
+            holders.discard(seq_id)
+            if not holders:
+                del self._holders[h]
+
+    def info(self) -> dict:
+        s = self.stats
+        return {"block_tokens": BLOCK_TOKENS, "prefixes": len(self), "cached_tokens": self.cached_tokens,
+                "lookups": s.lookups, "hits": s.hits, "hit_rate": round(s.hits / s.lookups, 4) if s.lookups else None,
+                "reused_tokens": s.cached_tokens, "kept": s.kept, "evicted": s.evicted, "misses": s.misses}

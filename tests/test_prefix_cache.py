@@ -1,0 +1,179 @@
+"""The prefix cache: the gateway's index (services/gateway/prefix_cache.py), the stages' kept slots
+(shared/kv_cache.py) and the scheduler between them -- a hit computes only the rest of the prompt and gives the
+tokens a full prefill gives; room, misses and a lost pipeline fall back to computing, never to other numbers.
+
+The scheduler tests drive the real scheduler over test_scheduler's Harness (micro-batches computed for real on a
+tiny GGUF, in this process); tests/test_openai_api.py checks the same through a running mesh and the openai SDK."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.gateway.prefix_cache import BLOCK_TOKENS, PrefixIndex
+from services.gateway.scheduler import Sequence
+from shared.errors import KVCacheFull, PrefixMiss
+from shared.generation import generate_tokens
+from shared.kv_cache import KVCache
+from shared.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, decode, encode
+from shared.sampling import SamplingParams
+from shared.steps import Prefill
+from tests.factories import TinySpec, write_tiny_gguf
+from tests.test_scheduler import Harness
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("prefix") / "tiny.gguf"), TinySpec(arch="llama"))
+
+
+def prompt(seed: int, n: int = 40) -> list[int]:
+    return [(seed * 31 + 11 * i) % 250 + 1 for i in range(n)]
+
+
+def new_seq(h: Harness, ids: list[int], max_tokens: int = 6) -> Sequence:
+    return Sequence(seq_id=f"s{next(h.ids)}", prompt_ids=list(ids), params=SamplingParams(), max_tokens=max_tokens)
+
+
+async def run(h: Harness, seq: Sequence) -> Sequence:
+    h.scheduler.submit(seq)
+    await h.step()
+    await h.deliver_all()
+    assert seq.finish_reason == "length"
+    return seq
+
+
+def first_step(h: Harness, seq: Sequence):
+    return next(e.step for b in h.client.order for e in b.seqs if e.seq_id == seq.seq_id)
+
+
+# ---- the index alone ---------------------------------------------------------------------------------------------
+
+def test_the_longest_indexed_prefix_is_found_in_whole_blocks_and_leaves_a_token_to_compute():
+    index = PrefixIndex("model-a")
+    ids = prompt(1, 50)
+    assert index.insert("a", ids) == (True, [])  # 3 full blocks (48 tokens) kept
+    assert index.lookup(ids[:20] + [999] * 30).tokens == BLOCK_TOKENS  # the first block only
+    assert index.lookup(ids).tokens == 48
+    assert index.lookup(ids[:48]).tokens == 32  # the last token must be computed: its logits sample the next
+    assert index.lookup([999] + ids) is None
+    assert PrefixIndex("model-b").lookup(ids) is None  # another pipeline identity: other hashes
+
+
+def test_a_longer_prefix_replaces_the_ones_it_contains_and_a_contained_one_is_not_kept():
+    index = PrefixIndex()
+    turn1, turn2 = prompt(2, 40), prompt(2, 40) + prompt(3, 30)
+    assert index.insert("t1", turn1) == (True, [])
+    assert index.insert("t2", turn2) == (True, ["t1"])  # t2 serves every lookup t1 would
+    assert index.insert("again", turn1) == (False, [])  # t2 holds all of it already
+    assert index.insert("pinned", prompt(2, 40) + prompt(3, 40), pinned={"t2"}) == (True, [])  # t2 is about to be used
+    assert len(index) == 2 and index.insert("short", [1, 2, 3]) == (False, [])
+
+
+def test_eviction_takes_the_least_recently_used_prefix_that_is_not_pinned():
+    index = PrefixIndex()
+    for name in "abc":
+        index.insert(name, prompt(ord(name)))
+    index.lookup(prompt(ord("a")))  # a is now the most recently used
+    assert index.evict(pinned={"b"}) == "c"
+    assert index.evict() == "b" and index.evict() == "a" and index.evict() is None
+    assert index.stats.evicted == 3 and index.lookup(prompt(ord("a"))) is None
+
+
+# ---- the stage's slots -------------------------------------------------------------------------------------------
+
+def test_a_kept_slot_is_copied_into_a_new_sequence_has_no_lease_and_gives_way_when_slots_run_out():
+    kv = KVCache(num_layers=2, num_slots=2, max_seq_len=64, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    slot = kv.allocate("done")
+    for t in (*kv.k, *kv.v):
+        t[slot] = torch.randn(t[slot].shape)
+    assert kv.keep("done") and kv.untouched_since(float("inf")) == []  # a kept prefix has no lease
+    new = kv.allocate("next")
+    kv.attach("next", "done", 20)
+    for t in (*kv.k, *kv.v):
+        assert torch.equal(t[new, :, :20], t[slot, :, :20]) and not t[new, :, 20:].any()
+    with pytest.raises(PrefixMiss, match="not kept"):
+        kv.attach("next", "never-kept", 8)
+    kv.allocate("third")  # no free slot: the kept prefix gives its slot up
+    assert kv.evicted == 1 and "done" not in kv and kv.kept_slots == 0
+    with pytest.raises(KVCacheFull):
+        kv.allocate("fourth")  # live sequences are never given up
+
+
+def test_attach_and_keep_cross_the_wire():
+    step = Prefill(8, 32, 40, True, attach="abc123")
+    batch = decode(encode(ForwardBatch(1, [SeqEntry("s", step)], tokens=torch.arange(8))))
+    assert batch.seqs[0].step == step and step.starts_sequence
+    assert decode(encode(ReleaseSeqs(["x"], keep=["y", "z"]))) == ReleaseSeqs(["x"], False, ["y", "z"])
+    with pytest.raises(ValueError, match="attaches a cached prefix but starts at position 0"):
+        Prefill(8, 0, 8, True, attach="abc123")
+
+
+# ---- the scheduler over a real pipeline in this process ------------------------------------------------------------
+
+async def test_a_repeated_prompt_computes_only_its_rest_and_samples_the_tokens_a_full_prefill_gives(tiny_path):
+    h = Harness(tiny_path, kv_slots=4)
+    first = await run(h, new_seq(h, prompt(1)))
+    assert h.client.kept == [first.seq_id]  # 40 prompt + 5 fed outputs: 2 full blocks kept on the stages
+    again = await run(h, new_seq(h, prompt(1) + [7, 9]))
+    step = first_step(h, again)
+    assert (step.attach, step.start_position, step.num_tokens) == (first.seq_id, 32, 42 - 32)
+    assert again.cached_tokens == 32
+    expected = list(generate_tokens(Harness(tiny_path).client.local, prompt(1) + [7, 9], SamplingParams(), 6))
+    assert again.output_ids == expected
+    assert h.scheduler.prefix.stats.hits == 1 and h.scheduler.prefix.stats.lookups == 2
+
+
+async def test_the_next_turn_of_a_conversation_reuses_the_last_answer_too(tiny_path):
+    h = Harness(tiny_path, kv_slots=4)
+    turn1 = await run(h, new_seq(h, prompt(4, 30), max_tokens=12))
+    history = turn1.prompt_ids + turn1.output_ids  # the K/V of all but the last output token is on the stages
+    turn2 = await run(h, new_seq(h, history + prompt(5, 9)))
+    assert turn2.cached_tokens == 32 > len(turn1.prompt_ids)
+    cold = Harness(tiny_path, kv_slots=4, prefix_cache=False)
+    reference = await run(cold, new_seq(cold, history + prompt(5, 9)))
+    assert turn2.output_ids == reference.output_ids and reference.cached_tokens == 0 and not cold.client.kept
+
+
+async def test_kept_prefixes_give_their_slots_to_new_requests_least_recently_used_first(tiny_path):
+    h = Harness(tiny_path, kv_slots=2)
+    a = await run(h, new_seq(h, prompt(6)))
+    b = await run(h, new_seq(h, prompt(7)))
+    assert len(h.scheduler.prefix) == 2  # both slots hold a cached prefix, no request runs
+    c = await run(h, new_seq(h, prompt(8)))  # admitted: the oldest prefix (a) is released for it
+    assert [a.seq_id] in h.client.released and h.scheduler.prefix.stats.evicted == 1
+    assert c.output_ids == list(generate_tokens(Harness(tiny_path).client.local, prompt(8), SamplingParams(), 6))
+    b2 = await run(h, new_seq(h, prompt(7) + [5]))
+    assert b2.cached_tokens == 32 and first_step(h, b2).attach == b.seq_id
+
+
+async def test_a_stage_that_lost_the_prefix_answers_a_miss_and_the_request_prefills_in_full(tiny_path):
+    h = Harness(tiny_path, kv_slots=4)
+    kept = await run(h, new_seq(h, prompt(9)))
+    h.client.local.release(kept.seq_id)  # a stage gave it up (or restarted) without the gateway knowing
+    seq = new_seq(h, prompt(9) + [3])
+    h.scheduler.submit(seq)
+    await h.step()
+    mb, (batch, _) = next(iter(h.client.sent.items()))
+    assert batch.seqs[0].step.attach == kept.seq_id
+    with pytest.raises(PrefixMiss):  # what the stage does with it
+        h.client.local.pieces[0].kv.attach(seq.seq_id, kept.seq_id, 32)
+    h.client.fail(mb, PrefixMiss.code, "cached prefix 'x' is not kept on this stage")
+    await h.step()
+    assert {seq.seq_id, kept.seq_id} in [set(r) for r in h.client.released]  # the new slot, and the prefix everywhere
+    retry = h.client.order[-1].seqs[0].step
+    assert retry.attach is None and retry.start_position == 0  # from nothing: the index forgot that prefix
+    await h.deliver_all()
+    assert seq.output_ids == list(generate_tokens(Harness(tiny_path).client.local, prompt(9) + [3],
+                                                  SamplingParams(), 6))
+    assert h.scheduler.prefix.stats.misses == 1 and seq.cached_tokens == 0
+
+
+async def test_a_lost_pipeline_forgets_every_prefix_and_releases_what_survivors_keep(tiny_path):
+    h = Harness(tiny_path, kv_slots=4)
+    kept = await run(h, new_seq(h, prompt(10)))
+    h.pipeline.mark_lost("test: a stage restarted")
+    await h.step()
+    assert len(h.scheduler.prefix) == 0 and [kept.seq_id] in h.client.released
+    seq = await run(h, new_seq(h, prompt(10) + [1]))
+    assert seq.cached_tokens == 0 and first_step(h, seq).attach is None
