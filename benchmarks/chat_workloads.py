@@ -11,7 +11,8 @@ Two workloads, each server measured in turn within every round (the order revers
   both reuse exactly the previous request's prompt); each turn streams a 16-token reply; time to first token (TTFT)
   per turn. A new conversation (new words) for every server and round.
 - shared system prompt: a ~700-token system prompt and --concurrent distinct short questions at once, 32 tokens
-  each; wall time of the whole burst, per round (round 1 also primes the caches; new questions every round).
+  each; wall time of the whole burst, --bursts bursts per round (the very first one also primes the caches, and is
+  reported apart; new questions every burst).
 
 Writes chat.json, chat.md (tables with ratios to llama-server) and chat.png (TTFT per turn against history length)
 into --out."""
@@ -83,7 +84,7 @@ async def multi_turn(url: str, seed: int, turns: int) -> list[dict]:
     system, users, replies = conversation(seed, turns)
     messages = [{"role": "system", "content": system}]
     out = []
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:  # one connection a request
         for user, reply in zip(users, replies):
             messages.append({"role": "user", "content": user})
             out.append(await stream_chat(s, url, messages, 16))
@@ -91,14 +92,14 @@ async def multi_turn(url: str, seed: int, turns: int) -> list[dict]:
     return out
 
 
-async def shared_prompt(url: str, system: str, seed: int, concurrent: int) -> float:
+async def shared_prompt(url: str, system: str, seed: int, concurrent: int) -> dict:
     rng = random.Random(seed)
     questions = [words(rng, 14).rstrip(".") + "?" for _ in range(concurrent)]
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:  # one connection a request
         t0 = time.perf_counter()
-        await asyncio.gather(*(stream_chat(s, url, [{"role": "system", "content": system},
-                                                    {"role": "user", "content": q}], 32) for q in questions))
-        return time.perf_counter() - t0
+        requests = await asyncio.gather(*(stream_chat(s, url, [{"role": "system", "content": system},
+                                                               {"role": "user", "content": q}], 32) for q in questions))
+        return {"wall_s": time.perf_counter() - t0, "requests": requests}
 
 
 def start_llama_server(stack: contextlib.ExitStack, args) -> str:
@@ -121,7 +122,7 @@ def start_stagemesh(stack: contextlib.ExitStack, stages: int, args) -> str:
     return gw.url
 
 
-def tables(chat: dict[str, list[list[dict]]], burst: dict[str, list[float]], turns: int) -> str:
+def tables(chat: dict[str, list[list[dict]]], burst: dict[str, list[dict]], turns: int) -> str:
     names = list(chat)
     ref = "llama-server"
 
@@ -135,15 +136,20 @@ def tables(chat: dict[str, list[list[dict]]], burst: dict[str, list[float]], tur
     for t in range(turns):
         rows.append(f"| {t + 1} | {tokens[t]} | " + " | ".join(f"{1e3 * mean_ttft(n, t):.0f} ms" for n in names) + " | "
                     + " | ".join(f"{mean_ttft(n, t) / mean_ttft(ref, t):.2f}×" for n in names if n != ref) + " |")
-    rows += ["", "| server | shared system prompt, burst wall time per round | mean of rounds 2+ | ÷ llama-server |",
-             "| --- | --- | ---: | ---: |"]
+    rows += ["", "| server | first burst (cold) | later bursts, wall time each | mean of later | ÷ llama-server | mean TTFT |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
 
-    def warm(name: str) -> float:
-        later = burst[name][1:] or burst[name]
-        return sum(later) / len(later)
+    def warm(name: str) -> list[dict]:
+        return burst[name][1:] or burst[name]
+
+    def mean_wall(name: str) -> float:
+        return sum(b["wall_s"] for b in warm(name)) / len(warm(name))
 
     for n in names:
-        rows.append(f"| {n} | {', '.join(f'{w:.2f} s' for w in burst[n])} | {warm(n):.2f} s | {warm(n) / warm(ref):.2f}× |")
+        ttfts = [r["ttft_s"] for b in warm(n) for r in b["requests"]]
+        each = ", ".join(f"{b['wall_s']:.2f}" for b in warm(n))
+        rows.append(f"| {n} | {burst[n][0]['wall_s']:.2f} s | {each} s | "
+                    f"{mean_wall(n):.2f} s | {mean_wall(n) / mean_wall(ref):.2f}× | {1e3 * sum(ttfts) / len(ttfts):.0f} ms |")
     return "\n".join(rows)
 
 
@@ -174,6 +180,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=12, help="turns of the multi-turn conversation (default 12)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the servers in turn in each (default 3)")
     p.add_argument("--concurrent", type=int, default=8, help="questions at once after the shared prompt (default 8)")
+    p.add_argument("--bursts", type=int, default=3, help="bursts of questions per server and round (default 3)")
     p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
     p.add_argument("--model", default="smollm2", help="alias or GGUF path, served by all of them (default smollm2)")
     p.add_argument("--stages", default="1", help="stagemesh meshes to run beside llama-server (default 1)")
@@ -185,21 +192,22 @@ def main() -> None:
     if args.rounds < 1 or args.turns < 1 or args.concurrent < 1:
         sys.exit("--rounds, --turns and --concurrent must be at least 1")
     os.makedirs(args.out, exist_ok=True)
-    system = words(random.Random(7), 520)  # ~700 tokens
+    system = words(random.Random(7), 640)  # ~700 tokens
     with contextlib.ExitStack() as stack:
         servers = {"llama-server": start_llama_server(stack, args)}
         for stages in [int(x) for x in args.stages.split(",")]:
             servers[f"stagemesh --stages {stages}"] = start_stagemesh(stack, stages, args)
         names = list(servers)
         chat: dict[str, list[list[dict]]] = {n: [] for n in names}
-        burst: dict[str, list[float]] = {n: [] for n in names}
+        burst: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(args.rounds):
             for n in names if r % 2 == 0 else names[::-1]:
                 chat[n].append(asyncio.run(multi_turn(servers[n], 100 + r, args.turns)))
-                burst[n].append(asyncio.run(shared_prompt(servers[n], system, 200 + r, args.concurrent)))
+                for b in range(args.bursts):
+                    burst[n].append(asyncio.run(shared_prompt(servers[n], system, 200 + 10 * r + b, args.concurrent)))
             print(f"round {r + 1}: last-turn TTFT " + ", ".join(
                 f"{n} {1e3 * chat[n][-1][-1]['ttft_s']:.0f} ms" for n in names) + "; burst " + ", ".join(
-                f"{n} {burst[n][-1]:.2f} s" for n in names), flush=True)
+                f"{n} {burst[n][-1]['wall_s']:.2f} s" for n in names), flush=True)
     md = tables(chat, burst, args.turns)
     model = resolve_model(args.model)
     header = (f"{GgufLoader(model).model_name} ({os.path.basename(model)}), {os.cpu_count()} CPU cores; llama-server "

@@ -40,8 +40,9 @@ def prompt_seed(concurrency: int, round_: int) -> int:
     """The random prompts' seed of one level's round: distinct for every (level, round), the same for every server in
     a round. llama-server keeps each slot's last prompt and reuses it (`cache_prompt`, on by default): a repeated
     64-token prompt was prefilled in 11 ms instead of 204-283 ms (timings.prompt_n 1, not 64), so benching every
-    round with the same prompts measured llama-server's prompt cache from the second round on. stagemesh has no
-    prefix cache; fresh random prompts measure both the same way, as a stream of distinct requests."""
+    round with the same prompts measured llama-server's prompt cache from the second round on. Fresh random prompts
+    measure both servers the same way, as a stream of distinct requests (no prefix to reuse); the prompt caches are
+    measured by benchmarks.chat_workloads."""
     return 1000 * concurrency + round_
 
 

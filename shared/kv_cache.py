@@ -46,6 +46,7 @@ class KVCache:
         self._slot_of: dict[Hashable, int] = {}
         self._touched: dict[Hashable, float] = {}  # seq_id -> monotonic time its slot was last allocated or used
         self._kept: OrderedDict[Hashable, None] = OrderedDict()  # cached prefixes, least recently used first
+        self.filled = [0] * num_slots  # per slot: positions [0, filled) were written since it was handed out
         self.evicted = 0  # kept slots given up for a new sequence
 
     def allocate(self, seq_id: Hashable) -> int:
@@ -59,6 +60,7 @@ class KVCache:
         if not self._free:
             raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
         slot = heapq.heappop(self._free)
+        self.filled[slot] = 0
         self._slot_of[seq_id] = slot
         self._touched[seq_id] = time.monotonic()
         return slot
@@ -74,9 +76,23 @@ class KVCache:
 
     def keep(self, seq_id: Hashable) -> bool:
         """The finished sequence's slot stays, as a cached prefix: no lease; released by the gateway or given up
-        for room. False when the stage holds no slot for it."""
+        for room. False when the stage holds no slot for it.
+
+        A kept prefix moves to the highest free slot, when there is one above it: live sequences take the lowest
+        free slots, so they stay packed at the bottom, where batched decode reads them as one slice (DecodeWindow);
+        kept prefixes scattered among them made that slice span every slot."""
         if seq_id not in self._slot_of:
             return False
+        slot, top = self._slot_of[seq_id], max(self._free, default=-1)
+        if top > slot:
+            self._free.remove(top)
+            n = self.filled[slot]
+            for cache in (*self.k, *self.v):
+                cache[top, :, :n].copy_(cache[slot, :, :n])
+            self.filled[top] = n
+            self._slot_of[seq_id] = top
+            self._free.append(slot)
+            heapq.heapify(self._free)
         self._touched.pop(seq_id, None)
         self._kept[seq_id] = None
         return True
@@ -93,6 +109,13 @@ class KVCache:
         src, dst = self._slot_of[prefix_id], self._slot_of[seq_id]
         for cache in (*self.k, *self.v):
             cache[dst, :, :length].copy_(cache[src, :, :length])
+        self.filled[dst] = max(self.filled[dst], length)
+
+    def wrote(self, layout: BatchLayout) -> None:
+        """A micro-batch wrote these positions (what keep() moves of a slot)."""
+        for slot, start, n in zip(layout.slots, layout.starts, layout.lengths):
+            if slot < len(self.filled):
+                self.filled[slot] = max(self.filled[slot], start + n)
     def slot(self, seq_id: Hashable) -> int:
         """The sequence's slot; asking for it (a micro-batch computing the sequence) renews its lease."""
         try:

@@ -126,6 +126,7 @@ class StageRuntime:
                         self.kv.attach(w.seq_id, w.step.attach, w.step.start_position)
             slots = [self.kv.slot(w.seq_id) for w in work]
             layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device)
+            self.kv.wrote(layout)
         except Exception:
             for seq_id in fresh:
                 self.release(seq_id)

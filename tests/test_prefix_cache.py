@@ -82,22 +82,28 @@ def test_eviction_takes_the_least_recently_used_prefix_that_is_not_pinned():
 
 # ---- the stage's slots -------------------------------------------------------------------------------------------
 
-def test_a_kept_slot_is_copied_into_a_new_sequence_has_no_lease_and_gives_way_when_slots_run_out():
-    kv = KVCache(num_layers=2, num_slots=2, max_seq_len=64, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+def test_a_kept_slot_moves_up_is_copied_into_a_new_sequence_has_no_lease_and_gives_way_when_slots_run_out():
+    kv = KVCache(num_layers=2, num_slots=3, max_seq_len=64, num_kv_heads=2, head_dim=4, dtype=torch.float32)
     slot = kv.allocate("done")
+    assert slot == 0
+    written = []
     for t in (*kv.k, *kv.v):
-        t[slot] = torch.randn(t[slot].shape)
+        t[slot, :, :24] = torch.randn(t[slot, :, :24].shape)
+        written.append(t[slot, :, :24].clone())
+    kv.filled[slot] = 24
     assert kv.keep("done") and kv.untouched_since(float("inf")) == []  # a kept prefix has no lease
     new = kv.allocate("next")
+    assert new == 0  # the prefix moved to the top slot: live sequences stay packed at the bottom
     kv.attach("next", "done", 20)
-    for t in (*kv.k, *kv.v):
-        assert torch.equal(t[new, :, :20], t[slot, :, :20]) and not t[new, :, 20:].any()
+    for t, w in zip((*kv.k, *kv.v), written):
+        assert torch.equal(t[new, :, :20], w[:, :20])
     with pytest.raises(PrefixMiss, match="not kept"):
         kv.attach("next", "never-kept", 8)
-    kv.allocate("third")  # no free slot: the kept prefix gives its slot up
+    kv.allocate("third")
+    kv.allocate("fourth")  # no free slot: the kept prefix gives its slot up
     assert kv.evicted == 1 and "done" not in kv and kv.kept_slots == 0
     with pytest.raises(KVCacheFull):
-        kv.allocate("fourth")  # live sequences are never given up
+        kv.allocate("fifth")  # live sequences are never given up
 
 
 def test_attach_and_keep_cross_the_wire():
