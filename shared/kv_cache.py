@@ -140,8 +140,8 @@ class KVCache:
 
     @property
     def used_slots(self) -> int:
-        """Slots held, by live sequences and kept prefixes."""
-        return len(self._slot_of)
+        """Slots held by live sequences (kept prefixes not counted: kept_slots)."""
+        return len(self._slot_of) - len(self._kept)
 
     @property
     def kept_slots(self) -> int:

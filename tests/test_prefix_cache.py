@@ -92,6 +92,7 @@ def test_a_kept_slot_moves_up_is_copied_into_a_new_sequence_has_no_lease_and_giv
         written.append(t[slot, :, :24].clone())
     kv.filled[slot] = 24
     assert kv.keep("done") and kv.untouched_since(float("inf")) == []  # a kept prefix has no lease
+    assert (kv.used_slots, kv.kept_slots) == (0, 1)  # /info's used_slots: live sequences only
     new = kv.allocate("next")
     assert new == 0  # the prefix moved to the top slot: live sequences stay packed at the bottom
     kv.attach("next", "done", 20)

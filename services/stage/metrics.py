@@ -33,8 +33,8 @@ class _LiveCollector:
             failed.add_metric([direction], (s.get("handshakes_failed") or {}).get(direction, 0))
         yield failed
         yield GaugeMetricFamily("stagemesh_stage_queue_depth", "Prefetched inputs waiting for compute", value=s["queue_depth"])
-        yield GaugeMetricFamily("stagemesh_stage_kv_slots_used", "KV cache slots held, by live sequences and cached "
-                                "prefixes", value=s["kv_used"])
+        yield GaugeMetricFamily("stagemesh_stage_kv_slots_used", "KV cache slots held by live sequences",
+                                value=s["kv_used"])
         yield GaugeMetricFamily("stagemesh_stage_kv_slots_cached", "KV cache slots kept as cached prefixes (the "
                                 "gateway's prefix cache)", value=s.get("kv_kept", 0))
         yield CounterMetricFamily("stagemesh_stage_prefixes_evicted", "Cached prefixes this stage gave up because a new "
