@@ -25,16 +25,13 @@ import contextlib
 import json
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
 
 import aiohttp
 
-from benchmarks.compare_llamacpp import LLAMA_SERVER, wait_http
+from benchmarks.compare_llamacpp import LLAMA_SERVER, start_llama_server, start_stagemesh
 from loadtest.client import sse_events
-from services.launch import free_port, start_up
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
 
@@ -100,26 +97,6 @@ async def shared_prompt(url: str, system: str, seed: int, concurrent: int) -> di
         requests = await asyncio.gather(*(stream_chat(s, url, [{"role": "system", "content": system},
                                                                {"role": "user", "content": q}], 32) for q in questions))
         return {"wall_s": time.perf_counter() - t0, "requests": requests}
-
-
-def start_llama_server(stack: contextlib.ExitStack, args) -> str:
-    port = free_port()
-    ctx = 2304  # per slot: the longest conversation (~1.9k tokens) and its reply
-    cmd = [args.llama_server, "-m", resolve_model(args.model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(os.cpu_count()), "-np", str(args.concurrent), "-cb", "-c", str(ctx * args.concurrent),
-           "--no-webui"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    stack.callback(lambda: (server.terminate(), server.wait(30)))
-    wait_http(f"http://127.0.0.1:{port}/health")
-    return f"http://127.0.0.1:{port}"
-
-
-def start_stagemesh(stack: contextlib.ExitStack, stages: int, args) -> str:
-    logs = stack.enter_context(tempfile.TemporaryDirectory())
-    gw = start_up(stages, args.dtype, logs, "--model", resolve_model(args.model), *args.extra)
-    stack.callback(gw.stop)
-    print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
-    return gw.url
 
 
 def tables(chat: dict[str, list[list[dict]]], burst: dict[str, list[dict]], turns: int) -> str:
@@ -194,7 +171,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     system = words(random.Random(7), 640)  # ~700 tokens
     with contextlib.ExitStack() as stack:
-        servers = {"llama-server": start_llama_server(stack, args)}
+        # per slot: the longest conversation (~1.9k tokens) and its reply
+        servers = {"llama-server": start_llama_server(stack, args, args.concurrent, 2304 * args.concurrent)}
         for stages in [int(x) for x in args.stages.split(",")]:
             servers[f"stagemesh --stages {stages}"] = start_stagemesh(stack, stages, args)
         names = list(servers)

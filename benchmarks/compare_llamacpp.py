@@ -70,12 +70,12 @@ def wait_http(url: str, timeout: float = 120) -> None:
     raise TimeoutError(url)
 
 
-def start_llama_server(stack: contextlib.ExitStack, args) -> str:
-    """llama-server on a free port, stopped when `stack` closes; returns its base URL once /health answers."""
+def start_llama_server(stack: contextlib.ExitStack, args, slots: int = 32, context: int = 8192) -> str:
+    """llama-server on a free port, stopped when `stack` closes; returns its base URL once /health answers.
+    context is shared by the slots: 8192 gives each of 32 slots 256 tokens, room for 64 in + 64 out."""
     port = free_port()
-    # -c is shared by the 32 slots: 8192 gives each 256 tokens, room for 64 in + 64 out (4096 would give 128)
     cmd = [args.llama_server, "-m", resolve_model(args.model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(os.cpu_count()), "-np", "32", "-cb", "-c", "8192", "--no-webui"]
+           "-t", str(os.cpu_count()), "-np", str(slots), "-cb", "-c", str(context), "--no-webui"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop() -> None:

@@ -122,7 +122,7 @@ class StageRuntime:
                 if w.step.starts_sequence:
                     self.init_pipeline_request(w.seq_id)
                     fresh.append(w.seq_id)
-                    if getattr(w.step, "attach", None) is not None:  # a Prefill starting from a cached prefix
+                    if w.step.attach is not None:  # a first chunk starting from a cached prefix
                         self.kv.attach(w.seq_id, w.step.attach, w.step.start_position)
             slots = [self.kv.slot(w.seq_id) for w in work]
             layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device)

@@ -59,6 +59,7 @@ class Decode:
             raise ValueError(f"decode position must be >= 1 (a prompt comes first), got {self.current_position}")
 
     num_tokens = 1
+    attach = None  # a decode never starts a sequence, so never from a cached prefix
     starts_sequence = False
     produces_token = True
 

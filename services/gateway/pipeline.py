@@ -164,6 +164,7 @@ class Pipeline:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self.generation = 0  # bumped only by mark_lost(): KV state in the pipeline is gone
+        self.cache_identity = ""  # _cache_identity() of the last poll's infos
         self.lost_reason = ""  # why, the last time
         self._incarnations: list[str] | None = None
         self._dial_failures: list[int] | None = None  # each sender's failed outbound handshakes at the last check
@@ -180,7 +181,7 @@ class Pipeline:
     def kv_slots(self) -> int:
         return min((i["kv"]["slots"] for i in self.infos if isinstance(i, dict)), default=1)
 
-    def cache_identity(self) -> str:
+    def _cache_identity(self) -> str:
         """What a cached prefix's K/V depends on besides its tokens: the model, and each stage's layers, dtype,
         weights mode and incarnation (a restarted stage keeps nothing). The prefix index roots its hashes here."""
         stages = [(i.get("layers"), i.get("dtype"), i.get("weights", {}).get("mode"),
@@ -269,6 +270,7 @@ class Pipeline:
 
     async def check(self) -> None:
         self.infos = list(await asyncio.gather(*(self._info(u) for u in self.stage_urls)))
+        self.cache_identity = self._cache_identity()  # once per poll, not per scheduler step
         problem = check_pipeline(self.infos, self.fingerprint, self.num_layers)
         if problem is None:
             problem = check_keys(self.infos, self.keys) or self._failed_dials() or self._stalled()

@@ -49,15 +49,14 @@ class PrefixStats:
 
 class PrefixIndex:
     """identity: what the K/V depends on besides the tokens -- the model fingerprint, the layer split, dtype, weights
-    mode and each stage's incarnation (Pipeline.cache_identity()); it roots every hash chain, and a new identity
+    mode and each stage's incarnation (Pipeline.cache_identity); it roots every hash chain, and a new identity
     empties the index."""
 
     def __init__(self, identity: str = ""):
-        self.identity = identity
-        self._root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
         self._prefixes: OrderedDict[str, CachedPrefix] = OrderedDict()  # seq_id -> prefix, least recently used first
         self._holders: dict[bytes, set[str]] = {}  # block hash -> prefixes holding that block (and all before it)
-        self.stats = PrefixStats()
+        self.stats = PrefixStats()  # kept across reset()
+        self.reset(identity)
 
     def __len__(self) -> int:
         return len(self._prefixes)
@@ -70,9 +69,10 @@ class PrefixIndex:
     def reset(self, identity: str) -> list[str]:
         """Forget everything (the pipeline changed); returns the kept sequences to release on the stages."""
         dropped = list(self._prefixes)
-        stats = self.stats
-        self.__init__(identity)
-        self.stats = stats
+        self.identity = identity
+        self._root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        self._prefixes.clear()
+        self._holders.clear()
         return dropped
 
     def chain(self, ids: list[int]) -> list[bytes]:

@@ -352,7 +352,7 @@ class Scheduler:
         if self._replay_pending:
             self._replay_pending = False
             self._release.extend(self.running)
-        if self.prefix is not None and self.prefix.identity != (identity := self.pipeline.cache_identity()):
+        if self.prefix is not None and self.prefix.identity != (identity := self.pipeline.cache_identity):
             self._release.extend(self.prefix.reset(identity))  # another pipeline (or the first): nothing it keeps
         if self._release or self._keep:
             (ids, self._release), (keep, self._keep) = (self._release, []), (self._keep, [])
