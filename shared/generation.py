@@ -118,7 +118,8 @@ def run_local(pipeline: LocalPipeline, entries: list[SeqEntry], tokens: list[int
     logits = pipeline.run([SeqWork(e.seq_id, e.step) for e in entries], torch.tensor(tokens, dtype=torch.int64),
                           hooks=hooks)
     producing = [e for e in entries if e.step.produces_token]
-    toks, lps = sample(logits, [e.sampling for e in producing], [e.sample_position for e in producing])
+    toks, lps = sample(logits, [e.sampling for e in producing], [e.sample_position for e in producing],
+                      [e.logit_inputs for e in producing])
     return {e.seq_id: (t, lp) for e, t, lp in zip(producing, toks, lps)}
 
 

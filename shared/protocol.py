@@ -19,10 +19,11 @@ import msgpack
 import torch
 
 from shared.errors import ERROR_CODES
-from shared.sampling import SamplingParams
+from shared.sampling import LogitInputs, SamplingParams
 from shared.steps import Decode, InferenceStep, Prefill
 
-PROTOCOL_VERSION = 3  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep")
+PROTOCOL_VERSION = 4  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
+# 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
@@ -67,6 +68,7 @@ class SeqEntry:
     step: InferenceStep
     sampling: SamplingParams = SamplingParams()
     traceparent: str | None = None  # W3C traceparent of this sequence's request span (None: tracing off)
+    logit_inputs: LogitInputs | None = None  # penalties' history and grammar mask for this step's sample
 
     @property
     def sample_position(self) -> int:
@@ -146,6 +148,8 @@ def _seq_to_wire(s: SeqEntry) -> dict:
     d = {"id": s.seq_id, "step": _step_to_wire(s.step), "sampling": s.sampling.to_wire()}
     if s.traceparent is not None:
         d["tp"] = s.traceparent
+    if s.logit_inputs is not None and not s.logit_inputs.empty:
+        d["li"] = s.logit_inputs.to_wire()
     return d
 
 
@@ -258,6 +262,15 @@ def _sampling_from_wire(d: Any) -> SamplingParams:
         raise ProtocolError("schema", f"invalid sampling parameters: {e}") from None
 
 
+def _logit_inputs_from_wire(s: dict) -> LogitInputs | None:
+    if "li" not in s:
+        return None
+    try:
+        return LogitInputs.from_wire(s["li"])
+    except (TypeError, ValueError) as e:
+        raise ProtocolError("schema", f"invalid logit inputs: {e}") from None
+
+
 def _captures(header: dict) -> list:
     caps = header.get("captures", [])
     _need(isinstance(caps, list) and all(isinstance(c, dict) and set(c) == CAPTURE_KEYS for c in caps), "schema",
@@ -340,7 +353,7 @@ def decode(frames: list) -> Message:
             sid = s.get("id")
             _need(isinstance(sid, str) and 0 < len(sid) <= MAX_SEQ_ID_LEN, "schema", "sequence id must be a short string")
             seqs.append(SeqEntry(sid, _step_from_wire(s.get("step")), _sampling_from_wire(s.get("sampling", {})),
-                                 _traceparent(s)))
+                                 _traceparent(s), _logit_inputs_from_wire(s)))
         _need(len({s.seq_id for s in seqs}) == len(seqs), "schema", "a sequence appears twice in one micro-batch")
         tensors = _tensors(header, frames)
         batch = ForwardBatch(_int(header, "mb"), seqs, tensors.get("tokens"), tensors.get("hidden"))

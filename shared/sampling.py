@@ -1,10 +1,12 @@
-"""Sampling on the last stage: greedy, temperature, top-k, top-p, per-request seed.
+"""Sampling on the last stage: penalties, logit bias, the grammar's allowed tokens, then greedy or temperature,
+top-k, top-p, min-p with a per-request seed.
 
 A seeded draw depends only on (seed, position) and the sequence's own logits, so the same request gives the
 same tokens whatever else shares its micro-batch, and a replay after a stage restart reproduces it."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict, dataclass
 
@@ -12,6 +14,9 @@ import torch
 
 MAX_TOP_K = 1_000_000
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_REPETITION_PENALTY = 10.0
+MAX_ALLOWED_MASK_BYTES = 1 << 16  # a grammar's allowed-token bitmask: vocabularies up to 524,288 tokens
 # Below this temperature the draw is greedy (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow float32 and the
 # softmax turns to NaN; at 1e-5 a logit gap of 1e-4 is already e^-10 apart, i.e. greedy for any real model.
 GREEDY_BELOW = 1e-5
@@ -27,6 +32,12 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off; else drop tokens less likely than min_p x the most likely one (after temperature)
     # ((token id, bias), ...) added to those logits before anything else (OpenAI's logit_bias: -100 bans, +100 forces)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties on generated tokens (vLLM's semantics): logit -= frequency x count + presence x (count > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # llama.cpp's and vLLM's: a logit of a token seen in the prompt or the output is divided (> 0) or multiplied (< 0)
+    repetition_penalty: float = 1.0
+    top_logprobs: int = 0  # this many most likely alternatives (with their logprobs) per sampled token, 0..20
 
     def __post_init__(self):
         if not (0.0 <= self.temperature <= 100.0):
@@ -44,8 +55,19 @@ class SamplingParams:
         if len(bias) > MAX_LOGIT_BIAS or any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
             raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids >= 0, each biased by -100..100")
         object.__setattr__(self, "logit_bias", bias)
+        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError("presence_penalty and frequency_penalty must lie within -2..2")
+        if not (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must lie within (0, {MAX_REPETITION_PENALTY:g}], got "
+                             f"{self.repetition_penalty}")
+        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top_logprobs must lie within 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative 63-bit integer, got {self.seed}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +85,74 @@ class SamplingParams:
     @classmethod
     def from_wire(cls, d: dict) -> SamplingParams:
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class LogitInputs:
+    """What a sequence's own history adds to one sampling step, computed by whoever holds that history (the
+    gateway) and carried with the step, so a stage keeps no per-sequence sampling state and a replay on a fresh
+    stage samples exactly as before.
+
+    allowed: the grammar's allowed tokens as a little-endian bitmask (bit t of 32-bit word t // 32 set = token t may
+    be sampled; the layout llguidance and xgrammar fill); tokens past its end are not allowed. None: no grammar.
+    seen: (token id, times generated) of every token the penalties look at -- generated tokens, and with a
+    repetition penalty also the prompt's (count 0 when only in the prompt)."""
+
+    allowed: bytes | None = None
+    seen: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        if self.allowed is not None and not (0 < len(self.allowed) <= MAX_ALLOWED_MASK_BYTES
+                                             and len(self.allowed) % 4 == 0):
+            raise ValueError(f"an allowed-token mask is 4..{MAX_ALLOWED_MASK_BYTES} bytes in 32-bit words, got "
+                             f"{len(self.allowed)}")
+        if any(t < 0 or c < 0 for t, c in self.seen):
+            raise ValueError("seen token ids and counts must be >= 0")
+
+    @property
+    def empty(self) -> bool:
+        return self.allowed is None and not self.seen
+
+    def to_wire(self) -> dict:
+        wire: dict = {}
+        if self.allowed is not None:
+            wire["allow"] = self.allowed
+        if self.seen:
+            wire["seen"] = [x for pair in self.seen for x in pair]  # flat: id, count, id, count, ...
+        return wire
+
+    @classmethod
+    def from_wire(cls, d: dict) -> LogitInputs:
+        if not isinstance(d, dict) or not set(d) <= {"allow", "seen"}:
+            raise ValueError("logit inputs must be a map with keys from allow, seen")
+        allowed, flat = d.get("allow"), d.get("seen", [])
+        if allowed is not None and not isinstance(allowed, bytes):
+            raise ValueError("'allow' must be bytes")
+        if not (isinstance(flat, list) and len(flat) % 2 == 0 and all(type(x) is int for x in flat)):
+            raise ValueError("'seen' must be a flat list of (token id, count) integer pairs")
+        return cls(allowed, tuple(zip(flat[0::2], flat[1::2])))
+
+
+def _apply_penalties(row: torch.Tensor, p: SamplingParams, seen: tuple[tuple[int, int], ...]) -> None:
+    """In place, on one row of logits (vLLM's order: repetition, then frequency and presence)."""
+    ids = torch.tensor([t for t, _ in seen], dtype=torch.int64)
+    if int(ids.max()) >= row.numel():
+        raise ValueError(f"penalties name token {int(ids.max())}, past the vocabulary's {row.numel()}")
+    counts = torch.tensor([c for _, c in seen], dtype=torch.float32)
+    if p.repetition_penalty != 1.0:
+        vals = row[ids]
+        row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    generated = counts > 0
+    row[ids] -= p.frequency_penalty * counts + p.presence_penalty * generated.float()
+
+
+def _allowed_mask(allowed: bytes, vocab: int) -> torch.Tensor:
+    """The bitmask -> bool [vocab] (little-endian words and bytes: bit t of byte t // 8)."""
+    bits = torch.frombuffer(bytearray(allowed), dtype=torch.uint8)
+    mask = ((bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()
+    if mask.numel() >= vocab:
+        return mask[:vocab]
+    return torch.cat([mask, torch.zeros(vocab - mask.numel(), dtype=torch.bool)])
 
 
 NUCLEUS_CANDIDATES = 1024  # top-p looks here first; a full sort only when these hold less than top_p of the mass
@@ -101,19 +191,33 @@ def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor,
     return probs, ids
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> tuple[list[int], list[float | None]]:
-    """logits [M, V] float32, one row per sequence; positions: each sampled token's position.
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+           inputs: list[LogitInputs | None] | None = None) -> tuple[list[int], list[float | None]]:
+    """logits [M, V] float32, one row per sequence; positions: each sampled token's position; inputs: each row's
+    LogitInputs (penalties' history, grammar mask), None where there are none.
     Returns token ids and (when asked) the chosen token's log-probability under the unmodified distribution."""
     logits = logits.float()
     unbiased = logits
-    if any(p.logit_bias for p in params):  # a row's bias touches that row only
+    inputs = inputs or [None] * len(params)
+    adjusted = [i for i, (p, li) in enumerate(zip(params, inputs))
+                if p.logit_bias or (li is not None and (li.allowed is not None or (li.seen and p.penalized)))]
+    if adjusted:  # a row's adjustments touch that row only
         logits = logits.clone()
-        for i, p in enumerate(params):
+        vocab = logits.shape[-1]
+        for i in adjusted:
+            p, li = params[i], inputs[i]
+            if li is not None and li.seen and p.penalized:
+                _apply_penalties(logits[i], p, li.seen)
             if p.logit_bias:
                 ids, bias = zip(*p.logit_bias)
-                if max(ids) >= logits.shape[-1]:
-                    raise ValueError(f"logit_bias names token {max(ids)}, past the vocabulary's {logits.shape[-1]}")
+                if max(ids) >= vocab:
+                    raise ValueError(f"logit_bias names token {max(ids)}, past the vocabulary's {vocab}")
                 logits[i, list(ids)] += torch.tensor(bias)
+            if li is not None and li.allowed is not None:
+                mask = _allowed_mask(li.allowed, vocab)
+                if not bool(mask.any()):
+                    raise ValueError("the grammar's allowed-token mask permits no token of this vocabulary")
+                logits[i].masked_fill_(~mask, -math.inf)
     tokens = logits.argmax(dim=-1).tolist()
     logprobs: list[float | None] = [None] * len(params)
     for i, p in enumerate(params):
