@@ -11,8 +11,10 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,8 +23,11 @@ from shared.errors import StagemeshError
 from shared.models import LayerHook
 from shared.protocol import SeqEntry
 from shared.runtime import LocalPipeline, SeqWork
-from shared.sampling import SamplingParams, sample
+from shared.sampling import LogitInputs, SamplingParams, sample
 from shared.steps import Decode, InferenceStep, Prefill
+
+if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled (the gateway), never by a stage
+    from shared.grammar import SequenceGrammar
 
 Sampled = dict[str, tuple[int, float | None]]  # seq_id -> (token, logprob) of the sequences that produced one
 
@@ -44,9 +49,11 @@ class SequenceState:
     prefill_target: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output when replaying
     finish_reason: str | None = None
     attach: str | None = None  # a cached prefix holding positions [0, computed) that its first chunk starts from
+    grammar: SequenceGrammar | None = None  # constrains what it samples (response_format, a forced tool call)
 
     def __post_init__(self):
         self.prefill_target = self.prefill_target or len(self.prompt_ids)
+        self._generated = Counter(self.output_ids)  # token -> times generated (the penalties' history)
 
     @property
     def all_ids(self) -> list[int]:
@@ -66,8 +73,22 @@ class SequenceState:
             n = min(max_tokens, self.prefill_target - self.computed)
             step: InferenceStep = Prefill(n, self.computed, self.prefill_target, self.computed + n == self.prefill_target,
                                           self.attach)
-            return SeqEntry(self.seq_id, step, self.params), self.all_ids[self.computed:self.computed + n]
-        return SeqEntry(self.seq_id, Decode(self.computed), self.params), [self.output_ids[-1]]
+            inputs = self.logit_inputs() if step.produces_token else None
+            return SeqEntry(self.seq_id, step, self.params, logit_inputs=inputs), \
+                self.all_ids[self.computed:self.computed + n]
+        return SeqEntry(self.seq_id, Decode(self.computed), self.params, logit_inputs=self.logit_inputs()), \
+            [self.output_ids[-1]]
+
+    def logit_inputs(self) -> LogitInputs | None:
+        """What its history adds to its next sample: the grammar's allowed tokens, the penalties' token counts
+        (generated tokens; with a repetition penalty also the prompt's, at count 0 when only there)."""
+        seen: tuple[tuple[int, int], ...] = ()
+        if self.params.penalized:
+            counts = dict.fromkeys(self.prompt_ids, 0) if self.params.repetition_penalty != 1.0 else {}
+            counts.update(self._generated)
+            seen = tuple(sorted(counts.items()))
+        allowed = self.grammar.allowed() if self.grammar is not None else None
+        return LogitInputs(allowed, seen) if allowed is not None or seen else None
 
     def advance(self, fed: int) -> None:
         """The pipeline now holds the KV of `fed` more tokens."""
@@ -83,6 +104,9 @@ class SequenceState:
         """Record a sampled token; returns the finish reason it causes ("stop" for a stop id, "length"), if any."""
         self.output_ids.append(token)
         self.logprobs.append(logprob)
+        self._generated[token] += 1
+        if self.grammar is not None and not self.grammar.consume(token) and token not in self.stop_ids:
+            return "error"  # the grammar refused what was sampled under its own mask: grammar.error says why
         if token in self.stop_ids:
             return "stop"
         if len(self.output_ids) >= self.max_tokens:

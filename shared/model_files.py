@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from shared.chat_template import ChatTemplate
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
 from shared.models import ModelConfig
 from shared.tokenizer import GgufTokenizer
+
+if TYPE_CHECKING:
+    from shared.grammar import GrammarCompiler
 
 
 @dataclass
@@ -28,6 +32,13 @@ class ModelFiles:
     @cached_property
     def tokenizer(self) -> GgufTokenizer:
         return GgufTokenizer.from_gguf(self.loader)
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Constrained decoding's compiler for this vocabulary (llguidance is imported here, never by a stage)."""
+        from shared.grammar import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer)
 
     @cached_property
     def chat_template(self) -> ChatTemplate | None:

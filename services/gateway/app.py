@@ -24,8 +24,10 @@ from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
 from services.gateway.scheduler import QueueFull, Scheduler, Sequence, new_seq_id
 from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
+from services.gateway.tools import forced_call_schema, tool_messages
 from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.errors import ChatTemplateError
+from shared.grammar import GrammarError, json_schema_grammar
 from shared.log_throttle import OneLineThrottleFilter, throttled
 from shared.model_files import ModelFiles
 from shared.otlp import OtlpTracer
@@ -143,11 +145,19 @@ class Gateway:
                                f"(at most {cap} characters here); shorten it", param, code="context_length_exceeded")
         try:
             if spec.messages is not None:
-                ids = await self.lanes.run(chars, self.files.chat_prompt_ids, spec.messages)
+                ids = await self.lanes.run(chars, self.files.chat_prompt_ids, tool_messages(spec.messages, spec.tools))
             else:
                 ids = await self.lanes.run(chars, self.files.tokenizer.encode, spec.prompt)
         except ChatTemplateError as e:
             raise RequestError(str(e), "messages") from None
+        grammar = None
+        schema = forced_call_schema(spec.tools, spec.tool_choice) if spec.forced_tool else spec.json_schema
+        if schema is not None:  # compiled off the loop (the first one also builds llguidance's vocabulary)
+            try:
+                grammar = await self.lanes.run(0, self.files.grammars.matcher, json_schema_grammar(schema))
+            except GrammarError as e:
+                raise RequestError(f"the JSON schema cannot constrain the output: {e}",
+                                   "tools" if spec.forced_tool else "response_format") from None
         if not ids:
             raise RequestError("the prompt is empty after tokenization", "prompt")
         if len(ids) >= context:
@@ -162,7 +172,7 @@ class Gateway:
         return Sequence(trace_budget=self.config.trace_budget if spec.trace else 0,
                         seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
                         stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
-                        deadline=time.perf_counter() + timeout, trace=spec.trace)
+                        deadline=time.perf_counter() + timeout, trace=spec.trace, grammar=grammar)
 
     def submit(self, seq: Sequence) -> None:
         try:

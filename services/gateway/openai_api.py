@@ -12,6 +12,7 @@ from aiohttp import web
 from services.gateway.app import BODY_READ_TIMEOUT_S, GATEWAY
 from services.gateway.scheduler import Sequence
 from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
+from services.gateway.tools import ToolCallParser
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -61,11 +62,31 @@ class OpenAIShape:
     def usage_chunk(self, done: dict) -> dict:
         return {**self.base, "choices": [], "usage": done["usage"]}
 
-    def response(self, tokens: list[dict], done: dict, logprobs: bool) -> dict:
+    def tool_chunks(self, events: list[tuple]) -> list[dict]:
+        """ToolCallParser events -> chat chunks: content deltas, then each call's start and argument fragments."""
+        chunks = []
+        for ev in events:
+            if ev[0] == "content":
+                chunks.append(self.chunk({"content": ev[1]}))
+            elif ev[0] == "call":
+                chunks.append(self.chunk({"tool_calls": [{"index": ev[1], "id": ev[2], "type": "function",
+                                                          "function": {"name": ev[3], "arguments": ""}}]}))
+            else:
+                chunks.append(self.chunk({"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}))
+        return chunks
+
+    def response(self, tokens: list[dict], done: dict, logprobs: bool, tools: ToolCallParser | None = None) -> dict:
         text = "".join(e["text"] for e in tokens)
         choice = {"index": 0, "finish_reason": done["finish_reason"],
                   "logprobs": _logprobs_field(self.chat, tokens) if logprobs else None}
-        if self.chat:
+        if tools is not None:
+            events = tools.push(text) + tools.finish()
+            content = "".join(ev[1] for ev in events if ev[0] == "content")
+            choice["message"] = {"role": "assistant", "content": content or None}
+            if tools.calls:
+                choice["message"]["tool_calls"] = tools.calls
+                choice["finish_reason"] = finish_with_calls(done["finish_reason"])
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -74,6 +95,15 @@ class OpenAIShape:
         if "trace" in done:
             body["trace"] = done["trace"]
         return body
+
+
+def finish_with_calls(reason: str) -> str:
+    """An answer that ended by itself (EOS, or the forced call's grammar completing) after calling tools."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+def _tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
+    return ToolCallParser(forced=spec.forced_tool) if spec.tools is not None else None
 
 
 def _error_status(ev: dict) -> RequestError:
@@ -94,7 +124,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             elif ev["type"] == "error":
                 raise _error_status(ev)
             else:
-                return web.json_response(shape.response(tokens, ev, spec.logprobs))
+                return web.json_response(shape.response(tokens, ev, spec.logprobs, _tool_parser(spec)))
         raise AssertionError("the event stream ended without done or error")
     finally:
         gw.scheduler.cancel(seq)  # no-op when finished; frees KV slots when the client went away
@@ -110,13 +140,22 @@ async def _stream_sse(request, gw, seq: Sequence, spec: GenerationSpec, shape: O
 
     if shape.chat:
         await send(shape.chunk({"role": "assistant", "content": ""}))
+    tools = _tool_parser(spec)
     async for ev in gw.events(seq, spec):
-        if ev["type"] == "token":
+        if ev["type"] == "token" and tools is not None:
+            for chunk in shape.tool_chunks(tools.push(ev["text"])):
+                await send(chunk)
+        elif ev["type"] == "token":
             if ev["text"] or spec.logprobs:
                 await send(shape.token_chunk(ev, spec.logprobs))
         elif ev["type"] == "error":
             await send({"error": {"message": ev["message"], "type": "server_error", "code": ev["code"]}})
         else:
+            if tools is not None:
+                for chunk in shape.tool_chunks(tools.finish()):
+                    await send(chunk)
+                if tools.calls:
+                    ev = {**ev, "finish_reason": finish_with_calls(ev["finish_reason"])}
             await send(shape.final_chunk(ev))
             if spec.include_usage:
                 await send(shape.usage_chunk(ev))

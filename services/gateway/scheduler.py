@@ -462,9 +462,10 @@ class Scheduler:
         s.t_last = now
         self.metrics.generated_tokens.inc()
         reason = s.append(token, logprob)
-        s.outputs.put_nowait(SeqOutput(token, logprob, reason))
+        error = f"the output left its grammar: {s.grammar.error}" if reason == "error" and s.grammar else None
+        s.outputs.put_nowait(SeqOutput(token, logprob, reason, error))
         if reason is not None:
-            self._retire(s, reason)
+            self._retire(s, reason, error)
 
     # ---- distributed tracing (only with an OtlpTracer) -----------------------------------------------------------
 

@@ -4,6 +4,7 @@ shape, or a websocket error event) and never reaches a stage."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,14 @@ class GenerationSpec:
     trace: bool = False  # return per-layer captures (stagemesh trace)
     include_usage: bool = False
     timeout_s: float | None = None
+    json_schema: dict | None = None  # response_format json_object / json_schema: the output is constrained to it
+    tools: list[dict] | None = None  # validated {"type": "function", "function": {name, description, parameters}}
+    tool_choice: str | dict = "none"  # none | auto | required | {"type": "function", "function": {"name": ...}}
+
+    @property
+    def forced_tool(self) -> bool:
+        """The output is exactly one tool call, constrained by the grammar (tool_choice required or a function)."""
+        return self.tools is not None and self.tool_choice != "auto" and self.tool_choice != "none"
 
 
 def _number(body: dict, key: str, lo: float, hi: float, default: float | None) -> float | None:
@@ -127,10 +136,40 @@ def _content(msg: dict, i: int) -> str:
 
 
 # Message fields OpenAI defines that would change the prompt but are not rendered yet (refused unless null).
-MESSAGE_NOT_YET = {"name": "the chat template has no participant names", "tool_calls": "tools are not implemented",
-                   "tool_call_id": "tools are not implemented", "function_call": "tools are not implemented",
+MESSAGE_NOT_YET = {"name": "the chat template has no participant names",
+                   "function_call": "the deprecated form of tool_calls; send tool_calls",
                    "audio": "text only", "refusal": "an assistant refusal is not rendered",
                    "annotations": "not rendered"}
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+def _tool_calls(value: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls -> [{"id", "type": "function", "function": {"name", "arguments"}}], with
+    arguments a JSON object's text (as the SDK sends them back)."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(value, list) or not value or len(value) > MAX_TOOLS:
+        raise RequestError(f"{param} must be a non-empty list of tool calls", param)
+    calls = []
+    for k, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("id"), str)
+                and isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise RequestError(f"{param}[{k}] must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                               "'arguments': str}}}}", param)
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise RequestError(f"{param}[{k}].function.arguments must be a JSON object's text, got "
+                               f"{fn['arguments'][:80]!r}", param)
+        calls.append({"id": _text(c["id"], param), "type": "function",
+                      "function": {"name": _text(fn["name"], param), "arguments": _text(fn["arguments"], param)}})
+    return calls
+
+
+TOOL_MESSAGE_FIELDS = {"assistant": " and 'tool_calls'", "tool": " and 'tool_call_id'"}
 
 
 def parse_messages(value: Any) -> list[dict]:
@@ -142,16 +181,31 @@ def parse_messages(value: Any) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}] needs a role among {', '.join(ROLES)}", f"messages[{i}].role")
+        role = m["role"]
         for key, v in m.items():  # null = left out (the SDK echoes an assistant message with refusal: null, ...)
             if key in ("role", "content") or v is None:
+                continue
+            if (key == "tool_calls" and role == "assistant") or (key == "tool_call_id" and role == "tool"):
                 continue
             if key in MESSAGE_NOT_YET:
                 raise RequestError(f"messages[{i}].{key} is not supported by this server yet ({MESSAGE_NOT_YET[key]}); "
                                    "leave it out", f"messages[{i}].{key}", code="unsupported_parameter")
-            raise RequestError(f"Unrecognized message field supplied: messages[{i}].{key}; a message has 'role' and "
-                               "'content'", f"messages[{i}].{key}", code="unknown_parameter")
-        out.append({"role": m["role"], "content": _content(m, i)})
-    if sum(len(m["content"]) for m in out) > MAX_PROMPT_CHARS:
+            raise RequestError(f"Unrecognized message field supplied: messages[{i}].{key}; a {role} message has "
+                               f"'role', 'content'{TOOL_MESSAGE_FIELDS.get(role, '')}", f"messages[{i}].{key}",
+                               code="unknown_parameter")
+        msg = {"role": role}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            msg["content"] = "" if m.get("content") is None else _content(m, i)  # null beside tool calls
+        else:
+            msg["content"] = _content(m, i)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise RequestError(f"messages[{i}] (a tool result) needs 'tool_call_id': the id of the call it answers",
+                                   f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = _text(m["tool_call_id"], f"messages[{i}].tool_call_id")
+        out.append(msg)
+    if sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in out) > MAX_PROMPT_CHARS:
         raise RequestError(f"messages exceed {MAX_PROMPT_CHARS} characters", "messages")
     return out
 
@@ -160,14 +214,15 @@ def parse_messages(value: Any) -> list[dict]:
 # sent as null is the same as a field left out, as in OpenAI's API.
 READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                          "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p",
-                         "logit_bias"})
-CHAT_FIELDS = frozenset({"messages", "max_completion_tokens"})
+                         "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                         "response_format"})
+CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"})
 COMPLETION_FIELDS = frozenset({"prompt"})
 # Accepted and ignored: none of them can change the tokens generated (bookkeeping for the caller's own records, or
 # options of features this server refuses when they would take effect). Value: the JSON types accepted.
 IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
     "user": (str,), "metadata": (dict,), "store": (bool,), "service_tier": (str,), "safety_identifier": (str,),
-    "prompt_cache_key": (str,), "parallel_tool_calls": (bool,),
+    "prompt_cache_key": (str,),
 }
 
 
@@ -178,16 +233,9 @@ def _is_zero(v: Any) -> bool:
 # Known OpenAI (and vLLM/llama.cpp) fields not implemented yet: accepted only at the value that leaves the output
 # as it is, refused otherwise. Value: (is the value neutral, the neutral value as a client writes it, what it does).
 NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
-    "presence_penalty": (_is_zero, "0", "penalizes tokens already generated"),
-    "frequency_penalty": (_is_zero, "0", "penalizes tokens by how often they were generated"),
-    "repetition_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1, "1",
-                           "divides the logits of tokens already seen"),
     "top_logprobs": (_is_zero, "0", "returns the most likely alternatives of each token"),
-    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', "constrains the output to JSON"),
-    "tools": (lambda v: v == [], "[]", "lets the model call functions"),
-    "tool_choice": (lambda v: v == "none", '"none"', "makes the model call functions"),
-    "functions": (lambda v: v == [], "[]", "lets the model call functions (deprecated form of 'tools')"),
-    "function_call": (lambda v: v == "none", '"none"', "makes the model call functions (deprecated)"),
+    "functions": (lambda v: v == [], "[]", "the deprecated form of 'tools'; send tools"),
+    "function_call": (lambda v: v == "none", '"none"', "the deprecated form of 'tool_choice'; send tool_choice"),
     "echo": (lambda v: v is False, "false", "returns the prompt with the completion"),
     "best_of": (lambda v: not isinstance(v, bool) and v == 1, "1", "generates several completions, returns the best"),
     "suffix": (lambda v: v == "", '""', "inserts the completion before a suffix"),
@@ -223,6 +271,83 @@ def check_fields(body: dict, chat: bool) -> None:
         else:
             raise RequestError(f"Unrecognized request argument supplied: '{key}' (the parameters this server reads "
                                "are listed in docs/openai.md)", key, code="unknown_parameter")
+
+
+MAX_SCHEMA_CHARS = 64 << 10
+
+
+def _schema(value: Any, param: str) -> dict:
+    if not isinstance(value, dict):
+        raise RequestError(f"'{param}' must be a JSON schema object", param)
+    if len(json.dumps(value)) > MAX_SCHEMA_CHARS:
+        raise RequestError(f"'{param}' is longer than {MAX_SCHEMA_CHARS} characters", param)
+    return value
+
+
+def _response_format(body: dict) -> dict | None:
+    """response_format -> the JSON schema the output must follow (None: free text)."""
+    v = body.get("response_format")
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        js = v.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or \
+                not set(js) <= {"name", "schema", "strict", "description"}:
+            raise RequestError("'response_format.json_schema' must be {'name': str, 'schema': {...}, 'strict': bool}",
+                               "response_format")
+        return _schema(js.get("schema", {}), "response_format.json_schema.schema")
+    raise RequestError("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                       "'json_schema', 'json_schema': {...}}", "response_format")
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, str | dict]:
+    """tools and tool_choice -> (validated tools or None, the choice)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise RequestError("'tool_choice' needs 'tools' to choose from", "tool_choice")
+        return None, "none"
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise RequestError(f"'tools' must be a list of at most {MAX_TOOLS} functions", "tools")
+    out, names = [], set()
+    for k, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
+                and set(fn) <= {"name", "description", "parameters", "strict"}):
+            raise RequestError(f"tools[{k}] must be {{'type': 'function', 'function': {{'name', 'description', "
+                               "'parameters', 'strict'}}}}", f"tools[{k}]")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name) or name in names:
+            raise RequestError(f"tools[{k}].function.name must be a unique name of 1-64 letters, digits, _ or -, got "
+                               f"{name!r}", f"tools[{k}].function.name")
+        names.add(name)
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise RequestError(f"tools[{k}].function.description must be a string", f"tools[{k}].function.description")
+        params = _schema(fn.get("parameters") or {"type": "object", "properties": {}},
+                         f"tools[{k}].function.parameters")
+        entry = {"name": name, "parameters": params}
+        if desc:
+            entry["description"] = _text(desc, f"tools[{k}].function.description")
+        out.append({"type": "function", "function": entry})
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if not (choice.get("type") == "function" and isinstance(fn, dict) and fn.get("name") in names):
+            raise RequestError(f"'tool_choice' must be none, auto, required or {{'type': 'function', 'function': "
+                               f"{{'name': one of {sorted(names)}}}}}", "tool_choice")
+        choice = {"type": "function", "function": {"name": fn["name"]}}
+    elif choice not in ("none", "auto", "required"):
+        raise RequestError("'tool_choice' must be none, auto, required or {'type': 'function', 'function': "
+                           "{'name': ...}}", "tool_choice")
+    _bool(body, "parallel_tool_calls", True)
+    return out, choice
 
 
 def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -285,6 +410,9 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
             min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
             logit_bias=_logit_bias(body, vocab_size),
             logprobs=spec.logprobs,
+            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 0.01, 10.0, 1.0),
         )
     except ValueError as e:
         raise RequestError(str(e)) from None
@@ -297,4 +425,12 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
             raise RequestError("'stream_options' must be an object", "stream_options")
         spec.include_usage = _bool(opts, "include_usage")
     spec.timeout_s = _number(body, "timeout", 0.1, 3600.0, None)
+    spec.json_schema = _response_format(body)
+    if chat:
+        spec.tools, spec.tool_choice = _tools(body)
+        if spec.tools is not None and spec.tool_choice != "none" and spec.json_schema is not None:
+            raise RequestError("'response_format' and 'tools' both decide the output's shape; send one (or "
+                               "tool_choice 'none')", "response_format")
+        if spec.tool_choice == "none":
+            spec.tools = None  # the model neither sees nor calls them (OpenAI's "none")
     return spec

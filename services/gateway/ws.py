@@ -84,6 +84,9 @@ class WsSession:
             return await self.error(rid, "too_many_streams", f"at most {MAX_STREAMS_PER_SOCKET} generations per socket")
         try:
             body = {k: v for k, v in data.items() if k not in ("id", "type")}  # the envelope; the rest is OpenAI's
+            if body.get("tools") is not None:  # calls are shaped into OpenAI's tool_calls by the HTTP API only
+                raise RequestError("'tools' are served by POST /v1/chat/completions, not the websocket", "tools",
+                                   code="unsupported_parameter")
             spec, seq = await self.gw.start(body, chat="messages" in body)
         except RequestError as e:
             self.gw.metrics.rejected.labels(str(e.status)).inc()
