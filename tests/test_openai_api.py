@@ -3,10 +3,13 @@ a 400 naming it; `max_tokens` left out. The validator alone, then the real `open
 `stagemesh up` (1 stage, SmolLM2) shared by the module."""
 
 import json
+from enum import Enum
+from typing import Literal
 
 import aiohttp
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from services.gateway.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
 from services.launch import start_up
@@ -32,11 +35,9 @@ def test_an_unknown_field_is_a_400_naming_it(chat, field, value):
     assert err.param == field and f"'{field}'" in err.message and err.code == "unknown_parameter"
 
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -1),
-                                         ("repetition_penalty", 1.2), ("top_logprobs", 3),
-                                         ("response_format", {"type": "json_object"}), ("echo", True), ("best_of", 2),
-                                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("tool_choice", "required"), ("suffix", "end"), ("audio", {"voice": "x"})])
+@pytest.mark.parametrize("field,value", [("top_logprobs", 3), ("echo", True), ("best_of", 2),
+                                         ("functions", [{"name": "f"}]), ("function_call", "auto"),
+                                         ("suffix", "end"), ("audio", {"voice": "x"})])
 def test_a_known_field_not_implemented_yet_is_a_400_unless_neutral(field, value):
     err = refused({**CHAT, field: value}, True)
     assert err.param == field and err.code == "unsupported_parameter" and f"'{field}'" in err.message
@@ -102,8 +103,9 @@ def test_sdk_unknown_and_unsupported_parameters_are_400s_naming_them(client):
         client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, extra_body={"frobnicate": 1})
     assert e.value.param == "frobnicate" and "frobnicate" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, presence_penalty=0.5)
-    assert e.value.param == "presence_penalty"
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2,
+                                       prediction={"type": "content", "content": "hi"})
+    assert e.value.param == "prediction"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, echo=True)
     assert e.value.param == "echo"
@@ -157,7 +159,8 @@ def test_message_fields_that_would_be_dropped_are_refused_and_nulls_pass():
 
     parse_generation(msg(refusal=None, tool_calls=None, audio=None), True, 8192, VOCAB)
     assert refused(msg(name="bob"), True).param == "messages[1].name"
-    assert refused(msg(tool_calls=[{"id": "c"}]), True).code == "unsupported_parameter"
+    assert refused(msg(tool_calls=[{"id": "c"}]), True).param == "messages[1].tool_calls"  # malformed
+    assert refused(msg(function_call={"name": "f"}), True).code == "unsupported_parameter"
     err = refused(msg(colour="red"), True)
     assert err.param == "messages[1].colour" and err.code == "unknown_parameter"
 
@@ -183,3 +186,131 @@ def test_logit_bias_reaches_the_last_stage(client):
     banned = ModelFiles.open("smollm2").tokenizer.encode(first)[0]
     biased = client.completions.create(**kw, logit_bias={str(banned): -100}).choices[0]
     assert biased.text != plain.text and not biased.text.startswith(first)
+
+
+class Item(BaseModel):
+    name: str
+    quantity: int
+    price: float
+
+
+class Colour(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Order(BaseModel):
+    customer: str
+    colour: Colour
+    size: Literal["S", "M", "L"]
+    items: list[Item] = Field(max_length=2)
+
+
+def test_sdk_parse_returns_a_nested_pydantic_object(client):
+    """client.chat.completions.parse(response_format=PydanticModel): the SDK sends a strict json_schema and
+    validates the answer into the model (lists, an enum, a Literal, numbers)."""
+    r = client.chat.completions.parse(model="smollm2", response_format=Order, temperature=0, max_tokens=300,
+                                      messages=[{"role": "user", "content": "Alice orders two red shirts, size M, "
+                                                 "at 9.50 each. Write the order."}])
+    order = r.choices[0].message.parsed
+    assert r.choices[0].finish_reason == "stop" and isinstance(order, Order)
+    assert 0 <= len(order.items) <= 2 and order.size in ("S", "M", "L") and isinstance(order.colour, Colour)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_json_object_output_always_parses(client, seed):
+    r = client.chat.completions.create(model="smollm2", response_format={"type": "json_object"}, temperature=0.9,
+                                       seed=seed, max_tokens=400,
+                                       messages=[{"role": "user", "content": "Describe a cat in a few words."}])
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_free_text_of_the_same_request_is_not_json(client):
+    """The control: without response_format the model answers in prose."""
+    r = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=20,
+                                       messages=[{"role": "user", "content": "Describe a cat in a few words."}])
+    with pytest.raises(ValueError):
+        json.loads(r.choices[0].message.content)
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/missing"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       response_format=bad)
+    assert e.value.param == "response_format" and "missing" in e.value.message
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+    "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_parse_with_every_required_argument_streamed_and_not(client, choice):
+    kw = {"model": "smollm2", "messages": ASK, "tools": TOOLS, "tool_choice": choice, "temperature": 0,
+          "max_tokens": 80}
+    r = client.chat.completions.create(**kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    fn = next(t["function"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    assert set(fn["parameters"]["required"]) <= set(json.loads(call.function.arguments))
+    if isinstance(choice, dict):
+        assert call.function.name == "add"
+    deltas, finish = [], None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].delta.tool_calls:
+            deltas.extend(chunk.choices[0].delta.tool_calls)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert finish == "tool_calls" and deltas[0].id and deltas[0].function.name == call.function.name
+    assert len(deltas) > 2 and all(d.index == 0 for d in deltas)  # the name, then the arguments in fragments
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments  # greedy: the same call
+
+
+def test_a_conversation_with_a_tool_result_gets_an_answer(client):
+    """The SDK's own round trip: the assistant message it got back (content None, tool_calls) and a role "tool"
+    result go into the next request, which answers in text."""
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=80)
+    message = r.choices[0].message
+    history = ASK + [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C and sunny"}]
+    answer = client.chat.completions.create(model="smollm2", messages=history, tools=TOOLS, temperature=0,
+                                            max_tokens=40)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as e:  # a tool result must say which call it answers
+        client.chat.completions.create(model="smollm2", messages=ASK + [{"role": "tool", "content": "x"}],
+                                       max_tokens=2)
+    assert e.value.param == "messages[1].tool_call_id"
+
+
+def test_penalties_change_a_repetitive_answer(client):
+    kw = {"model": "smollm2", "temperature": 0, "max_tokens": 30,
+          "messages": [{"role": "user", "content": "Repeat the word banana twenty times."}]}
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    assert plain.lower().count("banana") >= 8
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"extra_body": {"repetition_penalty": 1.5}}):
+        text = client.chat.completions.create(**kw, **extra).choices[0].message.content
+        assert text.lower().count("banana") < plain.lower().count("banana"), (extra, text)
+
+
+async def test_websocket_takes_response_format(up):
+    async with aiohttp.ClientSession() as s, s.ws_connect(up.url.replace("http", "ws") + "/v1/stream") as ws:
+        await ws.send_json({"type": "generate", "id": "j", "messages": ASK, "max_tokens": 200, "temperature": 0,
+                            "response_format": {"type": "json_object"}})
+        text = ""
+        while True:
+            ev = await ws.receive_json(timeout=120)
+            if ev["type"] == "token":
+                text += ev["text"]
+            elif ev["type"] in ("done", "error"):
+                break
+        assert ev["type"] == "done" and isinstance(json.loads(text), dict)

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from shared.sampling import NUCLEUS_CANDIDATES, SamplingParams, sample
+from shared.sampling import NUCLEUS_CANDIDATES, LogitInputs, SamplingParams, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
 N = 20000
@@ -106,3 +106,40 @@ def test_logit_bias_shifts_those_logits_only_and_leaves_logprobs_unbiased():
     for bad in (((0, 101.0),), ((-1, 1.0),), ((0,),), tuple((i, 1.0) for i in range(301))):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_penalties_follow_vllms_formulas_on_the_rows_they_are_given():
+    """Repetition divides a positive logit of a seen token and multiplies a negative one; frequency subtracts
+    penalty x count, presence subtracts the penalty once for generated tokens (count > 0), not prompt-only ones
+    (count 0); the temperature draw then follows the penalized softmax; a row without inputs is untouched."""
+    seen = ((0, 2), (3, 0), (4, 1))  # token 0 generated twice, 3 only in the prompt, 4 generated once
+    p = SamplingParams(temperature=1.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    expected = LOGITS[0].clone()
+    expected[0] = 2.0 / 2.0 - 0.5 * 2 - 0.25
+    expected[3] = -1.0 * 2.0
+    expected[4] = -3.0 * 2.0 - 0.5 * 1 - 0.25
+    c = Counter(sample(LOGITS, [SamplingParams(**{**p.to_wire(), "seed": s})], [0], [LogitInputs(None, seen)])[0][0]
+                for s in range(N))
+    got = [c.get(i, 0) / N for i in range(5)]
+    assert all(abs(g - e) < 0.015 for g, e in zip(got, torch.softmax(expected, 0).tolist())), (got, expected)
+    greedy = SamplingParams(frequency_penalty=2.0)
+    tokens, _ = sample(LOGITS.repeat(2, 1), [greedy, greedy], [0, 0], [LogitInputs(None, ((0, 1),)), None])
+    assert tokens == [1, 0]  # 2 - 2 < 1: the generated top token gives way; the row without history keeps it
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}):
+        with pytest.raises(ValueError, match="penalty"):
+            SamplingParams(**bad)
+
+
+def test_an_allowed_mask_limits_the_draw_to_its_tokens():
+    """Bit t of the little-endian bitmask allows token t; tokens past the mask's end are not allowed; a mask that
+    allows nothing of the vocabulary is an error, never a draw from nothing."""
+    mask = bytearray(4)
+    mask[0] = 0b00010100  # tokens 2 and 4
+    draws = {sample(LOGITS, [SamplingParams(temperature=1.0, seed=s)], [0], [LogitInputs(bytes(mask))])[0][0]
+             for s in range(200)}
+    assert draws == {2, 4}
+    assert sample(LOGITS, [SamplingParams()], [0], [LogitInputs(bytes(mask))])[0] == [2]
+    with pytest.raises(ValueError, match="permits no token"):
+        sample(LOGITS, [SamplingParams()], [0], [LogitInputs(bytes([0b11100000, 0, 0, 0]))])
+    with pytest.raises(ValueError, match="32-bit words"):
+        LogitInputs(b"\x01")
