@@ -61,21 +61,29 @@ PROMPTS = ["Write a long story about a lighthouse keeper.", "List ten facts abou
            "Tell me about the history of tea.", "Write a poem about winter rain."]
 
 
+# never complete within max_tokens: the constrained streams run as long as the others
+FACTS = {"type": "json_schema", "json_schema": {"name": "facts", "schema": {
+    "type": "object", "properties": {"facts": {"type": "array", "items": {"type": "string"}, "minItems": 50}},
+    "required": ["facts"]}}}
 SYSTEM = "You are a storyteller. Answer in full sentences, with concrete details and no lists.\n\n"
 
 
 async def test_batch_invariant_replay_reproduces_every_concurrent_stream(tmp_path):
     """The default weights (int4/bf16) with --batch-invariant: six greedy streams share micro-batches; stage 0 is
     killed mid-stream, every sequence is replayed (re-prefilled from its token history) into different company,
-    and every text still equals its undisturbed run token for token."""
+    and every text still equals its undisturbed run token for token -- also the two whose output a JSON schema
+    constrains (the killed one among them: its grammar's state lives in the gateway, beside its tokens)."""
     gw = start_up(2, "bfloat16", str(tmp_path), "--batch-invariant")
     try:
         # a shared system prompt: the disturbed run starts every stream from the reference run's cached prefix, so it
         # also shows a cache hit sampling what a full prefill does -- and the replay, on a restarted stage that
         # keeps nothing, prefilling it all again to the same text
         bodies = [{**BODY, "prompt": SYSTEM + p, "max_tokens": 40} for p in PROMPTS]
+        for k in (0, 3):  # two constrained by a grammar (whose state lives in the gateway: the replay keeps it)
+            bodies[k] |= {"response_format": FACTS, "ignore_eos": False}
         reference = await asyncio.gather(*(stream(gw.url, body=b) for b in bodies))
         assert len({text for text, _ in reference}) == len(PROMPTS)  # six different texts, not one repeated
+        assert all(reference[k][0].startswith('{"facts": ["') for k in (0, 3))
         killed = {}
 
         async def kill_once(n):
