@@ -58,3 +58,13 @@ def test_sdk_snippet(gateway, tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip(), "the SDK snippet printed no text"
+
+
+def test_sdk_parse_snippet(gateway, tmp_path):
+    """The structured-output snippet: the SDK validates the constrained answer into its pydantic model."""
+    code = at(snippet("sdk-parse"), gateway.url)
+    script = tmp_path / "readme_parse.py"
+    script.write_text(code)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert re.fullmatch(r"name='.*' country='.*' size='(village|town|city)'", p.stdout.strip()), p.stdout
