@@ -7,12 +7,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sampling import MAX_LOGIT_BIAS, SamplingParams
+from shared.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 128
 MAX_MESSAGES = 256
 MAX_PROMPT_CHARS = 1 << 20
+MAX_COMPLETION_LOGPROBS = 5  # completions' integer logprobs: that many alternatives per token (OpenAI's limit)
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -65,7 +66,7 @@ class GenerationSpec:
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
-    logprobs: bool = False
+    logprobs: bool = False  # each token's logprob; sampling.top_logprobs: that many alternatives with it
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (load testing)
     trace: bool = False  # return per-layer captures (stagemesh trace)
@@ -161,7 +162,7 @@ def parse_messages(value: Any) -> list[dict]:
 READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                          "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p",
                          "logit_bias"})
-CHAT_FIELDS = frozenset({"messages", "max_completion_tokens"})
+CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs"})
 COMPLETION_FIELDS = frozenset({"prompt"})
 # Accepted and ignored: none of them can change the tokens generated (bookkeeping for the caller's own records, or
 # options of features this server refuses when they would take effect). Value: the JSON types accepted.
@@ -182,7 +183,6 @@ NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
     "frequency_penalty": (_is_zero, "0", "penalizes tokens by how often they were generated"),
     "repetition_penalty": (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1, "1",
                            "divides the logits of tokens already seen"),
-    "top_logprobs": (_is_zero, "0", "returns the most likely alternatives of each token"),
     "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', "constrains the output to JSON"),
     "tools": (lambda v: v == [], "[]", "lets the model call functions"),
     "tool_choice": (lambda v: v == "none", '"none"', "makes the model call functions"),
@@ -269,13 +269,18 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     spec.max_tokens = _integer(body, key, 1, max_context, None)
     spec.stop = _stop(body)
     lp = body.get("logprobs")
-    if lp is not None and not isinstance(lp, bool) and (chat or not isinstance(lp, int) or not 0 <= lp <= 5):
-        raise RequestError("'logprobs' must be true or false (chat) or an integer 0-5 (completions)", "logprobs")
-    if not chat and not isinstance(lp, bool) and isinstance(lp, int) and lp > 0:
-        raise RequestError(f"'logprobs': {lp} asks for the top {lp} alternatives of each token, which this server "
-                           "does not return yet; send 0 (or true) for the chosen tokens' log probabilities",
-                           "logprobs", code="unsupported_parameter")
-    spec.logprobs = lp if isinstance(lp, bool) else lp is not None  # completions' integer 0: the chosen tokens'
+    if lp is not None and not isinstance(lp, bool) and (chat or not isinstance(lp, int)
+                                                         or not 0 <= lp <= MAX_COMPLETION_LOGPROBS):
+        raise RequestError(f"'logprobs' must be true or false (chat) or an integer 0-{MAX_COMPLETION_LOGPROBS} "
+                           "(completions)", "logprobs")
+    spec.logprobs = lp if isinstance(lp, bool) else lp is not None  # completions' integer k: the chosen tokens' too
+    if chat:
+        top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+        if top_logprobs and not spec.logprobs:
+            raise RequestError("'top_logprobs' returns alternatives next to each token's logprob: send it with "
+                               "'logprobs': true", "top_logprobs")
+    else:
+        top_logprobs = 0 if lp is None or isinstance(lp, bool) else lp
     try:
         spec.sampling = SamplingParams(
             temperature=_number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI default; 0 = greedy
@@ -285,6 +290,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
             min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
             logit_bias=_logit_bias(body, vocab_size),
             logprobs=spec.logprobs,
+            top_logprobs=top_logprobs,
         )
     except ValueError as e:
         raise RequestError(str(e)) from None
