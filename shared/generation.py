@@ -23,13 +23,14 @@ from shared.errors import StagemeshError
 from shared.models import LayerHook
 from shared.protocol import SeqEntry
 from shared.runtime import LocalPipeline, SeqWork
-from shared.sampling import LogitInputs, SamplingParams, sample
+from shared.sampling import LogitInputs, SamplingParams, TopLogprobs, sample
 from shared.steps import Decode, InferenceStep, Prefill
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled (the gateway), never by a stage
     from shared.grammar import SequenceGrammar
 
-Sampled = dict[str, tuple[int, float | None]]  # seq_id -> (token, logprob) of the sequences that produced one
+# seq_id -> (token, logprob, top alternatives) of the sequences that produced one
+Sampled = dict[str, tuple[int, float | None, TopLogprobs | None]]
 
 
 @dataclass(eq=False)  # a sequence is itself, never equal to another with the same tokens
@@ -45,6 +46,7 @@ class SequenceState:
     stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)  # one per output token, as logprobs
     computed: int = 0
     prefill_target: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output when replaying
     finish_reason: str | None = None
@@ -100,10 +102,11 @@ class SequenceState:
         self.computed = tokens if prefix_id is not None else 0
         self.attach = prefix_id
 
-    def append(self, token: int, logprob: float | None = None) -> str | None:
+    def append(self, token: int, logprob: float | None = None, top: TopLogprobs | None = None) -> str | None:
         """Record a sampled token; returns the finish reason it causes ("stop" for a stop id, "length"), if any."""
         self.output_ids.append(token)
         self.logprobs.append(logprob)
+        self.top_logprobs.append(top)
         self._generated[token] += 1
         if self.grammar is not None and not self.grammar.consume(token) and token not in self.stop_ids:
             return "error"  # the grammar refused what was sampled under its own mask: grammar.error says why
@@ -142,9 +145,9 @@ def run_local(pipeline: LocalPipeline, entries: list[SeqEntry], tokens: list[int
     logits = pipeline.run([SeqWork(e.seq_id, e.step) for e in entries], torch.tensor(tokens, dtype=torch.int64),
                           hooks=hooks)
     producing = [e for e in entries if e.step.produces_token]
-    toks, lps = sample(logits, [e.sampling for e in producing], [e.sample_position for e in producing],
-                      [e.logit_inputs for e in producing])
-    return {e.seq_id: (t, lp) for e, t, lp in zip(producing, toks, lps)}
+    sampled = sample(logits, [e.sampling for e in producing], [e.sample_position for e in producing],
+                     [e.logit_inputs for e in producing])
+    return {e.seq_id: (t, lp, top) for e, t, lp, top in zip(producing, *sampled)}
 
 
 async def run_group_on_mesh(client, states: Sequence[SequenceState],
@@ -163,7 +166,7 @@ async def run_group_on_mesh(client, states: Sequence[SequenceState],
                 await before_step(i)
             result = await client.forward(ForwardBatch(client.next_mb_id(), entries,
                                                        tokens=torch.tensor(tokens, dtype=torch.int64)))
-            entries, tokens = loop.send({s: (t, lp) for s, t, lp in zip(result.seq_ids, result.tokens, result.logprobs)})
+            entries, tokens = loop.send(dict(zip(result.seq_ids, zip(result.tokens, result.logprobs, result.top))))
     except StopIteration:
         pass
     finally:

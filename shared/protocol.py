@@ -19,11 +19,12 @@ import msgpack
 import torch
 
 from shared.errors import ERROR_CODES
-from shared.sampling import LogitInputs, SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, LogitInputs, SamplingParams, TopLogprobs
 from shared.steps import Decode, InferenceStep, Prefill
 
 PROTOCOL_VERSION = 4  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
-# 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields
+# 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields, the
+# result's top alternatives ("top")
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
@@ -110,6 +111,10 @@ class BatchResult:
     logprobs: list[float | None]
     captures: list = field(default_factory=list)
     hop_s: float | None = None  # set on receipt, as ForwardBatch.hop_s
+    top: list[TopLogprobs | None] = field(default_factory=list)  # per sequence: its top_logprobs alternatives
+
+    def __post_init__(self):
+        self.top = self.top or [None] * len(self.seq_ids)
 
 
 @dataclass
@@ -190,6 +195,8 @@ def encode(msg: Message) -> list:
     elif isinstance(msg, BatchResult):
         header = {"kind": "result", "mb": msg.mb_id, "seq_ids": msg.seq_ids, "tokens": msg.tokens,
                   "logprobs": msg.logprobs, "captures": msg.captures}
+        if any(t is not None for t in msg.top):  # only when some sequence asked for alternatives
+            header["top"] = msg.top  # [[id, logprob], ...] or null per sequence
     elif isinstance(msg, BatchError):
         header = {"kind": "error", "mb": msg.mb_id, "stage": msg.stage, "code": msg.code, "message": msg.message,
                   "seq_ids": msg.seq_ids}
@@ -269,6 +276,19 @@ def _logit_inputs_from_wire(s: dict) -> LogitInputs | None:
         return LogitInputs.from_wire(s["li"])
     except (TypeError, ValueError) as e:
         raise ProtocolError("schema", f"invalid logit inputs: {e}") from None
+
+
+def _top(header: dict, n: int) -> list[TopLogprobs | None]:
+    """The result's optional "top": per sequence null or up to MAX_TOP_LOGPROBS [token id, logprob] pairs."""
+    if "top" not in header:
+        return [None] * n
+    top = header["top"]
+    _need(isinstance(top, list) and len(top) == n and all(
+        t is None or (isinstance(t, list) and len(t) <= MAX_TOP_LOGPROBS and all(
+            isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
+            and isinstance(pair[1], float) for pair in t)) for t in top), "schema",
+          f"result top must be one entry per sequence: null or at most {MAX_TOP_LOGPROBS} [token id, logprob] pairs")
+    return [t if t is None else [(i, lp) for i, lp in t] for t in top]
 
 
 def _captures(header: dict) -> list:
@@ -385,7 +405,8 @@ def decode(frames: list) -> Message:
         _need(isinstance(toks, list) and all(isinstance(t, int) for t in toks) and len(toks) == len(ids), "schema",
               "result tokens must be one integer per sequence")
         _need(isinstance(lps, list) and len(lps) == len(ids), "schema", "result logprobs must be one entry per sequence")
-        return BatchResult(_int(header, "mb"), ids, toks, lps, _captures(header), _hop_s(header))
+        return BatchResult(_int(header, "mb"), ids, toks, lps, _captures(header), _hop_s(header),
+                           _top(header, len(ids)))
     if kind == "error":
         msg = header.get("message")
         _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -155,6 +156,27 @@ def _allowed_mask(allowed: bytes, vocab: int) -> torch.Tensor:
     return torch.cat([mask, torch.zeros(vocab - mask.numel(), dtype=torch.bool)])
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first; ties by token id ascending
+
+
+class Samples(NamedTuple):
+    """What sample() returns, one entry per row: the chosen tokens, and (where that row's params ask) the chosen
+    token's logprob and the top_logprobs most likely alternatives, both under the unmodified distribution."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    top: list[TopLogprobs | None]
+
+
+def _top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
+    """The k most likely tokens of one row of log-probabilities [V], most likely first, ties by token id
+    ascending (whatever order torch.topk leaves tied values in)."""
+    kth = torch.topk(logprobs, k).values[-1]
+    ids = (logprobs >= kth).nonzero().flatten()  # ascending ids; k of them, more when the k-th value is tied
+    values, order = torch.sort(logprobs[ids], descending=True, stable=True)
+    return list(zip(ids[order[:k]].tolist(), values[:k].tolist()))
+
+
 NUCLEUS_CANDIDATES = 1024  # top-p looks here first; a full sort only when these hold less than top_p of the mass
 
 
@@ -192,10 +214,11 @@ def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor,
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-           inputs: list[LogitInputs | None] | None = None) -> tuple[list[int], list[float | None]]:
+           inputs: list[LogitInputs | None] | None = None) -> Samples:
     """logits [M, V] float32, one row per sequence; positions: each sampled token's position; inputs: each row's
     LogitInputs (penalties' history, grammar mask), None where there are none.
-    Returns token ids and (when asked) the chosen token's log-probability under the unmodified distribution."""
+    Logprobs and top alternatives come from log_softmax of the row's own logits before penalties, bias and mask,
+    so a row's are the same whatever else shares the batch."""
     logits = logits.float()
     unbiased = logits
     inputs = inputs or [None] * len(params)
@@ -220,6 +243,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
                 logits[i].masked_fill_(~mask, -math.inf)
     tokens = logits.argmax(dim=-1).tolist()
     logprobs: list[float | None] = [None] * len(params)
+    top: list[TopLogprobs | None] = [None] * len(params)
     for i, p in enumerate(params):
         if not p.greedy:
             probs, ids = _filtered_probs(logits[i], p)
@@ -228,6 +252,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
             pick = int(torch.searchsorted(cdf, _uniform(seed, positions[i]) * float(cdf[-1]), right=True))
             pick = min(pick, probs.numel() - 1)
             tokens[i] = int(ids[pick]) if ids is not None else pick
-        if p.logprobs:
-            logprobs[i] = float(torch.log_softmax(unbiased[i], dim=-1)[tokens[i]])
-    return tokens, logprobs
+        if p.logprobs or p.top_logprobs:
+            row = torch.log_softmax(unbiased[i], dim=-1)  # [V]
+            if p.logprobs:
+                logprobs[i] = float(row[tokens[i]])
+            if p.top_logprobs:
+                top[i] = _top_logprobs(row, min(p.top_logprobs, row.numel()))
+    return Samples(tokens, logprobs, top)

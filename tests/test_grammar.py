@@ -38,7 +38,7 @@ def constrained_run(files, schema: dict, seed: int, max_tokens: int = 400) -> tu
         entry, _ = state.next_step(64)
         state.computed = state.prefill_target = len(state.all_ids)  # no model: every step samples
         logits = torch.randn(1, tok.vocab_size, generator=gen) * 4
-        (token,), _ = sample(logits, [entry.sampling], [len(state.all_ids)], [entry.logit_inputs])
+        (token,) = sample(logits, [entry.sampling], [len(state.all_ids)], [entry.logit_inputs]).tokens
         reason = state.append(token)
     return tok.decode([t for t in state.output_ids if t not in tok.eos_ids]), reason
 
@@ -58,7 +58,7 @@ def test_without_the_mask_random_logits_give_no_json(files):
     """The control: the same draws without the grammar are not JSON (so the test above tests the mask)."""
     tok = files.tokenizer
     logits = torch.randn(40, tok.vocab_size, generator=torch.Generator().manual_seed(0)) * 4
-    tokens, _ = sample(logits, [SamplingParams(temperature=1.0, seed=1)] * 40, list(range(40)))
+    tokens = sample(logits, [SamplingParams(temperature=1.0, seed=1)] * 40, list(range(40))).tokens
     with pytest.raises(ValueError):
         json.loads(tok.decode(tokens))
 

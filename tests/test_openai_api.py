@@ -35,7 +35,7 @@ def test_an_unknown_field_is_a_400_naming_it(chat, field, value):
     assert err.param == field and f"'{field}'" in err.message and err.code == "unknown_parameter"
 
 
-@pytest.mark.parametrize("field,value", [("top_logprobs", 3), ("echo", True), ("best_of", 2),
+@pytest.mark.parametrize("field,value", [("echo", True), ("best_of", 2),
                                          ("functions", [{"name": "f"}]), ("function_call", "auto"),
                                          ("suffix", "end"), ("audio", {"voice": "x"})])
 def test_a_known_field_not_implemented_yet_is_a_400_unless_neutral(field, value):
@@ -78,11 +78,26 @@ def test_logit_bias_is_read_and_checked():
         assert refused({**CHAT, "logit_bias": bad}, True).param == "logit_bias", bad
 
 
-def test_completions_logprobs_integer():
-    assert parse_generation({**COMPLETION, "logprobs": 0}, False, 8192, VOCAB).logprobs is True
-    assert parse_generation({**COMPLETION, "logprobs": False}, False, 8192, VOCAB).logprobs is False
-    assert refused({**COMPLETION, "logprobs": 2}, False).param == "logprobs"
+def test_completions_logprobs_integer_is_the_number_of_alternatives():
+    for lp, top in ((0, 0), (True, 0), (2, 2), (5, 5)):
+        spec = parse_generation({**COMPLETION, "logprobs": lp}, False, 8192, VOCAB)
+        assert spec.logprobs is spec.sampling.logprobs is True and spec.sampling.top_logprobs == top
+    spec = parse_generation({**COMPLETION, "logprobs": False}, False, 8192, VOCAB)
+    assert spec.logprobs is False and spec.sampling.top_logprobs == 0
+    for bad in (6, -1, 2.0, "2"):
+        assert refused({**COMPLETION, "logprobs": bad}, False).param == "logprobs"
     assert refused({**CHAT, "logprobs": 1}, True).param == "logprobs"
+    assert refused({**COMPLETION, "logprobs": 2, "top_logprobs": 2}, False).param == "top_logprobs"
+
+
+def test_chat_top_logprobs_is_0_to_20_and_needs_logprobs():
+    spec = parse_generation({**CHAT, "logprobs": True, "top_logprobs": 20}, True, 8192, VOCAB)
+    assert spec.sampling.top_logprobs == 20 and spec.sampling.logprobs is True
+    assert parse_generation({**CHAT, "top_logprobs": 0}, True, 8192, VOCAB).sampling.top_logprobs == 0
+    for body in ({"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1},
+                 {"logprobs": True, "top_logprobs": True}, {"top_logprobs": 3}, {"logprobs": False, "top_logprobs": 3}):
+        err = refused({**CHAT, **body}, True)
+        assert err.param == "top_logprobs" and "'top_logprobs'" in err.message, body
 
 
 @pytest.fixture(scope="module")
@@ -314,3 +329,84 @@ async def test_websocket_takes_response_format(up):
             elif ev["type"] in ("done", "error"):
                 break
         assert ev["type"] == "done" and isinstance(json.loads(text), dict)
+
+
+def _descending(values: list[float]) -> bool:
+    return all(a >= b for a, b in zip(values, values[1:]))
+
+
+def _check_chat_logprobs(content, k: int) -> None:
+    for c in content:
+        assert len(c.top_logprobs) == k and _descending([a.logprob for a in c.top_logprobs])
+        assert (c.token, c.logprob) == (c.top_logprobs[0].token, c.top_logprobs[0].logprob)
+        assert c.bytes == list(c.token.encode()) and all(a.bytes == list(a.token.encode()) for a in c.top_logprobs)
+        assert c.logprob <= 0 and c.top_logprobs[-1].logprob < c.logprob
+
+
+def test_chat_top_logprobs_whole_and_streamed(client):
+    """logprobs + top_logprobs 3, greedy: each token's 3 most likely alternatives, most likely first, the chosen
+    token being the first of them (its text, logprob and UTF-8 bytes); the stream carries the same per chunk.
+    (The two runs may start from different cached prefixes, which moves bfloat16 logprobs by a few hundredths.)"""
+    kw = {"model": "smollm2", "messages": [{"role": "user", "content": "Name three fruits."}], "max_tokens": 5,
+          "temperature": 0, "logprobs": True, "top_logprobs": 3, "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**kw).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == 5 and "".join(c.token for c in content) == whole.message.content
+    _check_chat_logprobs(content, 3)
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kw)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    _check_chat_logprobs(streamed, 3)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=0.1)
+
+
+def test_completions_logprobs_k_returns_k_alternatives(client):
+    r = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    lp = r.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4 and "".join(lp.tokens) == r.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(4)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and _descending(list(top.values()))
+        assert next(iter(top.items())) == (token, logprob)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [list(t) for s in streamed for t in s.top_logprobs] == [list(t) for t in lp.top_logprobs]
+
+
+def test_sdk_top_logprobs_out_of_range_or_without_logprobs_is_a_400_naming_it(client):
+    msgs = [{"role": "user", "content": "Hi"}]
+    for kw in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 3}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, **kw)
+        assert e.value.param == "top_logprobs" and "top_logprobs" in e.value.message, kw
+
+
+async def test_websocket_token_events_carry_top_logprobs(up):
+    """A chat message (logprobs + top_logprobs) and a prompt (completions' logprobs k) over the websocket: every
+    token event holds k alternatives by token id, the greedy token first."""
+    async with aiohttp.ClientSession() as s, s.ws_connect(up.url.replace("http", "ws") + "/v1/stream") as ws:
+        await ws.send_json({"type": "generate", "id": "chat", "messages": [{"role": "user", "content": "Hi"}],
+                            "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 4,
+                            "ignore_eos": True})
+        await ws.send_json({"type": "generate", "id": "text", "prompt": "Hi", "max_tokens": 3, "temperature": 0,
+                            "logprobs": 2, "ignore_eos": True})
+        tokens: dict[str, list[dict]] = {"chat": [], "text": []}
+        done = set()
+        while len(done) < 2:
+            ev = await ws.receive_json(timeout=60)
+            assert ev["type"] != "error", ev
+            if ev["type"] == "done":
+                done.add(ev["id"])
+            else:
+                tokens[ev["id"]].append(ev)
+    for rid, k in (("chat", 4), ("text", 2)):
+        assert len(tokens[rid]) == 3
+        for ev in tokens[rid]:
+            top = ev["top_logprobs"]
+            assert len(top) == k and _descending([a["logprob"] for a in top])
+            assert (top[0]["token_id"], top[0]["logprob"], top[0]["text"]) == (ev["token_id"], ev["logprob"],
+                                                                               ev["token_text"])

@@ -55,7 +55,7 @@ def test_greedy_seeded_and_logprobs():
     a = [sample(logits[:1], [p], [pos])[0][0] for pos in range(20)]
     b = [sample(logits[:1], [p], [pos])[0][0] for pos in range(20)]
     assert a == b and len(set(a)) > 1  # same seed and position: same token; positions differ: draws differ
-    tok, lp = sample(logits[:1], [SamplingParams(logprobs=True)], [0])
+    tok, lp, _ = sample(logits[:1], [SamplingParams(logprobs=True)], [0])
     assert lp[0] == pytest.approx(float(torch.log_softmax(logits[0], 0)[tok[0]]))
 
 
@@ -65,7 +65,7 @@ def test_tiny_temperature_is_greedy_not_nan(temperature):
     greedy, as vLLM does (_SAMPLING_EPS); the chosen token is the argmax whatever the seed."""
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0)) * 10
     params = [SamplingParams(temperature=temperature, top_p=0.9, seed=s, logprobs=True) for s in range(4)]
-    tokens, logprobs = sample(logits, params, [0, 1, 2, 3])
+    tokens, logprobs, _ = sample(logits, params, [0, 1, 2, 3])
     assert tokens == logits.argmax(-1).tolist()
     assert all(lp is not None and lp == lp and lp > -1e9 for lp in logprobs)  # finite, not NaN
 
@@ -98,7 +98,7 @@ def test_logit_bias_shifts_those_logits_only_and_leaves_logprobs_unbiased():
     assert all(abs(g - e) < 0.015 for g, e in zip(got, expected)), (got, expected)
     banned = SamplingParams(temperature=0.0, logit_bias=((0, -100.0),), logprobs=True)
     plain = SamplingParams(temperature=0.0, logprobs=True)
-    tokens, logprobs = sample(LOGITS.repeat(2, 1), [banned, plain], [0, 0])
+    tokens, logprobs, _ = sample(LOGITS.repeat(2, 1), [banned, plain], [0, 0])
     assert tokens == [1, 0]  # the banned top token gives way to the next; the other row is untouched
     assert logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS[0], 0)[1]))
     wire = SamplingParams.from_wire({**banned.to_wire(), "logit_bias": [[0, -100]]})  # msgpack's lists back
@@ -123,7 +123,7 @@ def test_penalties_follow_vllms_formulas_on_the_rows_they_are_given():
     got = [c.get(i, 0) / N for i in range(5)]
     assert all(abs(g - e) < 0.015 for g, e in zip(got, torch.softmax(expected, 0).tolist())), (got, expected)
     greedy = SamplingParams(frequency_penalty=2.0)
-    tokens, _ = sample(LOGITS.repeat(2, 1), [greedy, greedy], [0, 0], [LogitInputs(None, ((0, 1),)), None])
+    tokens = sample(LOGITS.repeat(2, 1), [greedy, greedy], [0, 0], [LogitInputs(None, ((0, 1),)), None]).tokens
     assert tokens == [1, 0]  # 2 - 2 < 1: the generated top token gives way; the row without history keeps it
     for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}):
         with pytest.raises(ValueError, match="penalty"):
@@ -143,3 +143,31 @@ def test_an_allowed_mask_limits_the_draw_to_its_tokens():
         sample(LOGITS, [SamplingParams()], [0], [LogitInputs(bytes([0b11100000, 0, 0, 0]))])
     with pytest.raises(ValueError, match="32-bit words"):
         LogitInputs(b"\x01")
+
+
+def test_top_logprobs_are_the_rows_most_likely_tokens_whatever_shares_the_batch():
+    """top_logprobs k: the k largest of log_softmax(row), most likely first, the greedy pick first of them; a
+    row's alternatives are the same alone and beside rows with other params (hot, biased, asking other k); ties go
+    to the lower token id."""
+    logits = torch.randn(3, 2000, generator=torch.Generator().manual_seed(1)) * 4
+    mine = SamplingParams(logprobs=True, top_logprobs=5)
+    alone = sample(logits[1:2], [mine], [0])
+    expected = torch.log_softmax(logits[1], 0)
+    values, ids = torch.topk(expected, 5)
+    top = alone.top[0]
+    assert [t for t, _ in top] == ids.tolist() and len(top) == 5
+    assert [lp for _, lp in top] == pytest.approx(values.tolist()) and [lp for _, lp in top] == sorted(
+        (lp for _, lp in top), reverse=True)
+    assert top[0] == (alone.tokens[0], alone.logprobs[0])
+    first0, first2 = (int(logits[i].argmax()) for i in (0, 2))
+    others = [SamplingParams(temperature=1.3, seed=4, top_logprobs=20, logit_bias=((first0, -100.0),)),
+              SamplingParams(temperature=0.7, top_k=3, seed=5, logit_bias=((first2, -100.0),))]
+    for pos in range(5):
+        batched = sample(logits, [others[0], mine, others[1]], [pos] * 3)
+        assert batched.top[1] == top and batched.tokens[1] == alone.tokens[0]
+        assert batched.top[2] is None and batched.logprobs[0] is None  # nothing computed where nothing was asked
+        assert batched.top[0] == sample(logits[:1], [SamplingParams(top_logprobs=20)], [0]).top[0]  # unbiased
+        assert batched.top[0][0][0] == first0 != batched.tokens[0]
+    tied = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0, -2.0]])
+    assert [t for t, _ in sample(tied, [SamplingParams(top_logprobs=4)], [0]).top[0]] == [1, 3, 4, 2]
+    assert [t for t, _ in sample(tied, [SamplingParams(top_logprobs=2)], [0]).top[0]] == [1, 3]

@@ -77,7 +77,8 @@ class RecordingClient:
         batch, fut = self.sent.pop(mb)
         sampled = run_local(self.local, batch.seqs, batch.tokens.tolist())
         ids = list(sampled)
-        fut.set_result(BatchResult(mb, ids, [sampled[i][0] for i in ids], [sampled[i][1] for i in ids], []))
+        fut.set_result(BatchResult(mb, ids, [sampled[i][0] for i in ids], [sampled[i][1] for i in ids], [],
+                                   top=[sampled[i][2] for i in ids]))
         return batch
 
     def fail(self, mb: int, code: str, message: str) -> None:

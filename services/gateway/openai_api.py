@@ -32,29 +32,56 @@ async def _json_body(request: web.Request) -> dict:
     return body
 
 
-def _logprobs_field(chat: bool, events: list[dict]) -> dict:
-    if chat:
-        return {"content": [{"token": e["text"], "logprob": e["logprob"], "bytes": None, "top_logprobs": []}
-                            for e in events if e.get("logprob") is not None]}
-    return {"tokens": [e["text"] for e in events], "token_logprobs": [e["logprob"] for e in events]}
+def _chat_token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _completion_top(alternatives: list[dict]) -> dict[str, float]:
+    """{text: logprob}, most likely first; of tokens with the same text the most likely one stays."""
+    out: dict[str, float] = {}
+    for a in alternatives:
+        out.setdefault(a["text"], a["logprob"])
+    return out
 
 
 class OpenAIShape:
-    """One request's OpenAI objects: the id, the chunk envelope, the final response."""
+    """One request's OpenAI objects: the id, the chunk envelope, the final response, and (when the request asked
+    for logprobs) each token's logprobs in chat's or completions' shape."""
 
-    def __init__(self, seq: Sequence, chat: bool, model_id: str):
+    def __init__(self, seq: Sequence, chat: bool, model_id: str, spec: GenerationSpec):
         self.chat = chat
+        self.logprobs, self.top_logprobs = spec.logprobs, spec.sampling.top_logprobs
+        self.text_offset = 0  # completions: characters of text before the next token
         self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + seq.seq_id,
                      "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": model_id}
+
+    def logprobs_field(self, events: list[dict]) -> dict | None:
+        """The choice's "logprobs" for these token events (in order, the next after those already shaped)."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": [{**_chat_token(e["token_text"], e["logprob"]),
+                                 "top_logprobs": [_chat_token(a["text"], a["logprob"])
+                                                  for a in e.get("top_logprobs", [])]}
+                                for e in events if e.get("logprob") is not None]}
+        offsets = []
+        for e in events:
+            offsets.append(self.text_offset)
+            self.text_offset += len(e["text"])
+        field = {"tokens": [e.get("token_text", e["text"]) for e in events],
+                 "token_logprobs": [e["logprob"] for e in events], "text_offset": offsets}
+        if self.top_logprobs:
+            field["top_logprobs"] = [_completion_top(e["top_logprobs"]) if "top_logprobs" in e else None
+                                     for e in events]
+        return field
 
     def chunk(self, delta_or_text, finish: str | None = None, logprobs: dict | None = None) -> dict:
         key = "delta" if self.chat else "text"
         return {**self.base, "choices": [{"index": 0, key: delta_or_text, "finish_reason": finish, "logprobs": logprobs}]}
 
-    def token_chunk(self, ev: dict, logprobs: bool) -> dict:
-        lp = _logprobs_field(self.chat, [ev]) if logprobs else None
-        return self.chunk({"content": ev["text"]} if self.chat else ev["text"], logprobs=lp)
+    def token_chunk(self, ev: dict) -> dict:
+        return self.chunk({"content": ev["text"]} if self.chat else ev["text"], logprobs=self.logprobs_field([ev]))
 
     def final_chunk(self, done: dict) -> dict:
         return self.chunk({} if self.chat else "", finish=done["finish_reason"])
@@ -75,10 +102,9 @@ class OpenAIShape:
                 chunks.append(self.chunk({"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}))
         return chunks
 
-    def response(self, tokens: list[dict], done: dict, logprobs: bool, tools: ToolCallParser | None = None) -> dict:
+    def response(self, tokens: list[dict], done: dict, tools: ToolCallParser | None = None) -> dict:
         text = "".join(e["text"] for e in tokens)
-        choice = {"index": 0, "finish_reason": done["finish_reason"],
-                  "logprobs": _logprobs_field(self.chat, tokens) if logprobs else None}
+        choice = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": self.logprobs_field(tokens)}
         if tools is not None:
             events = tools.push(text) + tools.finish()
             content = "".join(ev[1] for ev in events if ev[0] == "content")
@@ -113,7 +139,7 @@ def _error_status(ev: dict) -> RequestError:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     spec, seq = await gw.start(await _json_body(request), chat)
-    shape = OpenAIShape(seq, chat, gw.config.model_id)
+    shape = OpenAIShape(seq, chat, gw.config.model_id, spec)
     try:
         if spec.stream:
             return await _stream_sse(request, gw, seq, spec, shape)
@@ -124,7 +150,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             elif ev["type"] == "error":
                 raise _error_status(ev)
             else:
-                return web.json_response(shape.response(tokens, ev, spec.logprobs, _tool_parser(spec)))
+                return web.json_response(shape.response(tokens, ev, _tool_parser(spec)))
         raise AssertionError("the event stream ended without done or error")
     finally:
         gw.scheduler.cancel(seq)  # no-op when finished; frees KV slots when the client went away
@@ -147,7 +173,7 @@ async def _stream_sse(request, gw, seq: Sequence, spec: GenerationSpec, shape: O
                 await send(chunk)
         elif ev["type"] == "token":
             if ev["text"] or spec.logprobs:
-                await send(shape.token_chunk(ev, spec.logprobs))
+                await send(shape.token_chunk(ev))
         elif ev["type"] == "error":
             await send({"error": {"message": ev["message"], "type": "server_error", "code": ev["code"]}})
         else:

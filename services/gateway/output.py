@@ -5,6 +5,8 @@ one is never shown), usage, timings and the trace JSON. The scheduler never touc
 Events are plain dicts, shaped once here; the websocket sends them as they are (plus the request's id) and the
 OpenAI handlers turn them into chunks:
   {"type": "token", "index", "text", "token_id", "logprob"}    text may be "" while text is held back
+    with logprobs also "token_text" (the token's own text), with top_logprobs k also "top_logprobs":
+    [{"token_id", "text", "logprob"}] x k, most likely first
   {"type": "done", "finish_reason", "usage", "timings"[, "trace"]}
   {"type": "error", "code", "message"}
 """
@@ -12,6 +14,7 @@ OpenAI handlers turn them into chunks:
 from __future__ import annotations
 
 from services.gateway.scheduler import SeqOutput, Sequence
+from shared.sampling import TopLogprobs
 from shared.streaming import TextStream
 from shared.tokenizer import GgufTokenizer
 from shared.trace import HookCapture, TraceRecorder
@@ -35,6 +38,7 @@ class OutputProcessor:
 
     def __init__(self, seq: Sequence, tokenizer: GgufTokenizer, stop: list[str] | None = None):
         self.seq = seq
+        self.tokenizer = tokenizer
         self.stream = TextStream(tokenizer, stop)
         self.completion_tokens = 0
 
@@ -48,7 +52,7 @@ class OutputProcessor:
             self.completion_tokens += 1
             if out.finish_reason != "stop":  # a stop id (EOS) ends the text; it is not part of it
                 step = self.stream.push(out.token)
-                events.append(self._token(step.text, out.token, out.logprob))
+                events.append(self._token(step.text, out.token, out.logprob, out.top_logprobs))
         if out.finish_reason is None:
             return events
         if out.error is not None:
@@ -60,9 +64,20 @@ class OutputProcessor:
         events.append(self._done("stop" if self.stream.stopped else out.finish_reason))  # a stop string wins
         return events
 
-    def _token(self, text: str, token_id: int | None, logprob: float | None) -> dict:
-        return {"type": "token", "index": self.completion_tokens - 1, "text": text, "token_id": token_id,
-                "logprob": logprob}
+    def _token(self, text: str, token_id: int | None, logprob: float | None,
+               top: TopLogprobs | None = None) -> dict:
+        ev = {"type": "token", "index": self.completion_tokens - 1, "text": text, "token_id": token_id,
+              "logprob": logprob}
+        if logprob is not None:
+            ev["token_text"] = self._own_text(token_id)
+        if top is not None:
+            ev["top_logprobs"] = [{"token_id": t, "text": self._own_text(t), "logprob": lp} for t, lp in top]
+        return ev
+
+    def _own_text(self, token_id: int) -> str:
+        """One token's text by itself (not a UTF-8-safe delta: a token holding part of a character decodes to
+        U+FFFD)."""
+        return self.tokenizer.decode([token_id], skip_special=False)
 
     def _done(self, reason: str) -> dict:
         seq = self.seq

@@ -32,6 +32,7 @@ from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer
 from shared.pipeline_client import PipelineError
 from shared.protocol import BatchResult, ForwardBatch
+from shared.sampling import TopLogprobs
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
@@ -50,6 +51,7 @@ class SeqOutput:
 
     token: int | None = None
     logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None  # (token id, logprob) alternatives, most likely first, when asked
     finish_reason: str | None = None  # stop | length | cancelled | timeout | error
     error: str | None = None
 
@@ -434,7 +436,7 @@ class Scheduler:
         if isinstance(error, PipelineError) and error.code == PrefixMiss.code:
             self._prefix_miss(seqs, error)
             return
-        sampled = dict(zip(result.seq_ids, zip(result.tokens, result.logprobs))) if result else {}
+        sampled = dict(zip(result.seq_ids, zip(result.tokens, result.logprobs, result.top))) if result else {}
         if result is not None and result.hop_s is not None:
             self.metrics.result_hop.observe(max(0.0, result.hop_s))
         now = time.perf_counter()
@@ -453,7 +455,8 @@ class Scheduler:
                 self._accept_token(s, *sampled[s.seq_id], now)
         self._update_gauges()
 
-    def _accept_token(self, s: Sequence, token: int, logprob: float | None, now: float) -> None:
+    def _accept_token(self, s: Sequence, token: int, logprob: float | None, top: TopLogprobs | None,
+                      now: float) -> None:
         if s.t_first is None:
             s.t_first = now
             self.metrics.ttft.observe(now - s.t_arrival)
@@ -461,9 +464,9 @@ class Scheduler:
             self.metrics.itl.observe(now - s.t_last)
         s.t_last = now
         self.metrics.generated_tokens.inc()
-        reason = s.append(token, logprob)
+        reason = s.append(token, logprob, top)
         error = f"the output left its grammar: {s.grammar.error}" if reason == "error" and s.grammar else None
-        s.outputs.put_nowait(SeqOutput(token, logprob, reason, error))
+        s.outputs.put_nowait(SeqOutput(token, logprob, top, reason, error))
         if reason is not None:
             self._retire(s, reason, error)
 

@@ -8,12 +8,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sampling import MAX_LOGIT_BIAS, SamplingParams
+from shared.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 128
 MAX_MESSAGES = 256
 MAX_PROMPT_CHARS = 1 << 20
+MAX_COMPLETION_LOGPROBS = 5  # completions' integer logprobs: that many alternatives per token (OpenAI's limit)
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -66,7 +67,7 @@ class GenerationSpec:
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
-    logprobs: bool = False
+    logprobs: bool = False  # each token's logprob; sampling.top_logprobs: that many alternatives with it
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (load testing)
     trace: bool = False  # return per-layer captures (stagemesh trace)
@@ -216,7 +217,8 @@ READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k",
                          "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p",
                          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
                          "response_format"})
-CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"})
+CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"})
 COMPLETION_FIELDS = frozenset({"prompt"})
 # Accepted and ignored: none of them can change the tokens generated (bookkeeping for the caller's own records, or
 # options of features this server refuses when they would take effect). Value: the JSON types accepted.
@@ -233,7 +235,6 @@ def _is_zero(v: Any) -> bool:
 # Known OpenAI (and vLLM/llama.cpp) fields not implemented yet: accepted only at the value that leaves the output
 # as it is, refused otherwise. Value: (is the value neutral, the neutral value as a client writes it, what it does).
 NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
-    "top_logprobs": (_is_zero, "0", "returns the most likely alternatives of each token"),
     "functions": (lambda v: v == [], "[]", "the deprecated form of 'tools'; send tools"),
     "function_call": (lambda v: v == "none", '"none"', "the deprecated form of 'tool_choice'; send tool_choice"),
     "echo": (lambda v: v is False, "false", "returns the prompt with the completion"),
@@ -394,13 +395,18 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     spec.max_tokens = _integer(body, key, 1, max_context, None)
     spec.stop = _stop(body)
     lp = body.get("logprobs")
-    if lp is not None and not isinstance(lp, bool) and (chat or not isinstance(lp, int) or not 0 <= lp <= 5):
-        raise RequestError("'logprobs' must be true or false (chat) or an integer 0-5 (completions)", "logprobs")
-    if not chat and not isinstance(lp, bool) and isinstance(lp, int) and lp > 0:
-        raise RequestError(f"'logprobs': {lp} asks for the top {lp} alternatives of each token, which this server "
-                           "does not return yet; send 0 (or true) for the chosen tokens' log probabilities",
-                           "logprobs", code="unsupported_parameter")
-    spec.logprobs = lp if isinstance(lp, bool) else lp is not None  # completions' integer 0: the chosen tokens'
+    if lp is not None and not isinstance(lp, bool) and (chat or not isinstance(lp, int)
+                                                         or not 0 <= lp <= MAX_COMPLETION_LOGPROBS):
+        raise RequestError(f"'logprobs' must be true or false (chat) or an integer 0-{MAX_COMPLETION_LOGPROBS} "
+                           "(completions)", "logprobs")
+    spec.logprobs = lp if isinstance(lp, bool) else lp is not None  # completions' integer k: the chosen tokens' too
+    if chat:
+        top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+        if top_logprobs and not spec.logprobs:
+            raise RequestError("'top_logprobs' returns alternatives next to each token's logprob: send it with "
+                               "'logprobs': true", "top_logprobs")
+    else:
+        top_logprobs = 0 if lp is None or isinstance(lp, bool) else lp
     try:
         spec.sampling = SamplingParams(
             temperature=_number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI default; 0 = greedy
@@ -413,6 +419,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
             presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
             frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
             repetition_penalty=_number(body, "repetition_penalty", 0.01, 10.0, 1.0),
+            top_logprobs=top_logprobs,
         )
     except ValueError as e:
         raise RequestError(str(e)) from None

@@ -216,9 +216,10 @@ class StageWorker:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures,
                                     traceparent=batch.traceparent)
             producing = [s for s in batch.seqs if s.step.produces_token]
-            tokens, logprobs = sample(out, [s.sampling for s in producing], [s.sample_position for s in producing],
-                                      [s.logit_inputs for s in producing])
-            return BatchResult(batch.mb_id, [s.seq_id for s in producing], tokens, logprobs, captures)
+            sampled = sample(out, [s.sampling for s in producing], [s.sample_position for s in producing],
+                             [s.logit_inputs for s in producing])
+            return BatchResult(batch.mb_id, [s.seq_id for s in producing], sampled.tokens, sampled.logprobs, captures,
+                               top=sampled.top)
         except Exception as e:  # whatever it was, it ends this micro-batch only: the stage keeps serving
             self.metrics.errors.inc()
             code = e.code if isinstance(e, StagemeshError) else "internal"
