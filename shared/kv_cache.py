@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
+import mmap
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -36,9 +38,12 @@ class KVCache:
         self.scratch_slot = num_slots if scratch else None
         shape = (num_slots + int(scratch), num_kv_heads, max_seq_len, head_dim)
         # zeros, not empty: masked positions are still multiplied by 0 in attention, and 0 * NaN is NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._maps: list[mmap.mmap] = []  # on the CPU, each tensor's memory (see _lazy_zeros)
+        self.k = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
         self.device = self.k[0].device
+        self.slot_bytes = math.prod(shape[1:]) * dtype.itemsize  # one slot's row of one tensor
+        self.position_bytes = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize  # K and V of one token
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self._free: list[int] = list(range(num_slots))  # a min-heap: the lowest free slot is handed out first, so
@@ -48,6 +53,33 @@ class KVCache:
         self._kept: OrderedDict[Hashable, None] = OrderedDict()  # cached prefixes, least recently used first
         self.filled = [0] * num_slots  # per slot: positions [0, filled) were written since it was handed out
         self.evicted = 0  # kept slots given up for a new sequence
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """Zeros that take memory as they are written: on the CPU a private anonymous mapping, whose pages the OS commits
+        on first write (a position's K/V lands on its own pages: [slot, head, position] rows are contiguous), so a
+        stage's resident KV memory follows the tokens its sequences hold, not slots x max_seq_len. Decode attention
+        reads the tensor in place as before."""
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        count = math.prod(shape)
+        buf = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._maps.append(buf)
+        return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+
+    def _forget(self, slot: int) -> None:
+        """Give a freed slot's memory back to the OS (its pages read as zeros again, committed again when written)."""
+        if not self._maps:
+            return
+        start = -(-slot * self.slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the row only
+        end = (slot + 1) * self.slot_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            for buf in self._maps:
+                buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    @property
+    def resident_bytes(self) -> int:
+        """K/V memory the held slots' written positions take (what the OS has committed, to a page)."""
+        return sum(self.filled[slot] for slot in self._slot_of.values()) * self.position_bytes
 
     def allocate(self, seq_id: Hashable) -> int:
         if seq_id in self._slot_of:
@@ -71,6 +103,8 @@ class KVCache:
             return False
         self._touched.pop(seq_id, None)
         self._kept.pop(seq_id, None)
+        self._forget(slot)
+        self.filled[slot] = 0
         heapq.heappush(self._free, slot)
         return True
 
@@ -91,6 +125,8 @@ class KVCache:
                 cache[top, :, :n].copy_(cache[slot, :, :n])
             self.filled[top] = n
             self._slot_of[seq_id] = top
+            self._forget(slot)
+            self.filled[slot] = 0
             self._free.append(slot)
             heapq.heapify(self._free)
         self._touched.pop(seq_id, None)

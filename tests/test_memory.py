@@ -1,9 +1,12 @@
 """A stage's memory budget: auto keeps its dense prefill copy only where it fits beside the lean weights and the KV
 cache; lean holds about the file's share; what a piece holds is reported against that share."""
 
+import os
+
 import pytest
 import torch
 
+from shared.kv_cache import KVCache
 from shared.layers import LayerRange
 from shared.models import TransformerModel
 from shared.models.linear import SwitchedLinear
@@ -71,3 +74,28 @@ def test_the_embedding_is_read_from_the_files_map_not_copied(smollm2):
     assert table.data_ptr() == again.data_ptr() != copied.data_ptr()  # both views of the one map; a copy is not
     assert first.memory_report()["mapped_bytes"] == table.nbytes
     assert first.weight_bytes() < table.nbytes  # two lean blocks hold less than the (uncounted) table
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+def test_kv_memory_follows_the_tokens_held_not_slots_times_max_seq_len():
+    """32 slots x 2048 positions of SmolLM2's 30 layers reserve ~1.5 GB; idle they take next to nothing, a 1,000-token
+    sequence takes its own K/V (~22 MB), and its release gives that back (the slot reads as zeros again)."""
+    before = _resident_mib()
+    kv = KVCache(30, 32, 2048, 3, 64, torch.bfloat16, "cpu", scratch=True)
+    reserved = sum(t.nbytes for t in kv.k + kv.v) / MIB
+    assert reserved > 1400 and _resident_mib() - before < 0.01 * reserved
+    slot = kv.allocate("a")
+    for t in kv.k + kv.v:
+        t[slot, :, :1000] = 1.0
+    kv.filled[slot] = 1000
+    held = 1000 * kv.position_bytes / MIB
+    assert kv.resident_bytes / MIB == pytest.approx(held)
+    grown = _resident_mib() - before
+    assert held <= grown < held + 0.01 * reserved
+    kv.release("a")
+    assert _resident_mib() - before < 0.25 * held and kv.resident_bytes == 0
+    assert all(float(t[slot].abs().sum()) == 0.0 for t in kv.k + kv.v)

@@ -40,6 +40,8 @@ class _LiveCollector:
         yield CounterMetricFamily("stagemesh_stage_prefixes_evicted", "Cached prefixes this stage gave up because a new "
                                   "sequence found no free slot", value=s.get("kv_evicted", 0))
         yield GaugeMetricFamily("stagemesh_stage_kv_slots", "KV cache slots in total", value=s["kv_slots"])
+        yield GaugeMetricFamily("stagemesh_stage_kv_resident_bytes", "K/V memory of the positions held slots have "
+                                "written (the OS commits KV memory as it is written)", value=s.get("kv_resident_bytes", 0))
         yield GaugeMetricFamily("stagemesh_stage_bubble_ratio",
                                 "Share of the compute loop's time spent waiting for input since start "
                                 "(windowed: rate(waiting) / (rate(waiting) + rate(busy)))", value=s["bubble_ratio"])

@@ -93,6 +93,7 @@ class StageWorker:
                 "queue_depth": self.io.queue_depth,
                 "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots,
                 "kv_kept": self.runtime.kv.kept_slots, "kv_evicted": self.runtime.kv.evicted,
+                "kv_resident_bytes": self.runtime.kv.resident_bytes,
                 "bubble_ratio": self.wait_s / (self.wait_s + self.busy_s) if self.wait_s + self.busy_s else 0.0}
 
     async def run(self) -> None:
@@ -269,7 +270,9 @@ class StageWorker:
             "compiled_decode": self.runtime.compiled_decode_info(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
                    "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed,
-                   "kept_prefixes": kv.kept_slots, "evicted_prefixes": kv.evicted},
+                   "kept_prefixes": kv.kept_slots, "evicted_prefixes": kv.evicted,
+                   # memory by tokens held (committed page by page as written), out of what all slots could take
+                   "resident_bytes": kv.resident_bytes, "reserved_bytes": kv.nbytes},
             "prefetch": self.io.prefetch,
             "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
             "rejected": dict(self.io.transport.stats.rejected),
