@@ -201,11 +201,14 @@ class Gateway:
         A stop string ends the sequence here: the scheduler frees its slots and reports the finish."""
         proc = OutputProcessor(seq, self.files.tokenizer, spec.stop)
         self.open_streams += 1
+        logged = False
         try:
             while True:
                 out = await seq.outputs.get()
                 already_stopped = proc.stop_string_hit
                 for ev in proc.process(out):
+                    if ev["type"] != "token":  # logged before the client sees the end
+                        logged = _log_access(seq)
                     yield ev
                     if ev["type"] != "token":
                         return
@@ -213,10 +216,8 @@ class Gateway:
                     self.replicas.finish(seq, "stop")
         finally:
             self.open_streams -= 1
-            access_log.info("request %s pipeline=%s handoffs=%d replays=%d finish=%s prompt_tokens=%d cached_tokens=%d "
-                            "output_tokens=%d duration_ms=%.0f", seq.seq_id, seq.pipeline, seq.handoffs, seq.replays,
-                            seq.finish_reason or "open", len(seq.prompt_ids), seq.cached_tokens, len(seq.output_ids),
-                            (time.perf_counter() - seq.t_arrival) * 1e3)
+            if not logged:  # the client went away first
+                _log_access(seq)
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting, let running requests finish for up to grace_s, end the rest with an error event that
@@ -236,6 +237,16 @@ class Gateway:
             await asyncio.sleep(0.02)
         for ws in list(self.websockets):
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the gateway is shutting down")
+
+
+def _log_access(seq: Sequence) -> bool:
+    """The access log's line for one generation request: where it ran (its pipeline, and how often it moved), how it
+    ended, its sizes and time."""
+    access_log.info("request %s pipeline=%s handoffs=%d replays=%d finish=%s prompt_tokens=%d cached_tokens=%d "
+                    "output_tokens=%d duration_ms=%.0f", seq.seq_id, seq.pipeline, seq.handoffs, seq.replays,
+                    seq.finish_reason or "open", len(seq.prompt_ids), seq.cached_tokens, len(seq.output_ids),
+                    (time.perf_counter() - seq.t_arrival) * 1e3)
+    return True
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

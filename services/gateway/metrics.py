@@ -169,7 +169,7 @@ class _ReplicaCollector:
                 fams["hit_rate"].add_metric([r.name], prefix.stats.hits / prefix.stats.lookups)
         yield from fams.values()
         thresholds = GaugeMetricFamily("stagemesh_gateway_routing_threshold", "The routing policy's thresholds "
-                                       "(docs/operations.md, Routing across pipelines)", labels=["name"])
+                                       "(docs/operations.md, Routing across pipelines)", labels=["threshold"])
         for name, value in policy().items():
             thresholds.add_metric([name], value)
         yield thresholds
