@@ -73,6 +73,8 @@ class Replicas:
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session -> replica name it went to last
         self._turn = 0  # round-robin among equally loaded replicas
         for r in replicas:
+            if len(replicas) > 1:
+                r.pipeline.name = r.name
             r.scheduler.handoff = lambda seqs, src=r: self.take_over(seqs, src)
 
     # ---- state across replicas ---------------------------------------------------------------------------------

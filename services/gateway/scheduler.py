@@ -288,7 +288,8 @@ class Scheduler:
             for seq in self.running.values():
                 seq.attach = None
         self._replay_pending = True  # release what surviving stages still hold before replaying
-        log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.lost_reason, len(self.running))
+        log.warning("%s lost (%s): %d sequences will be replayed", self.pipeline.label, self.pipeline.lost_reason,
+                    len(self.running))
 
     def _admit(self) -> None:
         limit = self.max_running
