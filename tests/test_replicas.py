@@ -175,3 +175,25 @@ def test_routing_prefers_the_cached_prefix_until_the_load_gap_is_too_wide_and_sk
     r.all[1].pipeline.problem = "stage 0 is unreachable"
     assert r.route(prompt) == (r.all[0], "load")  # a lost pipeline takes nothing new
     assert r.take_over([s := seq(prompt)], r.all[1]) == [s] and s.pipeline == "p0" and s.seq_id in r.all[0].scheduler.running
+
+
+def test_gateway_flags_name_each_pipeline_and_give_each_its_own_result_port():
+    from argparse import Namespace
+
+    from services.gateway.main import pipeline_specs
+    from shared.errors import StagemeshError
+
+    def specs(**kw):
+        args = Namespace(stages=None, num_stages=None, pipeline=[], result_listen=[], first_stage=None)
+        vars(args).update(kw)
+        return [(s.stage_urls, s.result_listen) for s in pipeline_specs(args)]
+
+    assert specs(stages="http://a:1,http://b:1") == [(["http://a:1", "http://b:1"], "tcp://127.0.0.1:5599")]
+    assert specs(pipeline=["http://a:1", "http://c:1"], result_listen=["tcp://0.0.0.0:7000"]) == [
+        (["http://a:1"], "tcp://0.0.0.0:7000"), (["http://c:1"], "tcp://0.0.0.0:7001")]
+    assert specs(pipeline=["http://a:1", "http://c:1"], result_listen=["tcp://g:1", "tcp://g:9"])[1][1] == "tcp://g:9"
+    for bad in ({"stages": "http://a:1", "pipeline": ["http://c:1"]},
+                {"pipeline": ["http://a:1", "http://c:1"], "result_listen": ["tcp://g:1", "tcp://g:2", "tcp://g:3"]},
+                {"pipeline": ["http://a:1", "http://c:1"], "first_stage": "tcp://a:5550"}):
+        with pytest.raises(StagemeshError):
+            specs(**bad)
