@@ -57,15 +57,40 @@ def fetch(url: str, timeout: float = 10.0) -> dict:
 
 def not_ready_reason(snap: dict) -> str | None:
     """None when the mesh is ready; otherwise a sentence that names the stage (or the pipeline-wide problem)."""
-    if snap.get("ready"):
+    pipelines = snap.get("pipelines") or []
+    if snap.get("ready") and all(p.get("ready") for p in pipelines):
         return None
     bad = [s for s in snap.get("stages", []) if s.get("state") not in ("ready", "replaying")]
     if bad:
-        return "; ".join(f"stage {s['index']} ({s['url']}) is {s['state']}: {s.get('error') or 'no answer'}"
-                         for s in bad)
+        return "; ".join(f"{_pipeline_of(s)}stage {s['index']} ({s['url']}) is {s['state']}: "
+                         f"{s.get('error') or 'no answer'}" for s in bad)
+    lost = [p for p in pipelines if not p.get("ready")]
+    if lost and len(pipelines) > 1:
+        return "; ".join(f"pipeline {p['name']} is not ready: {p.get('problem')}" for p in lost)
     if snap.get("draining"):
         return "the gateway is draining"
     return snap.get("problem") or "the pipeline is not ready"
+
+
+def _pipeline_of(stage: dict) -> str:
+    return f"pipeline {stage['pipeline']} " if stage.get("pipeline") else ""
+
+
+def _pipelines_table(pipelines: list[dict]):
+    """One row per pipeline (only with several): state, load, KV use, cache hit rate, requests routed."""
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="pipelines (requests routed by prefix cache, session and load)", title_justify="left")
+    for col in ("pipeline", "state", "stages", "queue", "running", "KV used", "cache hits", "routed", "handed off"):
+        t.add_column(col, justify="left" if col in ("pipeline", "state", "stages") else "right")
+    for p in pipelines:
+        pc = p.get("prefix_cache") or {}
+        rate = "–" if pc.get("hit_rate") is None else f"{100 * pc['hit_rate']:.0f}%"
+        t.add_row(p["name"], Text(p["state"], style="green" if p["ready"] else "red"), str(len(p["stages"])),
+                  str(p["queue"]), str(p["running"]), f"{100 * p['kv_used']:.0f}%", rate, str(p["routed"]),
+                  str(p["handed_off"]))
+    return t
 
 
 def _fmt(x, unit: str = "", digits: int = 1) -> str:
@@ -79,8 +104,10 @@ def render(snap: dict):
     from rich.text import Text
 
     colors = {"ready": "green", "replaying": "yellow", "lost": "red", "unknown": "red"}
+    pipelines = snap.get("pipelines") or []
+    many = len(pipelines) > 1
     t = Table(title="stagemesh pipeline (stages left to right = top to bottom)", title_justify="left")
-    for col in ("stage", "layers", "address", "state", "busy", "compute/mb", "hop→next", "KV slots", "restarts"):
+    for col in (*(("pipeline",) if many else ()), "stage", "layers", "address", "state", "busy", "compute/mb", "hop→next", "KV slots", "restarts"):
         t.add_column(col, justify="right" if col in ("busy", "compute/mb", "hop→next", "KV slots", "restarts") else "left")
     for s in snap.get("stages", []):
         layers = f"{s['layers'][0]}:{s['layers'][1]}" if s.get("layers") else "–"
@@ -89,7 +116,7 @@ def render(snap: dict):
         if s.get("kv_cached"):
             kv += f" ({s['kv_cached']} cached)"
         addr = s["url"] + (f"\n{s['listen']}" if s.get("listen") else "")
-        t.add_row(str(s["index"]), layers, addr, Text(s["state"], style=colors.get(s["state"], "")), _fmt(busy, "%"),
+        t.add_row(*((s.get("pipeline", ""),) if many else ()), str(s["index"]), layers, addr, Text(s["state"], style=colors.get(s["state"], "")), _fmt(busy, "%"),
                   _fmt(s.get("compute_ms"), " ms"), _fmt(s.get("hop_next_ms"), " ms", 2), kv, str(s.get("restarts", 0)))
     g = snap.get("gateway", {})
     line = (f"gateway: queue {g.get('queue')} · running {g.get('running')} · in flight {g.get('inflight')}/"
@@ -103,7 +130,7 @@ def render(snap: dict):
                  f" · misses {pc['misses']}")
     reason = not_ready_reason(snap)
     verdict = Text("ready", style="bold green") if reason is None else Text(f"NOT READY: {reason}", style="bold red")
-    return Group(t, Text(line), verdict)
+    return Group(*((_pipelines_table(pipelines),) if many else ()), t, Text(line), verdict)
 
 
 def cmd_status(args) -> int:

@@ -29,7 +29,7 @@ from services.cli_args import (
     stall_from_args,
 )
 from services.gateway.app import GATEWAY, serve_until_signal
-from services.gateway.main import build_app
+from services.gateway.main import PipelineSpec, build_app
 from services.keys_cli import add_security_args
 from services.launch import LocalMesh, start_mesh
 from shared.errors import StagemeshError
@@ -40,7 +40,10 @@ def register(sub) -> None:
     p = sub.add_parser("up", help="start a gateway and N stages on this machine",
                        description="Start N stage processes on loopback and a gateway in front of them.")
     add_model_args(p, serving=True)
-    p.add_argument("--stages", type=int, default=2, help="number of stage processes (default 2)")
+    p.add_argument("--stages", type=int, default=2, help="number of stage processes per pipeline (default 2)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="pipelines of --stages stages each, behind the one gateway (default 1): requests are routed "
+                        "by prefix cache, session and load, and move to another pipeline when one loses a stage")
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
     add_kv_args(p)
@@ -132,6 +135,8 @@ def cmd_up(args) -> int:
     # Everything a user can get wrong is checked here, in a second, before any stage loads a model.
     if args.stages < 1:
         raise StagemeshError(f"--stages {args.stages} must be at least 1")
+    if args.replicas < 1:
+        raise StagemeshError(f"--replicas {args.replicas} must be at least 1")
     otlp_url = otlp_from_args(args)  # the stages export to the same collector
     serving = serving_from_args(args)
     edge_from_args(args)  # the gateway's edge flags (origins, hosts, trace budget), checked again by build_app
@@ -139,34 +144,48 @@ def cmd_up(args) -> int:
     log_dir = log_dir_from_args(args.log_dir)
     check_port_free(args.host, args.port)
     model_path = check_model(args.model)
-    _say(f"starting {args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
+    many = f"{args.replicas} pipelines of " if args.replicas > 1 else ""
+    _say(f"starting {many}{args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
          f"(logs in {log_dir}) ...")
-    mesh = start_mesh(args.model, args.stages, log_dir=log_dir, avoid_ports=frozenset({args.port}),
-                      extra=model_flags(args) + ["--kv-slots", str(serving.kv_slots),
-                                                 "--max-seq-len", str(serving.max_seq_len)]
-                      + (["--otlp-endpoint", otlp_url] if otlp_url else []),
-                      insecure_plaintext=args.insecure_plaintext, progress=lambda line: _say(f"  {line}"))
-    args.keys = mesh.keys_dir  # the ephemeral key set (0700 temporary directory, deleted at stop)
+    meshes: list[LocalMesh] = []
     try:
-        app = build_app(args.model, mesh.stage_urls, mesh.result_listen, mesh.first_stage, args)
-        asyncio.run(_serve(app, args.host, args.port, mesh))
+        for r in range(args.replicas):
+            # replicas share the first one's ephemeral key set (0700 temporary directory, deleted when it stops):
+            # the gateway holds one set of keys for every pipeline
+            keys_dir = meshes[0].keys_dir if meshes else None
+            if args.replicas > 1:
+                os.makedirs(os.path.join(log_dir, f"p{r}"), exist_ok=True)
+            meshes.append(start_mesh(
+                args.model, args.stages, log_dir=log_dir if args.replicas == 1 else os.path.join(log_dir, f"p{r}"),
+                avoid_ports=frozenset({args.port}), keys_dir=keys_dir,
+                threads=max(1, (os.cpu_count() or 1) // (args.stages * args.replicas)),
+                extra=model_flags(args) + ["--kv-slots", str(serving.kv_slots),
+                                           "--max-seq-len", str(serving.max_seq_len)]
+                + (["--otlp-endpoint", otlp_url] if otlp_url else []),
+                insecure_plaintext=args.insecure_plaintext,
+                progress=lambda line, r=r: _say(f"  {f'p{r} ' if args.replicas > 1 else ''}{line}")))
+        args.keys = meshes[0].keys_dir
+        app = build_app(args.model, [PipelineSpec(m.stage_urls, m.result_listen, m.first_stage) for m in meshes], args)
+        asyncio.run(_serve(app, args.host, args.port, meshes))
     except OSError as e:  # the port was taken between check_port_free and the gateway's bind
         if e.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
             raise StagemeshError(_bind_problem(args.host, args.port, e)) from None
         raise
     finally:
         _say("stopping stages ...")
-        mesh.stop()
+        for mesh in reversed(meshes):  # the first owns the key set: it goes last
+            mesh.stop()
     return 0
 
 
-def ready_banner(host: str, port: int, stages: int, model: str) -> str:
+def ready_banner(host: str, port: int, stages: int, model: str, replicas: int = 1) -> str:
     """What `up` prints once the gateway is ready: where to go, a request to paste, and how to run `stagemesh`."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard listens on loopback too
     url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     return "\n".join([
-        f"stagemesh is up ({stages} stage{'s' if stages > 1 else ''}, pid {os.getpid()}; Ctrl-C to stop)",
+        f"stagemesh is up ({f'{replicas} pipelines of ' if replicas > 1 else ''}{stages} stage{'s' if stages > 1 else ''}"
+        f", pid {os.getpid()}; Ctrl-C to stop)",
         f"  chat page  {url}/",
         f"  API        {url}/v1   (OpenAI-compatible)",
         f"  try        curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
@@ -210,22 +229,28 @@ def decode_notes(previous: dict[int, str], infos: dict[int, dict]) -> list[str]:
     return lines
 
 
-async def _supervise(mesh: LocalMesh) -> None:
+async def _supervise(meshes: list[LocalMesh]) -> None:
     """Restart a stage process that exits, and announce each stage's decode mode as it changes."""
-    states: dict[int, str] = {}
+    states: list[dict[int, str]] = [{} for _ in meshes]
     watching, last_poll = True, 0.0
     while True:
         await asyncio.sleep(1.0)
-        for i in mesh.restart_dead():
-            print(f"stage {i} exited; restarted it (the gateway replays what it was serving)", flush=True)
-            states.pop(i, None)
-            watching = True
+        for r, mesh in enumerate(meshes):
+            name = f"pipeline p{r} " if len(meshes) > 1 else ""
+            for i in mesh.restart_dead():
+                print(f"{name}stage {i} exited; restarted it (the gateway replays what it was serving"
+                      f"{' on another pipeline' if len(meshes) > 1 else ''})", flush=True)
+                states[r].pop(i, None)
+                watching = True
         if watching and time.monotonic() - last_poll >= 2.0:
             last_poll = time.monotonic()
-            infos = await asyncio.to_thread(_stage_infos, mesh)
-            for line in decode_notes(states, infos):
-                _say(line)
-            watching = len(states) < len(mesh.stages) or "compiling" in states.values() or "pending" in states.values()
+            watching = False
+            for r, mesh in enumerate(meshes):
+                infos = await asyncio.to_thread(_stage_infos, mesh)
+                for line in decode_notes(states[r], infos):
+                    _say(f"p{r} {line}" if len(meshes) > 1 else line)
+                watching |= (len(states[r]) < len(mesh.stages) or "compiling" in states[r].values()
+                             or "pending" in states[r].values())
 
 
 def _stage_infos(mesh: LocalMesh) -> dict[int, dict]:
@@ -239,15 +264,15 @@ def _stage_infos(mesh: LocalMesh) -> dict[int, dict]:
     return infos
 
 
-async def _serve(app: web.Application, host: str, port: int, mesh: LocalMesh) -> None:
+async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalMesh]) -> None:
     """Serve until SIGINT/SIGTERM; the gateway drains (serve_until_signal) before cmd_up stops the stages, so no
     stage is stopped with a micro-batch of a live request in hand."""
 
     async def started() -> None:
-        pipeline = app[GATEWAY].pipeline
-        while not pipeline.ready:
+        replicas = app[GATEWAY].replicas
+        while len(replicas.ready) < len(replicas.all):
             await asyncio.sleep(0.2)
-        _say(ready_banner(host, port, len(mesh.stages), app[GATEWAY].config.model_id))
-        await _supervise(mesh)
+        _say(ready_banner(host, port, len(meshes[0].stages), app[GATEWAY].config.model_id, len(meshes)))
+        await _supervise(meshes)
 
     await serve_until_signal(app, host, port, started)

@@ -19,9 +19,16 @@ from urllib.parse import urlsplit
 from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.metrics import GatewayMetrics, watch_prefix_cache, watch_transport
+from services.gateway.metrics import (
+    GatewayMetrics,
+    summed_transport,
+    watch_prefix_cache,
+    watch_replicas,
+    watch_transport,
+)
 from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
+from services.gateway.replicas import Replica, Replicas
 from services.gateway.scheduler import QueueFull, Scheduler, Sequence, new_seq_id
 from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
 from services.gateway.tools import forced_call_schema, tool_messages
@@ -33,6 +40,7 @@ from shared.model_files import ModelFiles
 from shared.otlp import OtlpTracer
 
 log = logging.getLogger("stagemesh.gateway")
+access_log = logging.getLogger("stagemesh.gateway.access")  # one line per generation request, when it ends
 
 STATIC = os.path.join(os.path.dirname(__file__), "static")
 MAX_BODY_BYTES = 1 << 20
@@ -109,8 +117,7 @@ class Gateway:
     """What the handlers need, in one typed object stored on the app."""
 
     files: ModelFiles
-    pipeline: Pipeline
-    scheduler: Scheduler
+    replicas: Replicas  # the pipelines and the router that picks one per request (one pipeline: exactly as before)
     metrics: GatewayMetrics
     config: GatewayConfig
     lanes: TokenizeLanes = field(default_factory=TokenizeLanes)
@@ -134,9 +141,9 @@ class Gateway:
         if self.draining:
             raise RequestError("the gateway is draining before it stops; retry on another replica or shortly",
                                status=503, code="draining")
-        if not self.pipeline.ready:
-            raise RequestError(f"the pipeline is not ready: {self.pipeline.problem}", status=503, code="not_ready")
-        context = self.pipeline.max_seq_len
+        if not self.replicas.ready:
+            raise RequestError(f"the pipeline is not ready: {self.replicas.problem}", status=503, code="not_ready")
+        context = self.replicas.max_seq_len
         param = "messages" if spec.messages is not None else "prompt"
         chars = sum(len(m["content"]) for m in spec.messages) if spec.messages is not None else len(spec.prompt)
         cap = self.char_cap(context)
@@ -174,17 +181,19 @@ class Gateway:
                         stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
                         deadline=time.perf_counter() + timeout, trace=spec.trace, grammar=grammar)
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, seq: Sequence, session: str | None = None) -> None:
         try:
-            self.scheduler.submit(seq)
+            self.replicas.submit(seq, session)
         except QueueFull as e:
             raise RequestError(str(e), status=429, code="queue_full") from None
 
-    async def start(self, body: dict, chat: bool) -> tuple[GenerationSpec, Sequence]:
-        """Validate, tokenize and queue one generation request."""
-        spec = parse_generation(body, chat, self.pipeline.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
+    async def start(self, body: dict, chat: bool, session: str | None = None) -> tuple[GenerationSpec, Sequence]:
+        """Validate, tokenize and queue one generation request. `session` (a header) or the body's OpenAI `user`
+        keeps a conversation on one pipeline (Replicas.route)."""
+        spec = parse_generation(body, chat, self.replicas.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
         seq = await self.prepare(spec)
-        self.submit(seq)
+        user = body.get("user")
+        self.submit(seq, session or (user if isinstance(user, str) and user else None))
         return spec, seq
 
     async def events(self, seq: Sequence, spec: GenerationSpec) -> AsyncIterator[dict]:
@@ -192,18 +201,23 @@ class Gateway:
         A stop string ends the sequence here: the scheduler frees its slots and reports the finish."""
         proc = OutputProcessor(seq, self.files.tokenizer, spec.stop)
         self.open_streams += 1
+        logged = False
         try:
             while True:
                 out = await seq.outputs.get()
                 already_stopped = proc.stop_string_hit
                 for ev in proc.process(out):
+                    if ev["type"] != "token":  # logged before the client sees the end
+                        logged = _log_access(seq)
                     yield ev
                     if ev["type"] != "token":
                         return
                 if proc.stop_string_hit and not already_stopped:
-                    self.scheduler.finish(seq, "stop")
+                    self.replicas.finish(seq, "stop")
         finally:
             self.open_streams -= 1
+            if not logged:  # the client went away first
+                _log_access(seq)
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting, let running requests finish for up to grace_s, end the rest with an error event that
@@ -212,9 +226,9 @@ class Gateway:
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while not self.scheduler.idle and loop.time() < deadline:
+        while not self.replicas.idle and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        ended = self.scheduler.shutdown(f"the gateway is shutting down: this request was still running when the "
+        ended = self.replicas.shutdown(f"the gateway is shutting down: this request was still running when the "
                                         f"{grace_s:g} s drain period ended; retry it")
         if ended:
             log.warning("drain: %d requests still running after %g s were ended with an error event", ended, grace_s)
@@ -223,6 +237,16 @@ class Gateway:
             await asyncio.sleep(0.02)
         for ws in list(self.websockets):
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the gateway is shutting down")
+
+
+def _log_access(seq: Sequence) -> bool:
+    """The access log's line for one generation request: where it ran (its pipeline, and how often it moved), how it
+    ended, its sizes and time."""
+    access_log.info("request %s pipeline=%s handoffs=%d replays=%d finish=%s prompt_tokens=%d cached_tokens=%d "
+                    "output_tokens=%d duration_ms=%.0f", seq.seq_id, seq.pipeline, seq.handoffs, seq.replays,
+                    seq.finish_reason or "open", len(seq.prompt_ids), seq.cached_tokens, len(seq.output_ids),
+                    (time.perf_counter() - seq.t_arrival) * 1e3)
+    return True
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -384,10 +408,13 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    p = gw.pipeline
-    is_ready = p.ready and not gw.draining
-    reason = "draining" if gw.draining else None if p.ready else "pipeline"
-    body = {"ready": is_ready, "reason": reason, "problem": p.problem, "stages": p.stage_urls}
+    serving = bool(gw.replicas.ready)
+    is_ready = serving and not gw.draining
+    reason = "draining" if gw.draining else None if serving else "pipeline"
+    body = {"ready": is_ready, "reason": reason, "problem": gw.replicas.problem,
+            "stages": [u for r in gw.replicas.all for u in r.pipeline.stage_urls]}
+    if len(gw.replicas.all) > 1:
+        body["pipelines"] = gw.replicas.info()
     return web.json_response(body, status=200 if is_ready else 503)
 
 
@@ -408,35 +435,44 @@ async def index(request: web.Request) -> web.FileResponse:
 
 async def _background(app: web.Application):
     gw = app[GATEWAY]
-    await gw.pipeline.start()
-    task = asyncio.create_task(gw.scheduler.run(), name="scheduler")
+    replicas = gw.replicas.all
+    await asyncio.gather(*(r.pipeline.start() for r in replicas))
+    tasks = [asyncio.create_task(r.scheduler.run(), name=f"scheduler-{r.name}") for r in replicas]
     yield
-    gw.scheduler.shutdown()  # a no-op after Gateway.drain, which ends requests while connections are still open
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    await gw.pipeline.close()
+    gw.replicas.shutdown()  # a no-op after Gateway.drain, which ends requests while connections are still open
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for r in replicas:
+        await r.pipeline.close()
     gw.lanes.close()
-    if gw.scheduler.otlp is not None:
+    otlp = replicas[0].scheduler.otlp  # one tracer for every scheduler
+    if otlp is not None:
         await asyncio.sleep(0)  # let the closed client's futures end their micro-batch spans first
-        gw.scheduler.otlp.shutdown()  # exports the spans still queued (bounded by the export timeout)
+        otlp.shutdown()  # exports the spans still queued (bounded by the export timeout)
 
 
-def make_app(files: ModelFiles, pipeline: Pipeline, config: GatewayConfig, max_inflight: int,
+def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: GatewayConfig, max_inflight: int,
              serving: ServingConfig = SERVING_DEFAULTS, otlp: OtlpTracer | None = None,
              prefix_cache: bool = True) -> web.Application:
+    """`pipelines`: one, or several replicas of the same model (each gets its own scheduler and prefix index)."""
     from services.gateway.mesh_view import add_mesh_view
     from services.gateway.openai_api import chat_completions, completions, models
     from services.gateway.ws import stream_ws
 
+    pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
     metrics_ = GatewayMetrics()
-    watch_transport(metrics_, lambda: pipeline.client.transport.stats if pipeline.client else None)
-    scheduler = Scheduler(pipeline, metrics_, max_inflight=max_inflight, config=serving, otlp=otlp,
-                          prefix_cache=prefix_cache)
-    if scheduler.prefix is not None:
-        watch_prefix_cache(metrics_, scheduler.prefix)
+    watch_transport(metrics_, summed_transport(pipelines))
+    replicas = Replicas([Replica(f"p{i}", p, Scheduler(p, metrics_, max_inflight=max_inflight, config=serving,
+                                                         otlp=otlp, prefix_cache=prefix_cache))
+                         for i, p in enumerate(pipelines)], metrics_)
+    indexes = [r.scheduler.prefix for r in replicas.all if r.scheduler.prefix is not None]
+    if indexes:
+        watch_prefix_cache(metrics_, indexes)
+    watch_replicas(metrics_, replicas)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
-    app[GATEWAY] = Gateway(files, pipeline, scheduler, metrics_, config)
+    app[GATEWAY] = Gateway(files, replicas, metrics_, config)
     app.cleanup_ctx.append(_background)
     app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)

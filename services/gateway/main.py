@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -34,13 +35,19 @@ def register(sub) -> None:
     p = sub.add_parser("gateway", help="serve the API in front of running stages",
                        description="OpenAI-compatible API, websocket stream and chat page over a pipeline of stages.")
     add_model_args(p, dtype=False)
-    p.add_argument("--stages", required=True,
+    p.add_argument("--stages", default=None,
                    help="comma-separated stage HTTP URLs in pipeline order, or one pattern with {i} and --num-stages")
     p.add_argument("--num-stages", type=int, default=None, help="with a --stages pattern: how many stages")
+    p.add_argument("--pipeline", action="append", default=[], metavar="URL,URL,...",
+                   help="one pipeline's stage HTTP URLs in order (instead of --stages); repeat for each replica of the "
+                        "model: requests are routed by prefix cache, session and load, and fail over between them")
     p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
-    p.add_argument("--result-listen", default="tcp://127.0.0.1:5599",
-                   help="ZeroMQ address the last stage sends results to (bound here)")
-    p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info)")
+    p.add_argument("--result-listen", action="append", default=[], metavar="ADDR",
+                   help="ZeroMQ address the last stage sends results to (bound here; default tcp://127.0.0.1:5599); "
+                        "with several --pipeline, one per pipeline in the same order, or one whose port is the first "
+                        "of consecutive ports")
+    p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info; one "
+                                                       "pipeline only)")
     add_scheduler_args(p)
     add_edge_args(p)
     add_otlp_args(p)
@@ -48,23 +55,44 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_gateway)
 
 
-def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage: str | None, args) -> web.Application:
+@dataclass
+class PipelineSpec:
+    """Where one pipeline's stages are, as `gateway` and `up` name them."""
+
+    stage_urls: list[str]
+    result_listen: str
+    first_stage: str | None = None
+
+
+def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
+    """The gateway over one or several pipelines (replicas of the same model, each checked on its own)."""
     files = ModelFiles.open(model)
-    for u in stage_urls:
-        if not u.startswith(("http://", "https://")):
-            raise StagemeshError(f"--stages entry {u!r} must be an http:// URL of a stage's HTTP endpoint")
-    check_address(result_listen, "--result-listen")
+    seen: set[str] = set()
+    for spec in specs:
+        for u in spec.stage_urls:
+            if not u.startswith(("http://", "https://")):
+                raise StagemeshError(f"--stages entry {u!r} must be an http:// URL of a stage's HTTP endpoint")
+            if u.rstrip("/") in seen:
+                raise StagemeshError(f"stage {u} is named twice: each pipeline needs stages of its own")
+            seen.add(u.rstrip("/"))
+        check_address(spec.result_listen, "--result-listen")
+    if len({s.result_listen for s in specs}) < len(specs):
+        raise StagemeshError("two pipelines share a --result-listen address; give each its own")
+    if len({len(s.stage_urls) for s in specs}) > 1:
+        raise StagemeshError("the pipelines have different numbers of stages "
+                             f"({', '.join(str(len(s.stage_urls)) for s in specs)}); replicas share one key set and "
+                             "one layout: give every --pipeline the same number of stages")
     key_set = key_set_from_args(args, "stagemesh gateway")
     keys = None
     if key_set is not None:
-        key_set.check_stages(len(stage_urls), "the gateway's --stages")
+        key_set.check_stages(len(specs[0].stage_urls), "the gateway's --stages")
         keys = key_set.for_gateway()
-    pipeline = Pipeline(stage_urls, result_listen, files.loader.fingerprint, files.config.num_layers, first_stage,
-                        keys=keys, stall_s=stall_from_args(args))
+    pipelines = [Pipeline(s.stage_urls, s.result_listen, files.loader.fingerprint, files.config.num_layers,
+                          s.first_stage, keys=keys, stall_s=stall_from_args(args)) for s in specs]
     # K = stages: each stage has a micro-batch to work on; more splits the running sequences into smaller
     # micro-batches, which on a CPU costs more than the gateway's turnaround it hides (compare --max-inflight
     # values with benchmarks.compare_llamacpp, which passes up flags after --)
-    inflight = args.max_inflight or len(stage_urls)
+    inflight = args.max_inflight or len(specs[0].stage_urls)
     if inflight < 1:
         raise StagemeshError("--max-inflight must be positive")
     api_key = os.environ.get(API_KEY_ENV) or None
@@ -73,7 +101,7 @@ def build_app(model: str, stage_urls: list[str], result_listen: str, first_stage
         raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")
     otlp_url = otlp_from_args(args)
     otlp = OtlpTracer(otlp_url, "stagemesh-gateway") if otlp_url else None
-    return make_app(files, pipeline, GatewayConfig(model_id=model, api_key=api_key, **edge), inflight,
+    return make_app(files, pipelines, GatewayConfig(model_id=model, api_key=api_key, **edge), inflight,
                     serving_from_args(args), otlp, prefix_cache=getattr(args, "prefix_cache", "on") == "on")
 
 
@@ -85,10 +113,33 @@ def stage_urls(stages: str, num_stages: int | None) -> list[str]:
     return [u.strip() for u in stages.split(",") if u.strip()]
 
 
+def pipeline_specs(args) -> list[PipelineSpec]:
+    """The pipelines `stagemesh gateway` serves: --stages (one), or one per --pipeline, with their result ports."""
+    if bool(args.stages) == bool(args.pipeline):
+        raise StagemeshError("name the stages with --stages URL,... (one pipeline) or with one --pipeline URL,... per "
+                             "pipeline, not both")
+    groups = [stage_urls(args.stages, args.num_stages)] if args.stages else [stage_urls(p, None) for p in args.pipeline]
+    if any(not g for g in groups):
+        raise StagemeshError("a --pipeline or --stages names no stage URL")
+    results = args.result_listen or ["tcp://127.0.0.1:5599"]
+    if len(results) == 1 and len(groups) > 1:
+        scheme_host, _, port = results[0].rpartition(":")
+        if not port.isdigit():
+            raise StagemeshError(f"--result-listen {results[0]!r} must end in :PORT to serve several pipelines")
+        results = [f"{scheme_host}:{int(port) + i}" for i in range(len(groups))]
+    if len(results) != len(groups):
+        raise StagemeshError(f"{len(results)} --result-listen addresses for {len(groups)} pipelines: give one, or "
+                             "one per --pipeline")
+    if args.first_stage and len(groups) > 1:
+        raise StagemeshError("--first-stage serves one pipeline; with several, each stage 0 is read from its /info")
+    return [PipelineSpec(g, r, args.first_stage) for g, r in zip(groups, results)]
+
+
 def cmd_gateway(args) -> int:
     host, port = parse_host_port(args.listen, "--listen")
-    urls = stage_urls(args.stages, args.num_stages)
-    app = build_app(args.model, urls, args.result_listen, args.first_stage, args)
-    print(f"stagemesh gateway on http://{host}:{port}/ over {len(urls)} stages", flush=True)
+    specs = pipeline_specs(args)
+    app = build_app(args.model, specs, args)
+    print(f"stagemesh gateway on http://{host}:{port}/ over {len(specs)} pipeline{'s' if len(specs) > 1 else ''} "
+          f"of {len(specs[0].stage_urls)} stages", flush=True)
     asyncio.run(serve_until_signal(app, host, port))  # SIGTERM: drain, then exit 0
     return 0

@@ -65,10 +65,10 @@ class MeshView:
         self.gw = gateway
         self.tick_s = tick_s
         self.window_s = window_s
-        self.tracks: list[StageTrack] = []
+        self.tracks: dict[str, list[StageTrack]] = {}  # pipeline name -> its stages' tracks
+        self._seen_infos: dict[str, object] = {}
         self.series: deque[dict] = deque(maxlen=HISTORY_POINTS)
         self.gauges: deque[dict] = deque(maxlen=int(window_s / tick_s) + 2)  # registry counters per tick
-        self._seen_infos: object = None
         self.snapshot: dict = {}
         self.encoded = "{}"
         self.version = 0
@@ -76,14 +76,14 @@ class MeshView:
 
     # ---- sampling -----------------------------------------------------------------------------------------------
 
-    def _take_polls(self) -> None:
-        infos = self.gw.pipeline.infos
-        if infos is self._seen_infos:
+    def _take_polls(self, name: str, infos: list) -> None:
+        if infos is self._seen_infos.get(name):
             return
-        self._seen_infos = infos
-        while len(self.tracks) < len(infos):
-            self.tracks.append(StageTrack())
-        for track, info in zip(self.tracks, infos):
+        self._seen_infos[name] = infos
+        tracks = self.tracks.setdefault(name, [])
+        while len(tracks) < len(infos):
+            tracks.append(StageTrack())
+        for track, info in zip(tracks, infos):
             track.last_info = info
             if not isinstance(info, dict):
                 track.lost_polls += 1
@@ -97,9 +97,10 @@ class MeshView:
                 track.samples.append(info)
 
     def sample(self) -> dict:
-        """Take one tick: fold in new /info polls, read the scheduler and the registry, build the snapshot."""
-        self._take_polls()
-        gw, sched, pipe = self.gw, self.gw.scheduler, self.gw.pipeline
+        """Take one tick: fold in new /info polls, read the schedulers and the registry, build the snapshot."""
+        gw, replicas = self.gw, self.gw.replicas.all
+        for r in replicas:
+            self._take_polls(r.name, r.pipeline.infos)
         now = time.monotonic()
         values = _values(gw.metrics.registry)
         ttft = "stagemesh_gateway_time_to_first_token_seconds"
@@ -108,28 +109,30 @@ class MeshView:
                             "ttft_sum": values.get(f"{ttft}_sum", 0.0), "ttft_count": values.get(f"{ttft}_count", 0.0),
                             "hop_sum": values.get(f"{hop}_sum", 0.0), "hop_count": values.get(f"{hop}_count", 0.0)})
         tokens_per_s = _rate(self.gauges, "tokens", window_s=self.tick_s * 1.5)
+        pipelines = [self._pipeline(r, values) for r in replicas]
+        ready = any(p["ready"] for p in pipelines)
         gateway = {
-            "queue": len(sched.waiting), "running": len(sched.running), "inflight": len(sched.inflight),
-            "max_inflight": sched.max_inflight, "replaying": sched.replaying,
+            **{k: sum(p[k] for p in pipelines) for k in ("queue", "running", "inflight", "max_inflight", "replaying")},
             "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 2),
             "ttft_ms": _ms(_rate(self.gauges, "ttft_sum", "ttft_count", self.window_s)),
             "generated_tokens": int(values.get("stagemesh_gateway_generated_tokens_total", 0)),
             "failovers": int(values.get("stagemesh_gateway_pipeline_failovers_total", 0)),
             "replayed_sequences": int(values.get("stagemesh_gateway_replayed_sequences_total", 0)),
-            "prefix_cache": sched.prefix.info() if sched.prefix is not None else None,
+            "prefix_cache": _sum_prefix([p["prefix_cache"] for p in pipelines]),
         }
-        gw.metrics.pipeline_ready.set(1 if pipe.ready else 0)
-        stages = [self._stage(i, url, sched.replaying) for i, url in enumerate(pipe.stage_urls)]
-        for i, st in enumerate(stages):  # a stage's hop to the next is measured where it lands
-            st["hop_next_ms"] = (stages[i + 1].get("hop_in_ms") if i + 1 < len(stages)
-                                 else _ms(_rate(self.gauges, "hop_sum", "hop_count", self.window_s)))
+        gw.metrics.pipeline_ready.set(1 if ready else 0)
+        result_hop = _ms(_rate(self.gauges, "hop_sum", "hop_count", self.window_s))
+        for p in pipelines:
+            for i, st in enumerate(p["stages"]):  # a stage's hop to the next is measured where it lands
+                st["hop_next_ms"] = p["stages"][i + 1].get("hop_in_ms") if i + 1 < len(p["stages"]) else result_hop
+        stages = pipelines[0]["stages"] if len(pipelines) == 1 else [s for p in pipelines for s in p["stages"]]
         self.series.append({"t": round(time.time(), 3), "queue": gateway["queue"], "running": gateway["running"],
                             "inflight": gateway["inflight"], "tokens_per_s": gateway["tokens_per_s"],
                             "ttft_ms": gateway["ttft_ms"]})
         self.snapshot = {
-            "time": round(time.time(), 3), "ready": pipe.ready and not getattr(gw, "draining", False),
-            "problem": pipe.problem, "draining": bool(getattr(gw, "draining", False)), "window_s": self.window_s,
-            "stages": stages, "gateway": gateway,
+            "time": round(time.time(), 3), "ready": ready and not getattr(gw, "draining", False),
+            "problem": gw.replicas.problem, "draining": bool(getattr(gw, "draining", False)), "window_s": self.window_s,
+            "stages": stages, "gateway": gateway, "pipelines": pipelines,
             "series": {k: [p[k] for p in self.series] for k in ("t", "queue", "running", "inflight", "tokens_per_s",
                                                                  "ttft_ms")},
         }
@@ -139,10 +142,27 @@ class MeshView:
         self._changed = asyncio.Event()
         return self.snapshot
 
-    def _stage(self, i: int, url: str, replaying: int) -> dict:
-        track = self.tracks[i] if i < len(self.tracks) else StageTrack()
+    def _pipeline(self, replica, values: dict[str, float]) -> dict:
+        """One pipeline: its state, load, cache and stages (the `pipelines` list of the snapshot)."""
+        sched, pipe = replica.scheduler, replica.pipeline
+        many = len(self.gw.replicas.all) > 1
+        stages = [self._stage(replica.name, i, url, sched.replaying, many) for i, url in enumerate(pipe.stage_urls)]
+        return {
+            "name": replica.name, "ready": pipe.ready, "state": "ready" if pipe.ready else "lost",
+            "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
+            "inflight": len(sched.inflight), "max_inflight": sched.max_inflight, "replaying": sched.replaying,
+            "kv_used": round(replica.kv_used(), 4),
+            "routed": replica.routed, "handed_off": replica.handed_off,
+            "prefix_cache": sched.prefix.info() if sched.prefix is not None else None, "stages": stages,
+        }
+
+    def _stage(self, name: str, i: int, url: str, replaying: int, labelled: bool = False) -> dict:
+        tracks = self.tracks.get(name, [])
+        track = tracks[i] if i < len(tracks) else StageTrack()
         info = track.last_info
         st: dict = {"index": i, "url": url, "restarts": track.restarts, "lost_polls": track.lost_polls}
+        if labelled:
+            st["pipeline"] = name
         if not isinstance(info, dict):
             st.update(state="lost" if info is not None else "unknown", error=info)
             return st
@@ -176,6 +196,17 @@ class MeshView:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout)
         return self.version
+
+
+def _sum_prefix(infos: list[dict | None]) -> dict | None:
+    """The replicas' prefix cache facts added up (one replica: its own)."""
+    infos = [i for i in infos if i is not None]
+    if len(infos) <= 1:
+        return infos[0] if infos else None
+    total = {k: sum(i[k] for i in infos) for k in ("prefixes", "cached_tokens", "lookups", "hits", "reused_tokens",
+                                                    "kept", "evicted", "misses")}
+    total["hit_rate"] = round(total["hits"] / total["lookups"], 4) if total["lookups"] else None
+    return {"block_tokens": infos[0]["block_tokens"], **total}
 
 
 MESH_VIEW = web.AppKey("mesh_view", MeshView)

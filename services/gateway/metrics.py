@@ -5,6 +5,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.gateway.prefix_cache import PrefixStats
 from shared.protocol import REJECT_REASONS
 from shared.transport import TransportStats
 
@@ -57,6 +58,11 @@ class GatewayMetrics:
             "the last stage's key forged the answer)", registry=r)
         self.pipeline_ready = Gauge("stagemesh_gateway_pipeline_ready", "1 when every stage is ready and consistent",
                                     registry=r)
+        self.routing = Counter("stagemesh_gateway_routing_decisions", "Requests routed to a pipeline, by reason "
+                               "(balance, session, prefix, load; failover: handed over from a pipeline that lost a "
+                               "stage)", ["reason", "pipeline"], registry=r)
+        self.handoffs = Counter("stagemesh_gateway_replica_handoffs", "Open sequences a pipeline that lost a stage "
+                                "handed to another pipeline (replayed there)", ["pipeline"], registry=r)
 
 
 class _ResultPortCollector:
@@ -85,14 +91,31 @@ def watch_transport(metrics: GatewayMetrics, stats: Callable[[], TransportStats 
     metrics.registry.register(_ResultPortCollector(stats))
 
 
-class _PrefixCacheCollector:
-    """The prefix cache index's counters (services/gateway/prefix_cache.py), read at scrape time."""
+def summed_transport(pipelines: list) -> Callable[[], TransportStats | None]:
+    """The result ports of several pipelines' clients, added up (one pipeline: its own stats object)."""
+    def stats() -> TransportStats | None:
+        own = [p.client.transport.stats for p in pipelines if p.client is not None]
+        if len(own) <= 1:
+            return own[0] if own else None
+        total = TransportStats()
+        for s in own:
+            for reason, n in s.rejected.items():
+                total.rejected[reason] = total.rejected.get(reason, 0) + n
+            for direction, n in s.handshakes_failed.items():
+                total.handshakes_failed[direction] += n
+        return total
+    return stats
 
-    def __init__(self, index):
-        self.index = index
+
+class _PrefixCacheCollector:
+    """The prefix cache indexes' counters (services/gateway/prefix_cache.py), summed over the replicas, read at
+    scrape time."""
+
+    def __init__(self, indexes: list):
+        self.indexes = indexes
 
     def collect(self):
-        s = self.index.stats
+        s = PrefixStats(**{k: sum(getattr(i.stats, k) for i in self.indexes) for k in vars(PrefixStats())})
         yield CounterMetricFamily("stagemesh_gateway_prefix_cache_lookups", "Admitted requests looked up in the prefix "
                                   "cache", value=s.lookups)
         yield CounterMetricFamily("stagemesh_gateway_prefix_cache_hits", "Requests that started from a cached prefix",
@@ -104,10 +127,59 @@ class _PrefixCacheCollector:
         yield CounterMetricFamily("stagemesh_gateway_prefix_cache_misses", "Cached prefixes a stage no longer kept "
                                   "(prefix_miss: the request prefilled in full)", value=s.misses)
         yield GaugeMetricFamily("stagemesh_gateway_prefix_cache_prefixes", "Finished sequences every stage keeps as "
-                                "cached prefixes", value=len(self.index))
+                                "cached prefixes", value=sum(len(i) for i in self.indexes))
         yield GaugeMetricFamily("stagemesh_gateway_prefix_cache_tokens", "Tokens the cached prefixes hold",
-                                value=self.index.cached_tokens)
+                                value=sum(i.cached_tokens for i in self.indexes))
 
 
-def watch_prefix_cache(metrics: GatewayMetrics, index) -> None:
-    metrics.registry.register(_PrefixCacheCollector(index))
+def watch_prefix_cache(metrics: GatewayMetrics, indexes: list) -> None:
+    metrics.registry.register(_PrefixCacheCollector(indexes))
+
+
+class _ReplicaCollector:
+    """Per-pipeline gauges (label `pipeline`) and the routing policy's thresholds, read at scrape time from the
+    Replicas (services/gateway/replicas.py)."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+
+    def collect(self):
+        from services.gateway.replicas import policy
+
+        fams = {
+            "ready": GaugeMetricFamily("stagemesh_gateway_replica_ready", "1 when the pipeline serves new requests",
+                                       labels=["pipeline"]),
+            "queue": GaugeMetricFamily("stagemesh_gateway_replica_queue_depth", "Requests waiting in the pipeline's "
+                                       "scheduler", labels=["pipeline"]),
+            "running": GaugeMetricFamily("stagemesh_gateway_replica_running_sequences", "Sequences running on the "
+                                         "pipeline", labels=["pipeline"]),
+            "kv_used": GaugeMetricFamily("stagemesh_gateway_replica_kv_used_ratio", "Share of the pipeline's KV slots "
+                                         "held by running sequences and cached prefixes", labels=["pipeline"]),
+            "hit_rate": GaugeMetricFamily("stagemesh_gateway_replica_prefix_cache_hit_ratio", "Share of the "
+                                          "pipeline's admitted requests that started from a cached prefix",
+                                          labels=["pipeline"]),
+        }
+        for r in self.replicas.all:
+            s, prefix = r.scheduler, r.scheduler.prefix
+            fams["ready"].add_metric([r.name], 1 if r.pipeline.ready else 0)
+            fams["queue"].add_metric([r.name], len(s.waiting))
+            fams["running"].add_metric([r.name], len(s.running))
+            fams["kv_used"].add_metric([r.name], r.kv_used())
+            if prefix is not None and prefix.stats.lookups:
+                fams["hit_rate"].add_metric([r.name], prefix.stats.hits / prefix.stats.lookups)
+        yield from fams.values()
+        thresholds = GaugeMetricFamily("stagemesh_gateway_routing_threshold", "The routing policy's thresholds "
+                                       "(docs/operations.md, Routing across pipelines)", labels=["threshold"])
+        for name, value in policy().items():
+            thresholds.add_metric([name], value)
+        yield thresholds
+
+
+def watch_replicas(metrics: GatewayMetrics, replicas) -> None:
+    """Per-pipeline gauges, and the gateway-wide ones summed over the replicas (each scheduler sets its own)."""
+    metrics.registry.register(_ReplicaCollector(replicas))
+    scheds = [r.scheduler for r in replicas.all]
+    metrics.queue_depth.set_function(lambda: sum(len(s.waiting) for s in scheds))
+    metrics.running.set_function(lambda: sum(len(s.running) for s in scheds))
+    metrics.inflight.set_function(lambda: sum(len(s.inflight) for s in scheds))
+    metrics.inflight_max.set_function(lambda: max(s.max_inflight_seen for s in scheds))

@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 
 from services.gateway.app import BODY_READ_TIMEOUT_S, GATEWAY
+from services.gateway.replicas import SESSION_HEADER
 from services.gateway.scheduler import Sequence
 from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
 from services.gateway.tools import ToolCallParser
@@ -138,7 +139,7 @@ def _error_status(ev: dict) -> RequestError:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    spec, seq = await gw.start(await _json_body(request), chat)
+    spec, seq = await gw.start(await _json_body(request), chat, request.headers.get(SESSION_HEADER))
     shape = OpenAIShape(seq, chat, gw.config.model_id, spec)
     try:
         if spec.stream:
@@ -153,7 +154,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 return web.json_response(shape.response(tokens, ev, _tool_parser(spec)))
         raise AssertionError("the event stream ended without done or error")
     finally:
-        gw.scheduler.cancel(seq)  # no-op when finished; frees KV slots when the client went away
+        gw.replicas.cancel(seq)  # no-op when finished; frees KV slots when the client went away
 
 
 async def _stream_sse(request, gw, seq: Sequence, spec: GenerationSpec, shape: OpenAIShape) -> web.StreamResponse:

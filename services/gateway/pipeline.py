@@ -170,8 +170,14 @@ class Pipeline:
         self._dial_failures: list[int] | None = None  # each sender's failed outbound handshakes at the last check
         self.on_unexpected_result: Callable[[], None] | None = None  # handed to the client (the gateway counts)
         self.stall_s = stall_s
+        self.name = ""  # its replica name when the gateway serves several (services/gateway/replicas.py): logs say it
         # (why, monotonic time it holds until, the stages' incarnations then) after a micro-batch was lost
         self._stall: tuple[str, float, list[str]] | None = None
+
+    @property
+    def label(self) -> str:
+        """How logs name it: "pipeline", or "pipeline p1" among several."""
+        return f"pipeline {self.name}" if self.name else "pipeline"
 
     @property
     def ready(self) -> bool:
@@ -197,7 +203,7 @@ class Pipeline:
         sequence): the scheduler sees the new generation and replays every running sequence."""
         self.generation += 1
         self.lost_reason = reason
-        log.warning("pipeline state lost (%s): generation %d", reason, self.generation)
+        log.warning("%s state lost (%s): generation %d", self.label, reason, self.generation)
 
     def mark_stalled(self, mb_id: int, age_s: float) -> None:
         """A micro-batch has been in flight longer than stall_s: the pipeline is not ready, naming where it stopped,
@@ -205,7 +211,7 @@ class Pipeline:
         infos = [i for i in self.infos if isinstance(i, dict)]
         why = stalled_hop(infos, mb_id, age_s) if len(infos) == len(self.infos) else f"micro-batch {mb_id} was lost"
         self._stall = (why, time.monotonic() + self.stall_s, [i["incarnation"] for i in infos])
-        log.warning("pipeline %s", why)
+        log.warning("%s %s", self.label, why)
         if self.problem is None:
             self.mark_lost(why)
         self.problem = why
@@ -275,7 +281,8 @@ class Pipeline:
         if problem is None:
             problem = check_keys(self.infos, self.keys) or self._failed_dials() or self._stalled()
         if problem != self.problem:
-            (log.info if problem is None else log.warning)("pipeline %s", "consistent" if problem is None else problem)
+            (log.info if problem is None else log.warning)("%s %s", self.label,
+                                                           "consistent" if problem is None else problem)
             if problem is not None and self.problem is None:
                 self.mark_lost(problem)
             self.problem = problem

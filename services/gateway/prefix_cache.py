@@ -100,6 +100,15 @@ class PrefixIndex:
         self._prefixes.move_to_end(seq_id)
         return Hit(self._prefixes[seq_id], blocks * BLOCK_TOKENS)
 
+    def matched(self, ids: list[int]) -> int:
+        """The tokens lookup(ids) would reuse, without touching the recency order (what routing compares)."""
+        blocks = 0
+        for h in self.chain(ids[:-1]):
+            if not self._holders.get(h):
+                break
+            blocks += 1
+        return blocks * BLOCK_TOKENS
+
     def count(self, hit: Hit | None) -> None:
         """A sequence was admitted with this lookup's outcome."""
         self.stats.lookups += 1

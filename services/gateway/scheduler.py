@@ -17,6 +17,7 @@ import math
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -83,6 +84,8 @@ class Sequence(SequenceState):
     otlp_span: Any = None  # its stagemesh.request span (distributed tracing on; shared.otlp)
     traceparent: str | None = None  # that span's W3C traceparent, carried on each of its micro-batch entries
     otlp_parented: int = 0  # stagemesh.microbatch spans this request's trace holds (the rest only link to it)
+    pipeline: str = ""  # the replica running it (services/gateway/replicas.py; "" before routing)
+    handoffs: int = 0  # times it moved to another replica because its own lost a stage
 
     @property
     def in_flight(self) -> bool:
@@ -135,6 +138,9 @@ class Scheduler:
         self._replay_pending = False
         self._kv_cap: int | None = None  # after a kv_full: admit no more than this many running sequences ...
         self._kv_cap_until = 0.0  # ... until this perf_counter time (or until one of them finishes)
+        # set by Replicas: while the pipeline is not ready, give these open sequences to a ready replica; returns the
+        # ones it took (None, or none taken: they wait here for this pipeline, as with a single one)
+        self.handoff: Callable[[list[Sequence]], list[Sequence]] | None = None
         pipeline.on_unexpected_result = metrics.unexpected_results.inc
 
     @property
@@ -153,10 +159,37 @@ class Scheduler:
         if self.otlp is not None:
             seq.otlp_span = self.otlp.start("stagemesh.request", attributes={
                 "stagemesh.request_id": seq.seq_id, "stagemesh.prompt_tokens": len(seq.prompt_ids),
-                "stagemesh.max_tokens": seq.max_tokens})
+                "stagemesh.max_tokens": seq.max_tokens, "stagemesh.pipeline": seq.pipeline})
             seq.traceparent = self.otlp.traceparent(seq.otlp_span)
         self._update_gauges()
         self._wake.set()
+
+    def adopt(self, seq: Sequence) -> None:
+        """Take over an open sequence another replica could not keep running (Replicas.take_over): it waits at the
+        front of the queue, never refused (it was admitted once), and prefills its token history here."""
+        self.waiting.appendleft(seq)
+        self._admit()
+        self._update_gauges()
+        self._wake.set()
+
+    def _hand_off(self) -> None:
+        """The pipeline is not ready: hand every open sequence to another replica (self.handoff) at once, rather
+        than wait for this one to recover. The stages here that survived still hold slots of the sent ones: those
+        are released when the pipeline is ready again."""
+        seqs = [*self.running.values(), *self.waiting]
+        if not seqs or self.handoff is None:
+            return
+        for seq in seqs:
+            if seq.computed or seq.in_flight:  # _pipeline_lost reset the running ones; this is only a guard
+                seq.reset_for_replay()
+        for seq in self.handoff(seqs):
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self.running.pop(seq.seq_id, None)
+            if seq.sent:
+                self._release.append(seq.seq_id)
+                seq.sent = False
+        self._update_gauges()
 
     def cancel(self, seq: Sequence) -> None:
         """Client went away or asked to stop: free its KV slots on every stage now. No-op once finished."""
@@ -257,7 +290,8 @@ class Scheduler:
             for seq in self.running.values():
                 seq.attach = None
         self._replay_pending = True  # release what surviving stages still hold before replaying
-        log.warning("pipeline lost (%s): %d sequences will be replayed", self.pipeline.lost_reason, len(self.running))
+        log.warning("%s lost (%s): %d sequences will be replayed", self.pipeline.label, self.pipeline.lost_reason,
+                    len(self.running))
 
     def _admit(self) -> None:
         limit = self.max_running
@@ -340,6 +374,7 @@ class Scheduler:
             self._pipeline_lost()
         client = self.pipeline.client
         if not self.pipeline.ready or client is None:
+            self._hand_off()
             self._lost_since = self._lost_since or now
             if now - self._lost_since > self.failover_timeout_s:
                 for seq in [*self.running.values(), *self.waiting]:
@@ -474,7 +509,8 @@ class Scheduler:
 
     def _end_request_span(self, seq: Sequence, reason: str, error: str | None) -> None:
         attributes = {"stagemesh.output_tokens": len(seq.output_ids), "stagemesh.finish_reason": reason,
-                      "stagemesh.replays": seq.replays}
+                      "stagemesh.replays": seq.replays, "stagemesh.pipeline": seq.pipeline,
+                      "stagemesh.handoffs": seq.handoffs}
         if seq.t_admitted is not None:
             attributes["stagemesh.queued_ms"] = round((seq.t_admitted - seq.t_arrival) * 1e3, 3)
         if seq.t_first is not None:

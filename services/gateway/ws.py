@@ -36,7 +36,7 @@ class WsSession:
                     await self.on_message(msg.data)
         finally:
             for seq, task in list(self.active.values()):
-                self.gw.scheduler.cancel(seq)
+                self.gw.replicas.cancel(seq)
                 task.cancel()
 
     async def error(self, rid: str | None, code: str, message: str) -> None:
@@ -75,7 +75,7 @@ class WsSession:
     async def cancel(self, rid: str) -> None:
         if rid not in self.active:
             return await self.error(rid, "unknown_id", f"no running generation with id {rid!r}")
-        self.gw.scheduler.cancel(self.active[rid][0])
+        self.gw.replicas.cancel(self.active[rid][0])
 
     async def generate(self, rid: str, data: dict) -> None:
         if rid in self.active:

@@ -27,7 +27,7 @@ function hop(ms, title) {
 }
 
 function stageNode(s) {
-  const n = el("div", "node"); n.id = "stage-" + s.index; n.dataset.state = s.state;
+  const n = el("div", "node"); n.id = "stage-" + (s.pipeline ? s.pipeline + "-" : "") + s.index; n.dataset.state = s.state;
   const h = el("h3"); h.append(el("span", "", "stage " + s.index), el("span", "badge " + s.state, s.state)); n.appendChild(h);
   n.appendChild(el("div", "addr", s.url + (s.listen ? "  " + s.listen : "")));
   if (s.state === "lost" || s.state === "unknown") {
@@ -64,9 +64,42 @@ function sparkline(values, w, h) {
 function drawMesh(snap) {
   meshSnapshot = snap;
   const verdict = document.getElementById("mesh-verdict");
-  verdict.className = snap.ready ? "ok" : "bad";
-  verdict.textContent = snap.ready ? "ready" : "NOT READY: " + (snap.problem || (snap.draining ? "draining" : "…"));
+  const lost = (snap.pipelines || []).filter((p) => !p.ready);
+  verdict.className = snap.ready && !lost.length ? "ok" : "bad";
+  verdict.textContent = !snap.ready ? "NOT READY: " + (snap.problem || (snap.draining ? "draining" : "…"))
+    : lost.length ? "DEGRADED (serving on the others): " + lost.map((p) => "pipeline " + p.name + ": " + p.problem).join("; ")
+    : "ready";
   const g = snap.gateway, pipe = document.getElementById("pipeline");
+  if (snap.pipelines && snap.pipelines.length > 1) {
+    pipe.classList.add("replicas");
+    pipe.replaceChildren(...snap.pipelines.map(replicaRow));
+  } else {
+    pipe.classList.remove("replicas");
+    pipe.replaceChildren(...pipelineNodes(snap, g));
+  }
+  drawStats(snap, g);
+}
+
+// several pipelines: one row each, its load and cache next to its stages
+function replicaRow(p) {
+  const r = el("div", "replica"); r.id = "pipeline-" + p.name;
+  const head = el("div", "node"); head.dataset.state = p.ready ? "ready" : "lost";
+  const h = el("h3"); h.append(el("span", "", "pipeline " + p.name), el("span", "badge " + p.state, p.state)); head.appendChild(h);
+  const pc = p.prefix_cache, rate = pc && pc.hit_rate !== null ? fmt(100 * pc.hit_rate, 0, "%") : "–";
+  head.append(row("queue", String(p.queue)), row("running", String(p.running)),
+              row("KV used", fmt(100 * p.kv_used, 0, "%")), bar(p.kv_used), row("cache hits", rate),
+              row("routed", String(p.routed)), row("handed off", String(p.handed_off)));
+  if (!p.ready) head.appendChild(el("div", "error", p.problem || ""));
+  const nodes = [head];
+  p.stages.forEach((s, i) => {
+    nodes.push(hop(i === 0 ? s.hop_in_ms : p.stages[i - 1].hop_next_ms, "hop latency into stage " + i));
+    nodes.push(stageNode(s));
+  });
+  r.replaceChildren(...nodes);
+  return r;
+}
+
+function pipelineNodes(snap, g) {
   const gwNode = el("div", "node"); gwNode.id = "gateway-node";
   const gh = el("h3"); gh.append(el("span", "", "gateway"), el("span", "badge " + (snap.ready ? "ready" : "lost"), snap.ready ? "ready" : "waiting"));
   gwNode.append(gh, row("queue", String(g.queue)), row("running", String(g.running)),
@@ -80,7 +113,10 @@ function drawMesh(snap) {
   nodes.push(hop(last ? last.hop_next_ms : null, "results back to the gateway"));
   const back = el("div", "node"); back.append(el("h3", "", "→ gateway"), row("tokens/s", fmt(g.tokens_per_s, 1)));
   nodes.push(back);
-  pipe.replaceChildren(...nodes);
+  return nodes;
+}
+
+function drawStats(snap, g) {
   const st = document.getElementById("gw-stats");
   const stat = (id, name, value) => { const s = el("span"); s.id = id; s.append(name + " ", el("b", "", value)); return s; };
   st.replaceChildren(stat("gw-tps", "tokens/s", fmt(g.tokens_per_s, 1)), stat("gw-ttft", "TTFT", fmt(g.ttft_ms, 0, " ms")),

@@ -1,0 +1,191 @@
+"""Several pipelines (replicas) behind one gateway, and the one place that picks which runs a request.
+
+Each Replica is a Pipeline with its own Scheduler (and that scheduler's KV slots and PrefixIndex); they serve the
+same model. Routing follows SGLang's cache_aware policy, in this order:
+
+1. balance: when the busiest ready replica's load exceeds the idlest's by more than BALANCE_ABS and by a factor of
+   more than BALANCE_REL, the request goes to the idlest (a hot prefix or session cannot pile up on one replica);
+2. session: a request naming a session (OpenAI's `user`, or the X-Stagemesh-Session header) goes where that session
+   went last, unless that replica is not ready;
+3. prefix: the replica whose prefix index holds the longest prefix of the prompt, when that prefix covers at least
+   CACHE_THRESHOLD of it (ties: the lower load);
+4. load: else the least loaded (ties in turn, so an idle gateway still spreads distinct prompts).
+
+A replica's load is its queued plus running sequences. A replica that is not ready (a stage lost, inconsistent, or
+a stalled micro-batch) takes no new request until it is ready again, and hands its open sequences to a ready one
+(Scheduler.handoff -> Replicas.take_over), which replays them from their token history. Every decision is counted
+by reason and pipeline (stagemesh_gateway_routing_decisions_total)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.pipeline import Pipeline
+from services.gateway.scheduler import Scheduler, Sequence
+
+log = logging.getLogger("stagemesh.gateway.replicas")
+
+CACHE_THRESHOLD = 0.5  # a prefix hit routes by cache when it covers at least this share of the prompt (SGLang's 0.5)
+BALANCE_ABS = 4  # the load gap (sequences) above which the idlest replica is chosen, if also ...
+BALANCE_REL = 1.5  # ... the busiest carries more than this factor of the idlest's load (SGLang's 32 / 1.0001: ours
+#                   are small replicas of a few KV slots, so the gap is a few sequences)
+MAX_SESSIONS = 10_000  # sessions remembered (least recently used forgotten first)
+REASONS = ("balance", "session", "prefix", "load", "failover")
+SESSION_HEADER = "X-Stagemesh-Session"
+
+
+@dataclass
+class Replica:
+    name: str  # "p0", "p1", ...: the `pipeline` label of the metrics, the mesh view and the access log
+    pipeline: Pipeline
+    scheduler: Scheduler
+    routed: int = 0  # requests routed here (handed-over ones included)
+    handed_off: int = 0  # open sequences it handed to another replica after losing a stage
+
+    @property
+    def load(self) -> int:
+        """Sequences it holds: queued and running (what a new request waits behind)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def kv_used(self) -> float:
+        """Share of its KV slots held by running sequences and kept prefixes."""
+        s = self.scheduler
+        kept = len(s.prefix) if s.prefix is not None else 0
+        return (len(s.running) + kept) / max(1, self.pipeline.kv_slots)
+
+    def matched(self, ids: list[int]) -> int:
+        """Prompt tokens its prefix index could reuse for ids (0 with the cache off)."""
+        return self.scheduler.prefix.matched(ids) if self.scheduler.prefix is not None else 0
+
+
+class Replicas:
+    """The gateway's pipelines; what the handlers call instead of one scheduler (submit, cancel, finish)."""
+
+    def __init__(self, replicas: list[Replica], metrics: GatewayMetrics):
+        if not replicas:
+            raise ValueError("at least one pipeline")
+        self.all = replicas
+        self.metrics = metrics
+        self.by_name = {r.name: r for r in replicas}
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # session -> replica name it went to last
+        self._turn = 0  # round-robin among equally loaded replicas
+        for r in replicas:
+            if len(replicas) > 1:
+                r.pipeline.name = r.name
+            r.scheduler.handoff = lambda seqs, src=r: self.take_over(seqs, src)
+
+    # ---- state across replicas ---------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> list[Replica]:
+        return [r for r in self.all if r.pipeline.ready]
+
+    @property
+    def problem(self) -> str | None:
+        """None when some replica serves; otherwise every replica's problem, named."""
+        if self.ready:
+            return None
+        if len(self.all) == 1:
+            return self.all[0].pipeline.problem
+        return "; ".join(f"pipeline {r.name}: {r.pipeline.problem}" for r in self.all)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The context every replica serves (the smallest of those known)."""
+        return min((r.pipeline.max_seq_len for r in self.all if r.pipeline.max_seq_len), default=0)
+
+    @property
+    def idle(self) -> bool:
+        return all(r.scheduler.idle for r in self.all)
+
+    def owner(self, seq: Sequence) -> Scheduler:
+        return self.by_name[seq.pipeline].scheduler if seq.pipeline in self.by_name else self.all[0].scheduler
+
+    # ---- routing -----------------------------------------------------------------------------------------------
+
+    def route(self, ids: list[int], session: str | None = None,
+              exclude: Replica | None = None) -> tuple[Replica, str]:
+        """The replica for a prompt and why (one of REASONS but "failover"). Not-ready replicas are skipped while
+        any is ready."""
+        candidates = [r for r in self.ready if r is not exclude] or [r for r in self.all if r is not exclude]
+        if len(candidates) == 1:
+            return candidates[0], "load"
+        loads = {r.name: r.load for r in candidates}
+        low, high = min(loads.values()), max(loads.values())
+        idlest = [r for r in candidates if loads[r.name] == low]
+        if high - low > BALANCE_ABS and high > BALANCE_REL * low:
+            return self._next(idlest), "balance"
+        if session is not None and (name := self.sessions.get(session)) is not None:
+            r = self.by_name[name]
+            if r in candidates:
+                return r, "session"
+        if ids:
+            matched = {r.name: r.matched(ids) for r in candidates}
+            best = max(matched.values())
+            if best and best >= CACHE_THRESHOLD * len(ids):
+                holders = [r for r in candidates if matched[r.name] == best]
+                return min(holders, key=lambda r: loads[r.name]), "prefix"
+        return self._next(idlest), "load"
+
+    def _next(self, tied: list[Replica]) -> Replica:
+        self._turn += 1
+        return tied[self._turn % len(tied)]
+
+    def _count(self, replica: Replica, reason: str, session: str | None) -> None:
+        self.metrics.routing.labels(reason, replica.name).inc()
+        replica.routed += 1
+        if session is not None:
+            self.sessions[session] = replica.name
+            self.sessions.move_to_end(session)
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+
+    def submit(self, seq: Sequence, session: str | None = None) -> Replica:
+        """Route and queue a new request (QueueFull from the chosen replica's scheduler)."""
+        replica, reason = self.route(seq.all_ids, session)
+        seq.pipeline = replica.name
+        replica.scheduler.submit(seq)
+        self._count(replica, reason, session)
+        return replica
+
+    def take_over(self, seqs: list[Sequence], source: Replica) -> list[Sequence]:
+        """`source` is not ready: give its open sequences to ready replicas, which replay them from their token
+        history (running ones before queued ones). Returns those placed; none when no other replica is ready."""
+        if not any(r is not source for r in self.ready):
+            return []
+        for seq in seqs:
+            target, _ = self.route(seq.all_ids, exclude=source)
+            log.warning("pipeline %s is not ready (%s): request %s replays on pipeline %s", source.name,
+                        source.pipeline.problem, seq.seq_id, target.name)
+            seq.pipeline = target.name
+            seq.handoffs += 1
+            target.scheduler.adopt(seq)
+            self._count(target, "failover", None)
+        self.metrics.handoffs.labels(source.name).inc(len(seqs))
+        source.handed_off += len(seqs)
+        return seqs
+
+    # ---- what the handlers call --------------------------------------------------------------------------------
+
+    def cancel(self, seq: Sequence) -> None:
+        self.owner(seq).cancel(seq)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.owner(seq).finish(seq, reason, error)
+
+    def shutdown(self, message: str = "the gateway is shutting down") -> int:
+        return sum(r.scheduler.shutdown(message) for r in self.all)
+
+    def info(self) -> list[dict]:
+        """Each replica's routing facts (the mesh view and /ready)."""
+        return [{"name": r.name, "ready": r.pipeline.ready, "problem": r.pipeline.problem, "load": r.load,
+                 "queue": len(r.scheduler.waiting), "running": len(r.scheduler.running),
+                 "kv_used": round(r.kv_used(), 4), "routed": r.routed, "handed_off": r.handed_off, "stages": r.pipeline.stage_urls} for r in self.all]
+
+
+def policy() -> dict[str, float]:
+    """The routing thresholds, as exported on /metrics (stagemesh_gateway_routing_threshold)."""
+    return {"cache_threshold": CACHE_THRESHOLD, "balance_abs": BALANCE_ABS, "balance_rel": BALANCE_REL}
