@@ -178,17 +178,22 @@ def cmd_up(args) -> int:
     return 0
 
 
-def ready_banner(host: str, port: int, stages: int, model: str, replicas: int = 1) -> str:
-    """What `up` prints once the gateway is ready: where to go, a request to paste, and how to run `stagemesh`."""
+def ready_banner(host: str, port: int, stages: int, model: str, replicas: int = 1, chat: bool = True) -> str:
+    """What `up` prints once the gateway is ready: where to go, a request to paste (a completion when the model has
+    no chat template, which chat requests need), and how to run `stagemesh`."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard listens on loopback too
     url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    if chat:
+        route, body = "chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hello!"}]}
+    else:
+        route, body = "completions", {"model": model, "prompt": "Once upon a time"}
+    body = json.dumps({**body, "max_tokens": 32})
     return "\n".join([
         f"stagemesh is up ({f'{replicas} pipelines of ' if replicas > 1 else ''}{stages} stage{'s' if stages > 1 else ''}"
         f", pid {os.getpid()}; Ctrl-C to stop)",
         f"  chat page  {url}/",
         f"  API        {url}/v1   (OpenAI-compatible)",
-        f"  try        curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+        f"  try        curl -s {url}/v1/{route} -H 'Content-Type: application/json' -d {shlex.quote(body)}",
         f"  CLI        {_cli_hint()}",
     ])
 
@@ -272,7 +277,9 @@ async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalM
         replicas = app[GATEWAY].replicas
         while len(replicas.ready) < len(replicas.all):
             await asyncio.sleep(0.2)
-        _say(ready_banner(host, port, len(meshes[0].stages), app[GATEWAY].config.model_id, len(meshes)))
+        gw = app[GATEWAY]
+        _say(ready_banner(host, port, len(meshes[0].stages), gw.config.model_id, len(meshes),
+                          chat=gw.files.chat_template is not None))
         await _supervise(meshes)
 
     await serve_until_signal(app, host, port, started)

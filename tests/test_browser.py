@@ -7,6 +7,7 @@ import base64
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -320,8 +321,9 @@ async def test_phone_width_has_no_horizontal_scroll(gateway, chromium):
             # an answer that carries HTML renders through DOMPurify: markup kept, script handlers gone (the policy
             # would block an inline handler too: Chromium reports one blocked while the hostile text is parsed)
             html = await dt.js("(() => { const d = document.createElement('div'); renderMarkdown(d, '**bold** "
-                               "<img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>'); "
+                               "<img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>\\n\\n```\\nx = 1\\n```'); "
                                "document.body.appendChild(d); return d.innerHTML; })()")
             await asyncio.sleep(0.3)
             assert "<strong>bold</strong>" in html and "onerror" not in html and "<script" not in html, html
+            assert re.search(r"<pre>.*<code[^>]*>x = 1", html, re.S), html  # a fence is a code block, always
             assert await dt.js("window.pwned === undefined")

@@ -76,6 +76,9 @@ def test_banner_has_url_curl_and_cli():
     curl = next(ln for ln in text.splitlines() if "curl" in ln)
     assert "http://127.0.0.1:8123/v1/chat/completions" in curl and '"smollm2"' in curl
     assert "stagemesh" in text.splitlines()[-1]
+    plain = ready_banner("127.0.0.1", 8123, 1, "gemma3-270m", chat=False)  # a model without a chat template
+    curl = next(ln for ln in plain.splitlines() if "curl" in ln)
+    assert "/v1/completions" in curl and '"prompt"' in curl and "messages" not in curl
 
 
 def test_decode_notes_announce_each_change_once():

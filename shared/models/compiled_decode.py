@@ -1,14 +1,14 @@
-"""One sequence's decode step under torch.compile (inductor), opt-in: `--compile-decode`.
+"""One sequence's decode step under torch.compile (inductor), `--compile-decode` (auto by default on a stage).
 
 Eager decode pays ~16 small ops per layer (norm, casts, rope, cache writes, adds, silu) at a few µs of dispatch and
-Python each: on SmolLM2 at one token that is about as much as its 120 int4 matmuls. Inductor fuses those ops into a
-handful of C++ kernels per layer and runs the step from generated code. It only pays with static shapes (measured on
-a 2-core Zen 4, torch 2.13; see benchmarks/decode_step.py):
+Python each: on a small model at one token that is about as much as its int4 matmuls. Inductor fuses those ops into
+a handful of C++ kernels per layer and runs the step from generated code. It only pays with static shapes
+(benchmarks/decode_step.py measures eager against compiled):
 
 - one graph per context bucket (CONTEXT_BUCKETS): attention reads the bucket's first C cached positions with an
   additive mask (keys past the sequence's position get -inf), so a graph serves every position below C;
 - the KV cache is one tensor per layer (KVCache) and the step writes it with index_put on that tensor. Handing the
-  graph a view of a larger cache tensor instead made inductor copy the whole cache back every step (~180-500 ms);
+  graph a view of a larger cache tensor instead made inductor copy the whole cache back every step;
 - one sequence (B = 1), int4 weights, one plane or two (the step is memory- and overhead-bound; larger micro-batches
   stay eager, where the SwitchedLinear's kernel choice applies).
 
@@ -79,8 +79,8 @@ def _stack_layers(blocks) -> dict[str, torch.Tensor]:
     """The piece's per-layer weights as one tensor per kind, [layers, ...]: attn_norm / ffn_norm [L, D] f32 and each
     int4 matmul's packed / scales_and_zeros. Each block is rebound to views of these (same bytes, no second copy), so
     eager and compiled steps read one set of weights. Why: dynamo guards every tensor the graph reads on every call,
-    and per-layer tensors made that ~180 weight guards plus an aliasing check over all of them (~0.3-0.5 ms a step
-    under the profiler); ten stacked tensors are ten guards."""
+    and per-layer tensors made that one guard per weight plus an aliasing check over all of them, a visible share of
+    a step under the profiler; ten stacked tensors are ten guards."""
     stacked: dict[str, torch.Tensor] = {}
     for norm in ("attn_norm", "ffn_norm"):
         stacked[norm] = torch.stack([getattr(b, norm) for b in blocks])
@@ -126,8 +126,8 @@ class CompiledDecode:
         c = model.config
         self._weights = _stack_layers(model.blocks)
         self._shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.q_size, c.kv_size, c.norm_eps, c.attn_scale)
-        # cpp_wrapper: the generated code calls its kernels from C++, not Python (measured on the 2-core
-        # Xeon: 7-10 % off a one-token step, for about twice the first compilation: both graphs ~84 -> ~170 s)
+        # cpp_wrapper: the generated code calls its kernels from C++, not Python: a shorter one-token step for
+        # about twice the first compilation's time (benchmarks/decode_step.py)
         self._compiled = torch.compile(self._step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
         # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written

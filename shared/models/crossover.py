@@ -3,18 +3,16 @@
 Two measurements, both because the answer moves with the CPU:
 
 - the prefill kernel (measure_prefill_dtype): oneDNN-prepacked bf16 or float32 for prefill-sized micro-batches. With
-  AMX, bf16 wins by far; on AVX512-BF16 without AMX (the 2-core Sapphire Rapids VM) oneDNN's bf16 GEMM reaches
-  80-100 GFLOP/s per core and its f32 GEMM 120-150, so over SmolLM2's 210 block matrices f32 took 0.74x / 0.94x
-  bf16's speed at 9 / 24 rows but 1.20x at 48, 1.33x at 128 and 1.57x at 512; on AVX2 bf16 is emulated (5x slower).
+  AMX, bf16 wins by far; on AVX512-BF16 without AMX oneDNN's f32 GEMM can outrun its bf16 one from a few dozen rows
+  on; on AVX2 bf16 is emulated and f32 wins everywhere (benchmarks/kernels.py measures both on a machine).
 - the int4 crossover (apply_measured_crossover): int4 g32 reads a quarter of bf16's bytes (an eighth of f32's) but
   unpacks every group per call; the dense kernel amortises its weight reads over the micro-batch's rows. So int4
   wins decode-sized micro-batches and the dense kernel prefill-sized ones. A SwitchedLinear runs int4 below
   `max_tokens` rows; this sets that threshold from timings of the piece's first CROSSOVER_BLOCKS blocks.
 
 The crossover is timed over several distinct blocks so that, as in a real step, each matrix comes from memory rather
-than from cache: timed on one block (~3.5 MB of bf16, cache-resident) bf16 looked faster from 10 rows on the
-Sapphire Rapids VM, while a whole model's decode step at 12 / 16 sequences ran 20-24 % faster with int4 (the whole
-model's matmuls: int4 and bf16 within 10 % of each other from 20 to 48 rows).
+than from cache: one block's matrices stay cache-resident and make the dense kernel look faster at fewer rows than a
+whole model's step shows (benchmarks/kernels.py times both).
 
 Both are measured once per machine and shape and kept in a plans file (kernel_plan: ~/.cache/stagemesh/
 kernel-plans.json, or $STAGEMESH_KERNEL_PLANS; "off" measures at every load), so the same file loads with the same
@@ -52,8 +50,8 @@ PREFILL_PROBE_MAX = 2048  # the prefill kernels are timed on a matrix of the mod
 @contextlib.contextmanager
 def timing_alone():
     """Hold the machine-wide lock of load-time kernel timings: the stages of a mesh load at once, and two stages
-    timing kernels on the same cores measure each other (on the 2-core VM a 2-stage mesh's crossovers came out 16
-    where int4 is 1.28x faster than f32 at 16 rows, timed alone). Other loading work still runs meanwhile."""
+    timing kernels on the same cores measure each other and pick a crossover the kernels timed alone would not).
+    Other loading work still runs meanwhile."""
     with open(os.path.join(tempfile.gettempdir(), "stagemesh-kernel-timing.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
