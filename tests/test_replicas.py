@@ -192,8 +192,12 @@ def test_gateway_flags_name_each_pipeline_and_give_each_its_own_result_port():
     assert specs(pipeline=["http://a:1", "http://c:1"], result_listen=["tcp://0.0.0.0:7000"]) == [
         (["http://a:1"], "tcp://0.0.0.0:7000"), (["http://c:1"], "tcp://0.0.0.0:7001")]
     assert specs(pipeline=["http://a:1", "http://c:1"], result_listen=["tcp://g:1", "tcp://g:9"])[1][1] == "tcp://g:9"
+    # the Kubernetes form: one pattern per pipeline, as many stages as --num-stages
+    assert specs(pipeline=["http://s-{i}.a:1", "http://s-p1-{i}.b:1"], num_stages=2)[1][0] == [
+        "http://s-p1-0.b:1", "http://s-p1-1.b:1"]
     for bad in ({"stages": "http://a:1", "pipeline": ["http://c:1"]},
                 {"pipeline": ["http://a:1", "http://c:1"], "result_listen": ["tcp://g:1", "tcp://g:2", "tcp://g:3"]},
-                {"pipeline": ["http://a:1", "http://c:1"], "first_stage": "tcp://a:5550"}):
+                {"pipeline": ["http://a:1", "http://c:1"], "first_stage": "tcp://a:5550"},
+                {"pipeline": ["http://s-{i}.a:1"]}):  # a pattern without --num-stages
         with pytest.raises(StagemeshError):
             specs(**bad)
