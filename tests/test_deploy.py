@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from services.cli import build_parser
+from services.gateway.main import pipeline_specs
 from shared.mesh_keys import KeySet, write_key_set
 from tests.conftest import ROOT
 from tests.k8s_render import config, container_args, find, render, secret_mount
@@ -15,7 +17,10 @@ from tests.k8s_render import config, container_args, find, render, secret_mount
 BIN = f"{sys.prefix}/bin"
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+OVERLAYS = ["cpu", "gpu", "replicas"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_validates_strictly(overlay, tmp_path):
     rendered = subprocess.run(["kubectl", "kustomize", f"{ROOT}/k8s/overlays/{overlay}"], capture_output=True,
                               text=True, timeout=60)
@@ -33,24 +38,75 @@ def test_dockerfile_is_hadolint_clean():
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def stage_sets(docs: list[dict]) -> list[dict]:
+    """The StatefulSets of stages, one per pipeline (the base's first)."""
+    return [d for d in docs if d["kind"] == "StatefulSet"
+            and d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "stage"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_stage_count_agrees_and_commands_parse(overlay):
+    """Every pipeline has NUM_STAGES stage pods, each stage's command parses, and the gateway's command names each
+    pipeline's stages at their StatefulSet's stable DNS names and listens for its results where its last stage sends
+    them (a port the gateway's container and Service expose)."""
     docs = render(overlay)
     cfg = config(docs)
-    sts = find(docs, "StatefulSet", "stagemesh-stage")
-    assert sts["spec"]["replicas"] == int(cfg["NUM_STAGES"])  # one number of stages, told to everyone
+    sets = stage_sets(docs)
+    assert len(sets) == (2 if overlay == "replicas" else 1)
     parser = build_parser()
-    for i in range(int(cfg["NUM_STAGES"])):
-        args = parser.parse_args(container_args(docs, "StatefulSet", "stagemesh-stage", {**cfg, "POD_INDEX": str(i)}))
-        assert args.command == "stage" and args.stage_index == i
-        assert args.keys == own_keys_mount(docs, "StatefulSet", "stagemesh-stage")["mountPath"]
     gw = parser.parse_args(container_args(docs, "Deployment", "stagemesh-gateway", cfg))
-    assert gw.command == "gateway" and gw.num_stages == int(cfg["NUM_STAGES"])
+    assert gw.command == "gateway"
     assert gw.keys == own_keys_mount(docs, "Deployment", "stagemesh-gateway")["mountPath"]
-    assert not gw.insecure_plaintext and not args.insecure_plaintext
+    specs = pipeline_specs(gw)
+    assert len(specs) == len(sets)
+    gw_pod = find(docs, "Deployment", "stagemesh-gateway")["spec"]["template"]["spec"]
+    container_ports = {p["name"]: p["containerPort"] for p in gw_pod["containers"][0]["ports"]}
+    service_ports = {p["port"]: p["targetPort"] for p in find(docs, "Service", "stagemesh-gateway")["spec"]["ports"]}
+    for sts, spec in zip(sets, specs):
+        name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
+        assert sts["spec"]["replicas"] == int(cfg["NUM_STAGES"])  # one number of stages, told to everyone
+        assert spec.stage_urls == [f"http://{name}-{i}.{service}:8101" for i in range(int(cfg["NUM_STAGES"]))]
+        find(docs, "Service", service)  # the headless Service behind those names exists ...
+        assert find(docs, "Service", service)["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"][
+            "labels"].items()  # ... and selects this pipeline's pods
+        for i in range(int(cfg["NUM_STAGES"])):
+            args = parser.parse_args(container_args(docs, "StatefulSet", name, {**cfg, "POD_INDEX": str(i)}))
+            assert args.command == "stage" and args.stage_index == i and not args.insecure_plaintext
+            assert args.keys == own_keys_mount(docs, "StatefulSet", name)["mountPath"]
+            assert f"-{{next}}.{service}:" in args.next
+        result_port = int(args.last_next.rpartition(":")[2])
+        assert args.last_next == f"tcp://stagemesh-gateway:{result_port}"
+        assert spec.result_listen == f"tcp://0.0.0.0:{result_port}"
+        assert container_ports[service_ports[result_port]] == result_port
+    assert not gw.insecure_plaintext
     if overlay == "gpu":
-        limits = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        limits = sets[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == 1
+
+
+def test_second_pipeline_is_the_base_pipeline_under_its_own_names():
+    """pipeline-p1.yaml copies the base's stage pod: it may differ only in names, its pipeline label and its result
+    port, so a change to the base's stages (resources, probes, security) reaches every pipeline."""
+    docs = render("replicas")
+    p0, p1 = stage_sets(docs)
+    assert (p0["spec"]["template"]["metadata"]["labels"]["stagemesh/pipeline"],
+            p1["spec"]["template"]["metadata"]["labels"]["stagemesh/pipeline"]) == ("p0", "p1")
+    as_p0 = yaml.safe_dump(p1).replace("stagemesh-stage-p1", "stagemesh-stage").replace(
+        "stagemesh-stages-p1", "stagemesh-stages").replace("pipeline: p1", "pipeline: p0").replace(
+        "stagemesh-gateway:5600", "stagemesh-gateway:5599")
+    assert yaml.safe_load(as_p0) == p0
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policy_covers_every_pod(overlay):
+    """The NetworkPolicy's podSelector matches the labels of every pod the overlay runs (a pod it misses is open to
+    the whole cluster)."""
+    docs = render(overlay)
+    selector = find(docs, "NetworkPolicy", "stagemesh-internal")["spec"]["podSelector"]["matchLabels"]
+    pods = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    assert len(pods) == (3 if overlay == "replicas" else 2)
+    for d in pods:
+        assert selector.items() <= d["spec"]["template"]["metadata"]["labels"].items(), d["metadata"]["name"]
 
 
 def own_keys_mount(docs: list[dict], kind: str, name: str) -> dict:
@@ -62,14 +118,16 @@ def own_keys_mount(docs: list[dict], kind: str, name: str) -> dict:
     return mount
 
 
-@pytest.mark.parametrize("kind,name,role", [("StatefulSet", "stagemesh-stage", "stage1"),
-                                            ("Deployment", "stagemesh-gateway", "gateway")])
-def test_each_pod_holds_only_its_own_secret_key(kind, name, role, tmp_path):
+@pytest.mark.parametrize("overlay,kind,name,role", [("cpu", "StatefulSet", "stagemesh-stage", "stage1"),
+                                                    ("cpu", "Deployment", "stagemesh-gateway", "gateway"),
+                                                    ("replicas", "StatefulSet", "stagemesh-stage-p1", "stage1"),
+                                                    ("replicas", "Deployment", "stagemesh-gateway", "gateway")])
+def test_each_pod_holds_only_its_own_secret_key(overlay, kind, name, role, tmp_path):
     """The stagemesh-keys Secret is mounted read-only, readable by the pod's group only, in the init container alone;
     the container that parses network input gets every public key and its own role's secret key, nothing more (a
     stage's holder can then not speak as another stage or the gateway). The init container's command is run here on
-    a real key set."""
-    docs = render("cpu")
+    a real key set (the pipelines of the replicas overlay share one key set: stage i of each holds stage i's key)."""
+    docs = render(overlay)
     mount = secret_mount(docs, kind, name, "stagemesh-keys", "initContainers")
     assert mount["readOnly"] is True
     with pytest.raises(KeyError):  # the main container does not see the Secret

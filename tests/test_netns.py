@@ -3,7 +3,9 @@ bridge, started with exactly the command lines the Kubernetes manifests give the
 DNS names resolved per namespace, and a delay proxy on every hop. Runs where `ip netns` is permitted (root)."""
 
 import asyncio
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,40 +42,77 @@ def netns_permitted() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def network():
+def namespaces(tag: str, subnet: str, hosts: dict[str, int], names: dict[str, str], ports: dict[str, list[int]]):
+    """One network namespace per host (sm{tag}-HOST) on bridge br-sm{tag}, each resolving every host's DNS name to
+    the delay proxy in front of it; yields the proxies, removes everything after."""
     reason = netns_permitted()
     if reason:
         print(f"\nSKIPPED multi-host rehearsal: {reason}")
         pytest.skip(reason)
-    sh("ip", "link", "add", BRIDGE, "type", "bridge")
-    sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
-    sh("ip", "link", "set", BRIDGE, "up")
-    for host, octet in HOSTS.items():
-        ns = f"sm-{host}"
+    bridge = f"br-sm{tag}test"
+    sh("ip", "link", "add", bridge, "type", "bridge")
+    sh("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
+    sh("ip", "link", "set", bridge, "up")
+    for host, octet in hosts.items():
+        ns = f"sm{tag}-{host}"
         sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", f"v-{host}", "type", "veth", "peer", "name", f"p-{host}")
-        sh("ip", "link", "set", f"v-{host}", "master", BRIDGE, "up")
-        sh("ip", "link", "set", f"p-{host}", "netns", ns)
+        sh("ip", "link", "add", f"v{tag}-{host}", "type", "veth", "peer", "name", f"p{tag}-{host}")
+        sh("ip", "link", "set", f"v{tag}-{host}", "master", bridge, "up")
+        sh("ip", "link", "set", f"p{tag}-{host}", "netns", ns)
         sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{octet}/24", "dev", f"p-{host}")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", f"p-{host}", "up")
-        sh("ip", "addr", "add", f"{SUBNET}.{octet + 100}/24", "dev", BRIDGE)  # this host's proxy address
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.{octet}/24", "dev", f"p{tag}-{host}")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", f"p{tag}-{host}", "up")
+        sh("ip", "addr", "add", f"{subnet}.{octet + 100}/24", "dev", bridge)  # this host's proxy address
         # every namespace resolves the manifests' DNS names to the proxies in front of the real hosts
         os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
         with open(f"/etc/netns/{ns}/hosts", "w") as f:
             f.write("127.0.0.1 localhost\n")
-            for other, o in HOSTS.items():
-                f.write(f"{SUBNET}.{o + 100} {NAMES[other]}\n")
-    proxies = ProxyThread([DelayProxy((f"{SUBNET}.{o + 100}", port), (f"{SUBNET}.{o}", port))
-                           for host, o in HOSTS.items() for port in PORTS[host]])
+            for other, o in hosts.items():
+                f.write(f"{subnet}.{o + 100} {names[other]}\n")
+    proxies = ProxyThread([DelayProxy((f"{subnet}.{o + 100}", port), (f"{subnet}.{o}", port))
+                           for host, o in hosts.items() for port in ports[host]])
     proxies.start()
     yield proxies
     proxies.stop()
-    for host in HOSTS:
-        sh("ip", "netns", "del", f"sm-{host}", check=False)
-        shutil.rmtree(f"/etc/netns/sm-{host}", ignore_errors=True)
-    sh("ip", "link", "del", BRIDGE, check=False)
+    for host in hosts:
+        sh("ip", "netns", "del", f"sm{tag}-{host}", check=False)
+        shutil.rmtree(f"/etc/netns/sm{tag}-{host}", ignore_errors=True)
+    sh("ip", "link", "del", bridge, check=False)
+
+
+@pytest.fixture(scope="module")
+def network():
+    yield from namespaces("", SUBNET, HOSTS, NAMES, PORTS)
+
+
+def start_pods(tag: str, commands: dict[str, list[str]], url: str, logs, ready=lambda body: True):
+    """Start each host's command in its namespace; yields once the gateway's /ready answers 200 and ready(body)
+    holds; stops them all after."""
+    cli = [sys.executable, "-m", "services.cli"]
+    procs = {host: subprocess.Popen(["ip", "netns", "exec", f"sm{tag}-{host}", *cli, *args],
+                                    stdout=open(logs / f"{host}.log", "w"), stderr=subprocess.STDOUT)
+             for host, args in commands.items()}
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            assert all(p.poll() is None for p in procs.values()), {h: (logs / f"{h}.log").read_text()[-800:] for h in procs}
+            try:
+                out = subprocess.run(["curl", "-sf", f"{url}/ready"], capture_output=True, text=True, timeout=5)
+                if out.returncode == 0 and ready(json.loads(out.stdout)):
+                    break
+            except subprocess.TimeoutExpired:
+                pass
+            assert time.monotonic() < deadline, "the rehearsed deployment never became ready"
+            time.sleep(1)
+        yield
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +121,6 @@ def deployment(network, tmp_path_factory):
     cfg = config(docs)
     assert cfg["NUM_STAGES"] == "2"
     logs = tmp_path_factory.mktemp("netns")
-    cli = [sys.executable, "-m", "services.cli"]
     keys = str(logs / "mesh-keys")  # what `kubectl create secret generic stagemesh-keys` would hold
     write_key_set(keys, 2)
     secrets = {"stagemesh-keys": keys}
@@ -93,31 +131,9 @@ def deployment(network, tmp_path_factory):
                                         secrets)
                 for i in range(2)}
     commands["gw"] = container_args(docs, "Deployment", "stagemesh-gateway", cfg, secrets)
-    procs = {host: subprocess.Popen(["ip", "netns", "exec", f"sm-{host}", *cli, *args],
-                                    stdout=open(logs / f"{host}.log", "w"), stderr=subprocess.STDOUT)
-             for host, args in commands.items()}
     url = f"http://{SUBNET}.{HOSTS['gw']}:8000"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            assert all(p.poll() is None for p in procs.values()), {h: (logs / f"{h}.log").read_text()[-800:] for h in procs}
-            try:
-                out = subprocess.run(["curl", "-sf", f"{url}/ready"], capture_output=True, timeout=5)
-                if out.returncode == 0:
-                    break
-            except subprocess.TimeoutExpired:
-                pass
-            assert time.monotonic() < deadline, "the rehearsed deployment never became ready"
-            time.sleep(1)
+    for _ in start_pods("", commands, url, logs):
         yield url, commands
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 async def _streams(url: str, n: int, max_tokens: int) -> float:
@@ -168,3 +184,56 @@ def test_hop_latency_with_microbatches_in_flight(deployment, network):
               f"-> ratio {results[5][n] / results[0][n]:.2f}")
     assert results[5][1] < results[0][1]  # the injected delay is real: a lone stream feels every hop
     assert results[5][8] > 2 * results[0][1]  # with micro-batches in flight, 5 ms hops still beat one stream at 0 ms
+
+
+# Two pipelines of one stage each, each stage in its own namespace, behind one gateway namespace (the replicas
+# overlay's commands; NUM_STAGES=1 as an overlay's ConfigMap would say, so each StatefulSet's pod 0 is its pipeline).
+R_SUBNET = "10.78.0"
+R_HOSTS = {"gw": 10, "a0": 11, "b0": 12}
+R_NAMES = {"gw": "stagemesh-gateway", "a0": "stagemesh-stage-0.stagemesh-stages",
+           "b0": "stagemesh-stage-p1-0.stagemesh-stages-p1"}
+R_PORTS = {"gw": [5599, 5600], "a0": [5550, 8101], "b0": [5550, 8101]}
+
+
+@pytest.fixture(scope="module")
+def replicas_deployment(tmp_path_factory):
+    docs = render("replicas")
+    cfg = {**config(docs), "NUM_STAGES": "1", "THREADS": "1"}
+    logs = tmp_path_factory.mktemp("netns-replicas")
+    keys = str(logs / "mesh-keys")
+    write_key_set(keys, 1)
+    secrets = {"stagemesh-keys": keys}
+    commands = {host: container_args(docs, "StatefulSet", sts, {**cfg, "POD_INDEX": "0"}, secrets)
+                for host, sts in (("a0", "stagemesh-stage"), ("b0", "stagemesh-stage-p1"))}
+    commands["gw"] = container_args(docs, "Deployment", "stagemesh-gateway", cfg, secrets)
+    url = f"http://{R_SUBNET}.{R_HOSTS['gw']}:8000"
+    for _ in namespaces("r", R_SUBNET, R_HOSTS, R_NAMES, R_PORTS):
+        for _ in start_pods("r", commands, url, logs, ready=lambda b: all(p["ready"] for p in b["pipelines"])):
+            yield url, commands, logs / "gw.log"
+
+
+def test_two_pipelines_in_their_own_namespaces_behind_one_gateway(replicas_deployment):
+    url, commands, gw_log = replicas_deployment
+    assert sum(a.startswith("--pipeline=") for a in commands["gw"]) == 2
+    assert "--last-next=tcp://stagemesh-gateway:5600" in commands["b0"]
+
+    async def one(s: aiohttp.ClientSession, i: int) -> tuple[str, int]:
+        body = {"prompt": f"Tell a story about harbour number {i}.", "max_tokens": 8, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            rid, usage = None, None
+            async for chunk in sse_events(r):
+                rid, usage = chunk.get("id") or rid, chunk.get("usage") or usage
+            return rid.split("-", 1)[1], usage["completion_tokens"]
+
+    async def burst():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(one(s, i) for i in range(6)))
+
+    done = asyncio.run(burst())
+    assert all(tokens == 8 for _, tokens in done), done
+    time.sleep(0.5)  # the access log line follows the stream's end
+    served = dict(re.findall(r"request (\w+) pipeline=(p\d+)", gw_log.read_text()))
+    assert {rid for rid, _ in done} <= served.keys(), served
+    assert {served[rid] for rid, _ in done} == {"p0", "p1"}  # each pipeline, in its own namespace, streamed some

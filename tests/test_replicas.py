@@ -192,8 +192,39 @@ def test_gateway_flags_name_each_pipeline_and_give_each_its_own_result_port():
     assert specs(pipeline=["http://a:1", "http://c:1"], result_listen=["tcp://0.0.0.0:7000"]) == [
         (["http://a:1"], "tcp://0.0.0.0:7000"), (["http://c:1"], "tcp://0.0.0.0:7001")]
     assert specs(pipeline=["http://a:1", "http://c:1"], result_listen=["tcp://g:1", "tcp://g:9"])[1][1] == "tcp://g:9"
+    # the Kubernetes form: one pattern per pipeline, as many stages as --num-stages
+    assert specs(pipeline=["http://s-{i}.a:1", "http://s-p1-{i}.b:1"], num_stages=2)[1][0] == [
+        "http://s-p1-0.b:1", "http://s-p1-1.b:1"]
     for bad in ({"stages": "http://a:1", "pipeline": ["http://c:1"]},
                 {"pipeline": ["http://a:1", "http://c:1"], "result_listen": ["tcp://g:1", "tcp://g:2", "tcp://g:3"]},
-                {"pipeline": ["http://a:1", "http://c:1"], "first_stage": "tcp://a:5550"}):
+                {"pipeline": ["http://a:1", "http://c:1"], "first_stage": "tcp://a:5550"},
+                {"pipeline": ["http://s-{i}.a:1"]}):  # a pattern without --num-stages
         with pytest.raises(StagemeshError):
             specs(**bad)
+
+
+def test_endpoint_picker_gauges_sum_the_pipelines_and_count_kv_use_over_the_serving_ones():
+    """What an InferencePool's endpoint picker scrapes (POOL_METRICS): the gateway as one model server."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.gateway.metrics import POOL_METRICS, watch_replicas
+
+    r = replicas()
+    watch_replicas(r.metrics, r)
+
+    def scrape() -> dict[str, float]:
+        text = generate_latest(r.metrics.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    r.all[0].scheduler.waiting.extend([seq([1]), seq([2])])
+    r.all[1].scheduler.waiting.append(seq([3]))
+    for i, s in enumerate([seq([4]), seq([5]), seq([6])]):
+        r.all[i % 2].scheduler.running[s.seq_id] = s
+    got = scrape()
+    assert {name for name, _ in POOL_METRICS.values()} <= got.keys()
+    assert got["vllm:num_requests_waiting"] == 3 and got["vllm:num_requests_running"] == 3
+    assert got["vllm:kv_cache_usage_perc"] == pytest.approx(3 / 16) == got["vllm:gpu_cache_usage_perc"]
+    r.all[0].pipeline.problem = "stage 0 is unreachable"  # its slots no longer serve: p1's 1 of 8 is what is left
+    assert scrape()["vllm:kv_cache_usage_perc"] == pytest.approx(1 / 8)
+    assert scrape()["vllm:num_requests_waiting"] == 3

@@ -39,8 +39,8 @@ def register(sub) -> None:
                    help="comma-separated stage HTTP URLs in pipeline order, or one pattern with {i} and --num-stages")
     p.add_argument("--num-stages", type=int, default=None, help="with a --stages pattern: how many stages")
     p.add_argument("--pipeline", action="append", default=[], metavar="URL,URL,...",
-                   help="one pipeline's stage HTTP URLs in order (instead of --stages); repeat for each replica of the "
-                        "model: requests are routed by prefix cache, session and load, and fail over between them")
+                   help="one pipeline's stage HTTP URLs in order, or one pattern with {i} and --num-stages (instead "
+                        "of --stages); repeat for each replica of the model: requests are routed by prefix cache, session and load, and fail over between them")
     p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
     p.add_argument("--result-listen", action="append", default=[], metavar="ADDR",
                    help="ZeroMQ address the last stage sends results to (bound here; default tcp://127.0.0.1:5599); "
@@ -118,7 +118,8 @@ def pipeline_specs(args) -> list[PipelineSpec]:
     if bool(args.stages) == bool(args.pipeline):
         raise StagemeshError("name the stages with --stages URL,... (one pipeline) or with one --pipeline URL,... per "
                              "pipeline, not both")
-    groups = [stage_urls(args.stages, args.num_stages)] if args.stages else [stage_urls(p, None) for p in args.pipeline]
+    groups = [stage_urls(args.stages, args.num_stages)] if args.stages else [stage_urls(p, args.num_stages)
+                                                                                     for p in args.pipeline]
     if any(not g for g in groups):
         raise StagemeshError("a --pipeline or --stages names no stage URL")
     results = args.result_listen or ["tcp://127.0.0.1:5599"]

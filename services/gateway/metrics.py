@@ -175,9 +175,42 @@ class _ReplicaCollector:
         yield thresholds
 
 
+# What an InferencePool's endpoint picker (Gateway API Inference Extension, llm-d) reads from each gateway pod: its
+# model server protocol's queued / running / KV-use gauges, under the vLLM names its picker reads by default
+# (--total-queued-requests-metric, --total-running-requests-metric, --kv-cache-usage-percentage-metric; the KV name
+# before vLLM v1 too). k8s/components/inference-pool names them in its picker's flags.
+POOL_METRICS = {
+    "queued": ("vllm:num_requests_waiting", "Requests waiting in the schedulers of every pipeline"),
+    "running": ("vllm:num_requests_running", "Sequences running on every pipeline"),
+    "kv": ("vllm:kv_cache_usage_perc", "Share of the serving pipelines' KV slots in use (0 to 1)"),
+    "kv_legacy": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under its name before vLLM v1"),
+}
+
+
+class _PoolCollector:
+    """The gateway as one model server for an endpoint picker: queue and running summed over its pipelines, KV use as
+    the held share of the ready pipelines' slots (all pipelines' when none is ready)."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+
+    def collect(self):
+        every = self.replicas.all
+        serving = [r for r in every if r.pipeline.ready] or every
+        held = sum(r.kv_used() * max(1, r.pipeline.kv_slots) for r in serving)
+        values = {"queued": sum(len(r.scheduler.waiting) for r in every),
+                  "running": sum(len(r.scheduler.running) for r in every),
+                  "kv": held / sum(max(1, r.pipeline.kv_slots) for r in serving)}
+        values["kv_legacy"] = values["kv"]
+        for key, (name, doc) in POOL_METRICS.items():
+            yield GaugeMetricFamily(name, doc, value=values[key])
+
+
 def watch_replicas(metrics: GatewayMetrics, replicas) -> None:
-    """Per-pipeline gauges, and the gateway-wide ones summed over the replicas (each scheduler sets its own)."""
+    """Per-pipeline gauges, the endpoint picker's gauges, and the gateway-wide ones summed over the replicas (each
+    scheduler sets its own)."""
     metrics.registry.register(_ReplicaCollector(replicas))
+    metrics.registry.register(_PoolCollector(replicas))
     scheds = [r.scheduler for r in replicas.all]
     metrics.queue_depth.set_function(lambda: sum(len(s.waiting) for s in scheds))
     metrics.running.set_function(lambda: sum(len(s.running) for s in scheds))
