@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.gateway.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S, DEFAULT_STALL_S
 from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.device import DTYPES
 from shared.errors import StagemeshError
@@ -102,8 +103,6 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="keep finished sequences' K/V on every stage and start later requests that share their prefix "
                         "(a chat's history, a common system prompt) from it, in blocks of 16 tokens; kept prefixes "
                         "use KV slots no request holds and give them up, least recently used first (default on)")
-    from services.gateway.pipeline import DEFAULT_STALL_S
-
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="SECONDS",
                    help="a micro-batch not back after this long marks the pipeline not ready, naming the hop where it "
                         f"stopped, and its requests are replayed (default {DEFAULT_STALL_S:g})")
@@ -118,8 +117,6 @@ def stall_from_args(args) -> float:
 
 def add_edge_args(p: argparse.ArgumentParser) -> None:
     """The gateway's HTTP edge: origin policy, /metrics access, timeouts, drain (`gateway`, `up`)."""
-    from services.gateway.app import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S
-
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages of ORIGIN (e.g. https://app.example.com; repeatable; * = any) call the API "
                         "and the websocket; default: only pages the gateway serves itself")

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli_args import add_model_args
-from services.gateway.app import API_KEY_ENV
+from services.gateway.config import API_KEY_ENV
 from shared.device import DTYPES
 from shared.errors import StagemeshError
 from shared.layers import parse_split

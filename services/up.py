@@ -28,7 +28,8 @@ from services.cli_args import (
     serving_from_args,
     stall_from_args,
 )
-from services.gateway.app import GATEWAY, serve_until_signal
+from services.gateway.app import serve_until_signal
+from services.gateway.core import GATEWAY
 from services.gateway.main import PipelineSpec, build_app
 from services.keys_cli import add_security_args
 from services.launch import LocalMesh, start_mesh

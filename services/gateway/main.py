@@ -20,7 +20,8 @@ from services.cli_args import (
     serving_from_args,
     stall_from_args,
 )
-from services.gateway.app import API_KEY_ENV, GatewayConfig, make_app, serve_until_signal
+from services.gateway.app import make_app, serve_until_signal
+from services.gateway.config import API_KEY_ENV, GatewayConfig
 from services.gateway.pipeline import Pipeline
 from services.keys_cli import add_security_args, key_set_from_args
 from shared.errors import StagemeshError

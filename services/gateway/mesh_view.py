@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from services.gateway.core import Gateway
+from services.gateway.replicas import Replica
+
 log = logging.getLogger("stagemesh.gateway.mesh")
 
 TICK_S = 1.0
@@ -61,7 +64,7 @@ class StageTrack:
 
 
 class MeshView:
-    def __init__(self, gateway, tick_s: float = TICK_S, window_s: float = WINDOW_S):
+    def __init__(self, gateway: Gateway, tick_s: float = TICK_S, window_s: float = WINDOW_S):
         self.gw = gateway
         self.tick_s = tick_s
         self.window_s = window_s
@@ -130,8 +133,8 @@ class MeshView:
                             "inflight": gateway["inflight"], "tokens_per_s": gateway["tokens_per_s"],
                             "ttft_ms": gateway["ttft_ms"]})
         self.snapshot = {
-            "time": round(time.time(), 3), "ready": ready and not getattr(gw, "draining", False),
-            "problem": gw.replicas.problem, "draining": bool(getattr(gw, "draining", False)), "window_s": self.window_s,
+            "time": round(time.time(), 3), "ready": ready and not gw.draining,
+            "problem": gw.replicas.problem, "draining": gw.draining, "window_s": self.window_s,
             "stages": stages, "gateway": gateway, "pipelines": pipelines,
             "series": {k: [p[k] for p in self.series] for k in ("t", "queue", "running", "inflight", "tokens_per_s",
                                                                  "ttft_ms")},
@@ -142,7 +145,7 @@ class MeshView:
         self._changed = asyncio.Event()
         return self.snapshot
 
-    def _pipeline(self, replica, values: dict[str, float]) -> dict:
+    def _pipeline(self, replica: Replica, values: dict[str, float]) -> dict:
         """One pipeline: its state, load, cache and stages (the `pipelines` list of the snapshot)."""
         sched, pipe = replica.scheduler, replica.pipeline
         many = len(self.gw.replicas.all) > 1
@@ -228,7 +231,7 @@ async def mesh_stream(request: web.Request) -> web.StreamResponse:
     if not view.version:
         view.sample()
     version = 0
-    while not getattr(view.gw, "draining", False):
+    while not view.gw.draining:
         if view.version > version:
             version = view.version
             await resp.write(f"data: {view.encoded}\n\n".encode())
@@ -236,7 +239,7 @@ async def mesh_stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def add_mesh_view(app: web.Application, gateway) -> None:
+def add_mesh_view(app: web.Application, gateway: Gateway) -> None:
     """Routes and the sampler task of the mesh view (called by make_app)."""
     app[MESH_VIEW] = MeshView(gateway)
 

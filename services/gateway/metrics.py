@@ -144,8 +144,6 @@ class _ReplicaCollector:
         self.replicas = replicas
 
     def collect(self):
-        from services.gateway.replicas import policy
-
         fams = {
             "ready": GaugeMetricFamily("stagemesh_gateway_replica_ready", "1 when the pipeline serves new requests",
                                        labels=["pipeline"]),
@@ -170,7 +168,7 @@ class _ReplicaCollector:
         yield from fams.values()
         thresholds = GaugeMetricFamily("stagemesh_gateway_routing_threshold", "The routing policy's thresholds "
                                        "(docs/operations.md, Routing across pipelines)", labels=["threshold"])
-        for name, value in policy().items():
+        for name, value in self.replicas.policy().items():
             thresholds.add_metric([name], value)
         yield thresholds
 

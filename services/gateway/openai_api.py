@@ -9,7 +9,8 @@ import time
 
 from aiohttp import web
 
-from services.gateway.app import BODY_READ_TIMEOUT_S, GATEWAY
+from services.gateway.config import BODY_READ_TIMEOUT_S
+from services.gateway.core import GATEWAY
 from services.gateway.replicas import SESSION_HEADER
 from services.gateway.scheduler import Sequence
 from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from services.gateway.config import DEFAULT_STALL_S
 from shared.errors import LayerRangeError
 from shared.layers import LayerRange, check_cover
 from shared.log_throttle import throttled
@@ -48,7 +49,6 @@ INFO_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
                                                         and all(map(_is_int, v[k])) for k in ("in", "out"))),
 }
 OPTIONAL_INFO = frozenset({"keys", "handshakes_failed", "recent_mb"})  # stages of an older build do not report them
-DEFAULT_STALL_S = 30.0  # a micro-batch not back after this long is lost: far above any one micro-batch's compute
 
 
 def info_problem(info) -> str | None:

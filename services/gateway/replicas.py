@@ -185,7 +185,7 @@ class Replicas:
                  "queue": len(r.scheduler.waiting), "running": len(r.scheduler.running),
                  "kv_used": round(r.kv_used(), 4), "routed": r.routed, "handed_off": r.handed_off, "stages": r.pipeline.stage_urls} for r in self.all]
 
-
-def policy() -> dict[str, float]:
-    """The routing thresholds, as exported on /metrics (stagemesh_gateway_routing_threshold)."""
-    return {"cache_threshold": CACHE_THRESHOLD, "balance_abs": BALANCE_ABS, "balance_rel": BALANCE_REL}
+    @staticmethod
+    def policy() -> dict[str, float]:
+        """The routing thresholds, as exported on /metrics (stagemesh_gateway_routing_threshold)."""
+        return {"cache_threshold": CACHE_THRESHOLD, "balance_abs": BALANCE_ABS, "balance_rel": BALANCE_REL}

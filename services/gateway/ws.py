@@ -8,7 +8,7 @@ import logging
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from services.gateway.app import GATEWAY, Gateway
+from services.gateway.core import GATEWAY, Gateway
 from services.gateway.scheduler import Sequence
 from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
 from shared.log_throttle import throttled

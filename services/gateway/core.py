@@ -1,0 +1,211 @@
+"""The request lifecycle of the gateway: the Gateway object the handlers share (prepare, start, events, drain), the
+tokenize lanes, and the app key it is stored under. The handlers (openai_api.py, ws.py) and the mesh view import it
+from here; app.py composes them into the aiohttp application."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from aiohttp import WSCloseCode, web
+
+from services.gateway.config import (
+    FLUSH_AFTER_DRAIN_S,
+    MAX_BIG_PROMPTS_WAITING,
+    SMALL_PROMPT_CHARS,
+    GatewayConfig,
+)
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.output import OutputProcessor
+from services.gateway.replicas import Replicas
+from services.gateway.scheduler import QueueFull, Sequence, new_seq_id
+from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
+from services.gateway.tools import forced_call_schema, tool_messages
+from shared.errors import ChatTemplateError
+from shared.grammar import GrammarError, json_schema_grammar
+from shared.model_files import ModelFiles
+
+log = logging.getLogger("stagemesh.gateway")
+access_log = logging.getLogger("stagemesh.gateway.access")  # one line per generation request, when it ends
+
+
+class TokenizeLanes:
+    """Tokenization off the event loop, in two lanes: prompts of at most SMALL_PROMPT_CHARS characters share two
+    threads; longer ones go one at a time through a third, in arrival order. So a burst of big prompts queues behind
+    itself, never in front of a small request, and at most one big prompt tokenizes at any moment."""
+
+    def __init__(self):
+        self.small = ThreadPoolExecutor(2, thread_name_prefix="tokenize-small")
+        self.big = ThreadPoolExecutor(1, thread_name_prefix="tokenize-big")
+        self.big_waiting = 0  # big prompts submitted and not yet tokenized (<= MAX_BIG_PROMPTS_WAITING)
+
+    async def run(self, chars: int, fn, arg):
+        loop = asyncio.get_running_loop()
+        if chars <= SMALL_PROMPT_CHARS:
+            return await loop.run_in_executor(self.small, fn, arg)
+        if self.big_waiting >= MAX_BIG_PROMPTS_WAITING:
+            raise RequestError(f"{self.big_waiting} long prompts are already waiting to be tokenized; retry shortly "
+                               f"or send prompts of at most {SMALL_PROMPT_CHARS} characters", status=429,
+                               code="queue_full")
+        self.big_waiting += 1
+        try:
+            return await loop.run_in_executor(self.big, fn, arg)
+        finally:
+            self.big_waiting -= 1
+
+    def close(self) -> None:
+        for ex in (self.small, self.big):
+            ex.shutdown(wait=False, cancel_futures=True)
+
+
+def prompt_char_cap(files: ModelFiles, context: int) -> int:
+    """The most characters a prompt can have and still fit `context` tokens: no token of this vocabulary covers
+    more than its longest token's characters (byte-level tokens: one character per byte, and a byte is at most
+    one character), so a longer prompt needs more than `context` tokens. Checked before tokenizing."""
+    vocab = files.tokenizer.plain.get_vocab()
+    longest = max(len(t) for t in vocab) if vocab else 1
+    return context * max(1, longest)
+
+
+@dataclass
+class Gateway:
+    """What the handlers need, in one typed object stored on the app."""
+
+    files: ModelFiles
+    replicas: Replicas  # the pipelines and the router that picks one per request (one pipeline: exactly as before)
+    metrics: GatewayMetrics
+    config: GatewayConfig
+    lanes: TokenizeLanes = field(default_factory=TokenizeLanes)
+    draining: bool = False  # set on SIGTERM: /ready answers 503 "draining" and no request is admitted
+    open_streams: int = 0  # event streams (Gateway.events) not yet ended
+    websockets: set = field(default_factory=set)  # open web.WebSocketResponse objects, closed after a drain
+    _char_cap: tuple[int, int] | None = None  # (context, cap) cache for prompt_char_cap
+
+    def char_cap(self, context: int) -> int:
+        if self._char_cap is None or self._char_cap[0] != context:
+            self._char_cap = (context, prompt_char_cap(self.files, context))
+        return self._char_cap[1]
+
+    async def prepare(self, spec: GenerationSpec) -> Sequence:
+        """Check the size, tokenize (off the loop, in a lane by size: chat templates may take up to their time
+        cap) and check the context."""
+        if spec.trace and not self.config.allow_trace:  # another request's activations, the model's internals
+            raise RequestError("\"trace\" is an operator's debugging tool and this gateway does not answer it: start "
+                               "the gateway (or up) with --allow-trace, or leave \"trace\" out", "trace", status=403,
+                               code="trace_disabled")
+        if self.draining:
+            raise RequestError("the gateway is draining before it stops; retry on another replica or shortly",
+                               status=503, code="draining")
+        if not self.replicas.ready:
+            raise RequestError(f"the pipeline is not ready: {self.replicas.problem}", status=503, code="not_ready")
+        context = self.replicas.max_seq_len
+        param = "messages" if spec.messages is not None else "prompt"
+        chars = sum(len(m["content"]) for m in spec.messages) if spec.messages is not None else len(spec.prompt)
+        cap = self.char_cap(context)
+        if chars > cap:  # refused before any tokenizing: cannot fit, whatever its tokens
+            raise RequestError(f"the prompt has {chars} characters, more than {context} tokens can hold "
+                               f"(at most {cap} characters here); shorten it", param, code="context_length_exceeded")
+        try:
+            if spec.messages is not None:
+                ids = await self.lanes.run(chars, self.files.chat_prompt_ids, tool_messages(spec.messages, spec.tools))
+            else:
+                ids = await self.lanes.run(chars, self.files.tokenizer.encode, spec.prompt)
+        except ChatTemplateError as e:
+            raise RequestError(str(e), "messages") from None
+        grammar = None
+        schema = forced_call_schema(spec.tools, spec.tool_choice) if spec.forced_tool else spec.json_schema
+        if schema is not None:  # compiled off the loop (the first one also builds llguidance's vocabulary)
+            try:
+                grammar = await self.lanes.run(0, self.files.grammars.matcher, json_schema_grammar(schema))
+            except GrammarError as e:
+                raise RequestError(f"the JSON schema cannot constrain the output: {e}",
+                                   "tools" if spec.forced_tool else "response_format") from None
+        if not ids:
+            raise RequestError("the prompt is empty after tokenization", "prompt")
+        if len(ids) >= context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this deployment's context is {context} tokens",
+                               "messages" if spec.messages is not None else "prompt", code="context_length_exceeded")
+        # no max_tokens: until a stop or the context is full (OpenAI's meaning), within the operator's cap if set
+        max_tokens = spec.max_tokens or min(self.config.default_max_tokens or context, context - len(ids))
+        if len(ids) + max_tokens > context:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                               f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
+        timeout = spec.timeout_s or self.config.request_timeout_s
+        return Sequence(trace_budget=self.config.trace_budget if spec.trace else 0,
+                        seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
+                        stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
+                        deadline=time.perf_counter() + timeout, trace=spec.trace, grammar=grammar)
+
+    def submit(self, seq: Sequence, session: str | None = None) -> None:
+        try:
+            self.replicas.submit(seq, session)
+        except QueueFull as e:
+            raise RequestError(str(e), status=429, code="queue_full") from None
+
+    async def start(self, body: dict, chat: bool, session: str | None = None) -> tuple[GenerationSpec, Sequence]:
+        """Validate, tokenize and queue one generation request. `session` (a header) or the body's OpenAI `user`
+        keeps a conversation on one pipeline (Replicas.route)."""
+        spec = parse_generation(body, chat, self.replicas.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
+        seq = await self.prepare(spec)
+        user = body.get("user")
+        self.submit(seq, session or (user if isinstance(user, str) and user else None))
+        return spec, seq
+
+    async def events(self, seq: Sequence, spec: GenerationSpec) -> AsyncIterator[dict]:
+        """The request's client events, through the output processor, ending with its done or error event.
+        A stop string ends the sequence here: the scheduler frees its slots and reports the finish."""
+        proc = OutputProcessor(seq, self.files.tokenizer, spec.stop)
+        self.open_streams += 1
+        logged = False
+        try:
+            while True:
+                out = await seq.outputs.get()
+                already_stopped = proc.stop_string_hit
+                for ev in proc.process(out):
+                    if ev["type"] != "token":  # logged before the client sees the end
+                        logged = _log_access(seq)
+                    yield ev
+                    if ev["type"] != "token":
+                        return
+                if proc.stop_string_hit and not already_stopped:
+                    self.replicas.finish(seq, "stop")
+        finally:
+            self.open_streams -= 1
+            if not logged:  # the client went away first
+                _log_access(seq)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting, let running requests finish for up to grace_s, end the rest with an error event that
+        says why, give handlers time to send it, then close the websockets. Connections are still open throughout:
+        call this before the runner's cleanup."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while not self.replicas.idle and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        ended = self.replicas.shutdown(f"the gateway is shutting down: this request was still running when the "
+                                        f"{grace_s:g} s drain period ended; retry it")
+        if ended:
+            log.warning("drain: %d requests still running after %g s were ended with an error event", ended, grace_s)
+        flush_deadline = loop.time() + FLUSH_AFTER_DRAIN_S
+        while self.open_streams and loop.time() < flush_deadline:
+            await asyncio.sleep(0.02)
+        for ws in list(self.websockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the gateway is shutting down")
+
+
+def _log_access(seq: Sequence) -> bool:
+    """The access log's line for one generation request: where it ran (its pipeline, and how often it moved), how it
+    ended, its sizes and time."""
+    access_log.info("request %s pipeline=%s handoffs=%d replays=%d finish=%s prompt_tokens=%d cached_tokens=%d "
+                    "output_tokens=%d duration_ms=%.0f", seq.seq_id, seq.pipeline, seq.handoffs, seq.replays,
+                    seq.finish_reason or "open", len(seq.prompt_ids), seq.cached_tokens, len(seq.output_ids),
+                    (time.perf_counter() - seq.t_arrival) * 1e3)
+    return True
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
