@@ -62,6 +62,7 @@ def own_keys_mount(docs: list[dict], kind: str, name: str) -> dict:
     return mount
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind,name,role", [("StatefulSet", "stagemesh-stage", "stage1"),
                                             ("Deployment", "stagemesh-gateway", "gateway")])
 def test_each_pod_holds_only_its_own_secret_key(kind, name, role, tmp_path):

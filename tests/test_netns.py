@@ -14,6 +14,7 @@ import pytest
 
 from loadtest.client import sse_events
 from shared.mesh_keys import write_key_set
+from tests.conftest import starts_processes
 from tests.delay_proxy import DelayProxy, ProxyThread
 from tests.k8s_render import config, container_args, render
 
@@ -41,6 +42,7 @@ def netns_permitted() -> str | None:
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def network():
     reason = netns_permitted()
     if reason:
@@ -77,6 +79,7 @@ def network():
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def deployment(network, tmp_path_factory):
     docs = render("cpu")
     cfg = config(docs)
