@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
@@ -19,11 +18,6 @@ import urllib.request
 from services.launch import scrape_metric, start_mesh
 from shared.generation import SequenceState, run_group_on_mesh
 from shared.model_files import ModelFiles
-
-
-def stage_info(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/info", timeout=5) as r:
-        return json.loads(r.read())
 
 
 def scrape(url: str) -> tuple[float, int]:

@@ -106,10 +106,6 @@ class GgufLoader:
     def architecture(self) -> str:
         return str(self._metadata["general.architecture"])
 
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self._metadata
-
     def get(self, key: str, default: Any = None) -> Any:
         return self._metadata.get(key, default)
 

@@ -183,10 +183,6 @@ class KVCache:
     def kept_slots(self) -> int:
         return len(self._kept)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
-
 
 @dataclass
 class BatchLayout:

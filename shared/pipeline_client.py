@@ -57,10 +57,6 @@ class PipelineClient:
                 fut.set_exception(StagemeshError("pipeline client closed"))
         self.transport.close()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
     def next_mb_id(self) -> int:
         return next(self._mb_ids)
 

@@ -53,8 +53,11 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 class ProtocolError(Exception):
+    """A received message refused before use; `reason` (one of REJECT_REASONS) is the label it is counted under."""
+
     def __init__(self, reason: str, message: str):
-        assert reason in REJECT_REASONS
+        if reason not in REJECT_REASONS:  # a caller's bug, not a peer's: checked under python -O too
+            raise ValueError(f"reject reason {reason!r} is not one of {', '.join(REJECT_REASONS)}")
         super().__init__(f"{reason}: {message}")
         self.reason = reason
 

@@ -163,10 +163,6 @@ class LocalPipeline:
                                       memory_budget=memory_budget) for r in ranges])
 
     @property
-    def config(self):
-        return self.pieces[0].model.config
-
-    @property
     def max_seq_len(self) -> int:
         return min(p.kv.max_seq_len for p in self.pieces)
 

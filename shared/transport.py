@@ -14,7 +14,6 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -63,15 +62,12 @@ class TransportStats:
         self.bytes_in = 0
         self.bytes_out = 0
         self.rejected: dict[str, int] = {}
-        self.on_reject: Callable[[str], None] | None = None
         # failed handshakes per socket: "out" (our PUSH dialling the next hop: the peer there holds another key
         # set) is evidence about the mesh; "in" (anyone who can reach our port) is only counted
         self.handshakes_failed = {"in": 0, "out": 0}
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        if self.on_reject:
-            self.on_reject(reason)
 
 
 class _OnePeer:

@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import pytest
@@ -42,6 +43,62 @@ def output_dir() -> str:
 
 def stagemesh_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
+
+
+# ---- the `processes` tier ------------------------------------------------------------------------------------------
+# A test that starts real processes (a stagemesh CLI run, a stage, a mesh, a gateway, `up`, llama-server, Chromium,
+# network namespaces) is marked `processes`: `pytest -m "not processes"` is the fast tier. A fixture that starts them
+# is tagged with @starts_processes and marks every test that uses it, directly or through another fixture; a test
+# that starts them inline carries the mark itself. The guard below makes the mark a checked fact: in a test without
+# it, starting such a process is an error that names the test.
+
+def starts_processes(fixture_fn):
+    """Tags a fixture function (put it under @pytest.fixture) as one that starts real processes."""
+    fixture_fn.starts_processes = True
+    return fixture_fn
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = (d for name in getattr(info, "names_closure", ()) for d in info.name2fixturedefs.get(name, ()))
+        if any(getattr(d.func, "starts_processes", False) for d in defs):
+            item.add_marker(pytest.mark.processes)
+
+
+PROGRAMS = ("stagemesh", "chromium", "llama-server")  # what a command line starts: one of ours, or python -m
+MODULES = ("services.", "benchmarks.")  # services.cli, benchmarks.x, ...; or `ip netns`
+
+
+def _starts_ours(args) -> bool:
+    words = os.fsdecode(args).split() if isinstance(args, (str, bytes, os.PathLike)) else [os.fsdecode(a) for a in args]
+    modules = [m for flag, m in zip(words, words[1:]) if flag == "-m"]
+    return (bool(words) and os.path.basename(words[0]) in PROGRAMS) or any(m.startswith(MODULES) for m in modules) \
+        or "netns" in words
+
+
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)  # its module's fixtures are set up and torn down inside this call too
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+class _GuardedPopen(subprocess.Popen):
+    def __init__(self, args, *rest, **kwargs):
+        item = _running[-1] if _running else None
+        if item is not None and item.get_closest_marker("processes") is None and _starts_ours(args):
+            raise RuntimeError(f"{item.nodeid} starts {str(args)[:160]} but is not marked processes: tag the "
+                               "fixture with @starts_processes or mark the test @pytest.mark.processes")
+        super().__init__(args, *rest, **kwargs)
+
+
+subprocess.Popen = _GuardedPopen  # subprocess.run, asyncio's subprocesses and os.popen all create one
 
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))

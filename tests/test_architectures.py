@@ -171,6 +171,7 @@ def test_unknown_rope_scaling_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("arch", ["starcoder2", "phi3", "phi2", "qwen3moe", "mistral3", "gemma2", "gemma3"])
 async def test_two_stage_mesh_generates_what_one_process_does(arch, tmp_path):
     """Real stage processes on loopback (float32): greedy tokens through 2 stages == one local process."""

@@ -17,6 +17,7 @@ def test_there_are_benchmarks():
     assert {"compare_llamacpp", "memory", "overlap", "trace_overhead"} <= set(MODULES)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", MODULES)
 def test_every_benchmark_module_imports(name):
     module = importlib.import_module(f"benchmarks.{name}")

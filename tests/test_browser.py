@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from services.launch import free_port, start_up
+from tests.conftest import starts_processes
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = os.path.join(os.path.dirname(__file__), "output", "browser")
@@ -24,6 +25,7 @@ CONTEXT = 320  # tokens: a few turns fill it, so the page meets the limit quickl
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def gateway(tmp_path_factory):
     old = os.environ.get("STAGEMESH_API_KEY")
     os.environ["STAGEMESH_API_KEY"] = API_KEY  # start_up's process inherits it: the gateway runs in API key mode
@@ -39,6 +41,7 @@ def gateway(tmp_path_factory):
 
 
 @pytest.fixture
+@starts_processes
 def chromium():
     assert os.path.exists(CHROMIUM), "chromium is missing: `make test` installs Debian's chromium package"
     port = free_port()

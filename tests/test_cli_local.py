@@ -14,11 +14,13 @@ def run(*args, timeout=300):
     return proc.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("command", ["generate", "perplexity", "tokenize", "inspect"])
 def test_help(command):
     assert "--model" in run(command, "--help")
 
 
+@pytest.mark.processes
 def test_generate_json_greedy_matches_llama_cpp_first_tokens(smollm2, llama_ref):
     out = json.loads(run("generate", "--prompt", "The capital of France is", "--max-tokens", "8",
                          "--dtype", "float32", "--temperature", "0", "--json"))
@@ -35,6 +37,7 @@ def test_generate_json_greedy_matches_llama_cpp_first_tokens(smollm2, llama_ref)
     assert out["token_ids"][:3] == ref  # the first greedy tokens agree with llama.cpp's
 
 
+@pytest.mark.processes
 def test_generate_chat_stops_at_eos_and_seed_is_reproducible():
     args = ["generate", "--chat", "--prompt", "Say hello.", "--max-tokens", "40", "--json", "--dtype", "float32"]
     greedy = json.loads(run(*args))
@@ -45,6 +48,7 @@ def test_generate_chat_stops_at_eos_and_seed_is_reproducible():
     assert seeded[2] != seeded[0]  # ...and is what the draw depends on
 
 
+@pytest.mark.processes
 def test_perplexity_split_does_not_change_the_result():
     base = ["perplexity", "--file", f"{DATA}/varied.txt", "--context", "128", "--dtype", "float32", "--json"]
     whole = json.loads(run(*base))
@@ -54,6 +58,7 @@ def test_perplexity_split_does_not_change_the_result():
     assert 5 < whole["perplexity"] < 40
 
 
+@pytest.mark.processes
 def test_tokenize_special_flag(smollm2):
     plain = json.loads(run("tokenize", "--json", "<|im_start|>hi"))["ids"]
     special = json.loads(run("tokenize", "--json", "--special", "<|im_start|>hi"))["ids"]
@@ -61,12 +66,14 @@ def test_tokenize_special_flag(smollm2):
     assert plain == smollm2.tokenizer.encode("<|im_start|>hi")
 
 
+@pytest.mark.processes
 def test_inspect_describes_the_model():
     out = run("inspect")
     for needle in ("llama", "30", "576", "Q4_1", "gpt2", "smollm", "im_start", "layers 0-29", "attn_q Q4_1 -> int4-g32"):
         assert needle in out
 
 
+@pytest.mark.processes
 def test_bad_flags_are_clear_errors():
     proc = subprocess.run(stagemesh_cmd("generate", "--prompt", "x", "--top-p", "0"), capture_output=True, text=True)
     assert proc.returncode == 2 and "top_p" in proc.stderr and "Traceback" not in proc.stderr
@@ -95,6 +102,7 @@ def test_weights_mode_follows_the_dtype_flag(flags, expected):
     assert resolve_weights(weights_from_args(args), resolve_dtype(args.dtype, torch.device("cpu"))) == expected
 
 
+@pytest.mark.processes
 def test_inspect_reports_the_serving_default():
     assert "runs as (auto)" in run("inspect")
 

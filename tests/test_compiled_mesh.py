@@ -10,6 +10,8 @@ import pytest
 
 from services.launch import start_up
 
+pytestmark = pytest.mark.processes  # every test here starts a real up
+
 # The KV shapes of test_numerics' compiled pipeline (3 slots + the scratch row, 256 positions): one compilation
 # serves both tests, the second from inductor's on-disk cache.
 SHAPE_FLAGS = ("--kv-slots", "3", "--max-seq-len", "256")

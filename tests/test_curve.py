@@ -33,7 +33,7 @@ from shared.mesh_keys import KeySet, ephemeral_key_set, sweep_orphan_key_sets, w
 from shared.pipeline_client import PipelineError
 from shared.protocol import ForwardBatch, SeqEntry, encode
 from shared.steps import Decode, Prefill
-from tests.conftest import stagemesh_cmd
+from tests.conftest import stagemesh_cmd, starts_processes
 from tests.delay_proxy import DelayProxy, ProxyThread
 from tests.mesh import generate_group
 
@@ -81,6 +81,7 @@ def push(address: str, messages: list[list], curve: tuple[bytes, bytes, bytes] |
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def mesh(tmp_path_factory):
     m = start_mesh("smollm2", 2, dtype="float32", log_dir=str(tmp_path_factory.mktemp("curve")))
     yield m
@@ -131,6 +132,7 @@ def test_key_set_files_modes_and_clear_errors(tmp_path):
         KeySet(other).pair("stage0")
 
 
+@pytest.mark.processes
 def test_cli_keys_then_stage_without_keys_is_a_one_line_error(tmp_path):
     d = str(tmp_path / "k")
     made = subprocess.run(stagemesh_cmd("keys", d, "--stages", "3"), capture_output=True, text=True, timeout=60)
@@ -242,6 +244,7 @@ def start_proxied_mesh(keys_dir: str | None, log_dir: str) -> tuple[LocalMesh, C
 SECRET_SEQ = "SECRET-SEQUENCE-4242"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["curve", "plaintext"])
 async def test_captured_traffic_between_stages_holds_no_plaintext(mode, smollm2, tmp_path):
     keys_dir = None
@@ -268,6 +271,7 @@ async def test_captured_traffic_between_stages_holds_no_plaintext(mode, smollm2,
 
 # ---- slots: leases and reconcile -------------------------------------------------------------------------
 
+@pytest.mark.processes
 async def test_an_abandoned_sequence_loses_its_slot_when_its_lease_expires(smollm2, tmp_path):
     mesh = start_mesh("smollm2", 2, dtype="float32", log_dir=str(tmp_path), extra=["--slot-lease", "1.5"])
     try:
@@ -380,6 +384,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.processes
 def test_up_gives_its_stages_private_keys_and_they_exit_when_up_is_killed(tmp_path):
     gw = start_up(2, "float32", str(tmp_path))
     stages = [p for p in _children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]

@@ -118,6 +118,7 @@ def own_keys_mount(docs: list[dict], kind: str, name: str) -> dict:
     return mount
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("overlay,kind,name,role", [("cpu", "StatefulSet", "stagemesh-stage", "stage1"),
                                                     ("cpu", "Deployment", "stagemesh-gateway", "gateway"),
                                                     ("replicas", "StatefulSet", "stagemesh-stage-p1", "stage1"),

@@ -6,9 +6,12 @@ import os
 import signal
 
 import aiohttp
+import pytest
 
 from loadtest.client import sse_events
 from services.launch import start_up
+
+pytestmark = pytest.mark.processes  # every test here starts a real up
 
 BODY = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 48, "temperature": 0,
         "ignore_eos": True, "stream": True}

@@ -8,13 +8,14 @@ import pytest
 
 from loadtest.client import sse_events
 from services.launch import start_up
-from tests.conftest import stagemesh_cmd
+from tests.conftest import stagemesh_cmd, starts_processes
 
 QUESTIONS = ["What is 2+2?", "Name a primary color.", "Write a haiku about the sea."]
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def reference():
     """`stagemesh generate --chat --dtype float32 --temperature 0` per question."""
     out = {}
@@ -27,6 +28,7 @@ def reference():
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}stages")
+@starts_processes
 def gateway(request, tmp_path_factory):
     gw = start_up(request.param, "float32", str(tmp_path_factory.mktemp(f"gw{request.param}")))
     yield gw

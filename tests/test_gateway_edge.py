@@ -17,7 +17,7 @@ import pytest
 
 from loadtest.client import StreamEndedEarly, sse_events
 from services.launch import LocalMesh, StageProcess, start_up
-from tests.conftest import stagemesh_cmd
+from tests.conftest import stagemesh_cmd, starts_processes
 
 KEY = "k3y-for-tests"
 GOOD_ORIGIN = "http://good.example"
@@ -26,6 +26,7 @@ KEEPALIVE_S = 2.0
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def edge(tmp_path_factory):
     """A gateway with an API key, one allowed foreign origin, two allowed Host names (one a domain), /metrics behind
     the key and a 2 s keep-alive."""
@@ -284,6 +285,7 @@ def test_malformed_http_is_logged_as_one_throttled_line(edge):
     assert 1 <= len(lines) <= 2, lines  # one per reason per interval, not 30
 
 
+@pytest.mark.processes
 def test_up_with_a_bad_log_dir_says_so_in_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -294,6 +296,7 @@ def test_up_with_a_bad_log_dir_says_so_in_one_line(tmp_path):
     assert "--log-dir" in proc.stderr and "writable directory" in proc.stderr, proc.stderr
 
 
+@pytest.mark.processes
 def test_a_restarted_stage_appends_to_its_log(tmp_path):
     path = str(tmp_path / "stage0.log")
     stage = StageProcess(0, "tcp://127.0.0.1:1", "127.0.0.1:1", None,
@@ -326,6 +329,7 @@ async def up_with_a_stream(tmp_path, drain_s: float, rid: str, max_tokens: int):
             gw.proc.kill()
 
 
+@pytest.mark.processes
 async def test_sigterm_drains_streams_then_exits_0(tmp_path):
     """Grace 3 s: long streams (SSE and websocket) end with an error event that says why, never a bare close;
     meanwhile /ready says "draining" and new requests (HTTP and websocket) are refused; exit code 0."""
@@ -355,6 +359,7 @@ async def test_sigterm_drains_streams_then_exits_0(tmp_path):
         assert gw.proc.wait(30) == 0
 
 
+@pytest.mark.processes
 async def test_sigterm_lets_a_stream_finish_within_the_grace_period(tmp_path):
     async with up_with_a_stream(tmp_path, 30, "a", 40) as (gw, s, ws):
         gw.proc.send_signal(signal.SIGTERM)

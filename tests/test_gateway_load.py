@@ -8,12 +8,14 @@ import pytest
 
 from loadtest.client import sse_events
 from services.launch import scrape_metric, start_up
+from tests.conftest import starts_processes
 
 PROMPTS = [f"Count from 1 to {n}:" for n in range(3, 19)]  # 16 prompts of different lengths
 LENGTHS = [8 + 2 * i for i in range(16)]  # and different output lengths
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def gateway(tmp_path_factory):
     gw = start_up(2, "float32", str(tmp_path_factory.mktemp("gwload")), "--kv-slots", "24")
     yield gw

@@ -17,6 +17,7 @@ from shared.mesh_keys import KeySet
 from shared.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
 from shared.runtime import LocalPipeline
 from shared.sampling import SamplingParams
+from tests.conftest import starts_processes
 from tests.mesh import generate_group
 
 
@@ -99,6 +100,7 @@ def hostile_messages(marker: str) -> list[tuple[str, list[bytes]]]:
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def mesh(tmp_path_factory):
     m = start_mesh("smollm2", 2, dtype="float32", log_dir=str(tmp_path_factory.mktemp("hostile")))
     yield m

@@ -12,11 +12,13 @@ import pytest
 from aiohttp import web
 
 from services.launch import free_port, start_up
+from tests.conftest import starts_processes
 
 BENCH = [sys.executable, "-m", "services.cli", "bench"]
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def gateway(tmp_path_factory):
     gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwbench")))
     yield gw
@@ -116,6 +118,7 @@ async def test_reported_latencies_agree_with_independent_timestamps(gateway, tmp
         assert (plots / png).stat().st_size > 10_000
 
 
+@pytest.mark.processes
 async def test_429_and_mid_stream_close_are_failures_with_reasons(tmp_path):
     calls = {"n": 0}
 

@@ -12,7 +12,7 @@ from shared.pipeline_client import PipelineError
 from shared.protocol import ForwardBatch, SeqEntry
 from shared.sampling import SamplingParams
 from shared.steps import Prefill
-from tests.conftest import stagemesh_cmd
+from tests.conftest import stagemesh_cmd, starts_processes
 from tests.mesh import generate_group
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -21,6 +21,7 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def reference(smollm2):
     """Greedy tokens from `stagemesh generate --dtype float32 --temperature 0`, one process per prompt."""
     out = {}
@@ -33,6 +34,7 @@ def reference(smollm2):
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}stages")
+@starts_processes
 def mesh(request, tmp_path_factory):
     m = start_mesh("smollm2", request.param, dtype="float32", log_dir=str(tmp_path_factory.mktemp("mesh")))
     yield m

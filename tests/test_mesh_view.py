@@ -15,11 +15,12 @@ import pytest
 
 from loadtest.client import send_sse
 from services.launch import start_up
-from tests.conftest import stagemesh_cmd
+from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_browser import DevTools, chromium, page_ws_url  # noqa: F401  (chromium is a fixture)
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def gateway(tmp_path_factory):
     gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwmesh")))
     yield gw

@@ -16,6 +16,7 @@ import pytest
 
 from loadtest.client import sse_events
 from shared.mesh_keys import write_key_set
+from tests.conftest import starts_processes
 from tests.delay_proxy import DelayProxy, ProxyThread
 from tests.k8s_render import config, container_args, render
 
@@ -81,6 +82,7 @@ def namespaces(tag: str, subnet: str, hosts: dict[str, int], names: dict[str, st
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def network():
     yield from namespaces("", SUBNET, HOSTS, NAMES, PORTS)
 
@@ -116,6 +118,7 @@ def start_pods(tag: str, commands: dict[str, list[str]], url: str, logs, ready=l
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def deployment(network, tmp_path_factory):
     docs = render("cpu")
     cfg = config(docs)
@@ -196,6 +199,7 @@ R_PORTS = {"gw": [5599, 5600], "a0": [5550, 8101], "b0": [5550, 8101]}
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def replicas_deployment(tmp_path_factory):
     docs = render("replicas")
     cfg = {**config(docs), "NUM_STAGES": "1", "THREADS": "1"}

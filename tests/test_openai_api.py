@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from services.gateway.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
 from services.launch import start_up
+from tests.conftest import starts_processes
 
 CAP = 6  # the gateway's --default-max-tokens in the module's up
 
@@ -101,6 +102,7 @@ def test_chat_top_logprobs_is_0_to_20_and_needs_logprobs():
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def up(tmp_path_factory):
     gw = start_up(1, None, str(tmp_path_factory.mktemp("openai")), "--default-max-tokens", str(CAP))
     yield gw

@@ -149,6 +149,7 @@ def _wait_for(predicate, timeout: float = 15.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.processes
 def test_one_trace_per_request_with_a_span_per_microbatch_per_stage(tmp_path):
     with OtlpReceiver() as rx:
         # --max-inflight 1: every micro-batch carries every running request, so spans link across requests
@@ -209,6 +210,7 @@ def test_one_trace_per_request_with_a_span_per_microbatch_per_stage(tmp_path):
         assert stages_in_trace == {"stagemesh-stage-0", "stagemesh-stage-1"}, rid
 
 
+@pytest.mark.processes
 def test_without_the_flag_nothing_is_exported(tmp_path, monkeypatch):
     with OtlpReceiver() as rx:
         # an SDK configured from the environment would export here: stagemesh must not build one without the flag

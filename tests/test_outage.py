@@ -26,7 +26,7 @@ from services.launch import LocalMesh, RunningGateway, free_ports, start_mesh, w
 from shared.mesh_keys import KeySet, write_key_set
 from shared.protocol import BatchError, BatchResult, ForwardBatch, ReleaseSeqs, SeqEntry, encode
 from shared.steps import Decode, Prefill
-from tests.conftest import stagemesh_cmd
+from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_curve import push
 
 KV_SLOTS = 4
@@ -103,6 +103,7 @@ class Outage:
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def outage(tmp_path_factory):
     log_dir = str(tmp_path_factory.mktemp("outage"))
     mesh = start_mesh("smollm2", 2, dtype="float32", log_dir=log_dir, extra=["--kv-slots", str(KV_SLOTS)])

@@ -293,6 +293,7 @@ def test_a_completed_stop_string_is_never_shown_and_ends_as_stop(smollm2):
     assert shown[-1]["type"] == "done" and shown[-1]["finish_reason"] == "stop"
 
 
+@pytest.mark.processes
 async def test_queue_full_is_429_with_retry_after_through_the_real_gateway(tmp_path):
     from services.launch import start_up
 

@@ -183,6 +183,7 @@ def _cli_error(*args):
     return lines[0]
 
 
+@pytest.mark.processes
 def test_corrupt_gguf_is_one_line_error(tmp_path):
     bad = tmp_path / "garbage.gguf"
     bad.write_bytes(b"this is not a gguf file at all" * 100)
@@ -191,6 +192,7 @@ def test_corrupt_gguf_is_one_line_error(tmp_path):
     assert "not a readable GGUF" in _cli_error("inspect", "--model", str(bad))
 
 
+@pytest.mark.processes
 def test_truncated_gguf_is_one_line_error(tmp_path):
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
     data = open(path, "rb").read()
@@ -201,6 +203,7 @@ def test_truncated_gguf_is_one_line_error(tmp_path):
     assert "truncated" in _cli_error("generate", "--model", str(cut), "--prompt", "hi")
 
 
+@pytest.mark.processes
 def test_unknown_architecture_names_the_supported_ones(tmp_path):
     path = write_tiny_gguf(str(tmp_path / "odd.gguf"), TinySpec(arch="mamba9000"))
     with pytest.raises(UnsupportedArchitecture, match="llama, mistral, mistral3, phi2, phi3, qwen2, qwen3, qwen3moe, starcoder2"):
@@ -208,6 +211,7 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     assert "mamba9000" in _cli_error("inspect", "--model", path)
 
 
+@pytest.mark.processes
 def test_unsupported_tensor_type_names_the_tensor_and_types(tmp_path):
     spec = TinySpec()
     override = {"blk.0.attn_q.weight": (q8_1_bytes(64, 64), GGMLQuantizationType.Q8_1)}
@@ -217,6 +221,7 @@ def test_unsupported_tensor_type_names_the_tensor_and_types(tmp_path):
     assert "Q8_1" in _cli_error("generate", "--model", path, "--prompt", "hi")
 
 
+@pytest.mark.processes
 def test_missing_file_and_unknown_alias():
     assert "neither a known alias" in _cli_error("inspect", "--model", "no-such-model")
 

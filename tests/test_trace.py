@@ -19,7 +19,7 @@ from shared.trace import (
     compare_captures,
     trace_local,
 )
-from tests.conftest import stagemesh_cmd
+from tests.conftest import stagemesh_cmd, starts_processes
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 STEPS = 3
@@ -41,6 +41,7 @@ def traced(url: str, prompt: str, max_tokens: int) -> dict:
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def up3(tmp_path_factory):
     # one micro-batch in flight: every running request shares it, which is where one trace could leak into another
     gw = start_up(3, "float32", str(tmp_path_factory.mktemp("trace")), "--allow-trace",

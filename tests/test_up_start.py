@@ -38,6 +38,7 @@ def assert_fast_one_line(rc: int, err: str, took: float, log_dir: str, *must_nam
     assert not any(name.startswith("stage") for name in os.listdir(log_dir)), "a stage was started"
 
 
+@pytest.mark.processes
 def test_port_in_use_exits_at_once_naming_the_port(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -47,6 +48,7 @@ def test_port_in_use_exits_at_once_naming_the_port(tmp_path):
     assert_fast_one_line(rc, err, took, str(tmp_path), str(port), "in use")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("model, words", [
     ("/nonexistent/model.gguf", ["/nonexistent/model.gguf"]),
     (__file__, ["not a GGUF file", os.path.basename(__file__)]),
@@ -56,6 +58,7 @@ def test_bad_model_exits_at_once(tmp_path, model, words):
     assert_fast_one_line(rc, err, took, str(tmp_path), *words)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("flags, word", [
     (["--port", "70000"], "--port"),
     (["--stages", "two"], "--stages"),

@@ -111,7 +111,7 @@ class Sequence(SequenceState):
 
 class Scheduler:
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
-                 config: ServingConfig = SERVING_DEFAULTS, max_running: int | None = None,
+                 config: ServingConfig = SERVING_DEFAULTS,
                  failover_timeout_s: float = 120.0, max_replays: int = 3, otlp: OtlpTracer | None = None,
                  prefix_cache: bool = True):
         self.pipeline = pipeline
@@ -120,7 +120,6 @@ class Scheduler:
         self.metrics = metrics
         self.max_inflight = max_inflight
         self.config = config
-        self.max_running_override = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.inflight: dict[int, list[Sequence]] = {}
@@ -145,7 +144,7 @@ class Scheduler:
 
     @property
     def max_running(self) -> int:
-        return self.max_running_override or self.pipeline.kv_slots
+        return self.pipeline.kv_slots
 
     # ---- requests in and out ----------------------------------------------------------------------------------
 
