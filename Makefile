@@ -99,7 +99,7 @@ test: install install-reference install-browser install-kubectl fetch-vocab-suit
 # The fast tier: every test that starts no real process (no stagemesh CLI run, stage, mesh, `up`, llama-server or
 # browser: those are marked `processes`, see tests/conftest.py); its time is mostly the llama.cpp comparisons.
 test-fast: install install-reference install-kubectl fetch-vocab-suite
-	$(BIN)/python -m pytest -q -ra -m "not processes"
+	$(BIN)/python -m pytest -q -ra -m "not processes and not slow"
 
 lint: install
 	$(BIN)/ruff check .

@@ -77,6 +77,11 @@ class KVCache:
                 buf.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     @property
+    def reserved_bytes(self) -> int:
+        """What every slot's K/V could take (the address space the tensors span)."""
+        return sum(t.nbytes for t in self.k + self.v)
+
+    @property
     def resident_bytes(self) -> int:
         """K/V memory the held slots' written positions take (what the OS has committed, to a page)."""
         return sum(self.filled[slot] for slot in self._slot_of.values()) * self.position_bytes

@@ -86,7 +86,7 @@ def test_kv_memory_follows_the_tokens_held_not_slots_times_max_seq_len():
     sequence takes its own K/V (~22 MB), and its release gives that back (the slot reads as zeros again)."""
     before = _resident_mib()
     kv = KVCache(30, 32, 2048, 3, 64, torch.bfloat16, "cpu", scratch=True)
-    reserved = sum(t.nbytes for t in kv.k + kv.v) / MIB
+    reserved = kv.reserved_bytes / MIB
     assert reserved > 1400 and _resident_mib() - before < 0.01 * reserved
     slot = kv.allocate("a")
     for t in kv.k + kv.v:

@@ -14,6 +14,8 @@ from shared.models import TransformerModel
 from shared.runtime import LocalPipeline
 from tests.factories import llama_cpp_logits
 
+pytestmark = pytest.mark.slow  # minutes of llama.cpp comparisons: not in the fast tier
+
 CONTEXT = 256
 SERVING_DTYPE = resolve_dtype(None)  # the activation dtype a stage serves with here: bf16 where the CPU has it, else f32
 

@@ -22,12 +22,13 @@ from services.gateway.scheduler import Scheduler, Sequence
 from services.launch import start_up
 from services.status import not_ready_reason, render
 from shared.sampling import SamplingParams
-from tests.conftest import stagemesh_cmd
+from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_failover import stream
 from tests.test_mesh_view import mesh, wait_for
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def gateway(tmp_path_factory):
     gw = start_up(1, "bfloat16", str(tmp_path_factory.mktemp("replicas")), "--replicas", "2", "--batch-invariant")
     yield gw

@@ -272,7 +272,7 @@ class StageWorker:
                    "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed,
                    "kept_prefixes": kv.kept_slots, "evicted_prefixes": kv.evicted,
                    # memory by tokens held (committed page by page as written), out of what all slots could take
-                   "resident_bytes": kv.resident_bytes, "reserved_bytes": kv.nbytes},
+                   "resident_bytes": kv.resident_bytes, "reserved_bytes": kv.reserved_bytes},
             "prefetch": self.io.prefetch,
             "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
             "rejected": dict(self.io.transport.stats.rejected),

@@ -1,0 +1,105 @@
+"""A stage's KV memory by what its sequences hold: `stagemesh up` with the default slots and context, its stages'
+resident memory (VmRSS) and their K/V bytes (/info kv.resident_bytes of kv.reserved_bytes) idle, under a burst of
+concurrent requests, and after them (finished requests stay as cached prefixes until room is needed).
+
+    python -m benchmarks.kv_memory [--stages 1] [--concurrent 32] [--prompt-words 300] [--out DIR] [-- up flags]
+
+Writes kv_memory.json and kv_memory.md into --out."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+import threading
+import time
+
+import aiohttp
+
+from benchmarks.procs import children, rss_mb
+from services.launch import start_up
+
+MIB = 2**20
+
+
+def snapshot(gw, stages: int, pids: list[int]) -> list[dict]:
+    """Per stage: VmRSS (MiB) and the K/V bytes its held positions take, of what every slot could take."""
+    rss = sorted(rss_mb(p) for p in pids)[-stages:]  # the stages: the largest children of up
+    out = []
+    for i in range(stages):
+        kv = gw.stage_info(i)["kv"]
+        out.append({"rss_mib": rss[i], "kv_resident_mib": kv["resident_bytes"] / MIB,
+                    "kv_reserved_mib": kv["reserved_bytes"] / MIB, "used_slots": kv["used_slots"],
+                    "kept_prefixes": kv["kept_prefixes"]})
+    return out
+
+
+async def burst(url: str, n: int, words: int, seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = ["river", "stone", "lantern", "harbour", "meadow", "engine", "violet", "copper", "thunder", "willow"]
+
+    async def one(session: aiohttp.ClientSession, k: int) -> None:
+        text = " ".join(rng.choice(vocab) for _ in range(words))
+        body = {"prompt": f"Request {k}: {text}", "max_tokens": 32, "temperature": 0.7, "seed": k, "ignore_eos": True}
+        async with session.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        await asyncio.gather(*(one(session, k) for k in range(n)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, default=1)
+    p.add_argument("--concurrent", type=int, default=32)
+    p.add_argument("--prompt-words", type=int, default=300)
+    p.add_argument("--out", default="bench-output/kv-memory")
+    p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as logs:
+        gw = start_up(args.stages, None, logs, *args.extra)
+        try:
+            pids = children(gw.proc.pid)
+            idle = snapshot(gw, args.stages, pids)
+            peak: list[dict] = []
+            done = threading.Event()
+
+            def sample() -> None:  # the burst's largest K/V footprint, polled
+                while not done.is_set():
+                    now = snapshot(gw, args.stages, pids)
+                    if not peak or sum(s["kv_resident_mib"] for s in now) > sum(s["kv_resident_mib"] for s in peak):
+                        peak[:] = now
+                    time.sleep(0.2)
+
+            poller = threading.Thread(target=sample, daemon=True)
+            poller.start()
+            asyncio.run(burst(gw.url, args.concurrent, args.prompt_words, 1))
+            done.set()
+            poller.join()
+            after = snapshot(gw, args.stages, pids)
+        finally:
+            gw.stop()
+    rows = ["| | per stage: VmRSS | K/V held / reserved | live slots | cached prefixes |",
+            "| --- | --- | --- | --- | --- |"]
+    for name, snap in (("idle", idle), (f"during {args.concurrent} requests (peak)", peak), ("after", after)):
+        rows.append(f"| {name} | " + " · ".join(f"{s['rss_mib']:.0f} MiB" for s in snap) + " | " +
+                    " · ".join(f"{s['kv_resident_mib']:.1f} / {s['kv_reserved_mib']:.0f} MiB" for s in snap) + " | " +
+                    " · ".join(str(s["used_slots"]) for s in snap) + " | " +
+                    " · ".join(str(s["kept_prefixes"]) for s in snap) + " |")
+    header = (f"stagemesh up --stages {args.stages} {' '.join(args.extra) or '(defaults)'}; {args.concurrent} concurrent "
+              f"completions of ~{args.prompt_words + 4}-word prompts, 32 output tokens each")
+    md = header + "\n\n" + "\n".join(rows)
+    print(md)
+    with open(os.path.join(args.out, "kv_memory.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "kv_memory.json"), "w") as f:
+        json.dump({"settings": header, "idle": idle, "peak": peak, "after": after}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
