@@ -88,6 +88,17 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per sequence (default {d.max_seq_len}, capped by the model's context)")
 
 
+def _share(text: str) -> float:
+    """A --prefix-cache-audit value: a number within 0..1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a share within 0..1, e.g. 0.05") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside 0..1; e.g. 0.05 checks one cache hit in twenty")
+    return value
+
+
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     """The gateway's scheduling knobs (`gateway`, `up`)."""
     d = SERVING_DEFAULTS
@@ -103,6 +114,11 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="keep finished sequences' K/V on every stage and start later requests that share their prefix "
                         "(a chat's history, a common system prompt) from it, in blocks of 16 tokens; kept prefixes "
                         "use KV slots no request holds and give them up, least recently used first (default on)")
+    p.add_argument("--prefix-cache-audit", type=_share, default=0.0, metavar="RATE",
+                   help="check this share (0..1) of cache hits live: the gateway also runs the hit's prompt twice, one "
+                        "token each, from the cached prefix and computed in full, and compares the last stage's top "
+                        "logprobs; a mismatch is logged and counted (stagemesh_gateway_prefix_cache_audits_total; "
+                        "default 0: off)")
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="SECONDS",
                    help="a micro-batch not back after this long marks the pipeline not ready, naming the hop where it "
                         f"stopped, and its requests are replayed (default {DEFAULT_STALL_S:g})")

@@ -128,6 +128,8 @@ def render(snap: dict):
         line += (f"\nprefix cache: {pc['prefixes']} prefixes, {pc['cached_tokens']} tokens · hits {pc['hits']}/"
                  f"{pc['lookups']} ({rate}) · {pc['reused_tokens']} prompt tokens reused · evicted {pc['evicted']}"
                  f" · misses {pc['misses']}")
+        if pc.get("audits"):
+            line += f" · audited {pc['audits']}, {pc['audit_mismatches']} mismatched"
     reason = not_ready_reason(snap)
     verdict = Text("ready", style="bold green") if reason is None else Text(f"NOT READY: {reason}", style="bold red")
     return Group(*((_pipelines_table(pipelines),) if many else ()), t, Text(line), verdict)

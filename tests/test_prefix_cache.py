@@ -184,3 +184,70 @@ async def test_a_lost_pipeline_forgets_every_prefix_and_releases_what_survivors_
     assert len(h.scheduler.prefix) == 0 and [kept.seq_id] in h.client.released
     seq = await run(h, new_seq(h, prompt(10) + [1]))
     assert seq.cached_tokens == 0 and first_step(h, seq).attach is None
+
+
+# ---- the audit (--prefix-cache-audit) -------------------------------------------------------------------------------
+
+async def audited_hit(h: Harness) -> tuple[Sequence, Sequence]:
+    """A prompt run twice: the second starts from the first's cached prefix, and the audit (rate 1) checks that hit."""
+    first = await run(h, new_seq(h, prompt(12)))
+    again = new_seq(h, prompt(12) + [4, 8])
+    h.scheduler.submit(again)
+    await h.step()
+    await h.deliver_all()
+    return first, again
+
+
+async def test_the_audit_recomputes_a_hit_and_finds_the_cache_right(tiny_path):
+    """Rate 1: every hit gets two one-token twins, one from the cached prefix and one computed in full, whose top
+    logprobs agree (float32 stages); the client's request is untouched, and the twins keep nothing."""
+    h = Harness(tiny_path, kv_slots=6)
+    h.scheduler.prefix_audit = 1.0
+    first, again = await audited_hit(h)
+    assert again.cached_tokens == 32 and again.finish_reason == "length"
+    twins = [e for b in h.client.order for e in b.seqs if e.seq_id not in (first.seq_id, again.seq_id)]
+    assert {e.step.attach for e in twins if e.step.starts_sequence} == {first.seq_id, None}  # cached, and in full
+    stats = h.scheduler.prefix.stats
+    assert (stats.audits, stats.audit_mismatches, stats.audit_skipped) == (1, 0, 0)
+    assert not h.scheduler.running and not h.scheduler.waiting
+    twin_ids = {e.seq_id for e in twins}
+    assert len(twin_ids) == 2 and not twin_ids & set(h.client.kept)  # released, never kept as prefixes
+    assert all(any(t in r for r in h.client.released) for t in twin_ids)
+    assert again.output_ids == list(generate_tokens(Harness(tiny_path).client.local, prompt(12) + [4, 8],
+                                                    SamplingParams(), 6))
+
+
+async def test_the_audit_catches_a_cached_prefix_whose_kv_went_wrong(tiny_path, caplog):
+    """A stage's kept K/V altered after it was kept (as a bug or a bit-flip would): the request cannot tell, the
+    audit does -- a mismatch counted and logged, naming the request."""
+    h = Harness(tiny_path, kv_slots=6)
+    h.scheduler.prefix_audit = 1.0
+    first = await run(h, new_seq(h, prompt(13)))
+    kv = h.client.local.pieces[0].kv
+    slot = kv._slot_of[first.seq_id]
+    for t in kv.k:
+        t[slot, :, 5:20] += 3.0
+    again = new_seq(h, prompt(13) + [2])
+    h.scheduler.submit(again)
+    await h.step()
+    await h.deliver_all()
+    stats = h.scheduler.prefix.stats
+    assert (stats.audits, stats.audit_mismatches) == (1, 1)
+    assert any("disagree" in r.message and again.seq_id in r.message for r in caplog.records)
+
+
+def test_the_audit_rate_is_a_share():
+    import argparse
+
+    from services.gateway.main import register
+
+    root = argparse.ArgumentParser()
+    register(root.add_subparsers())
+
+    def parse(rate: str):
+        return root.parse_args(["gateway", "--model", "m", "--stages", "http://a:1", "--prefix-cache-audit", rate])
+
+    assert parse("0.05").prefix_cache_audit == 0.05
+    for bad in ("1.5", "-0.1", "often"):
+        with pytest.raises(SystemExit):
+            parse(bad)

@@ -247,13 +247,14 @@ async def _background(app: web.Application):
 
 def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: GatewayConfig, max_inflight: int,
              serving: ServingConfig = SERVING_DEFAULTS, otlp: OtlpTracer | None = None,
-             prefix_cache: bool = True) -> web.Application:
+             prefix_cache: bool = True, prefix_audit: float = 0.0) -> web.Application:
     """`pipelines`: one, or several replicas of the same model (each gets its own scheduler and prefix index)."""
     pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
     metrics_ = GatewayMetrics()
     watch_transport(metrics_, summed_transport(pipelines))
     replicas = Replicas([Replica(f"p{i}", p, Scheduler(p, metrics_, max_inflight=max_inflight, config=serving,
-                                                         otlp=otlp, prefix_cache=prefix_cache))
+                                                         otlp=otlp, prefix_cache=prefix_cache,
+                                                         prefix_audit=prefix_audit))
                          for i, p in enumerate(pipelines)], metrics_)
     indexes = [r.scheduler.prefix for r in replicas.all if r.scheduler.prefix is not None]
     if indexes:

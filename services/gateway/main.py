@@ -103,7 +103,8 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
     otlp_url = otlp_from_args(args)
     otlp = OtlpTracer(otlp_url, "stagemesh-gateway") if otlp_url else None
     return make_app(files, pipelines, GatewayConfig(model_id=model, api_key=api_key, **edge), inflight,
-                    serving_from_args(args), otlp, prefix_cache=getattr(args, "prefix_cache", "on") == "on")
+                    serving_from_args(args), otlp, prefix_cache=getattr(args, "prefix_cache", "on") == "on",
+                    prefix_audit=getattr(args, "prefix_cache_audit", 0.0))
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:

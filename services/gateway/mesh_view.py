@@ -207,7 +207,7 @@ def _sum_prefix(infos: list[dict | None]) -> dict | None:
     if len(infos) <= 1:
         return infos[0] if infos else None
     total = {k: sum(i[k] for i in infos) for k in ("prefixes", "cached_tokens", "lookups", "hits", "reused_tokens",
-                                                    "kept", "evicted", "misses")}
+                                                    "kept", "evicted", "misses", "audits", "audit_mismatches")}
     total["hit_rate"] = round(total["hits"] / total["lookups"], 4) if total["lookups"] else None
     return {"block_tokens": infos[0]["block_tokens"], **total}
 

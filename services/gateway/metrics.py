@@ -126,6 +126,12 @@ class _PrefixCacheCollector:
                                   value=s.evicted)
         yield CounterMetricFamily("stagemesh_gateway_prefix_cache_misses", "Cached prefixes a stage no longer kept "
                                   "(prefix_miss: the request prefilled in full)", value=s.misses)
+        audits = CounterMetricFamily("stagemesh_gateway_prefix_cache_audits", "Cache hits checked against a "
+                                     "recompute (--prefix-cache-audit), by result", labels=["result"])
+        for result, value in (("match", s.audits - s.audit_mismatches), ("mismatch", s.audit_mismatches),
+                              ("skipped", s.audit_skipped)):
+            audits.add_metric([result], value)
+        yield audits
         yield GaugeMetricFamily("stagemesh_gateway_prefix_cache_prefixes", "Finished sequences every stage keeps as "
                                 "cached prefixes", value=sum(len(i) for i in self.indexes))
         yield GaugeMetricFamily("stagemesh_gateway_prefix_cache_tokens", "Tokens the cached prefixes hold",

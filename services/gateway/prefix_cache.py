@@ -14,9 +14,12 @@ no I/O: the scheduler sends the keeps and releases this returns."""
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from shared.sampling import TopLogprobs
 
 BLOCK_TOKENS = 16  # the unit of reuse: a prefix is reused in whole blocks (vLLM's default block size)
 
@@ -45,6 +48,9 @@ class PrefixStats:
     kept: int = 0  # finished sequences kept as prefixes
     evicted: int = 0  # prefixes released for room
     misses: int = 0  # prefixes a stage no longer had (prefix_miss)
+    audits: int = 0  # hits checked against a recompute (--prefix-cache-audit)
+    audit_mismatches: int = 0  # ... whose outputs differed beyond the audit's tolerance
+    audit_skipped: int = 0  # ... that could not be compared (the twin found no prefix, or failed)
 
 
 class PrefixIndex:
@@ -164,4 +170,39 @@ class PrefixIndex:
         s = self.stats
         return {"block_tokens": BLOCK_TOKENS, "prefixes": len(self), "cached_tokens": self.cached_tokens,
                 "lookups": s.lookups, "hits": s.hits, "hit_rate": round(s.hits / s.lookups, 4) if s.lookups else None,
-                "reused_tokens": s.cached_tokens, "kept": s.kept, "evicted": s.evicted, "misses": s.misses}
+                "reused_tokens": s.cached_tokens, "kept": s.kept, "evicted": s.evicted, "misses": s.misses,
+                "audits": s.audits, "audit_mismatches": s.audit_mismatches}
+
+
+# ---- the audit: a hit checked against a recompute -----------------------------------------------------------------
+
+AUDIT_TOP = 5  # the most likely next tokens whose log-probabilities the audit compares
+
+
+@dataclass(eq=False)
+class PrefixAudit:
+    """One cache hit checked live, as `stagemesh trace` checks a deployment: two one-token twins of the request's
+    prompt, greedy with the top AUDIT_TOP logprobs -- `cached` starts from a cached prefix like the request, `full`
+    computes everything -- and the last stage's outputs compared. A stage whose kept K/V went wrong (a bug, a
+    bit-flip, a slot reused too early) makes the two differ; nothing else should, within `tolerance` (the stages'
+    rounding: 0 for batch-invariant stages)."""
+
+    request_id: str
+    prefix_tokens: int  # what the request's hit reused
+    tolerance: float
+    cached_id: str = ""
+    full_id: str = ""
+    results: dict[str, tuple[int, TopLogprobs | None]] = field(default_factory=dict)  # twin id -> (cached tokens, top)
+
+    def compare(self) -> tuple[bool, float, str] | None:
+        """(the outputs agree, the largest logprob difference, a line saying how) once both twins answered; None
+        when they cannot be compared (one failed, or the cached twin found no prefix to start from)."""
+        (cached_tokens, a), (_, b) = self.results[self.cached_id], self.results[self.full_id]
+        if not a or not b or cached_tokens == 0:
+            return None
+        la, lb = dict(a), dict(b)
+        common = la.keys() & lb.keys()
+        diff = max((abs(la[t] - lb[t]) for t in common), default=math.inf)
+        agree = a[0][0] == b[0][0] and len(common) == len(a) and diff <= self.tolerance
+        return agree, diff, (f"from {cached_tokens} cached tokens the top token is {a[0][0]}, recomputed {b[0][0]}; "
+                             f"top-{len(a)} logprobs differ by up to {diff:.3g} (tolerance {self.tolerance:g})")

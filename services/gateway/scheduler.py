@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 import uuid
 from collections import deque
@@ -25,7 +26,7 @@ import torch
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
-from services.gateway.prefix_cache import PrefixIndex
+from services.gateway.prefix_cache import AUDIT_TOP, PrefixAudit, PrefixIndex
 from shared.config import SERVING_DEFAULTS, ServingConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.generation import SequenceState
@@ -33,12 +34,15 @@ from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer
 from shared.pipeline_client import PipelineError
 from shared.protocol import BatchResult, ForwardBatch
-from shared.sampling import TopLogprobs
+from shared.sampling import SamplingParams, TopLogprobs
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
 IDLE_TICK_S = 0.25  # how often deadlines and pipeline health are checked when nothing else wakes the loop
 KV_FULL_BACKOFF_S = 1.0  # after a stage answered kv_full, admission holds at what fits for this long
+AUDIT_DEADLINE_S = 600.0  # an audit twin still queued after this long is dropped (counted as skipped)
+AUDIT_TOLERANCE_F32 = 1e-3  # logprob differences a recompute may show on float32 stages (other chunking, rounding)
+AUDIT_TOLERANCE_BF16 = 0.1  # ... on bfloat16 ones
 
 
 class QueueFull(Exception):
@@ -71,6 +75,8 @@ class Sequence(SequenceState):
     feeding: int = 0  # tokens in the micro-batch now in flight (0: not in flight)
     starting: bool = False  # ... and that micro-batch holds its first chunk (it allocates the slot on every stage)
     cached_tokens: int = 0  # prompt tokens a cached prefix supplied (usage.prompt_tokens_details.cached_tokens)
+    audit: PrefixAudit | None = None  # set on the gateway's own twins that check a cache hit (no client reads them)
+    no_cache: bool = False  # admitted without a prefix-cache lookup (the audit's recomputing twin)
     sent: bool = False  # a micro-batch of it was sent since its last release: stages may hold a slot for it
     replays: int = 0  # replays started: counted when its first replay micro-batch is sent
     replay_due: bool = False  # reset for replay, that micro-batch not sent yet
@@ -113,7 +119,7 @@ class Scheduler:
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
                  config: ServingConfig = SERVING_DEFAULTS,
                  failover_timeout_s: float = 120.0, max_replays: int = 3, otlp: OtlpTracer | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, prefix_audit: float = 0.0):
         self.pipeline = pipeline
         self.otlp = otlp  # distributed tracing (None: off)
         self._mb_spans: dict[int, Any] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
@@ -129,6 +135,8 @@ class Scheduler:
         self._release: list[str] = []
         self._keep: list[str] = []  # finished sequences to keep on every stage, as cached prefixes
         self.prefix = PrefixIndex() if prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
+        self.prefix_audit = prefix_audit  # share of cache hits checked against a recompute (PrefixAudit)
+        self._audit_draw = random.Random(0).random
         self._wake = asyncio.Event()
         self.failover_timeout_s = failover_timeout_s
         self.max_replays = max_replays
@@ -205,7 +213,7 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.otlp_span is not None:
             self._end_request_span(seq, reason, error)
-        if reason in ("stop", "length"):
+        if reason in ("stop", "length") and seq.audit is None:
             self.metrics.e2e.observe(time.perf_counter() - seq.t_arrival)
         if seq in self.waiting:
             self.waiting.remove(seq)
@@ -216,15 +224,54 @@ class Scheduler:
             else:
                 self._release.append(seq.seq_id)
             seq.sent = False
-        self.metrics.requests.labels(reason).inc()
+        if seq.audit is not None:
+            self._audit_answered(seq, reason)
+        else:
+            self.metrics.requests.labels(reason).inc()
         self._update_gauges()
         self._wake.set()
+
+    def _start_audit(self, seq: Sequence, prefix_tokens: int) -> None:
+        """Queue the twins that check this hit (PrefixAudit): they wait behind the requests already queued."""
+        audit = PrefixAudit(seq.seq_id, prefix_tokens, self._audit_tolerance())
+        params = SamplingParams(logprobs=True, top_logprobs=AUDIT_TOP)
+        for role in ("cached", "full"):
+            twin = Sequence(seq_id=new_seq_id(), prompt_ids=list(seq.prompt_ids), params=params, max_tokens=1,
+                            deadline=time.perf_counter() + AUDIT_DEADLINE_S, audit=audit, no_cache=role == "full")
+            setattr(audit, f"{role}_id", twin.seq_id)
+            self.waiting.append(twin)
+
+    def _audit_tolerance(self) -> float:
+        """How far a recompute may move the logprobs: not at all on batch-invariant stages, float32's rounding on
+        float32 ones, bfloat16's otherwise."""
+        infos = [i for i in self.pipeline.infos if isinstance(i, dict)]
+        if infos and all((i.get("weights") or {}).get("batch_invariant") for i in infos):
+            return 0.0
+        return AUDIT_TOLERANCE_BF16 if any(i.get("dtype") in ("bfloat16", "float16") for i in infos) \
+            else AUDIT_TOLERANCE_F32
+
+    def _audit_answered(self, twin: Sequence, reason: str) -> None:
+        audit = twin.audit
+        top = twin.top_logprobs[0] if reason == "length" and twin.top_logprobs else None
+        audit.results[twin.seq_id] = (twin.cached_tokens, top)
+        if len(audit.results) < 2 or self.prefix is None:
+            return
+        verdict = audit.compare()
+        if verdict is None:
+            self.prefix.stats.audit_skipped += 1
+            return
+        agree, _, how = verdict
+        self.prefix.stats.audits += 1
+        if not agree:
+            self.prefix.stats.audit_mismatches += 1
+            log.warning("prefix cache audit of request %s: a cached prefix and a recompute disagree: %s",
+                        audit.request_id, how)
 
     def _keeps(self, seq: Sequence, reason: str) -> bool:
         """Index a finished sequence as a cached prefix (True: keep its slots), releasing the prefixes it contains.
         Its first `computed` tokens have K/V on every stage (a micro-batch still in flight writes only later
         positions). Not after a failure, nor for a traced request (its rows carry capture hooks' numbers)."""
-        if self.prefix is None or reason not in ("stop", "length", "cancelled") or seq.trace or seq.attach:
+        if self.prefix is None or reason not in ("stop", "length", "cancelled") or seq.trace or seq.attach or seq.audit:
             return False
         kept, contained = self.prefix.insert(seq.seq_id, seq.all_ids[:seq.computed], self._pinned())
         self._release.extend(contained)
@@ -302,7 +349,7 @@ class Scheduler:
         while self.waiting and len(self.running) < limit:
             seq, hit = self.waiting[0], None
             if self.prefix is not None:
-                if seq.computed == 0 and not seq.trace and not seq.replays:
+                if seq.computed == 0 and not seq.trace and not seq.replays and not seq.no_cache:
                     hit = self.prefix.lookup(seq.all_ids)
                 if len(self.running) + len(self.prefix) >= self.pipeline.kv_slots:
                     # a cached prefix gives its slots up for the request -- never the one it is about to attach
@@ -313,12 +360,15 @@ class Scheduler:
                 self.prefix.count(hit)
                 if hit is not None:
                     seq.start_from(hit.prefix.seq_id, hit.tokens)
+                    if seq.audit is None and self.prefix_audit and self._audit_draw() < self.prefix_audit:
+                        self._start_audit(seq, hit.tokens)
                 seq.cached_tokens = hit.tokens if hit else 0
             self.waiting.popleft()
             self.running[seq.seq_id] = seq
             if seq.t_admitted is None:  # not a re-admission after a kv_full
                 seq.t_admitted = time.perf_counter()
-                self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+                if seq.audit is None:
+                    self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
     def _prefix_miss(self, seqs: list[Sequence], error: PipelineError) -> None:
         """A stage no longer keeps a prefix this micro-batch attached (it gave it up for room, or restarted): forget
@@ -491,13 +541,14 @@ class Scheduler:
 
     def _accept_token(self, s: Sequence, token: int, logprob: float | None, top: TopLogprobs | None,
                       now: float) -> None:
-        if s.t_first is None:
-            s.t_first = now
-            self.metrics.ttft.observe(now - s.t_arrival)
-        else:
-            self.metrics.itl.observe(now - s.t_last)
+        if s.audit is None:  # the audit's twins are the gateway's own: not in the clients' figures
+            if s.t_first is None:
+                self.metrics.ttft.observe(now - s.t_arrival)
+            else:
+                self.metrics.itl.observe(now - s.t_last)
+            self.metrics.generated_tokens.inc()
+        s.t_first = s.t_first or now
         s.t_last = now
-        self.metrics.generated_tokens.inc()
         reason = s.append(token, logprob, top)
         error = f"the output left its grammar: {s.grammar.error}" if reason == "error" and s.grammar else None
         s.outputs.put_nowait(SeqOutput(token, logprob, top, reason, error))

@@ -89,6 +89,7 @@ function replicaRow(p) {
   head.append(row("queue", String(p.queue)), row("running", String(p.running)),
               row("KV used", fmt(100 * p.kv_used, 0, "%")), bar(p.kv_used), row("cache hits", rate),
               row("routed", String(p.routed)), row("handed off", String(p.handed_off)));
+  if (pc && pc.audits) head.append(row("cache audited", pc.audits + ", " + pc.audit_mismatches + " mismatched"));
   if (!p.ready) head.appendChild(el("div", "error", p.problem || ""));
   const nodes = [head];
   p.stages.forEach((s, i) => {
