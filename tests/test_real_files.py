@@ -142,7 +142,7 @@ def windows(smollm2, varied_text) -> list[list[int]]:
 def test_smollm2_requantized_to_every_preset_matches_llama_cpp_perplexity(smollm2, windows, preset):
     """SmolLM2's Q4_1 file requantized by llama.cpp to each preset: our default path within 2 % of llama.cpp's
     perplexity on the same file (>= 1,000 tokens for the common presets, ~500 for the rest); for the common presets
-    lean too, holding at most 1.5x the file's bytes (1 stage). (Lean holds IQ types as int8 rows, 1 byte a weight against their 0.4-0.56: above 1.5x.)"""
+    lean too, holding at most 1.5x the file's bytes (1 stage); a float32 split (3 pieces) equals the unsplit run. (Lean holds IQ types as int8 rows, 1 byte a weight against their 0.4-0.56: above 1.5x.)"""
     path = _preset(smollm2.loader.path, preset)
     if preset not in LEAN_PRESETS:  # the rarer presets on the first ~500 tokens, to keep the suite's time
         windows = windows[:2]
@@ -151,6 +151,11 @@ def test_smollm2_requantized_to_every_preset_matches_llama_cpp_perplexity(smollm
         ours = _our_perplexity(path, windows, weights)
         print(f"\nSmolLM2 {preset} {weights}: perplexity {ours:.4f}, llama.cpp {ref:.4f} ({ours / ref - 1:+.2%})")
         assert abs(ours / ref - 1) <= 0.02
+    ids = windows[0][:96]  # and a float32 split equals the unsplit run exactly, on the requantized file too
+    unsplit = window_logits(LocalPipeline.load(GgufLoader(path), None, torch.float32, kv_slots=1, max_seq_len=128), ids)
+    ranges = split_at(GgufLoader(path).get("llama.block_count"), [11, 23])
+    split = window_logits(LocalPipeline.load(GgufLoader(path), ranges, torch.float32, kv_slots=1, max_seq_len=128), ids)
+    assert torch.equal(split, unsplit)
     if preset in LEAN_PRESETS:
         model = LocalPipeline.load(GgufLoader(path), None, torch.bfloat16, kv_slots=1, weights="lean").pieces[0].model
         report = model.memory_report()
