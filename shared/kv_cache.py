@@ -63,6 +63,8 @@ class KVCache:
             return torch.zeros(shape, dtype=dtype, device=device)
         count = math.prod(shape)
         buf = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KiB pages even where transparent huge pages are "always": a
+            buf.madvise(mmap.MADV_NOHUGEPAGE)  # 2 MiB page would commit a slot's neighbours' rows with its own
         self._maps.append(buf)
         return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
