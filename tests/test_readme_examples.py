@@ -52,20 +52,20 @@ def test_curl_snippet(gateway):
     assert answer["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_sdk_snippet(gateway, tmp_path):
-    code = at(snippet("sdk"), gateway.url)
-    script = tmp_path / "readme_sdk.py"
-    script.write_text(code)
+def run_python_snippet(name: str, gateway, tmp_path) -> str:
+    """Run the README's Python block `name` against the gateway; its stdout (the run must succeed)."""
+    script = tmp_path / f"readme_{name.replace('-', '_')}.py"
+    script.write_text(at(snippet(name), gateway.url))
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip(), "the SDK snippet printed no text"
+    return p.stdout
+
+
+def test_sdk_snippet(gateway, tmp_path):
+    assert run_python_snippet("sdk", gateway, tmp_path).strip(), "the SDK snippet printed no text"
 
 
 def test_sdk_parse_snippet(gateway, tmp_path):
     """The structured-output snippet: the SDK validates the constrained answer into its pydantic model."""
-    code = at(snippet("sdk-parse"), gateway.url)
-    script = tmp_path / "readme_parse.py"
-    script.write_text(code)
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert re.fullmatch(r"name='.*' country='.*' size='(village|town|city)'", p.stdout.strip()), p.stdout
+    out = run_python_snippet("sdk-parse", gateway, tmp_path)
+    assert re.fullmatch(r"name='.*' country='.*' size='(village|town|city)'", out.strip()), out
