@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.gateway.prefix_cache import BLOCK_TOKENS, PrefixIndex
-from services.gateway.scheduler import Sequence
+from services.gateway.request import Request
 from shared.errors import KVCacheFull, PrefixMiss
 from shared.generation import generate_tokens
 from shared.kv_cache import KVCache
@@ -31,19 +31,19 @@ def prompt(seed: int, n: int = 40) -> list[int]:
     return [(seed * 31 + 11 * i) % 250 + 1 for i in range(n)]
 
 
-def new_seq(h: Harness, ids: list[int], max_tokens: int = 6) -> Sequence:
-    return Sequence(seq_id=f"s{next(h.ids)}", prompt_ids=list(ids), params=SamplingParams(), max_tokens=max_tokens)
+def new_seq(h: Harness, ids: list[int], max_tokens: int = 6) -> Request:
+    return Request(seq_id=f"s{next(h.ids)}", prompt_ids=list(ids), params=SamplingParams(), max_tokens=max_tokens)
 
 
-async def run(h: Harness, seq: Sequence) -> Sequence:
-    h.scheduler.submit(seq)
+async def run(h: Harness, seq: Request) -> Request:
+    h.engine.submit(seq)
     await h.step()
     await h.deliver_all()
     assert seq.finish_reason == "length"
     return seq
 
 
-def first_step(h: Harness, seq: Sequence):
+def first_step(h: Harness, seq: Request):
     return next(e.step for b in h.client.order for e in b.seqs if e.seq_id == seq.seq_id)
 
 
@@ -159,7 +159,7 @@ async def test_a_stage_that_lost_the_prefix_answers_a_miss_and_the_request_prefi
     kept = await run(h, new_seq(h, prompt(9)))
     h.client.local.release(kept.seq_id)  # a stage gave it up (or restarted) without the gateway knowing
     seq = new_seq(h, prompt(9) + [3])
-    h.scheduler.submit(seq)
+    h.engine.submit(seq)
     await h.step()
     mb, (batch, _) = next(iter(h.client.sent.items()))
     assert batch.seqs[0].step.attach == kept.seq_id
@@ -188,11 +188,11 @@ async def test_a_lost_pipeline_forgets_every_prefix_and_releases_what_survivors_
 
 # ---- the audit (--prefix-cache-audit) -------------------------------------------------------------------------------
 
-async def audited_hit(h: Harness) -> tuple[Sequence, Sequence]:
+async def audited_hit(h: Harness) -> tuple[Request, Request]:
     """A prompt run twice: the second starts from the first's cached prefix, and the audit (rate 1) checks that hit."""
     first = await run(h, new_seq(h, prompt(12)))
     again = new_seq(h, prompt(12) + [4, 8])
-    h.scheduler.submit(again)
+    h.engine.submit(again)
     await h.step()
     await h.deliver_all()
     return first, again
@@ -228,7 +228,7 @@ async def test_the_audit_catches_a_cached_prefix_whose_kv_went_wrong(tiny_path, 
     for t in kv.k:
         t[slot, :, 5:20] += 3.0
     again = new_seq(h, prompt(13) + [2])
-    h.scheduler.submit(again)
+    h.engine.submit(again)
     await h.step()
     await h.deliver_all()
     stats = h.scheduler.prefix.stats

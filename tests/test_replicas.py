@@ -14,11 +14,12 @@ import subprocess
 import aiohttp
 import pytest
 
+from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.prefix_cache import BLOCK_TOKENS
 from services.gateway.replicas import BALANCE_ABS, Replica, Replicas
-from services.gateway.scheduler import Scheduler, Sequence
+from services.gateway.request import Request
 from services.launch import start_up
 from services.status import not_ready_reason, render
 from shared.sampling import SamplingParams
@@ -144,7 +145,7 @@ async def test_killing_one_pipelines_stage_replays_its_streams_on_the_other_toke
     assert "p0" in out.stdout and "p1" in out.stdout
 
 
-# ---- the router alone: real Replicas over schedulers whose pipelines are never started -------------------------------
+# ---- the router alone: real Replicas over engines whose pipelines are never started -------------------------------
 
 
 def replicas(n: int = 2) -> Replicas:
@@ -154,13 +155,13 @@ def replicas(n: int = 2) -> Replicas:
         p = Pipeline(["http://unused"], f"tcp://unused{i}", "fp", 2)
         p.infos = [{"kv": {"slots": 8, "max_seq_len": 256}}]
         p.problem, p.client = None, object()  # ready: routing reads only that
-        reps.append(Replica(f"p{i}", p, Scheduler(p, metrics, 1)))
+        reps.append(Replica(f"p{i}", p, Engine(p, metrics, 1)))
     return Replicas(reps, metrics)
 
 
-def seq(ids: list[int]) -> Sequence:
-    return Sequence(seq_id=os.urandom(4).hex(), prompt_ids=ids, params=SamplingParams(), max_tokens=4,
-                    stop_ids=frozenset())
+def seq(ids: list[int]) -> Request:
+    return Request(seq_id=os.urandom(4).hex(), prompt_ids=ids, params=SamplingParams(), max_tokens=4,
+                   stop_ids=frozenset())
 
 
 def test_routing_prefers_the_cached_prefix_until_the_load_gap_is_too_wide_and_skips_a_lost_pipeline():

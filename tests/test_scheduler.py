@@ -15,10 +15,12 @@ import aiohttp
 import pytest
 import torch
 
+from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
-from services.gateway.scheduler import QueueFull, Scheduler, SeqOutput, Sequence
+from services.gateway.request import Request, RequestOutput
+from services.gateway.scheduler import QueueFull
 from shared.config import ServingConfig
 from shared.errors import UnknownSequence
 from shared.generation import generate_tokens, run_local
@@ -93,18 +95,19 @@ class Harness:
         self.pipeline = Pipeline(["http://unused"], "tcp://unused", "fp", 2)
         self.pipeline.infos = [{"kv": {"slots": kv_slots, "max_seq_len": CONTEXT}}]
         self.pipeline.problem, self.pipeline.client = None, self.client
-        self.scheduler = Scheduler(self.pipeline, GatewayMetrics(), max_inflight, ServingConfig(**serving),
-                                   prefix_cache=prefix_cache)
+        self.engine = Engine(self.pipeline, GatewayMetrics(), max_inflight, ServingConfig(**serving),
+                             prefix_cache=prefix_cache)
+        self.scheduler = self.engine.scheduler
         self.ids = itertools.count()
 
-    def seq(self, prompt_len: int = 5, max_tokens: int = 8, **kw) -> Sequence:
+    def seq(self, prompt_len: int = 5, max_tokens: int = 8, **kw) -> Request:
         prompt = [(7 * i + 3) % 200 + 1 for i in range(prompt_len)]
-        return Sequence(seq_id=f"s{next(self.ids)}", prompt_ids=prompt, params=SamplingParams(), max_tokens=max_tokens,
+        return Request(seq_id=f"s{next(self.ids)}", prompt_ids=prompt, params=SamplingParams(), max_tokens=max_tokens,
                         **kw)
 
     async def step(self) -> None:
         await asyncio.sleep(0)  # let done-callbacks of delivered futures run first
-        await self.scheduler._step()
+        await self.engine.step()
 
     async def deliver_all(self) -> None:
         while self.client.sent:
@@ -112,7 +115,7 @@ class Harness:
             await self.step()
 
 
-def drain(seq: Sequence) -> list[SeqOutput]:
+def drain(seq: Request) -> list[RequestOutput]:
     out = []
     while not seq.outputs.empty():
         out.append(seq.outputs.get_nowait())
@@ -123,12 +126,12 @@ async def test_admission_is_bounded_by_kv_slots_and_the_queue(tiny_path):
     h = Harness(tiny_path, kv_slots=2, max_queue=1)
     a, b, c = h.seq(), h.seq(), h.seq()
     for s in (a, b, c):
-        h.scheduler.submit(s)
+        h.engine.submit(s)
     assert set(h.scheduler.running) == {a.seq_id, b.seq_id} and list(h.scheduler.waiting) == [c]
     with pytest.raises(QueueFull):
-        h.scheduler.submit(h.seq())
+        h.engine.submit(h.seq())
     assert list(h.scheduler.waiting) == [c]  # the refused request left no trace
-    h.scheduler.cancel(a)
+    h.engine.cancel(a)
     await h.step()
     assert c.seq_id in h.scheduler.running and not h.scheduler.waiting
 
@@ -138,7 +141,7 @@ async def test_a_burst_onto_free_slots_is_admitted_not_refused(tiny_path):
     h = Harness(tiny_path, kv_slots=4, max_queue=4)
     burst = [h.seq() for _ in range(8)]
     for s in burst:
-        h.scheduler.submit(s)  # raises QueueFull if the admissible four counted as queued
+        h.engine.submit(s)  # raises QueueFull if the admissible four counted as queued
     assert len(h.scheduler.running) == 4 and len(h.scheduler.waiting) == 4
 
 
@@ -146,7 +149,7 @@ async def test_every_microbatch_keeps_the_token_budget(tiny_path):
     h = Harness(tiny_path, kv_slots=4, max_inflight=1, token_budget=24, prefill_chunk=16)
     seqs = [h.seq(prompt_len=20, max_tokens=3) for _ in range(4)]
     for s in seqs:
-        h.scheduler.submit(s)
+        h.engine.submit(s)
     await h.step()
     await h.deliver_all()
     sizes = [b.num_tokens for b in h.client.order]
@@ -158,12 +161,12 @@ async def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes(tiny_pa
     h = Harness(tiny_path, kv_slots=4, max_inflight=1, prefill_chunk=32, token_budget=512)
     decoders = [h.seq(prompt_len=4, max_tokens=100) for _ in range(2)]
     for s in decoders:
-        h.scheduler.submit(s)
+        h.engine.submit(s)
     await h.step()
     h.client.deliver()  # both prompts done: the two now decode
     await h.step()
     long = h.seq(prompt_len=150, max_tokens=2)
-    h.scheduler.submit(long)
+    h.engine.submit(long)
     while long.prefilling:
         await h.step()
         h.client.deliver()
@@ -179,8 +182,8 @@ async def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes(tiny_pa
 async def test_deadline_ends_waiting_and_running_requests_and_frees_slots(tiny_path):
     h = Harness(tiny_path, kv_slots=1)
     running, waiting = h.seq(max_tokens=50, deadline=0.0), h.seq(deadline=0.0)
-    h.scheduler.submit(running)
-    h.scheduler.submit(waiting)
+    h.engine.submit(running)
+    h.engine.submit(waiting)
     running.deadline = waiting.deadline = math.inf
     await h.step()
     h.client.deliver()
@@ -189,7 +192,7 @@ async def test_deadline_ends_waiting_and_running_requests_and_frees_slots(tiny_p
     running.deadline = waiting.deadline = 0.0  # both past due now
     await h.step()
     for s in (running, waiting):
-        assert drain(s)[-1] == SeqOutput(finish_reason="timeout", error="the request exceeded its deadline")
+        assert drain(s)[-1] == RequestOutput(finish_reason="timeout", error="the request exceeded its deadline")
     assert not h.scheduler.running and not h.scheduler.waiting
     await h.step()
     assert [running.seq_id] in h.client.released  # the slot it held on every stage is freed; the waiter held none
@@ -199,26 +202,26 @@ async def test_deadline_ends_waiting_and_running_requests_and_frees_slots(tiny_p
 async def test_cancel_while_waiting_and_while_in_flight(tiny_path):
     h = Harness(tiny_path, kv_slots=1)
     flying, queued = h.seq(max_tokens=50), h.seq()
-    h.scheduler.submit(flying)
-    h.scheduler.submit(queued)
-    h.scheduler.cancel(queued)
-    assert drain(queued) == [SeqOutput(finish_reason="cancelled")] and not h.scheduler.waiting
+    h.engine.submit(flying)
+    h.engine.submit(queued)
+    h.engine.cancel(queued)
+    assert drain(queued) == [RequestOutput(finish_reason="cancelled")] and not h.scheduler.waiting
     await h.step()
     assert flying.in_flight
-    h.scheduler.cancel(flying)
+    h.engine.cancel(flying)
     await h.step()
     assert h.client.released == [[flying.seq_id]]  # sent after the micro-batch that holds it
     h.client.deliver()  # its late result is dropped: no token after the cancel
     await h.step()
-    assert drain(flying) == [SeqOutput(finish_reason="cancelled")] and flying.output_ids == []
-    assert h.scheduler.metrics.registry.get_sample_value("stagemesh_gateway_requests_total", {"outcome": "cancelled"}) == 2
+    assert drain(flying) == [RequestOutput(finish_reason="cancelled")] and flying.output_ids == []
+    assert h.engine.metrics.registry.get_sample_value("stagemesh_gateway_requests_total", {"outcome": "cancelled"}) == 2
 
 
 async def test_replay_after_a_lost_pipeline_continues_the_same_tokens(tiny_path):
     h = Harness(tiny_path, kv_slots=2, max_inflight=1)
     seq = h.seq(prompt_len=6, max_tokens=12)
     expected = list(generate_tokens(h.client.local, seq.prompt_ids, SamplingParams(), 12))
-    h.scheduler.submit(seq)
+    h.engine.submit(seq)
     for _ in range(5):  # prefill + 4 decodes
         await h.step()
         h.client.deliver()
@@ -237,7 +240,7 @@ async def test_replay_after_a_lost_pipeline_continues_the_same_tokens(tiny_path)
 async def test_a_stage_that_forgot_a_sequence_is_recognised_by_its_error_code(tiny_path):
     h = Harness(tiny_path)
     seq = h.seq()
-    h.scheduler.submit(seq)
+    h.engine.submit(seq)
     await h.step()
     generation = h.pipeline.generation
     h.client.fail(next(iter(h.client.sent)), UnknownSequence.code, "whatever words a stage chooses")
@@ -245,7 +248,7 @@ async def test_a_stage_that_forgot_a_sequence_is_recognised_by_its_error_code(ti
     assert h.pipeline.generation == generation + 1 and not seq.done  # replayed, not failed
     h2 = Harness(tiny_path)
     other = h2.seq()
-    h2.scheduler.submit(other)
+    h2.engine.submit(other)
     await h2.step()
     h2.client.fail(next(iter(h2.client.sent)), "bad_input", "sequence s0 has no KV slot")  # the old magic words
     await asyncio.sleep(0)
@@ -256,39 +259,39 @@ async def test_a_sequence_replayed_too_often_fails_with_a_reason(tiny_path):
     h = Harness(tiny_path)
     h.scheduler.max_replays = 1
     seq = h.seq()
-    h.scheduler.submit(seq)
+    h.engine.submit(seq)
     for _ in range(2):
         await h.step()
         h.pipeline.mark_lost("stage 1 vanished")
     await h.step()
-    assert drain(seq)[-1] == SeqOutput(finish_reason="error", error="the pipeline failed 1 times during this request; "
+    assert drain(seq)[-1] == RequestOutput(finish_reason="error", error="the pipeline failed 1 times during this request; "
                                                                     "the last time: stage 1 vanished")  # the cause
 
 
 def test_text_held_for_a_stop_string_reaches_the_client_when_eos_arrives(smollm2):
     """Held-back text that could begin a stop string is flushed when the sequence ends on EOS."""
     tok = smollm2.tokenizer
-    seq = Sequence(seq_id="s", prompt_ids=[1], stop_ids=tok.eos_ids)
+    seq = Request(seq_id="s", prompt_ids=[1], stop_ids=tok.eos_ids)
     proc = OutputProcessor(seq, tok, stop=[" Hello world"])
     events, ids = [], tok.encode("Say Hello")
     for t in ids:
-        events += proc.process(SeqOutput(t))
+        events += proc.process(RequestOutput(t))
     assert "".join(e["text"] for e in events) == "Say"  # " Hello" is held back: it may begin the stop string
-    final = proc.process(SeqOutput(tok.eos_id, finish_reason="stop"))
+    final = proc.process(RequestOutput(tok.eos_id, finish_reason="stop"))
     assert [e["type"] for e in final] == ["token", "done"] and final[0]["text"] == " Hello"
     assert final[1]["finish_reason"] == "stop" and final[1]["usage"]["completion_tokens"] == len(ids) + 1
 
 
 def test_a_completed_stop_string_is_never_shown_and_ends_as_stop(smollm2):
     tok = smollm2.tokenizer
-    seq = Sequence(seq_id="s", prompt_ids=[1])
+    seq = Request(seq_id="s", prompt_ids=[1])
     proc = OutputProcessor(seq, tok, stop=[" world"])
     shown = []
     for t in tok.encode("Hello world and more"):
-        shown += proc.process(SeqOutput(t))
+        shown += proc.process(RequestOutput(t))
         if proc.stop_string_hit:
             break
-    shown += proc.process(SeqOutput(finish_reason="stop"))
+    shown += proc.process(RequestOutput(finish_reason="stop"))
     assert "".join(e["text"] for e in shown if e["type"] == "token") == "Hello"
     assert shown[-1]["type"] == "done" and shown[-1]["finish_reason"] == "stop"
 

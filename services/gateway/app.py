@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.config import API_KEY_ENV, GatewayConfig
 from services.gateway.core import GATEWAY, Gateway
+from services.gateway.engine import Engine
 from services.gateway.mesh_view import add_mesh_view
 from services.gateway.metrics import (
     GatewayMetrics,
@@ -30,7 +31,6 @@ from services.gateway.metrics import (
 from services.gateway.openai_api import chat_completions, completions, models
 from services.gateway.pipeline import Pipeline
 from services.gateway.replicas import Replica, Replicas
-from services.gateway.scheduler import Scheduler
 from services.gateway.schemas import RequestError
 from services.gateway.ws import stream_ws
 from shared.config import SERVING_DEFAULTS, ServingConfig
@@ -229,7 +229,7 @@ async def _background(app: web.Application):
     gw = app[GATEWAY]
     replicas = gw.replicas.all
     await asyncio.gather(*(r.pipeline.start() for r in replicas))
-    tasks = [asyncio.create_task(r.scheduler.run(), name=f"scheduler-{r.name}") for r in replicas]
+    tasks = [asyncio.create_task(r.engine.run(), name=f"scheduler-{r.name}") for r in replicas]
     yield
     gw.replicas.shutdown()  # a no-op after Gateway.drain, which ends requests while connections are still open
     for task in tasks:
@@ -239,7 +239,7 @@ async def _background(app: web.Application):
     for r in replicas:
         await r.pipeline.close()
     gw.lanes.close()
-    otlp = replicas[0].scheduler.otlp  # one tracer for every scheduler
+    otlp = replicas[0].engine.otlp  # one tracer for every engine
     if otlp is not None:
         await asyncio.sleep(0)  # let the closed client's futures end their micro-batch spans first
         otlp.shutdown()  # exports the spans still queued (bounded by the export timeout)
@@ -252,9 +252,8 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
     metrics_ = GatewayMetrics()
     watch_transport(metrics_, summed_transport(pipelines))
-    replicas = Replicas([Replica(f"p{i}", p, Scheduler(p, metrics_, max_inflight=max_inflight, config=serving,
-                                                         otlp=otlp, prefix_cache=prefix_cache,
-                                                         prefix_audit=prefix_audit))
+    replicas = Replicas([Replica(f"p{i}", p, Engine(p, metrics_, max_inflight=max_inflight, config=serving, otlp=otlp,
+                                                      prefix_cache=prefix_cache, prefix_audit=prefix_audit))
                          for i, p in enumerate(pipelines)], metrics_)
     indexes = [r.scheduler.prefix for r in replicas.all if r.scheduler.prefix is not None]
     if indexes:

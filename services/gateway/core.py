@@ -22,7 +22,8 @@ from services.gateway.config import (
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputProcessor
 from services.gateway.replicas import Replicas
-from services.gateway.scheduler import QueueFull, Sequence, new_seq_id
+from services.gateway.request import Request, TraceCapture, new_seq_id
+from services.gateway.scheduler import QueueFull
 from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
 from services.gateway.tools import forced_call_schema, tool_messages
 from shared.errors import ChatTemplateError
@@ -90,7 +91,7 @@ class Gateway:
             self._char_cap = (context, prompt_char_cap(self.files, context))
         return self._char_cap[1]
 
-    async def prepare(self, spec: GenerationSpec) -> Sequence:
+    async def prepare(self, spec: GenerationSpec) -> Request:
         """Check the size, tokenize (off the loop, in a lane by size: chat templates may take up to their time
         cap) and check the context."""
         if spec.trace and not self.config.allow_trace:  # another request's activations, the model's internals
@@ -135,18 +136,18 @@ class Gateway:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                                f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
         timeout = spec.timeout_s or self.config.request_timeout_s
-        return Sequence(trace_budget=self.config.trace_budget if spec.trace else 0,
-                        seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
-                        stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
-                        deadline=time.perf_counter() + timeout, trace=spec.trace, grammar=grammar)
+        return Request(seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
+                       stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
+                       deadline=time.perf_counter() + timeout, grammar=grammar,
+                       capture=TraceCapture(self.config.trace_budget) if spec.trace else None)
 
-    def submit(self, seq: Sequence, session: str | None = None) -> None:
+    def submit(self, seq: Request, session: str | None = None) -> None:
         try:
             self.replicas.submit(seq, session)
         except QueueFull as e:
             raise RequestError(str(e), status=429, code="queue_full") from None
 
-    async def start(self, body: dict, chat: bool, session: str | None = None) -> tuple[GenerationSpec, Sequence]:
+    async def start(self, body: dict, chat: bool, session: str | None = None) -> tuple[GenerationSpec, Request]:
         """Validate, tokenize and queue one generation request. `session` (a header) or the body's OpenAI `user`
         keeps a conversation on one pipeline (Replicas.route)."""
         spec = parse_generation(body, chat, self.replicas.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
@@ -155,9 +156,9 @@ class Gateway:
         self.submit(seq, session or (user if isinstance(user, str) and user else None))
         return spec, seq
 
-    async def events(self, seq: Sequence, spec: GenerationSpec) -> AsyncIterator[dict]:
+    async def events(self, seq: Request, spec: GenerationSpec) -> AsyncIterator[dict]:
         """The request's client events, through the output processor, ending with its done or error event.
-        A stop string ends the sequence here: the scheduler frees its slots and reports the finish."""
+        A stop string ends the request here: the scheduler frees its slots and reports the finish."""
         proc = OutputProcessor(seq, self.files.tokenizer, spec.stop)
         self.open_streams += 1
         logged = False
@@ -198,13 +199,13 @@ class Gateway:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the gateway is shutting down")
 
 
-def _log_access(seq: Sequence) -> bool:
+def _log_access(seq: Request) -> bool:
     """The access log's line for one generation request: where it ran (its pipeline, and how often it moved), how it
     ended, its sizes and time."""
     access_log.info("request %s pipeline=%s handoffs=%d replays=%d finish=%s prompt_tokens=%d cached_tokens=%d "
                     "output_tokens=%d duration_ms=%.0f", seq.seq_id, seq.pipeline, seq.handoffs, seq.replays,
                     seq.finish_reason or "open", len(seq.prompt_ids), seq.cached_tokens, len(seq.output_ids),
-                    (time.perf_counter() - seq.t_arrival) * 1e3)
+                    (time.perf_counter() - seq.times.arrival) * 1e3)
     return True
 
 

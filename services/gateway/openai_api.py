@@ -12,7 +12,7 @@ from aiohttp import web
 from services.gateway.config import BODY_READ_TIMEOUT_S
 from services.gateway.core import GATEWAY
 from services.gateway.replicas import SESSION_HEADER
-from services.gateway.scheduler import Sequence
+from services.gateway.request import Request
 from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
 from services.gateway.tools import ToolCallParser
 
@@ -50,7 +50,7 @@ class OpenAIShape:
     """One request's OpenAI objects: the id, the chunk envelope, the final response, and (when the request asked
     for logprobs) each token's logprobs in chat's or completions' shape."""
 
-    def __init__(self, seq: Sequence, chat: bool, model_id: str, spec: GenerationSpec):
+    def __init__(self, seq: Request, chat: bool, model_id: str, spec: GenerationSpec):
         self.chat = chat
         self.logprobs, self.top_logprobs = spec.logprobs, spec.sampling.top_logprobs
         self.text_offset = 0  # completions: characters of text before the next token
@@ -158,7 +158,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         gw.replicas.cancel(seq)  # no-op when finished; frees KV slots when the client went away
 
 
-async def _stream_sse(request, gw, seq: Sequence, spec: GenerationSpec, shape: OpenAIShape) -> web.StreamResponse:
+async def _stream_sse(request, gw, seq: Request, spec: GenerationSpec, shape: OpenAIShape) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)

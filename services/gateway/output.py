@@ -1,4 +1,4 @@
-"""The output processor: turns what the scheduler reports for one request (SeqOutput) into the events a client
+"""The output processor: turns what the scheduler reports for one request (RequestOutput) into the events a client
 sees. It owns detokenizing (UTF-8-safe deltas), stop strings (text that could begin one is held back, a completed
 one is never shown), usage, timings and the trace JSON. The scheduler never touches text.
 
@@ -13,7 +13,7 @@ OpenAI handlers turn them into chunks:
 
 from __future__ import annotations
 
-from services.gateway.scheduler import SeqOutput, Sequence
+from services.gateway.request import Request, RequestOutput
 from shared.sampling import TopLogprobs
 from shared.streaming import TextStream
 from shared.tokenizer import GgufTokenizer
@@ -24,19 +24,19 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return round((b - a) * 1000, 2) if a is not None and b is not None else None
 
 
-def timings(seq: Sequence) -> dict:
-    n = len(seq.output_ids)
-    per_token = _ms(seq.t_first, seq.t_last) / (n - 1) if n > 1 and seq.t_last else None
-    return {"queued_ms": _ms(seq.t_arrival, seq.t_admitted), "ttft_ms": _ms(seq.t_arrival, seq.t_first),
-            "per_token_ms": per_token and round(per_token, 2), "total_ms": _ms(seq.t_arrival, seq.t_last)}
+def timings(req: Request) -> dict:
+    n, t = len(req.output_ids), req.times
+    per_token = _ms(t.first_token, t.last_token) / (n - 1) if n > 1 and t.last_token else None
+    return {"queued_ms": _ms(t.arrival, t.admitted), "ttft_ms": _ms(t.arrival, t.first_token),
+            "per_token_ms": per_token and round(per_token, 2), "total_ms": _ms(t.arrival, t.last_token)}
 
 
 class OutputProcessor:
     """One request's outputs -> client events. `stop_string_hit` turns true on the token that completes a stop
-    string; the caller then ends the sequence (Scheduler.finish(seq, "stop")), whose final SeqOutput brings the
+    string; the caller then ends the sequence (Engine.finish(seq, "stop")), whose final RequestOutput brings the
     done event. Tokens the scheduler reports after that are counted nowhere and shown never."""
 
-    def __init__(self, seq: Sequence, tokenizer: GgufTokenizer, stop: list[str] | None = None):
+    def __init__(self, seq: Request, tokenizer: GgufTokenizer, stop: list[str] | None = None):
         self.seq = seq
         self.tokenizer = tokenizer
         self.stream = TextStream(tokenizer, stop)
@@ -46,7 +46,7 @@ class OutputProcessor:
     def stop_string_hit(self) -> bool:
         return self.stream.stopped
 
-    def process(self, out: SeqOutput) -> list[dict]:
+    def process(self, out: RequestOutput) -> list[dict]:
         events: list[dict] = []
         if out.token is not None and not self.stream.stopped:
             self.completion_tokens += 1
@@ -85,9 +85,9 @@ class OutputProcessor:
                  "total_tokens": len(seq.prompt_ids) + self.completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
         done = {"type": "done", "finish_reason": reason, "usage": usage, "timings": timings(seq)}
-        if seq.trace:
-            rec = TraceRecorder([HookCapture.from_wire(c) for c in seq.captures], seq.output_ids, len(seq.prompt_ids))
-            done["trace"] = rec.to_json(seq.prompt_ids)
+        if seq.capture is not None:
+            captures = [HookCapture.from_wire(c) for c in seq.capture.captures]
+            done["trace"] = TraceRecorder(captures, seq.output_ids, len(seq.prompt_ids)).to_json(seq.prompt_ids)
             # over its budget: the captures stop at some step; say so rather than look like a complete trace
-            done["trace"]["truncated"] = seq.trace_bytes >= seq.trace_budget
+            done["trace"]["truncated"] = seq.capture.truncated
         return done

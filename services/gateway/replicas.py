@@ -1,6 +1,6 @@
 """Several pipelines (replicas) behind one gateway, and the one place that picks which runs a request.
 
-Each Replica is a Pipeline with its own Scheduler (and that scheduler's KV slots and PrefixIndex); they serve the
+Each Replica is a Pipeline with its own Engine and Scheduler (and that scheduler's KV slots and PrefixIndex); they serve the
 same model. Routing follows SGLang's cache_aware policy, in this order:
 
 1. balance: when the busiest ready replica's load exceeds the idlest's by more than BALANCE_ABS and by a factor of
@@ -13,7 +13,7 @@ same model. Routing follows SGLang's cache_aware policy, in this order:
 
 A replica's load is its queued plus running sequences. A replica that is not ready (a stage lost, inconsistent, or
 a stalled micro-batch) takes no new request until it is ready again, and hands its open sequences to a ready one
-(Scheduler.handoff -> Replicas.take_over), which replays them from their token history. Every decision is counted
+(Engine.handoff -> Replicas.take_over), which replays them from their token history. Every decision is counted
 by reason and pipeline (stagemesh_gateway_routing_decisions_total)."""
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
-from services.gateway.scheduler import Scheduler, Sequence
+from services.gateway.request import Request
+from services.gateway.scheduler import Scheduler
 
 log = logging.getLogger("stagemesh.gateway.replicas")
 
@@ -41,13 +43,17 @@ SESSION_HEADER = "X-Stagemesh-Session"
 class Replica:
     name: str  # "p0", "p1", ...: the `pipeline` label of the metrics, the mesh view and the access log
     pipeline: Pipeline
-    scheduler: Scheduler
+    engine: Engine  # the loop around its scheduler: what requests are submitted to
     routed: int = 0  # requests routed here (handed-over ones included)
     handed_off: int = 0  # open sequences it handed to another replica after losing a stage
 
     @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    @property
     def load(self) -> int:
-        """Sequences it holds: queued and running (what a new request waits behind)."""
+        """Requests it holds: queued and running (what a new request waits behind)."""
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def kv_used(self) -> float:
@@ -75,7 +81,7 @@ class Replicas:
         for r in replicas:
             if len(replicas) > 1:
                 r.pipeline.name = r.name
-            r.scheduler.handoff = lambda seqs, src=r: self.take_over(seqs, src)
+            r.engine.handoff = lambda reqs, src=r: self.take_over(reqs, src)
 
     # ---- state across replicas ---------------------------------------------------------------------------------
 
@@ -101,8 +107,8 @@ class Replicas:
     def idle(self) -> bool:
         return all(r.scheduler.idle for r in self.all)
 
-    def owner(self, seq: Sequence) -> Scheduler:
-        return self.by_name[seq.pipeline].scheduler if seq.pipeline in self.by_name else self.all[0].scheduler
+    def owner(self, req: Request) -> Engine:
+        return self.by_name[req.pipeline].engine if req.pipeline in self.by_name else self.all[0].engine
 
     # ---- routing -----------------------------------------------------------------------------------------------
 
@@ -143,41 +149,41 @@ class Replicas:
             while len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
 
-    def submit(self, seq: Sequence, session: str | None = None) -> Replica:
+    def submit(self, req: Request, session: str | None = None) -> Replica:
         """Route and queue a new request (QueueFull from the chosen replica's scheduler)."""
-        replica, reason = self.route(seq.all_ids, session)
-        seq.pipeline = replica.name
-        replica.scheduler.submit(seq)
+        replica, reason = self.route(req.all_ids, session)
+        req.pipeline = replica.name
+        replica.engine.submit(req)
         self._count(replica, reason, session)
         return replica
 
-    def take_over(self, seqs: list[Sequence], source: Replica) -> list[Sequence]:
+    def take_over(self, reqs: list[Request], source: Replica) -> list[Request]:
         """`source` is not ready: give its open sequences to ready replicas, which replay them from their token
         history (running ones before queued ones). Returns those placed; none when no other replica is ready."""
         if not any(r is not source for r in self.ready):
             return []
-        for seq in seqs:
-            target, _ = self.route(seq.all_ids, exclude=source)
+        for req in reqs:
+            target, _ = self.route(req.all_ids, exclude=source)
             log.warning("pipeline %s is not ready (%s): request %s replays on pipeline %s", source.name,
-                        source.pipeline.problem, seq.seq_id, target.name)
-            seq.pipeline = target.name
-            seq.handoffs += 1
-            target.scheduler.adopt(seq)
+                        source.pipeline.problem, req.seq_id, target.name)
+            req.pipeline = target.name
+            req.handoffs += 1
+            target.engine.adopt(req)
             self._count(target, "failover", None)
-        self.metrics.handoffs.labels(source.name).inc(len(seqs))
-        source.handed_off += len(seqs)
-        return seqs
+        self.metrics.handoffs.labels(source.name).inc(len(reqs))
+        source.handed_off += len(reqs)
+        return reqs
 
     # ---- what the handlers call --------------------------------------------------------------------------------
 
-    def cancel(self, seq: Sequence) -> None:
-        self.owner(seq).cancel(seq)
+    def cancel(self, req: Request) -> None:
+        self.owner(req).cancel(req)
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        self.owner(seq).finish(seq, reason, error)
+    def finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        self.owner(req).finish(req, reason, error)
 
     def shutdown(self, message: str = "the gateway is shutting down") -> int:
-        return sum(r.scheduler.shutdown(message) for r in self.all)
+        return sum(r.engine.shutdown(message) for r in self.all)
 
     def info(self) -> list[dict]:
         """Each replica's routing facts (the mesh view and /ready)."""

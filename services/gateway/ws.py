@@ -9,7 +9,7 @@ import logging
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from services.gateway.core import GATEWAY, Gateway
-from services.gateway.scheduler import Sequence
+from services.gateway.request import Request
 from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
 from shared.log_throttle import throttled
 
@@ -24,7 +24,7 @@ class WsSession:
     def __init__(self, gw: Gateway, ws: web.WebSocketResponse):
         self.gw = gw
         self.ws = ws
-        self.active: dict[str, tuple[Sequence, asyncio.Task]] = {}  # request id -> its sequence and event pump
+        self.active: dict[str, tuple[Request, asyncio.Task]] = {}  # request id -> its sequence and event pump
 
     async def run(self) -> None:
         try:
@@ -93,7 +93,7 @@ class WsSession:
             return await self.error(rid, e.code, e.message)
         self.active[rid] = (seq, asyncio.create_task(self.pump(rid, seq, spec)))
 
-    async def pump(self, rid: str, seq: Sequence, spec: GenerationSpec) -> None:
+    async def pump(self, rid: str, seq: Request, spec: GenerationSpec) -> None:
         try:
             async for ev in self.gw.events(seq, spec):
                 await self.ws.send_json({**ev, "id": rid})
