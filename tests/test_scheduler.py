@@ -1,9 +1,10 @@
 """The scheduler alone: admission, token budget, chunked prefill beside running decodes, deadlines, cancellation,
 replay bookkeeping, error codes -- and the output processor it reports to.
 
-The scheduler under test is the real one; behind it, in place of ZeroMQ, a client that records each micro-batch
-and, when the test says so, computes it for real on a tiny random GGUF (LocalPipeline + the last stage's
-sampling) -- so the tests choose when results arrive, which a live mesh cannot do deterministically."""
+The last section drives the pure policy (Scheduler.plan / on_result) directly: no event loop, no pipeline. The
+others run the real engine loop around it (Engine); behind it, in place of ZeroMQ, a client that records each
+micro-batch and, when the test says so, computes it for real on a tiny random GGUF (LocalPipeline + the last
+stage's sampling) -- so the tests choose when results arrive, which a live mesh cannot do deterministically."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
 from services.gateway.request import Request, RequestOutput
-from services.gateway.scheduler import QueueFull
+from services.gateway.scheduler import MicroBatch, QueueFull, Scheduler
 from shared.config import ServingConfig
-from shared.errors import UnknownSequence
+from shared.errors import KVCacheFull, UnknownSequence
 from shared.generation import generate_tokens, run_local
 from shared.gguf_loader import GgufLoader
 from shared.pipeline_client import PipelineError
@@ -315,3 +316,121 @@ async def test_queue_full_is_429_with_retry_after_through_the_real_gateway(tmp_p
         assert refused[1] == "1" and refused[2]["error"]["code"] == "queue_full"
     finally:
         gw.stop()
+
+
+# ---- the policy alone: plan() and on_result() driven directly, no event loop, no pipeline, no sockets ------------
+
+def policy(kv_slots: int = 4, max_inflight: int = 1, prefix_cache: bool = False, **serving) -> Scheduler:
+    return Scheduler(max_inflight, ServingConfig(**serving), prefix_cache=prefix_cache, kv_slots=kv_slots)
+
+
+def request(name: str, prompt_len: int = 5, max_tokens: int = 8, **kw) -> Request:
+    return Request(seq_id=name, prompt_ids=[(7 * i + 3) % 200 + 1 for i in range(prompt_len)],
+                   params=SamplingParams(), max_tokens=max_tokens, **kw)
+
+
+def sampled(batch: MicroBatch, token: int = 9) -> BatchResult:
+    """What the last stage answers for `batch`: `token` for every entry whose step produces one."""
+    ids = [e.seq_id for e in batch.entries if e.step.produces_token]
+    return BatchResult(batch.mb_id, ids, [token] * len(ids), [None] * len(ids))
+
+
+def shape(batch: MicroBatch) -> list[tuple[str, str, int]]:
+    """(request, step kind, tokens fed) per entry, in batch order (as planned: before its result)."""
+    return [(e.seq_id, type(e.step).__name__, r.feeding) for e, r in zip(batch.entries, batch.requests)]
+
+
+def test_plan_keeps_the_token_budget_and_chunks_each_prompt():
+    s = policy(token_budget=24, prefill_chunk=16)
+    reqs = [request(f"r{i}", prompt_len=20) for i in range(3)]
+    for r in reqs:
+        assert s.submit(r, now=0.0).admitted == [r]
+    (batch,) = s.plan(now=0.0).batches
+    assert shape(batch) == [("r0", "Prefill", 16), ("r1", "Prefill", 8)]  # a chunk, then what the budget leaves
+    assert batch.num_tokens == 24 and not s.plan(now=0.0).batches  # one micro-batch in flight at K=1
+    update = s.on_result(batch.mb_id, sampled(batch), None, now=0.0)
+    assert update.outputs == []  # neither prompt is done: no token sampled yet
+    (batch,) = s.plan(now=0.0).batches
+    assert shape(batch) == [("r0", "Prefill", 4), ("r1", "Prefill", 12), ("r2", "Prefill", 8)]
+    assert [e.step.is_final_chunk for e in batch.entries] == [True, True, False]
+
+
+def test_plan_puts_running_decodes_before_a_new_prompt_and_spreads_them_over_k_microbatches():
+    s = policy(max_inflight=2, prefill_chunk=32, token_budget=512)
+    a, b = request("a", max_tokens=50), request("b", max_tokens=50)
+    for r in (a, b):
+        s.submit(r, now=0.0)
+    first = s.plan(now=0.0).batches
+    assert [shape(m) for m in first] == [[("a", "Prefill", 5)], [("b", "Prefill", 5)]]  # ceil(2 running / K=2)
+    for m in first:
+        outputs = s.on_result(m.mb_id, sampled(m), None, now=0.0).outputs
+        assert [(r.seq_id, o.token, o.finish_reason) for r, o in outputs] == [(m.requests[0].seq_id, 9, None)]
+    long = request("long", prompt_len=100)
+    s.submit(long, now=0.0)
+    batches = s.plan(now=0.0).batches  # 3 running over K=2: two per micro-batch, decodes first
+    assert [shape(m) for m in batches] == [[("a", "Decode", 1), ("b", "Decode", 1)], [("long", "Prefill", 32)]]
+
+
+def test_a_finished_request_frees_its_slot_for_the_next_plan():
+    s = policy(kv_slots=1)
+    a, b = request("a", max_tokens=1), request("b")
+    s.submit(a, now=0.0)
+    assert s.submit(b, now=0.0).admitted == [] and list(s.waiting) == [b]  # the one slot is a's
+    (batch,) = s.plan(now=0.0).batches
+    (out,) = s.on_result(batch.mb_id, sampled(batch, token=42), None, now=0.0).outputs
+    assert out == (a, RequestOutput(42, None, None, "length")) and a.output_ids == [42] and a.seq_id not in s.running
+    plan = s.plan(now=0.0)
+    assert plan.release == [a.seq_id] and plan.admitted == [b]  # its slot freed on every stage, then b runs there
+    assert [shape(m) for m in plan.batches] == [[("b", "Prefill", 5)]]
+
+
+def test_a_submit_over_the_queue_bound_is_refused_and_leaves_no_trace():
+    s = policy(kv_slots=1, max_queue=1)
+    s.submit(request("a"), now=0.0)
+    s.submit(queued := request("b"), now=0.0)
+    update = s.submit(request("c"), now=0.0)
+    assert update.refused == "1 requests are already waiting; retry shortly" and list(s.waiting) == [queued]
+
+
+def test_kv_full_requeues_the_started_requests_and_holds_admission_for_the_backoff():
+    s = policy(kv_slots=4)
+    a = request("a", max_tokens=50)
+    s.submit(a, now=0.0)
+    (batch,) = s.plan(now=0.0).batches
+    s.on_result(batch.mb_id, sampled(batch), None, now=0.0)  # a runs
+    b, c = request("b"), request("c")
+    s.submit(b, now=0.0)
+    (batch,) = s.plan(now=0.0).batches
+    assert shape(batch) == [("a", "Decode", 1), ("b", "Prefill", 5)]
+    full = PipelineError(BatchError(batch.mb_id, "stage[1:2]", KVCacheFull.code, "no free slot", ["a", "b"]))
+    update = s.on_result(batch.mb_id, None, full, now=10.0)
+    assert update.kv_full and update.requeued == [b] and update.outputs == [] and list(s.waiting) == [b]
+    assert a.output_ids == [9] and not a.in_flight  # nothing of the failed micro-batch counted: a decodes again
+    s.submit(c, now=10.5)
+    plan = s.plan(now=10.5)  # within the backoff: admission holds at the one that fits
+    assert b.seq_id in plan.release and list(s.running) == ["a"] and [shape(m) for m in plan.batches] == [
+        [("a", "Decode", 1)]]
+    assert s.on_result(plan.batches[0].mb_id, sampled(plan.batches[0]), None, now=10.6).outputs
+    assert [r.seq_id for r in s.plan(now=11.5).admitted] == ["c"]  # after it: admits again (b was admitted before)
+    assert list(s.running) == ["a", "b", "c"]
+
+
+def test_errors_deadlines_and_a_lost_pipeline_come_back_as_outputs_and_replays():
+    s = policy(kv_slots=2)
+    a, b = request("a", max_tokens=50), request("b", deadline=5.0)
+    s.submit(a, now=0.0)
+    s.submit(b, now=0.0)
+    (batch,) = s.plan(now=0.0).batches
+    s.on_result(batch.mb_id, sampled(batch), None, now=0.0)
+    assert [(r.seq_id, o.finish_reason) for r, o in s.expire(now=6.0).outputs] == [("b", "timeout")]
+    (batch,) = s.plan(now=6.0).batches
+    lost = s.pipeline_lost("stage 1 vanished")
+    assert lost.abandoned == [batch.mb_id] and not s.inflight and a.replay_due and a.computed == 0
+    assert s.on_result(batch.mb_id, sampled(batch), None, now=6.1).outputs == []  # a late answer: dropped
+    plan = s.plan(now=7.0)
+    assert plan.replays == 1 and a.replays == 1 and "a" in plan.release  # survivors' slots freed first
+    assert shape(plan.batches[0]) == [("a", "Prefill", 6)]  # its prompt and its one token so far, from position 0
+    broken = s.on_result(plan.batches[0].mb_id, None, RuntimeError("socket closed"), now=7.1)
+    assert [(r.seq_id, o.finish_reason, o.error) for r, o in broken.outputs] == [
+        ("a", "error", "pipeline failure: socket closed")]
+    assert s.idle

@@ -401,8 +401,8 @@ class Scheduler:
             if r.seq_id in sampled:
                 token, logprob, top = sampled[r.seq_id]
                 reason = r.append(token, logprob, top)
-                error_ = f"the output left its grammar: {r.grammar.error}" if reason == "error" and r.grammar else None
-                update.outputs.append((r, RequestOutput(token, logprob, top, reason, error_)))
+                why = f"the output left its grammar: {r.grammar.error}" if reason == "error" and r.grammar else None
+                update.outputs.append((r, RequestOutput(token, logprob, top, reason, why)))
                 if reason is not None:
                     self._retire(r, reason)
         return update
