@@ -39,6 +39,9 @@ IDLE_TICK_S = 0.25  # how often deadlines and pipeline health are checked when n
 
 
 class Engine:
+    """One pipeline's engine loop and its Scheduler (`scheduler`, the policy: read its state there). A Replica holds
+    one; run() is its task."""
+
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
                  config: ServingConfig = SERVING_DEFAULTS,
                  failover_timeout_s: float = 120.0, max_replays: int = 3, otlp: OtlpTracer | None = None,
@@ -46,7 +49,8 @@ class Engine:
         self.pipeline = pipeline
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
-        self.scheduler = Scheduler(max_inflight, config, max_replays, prefix_cache, prefix_audit)
+        self.scheduler = Scheduler(max_inflight, config, max_replays=max_replays, prefix_cache=prefix_cache,
+                                   prefix_audit=prefix_audit, kv_slots=pipeline.kv_slots)
         self.failover_timeout_s = failover_timeout_s
         self._mb_spans: dict[int, object] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
         self._wake = asyncio.Event()
@@ -221,7 +225,7 @@ class Engine:
                 self._end_request_span(req, out)
             if req.audit is None:
                 if out.finish_reason in ("stop", "length"):
-                    self.metrics.e2e.observe(time.perf_counter() - times.arrival)
+                    self.metrics.e2e.observe(now - times.arrival)
                 self.metrics.requests.labels(out.finish_reason).inc()
         req.outputs.put_nowait(out)
 
