@@ -19,7 +19,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
 from services.gateway.scheduler import QueueFull, Scheduler, SeqOutput, Sequence
-from shared.config import ServingConfig
+from shared.config import SchedulerConfig
 from shared.errors import UnknownSequence
 from shared.generation import generate_tokens, run_local
 from shared.gguf_loader import GgufLoader
@@ -93,8 +93,8 @@ class Harness:
         self.pipeline = Pipeline(["http://unused"], "tcp://unused", "fp", 2)
         self.pipeline.infos = [{"kv": {"slots": kv_slots, "max_seq_len": CONTEXT}}]
         self.pipeline.problem, self.pipeline.client = None, self.client
-        self.scheduler = Scheduler(self.pipeline, GatewayMetrics(), max_inflight, ServingConfig(**serving),
-                                   prefix_cache=prefix_cache)
+        self.scheduler = Scheduler(self.pipeline, GatewayMetrics(), max_inflight,
+                                   SchedulerConfig(prefix_cache=prefix_cache, **serving))
         self.ids = itertools.count()
 
     def seq(self, prompt_len: int = 5, max_tokens: int = 8, **kw) -> Sequence:

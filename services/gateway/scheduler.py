@@ -27,7 +27,7 @@ import torch
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.prefix_cache import AUDIT_TOP, PrefixAudit, PrefixIndex
-from shared.config import SERVING_DEFAULTS, ServingConfig
+from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.generation import SequenceState
 from shared.log_throttle import throttled
@@ -117,9 +117,7 @@ class Sequence(SequenceState):
 
 class Scheduler:
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
-                 config: ServingConfig = SERVING_DEFAULTS,
-                 failover_timeout_s: float = 120.0, max_replays: int = 3, otlp: OtlpTracer | None = None,
-                 prefix_cache: bool = True, prefix_audit: float = 0.0):
+                 config: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None):
         self.pipeline = pipeline
         self.otlp = otlp  # distributed tracing (None: off)
         self._mb_spans: dict[int, Any] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
@@ -134,12 +132,12 @@ class Scheduler:
         self.max_inflight_seen = 0
         self._release: list[str] = []
         self._keep: list[str] = []  # finished sequences to keep on every stage, as cached prefixes
-        self.prefix = PrefixIndex() if prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
-        self.prefix_audit = prefix_audit  # share of cache hits checked against a recompute (PrefixAudit)
+        self.prefix = PrefixIndex() if config.prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
+        self.prefix_audit = config.prefix_cache_audit  # share of cache hits checked against a recompute (PrefixAudit)
         self._audit_draw = random.Random(0).random
         self._wake = asyncio.Event()
-        self.failover_timeout_s = failover_timeout_s
-        self.max_replays = max_replays
+        self.failover_timeout_s = config.failover_timeout_s
+        self.max_replays = config.max_replays
         self._generation = pipeline.generation
         self._lost_since: float | None = None
         self._replay_pending = False
