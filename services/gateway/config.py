@@ -74,6 +74,8 @@ class GatewayConfig:
                 raise StagemeshError(f"{flag_for(self, name)} {e}") from None
             except (TypeError, AttributeError):
                 check(self, name, False, "a list of strings")
+        for name in ("metrics_require_key", "allow_trace"):
+            check(self, name, isinstance(getattr(self, name), bool), "given or left out (a switch)")
         check_int(self, "default_max_tokens", 1, none_ok=True)
         check_seconds(self, "request_timeout_s", 0, strict=True)
         check_seconds(self, "drain_timeout_s", 0, strict=False)
