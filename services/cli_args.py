@@ -139,7 +139,6 @@ def _flag_type(cls: type, f: Field, flag: str):
             raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag} ")) from None
         return value
 
-    convert.__name__ = parse.__name__  # argparse names the type in some messages
     return convert
 
 

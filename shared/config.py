@@ -85,8 +85,7 @@ class StageConfig:
     kv_slots: int = knob(32, "concurrent sequences per stage")
     max_seq_len: int = knob(2048, "tokens per sequence, capped by the model's context")
     slot_lease_s: float = knob(120.0, "release a sequence's KV slot when no micro-batch has used it for this long, "
-                                      "so a vanished gateway cannot hold slots forever (0 = never)", unit="seconds",
-                               flag="--slot-lease")
+                                      "so a vanished gateway cannot hold slots forever (0 = never)", unit="seconds")
     threads: int | None = knob(None, "torch threads", unset="all cores; `up` divides them among its stages")
 
     def __post_init__(self):
