@@ -27,12 +27,14 @@ from loadtest.bench import (
 )
 from loadtest.client import BACKENDS
 from loadtest.datasets import builtin_requests, random_requests, sharegpt_requests
+from shared.config import GATEWAY_PORT
 from shared.errors import StagemeshError
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="load-test a server (stagemesh or any OpenAI-compatible one)", description=__doc__)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (default http://127.0.0.1:8000)")
+    p.add_argument("--base-url", default=f"http://127.0.0.1:{GATEWAY_PORT}",
+                   help=f"server URL (default http://127.0.0.1:{GATEWAY_PORT})")
     p.add_argument("--backend", choices=BACKENDS, default="openai",
                    help="openai (completions SSE), openai-chat (chat completions SSE), stagemesh-ws (websocket)")
     p.add_argument("--model", default="smollm2", help="model name sent in requests")

@@ -1,13 +1,14 @@
 """Argument helpers shared by the `stagemesh` subcommands: every flag that more than one command takes is
-declared here, once, with its default from shared.config where it has one."""
+declared here, once; the serving knobs' flags are generated from their config dataclasses (add_config_args), so their
+defaults and help live only on the fields (shared/config.py, services/gateway/config.py)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import MISSING, Field, fields
 
-from services.gateway.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S, DEFAULT_STALL_S
-from shared.config import SERVING_DEFAULTS, ServingConfig
+from shared.config import flag_of
 from shared.device import DTYPES
 from shared.errors import StagemeshError
 from shared.models.compiled_decode import COMPILE_MODES
@@ -80,113 +81,112 @@ def sampling_from_args(args) -> SamplingParams:
         raise StagemeshError(str(e)) from None
 
 
-def add_kv_args(p: argparse.ArgumentParser) -> None:
-    """A stage's KV capacity (`stage`, and `up` for each of its stages)."""
-    d = SERVING_DEFAULTS
-    p.add_argument("--kv-slots", type=int, default=d.kv_slots, help=f"concurrent sequences per stage (default {d.kv_slots})")
-    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
-                   help=f"tokens per sequence (default {d.max_seq_len}, capped by the model's context)")
+# ---- flags generated from the config dataclasses (shared/config.py, services/gateway/config.py) ----------------------
+
+_BASE_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
-def _share(text: str) -> float:
-    """A --prefix-cache-audit value: a number within 0..1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a share within 0..1, e.g. 0.05") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is outside 0..1; e.g. 0.05 checks one cache hit in twenty")
-    return value
+def _base_type(f: Field) -> type:
+    """The value type of field f: int for `int | None`, str for `tuple[str, ...]` (annotations are strings here)."""
+    text = str(f.type)
+    if f.metadata.get("repeatable"):
+        text = text.removeprefix("tuple[").split(",")[0]
+    return _BASE_TYPES[text.split("|")[0].strip()]
 
 
-def add_scheduler_args(p: argparse.ArgumentParser) -> None:
-    """The gateway's scheduling knobs (`gateway`, `up`)."""
-    d = SERVING_DEFAULTS
-    p.add_argument("--max-inflight", type=int, default=None,
-                   help="micro-batches in flight at once (default: the number of stages)")
-    p.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help=f"requests waiting for admission before 429 (default {d.max_queue})")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
-                   help=f"prompt tokens per prefill chunk (default {d.prefill_chunk})")
-    p.add_argument("--token-budget", type=int, default=d.token_budget,
-                   help=f"tokens per micro-batch (default {d.token_budget})")
-    p.add_argument("--prefix-cache", choices=("on", "off"), default="on",
-                   help="keep finished sequences' K/V on every stage and start later requests that share their prefix "
-                        "(a chat's history, a common system prompt) from it, in blocks of 16 tokens; kept prefixes "
-                        "use KV slots no request holds and give them up, least recently used first (default on)")
-    p.add_argument("--prefix-cache-audit", type=_share, default=0.0, metavar="RATE",
-                   help="check this share (0..1) of cache hits live: the gateway also runs the hit's prompt twice, one "
-                        "token each, from the cached prefix and computed in full, and compares the last stage's top "
-                        "logprobs; a mismatch is logged and counted (stagemesh_gateway_prefix_cache_audits_total; "
-                        "default 0: off)")
-    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S, metavar="SECONDS",
-                   help="a micro-batch not back after this long marks the pipeline not ready, naming the hop where it "
-                        f"stopped, and its requests are replayed (default {DEFAULT_STALL_S:g})")
+def _on_off(f: Field) -> bool:
+    """A bool field that is on by default: its flag takes on|off (a bare switch could not turn it off)."""
+    return _base_type(f) is bool and f.default is True
 
 
-def stall_from_args(args) -> float:
-    """--stall-timeout, checked: seconds > 0 (inf: never)."""
-    if not args.stall_timeout > 0:
-        raise StagemeshError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
-    return args.stall_timeout
+def _size_text(n: int) -> str:
+    """64 << 20 -> '64M' (the form the flag takes)."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
 
 
-def add_edge_args(p: argparse.ArgumentParser) -> None:
-    """The gateway's HTTP edge: origin policy, /metrics access, timeouts, drain (`gateway`, `up`)."""
-    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
-                   help="let web pages of ORIGIN (e.g. https://app.example.com; repeatable; * = any) call the API "
-                        "and the websocket; default: only pages the gateway serves itself")
-    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
-                   help="also answer requests whose Host is NAME (repeatable; .example.com = that domain and every "
-                        "name below it; * = any); default: IP addresses, localhost and the --listen/--host address "
-                        "only, so a page on another name that resolves here (DNS rebinding) is refused with 403")
-    p.add_argument("--allow-trace", action="store_true",
-                   help="answer requests with \"trace\": true (every layer's activations of that request: an operator's "
-                        "debugging tool, off by default; `stagemesh trace` needs it)")
-    p.add_argument("--trace-budget", default="64M", metavar="BYTES",
-                   help="activation bytes one traced request may collect (e.g. 16M); beyond it the trace stops and "
-                        "says so (default 64M)")
-    p.add_argument("--metrics-require-key", action="store_true",
-                   help="require the API key (STAGEMESH_API_KEY) on /metrics too")
-    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
-                   help=f"on SIGTERM, how long running requests may finish (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
-    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
-                   help="a request that leaves out max_tokens generates at most N tokens (default: until a stop or "
-                        "the context is full, as OpenAI's API defines it)")
-    p.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S, metavar="SECONDS",
-                   help="close a connection idle this long, or that has not sent its request headers within it "
-                        f"(default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
+def _default_note(f: Field) -> str:
+    """What the flag's help says about its default, from the field's default (written nowhere else)."""
+    meta, default = f.metadata, f.default
+    if default is None or default == ():
+        return f" (default: {meta['unset']})" if meta.get("unset") else ""
+    if _base_type(f) is bool:
+        return " (default on)" if default else ""
+    if meta.get("unit") == "bytes":
+        return f" (default {_size_text(default)})"
+    return f" (default {default:g})" if isinstance(default, float) else f" (default {default})"
 
 
-def edge_from_args(args) -> dict:
-    """GatewayConfig fields from add_edge_args' flags, validated."""
-    origins = []
-    for o in args.allow_origin:
-        o = o.strip().lower().rstrip("/")
-        if o != "*" and not (o.startswith(("http://", "https://")) and "/" not in o.split("://", 1)[1]):
-            raise StagemeshError(f"--allow-origin {o!r} must be '*' or SCHEME://HOST[:PORT], "
-                                 "e.g. https://app.example.com (no path)")
-        origins.append(o)
-    hosts = []
-    for h in args.allow_host:
-        h = h.strip().lower().rstrip(".")
-        if not h or "/" in h or ":" in h:
-            raise StagemeshError(f"--allow-host {h!r} must be a host name such as gateway.example.com, "
-                                 ".example.com (a domain and the names below it) or * (no scheme, port or path)")
-        hosts.append(h)
-    if args.default_max_tokens is not None and args.default_max_tokens < 1:
-        raise StagemeshError(f"--default-max-tokens must be a positive number of tokens, got {args.default_max_tokens}")
-    if args.drain_timeout < 0 or args.keepalive_timeout <= 0:
-        raise StagemeshError("--drain-timeout must be >= 0 and --keepalive-timeout > 0 (seconds)")
-    try:
-        trace_budget = parse_bytes(args.trace_budget)
-    except ValueError as e:
-        raise StagemeshError(f"--trace-budget: {e}") from None
-    return {"allow_trace": args.allow_trace, "trace_budget": trace_budget, "allow_origins": tuple(origins),
-            "allow_hosts": tuple(hosts), "metrics_require_key": args.metrics_require_key,
-            "drain_timeout_s": args.drain_timeout, "keepalive_timeout_s": args.keepalive_timeout,
-            "default_max_tokens": args.default_max_tokens}
+def _flag_type(cls: type, f: Field, flag: str):
+    """argparse's type for field f: the text parsed (its `parse`, else its type), then checked by the config class's
+    own validation with this one value, so a bad value is refused at parse time naming the flag."""
+    parse = f.metadata.get("parse") or _base_type(f)
+    required = {g.name: None for g in fields(cls) if g.default is MISSING and g.default_factory is MISSING}
 
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError as e:
+            if f.metadata.get("parse"):
+                raise argparse.ArgumentTypeError(str(e)) from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_TYPE_NAMES[parse]}") from None
+        try:
+            cls(**{**required, f.name: (value,) if f.metadata.get("repeatable") else value})
+        except StagemeshError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag} ")) from None
+        return value
+
+    return convert
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:
+    """One flag per field of config class `cls` (or per field named in `only`): --kebab-case name, type, default and
+    help from the field. The parsed value lands under the field's own name (args.<field>)."""
+    for f in fields(cls):
+        flag = flag_of(f)
+        if flag is None or (only is not None and f.name not in only):
+            continue
+        meta = f.metadata
+        text = (meta["help"] + _default_note(f)).replace("%", "%%")
+        if _on_off(f):
+            p.add_argument(flag, dest=f.name, choices=("on", "off"), default="on", help=text)
+        elif _base_type(f) is bool:
+            p.add_argument(flag, dest=f.name, action="store_true", help=text)
+        else:
+            unit = meta.get("unit")
+            metavar = meta.get("metavar") or {"seconds": "SECONDS", "bytes": "BYTES"}.get(unit) or (
+                "N" if _base_type(f) is int else None)
+            p.add_argument(flag, dest=f.name, type=_flag_type(cls, f, flag), metavar=metavar, help=text,
+                           action="append" if meta.get("repeatable") else "store",
+                           default=list(f.default) if meta.get("repeatable") else f.default)
+
+
+def config_from_args(cls: type, args, **set_by_command):
+    """The config of class `cls` these parsed arguments describe (fields whose flag a command lacks keep their
+    defaults; `set_by_command` fills the fields that are no flag), validated by the class."""
+    values = {}
+    for f in fields(cls):
+        if flag_of(f) is None or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if _on_off(f):
+            value = value == "on"
+        elif f.metadata.get("repeatable"):
+            value = tuple(value)
+        values[f.name] = value
+    return cls(**values, **set_by_command)
+
+
+def config_argv(config, names: tuple[str, ...]) -> list[str]:
+    """The flags that give a command the values of `names` in `config` (what `up` passes on to its stages)."""
+    argv = []
+    for f in fields(config):
+        if f.name in names:
+            argv += [flag_of(f), str(getattr(config, f.name))]
+    return argv
 
 def model_flags(args) -> list[str]:
     """The add_model_args flags of args as a stage command line wants them (what `up` forwards to its stages)."""
@@ -204,13 +204,6 @@ def model_flags(args) -> list[str]:
     if getattr(args, "compile_decode", None):
         flags += ["--compile-decode", args.compile_decode]
     return flags
-
-
-def serving_from_args(args) -> ServingConfig:
-    """The ServingConfig these arguments describe (flags a command lacks keep their defaults); validated."""
-    d = SERVING_DEFAULTS
-    return ServingConfig(**{name: getattr(args, name, getattr(d, name))
-                            for name in ("prefill_chunk", "token_budget", "max_queue", "kv_slots", "max_seq_len")})
 
 
 def add_otlp_args(p: argparse.ArgumentParser) -> None:

@@ -11,9 +11,10 @@ import time
 import urllib.error
 import urllib.request
 
+from shared.config import GATEWAY_PORT
 from shared.errors import StagemeshError
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_URL = f"http://127.0.0.1:{GATEWAY_PORT}"
 NOT_READY = 1
 KEY_REFUSED = 3
 

@@ -17,24 +17,25 @@ import time
 from aiohttp import web
 
 from services.cli_args import (
-    add_edge_args,
-    add_kv_args,
+    add_config_args,
     add_model_args,
     add_otlp_args,
-    add_scheduler_args,
-    edge_from_args,
+    config_argv,
+    config_from_args,
     model_flags,
     otlp_from_args,
-    serving_from_args,
-    stall_from_args,
 )
 from services.gateway.app import serve_until_signal
+from services.gateway.config import GatewayConfig
 from services.gateway.core import GATEWAY
-from services.gateway.main import PipelineSpec, build_app
+from services.gateway.main import PipelineSpec, build_app, gateway_config_from_args
 from services.keys_cli import add_security_args
 from services.launch import LocalMesh, start_mesh
+from shared.config import GATEWAY_PORT, SchedulerConfig, StageConfig
 from shared.errors import StagemeshError
 from shared.model_registry import resolve_model
+
+STAGE_FLAGS = ("kv_slots", "max_seq_len")  # the StageConfig fields `up` takes and passes on to every stage it starts
 
 
 def register(sub) -> None:
@@ -45,12 +46,12 @@ def register(sub) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="pipelines of --stages stages each, behind the one gateway (default 1): requests are routed "
                         "by prefix cache, session and load, and move to another pipeline when one loses a stage")
-    p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port (default 8000)")
+    p.add_argument("--port", type=_port, default=GATEWAY_PORT, help=f"gateway HTTP port (default {GATEWAY_PORT})")
     p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
-    add_kv_args(p)
+    add_config_args(p, StageConfig, only=STAGE_FLAGS)
     p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
-    add_scheduler_args(p)
-    add_edge_args(p)
+    add_config_args(p, SchedulerConfig)
+    add_config_args(p, GatewayConfig)
     add_otlp_args(p)
     add_security_args(p, up=True)  # up makes ephemeral keys itself; only --insecure-plaintext is offered
     p.set_defaults(func=cmd_up)
@@ -139,9 +140,9 @@ def cmd_up(args) -> int:
     if args.replicas < 1:
         raise StagemeshError(f"--replicas {args.replicas} must be at least 1")
     otlp_url = otlp_from_args(args)  # the stages export to the same collector
-    serving = serving_from_args(args)
-    edge_from_args(args)  # the gateway's edge flags (origins, hosts, trace budget), checked again by build_app
-    stall_from_args(args)
+    stage = config_from_args(StageConfig, args)
+    config_from_args(SchedulerConfig, args)  # the gateway's flags, checked now (build_app builds them again)
+    gateway_config_from_args(args, args.model)
     log_dir = log_dir_from_args(args.log_dir)
     check_port_free(args.host, args.port)
     model_path = check_model(args.model)
@@ -160,8 +161,7 @@ def cmd_up(args) -> int:
                 args.model, args.stages, log_dir=log_dir if args.replicas == 1 else os.path.join(log_dir, f"p{r}"),
                 avoid_ports=frozenset({args.port}), keys_dir=keys_dir,
                 threads=max(1, (os.cpu_count() or 1) // (args.stages * args.replicas)),
-                extra=model_flags(args) + ["--kv-slots", str(serving.kv_slots),
-                                           "--max-seq-len", str(serving.max_seq_len)]
+                extra=model_flags(args) + config_argv(stage, STAGE_FLAGS)
                 + (["--otlp-endpoint", otlp_url] if otlp_url else []),
                 insecure_plaintext=args.insecure_plaintext,
                 progress=lambda line, r=r: _say(f"  {f'p{r} ' if args.replicas > 1 else ''}{line}")))

@@ -1,27 +1,137 @@
-"""ServingConfig: the serving defaults, written once. The CLI (`stage`, `gateway`, `up`), the gateway's scheduler,
-local generation and `trace` all read them from here."""
+"""The serving knobs, each written once: a frozen dataclass per process role, every field with its default, its help
+and (through `knob`) how its command-line flag reads. `services/cli_args.py` generates the flags of `stage`,
+`gateway` and `up` from these fields (vLLM's EngineArgs idea), so a default or a help text lives only here.
+
+- StageConfig: what one stage holds (KV capacity, slot lease, threads).
+- SchedulerConfig: how the gateway batches, admits and recovers (services/gateway/scheduler.py, pipeline.py).
+- GatewayConfig (services/gateway/config.py): the gateway's HTTP edge and request defaults.
+
+Flag naming: `--` + the field name in kebab case; a field in seconds ends in `_s`, which its flag drops
+(`drain_timeout_s` -> `--drain-timeout SECONDS`); a field may name its flag itself (`allow_origins` ->
+`--allow-origin`, repeatable). Validation is each class's `__post_init__`, whose errors name the flag, so a config
+built in code is checked the same way as one built from a command line."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
 from shared.errors import StagemeshError
 
+GATEWAY_PORT = 8000  # the gateway's HTTP port unless told otherwise (`up --port`, `gateway --listen`, clients' URLs)
+
+
+def knob(default: Any, help: str, *, unit: str | None = None, unset: str | None = None, flag: str | None = None,
+         repeatable: bool = False, parse: Any = None, metavar: str | None = None) -> Any:
+    """A config field that is a command-line flag.
+
+    help: what it does, without its default (the flag's help appends it). unit: "seconds" or "bytes" (how the
+    default is shown; "bytes" flags take 64M-style sizes). unset: what a None default means ("the number of
+    stages"). flag: its flag when not derived from the name. repeatable: a tuple field given by repeating the flag.
+    parse: the argparse type (default: the field's own type)."""
+    meta = {"help": help, "unit": unit, "unset": unset, "flag": flag, "repeatable": repeatable, "parse": parse,
+            "metavar": metavar}
+    if repeatable:
+        return field(default=tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def not_a_flag(reason: str, default: Any = MISSING) -> Any:
+    """A config field the command sets itself (from another flag, the environment, or at run time): no flag."""
+    return field(default=default, metadata={"help": reason, "not_a_flag": True})
+
+
+def flag_of(f: Field) -> str | None:
+    """The flag that sets field f (None: the command sets it itself)."""
+    if f.metadata.get("not_a_flag"):
+        return None
+    if f.metadata.get("flag"):
+        return f.metadata["flag"]
+    name = f.name.removesuffix("_s") if f.metadata.get("unit") == "seconds" else f.name
+    return "--" + name.replace("_", "-")
+
+
+def flag_for(config: Any, name: str) -> str:
+    """The flag of field `name` of a config class or instance (for error messages)."""
+    return flag_of(next(f for f in fields(config) if f.name == name)) or name
+
+
+def check(config: Any, name: str, ok: bool, must: str) -> None:
+    """Raise a StagemeshError naming the flag of `name` when not ok: '--kv-slots must be >= 1, got 0'."""
+    if not ok:
+        raise StagemeshError(f"{flag_for(config, name)} must be {must}, got {getattr(config, name)!r}")
+
+
+def check_int(config: Any, name: str, low: int, none_ok: bool = False) -> None:
+    value = getattr(config, name)
+    if value is None and none_ok:
+        return
+    check(config, name, isinstance(value, int) and not isinstance(value, bool) and value >= low,
+          f"an integer >= {low}")
+
+
+def check_seconds(config: Any, name: str, low: float, strict: bool) -> None:
+    value = getattr(config, name)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    check(config, name, number and (value > low if strict else value >= low),
+          f"{'>' if strict else '>='} {low:g} seconds")
+
 
 @dataclass(frozen=True)
-class ServingConfig:
-    prefill_chunk: int = 128  # prompt tokens per prefill chunk: a long prompt delays running decodes by one chunk
-    token_budget: int = 512  # tokens per micro-batch (decodes count 1 each)
-    max_queue: int = 256  # requests waiting for admission before the gateway answers 429
-    kv_slots: int = 32  # concurrent sequences per stage
-    max_seq_len: int = 2048  # tokens per sequence (capped by the model's context)
+class StageConfig:
+    """One stage's serving knobs (`stage`; `up` passes kv_slots and max_seq_len to each of its stages)."""
+
+    kv_slots: int = knob(32, "concurrent sequences per stage")
+    max_seq_len: int = knob(2048, "tokens per sequence, capped by the model's context")
+    slot_lease_s: float = knob(120.0, "release a sequence's KV slot when no micro-batch has used it for this long, "
+                                      "so a vanished gateway cannot hold slots forever (0 = never)", unit="seconds")
+    threads: int | None = knob(None, "torch threads", unset="all cores; `up` divides them among its stages")
 
     def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or value < 1:
-                flag = "--" + f.name.replace("_", "-")
-                raise StagemeshError(f"{flag} must be a positive integer, got {value!r}")
+        check_int(self, "kv_slots", 1)
+        check_int(self, "max_seq_len", 16)
+        check_seconds(self, "slot_lease_s", 0, strict=False)
+        check_int(self, "threads", 1, none_ok=True)
 
 
-SERVING_DEFAULTS = ServingConfig()
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The gateway's scheduling knobs, per pipeline (`gateway`, `up`; services/gateway/scheduler.py)."""
+
+    max_inflight: int | None = knob(None, "micro-batches in flight at once", unset="the number of stages")
+    max_queue: int = knob(256, "requests waiting for admission before 429")
+    prefill_chunk: int = knob(128, "prompt tokens per prefill chunk: a long prompt delays running decodes by one "
+                                   "chunk")
+    token_budget: int = knob(512, "tokens per micro-batch (decodes count 1 each)")
+    prefix_cache: bool = knob(True, "keep finished sequences' K/V on every stage and start later requests that share "
+                                    "their prefix (a chat's history, a common system prompt) from it, in blocks of 16 "
+                                    "tokens; kept prefixes use KV slots no request holds and give them up, least "
+                                    "recently used first")
+    prefix_cache_audit: float = knob(0.0, "check this share (0..1) of cache hits live: the gateway also runs the "
+                                          "hit's prompt twice, one token each, from the cached prefix and computed in "
+                                          "full, and compares the last stage's top logprobs; a mismatch is logged and "
+                                          "counted (stagemesh_gateway_prefix_cache_audits_total; 0: off)",
+                                     metavar="RATE")
+    stall_timeout_s: float = knob(30.0, "a micro-batch not back after this long marks the pipeline not ready, "
+                                        "naming the hop where it stopped, and its requests are replayed (far above "
+                                        "any one micro-batch's compute)", unit="seconds")
+    failover_timeout_s: float = knob(120.0, "a pipeline not ready again after this long ends the requests it holds "
+                                            "with an error naming the unreachable stage", unit="seconds")
+    max_replays: int = knob(3, "times one request may be replayed after stage losses before it ends with an error")
+
+    def __post_init__(self):
+        check_int(self, "max_inflight", 1, none_ok=True)
+        for name in ("max_queue", "prefill_chunk", "token_budget"):
+            check_int(self, name, 1)
+        check(self, "prefix_cache", isinstance(self.prefix_cache, bool), "on or off")
+        share = self.prefix_cache_audit
+        check(self, "prefix_cache_audit", isinstance(share, (int, float)) and 0.0 <= share <= 1.0,
+              "a share within 0..1, e.g. 0.05 checks one cache hit in twenty")
+        check_seconds(self, "stall_timeout_s", 0, strict=True)
+        check_seconds(self, "failover_timeout_s", 0, strict=True)
+        check_int(self, "max_replays", 0)
+
+
+STAGE_DEFAULTS = StageConfig()
+SCHEDULER_DEFAULTS = SchedulerConfig()

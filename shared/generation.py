@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.config import SERVING_DEFAULTS
+from shared.config import SCHEDULER_DEFAULTS
 from shared.errors import StagemeshError
 from shared.models import LayerHook
 from shared.protocol import SeqEntry
@@ -124,7 +124,7 @@ class SequenceState:
         self.prefill_target = len(self.all_ids)
 
 
-def drive(states: Sequence[SequenceState], prefill_chunk: int = SERVING_DEFAULTS.prefill_chunk,
+def drive(states: Sequence[SequenceState], prefill_chunk: int = SCHEDULER_DEFAULTS.prefill_chunk,
           ) -> Generator[tuple[list[SeqEntry], list[int]], Sampled, None]:
     """The prefill-then-decode loop: yields (entries, token ids) of one micro-batch holding every live sequence's
     next step, and is sent back what that micro-batch sampled. Ends when every sequence has finished."""
@@ -151,7 +151,7 @@ def run_local(pipeline: LocalPipeline, entries: list[SeqEntry], tokens: list[int
 
 
 async def run_group_on_mesh(client, states: Sequence[SequenceState],
-                            prefill_chunk: int = SERVING_DEFAULTS.prefill_chunk,
+                            prefill_chunk: int = SCHEDULER_DEFAULTS.prefill_chunk,
                             before_step: Callable[[int], Awaitable[None]] | None = None) -> None:
     """drive() over a running mesh (a shared.pipeline_client.PipelineClient): every sequence of the group shares
     each micro-batch. before_step(i) is awaited before micro-batch i (0 = the first prefill). Releases the group's
@@ -193,7 +193,7 @@ StepDone = Callable[[InferenceStep, Sequence[LayerHook | None], int | None], Non
 
 
 def generate_tokens(pipeline: LocalPipeline, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                    stop_ids: frozenset[int] = frozenset(), prefill_chunk: int = SERVING_DEFAULTS.prefill_chunk,
+                    stop_ids: frozenset[int] = frozenset(), prefill_chunk: int = SCHEDULER_DEFAULTS.prefill_chunk,
                     timings: GenerationTimings | None = None, seq_id: str = "local-0",
                     hooks_for: StepHooks | None = None, on_step: StepDone | None = None) -> Iterator[int]:
     """Yield generated token ids; a stop id is yielded last (the caller decides whether to show it).

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import SERVING_DEFAULTS
+from shared.config import STAGE_DEFAULTS
 from shared.errors import BadBatch, CapabilityMissing, MissingActivation
 from shared.gguf_loader import GgufLoader
 from shared.kv_cache import BatchLayout, KVCache
@@ -44,7 +44,7 @@ class StageRuntime:
 
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
-             kv_slots: int = SERVING_DEFAULTS.kv_slots, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
+             kv_slots: int = STAGE_DEFAULTS.kv_slots, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
              weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
              memory_budget: int | None = None) -> StageRuntime:
         """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
@@ -151,7 +151,7 @@ class LocalPipeline:
 
     @classmethod
     def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
-             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = SERVING_DEFAULTS.max_seq_len, *,
+             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
              weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
              memory_budget: int | None = None) -> LocalPipeline:
         """memory_budget: per piece (each piece is a stage's share); None: the default, split over the pieces."""

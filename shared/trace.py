@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from shared.config import SERVING_DEFAULTS
+from shared.config import SCHEDULER_DEFAULTS
 
 DEFAULT_CAPTURE_BUDGET = 1 << 20  # bytes of raw float32 one stage may return per micro-batch
 LAYER_OUTPUT = "layer_output"
@@ -210,7 +210,7 @@ def compare_captures(baseline: TraceRecorder, target: TraceRecorder, threshold: 
 
 # ---- running a traced generation in this process ----------------------------------------------------------------
 
-def trace_local(pipeline, prompt_ids: list[int], steps: int, prefill_chunk: int = SERVING_DEFAULTS.prefill_chunk,
+def trace_local(pipeline, prompt_ids: list[int], steps: int, prefill_chunk: int = SCHEDULER_DEFAULTS.prefill_chunk,
                 hook_factory=None, seq_id: str = "trace") -> TraceRecorder:
     """Greedy generation of steps+1 tokens over a LocalPipeline (the one generation driver), capturing every layer
     of every piece at the prefill chunks and each of the `steps` decode steps. hook_factory(piece_index, piece,

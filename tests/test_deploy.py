@@ -84,6 +84,30 @@ def test_stage_count_agrees_and_commands_parse(overlay):
         assert limits["nvidia.com/gpu"] == 1
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_manifests_set_only_what_they_change(overlay):
+    """No container flag restates the code's default (a pinned default drifts from the measured one: the ConfigMap
+    once pinned --dtype=bfloat16 and --max-inflight=4): dropping any one flag of a command changes what it parses to,
+    unless the command cannot go without it. A flag set from the ConfigMap ($(MODEL), ...) is the deployment's own
+    setting, kept whatever its value (the ConfigMap is where an operator changes the model)."""
+    docs = render(overlay)
+    cfg = config(docs)
+    parser = build_parser()
+    containers = [("Deployment", "stagemesh-gateway")] + [("StatefulSet", s["metadata"]["name"]) for s in stage_sets(docs)]
+    for kind, name in containers:
+        argv = container_args(docs, kind, name, {**cfg, "POD_INDEX": "0"})
+        written = find(docs, kind, name)["spec"]["template"]["spec"]["containers"][0]["args"]
+        given = vars(parser.parse_args(argv))
+        for i, token in enumerate(argv):
+            if not token.startswith("--") or "$(" in written[i]:
+                continue
+            try:
+                without = vars(parser.parse_args(argv[:i] + argv[i + 1:]))
+            except SystemExit:  # a required flag
+                continue
+            assert without != given, f"{kind}/{name}: {token} is the default; leave it out"
+
+
 def test_second_pipeline_is_the_base_pipeline_under_its_own_names():
     """pipeline-p1.yaml copies the base's stage pod: it may differ only in names, its pipeline label and its result
     port, so a change to the base's stages (resources, probes, security) reaches every pipeline."""

@@ -22,7 +22,7 @@ from services.gateway.output import OutputProcessor
 from services.gateway.pipeline import Pipeline
 from services.gateway.request import Request, RequestOutput
 from services.gateway.scheduler import MicroBatch, QueueFull, Scheduler
-from shared.config import ServingConfig
+from shared.config import SchedulerConfig
 from shared.errors import KVCacheFull, UnknownSequence
 from shared.generation import generate_tokens, run_local
 from shared.gguf_loader import GgufLoader
@@ -96,8 +96,8 @@ class Harness:
         self.pipeline = Pipeline(["http://unused"], "tcp://unused", "fp", 2)
         self.pipeline.infos = [{"kv": {"slots": kv_slots, "max_seq_len": CONTEXT}}]
         self.pipeline.problem, self.pipeline.client = None, self.client
-        self.engine = Engine(self.pipeline, GatewayMetrics(), max_inflight, ServingConfig(**serving),
-                             prefix_cache=prefix_cache)
+        self.engine = Engine(self.pipeline, GatewayMetrics(), max_inflight,
+                             SchedulerConfig(prefix_cache=prefix_cache, **serving))
         self.scheduler = self.engine.scheduler
         self.ids = itertools.count()
 
@@ -321,7 +321,7 @@ async def test_queue_full_is_429_with_retry_after_through_the_real_gateway(tmp_p
 # ---- the policy alone: plan() and on_result() driven directly, no event loop, no pipeline, no sockets ------------
 
 def policy(kv_slots: int = 4, max_inflight: int = 1, prefix_cache: bool = False, **serving) -> Scheduler:
-    return Scheduler(max_inflight, ServingConfig(**serving), prefix_cache=prefix_cache, kv_slots=kv_slots)
+    return Scheduler(max_inflight, SchedulerConfig(prefix_cache=prefix_cache, **serving), kv_slots=kv_slots)
 
 
 def request(name: str, prompt_len: int = 5, max_tokens: int = 8, **kw) -> Request:

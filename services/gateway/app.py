@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -33,7 +34,7 @@ from services.gateway.pipeline import Pipeline
 from services.gateway.replicas import Replica, Replicas
 from services.gateway.schemas import RequestError
 from services.gateway.ws import stream_ws
-from shared.config import SERVING_DEFAULTS, ServingConfig
+from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.log_throttle import OneLineThrottleFilter, throttled
 from shared.model_files import ModelFiles
 from shared.otlp import OtlpTracer
@@ -246,14 +247,14 @@ async def _background(app: web.Application):
 
 
 def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: GatewayConfig, max_inflight: int,
-             serving: ServingConfig = SERVING_DEFAULTS, otlp: OtlpTracer | None = None,
-             prefix_cache: bool = True, prefix_audit: float = 0.0) -> web.Application:
-    """`pipelines`: one, or several replicas of the same model (each gets its own scheduler and prefix index)."""
+             scheduling: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None) -> web.Application:
+    """`pipelines`: one, or several replicas of the same model (each gets its own scheduler and prefix index).
+    max_inflight: micro-batches in flight per pipeline (scheduling.max_inflight, or the number of stages)."""
     pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
     metrics_ = GatewayMetrics()
     watch_transport(metrics_, summed_transport(pipelines))
-    replicas = Replicas([Replica(f"p{i}", p, Engine(p, metrics_, max_inflight=max_inflight, config=serving, otlp=otlp,
-                                                      prefix_cache=prefix_cache, prefix_audit=prefix_audit))
+    replicas = Replicas([Replica(f"p{i}", p, Engine(p, metrics_, max_inflight=max_inflight, config=scheduling,
+                                                      otlp=otlp))
                          for i, p in enumerate(pipelines)], metrics_)
     indexes = [r.scheduler.prefix for r in replicas.all if r.scheduler.prefix is not None]
     if indexes:
@@ -291,7 +292,8 @@ async def serve_until_signal(app: web.Application, host: str, port: int,
                              started: Callable[[], Awaitable[None]] | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain (Gateway.drain) and only then close connections. `started` runs
     alongside (the `up` supervisor) and is cancelled at the signal."""
-    app[GATEWAY].config.bind_host = host  # a name it listens on is a name it answers to (host_allowed)
+    gw = app[GATEWAY]
+    gw.config = replace(gw.config, bind_host=host)  # a name it listens on is a name it answers to (host_allowed)
     runner = make_runner(app)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -304,7 +306,6 @@ async def serve_until_signal(app: web.Application, host: str, port: int,
         await stop.wait()
         if side is not None:
             side.cancel()
-        gw = app[GATEWAY]
         print(f"stopping: draining running requests (up to {gw.config.drain_timeout_s:g} s) ...", flush=True)
         await gw.drain(gw.config.drain_timeout_s)
     finally:

@@ -1,35 +1,85 @@
 """The gateway's configuration, its defaults and edge limits: plain values, no aiohttp, so `services/cli_args.py`
-builds its flags (and `stagemesh trace` finds the API key's variable) without importing the app."""
+builds its flags from GatewayConfig's fields (and `stagemesh trace` finds the API key's variable) without importing
+the app. Field conventions (knob, flag names, validation naming the flag) are shared/config.py's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.config import check, check_int, check_seconds, flag_for, knob, not_a_flag
+from shared.errors import StagemeshError
+from shared.models.memory import parse_bytes
+
 API_KEY_ENV = "STAGEMESH_API_KEY"  # when set, /v1/* requires `Authorization: Bearer <key>`
 
-DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_STALL_S = 30.0  # a micro-batch not back after this long is lost: far above any one micro-batch's compute
-
-# Edge limits (README "Security / At the HTTP edge" lists them with these defaults).
-DEFAULT_KEEPALIVE_TIMEOUT_S = 15.0  # idle keep-alive, and (aiohttp >= 3.10) the time to send a first request's headers
-DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SIGTERM: running streams get this long to finish
+# Edge limits that are not flags (README "Security / At the HTTP edge" lists them with the flags' defaults).
 BODY_READ_TIMEOUT_S = 30.0  # a request body must arrive within this (a trickled body is cut with 408)
 SMALL_PROMPT_CHARS = 8192  # prompts up to this tokenize in the small lane; longer ones queue in the big lane
 MAX_BIG_PROMPTS_WAITING = 32  # big prompts waiting for the big lane before 429
 FLUSH_AFTER_DRAIN_S = 5.0  # after the drain, how long handlers get to send their final error event
 
 
-@dataclass
+def _origin(text: str) -> str:
+    """An --allow-origin value, normalized: '*' or SCHEME://HOST[:PORT] in lower case without a trailing slash."""
+    o = text.strip().lower().rstrip("/")
+    if o != "*" and not (o.startswith(("http://", "https://")) and "/" not in o.split("://", 1)[1]):
+        raise ValueError(f"{o!r} must be '*' or SCHEME://HOST[:PORT], e.g. https://app.example.com (no path)")
+    return o
+
+
+def _host(text: str) -> str:
+    """An --allow-host value, normalized: a host name, .domain or *, lower case, no trailing dot."""
+    h = text.strip().lower().rstrip(".")
+    if not h or "/" in h or ":" in h:
+        raise ValueError(f"{h!r} must be a host name such as gateway.example.com, .example.com (a domain and the "
+                         "names below it) or * (no scheme, port or path)")
+    return h
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
-    model_id: str
-    api_key: str | None = None
-    default_max_tokens: int | None = None  # a request without max_tokens: at most this many (None: the context)
-    request_timeout_s: float = DEFAULT_TIMEOUT_S
-    allow_origins: tuple[str, ...] = ()  # browser origins besides the gateway's own; "*" = any
-    allow_hosts: tuple[str, ...] = ()  # Host names besides IP addresses, localhost and bind_host; ".dom" = dom and below
-    bind_host: str | None = None  # the address it listens on (serve_until_signal sets it)
-    metrics_require_key: bool = False  # /metrics needs the API key too
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
-    allow_trace: bool = False  # answer "trace": true (an operator's tool: every layer's activations of the request)
-    trace_budget: int = 64 << 20  # activation bytes one traced request may collect
+    """The gateway's HTTP edge and request defaults (`gateway`, `up`)."""
+
+    model_id: str = not_a_flag("the model's name in the API: --model")
+    api_key: str | None = not_a_flag(f"from ${API_KEY_ENV}", default=None)
+    bind_host: str | None = not_a_flag("the address it listens on (serve_until_signal sets it)", default=None)
+    default_max_tokens: int | None = knob(
+        None, "a request that leaves out max_tokens generates at most N tokens", metavar="N",
+        unset="until a stop or the context is full, as OpenAI's API defines it")
+    request_timeout_s: float = knob(600.0, "a request that sets no timeout of its own ends with finish_reason "
+                                           "'timeout' after this long", unit="seconds")
+    allow_origins: tuple[str, ...] = knob(
+        (), "let web pages of ORIGIN (e.g. https://app.example.com; repeatable; * = any) call the API and the "
+            "websocket", flag="--allow-origin", repeatable=True, parse=_origin, metavar="ORIGIN",
+        unset="only pages the gateway serves itself")
+    allow_hosts: tuple[str, ...] = knob(
+        (), "also answer requests whose Host is NAME (repeatable; .example.com = that domain and every name below "
+            "it; * = any)", flag="--allow-host", repeatable=True, parse=_host, metavar="NAME",
+        unset="IP addresses, localhost and the --listen/--host address only, so a page on another name that resolves "
+              "here (DNS rebinding) is refused with 403")
+    metrics_require_key: bool = knob(False, f"require the API key (${API_KEY_ENV}) on /metrics too")
+    drain_timeout_s: float = knob(30.0, "on SIGTERM, how long running requests may finish", unit="seconds")
+    keepalive_timeout_s: float = knob(15.0, "close a connection idle this long, or that has not sent its request "
+                                            "headers within it", unit="seconds")
+    allow_trace: bool = knob(False, "answer requests with \"trace\": true (every layer's activations of that request: "
+                                    "an operator's debugging tool; `stagemesh trace` needs it)")
+    trace_budget: int = knob(64 << 20, "activation bytes one traced request may collect (e.g. 16M); beyond it the "
+                                       "trace stops and says so", unit="bytes", parse=parse_bytes)
+
+    def __post_init__(self):
+        for name, normal in (("allow_origins", _origin), ("allow_hosts", _host)):
+            try:
+                object.__setattr__(self, name, tuple(normal(v) for v in getattr(self, name)))  # frozen: set once here
+            except ValueError as e:
+                raise StagemeshError(f"{flag_for(self, name)} {e}") from None
+            except (TypeError, AttributeError):
+                check(self, name, False, "a list of strings")
+        for name in ("metrics_require_key", "allow_trace"):
+            check(self, name, isinstance(getattr(self, name), bool), "given or left out (a switch)")
+        check_int(self, "default_max_tokens", 1, none_ok=True)
+        check_seconds(self, "request_timeout_s", 0, strict=True)
+        check_seconds(self, "drain_timeout_s", 0, strict=False)
+        check_seconds(self, "keepalive_timeout_s", 0, strict=True)
+        check_int(self, "trace_budget", 1)
+        if self.metrics_require_key and not self.api_key:
+            raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")

@@ -28,7 +28,7 @@ from services.gateway.scheduler import (
     Update,
     audit_tolerance,
 )
-from shared.config import SERVING_DEFAULTS, ServingConfig
+from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer
 from shared.protocol import BatchResult, ForwardBatch
@@ -43,15 +43,12 @@ class Engine:
     one; run() is its task."""
 
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
-                 config: ServingConfig = SERVING_DEFAULTS,
-                 failover_timeout_s: float = 120.0, max_replays: int = 3, otlp: OtlpTracer | None = None,
-                 prefix_cache: bool = True, prefix_audit: float = 0.0):
+                 config: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None):
         self.pipeline = pipeline
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
-        self.scheduler = Scheduler(max_inflight, config, max_replays=max_replays, prefix_cache=prefix_cache,
-                                   prefix_audit=prefix_audit, kv_slots=pipeline.kv_slots)
-        self.failover_timeout_s = failover_timeout_s
+        self.scheduler = Scheduler(max_inflight, config, kv_slots=pipeline.kv_slots)
+        self.failover_timeout_s = config.failover_timeout_s
         self._mb_spans: dict[int, object] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
         self._wake = asyncio.Event()
         self._epoch = pipeline.generation  # the pipeline's count of KV losses this loop has replayed after

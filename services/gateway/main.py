@@ -10,20 +10,18 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from services.cli_args import (
-    add_edge_args,
+    add_config_args,
     add_model_args,
     add_otlp_args,
-    add_scheduler_args,
-    edge_from_args,
+    config_from_args,
     otlp_from_args,
     parse_host_port,
-    serving_from_args,
-    stall_from_args,
 )
 from services.gateway.app import make_app, serve_until_signal
 from services.gateway.config import API_KEY_ENV, GatewayConfig
 from services.gateway.pipeline import Pipeline
 from services.keys_cli import add_security_args, key_set_from_args
+from shared.config import GATEWAY_PORT, SchedulerConfig
 from shared.errors import StagemeshError
 from shared.model_files import ModelFiles
 from shared.otlp import OtlpTracer
@@ -42,15 +40,16 @@ def register(sub) -> None:
     p.add_argument("--pipeline", action="append", default=[], metavar="URL,URL,...",
                    help="one pipeline's stage HTTP URLs in order, or one pattern with {i} and --num-stages (instead "
                         "of --stages); repeat for each replica of the model: requests are routed by prefix cache, session and load, and fail over between them")
-    p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to serve HTTP on (default 127.0.0.1:8000)")
+    p.add_argument("--listen", default=f"127.0.0.1:{GATEWAY_PORT}",
+                   help=f"HOST:PORT to serve HTTP on (default 127.0.0.1:{GATEWAY_PORT})")
     p.add_argument("--result-listen", action="append", default=[], metavar="ADDR",
                    help="ZeroMQ address the last stage sends results to (bound here; default tcp://127.0.0.1:5599); "
                         "with several --pipeline, one per pipeline in the same order, or one whose port is the first "
                         "of consecutive ports")
     p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info; one "
                                                        "pipeline only)")
-    add_scheduler_args(p)
-    add_edge_args(p)
+    add_config_args(p, SchedulerConfig)
+    add_config_args(p, GatewayConfig)
     add_otlp_args(p)
     add_security_args(p)
     p.set_defaults(func=cmd_gateway)
@@ -88,23 +87,22 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
     if key_set is not None:
         key_set.check_stages(len(specs[0].stage_urls), "the gateway's --stages")
         keys = key_set.for_gateway()
+    scheduling = config_from_args(SchedulerConfig, args)
+    config = gateway_config_from_args(args, model)
     pipelines = [Pipeline(s.stage_urls, s.result_listen, files.loader.fingerprint, files.config.num_layers,
-                          s.first_stage, keys=keys, stall_s=stall_from_args(args)) for s in specs]
+                          s.first_stage, keys=keys, stall_s=scheduling.stall_timeout_s) for s in specs]
     # K = stages: each stage has a micro-batch to work on; more splits the running sequences into smaller
     # micro-batches, which on a CPU costs more than the gateway's turnaround it hides (compare --max-inflight
     # values with benchmarks.compare_llamacpp, which passes up flags after --)
-    inflight = args.max_inflight or len(specs[0].stage_urls)
-    if inflight < 1:
-        raise StagemeshError("--max-inflight must be positive")
-    api_key = os.environ.get(API_KEY_ENV) or None
-    edge = edge_from_args(args)
-    if edge["metrics_require_key"] and not api_key:
-        raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")
+    inflight = scheduling.max_inflight or len(specs[0].stage_urls)
     otlp_url = otlp_from_args(args)
     otlp = OtlpTracer(otlp_url, "stagemesh-gateway") if otlp_url else None
-    return make_app(files, pipelines, GatewayConfig(model_id=model, api_key=api_key, **edge), inflight,
-                    serving_from_args(args), otlp, prefix_cache=getattr(args, "prefix_cache", "on") == "on",
-                    prefix_audit=getattr(args, "prefix_cache_audit", 0.0))
+    return make_app(files, pipelines, config, inflight, scheduling, otlp)
+
+
+def gateway_config_from_args(args, model: str) -> GatewayConfig:
+    """The GatewayConfig of `gateway`'s (or `up`'s) flags, the model's name and $STAGEMESH_API_KEY; validated."""
+    return config_from_args(GatewayConfig, args, model_id=model, api_key=os.environ.get(API_KEY_ENV) or None)
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from services.gateway.config import DEFAULT_STALL_S
+from shared.config import SCHEDULER_DEFAULTS
 from shared.errors import LayerRangeError
 from shared.layers import LayerRange, check_cover
 from shared.log_throttle import throttled
@@ -150,7 +150,7 @@ class Pipeline:
 
     def __init__(self, stage_urls: list[str], result_listen: str, fingerprint: str, num_layers: int,
                  first_stage: str | None = None, poll_s: float = 2.0, keys: SocketKeys | None = None,
-                 stall_s: float = DEFAULT_STALL_S):
+                 stall_s: float = SCHEDULER_DEFAULTS.stall_timeout_s):
         self.keys = keys  # the gateway's CURVE keys (None: plaintext, only with --insecure-plaintext)
         self.stage_urls = [u.rstrip("/") for u in stage_urls]
         self.result_listen = result_listen

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.prefix_cache import AUDIT_TOP, PrefixAudit, PrefixIndex
 from services.gateway.request import Request, RequestOutput, new_seq_id
-from shared.config import SERVING_DEFAULTS, ServingConfig
+from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.pipeline_client import PipelineError
 from shared.protocol import BatchResult, SeqEntry
@@ -100,19 +100,18 @@ class Scheduler:
     """The policy of one pipeline. `kv_slots` (each stage's, the most requests running at once) and
     `audit_tolerance` follow the pipeline's /info: the engine keeps them current."""
 
-    def __init__(self, max_inflight: int, config: ServingConfig = SERVING_DEFAULTS, max_replays: int = 3,
-                 prefix_cache: bool = True, prefix_audit: float = 0.0, kv_slots: int = 1):
+    def __init__(self, max_inflight: int, config: SchedulerConfig = SCHEDULER_DEFAULTS, kv_slots: int = 1):
         self.max_inflight = max_inflight
         self.config = config
-        self.max_replays = max_replays
+        self.max_replays = config.max_replays
         self.kv_slots = kv_slots
         self.audit_tolerance = AUDIT_TOLERANCE_F32
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.inflight: dict[int, MicroBatch] = {}  # micro-batch id -> the micro-batch, oldest first
         self.max_inflight_seen = 0
-        self.prefix = PrefixIndex() if prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
-        self.prefix_audit = prefix_audit  # share of cache hits checked against a recompute (PrefixAudit)
+        self.prefix = PrefixIndex() if config.prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
+        self.prefix_audit = config.prefix_cache_audit  # share of cache hits checked against a recompute (PrefixAudit)
         self.kv_cap: int | None = None  # after a kv_full: admit no more than this many running requests ...
         self.kv_cap_until = 0.0  # ... until this time (or until one of them finishes)
         self._release: list[str] = []  # sequences to free on every stage with the next plan

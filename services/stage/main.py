@@ -12,18 +12,19 @@ import torch
 from aiohttp import web
 
 from services.cli_args import (
-    add_kv_args,
+    add_config_args,
     add_model_args,
     add_otlp_args,
+    config_from_args,
     otlp_from_args,
     parse_host_port,
-    serving_from_args,
     weights_from_args,
 )
 from services.keys_cli import add_security_args, key_set_from_args
 from services.stage.http import LOAD_ERROR, WORKER, make_app
 from services.stage.io import StageIO
-from services.stage.worker import DEFAULT_SLOT_LEASE_S, StageIdentity, StageWorker, compute_executor
+from services.stage.worker import StageIdentity, StageWorker, compute_executor
+from shared.config import StageConfig
 from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.layers import LayerRange, balanced_split, parse_layer_range
@@ -55,13 +56,9 @@ def register(sub) -> None:
     p.add_argument("--last-next", default=None,
                    help="where the last stage sends results, overriding --next (lets every stage share one command)")
     p.add_argument("--http", default="127.0.0.1:8101", help="HOST:PORT for health, readiness, info and metrics")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores; `up` divides them)")
-    add_kv_args(p)
+    add_config_args(p, StageConfig)  # --kv-slots, --max-seq-len, --slot-lease, --threads
     p.add_argument("--no-prefetch", action="store_true", help="receive, compute and send one after another (baseline)")
     p.add_argument("--no-trace", action="store_true", help="ignore trace requests entirely (the benchmark's bypass)")
-    p.add_argument("--slot-lease", type=float, default=DEFAULT_SLOT_LEASE_S, metavar="SECONDS",
-                   help="release a sequence's KV slot when no micro-batch has used it for this long, so a vanished "
-                        f"gateway cannot hold slots forever (default {DEFAULT_SLOT_LEASE_S:g}; 0 = never)")
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                    help="stop when process PID (the launcher, e.g. `stagemesh up`) is no longer this one's parent")
     add_otlp_args(p)
@@ -96,20 +93,14 @@ def resolve_next(args, layers: LayerRange, num_layers: int) -> str:
 def cmd_stage(args) -> int:
     check_address(args.listen, "--listen")
     host, port = parse_host_port(args.http, "--http")
-    serving_from_args(args)  # validates --kv-slots and --max-seq-len
-    if args.max_seq_len < 16:
-        raise StagemeshError("--max-seq-len must be >= 16")
-    if args.slot_lease < 0:
-        raise StagemeshError("--slot-lease must be >= 0 seconds (0 = never reclaim)")
-    if args.threads is not None and args.threads < 1:
-        raise StagemeshError("--threads must be >= 1")
+    config = config_from_args(StageConfig, args)
     args.otlp_endpoint = otlp_from_args(args)  # validated before anything loads
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.set_num_threads(config.threads or os.cpu_count() or 1)
     files = ModelFiles.open(args.model)  # validates the file before anything binds
     layers = stage_layers(args, files.config)
     args.next = resolve_next(args, layers, files.config.num_layers)
     keys = stage_keys(args, layers, files.config.num_layers)
-    asyncio.run(serve(files, layers, args, host, port, keys))
+    asyncio.run(serve(files, layers, args, config, host, port, keys))
     return 0
 
 
@@ -125,7 +116,8 @@ def stage_keys(args, layers: LayerRange, num_layers: int) -> SocketKeys | None:
     return key_set.for_stage(args.stage_index, last=layers.stop == num_layers)
 
 
-async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: int, keys: SocketKeys | None) -> None:
+async def serve(files: ModelFiles, layers: LayerRange, args, config: StageConfig, host: str, port: int,
+                keys: SocketKeys | None) -> None:
     app = make_app()
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -141,7 +133,7 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
     compute_thread = compute_executor()  # load on the thread that will compute (one OpenMP team)
     try:
         runtime = await loop.run_in_executor(
-            compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, args.kv_slots, args.max_seq_len,
+            compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, config.kv_slots, config.max_seq_len,
                                             weights=weights_from_args(args), batch_invariant=args.batch_invariant,
                                             compile_decode=args.compile_decode,
                                             memory_budget=args.memory_budget))
@@ -159,7 +151,7 @@ async def serve(files: ModelFiles, layers: LayerRange, args, host: str, port: in
         which = f"{layers.start}-{layers.stop}" if args.stage_index is None else str(args.stage_index)
         otlp = OtlpTracer(args.otlp_endpoint, f"stagemesh-stage-{which}",
                           {"service.instance.id": identity.incarnation, "stagemesh.stage.layers": str(layers)})
-    worker = StageWorker(runtime, io, identity, tracing=not args.no_trace, slot_lease_s=args.slot_lease,
+    worker = StageWorker(runtime, io, identity, tracing=not args.no_trace, slot_lease_s=config.slot_lease_s,
                          compute_thread=compute_thread, otlp=otlp)
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, args.listen, args.next,

@@ -16,6 +16,7 @@ import torch
 
 from services.stage.io import StageIO
 from services.stage.metrics import StageMetrics, size_class
+from shared.config import STAGE_DEFAULTS
 from shared.errors import BadBatch, StagemeshError
 from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
@@ -48,7 +49,6 @@ class StageIdentity:
         return f"stage[{self.layers}]"
 
 
-DEFAULT_SLOT_LEASE_S = 120.0
 RECENT_MB = 64  # micro-batch ids /info lists as taken in and passed on: the gateway finds where a lost one stopped
 
 
@@ -65,7 +65,7 @@ class StageWorker:
     `otlp`: export a stagemesh.stage.compute span per traced micro-batch (None: distributed tracing off)."""
 
     def __init__(self, runtime: StageRuntime, io: StageIO, identity: StageIdentity, tracing: bool = True,
-                 slot_lease_s: float = DEFAULT_SLOT_LEASE_S, compute_thread: ThreadPoolExecutor | None = None,
+                 slot_lease_s: float = STAGE_DEFAULTS.slot_lease_s, compute_thread: ThreadPoolExecutor | None = None,
                  otlp: OtlpTracer | None = None):
         self.tracing = tracing
         self.otlp = otlp

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from shared.config import SERVING_DEFAULTS
+from shared.config import SCHEDULER_DEFAULTS
 from shared.models.linear import DenseLinear, SwitchedLinear, prepacked_bf16_available
 
 CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending
@@ -119,7 +119,7 @@ def _best_ms(fn, repeat: int) -> float:
 
 
 @functools.cache
-def measure_prefill_dtype(out_features: int, in_features: int, rows: int = SERVING_DEFAULTS.prefill_chunk,
+def measure_prefill_dtype(out_features: int, in_features: int, rows: int = SCHEDULER_DEFAULTS.prefill_chunk,
                           repeat: int = REPEAT) -> torch.dtype:
     """bfloat16 or float32: whichever oneDNN-prepacked GEMM multiplies a prefill chunk (`rows` x in_features) by a
     random [out_features, in_features] matrix faster here (interleaved, each kernel's fastest of `repeat`; ~0.1 s,
