@@ -16,21 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
-import urllib.request
 
 import aiohttp
 
+from benchmarks.harness import add_dtype_arg, dtype_label, running_up, scrape
 from loadtest.client import send_sse
 from loadtest.datasets import random_requests
-from services.launch import scrape_metric, start_up
 from shared.model_files import ModelFiles
-
-
-def metrics(url: str, names: list[str]) -> list[float]:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
-    return [scrape_metric(text, n) for n in names]
-
 
 STAGE = ["stagemesh_stage_busy_seconds_total", "stagemesh_stage_microbatches_total",
          "stagemesh_stage_hop_latency_seconds_sum", "stagemesh_stage_hop_latency_seconds_count"]
@@ -45,10 +37,10 @@ def per_event(before: list[float], after: list[float]) -> list[float]:
 
 async def one_run(url: str, stage_urls: list[str], tokens: int,
                   prompt: str = "The history of the printing press") -> dict:
-    before = [metrics(u, STAGE) for u in stage_urls], metrics(url, GATEWAY)
+    before = [scrape(u, STAGE) for u in stage_urls], scrape(url, GATEWAY)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         res = await send_sse(s, url, "openai", "smollm2", prompt, 0, tokens, ignore_eos=True, temperature=0.0)
-    after = [metrics(u, STAGE) for u in stage_urls], metrics(url, GATEWAY)
+    after = [scrape(u, STAGE) for u in stage_urls], scrape(url, GATEWAY)
     if not res.success:
         raise RuntimeError(res.error)
     stages = [per_event(b, a) for b, a in zip(before[0], after[0])]  # [compute per micro-batch, hop into the stage]
@@ -66,22 +58,18 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of the first-token split")
-    p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
+    add_dtype_arg(p)
     p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as logs:
-        gw = start_up(args.stages, args.dtype, logs, *args.extra)
-        try:
-            compiled = gw.wait_compiled()
-            stage_urls = gw.stage_urls()
-            asyncio.run(one_run(gw.url, stage_urls, 8))  # warm-up
-            runs = [asyncio.run(one_run(gw.url, stage_urls, args.tokens)) for _ in range(args.runs)]
-            tokenizer = ModelFiles.open("smollm2").tokenizer
-            prompts = random_requests(tokenizer, args.runs, args.prompt_tokens, 1, 0.0, seed=1)
-            firsts = [asyncio.run(one_run(gw.url, stage_urls, 1, r.prompt)) for r in prompts]
-        finally:
-            gw.stop()
-    print(f"critical path: up --stages {args.stages} ({args.dtype or 'default dtype'}) {' '.join(args.extra)}, 1 stream, "
+    with running_up(args.stages, *args.extra, dtype=args.dtype) as gw:
+        compiled = gw.wait_compiled()  # running_up waited already: each stage's compiled_decode entry
+        stage_urls = gw.stage_urls()
+        asyncio.run(one_run(gw.url, stage_urls, 8))  # warm-up
+        runs = [asyncio.run(one_run(gw.url, stage_urls, args.tokens)) for _ in range(args.runs)]
+        tokenizer = ModelFiles.open("smollm2").tokenizer
+        prompts = random_requests(tokenizer, args.runs, args.prompt_tokens, 1, 0.0, seed=1)
+        firsts = [asyncio.run(one_run(gw.url, stage_urls, 1, r.prompt)) for r in prompts]
+    print(f"critical path: up --stages {args.stages} ({dtype_label(args.dtype)}) {' '.join(args.extra)}, 1 stream, "
           f"{args.tokens} tokens, {args.runs} runs; compiled decode step: {[c['state'] for c in compiled]}")
     for r in runs:
         stages = " + ".join(f"{x:.2f}" for x in r["per_stage_ms"])

@@ -17,15 +17,13 @@ import pytest
 import torch
 import zmq
 
+from benchmarks.harness import free_port, scrape_metric, start_up
 from services.launch import (
     LocalMesh,
     StageProcess,
-    free_port,
     free_ports,
-    scrape_metric,
     stage_command,
     start_mesh,
-    start_up,
     wait_ready,
 )
 from shared.errors import StagemeshError
