@@ -31,7 +31,7 @@ def main() -> None:
     add_out_arg(p, "batching")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
-    header = (f"batching benchmark: stagemesh up --stages {args.stages} --dtype {dtype_label(args.dtype)}, "
+    header = (f"batching benchmark: stagemesh up --stages {args.stages}, {dtype_label(args.dtype)}, "
               f"{args.max_tokens} tokens per request (ignore_eos)")
     rows = ["| streams | generated tokens/s | × single stream | TTFT p50 / p99 | ITL p50 / p99 |",
             "| ---: | ---: | ---: | ---: | ---: |"]
