@@ -36,7 +36,7 @@ from benchmarks.harness import (
     dtype_label,
     results_dir,
     running_llama_server,
-    running_up,
+    ups_in_turn,
     write_results,
 )
 from loadtest.client import sse_events
@@ -181,11 +181,9 @@ def main() -> None:
         # per slot: the longest conversation (~1.9k tokens) and its reply
         servers = {"llama-server": stack.enter_context(running_llama_server(
             args.model, args.llama_server, args.concurrent, 2304 * args.concurrent))}
-        for stages in [int(x) for x in args.stages.split(",")]:  # one at a time: no compilation overlaps another's
-            gw = stack.enter_context(running_up(stages, "--model", resolve_model(args.model), *args.extra,
-                                                dtype=args.dtype))
-            print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
-            servers[f"stagemesh --stages {stages}"] = gw.url
+        for stages, url in ups_in_turn(stack, [int(x) for x in args.stages.split(",")], args.model, args.dtype,
+                                       args.extra).items():
+            servers[f"stagemesh --stages {stages}"] = url
         names = list(servers)
         chat: dict[str, list[list[dict]]] = {n: [] for n in names}
         burst: dict[str, list[dict]] = {n: [] for n in names}

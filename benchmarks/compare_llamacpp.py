@@ -33,7 +33,7 @@ from benchmarks.harness import (
     dtype_label,
     results_dir,
     running_llama_server,
-    running_up,
+    ups_in_turn,
     write_results,
 )
 from shared.device import cpu_has_fast_bf16
@@ -144,11 +144,9 @@ def main() -> None:
     out = results_dir(args.out, "compare")
     with contextlib.ExitStack() as stack:
         servers = {"llama-server": stack.enter_context(running_llama_server(args.model, args.llama_server))}
-        for stages in [int(x) for x in args.stages.split(",")]:  # one at a time: no compilation overlaps another's
-            gw = stack.enter_context(running_up(stages, "--model", resolve_model(args.model), *args.extra,
-                                                dtype=args.dtype))
-            print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
-            servers[f"stagemesh up --stages {stages}"] = gw.url
+        for stages, url in ups_in_turn(stack, [int(x) for x in args.stages.split(",")], args.model, args.dtype,
+                                       args.extra).items():
+            servers[f"stagemesh up --stages {stages}"] = url
         runs = measure(servers, levels, out, args)
     md = table(runs, levels)
     header = (f"{GgufLoader(resolve_model(args.model)).model_name} ({os.path.basename(resolve_model(args.model))}), "

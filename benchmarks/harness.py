@@ -213,6 +213,19 @@ def running_up(stages: int, *extra: str, dtype: str | None = None, compiled: boo
         yield gw
 
 
+def ups_in_turn(stack: contextlib.ExitStack, stage_counts: list[int], model: str, dtype: str | None,
+                extra: list[str]) -> dict[int, str]:
+    """A `stagemesh up --stages N` serving `model` for each N, entered into `stack` (stopped when it closes), each
+    started once the one before has compiled its decode step, so no compilation overlaps another server's start or
+    a measurement; N -> its URL."""
+    urls = {}
+    for stages in stage_counts:
+        gw = stack.enter_context(running_up(stages, "--model", resolve_model(model), *extra, dtype=dtype))
+        print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
+        urls[stages] = gw.url
+    return urls
+
+
 LLAMA_SERVER = os.path.expanduser("~/.cache/stagemesh/llama-server/bin/llama-server")  # `make llama-server`
 
 

@@ -4,6 +4,7 @@ other's functions, and neither they nor the product import tests/ (nor the produ
 
 import ast
 import importlib
+import json
 import pathlib
 import pkgutil
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 import benchmarks
+from benchmarks import harness
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
@@ -67,6 +69,29 @@ def test_the_product_imports_neither_benchmarks_nor_tests():
             if bad:
                 offenders.append(f"{path.relative_to(ROOT)}: {', '.join(bad)}")
     assert not offenders, offenders
+
+
+def test_a_run_without_out_gets_a_new_dated_results_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "RESULTS_ROOT", str(tmp_path))
+    first, second = harness.results_dir(None, "batching"), harness.results_dir(None, "batching")
+    assert pathlib.Path(first).is_dir() and pathlib.Path(first).name.endswith("-batching")
+    assert second == first + "-2"  # an earlier run's results are never overwritten
+    given = tmp_path / "mine"
+    assert harness.results_dir(str(given), "batching") == str(given) and given.is_dir()
+
+
+def test_write_results_writes_the_json_and_the_markdown(tmp_path):
+    path = harness.write_results(str(tmp_path), "batching", {"levels": [{"concurrency": 1, "tokens_per_s": 2.5}]},
+                                 "| streams |\n| 1 |")
+    assert json.loads(pathlib.Path(path).read_text()) == {"levels": [{"concurrency": 1, "tokens_per_s": 2.5}]}
+    assert (tmp_path / "batching.md").read_text() == "| streams |\n| 1 |\n"
+
+
+def test_level_percentiles_interpolate_between_ranks():
+    assert harness._percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert harness._percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+    assert harness._percentile([7.0], 99) == 7.0
+    assert harness._percentile([], 50) != harness._percentile([], 50)  # NaN: no request, no figure
 
 
 @pytest.mark.processes
