@@ -87,6 +87,26 @@ def write_results(out: str, stem: str, data, markdown: str | None = None) -> str
     return path
 
 
+class Report:
+    """What a run prints, kept for its results directory: say() prints a line and keeps it; write(data) writes
+    <name>.json ({"results": data, "printed": the lines}) and <name>.md (the lines, verbatim) into --out (default: a
+    new benchmarks/results/<date>-<name>) and returns that directory."""
+
+    def __init__(self, name: str, out: str | None):
+        self.name, self.out, self.lines = name, out, []
+
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def write(self, data) -> str:
+        out = results_dir(self.out, self.name)
+        write_results(out, self.name, {"results": data, "printed": self.lines},
+                      "```\n" + "\n".join(self.lines) + "\n```")
+        print(f"results in {out}")
+        return out
+
+
 # ---- processes: stages, up, llama-server --------------------------------------------------------------------------
 
 def free_port() -> int:

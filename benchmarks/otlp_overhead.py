@@ -7,7 +7,10 @@ It also times, in this process, what tracing adds per micro-batch (header encode
 trace context of 16 sequences, and one compute span's start and end with 15 links), which end-to-end noise on a
 shared 2-core machine can hide.
 
-    python -m benchmarks.otlp_overhead [--concurrency 16] [--max-tokens 32] [--rounds 3] [--dtype D]"""
+    python -m benchmarks.otlp_overhead [--concurrency 16] [--max-tokens 32] [--rounds 3] [--dtype D] [--out DIR]
+
+Writes otlp_overhead.json and otlp_overhead.md (what it printed) into --out (default: a new
+benchmarks/results/<date>-otlp_overhead)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import timeit
 
 import torch
 
-from benchmarks.harness import add_dtype_arg, dtype_label, run_level, running_up
+from benchmarks.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_level, running_up
 from benchmarks.otlp_receiver import OtlpReceiver
 from shared.device import resolve_dtype
 from shared.otlp import OtlpTracer, otlp_endpoint
@@ -63,11 +66,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    add_out_arg(p, "otlp_overhead")
     args = p.parse_args()
+    report = Report("otlp_overhead", args.out)
     with OtlpReceiver() as rx:
         us = per_microbatch_us(rx.url, resolve_dtype(args.dtype))
-    print(f"per micro-batch of 16 sequences: header encode+decode {us['wire off']:.1f} us without trace context, "
-          f"{us['wire on']:.1f} us with it; one compute span with 15 links {us['span']:.1f} us")
+    report.say(f"per micro-batch of 16 sequences: header encode+decode {us['wire off']:.1f} us without trace context, "
+               f"{us['wire on']:.1f} us with it; one compute span with 15 links {us['span']:.1f} us")
     slots = ("--kv-slots", str(max(16, args.concurrency)))
     with OtlpReceiver() as rx:
         with contextlib.ExitStack() as stack:  # the traced up stops first: it flushes the spans still queued
@@ -77,15 +82,17 @@ def main() -> None:
             for r in range(args.rounds):  # the order alternates too: neither side always runs first
                 for gw, out in [(off_gw, off), (on_gw, on)][:: 1 if r % 2 == 0 else -1]:
                     out.append(asyncio.run(run_level(gw.url, args.concurrency, args.max_tokens)).tokens_per_s)
-                print(f"  round {r + 1}: tracing off {off[-1]:7.1f} tok/s   on {on[-1]:7.1f} tok/s")
+                report.say(f"  round {r + 1}: tracing off {off[-1]:7.1f} tok/s   on {on[-1]:7.1f} tok/s")
         time.sleep(2.0)
         spans = rx.spans()
     m_off, m_on = statistics.mean(off), statistics.mean(on)
     noise = statistics.stdev(off) / m_off if len(off) > 1 else float("nan")
     kinds = {name: sum(1 for s in spans if s.name == name) for name in sorted({s.name for s in spans})}
-    print(f"otlp overhead: {args.stages} stages, {dtype_label(args.dtype)}, {args.concurrency} streams x {args.max_tokens} tokens, "
-          f"{args.rounds} rounds: off {m_off:.1f} tok/s, on {m_on:.1f} tok/s (ratio on/off {m_on / m_off:.3f}; "
-          f"run-to-run spread with tracing off {100 * noise:.1f}%); spans received {kinds}")
+    report.say(f"otlp overhead: {args.stages} stages, {dtype_label(args.dtype)}, {args.concurrency} streams x {args.max_tokens} tokens, "
+               f"{args.rounds} rounds: off {m_off:.1f} tok/s, on {m_on:.1f} tok/s (ratio on/off {m_on / m_off:.3f}; "
+               f"run-to-run spread with tracing off {100 * noise:.1f}%); spans received {kinds}")
+    report.write({"settings": vars(args) | {"dtype": dtype_label(args.dtype)}, "per_microbatch_us": us,
+                  "tokens_per_s_off": off, "tokens_per_s_on": on, "spans_received": kinds})
 
 
 if __name__ == "__main__":

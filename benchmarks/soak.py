@@ -3,7 +3,9 @@
 (expected 0 on every stage), and the failed requests (expected 0; an abort by the client is not a failure).
 
     python -m benchmarks.soak [--minutes 10] [--stages 2] [--load 0.7] [--abort 0.3] [--max-tokens 32]
-        [--dtype D] [--json]"""
+        [--dtype D] [--json] [--out DIR]
+
+Writes soak.json and soak.md (what it printed) into --out (default: a new benchmarks/results/<date>-soak)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,16 @@ import time
 
 import aiohttp
 
-from benchmarks.harness import add_dtype_arg, children, dtype_label, rss_mb, running_up, slope_per_min
+from benchmarks.harness import (
+    Report,
+    add_dtype_arg,
+    add_out_arg,
+    children,
+    dtype_label,
+    rss_mb,
+    running_up,
+    slope_per_min,
+)
 from loadtest.client import StreamEndedEarly, sse_events
 
 PROMPTS = ["Write a story about a dragon.", "Explain how rain forms.", "List some fruits.", "Describe a city street.",
@@ -102,13 +113,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     add_dtype_arg(ap)
     ap.add_argument("--json", action="store_true")
+    add_out_arg(ap, "soak")
     args = ap.parse_args()
+    report = Report("soak", args.out)
     logs = tempfile.mkdtemp(prefix="stagemesh-soak-")  # kept: the logs of a soak that failed are the evidence
     with running_up(args.stages, "--kv-slots", "32", dtype=args.dtype, log_dir=logs) as gw:
         cap = asyncio.run(capacity(gw.url, args.max_tokens))
         rate = args.load * cap
-        print(f"{dtype_label(args.dtype)}: capacity {cap:.2f} req/s; soaking {args.minutes:g} min at {rate:.2f} req/s, "
-              f"{args.abort:.0%} aborts (logs in {logs})", flush=True)
+        report.say(f"{dtype_label(args.dtype)}: capacity {cap:.2f} req/s; soaking {args.minutes:g} min at {rate:.2f} req/s, "
+                   f"{args.abort:.0%} aborts (logs in {logs})")
         res = asyncio.run(soak(gw.url, gw.proc.pid, rate, args.minutes, args.abort, args.max_tokens))
         time.sleep(2.0)  # releases of the last aborts reach the stages
         res["kv_used_slots_end"] = [gw.stage_info(i)["kv"]["used_slots"] for i in range(args.stages)]
@@ -119,12 +132,13 @@ def main() -> None:
         print(json.dumps(res))
     else:
         o = res["outcomes"]
-        print(f"{o['ok']} completed, {o['aborted']} aborted by the client, {o['failed']} failed (expected 0)")
-        print(f"RSS slope MB/min: {res['rss_slope_mb_per_min']}; RSS at the end MB: {res['rss_mb_end']}")
-        print(f"KV slots used at the end: {res['kv_used_slots_end']} (expected all 0); gateway running sequences: "
-              f"{res['gateway_running_end']:.0f}")
+        report.say(f"{o['ok']} completed, {o['aborted']} aborted by the client, {o['failed']} failed (expected 0)")
+        report.say(f"RSS slope MB/min: {res['rss_slope_mb_per_min']}; RSS at the end MB: {res['rss_mb_end']}")
+        report.say(f"KV slots used at the end: {res['kv_used_slots_end']} (expected all 0); gateway running sequences: "
+                   f"{res['gateway_running_end']:.0f}")
         for e in res["errors"]:
-            print("  error:", e)
+            report.say(f"  error: {e}")
+    report.write(res)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,16 @@ def test_write_results_writes_the_json_and_the_markdown(tmp_path):
     assert (tmp_path / "batching.md").read_text() == "| streams |\n| 1 |\n"
 
 
+def test_a_report_keeps_what_the_script_printed(tmp_path, capsys):
+    report = harness.Report("overlap", str(tmp_path))
+    report.say("prefetch on / off throughput: 1.50x")
+    assert report.write({"ratio": 1.5}) == str(tmp_path)
+    assert "prefetch on / off throughput: 1.50x" in capsys.readouterr().out
+    assert json.loads((tmp_path / "overlap.json").read_text()) == {
+        "results": {"ratio": 1.5}, "printed": ["prefetch on / off throughput: 1.50x"]}
+    assert "prefetch on / off throughput: 1.50x" in (tmp_path / "overlap.md").read_text()
+
+
 def test_level_percentiles_interpolate_between_ranks():
     assert harness._percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert harness._percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
