@@ -14,7 +14,7 @@ Then three targeted faults (issue 31), each on the same `up`:
   it with the wrong keys (a rotation that reached one host first); the gateway must report not ready, naming that
   stage, within seconds of the stage answering; with the keys back it must serve again.
 
-    python -m benchmarks.chaos [--stages 2] [--duration 180] [--kill-every 20] [--max-tokens 48] [--dtype float32]
+    python -m benchmarks.chaos [--stages 2] [--duration 180] [--kill-every 20] [--max-tokens 48] [--dtype D]
         [--batch-invariant] [--scenarios kills,leavers,two-deaths,wrong-keys] [--out results.json]"""
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from benchmarks.procs import children
+from benchmarks.harness import RunningGateway, add_dtype_arg, children, dtype_label, running_up
 from loadtest.client import send_sse
-from services.launch import RunningGateway, start_up
 from shared.mesh_keys import write_key_set
 
 SCENARIOS = ("kills", "leavers", "two-deaths", "wrong-keys")
@@ -131,23 +130,10 @@ def _kv_used(gw: RunningGateway, n: int) -> list[int | None]:
     return out
 
 
-def _stage_pids(gw: RunningGateway) -> dict[int, int]:
-    """Stage index -> pid of the up's stage processes (from their command lines)."""
-    out = {}
-    for pid in children(gw.proc.pid):
-        try:
-            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
-        except OSError:
-            continue
-        if "--stage-index" in argv:
-            out[int(argv[argv.index("--stage-index") + 1])] = pid
-    return out
-
-
 async def _kill(gw: RunningGateway, index: int) -> None:
     """SIGKILL stage `index` and wait until the gateway has noticed and `up` has it ready again."""
     failovers = _metric(gw, "stagemesh_gateway_pipeline_failovers_total")
-    os.kill(_stage_pids(gw)[index], signal.SIGKILL)
+    os.kill(gw.stage_pids()[index], signal.SIGKILL)
     await until(lambda: _metric(gw, "stagemesh_gateway_pipeline_failovers_total") > failovers, 60,
                 f"the gateway never noticed stage {index}'s death")
     await until(lambda: _ready(gw), 300, f"the gateway never became ready after stage {index} restarted")
@@ -159,7 +145,7 @@ async def leavers(gw: RunningGateway, stages: int, max_tokens: int) -> dict:
         tasks = [asyncio.create_task(one(s, gw.url, i, max_tokens)) for i in range(8)]
         await until(lambda: min(u or 0 for u in _kv_used(gw, stages)) >= 8, 120, "the streams never took their slots")
         failovers = _metric(gw, "stagemesh_gateway_pipeline_failovers_total")
-        os.kill(_stage_pids(gw)[stages - 1], signal.SIGKILL)
+        os.kill(gw.stage_pids()[stages - 1], signal.SIGKILL)
         await until(lambda: _metric(gw, "stagemesh_gateway_pipeline_failovers_total") > failovers, 60,
                     "the gateway never noticed the death")
         for t in tasks:
@@ -193,7 +179,7 @@ async def two_deaths(gw: RunningGateway, stages: int, max_tokens: int, ref: list
 async def wrong_keys(gw: RunningGateway, stages: int) -> dict:
     """Stage `stages - 1` restarted by `up` with another key set: seconds to not ready, naming it; then the keys back."""
     index = stages - 1
-    argv = open(f"/proc/{_stage_pids(gw)[index]}/cmdline").read().split("\0")
+    argv = open(f"/proc/{gw.stage_pids()[index]}/cmdline").read().split("\0")
     keys_dir = argv[argv.index("--keys") + 1]
     role = f"stage{index}"
     saved = tempfile.mkdtemp(prefix="stagemesh-chaos-keys-")
@@ -206,7 +192,7 @@ async def wrong_keys(gw: RunningGateway, stages: int) -> dict:
             shutil.copy2(os.path.join(other, role + suffix), os.path.join(keys_dir, role + suffix))
         before = gw.stage_info(index)["incarnation"]
         t_kill = time.monotonic()
-        os.kill(_stage_pids(gw)[index], signal.SIGKILL)
+        os.kill(gw.stage_pids()[index], signal.SIGKILL)
         await until(lambda: _incarnation(gw, index) not in (None, before), 300, "up never restarted the stage")
         t_up = time.monotonic()
         await until(lambda: f"stage {index}" in _problem(gw) and "key" in _problem(gw), 60,
@@ -217,7 +203,7 @@ async def wrong_keys(gw: RunningGateway, stages: int) -> dict:
         for suffix in (".key", ".key_secret"):
             shutil.copy2(os.path.join(saved, role + suffix), os.path.join(keys_dir, role + suffix))
         shutil.rmtree(saved, ignore_errors=True)
-    os.kill(_stage_pids(gw)[index], signal.SIGKILL)
+    os.kill(gw.stage_pids()[index], signal.SIGKILL)
     back_s = await until(lambda: _ready(gw), 300, "the gateway never became ready with the keys back")
     return {"stage": index, "not_ready_after_stage_answered_s": round(named_s, 2), "from_kill_s": round(total_s, 2),
             "problem": problem, "ready_again_s": round(back_s, 2), "ok": named_s < 10}
@@ -237,7 +223,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=180.0, help="seconds of chaos (default 180)")
     ap.add_argument("--kill-every", type=float, default=20.0, help="seconds between SIGKILLs (default 20)")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--dtype", default="float32")
+    add_dtype_arg(ap)
     ap.add_argument("--batch-invariant", action="store_true",
                     help="run the stages batch-invariant: every text must then equal its undisturbed run")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -251,10 +237,9 @@ def main() -> None:
     if not scenarios or set(scenarios) - set(SCENARIOS):
         ap.error(f"--scenarios must name some of {', '.join(SCENARIOS)}")
     extra = ["--batch-invariant"] if args.batch_invariant else []
-    results: dict = {"stages": args.stages, "dtype": args.dtype, "batch_invariant": args.batch_invariant}
-    gw = start_up(args.stages, args.dtype, tempfile.mkdtemp(prefix="stagemesh-chaos-"), *extra)
-    try:
-        gw.wait_compiled()  # measure steady state: --compile-decode auto compiles after /ready
+    results: dict = {"stages": args.stages, "dtype": dtype_label(args.dtype), "batch_invariant": args.batch_invariant}
+    logs = tempfile.mkdtemp(prefix="stagemesh-chaos-")  # kept: the stage logs of a failed run are the evidence
+    with running_up(args.stages, *extra, dtype=args.dtype, log_dir=logs) as gw:
         if "kills" in scenarios:
             ref = asyncio.run(reference(gw.url, args.max_tokens))
             print(f"undisturbed run done; chaos for {args.duration:.0f} s, a SIGKILL every {args.kill_every:.0f} s",
@@ -282,8 +267,6 @@ def main() -> None:
             results["wrong_keys"] = r = asyncio.run(wrong_keys(gw, args.stages))
             print(f"wrong keys: not ready {r['not_ready_after_stage_answered_s']} s after stage {r['stage']} answered "
                   f"({r['from_kill_s']} s from its kill): {r['problem']}", flush=True)
-    finally:
-        gw.stop()
     failed = (results.get("kills", {}).get("failed") or results.get("two_deaths", {}).get("failed")
               or (args.batch_invariant and (results.get("kills", {}).get("differs")
                                             or results.get("two_deaths", {}).get("differs")))

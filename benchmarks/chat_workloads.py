@@ -2,7 +2,7 @@
 `stagemesh up` (its prefix cache on, as by default), same model file, same machine, the same requests to both.
 
     make llama-server                                     # builds it once into ~/.cache/stagemesh (~8 min)
-    python -m benchmarks.chat_workloads [--out benchmarks/results/DATE-chat] [--turns 12] [--rounds 3]
+    python -m benchmarks.chat_workloads [--out DIR] [--turns 12] [--rounds 3] [--dtype D]
         [--stages 1] [--model ALIAS_OR_GGUF] [-- up flags]
 
 Two workloads, each server measured in turn within every round (the order reversed every other round):
@@ -15,14 +15,13 @@ Two workloads, each server measured in turn within every round (the order revers
   reported apart; new questions every burst).
 
 Writes chat.json, chat.md (tables with ratios to llama-server) and chat.png (TTFT per turn against history length)
-into --out."""
+into --out (default: a new benchmarks/results/<date>-chat)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import sys
@@ -30,7 +29,16 @@ import time
 
 import aiohttp
 
-from benchmarks.compare_llamacpp import LLAMA_SERVER, start_llama_server, start_stagemesh
+from benchmarks.harness import (
+    LLAMA_SERVER,
+    add_dtype_arg,
+    add_out_arg,
+    dtype_label,
+    results_dir,
+    running_llama_server,
+    ups_in_turn,
+    write_results,
+)
 from loadtest.client import sse_events
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
@@ -153,12 +161,12 @@ def plot(chat: dict[str, list[list[dict]]], path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench-output/chat")
+    add_out_arg(p, "chat")
     p.add_argument("--turns", type=int, default=12, help="turns of the multi-turn conversation (default 12)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the servers in turn in each (default 3)")
     p.add_argument("--concurrent", type=int, default=8, help="questions at once after the shared prompt (default 8)")
     p.add_argument("--bursts", type=int, default=3, help="bursts of questions per server and round (default 3)")
-    p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
+    add_dtype_arg(p, "stagemesh's")
     p.add_argument("--model", default="smollm2", help="alias or GGUF path, served by all of them (default smollm2)")
     p.add_argument("--stages", default="1", help="stagemesh meshes to run beside llama-server (default 1)")
     p.add_argument("--llama-server", default=LLAMA_SERVER, help="path of llama.cpp's llama-server (make llama-server)")
@@ -168,13 +176,14 @@ def main() -> None:
         sys.exit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
     if args.rounds < 1 or args.turns < 1 or args.concurrent < 1:
         sys.exit("--rounds, --turns and --concurrent must be at least 1")
-    os.makedirs(args.out, exist_ok=True)
     system = words(random.Random(7), 640)  # ~700 tokens
     with contextlib.ExitStack() as stack:
         # per slot: the longest conversation (~1.9k tokens) and its reply
-        servers = {"llama-server": start_llama_server(stack, args, args.concurrent, 2304 * args.concurrent)}
-        for stages in [int(x) for x in args.stages.split(",")]:
-            servers[f"stagemesh --stages {stages}"] = start_stagemesh(stack, stages, args)
+        servers = {"llama-server": stack.enter_context(running_llama_server(
+            args.model, args.llama_server, args.concurrent, 2304 * args.concurrent))}
+        for stages, url in ups_in_turn(stack, [int(x) for x in args.stages.split(",")], args.model, args.dtype,
+                                       args.extra).items():
+            servers[f"stagemesh --stages {stages}"] = url
         names = list(servers)
         chat: dict[str, list[list[dict]]] = {n: [] for n in names}
         burst: dict[str, list[dict]] = {n: [] for n in names}
@@ -189,14 +198,15 @@ def main() -> None:
     md = tables(chat, burst, args.turns)
     model = resolve_model(args.model)
     header = (f"{GgufLoader(model).model_name} ({os.path.basename(model)}), {os.cpu_count()} CPU cores; llama-server "
-              f"-np {args.concurrent} -cb (prompt cache on); stagemesh up {' '.join(args.extra) or '(defaults)'}; "
+              f"-np {args.concurrent} -cb (prompt cache on); stagemesh up {' '.join(args.extra) or '(defaults)'}, "
+              f"{dtype_label(args.dtype)}; "
               f"{args.rounds} rounds, the servers in turn; TTFT = mean over rounds")
     print(header + "\n\n" + md)
-    with open(os.path.join(args.out, "chat.md"), "w") as f:
-        f.write(header + "\n\n" + md + "\n")
-    with open(os.path.join(args.out, "chat.json"), "w") as f:
-        json.dump({"settings": header, "multi_turn": chat, "shared_prompt_burst_s": burst}, f, indent=1)
-    plot(chat, os.path.join(args.out, "chat.png"))
+    out = results_dir(args.out, "chat")
+    write_results(out, "chat", {"settings": header, "multi_turn": chat, "shared_prompt_burst_s": burst},
+                  header + "\n\n" + md)
+    plot(chat, os.path.join(out, "chat.png"))
+    print(f"results in {out}")
 
 
 if __name__ == "__main__":

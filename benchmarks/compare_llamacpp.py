@@ -4,7 +4,7 @@ random prompts, fresh for every level and round (prompt_seed), --ignore-eos, tem
 16 / 32.
 
     make llama-server                                   # builds it once into ~/.cache/stagemesh (~8 min)
-    python -m benchmarks.compare_llamacpp [--out benchmarks/results/DATE] [--concurrency 1,4,16,32] [--rounds 2]
+    python -m benchmarks.compare_llamacpp [--out DIR] [--concurrency 1,4,16,32] [--rounds 2] [--dtype D]
         [--model ALIAS_OR_GGUF] [--stages 1,2] [-- up flags]
 
 The three servers run at once (an idle `stagemesh up` uses under 1 % of a core) and are measured interleaved: at
@@ -14,7 +14,8 @@ between runs minutes apart at most; each table row is the mean over rounds, and 
 round's own ratio (the servers it divides ran within a minute of each other).
 
 Writes comparison.json (every round's metrics too), comparison.md (the table, with ratios to llama-server) and
-comparison.png (output tokens/s and p99 TTFT against concurrency) into --out."""
+comparison.png (output tokens/s and p99 TTFT against concurrency) into --out (default: a new
+benchmarks/results/<date>-compare)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,20 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 
-from services.launch import free_port, start_up
-from shared.device import cpu_has_fast_bf16, default_dtype_name
+from benchmarks.harness import (
+    LLAMA_SERVER,
+    add_dtype_arg,
+    add_out_arg,
+    dtype_label,
+    results_dir,
+    running_llama_server,
+    ups_in_turn,
+    write_results,
+)
+from shared.device import cpu_has_fast_bf16
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
-
-LLAMA_SERVER = os.path.expanduser("~/.cache/stagemesh/llama-server/bin/llama-server")
 
 
 def prompt_seed(concurrency: int, round_: int) -> int:
@@ -55,46 +60,6 @@ def bench(url: str, label: str, concurrency: int, round_: int, out: str, args) -
            "--seed", str(prompt_seed(concurrency, round_))]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.load(open(result))  # vLLM-named metrics at the top level
-
-
-def wait_http(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
-
-def start_llama_server(stack: contextlib.ExitStack, args, slots: int = 32, context: int = 8192) -> str:
-    """llama-server on a free port, stopped when `stack` closes; returns its base URL once /health answers.
-    context is shared by the slots: 8192 gives each of 32 slots 256 tokens, room for 64 in + 64 out."""
-    port = free_port()
-    cmd = [args.llama_server, "-m", resolve_model(args.model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(os.cpu_count()), "-np", str(slots), "-cb", "-c", str(context), "--no-webui"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def stop() -> None:
-        server.terminate()
-        server.wait(30)
-
-    stack.callback(stop)
-    wait_http(f"http://127.0.0.1:{port}/health")
-    return f"http://127.0.0.1:{port}"
-
-
-def start_stagemesh(stack: contextlib.ExitStack, stages: int, args) -> str:
-    """`stagemesh up --stages N`, stopped when `stack` closes; returns its URL once its decode graphs compiled
-    (one mesh at a time, so no compilation overlaps another server's start or a measurement)."""
-    logs = stack.enter_context(tempfile.TemporaryDirectory())
-    gw = start_up(stages, args.dtype, logs, "--model", resolve_model(args.model), *args.extra)
-    stack.callback(gw.stop)
-    print(f"stagemesh {stages} stage(s): compiled decode {gw.wait_compiled()}", flush=True)
-    return gw.url
 
 
 def measure(servers: dict[str, str], levels: list[int], out: str, args) -> dict[str, dict[int, list[dict]]]:
@@ -159,13 +124,13 @@ def plot(runs: dict[str, dict[int, list[dict]]], levels: list[int], path: str) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench-output/compare")
+    add_out_arg(p, "compare")
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--min-prompts", type=int, default=8, help="requests per level at least (else 2 x concurrency)")
     p.add_argument("--rounds", type=int, default=2, help="rounds per level, the servers interleaved in each")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
+    add_dtype_arg(p, "stagemesh's")
     p.add_argument("--model", default="smollm2", help="alias or GGUF path, served by all of them (default smollm2)")
     p.add_argument("--stages", default="1,2", help="stagemesh meshes to run beside llama-server (default 1,2)")
     p.add_argument("--llama-server", default=LLAMA_SERVER, help="path of llama.cpp's llama-server (make llama-server)")
@@ -174,29 +139,28 @@ def main() -> None:
     if not os.access(args.llama_server, os.X_OK):
         sys.exit(f"no llama-server at {args.llama_server}: run `make llama-server` first")
     levels = [int(x) for x in args.concurrency.split(",")]
-    os.makedirs(args.out, exist_ok=True)
     if args.rounds < 1:
         sys.exit("--rounds must be at least 1")
+    out = results_dir(args.out, "compare")
     with contextlib.ExitStack() as stack:
-        servers = {"llama-server": start_llama_server(stack, args)}
-        for stages in [int(x) for x in args.stages.split(",")]:
-            servers[f"stagemesh up --stages {stages}"] = start_stagemesh(stack, stages, args)
-        runs = measure(servers, levels, args.out, args)
+        servers = {"llama-server": stack.enter_context(running_llama_server(args.model, args.llama_server))}
+        for stages, url in ups_in_turn(stack, [int(x) for x in args.stages.split(",")], args.model, args.dtype,
+                                       args.extra).items():
+            servers[f"stagemesh up --stages {stages}"] = url
+        runs = measure(servers, levels, out, args)
     md = table(runs, levels)
     header = (f"{GgufLoader(resolve_model(args.model)).model_name} ({os.path.basename(resolve_model(args.model))}), "
               f"{os.cpu_count()} CPU cores, {args.input_len} prompt tokens, "
               f"{args.output_len} output tokens (ignore_eos), temperature 0.7; llama-server -t {os.cpu_count()} -np 32 "
               f"-cb -c 8192; stagemesh up {' '.join(([f'--dtype {args.dtype}'] if args.dtype else []) + args.extra) or '(defaults)'}"
-              f" (activations {args.dtype or default_dtype_name()}, {'native' if cpu_has_fast_bf16() else 'no native'} "
+              f" (activations {dtype_label(args.dtype)}, {'native' if cpu_has_fast_bf16() else 'no native'} "
               f"bf16 on this CPU); {args.rounds} round(s) per level, the servers interleaved")
     print(header + "\n\n" + md)
-    with open(os.path.join(args.out, "comparison.md"), "w") as f:
-        f.write(header + "\n\n" + md + "\n")
-    with open(os.path.join(args.out, "comparison.json"), "w") as f:
-        json.dump({"settings": header,
-                   "results": {k: {str(c): combine(r) for c, r in v.items()} for k, v in runs.items()},
-                   "rounds": {k: {str(c): r for c, r in v.items()} for k, v in runs.items()}}, f, indent=1)
-    plot(runs, levels, os.path.join(args.out, "comparison.png"))
+    write_results(out, "comparison", {
+        "settings": header, "results": {k: {str(c): combine(r) for c, r in v.items()} for k, v in runs.items()},
+        "rounds": {k: {str(c): r for c, r in v.items()} for k, v in runs.items()}}, header + "\n\n" + md)
+    plot(runs, levels, os.path.join(out, "comparison.png"))
+    print(f"results in {out}")
 
 
 if __name__ == "__main__":

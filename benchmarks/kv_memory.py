@@ -2,25 +2,31 @@
 resident memory (VmRSS) and their K/V bytes (/info kv.resident_bytes of kv.reserved_bytes) idle, under a burst of
 concurrent requests, and after them (finished requests stay as cached prefixes until room is needed).
 
-    python -m benchmarks.kv_memory [--stages 1] [--concurrent 32] [--prompt-words 300] [--out DIR] [-- up flags]
+    python -m benchmarks.kv_memory [--stages 1] [--concurrent 32] [--prompt-words 300] [--dtype D] [--out DIR]
+        [-- up flags]
 
-Writes kv_memory.json and kv_memory.md into --out."""
+Writes kv_memory.json and kv_memory.md into --out (default: a new benchmarks/results/<date>-kv-memory)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
-import tempfile
 import threading
 import time
 
 import aiohttp
 
-from benchmarks.procs import children, rss_mb
-from services.launch import start_up
+from benchmarks.harness import (
+    add_dtype_arg,
+    add_out_arg,
+    children,
+    dtype_label,
+    results_dir,
+    rss_mb,
+    running_up,
+    write_results,
+)
 
 MIB = 2**20
 
@@ -57,33 +63,29 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--concurrent", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=300)
-    p.add_argument("--out", default="bench-output/kv-memory")
+    add_dtype_arg(p)
+    add_out_arg(p, "kv-memory")
     p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    with tempfile.TemporaryDirectory() as logs:
-        gw = start_up(args.stages, None, logs, *args.extra)
-        try:
-            pids = children(gw.proc.pid)
-            idle = snapshot(gw, args.stages, pids)
-            peak: list[dict] = []
-            done = threading.Event()
+    with running_up(args.stages, *args.extra, dtype=args.dtype, compiled=False) as gw:
+        pids = children(gw.proc.pid)
+        idle = snapshot(gw, args.stages, pids)
+        peak: list[dict] = []
+        done = threading.Event()
 
-            def sample() -> None:  # the burst's largest K/V footprint, polled
-                while not done.is_set():
-                    now = snapshot(gw, args.stages, pids)
-                    if not peak or sum(s["kv_resident_mib"] for s in now) > sum(s["kv_resident_mib"] for s in peak):
-                        peak[:] = now
-                    time.sleep(0.2)
+        def sample() -> None:  # the burst's largest K/V footprint, polled
+            while not done.is_set():
+                now = snapshot(gw, args.stages, pids)
+                if not peak or sum(s["kv_resident_mib"] for s in now) > sum(s["kv_resident_mib"] for s in peak):
+                    peak[:] = now
+                time.sleep(0.2)
 
-            poller = threading.Thread(target=sample, daemon=True)
-            poller.start()
-            asyncio.run(burst(gw.url, args.concurrent, args.prompt_words, 1))
-            done.set()
-            poller.join()
-            after = snapshot(gw, args.stages, pids)
-        finally:
-            gw.stop()
+        poller = threading.Thread(target=sample, daemon=True)
+        poller.start()
+        asyncio.run(burst(gw.url, args.concurrent, args.prompt_words, 1))
+        done.set()
+        poller.join()
+        after = snapshot(gw, args.stages, pids)
     rows = ["| | per stage: VmRSS | K/V held / reserved | live slots | cached prefixes |",
             "| --- | --- | --- | --- | --- |"]
     for name, snap in (("idle", idle), (f"during {args.concurrent} requests (peak)", peak), ("after", after)):
@@ -91,14 +93,13 @@ def main() -> None:
                     " · ".join(f"{s['kv_resident_mib']:.1f} / {s['kv_reserved_mib']:.0f} MiB" for s in snap) + " | " +
                     " · ".join(str(s["used_slots"]) for s in snap) + " | " +
                     " · ".join(str(s["kept_prefixes"]) for s in snap) + " |")
-    header = (f"stagemesh up --stages {args.stages} {' '.join(args.extra) or '(defaults)'}; {args.concurrent} concurrent "
+    header = (f"stagemesh up --stages {args.stages} {' '.join(args.extra) or '(defaults)'}, {dtype_label(args.dtype)}; "
+              f"{args.concurrent} concurrent "
               f"completions of ~{args.prompt_words + 4}-word prompts, 32 output tokens each")
     md = header + "\n\n" + "\n".join(rows)
     print(md)
-    with open(os.path.join(args.out, "kv_memory.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "kv_memory.json"), "w") as f:
-        json.dump({"settings": header, "idle": idle, "peak": peak, "after": after}, f, indent=1)
+    write_results(results_dir(args.out, "kv-memory"), "kv_memory",
+                  {"settings": header, "idle": idle, "peak": peak, "after": after}, md)
 
 
 if __name__ == "__main__":

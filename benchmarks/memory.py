@@ -2,10 +2,10 @@
 that costs in speed: per stage the weights it holds (/info), its resident set (VmRSS) and its share of the file; per
 mesh the time to first token of a prompt (prefill) and the time per output token (decode) at one stream.
 
-    python -m benchmarks.memory [--stages 2] [--modes auto,lean] [--out DIR] MODEL [MODEL ...]
+    python -m benchmarks.memory [--stages 2] [--modes auto,lean] [--dtype D] [--out DIR] MODEL [MODEL ...]
 
 MODEL: an alias or a GGUF path (e.g. the presets tests/test_real_files.py builds into ~/.cache/stagemesh/quantized).
-Writes memory.json and memory.md into --out."""
+Writes memory.json and memory.md into --out (default: a new benchmarks/results/<date>-memory)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,16 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.procs import children, rss_mb
-from services.launch import start_up
+from benchmarks.harness import (
+    add_dtype_arg,
+    add_out_arg,
+    children,
+    dtype_label,
+    results_dir,
+    rss_mb,
+    running_up,
+    write_results,
+)
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
 
@@ -37,27 +45,26 @@ def one_stream(url: str, args, out: str) -> dict:
 
 def measure(model: str, mode: str, args) -> dict:
     path = resolve_model(model)
-    with tempfile.TemporaryDirectory() as logs:
-        gw = start_up(args.stages, None, logs, "--model", path, "--weights", mode, "--compile-decode", "off")
-        try:
-            stages = []
-            pids = children(gw.proc.pid)
-            for i in range(args.stages):
-                info = gw.stage_info(i)
-                mem = info["weights"]["memory"]
-                stages.append({"layers": info["layers"], "file_mib": mem["file_bytes"] / MIB,
-                               "weights_mib": mem["weight_bytes"] / MIB, "ratio": mem["weights_per_file_byte"],
-                               "kv_mib": mem["kv_bytes"] / MIB, "prefill_copy": mem["prefill_copy"]})
-            rss = sorted(rss_mb(p) for p in pids)[-args.stages:]  # the stages (the largest children of up)
-            speed = one_stream(gw.url, args, logs)
-        finally:
-            gw.stop()
-    return {"model": GgufLoader(path).model_name, "file": os.path.basename(path), "mode": mode, "stages": stages,
+    with tempfile.TemporaryDirectory() as logs, running_up(args.stages, "--model", path, "--weights", mode,
+                                                           "--compile-decode", "off", dtype=args.dtype,
+                                                           compiled=False, log_dir=logs) as gw:
+        stages = []
+        pids = children(gw.proc.pid)
+        for i in range(args.stages):
+            info = gw.stage_info(i)
+            mem = info["weights"]["memory"]
+            stages.append({"layers": info["layers"], "file_mib": mem["file_bytes"] / MIB,
+                           "weights_mib": mem["weight_bytes"] / MIB, "ratio": mem["weights_per_file_byte"],
+                           "kv_mib": mem["kv_bytes"] / MIB, "prefill_copy": mem["prefill_copy"]})
+        rss = sorted(rss_mb(p) for p in pids)[-args.stages:]  # the stages (the largest children of up)
+        speed = one_stream(gw.url, args, logs)
+    return {"model": GgufLoader(path).model_name, "file": os.path.basename(path), "mode": mode,
+            "dtype": dtype_label(args.dtype), "stages": stages,
             "rss_mib": rss, "mean_ttft_ms": speed["mean_ttft_ms"], "mean_itl_ms": speed["mean_itl_ms"]}
 
 
 def table(rows: list[dict], args) -> str:
-    out = [f"`stagemesh up --stages {args.stages}`, one stream: {args.input_len}-token prompts, {args.output_len} "
+    out = [f"`stagemesh up --stages {args.stages}`, {dtype_label(args.dtype)}, one stream: {args.input_len}-token prompts, {args.output_len} "
            "output tokens; per stage: weights held / the GGUF bytes of its layers (x), VmRSS", "",
            "| file | weights | per stage: weights / file share (x), RSS | TTFT | ITL |", "| --- | --- | --- | ---: | ---: |"]
     for r in rows:
@@ -75,9 +82,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--out", default="bench-output/memory")
+    add_dtype_arg(p)
+    add_out_arg(p, "memory")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     rows = []
     for model in args.models:
         for mode in args.modes.split(","):
@@ -85,10 +92,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     md = table(rows, args)
     print(md)
-    with open(os.path.join(args.out, "memory.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "memory.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    write_results(results_dir(args.out, "memory"), "memory", rows, md)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,12 @@
 `stagemesh up --stages S`, same model, same machine, the same requests to both.
 
     python -m benchmarks.replicas [--replicas 2] [--stages 1] [--concurrency 16] [--max-tokens 64] [--rounds 2]
-        [--out bench-output/replicas] [-- up flags]
+        [--dtype D] [--out DIR] [-- up flags]
 
 Each round sends --concurrency distinct streams at once (greedy, ignore_eos, so every request generates exactly
 --max-tokens) to each setup in turn (the order reversed every other round) and measures output tokens per second of
-the whole burst, and time to first token. Prints a table with the ratio (R pipelines / 1) and writes replicas.json
-into --out.
+the whole burst, and time to first token. Prints a table with the ratio (R pipelines / 1) and writes replicas.json and
+replicas.md into --out (default: a new benchmarks/results/<date>-replicas).
 
 Read the ratio against the cores: `up` gives each stage process cpu_count / (stages x replicas) threads, so on a
 machine with fewer cores than stage processes x their threads' worth of work the replicas share the same cores and
@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import aiohttp
 
+from benchmarks.harness import add_dtype_arg, add_out_arg, dtype_label, results_dir, running_up, write_results
 from loadtest.client import send_sse
-from services.launch import start_up
 
 
 async def burst(url: str, concurrency: int, max_tokens: int, seed: int) -> dict:
@@ -53,37 +51,32 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16, help="streams at once (default 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default 64)")
     p.add_argument("--rounds", type=int, default=2, help="rounds, the setups in turn in each (default 2)")
-    p.add_argument("--dtype", default=None, help="stagemesh --dtype (default: up's default)")
-    p.add_argument("--out", default="bench-output/replicas")
+    add_dtype_arg(p)
+    add_out_arg(p, "replicas")
     p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     setups = {"1 pipeline": [], f"{args.replicas} pipelines": ["--replicas", str(args.replicas)]}
     runs: dict[str, list[dict]] = {name: [] for name in setups}
     for rnd in range(args.rounds):
         order = list(setups) if rnd % 2 == 0 else list(reversed(setups))
         for name in order:
-            with tempfile.TemporaryDirectory() as logs:
-                gw = start_up(args.stages, args.dtype, logs, *setups[name], *args.extra)
-                try:
-                    gw.wait_compiled()  # a stage compiling its decode step in the background shares the cores
-                    asyncio.run(burst(gw.url, 2, 4, seed=-1))  # warm-up: first-call costs out of the measurement
-                    runs[name].append(asyncio.run(burst(gw.url, args.concurrency, args.max_tokens, seed=rnd)))
-                finally:
-                    gw.stop()
+            with running_up(args.stages, *setups[name], *args.extra, dtype=args.dtype) as gw:
+                asyncio.run(burst(gw.url, 2, 4, seed=-1))  # warm-up: first-call costs out of the measurement
+                runs[name].append(asyncio.run(burst(gw.url, args.concurrency, args.max_tokens, seed=rnd)))
             print(f"round {rnd + 1} {name}: {runs[name][-1]}", flush=True)
     one, many = (statistics.median(r["tokens_per_s"] for r in runs[n]) for n in setups)
-    result = {"cpu_count": os.cpu_count(), "args": vars(args), "runs": runs,
+    result = {"cpu_count": os.cpu_count(), "dtype": dtype_label(args.dtype), "args": vars(args), "runs": runs,
               "ratio_tokens_per_s": round(many / one, 3)}
-    with open(os.path.join(args.out, "replicas.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\n| setup | output tokens/s (median of {args.rounds}) | TTFT median (ms) |\n|---|---|---|")
+    rows = [f"| setup | output tokens/s (median of {args.rounds}) | TTFT median (ms) |", "|---|---|---|"]
     for name in setups:
         ttft = statistics.median(r["ttft_ms_median"] for r in runs[name])
-        print(f"| {name} x {args.stages} stage(s) | {statistics.median(r['tokens_per_s'] for r in runs[name]):.1f} "
-              f"| {ttft:.0f} |")
-    print(f"\nratio {args.replicas} pipelines / 1: {many / one:.2f} on {os.cpu_count()} cores "
-          f"(bounded by the cores every stage process shares; see the module docstring)")
+        rows.append(f"| {name} x {args.stages} stage(s) | "
+                    f"{statistics.median(r['tokens_per_s'] for r in runs[name]):.1f} | {ttft:.0f} |")
+    ratio = (f"ratio {args.replicas} pipelines / 1: {many / one:.2f} on {os.cpu_count()} cores, "
+             f"{dtype_label(args.dtype)} (bounded by the cores every stage process shares; see the module docstring)")
+    md = "\n".join(rows) + "\n\n" + ratio
+    print("\n" + md)
+    write_results(results_dir(args.out, "replicas"), "replicas", result, md)
 
 
 if __name__ == "__main__":

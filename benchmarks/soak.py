@@ -2,7 +2,10 @@
 `stagemesh up`. Reports the RSS slope (MB/min) of the gateway and of each stage, the KV slots still held at the end
 (expected 0 on every stage), and the failed requests (expected 0; an abort by the client is not a failure).
 
-    python -m benchmarks.soak [--minutes 10] [--stages 2] [--load 0.7] [--abort 0.3] [--max-tokens 32]"""
+    python -m benchmarks.soak [--minutes 10] [--stages 2] [--load 0.7] [--abort 0.3] [--max-tokens 32]
+        [--dtype D] [--json] [--out DIR]
+
+Writes soak.json and soak.md (what it printed) into --out (default: a new benchmarks/results/<date>-soak)."""
 
 from __future__ import annotations
 
@@ -15,9 +18,17 @@ import time
 
 import aiohttp
 
-from benchmarks.procs import children, rss_mb, slope_per_min
+from benchmarks.harness import (
+    Report,
+    add_dtype_arg,
+    add_out_arg,
+    children,
+    dtype_label,
+    rss_mb,
+    running_up,
+    slope_per_min,
+)
 from loadtest.client import StreamEndedEarly, sse_events
-from services.launch import start_up
 
 PROMPTS = ["Write a story about a dragon.", "Explain how rain forms.", "List some fruits.", "Describe a city street.",
            "What is machine learning?", "Tell me about Rome.", "How do bees make honey?", "Why is the sky blue?"]
@@ -100,33 +111,34 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.7, help="fraction of measured capacity (default 0.7)")
     ap.add_argument("--abort", type=float, default=0.3, help="fraction of clients that abort mid-stream")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="bfloat16")
+    add_dtype_arg(ap)
     ap.add_argument("--json", action="store_true")
+    add_out_arg(ap, "soak")
     args = ap.parse_args()
-    gw = start_up(args.stages, args.dtype, tempfile.mkdtemp(prefix="stagemesh-soak-"), "--kv-slots", "32")
-    try:
-        gw.wait_compiled()  # measure steady state: --compile-decode auto compiles after /ready
+    report = Report("soak", args.out)
+    logs = tempfile.mkdtemp(prefix="stagemesh-soak-")  # kept: the logs of a soak that failed are the evidence
+    with running_up(args.stages, "--kv-slots", "32", dtype=args.dtype, log_dir=logs) as gw:
         cap = asyncio.run(capacity(gw.url, args.max_tokens))
         rate = args.load * cap
-        print(f"capacity {cap:.2f} req/s; soaking {args.minutes:g} min at {rate:.2f} req/s, "
-              f"{args.abort:.0%} aborts", flush=True)
+        report.say(f"{dtype_label(args.dtype)}: capacity {cap:.2f} req/s; soaking {args.minutes:g} min at {rate:.2f} req/s, "
+                   f"{args.abort:.0%} aborts (logs in {logs})")
         res = asyncio.run(soak(gw.url, gw.proc.pid, rate, args.minutes, args.abort, args.max_tokens))
         time.sleep(2.0)  # releases of the last aborts reach the stages
         res["kv_used_slots_end"] = [gw.stage_info(i)["kv"]["used_slots"] for i in range(args.stages)]
         res["gateway_running_end"] = gw.metric("stagemesh_gateway_running_sequences")
         res["capacity_req_s"], res["rate_req_s"] = round(cap, 2), round(rate, 2)
-    finally:
-        gw.stop()
+        res["dtype"] = dtype_label(args.dtype)
     if args.json:
         print(json.dumps(res))
     else:
         o = res["outcomes"]
-        print(f"{o['ok']} completed, {o['aborted']} aborted by the client, {o['failed']} failed (expected 0)")
-        print(f"RSS slope MB/min: {res['rss_slope_mb_per_min']}; RSS at the end MB: {res['rss_mb_end']}")
-        print(f"KV slots used at the end: {res['kv_used_slots_end']} (expected all 0); gateway running sequences: "
-              f"{res['gateway_running_end']:.0f}")
+        report.say(f"{o['ok']} completed, {o['aborted']} aborted by the client, {o['failed']} failed (expected 0)")
+        report.say(f"RSS slope MB/min: {res['rss_slope_mb_per_min']}; RSS at the end MB: {res['rss_mb_end']}")
+        report.say(f"KV slots used at the end: {res['kv_used_slots_end']} (expected all 0); gateway running sequences: "
+                   f"{res['gateway_running_end']:.0f}")
         for e in res["errors"]:
-            print("  error:", e)
+            report.say(f"  error: {e}")
+    report.write(res)
 
 
 if __name__ == "__main__":

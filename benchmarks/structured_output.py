@@ -1,27 +1,26 @@
 """What constrained decoding costs: output tokens/s of the same chat requests with and without a JSON schema, on one
 `stagemesh up`, at 1 and 16 concurrent streams.
 
-    python -m benchmarks.structured_output [--out benchmarks/results/DATE-structured] [--rounds 3] [-- up flags]
+    python -m benchmarks.structured_output [--out DIR] [--rounds 3] [--dtype D] [-- up flags]
 
 Both kinds generate exactly --tokens tokens (free text with ignore_eos; the schema asks for at least 100 array items,
 so the JSON is never complete before the cap), temperature 0.7, seeded, fresh prompts per round. Rounds alternate
 the order (free, JSON, JSON, free, ...) so a drift of the shared machine's speed hits both alike; each round's own
-ratio is kept. Writes structured.md and structured.json into --out."""
+ratio is kept. Writes structured.md and structured.json into --out (default: a new
+benchmarks/results/<date>-structured)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
-import tempfile
 import time
 
 import aiohttp
 
-from services.launch import start_up
+from benchmarks.harness import add_dtype_arg, add_out_arg, dtype_label, results_dir, running_up, write_results
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
 
@@ -65,32 +64,28 @@ async def burst(url: str, constrained: bool, streams: int, seed: int, tokens: in
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench-output/structured")
+    add_out_arg(p, "structured")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", default="1,16", help="concurrency levels (default 1,16)")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--stages", type=int, default=1)
+    add_dtype_arg(p)
     p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     levels = [int(x) for x in args.streams.split(",")]
     results: dict[int, dict[str, list[dict]]] = {n: {"free": [], "json": []} for n in levels}
-    with tempfile.TemporaryDirectory() as logs:
-        gw = start_up(args.stages, None, logs, "--model", resolve_model(args.model), *args.extra)
-        try:
-            print(f"compiled decode: {gw.wait_compiled()}", flush=True)
-            asyncio.run(burst(gw.url, True, 2, 1, 8))  # warm: the grammar compiles, llguidance reads the vocabulary
-            for n in levels:
-                for r in range(args.rounds):
-                    order = ("free", "json") if r % 2 == 0 else ("json", "free")
-                    for kind in order:
-                        results[n][kind].append(asyncio.run(
-                            burst(gw.url, kind == "json", n, 10_000 * n + 100 * r, args.tokens)))
-                    print(f"{n} stream(s), round {r + 1}: free {results[n]['free'][-1]['tokens_per_s']:.1f} tok/s, "
-                          f"JSON {results[n]['json'][-1]['tokens_per_s']:.1f} tok/s", flush=True)
-        finally:
-            gw.stop()
+    with running_up(args.stages, "--model", resolve_model(args.model), *args.extra, dtype=args.dtype) as gw:
+        print(f"compiled decode: {gw.wait_compiled()}", flush=True)
+        asyncio.run(burst(gw.url, True, 2, 1, 8))  # warm: the grammar compiles, llguidance reads the vocabulary
+        for n in levels:
+            for r in range(args.rounds):
+                order = ("free", "json") if r % 2 == 0 else ("json", "free")
+                for kind in order:
+                    results[n][kind].append(asyncio.run(
+                        burst(gw.url, kind == "json", n, 10_000 * n + 100 * r, args.tokens)))
+                print(f"{n} stream(s), round {r + 1}: free {results[n]['free'][-1]['tokens_per_s']:.1f} tok/s, "
+                      f"JSON {results[n]['json'][-1]['tokens_per_s']:.1f} tok/s", flush=True)
     rows = ["| streams | free text tok/s | JSON schema tok/s | JSON / free (each round) |", "| ---: | ---: | ---: | --- |"]
     for n in levels:
         free = [x["tokens_per_s"] for x in results[n]["free"]]
@@ -100,14 +95,11 @@ def main() -> None:
                     f"**{statistics.mean(js) / statistics.mean(free):.2f}×** ({ratios}) |")
     model = resolve_model(args.model)
     header = (f"{GgufLoader(model).model_name} ({os.path.basename(model)}), {os.cpu_count()} CPU cores, stagemesh up "
-              f"--stages {args.stages} {' '.join(args.extra)}; {args.tokens} output tokens per request, 2 x streams "
+              f"--stages {args.stages} {' '.join(args.extra)}, {dtype_label(args.dtype)}; {args.tokens} output tokens per request, 2 x streams "
               f"requests per burst, {args.rounds} rounds")
     md = header + "\n\n" + "\n".join(rows)
     print(md)
-    with open(os.path.join(args.out, "structured.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "structured.json"), "w") as f:
-        json.dump({"settings": header, "results": results}, f, indent=1)
+    write_results(results_dir(args.out, "structured"), "structured", {"settings": header, "results": results}, md)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,27 @@
 """Transport cost: codec + ZeroMQ for activations of 4 KB, 1 MB and 64 MB.
 
-    python -m benchmarks.transport [--repeat N] [--curve] [--mesh]
+    python -m benchmarks.transport [--repeat N] [--curve] [--mesh] [--dtype D]
 
 Prints, per size: round trip over tcp loopback (encode -> PUSH -> PULL -> decode -> PUSH back -> PULL -> decode),
 encode+decode throughput against a plain memory copy of the same bytes (torch clone), and one-way ZMQ throughput.
 --curve: the same round trips and one-way throughput with the mesh's CURVE sockets (encrypted, ZAP-authenticated),
 measured in the same run, and the CURVE / plaintext ratio. --mesh: decode tokens/s of a 2-stage mesh (one stream,
-and 4 micro-batches of 8 in flight) with CURVE and with --insecure-plaintext, rounds alternating."""
+and 4 micro-batches of 8 in flight) with CURVE and with --insecure-plaintext, rounds alternating. --dtype: the
+activations' dtype, on the wire and in the mesh (default: stagemesh's)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 
 import torch
 import zmq
 import zmq.asyncio
 
-from services.launch import free_port, start_mesh
+from benchmarks.harness import add_dtype_arg, dtype_label, free_port, run_groups, running_mesh
+from shared.device import resolve_dtype
 from shared.mesh_keys import KeyPair, SocketKeys
 from shared.protocol import ForwardBatch, SeqEntry, decode, encode
 from shared.steps import Prefill
@@ -29,8 +30,8 @@ from shared.transport import TransportStats, Zap, curve_receiver, curve_sender, 
 SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
 
 
-def make_batch(nbytes: int, dtype=torch.bfloat16, hidden_size: int = 1024) -> ForwardBatch:
-    """One sequence's prefill chunk whose activation [tokens, hidden] is nbytes of bf16."""
+def make_batch(nbytes: int, dtype: torch.dtype, hidden_size: int = 1024) -> ForwardBatch:
+    """One sequence's prefill chunk whose activation [tokens, hidden] is nbytes of `dtype`."""
     rows = max(1, nbytes // (hidden_size * dtype.itemsize))
     hidden = torch.randn(rows, hidden_size).to(dtype)
     return ForwardBatch(1, [SeqEntry("s0", Prefill(rows, 0, rows, True))], hidden=hidden)
@@ -114,11 +115,11 @@ async def one_way(batch: ForwardBatch, repeat: int, curve: bool = False) -> floa
     return repeat * batch.hidden.nbytes / elapsed
 
 
-def curve_table(repeat: int) -> None:
+def curve_table(repeat: int, dtype: torch.dtype) -> None:
     print(f"\nCURVE vs plaintext (same run, tcp loopback): {'size':>6} | round trip plain / CURVE | "
           "one-way GB/s plain / CURVE | CURVE/plain throughput")
     for label, nbytes in SIZES.items():
-        batch = make_batch(nbytes)
+        batch = make_batch(nbytes, dtype)
         reps = repeat if nbytes < (32 << 20) else max(3, repeat // 4)
         rtt = {c: statistics.median(asyncio.run(round_trips(batch, reps, c))) for c in (False, True)}
         bps = {c: asyncio.run(one_way(batch, reps, c)) for c in (False, True)}
@@ -126,9 +127,8 @@ def curve_table(repeat: int) -> None:
               f"{bps[False] / 1e9:8.2f} / {bps[True] / 1e9:6.2f} | {bps[True] / bps[False]:.2f}")
 
 
-def mesh_tokens(rounds: int, dtype: str) -> None:
+def mesh_tokens(rounds: int, dtype: str | None) -> None:
     """Decode tokens/s of a 2-stage mesh, CURVE against plaintext, alternating so drift hits both alike."""
-    from benchmarks.overlap import run_groups
     from shared.model_files import ModelFiles
 
     prompt = ModelFiles.open("smollm2").tokenizer.encode("The history of the printing press begins")
@@ -136,16 +136,11 @@ def mesh_tokens(rounds: int, dtype: str) -> None:
     runs: dict[tuple[str, str], list[float]] = {}
     for _ in range(rounds):
         for mode, plaintext in (("CURVE", False), ("plaintext", True)):
-            with tempfile.TemporaryDirectory() as logs:
-                mesh = start_mesh("smollm2", 2, dtype=dtype, log_dir=logs, insecure_plaintext=plaintext)
-                try:
-                    mesh.wait_compiled()  # steady state: --compile-decode auto compiles after /ready
-                    for shape, (inflight, batch) in shapes.items():
-                        r = asyncio.run(run_groups(mesh, prompt, inflight, batch, steps=40, warmup=5))
-                        runs.setdefault((shape, mode), []).append(r["throughput_mb_s"] * batch)
-                finally:
-                    mesh.stop()
-    print(f"\n2-stage mesh, smollm2 {dtype}, decode tokens/s (mean of {rounds} alternating rounds):")
+            with running_mesh("smollm2", 2, dtype, insecure_plaintext=plaintext) as mesh:
+                for shape, (inflight, batch) in shapes.items():
+                    r = asyncio.run(run_groups(mesh, prompt, inflight, batch, steps=40, warmup=5))
+                    runs.setdefault((shape, mode), []).append(r["throughput_mb_s"] * batch)
+    print(f"\n2-stage mesh, smollm2 {dtype_label(dtype)}, decode tokens/s (mean of {rounds} alternating rounds):")
     for shape in shapes:
         c, p = statistics.mean(runs[(shape, "CURVE")]), statistics.mean(runs[(shape, "plaintext")])
         print(f"  {shape:>14}: CURVE {c:7.1f}  plaintext {p:7.1f}  CURVE/plaintext {c / p:.3f}  "
@@ -159,12 +154,13 @@ def main() -> None:
     p.add_argument("--curve", action="store_true", help="also measure CURVE against plaintext, same run")
     p.add_argument("--mesh", action="store_true", help="also measure a 2-stage mesh's tokens/s with and without CURVE")
     p.add_argument("--rounds", type=int, default=2, help="--mesh: alternating rounds per mode")
-    p.add_argument("--dtype", default="bfloat16", help="--mesh: stage dtype")
+    add_dtype_arg(p, "the activations' (wire and --mesh)")
     args = p.parse_args()
     print(f"{'size':>6} | {'round trip (median)':>19} | {'codec GB/s':>10} | {'memcpy GB/s':>11} | {'codec/memcpy':>12} | "
           f"{'zmq one-way GB/s':>16} | {'zmq/memcpy':>10}")
+    dtype = resolve_dtype(args.dtype)
     for label, nbytes in SIZES.items():
-        batch = make_batch(nbytes)
+        batch = make_batch(nbytes, dtype)
         n = batch.hidden.nbytes
         reps = args.repeat if nbytes < (32 << 20) else max(3, args.repeat // 4)
         codec_s = best(lambda b=batch: decode(encode(b)), reps)
@@ -175,7 +171,7 @@ def main() -> None:
         print(f"{label:>6} | {rtt * 1e3:>16.3f} ms | {codec_gbs:>10.2f} | {copy_gbs:>11.2f} | {codec_gbs / copy_gbs:>12.2f} | "
               f"{zmq_bps / 1e9:>16.2f} | {zmq_bps / 1e9 / copy_gbs:>10.2f}")
     if args.curve:
-        curve_table(args.repeat)
+        curve_table(args.repeat, dtype)
     if args.mesh:
         mesh_tokens(args.rounds, args.dtype)
 

@@ -1,5 +1,6 @@
-"""Start stage processes, or a whole `stagemesh up`, on loopback: used by `stagemesh up`, the tests and the
-benchmarks."""
+"""Start stage processes on loopback and wait until they are ready: what `stagemesh up` runs (the tests and the
+benchmarks start meshes with it too; their own helpers, e.g. a whole `up` as a subprocess, are in
+benchmarks/harness.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,10 +18,6 @@ from dataclasses import dataclass, field
 from shared.errors import StagemeshError
 from shared.mesh_keys import KeySet, ephemeral_key_set
 from shared.pipeline_client import PipelineClient
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
@@ -40,18 +36,6 @@ def free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def wait_compiled(stage_infos, timeout: float = 900) -> list[dict]:
-    """Poll `stage_infos()` (every stage's /info) until no stage is still compiling its decode step (--compile-decode
-    auto compiles in the background after /ready); returns each stage's compiled_decode entry. Benchmarks wait for it
-    so that they measure steady state, not a stage sharing its cores with the compiler."""
-    deadline = time.monotonic() + timeout
-    while True:
-        entries = [info["compiled_decode"] for info in stage_infos()]
-        if all(e["state"] != "compiling" for e in entries) or time.monotonic() > deadline:
-            return entries
-        time.sleep(1)
 
 
 @dataclass
@@ -99,9 +83,6 @@ class LocalMesh:
     @property
     def stage_urls(self) -> list[str]:
         return [s.url for s in self.stages]
-
-    def wait_compiled(self, timeout: float = 900) -> list[dict]:
-        return wait_compiled(lambda: [s.info() for s in self.stages], timeout)
 
     def restart_dead(self) -> list[int]:
         """Start again, with the same command and ports, every stage process that has exited (what a
@@ -241,75 +222,3 @@ def _last_line(path: str | None) -> str:
     except OSError:
         return ""
     return lines[-1] if lines else ""
-
-
-@dataclass
-class RunningGateway:
-    """A `stagemesh up` subprocess, talked to as clients do."""
-
-    url: str
-    proc: subprocess.Popen
-    log_path: str
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-
-    def stage_urls(self) -> list[str]:
-        return json.loads(self.get("/ready")[1])["stages"]
-
-    def stage_info(self, i: int) -> dict:
-        with urllib.request.urlopen(self.stage_urls()[i] + "/info", timeout=5) as r:
-            return json.loads(r.read())
-
-    def wait_compiled(self, timeout: float = 900) -> list[dict]:
-        return wait_compiled(lambda: [self.stage_info(i) for i in range(len(self.stage_urls()))], timeout)
-
-    def metric(self, name: str, **labels: str) -> float:
-        """The value of one sample on /metrics (NaN when absent), read with prometheus_client's parser."""
-        return scrape_metric(self.get("/metrics")[1], name, labels or None)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def scrape_metric(text: str, sample_name: str, labels: dict[str, str] | None = None) -> float:
-    """One sample's value from Prometheus text (NaN when absent)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == sample_name and (labels is None or labels.items() <= sample.labels.items()):
-                return float(sample.value)
-    return float("nan")
-
-
-def start_up(stages: int, dtype: str | None, log_dir: str, *extra: str, timeout: float = 240) -> RunningGateway:
-    """`stagemesh up --stages N` as a subprocess on a free port; returns once /ready answers 200. dtype None: up's
-    default (and with it weights auto)."""
-    port = free_port()
-    log_path = os.path.join(log_dir, f"up-{stages}.log")
-    out = open(log_path, "w")
-    cmd = [sys.executable, "-m", "services.cli", "up", "--stages", str(stages), *(["--dtype", dtype] if dtype else []),
-           "--port", str(port), "--log-dir", log_dir, *extra]
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise StagemeshError(f"stagemesh up exited: {open(log_path).read()[-2000:]}")
-        try:
-            if gw.get("/ready")[0] == 200:
-                return gw
-        except OSError:
-            pass
-        time.sleep(0.3)
-    gw.stop()
-    raise StagemeshError(f"gateway not ready after {timeout}s: {open(log_path).read()[-2000:]}")

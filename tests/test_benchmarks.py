@@ -1,7 +1,11 @@
 """Every benchmark script imports (a renamed helper must not leave a benchmark that no longer runs) and answers
---help without starting anything."""
+--help without starting anything; the scripts share one harness (benchmarks/harness.py) instead of borrowing each
+other's functions, and neither they nor the product import tests/ (nor the product benchmarks/)."""
 
+import ast
 import importlib
+import json
+import pathlib
 import pkgutil
 import subprocess
 import sys
@@ -9,12 +13,95 @@ import sys
 import pytest
 
 import benchmarks
+from benchmarks import harness
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
 
 
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every module a file imports, anywhere in it (inside functions too), as dotted names: `from a import b` gives
+    both "a" and "a.b" (b may be a module)."""
+    out = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def is_script(name: str) -> bool:
+    """A benchmark script: its module defines main() (what `python -m benchmarks.NAME` runs)."""
+    tree = _tree(ROOT / "benchmarks" / f"{name}.py")
+    return any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+
+
+SCRIPTS = [m for m in MODULES if is_script(m)]
+
+
 def test_there_are_benchmarks():
-    assert {"compare_llamacpp", "memory", "overlap", "trace_overhead"} <= set(MODULES)
+    assert {"compare_llamacpp", "memory", "overlap", "trace_overhead", "batching"} <= set(SCRIPTS)
+    assert "harness" in MODULES and not is_script("harness")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_benchmarks_borrow_from_no_script_and_not_from_tests(name):
+    imports = imported_modules(ROOT / "benchmarks" / f"{name}.py")
+    tests = sorted(m for m in imports if m == "tests" or m.startswith("tests."))
+    assert not tests, f"benchmarks/{name}.py imports {tests}: move what it needs into benchmarks/harness.py"
+    scripts = sorted(m for m in imports if m.startswith("benchmarks.") and m.split(".")[1] in SCRIPTS
+                     and m.split(".")[1] != name)
+    assert not scripts, (f"benchmarks/{name}.py imports from the benchmark script(s) {scripts}: move what they "
+                         "share into benchmarks/harness.py")
+
+
+def test_the_product_imports_neither_benchmarks_nor_tests():
+    offenders = []
+    for package in ("services", "shared", "loadtest"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            bad = sorted(m for m in imported_modules(path) if m.split(".")[0] in ("benchmarks", "tests"))
+            if bad:
+                offenders.append(f"{path.relative_to(ROOT)}: {', '.join(bad)}")
+    assert not offenders, offenders
+
+
+def test_a_run_without_out_gets_a_new_dated_results_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "RESULTS_ROOT", str(tmp_path))
+    first, second = harness.results_dir(None, "batching"), harness.results_dir(None, "batching")
+    assert pathlib.Path(first).is_dir() and pathlib.Path(first).name.endswith("-batching")
+    assert second == first + "-2"  # an earlier run's results are never overwritten
+    given = tmp_path / "mine"
+    assert harness.results_dir(str(given), "batching") == str(given) and given.is_dir()
+
+
+def test_write_results_writes_the_json_and_the_markdown(tmp_path):
+    path = harness.write_results(str(tmp_path), "batching", {"levels": [{"concurrency": 1, "tokens_per_s": 2.5}]},
+                                 "| streams |\n| 1 |")
+    assert json.loads(pathlib.Path(path).read_text()) == {"levels": [{"concurrency": 1, "tokens_per_s": 2.5}]}
+    assert (tmp_path / "batching.md").read_text() == "| streams |\n| 1 |\n"
+
+
+def test_a_report_keeps_what_the_script_printed(tmp_path, capsys):
+    report = harness.Report("overlap", str(tmp_path))
+    report.say("prefetch on / off throughput: 1.50x")
+    assert report.write({"ratio": 1.5}) == str(tmp_path)
+    assert "prefetch on / off throughput: 1.50x" in capsys.readouterr().out
+    assert json.loads((tmp_path / "overlap.json").read_text()) == {
+        "results": {"ratio": 1.5}, "printed": ["prefetch on / off throughput: 1.50x"]}
+    assert "prefetch on / off throughput: 1.50x" in (tmp_path / "overlap.md").read_text()
+
+
+def test_level_percentiles_interpolate_between_ranks():
+    assert harness._percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert harness._percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+    assert harness._percentile([7.0], 99) == 7.0
+    assert harness._percentile([], 50) != harness._percentile([], 50)  # NaN: no request, no figure
 
 
 @pytest.mark.processes

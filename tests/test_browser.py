@@ -15,7 +15,7 @@ import tempfile
 import aiohttp
 import pytest
 
-from services.launch import free_port, start_up
+from benchmarks.harness import free_port, start_up
 from tests.conftest import starts_processes
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

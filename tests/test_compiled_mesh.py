@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from services.launch import start_up
+from benchmarks.harness import start_up
 
 pytestmark = pytest.mark.processes  # every test here starts a real up
 

@@ -17,15 +17,13 @@ import pytest
 import torch
 import zmq
 
+from benchmarks.harness import children, free_port, scrape_metric, start_up
 from services.launch import (
     LocalMesh,
     StageProcess,
-    free_port,
     free_ports,
-    scrape_metric,
     stage_command,
     start_mesh,
-    start_up,
     wait_ready,
 )
 from shared.errors import StagemeshError
@@ -362,20 +360,6 @@ async def test_a_new_gateway_takes_back_the_slots_a_killed_one_held(mesh, tmp_pa
 
 # ---- stages die with their launcher ----------------------------------------------------------------------
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -387,7 +371,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.processes
 def test_up_gives_its_stages_private_keys_and_they_exit_when_up_is_killed(tmp_path):
     gw = start_up(2, "float32", str(tmp_path))
-    stages = [p for p in _children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]
+    stages = [p for p in children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]
     try:
         assert len(stages) == 2
         argv = open(f"/proc/{stages[0]}/cmdline").read().split("\0")

@@ -6,8 +6,8 @@ import subprocess
 import aiohttp
 import pytest
 
+from benchmarks.harness import start_up
 from loadtest.client import sse_events
-from services.launch import start_up
 from tests.conftest import stagemesh_cmd, starts_processes
 
 QUESTIONS = ["What is 2+2?", "Name a primary color.", "Write a haiku about the sea."]

@@ -15,8 +15,9 @@ import time
 import aiohttp
 import pytest
 
+from benchmarks.harness import start_up
 from loadtest.client import StreamEndedEarly, sse_events
-from services.launch import LocalMesh, StageProcess, start_up
+from services.launch import LocalMesh, StageProcess
 from tests.conftest import stagemesh_cmd, starts_processes
 
 KEY = "k3y-for-tests"

@@ -6,8 +6,8 @@ import json
 import aiohttp
 import pytest
 
+from benchmarks.harness import scrape_metric, start_up
 from loadtest.client import sse_events
-from services.launch import scrape_metric, start_up
 from tests.conftest import starts_processes
 
 PROMPTS = [f"Count from 1 to {n}:" for n in range(3, 19)]  # 16 prompts of different lengths

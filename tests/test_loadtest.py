@@ -11,7 +11,7 @@ import time
 import pytest
 from aiohttp import web
 
-from services.launch import free_port, start_up
+from benchmarks.harness import free_port, start_up
 from tests.conftest import starts_processes
 
 BENCH = [sys.executable, "-m", "services.cli", "bench"]

@@ -13,8 +13,8 @@ import time
 import aiohttp
 import pytest
 
+from benchmarks.harness import start_up
 from loadtest.client import send_sse
-from services.launch import start_up
 from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_browser import DevTools, chromium, page_ws_url  # noqa: F401  (chromium is a fixture)
 

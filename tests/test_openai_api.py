@@ -11,8 +11,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from benchmarks.harness import start_up
 from services.gateway.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
-from services.launch import start_up
 from tests.conftest import starts_processes
 
 CAP = 6  # the gateway's --default-max-tokens in the module's up

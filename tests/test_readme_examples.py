@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from services.launch import start_up
+from benchmarks.harness import start_up
 from tests.conftest import ROOT, starts_processes
 
 README = os.path.join(ROOT, "README.md")

@@ -299,7 +299,7 @@ def test_a_completed_stop_string_is_never_shown_and_ends_as_stop(smollm2):
 
 @pytest.mark.processes
 async def test_queue_full_is_429_with_retry_after_through_the_real_gateway(tmp_path):
-    from services.launch import start_up
+    from benchmarks.harness import start_up
 
     gw = start_up(1, "bfloat16", str(tmp_path), "--kv-slots", "1", "--max-queue", "1")
     try:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from services.launch import start_up
+from benchmarks.harness import start_up
 from shared.layers import balanced_split, split_at
 from shared.runtime import LocalPipeline
 from shared.trace import (

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.launch import free_port
+from benchmarks.harness import free_port
 from services.up import decode_notes, ready_banner
 from tests.conftest import ROOT, stagemesh_cmd
 

@@ -1,4 +1,4 @@
-"""A small OTLP/HTTP traces receiver for tests and benchmarks: an aiohttp server on 127.0.0.1, in its own thread,
+"""A small OTLP/HTTP traces receiver for the benchmarks and the tests: an aiohttp server on 127.0.0.1, in its own thread,
 accepting POST /v1/traces and decoding each protobuf ExportTraceServiceRequest with opentelemetry-proto's classes
 (what a collector such as Jaeger or Tempo receives)."""
 
