@@ -41,6 +41,30 @@ def test_any_split_gives_exactly_the_unsplit_logits(tiny, points):
     assert torch.equal(split, unsplit)
 
 
+@pytest.mark.slow
+def test_every_architecture_decodes_compiled_with_the_eager_steps_numbers(tiny):
+    """The compiled decode step is the model's own run_layers under torch.compile, so every architecture has one (the
+    same definition eager steps run: sliding windows, soft caps, q/k norms, parallel blocks, biases, experts). Each
+    decode step of a sequence runs compiled and gives the eager step's logits (float32: fused kernels sum in another
+    order, so equal to rounding, not bit for bit)."""
+    from shared.runtime import SeqWork
+    from shared.steps import Decode, Prefill
+
+    path, spec = tiny
+    loader = GgufLoader(path)
+    ids = torch.tensor(IDS * 4)[:36]  # past gemma's sliding window (8): the sliding layers' mask bites
+    logits = []
+    for mode in ("off", "on"):
+        pipe = LocalPipeline.load(loader, None, torch.float32, kv_slots=2, max_seq_len=64, compile_decode=mode)
+        pipe.run([SeqWork("a", Prefill(20, 0, 20, True))], ids[:20])
+        logits.append(torch.cat([pipe.run([SeqWork("a", Decode(20 + k))], ids[20 + k:21 + k]) for k in range(16)]))
+    (compiled_piece,) = pipe.pieces
+    assert compiled_piece.compiled.steps == 16, compiled_piece.compiled_decode_info()
+    eager, compiled = logits
+    assert eager.abs().max() > 1 and not torch.equal(eager[0], eager[-1])
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-4)
+
+
 def test_a_stage_loads_only_its_layers(tiny):
     path, spec = tiny
     loader = GgufLoader(path)

@@ -124,7 +124,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     d = cos.shape[-1] * 2
     rot, rest = x[..., :d], x[..., d:]
     c, s = cos[:, None, :], sin[:, None, :]  # [N, 1, d/2]
-    if style == "normal":  # (x0 + i x1) * (cos + i sin): one complex multiply instead of six real ops and a stack
+    if style == "normal" and torch.compiler.is_compiling():  # real arithmetic: inductor does not fuse complex numbers
+        x0, x1 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    elif style == "normal":  # (x0 + i x1) * (cos + i sin): eagerly, one complex multiply instead of six ops and a stack
         pairs = torch.view_as_complex(rot.contiguous().view(*rot.shape[:-1], d // 2, 2))  # [N, heads, d/2]
         out = torch.view_as_real(pairs * torch.complex(c, s)).flatten(-2)
     else:
@@ -404,24 +407,40 @@ class TransformerModel:
             logits = torch.tanh(logits / cap) * cap
         return logits if self.output_bias is None else logits + self.output_bias
 
+    def rope_tables(self, positions: torch.Tensor, context: int) -> Ropes:
+        """cos / sin [N, rope_dim/2] float32 at `positions`: (every layer's, the sliding layers' own or None)."""
+        c = self.config
+        rope = rope_cos_sin(positions, c.rope_dim, c.rope_theta, c.rope_scaling, context)
+        if not any(c.is_sliding(layer) for layer in self.layers):
+            return rope, None
+        return rope, rope_cos_sin(positions, c.rope_dim, c.rope_theta_swa, c.rope_scaling_swa, context)  # gemma3
+
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
         """hidden [N, D] float32 -> [N, D] float32 through this piece's layers, writing their K/V into kv."""
+        if layout.decode_only and not self.batch_invariant:
+            attention: Attention = DecodeWindow.of(layout, self.config, self.dtype)
+        else:
+            attention = ChunkAttention(layout, self.batch_invariant)
+        return self.run_layers(hidden, self.rope_tables(layout.positions, kv.max_seq_len), attention, kv.k, kv.v, hook)
+
+    def run_layers(self, hidden: torch.Tensor, ropes: Ropes, attention: Attention, k_layers: list[torch.Tensor],
+                   v_layers: list[torch.Tensor], hook: LayerHook | None = None) -> torch.Tensor:
+        """The piece's layers, the one definition of a step: hidden [N, D] float32 -> [N, D] float32, each layer's
+        K/V written into k_layers / v_layers ([slots, KVH, max_seq, hd] each) at attention's (token_slots,
+        positions). forward runs it eagerly; shared.models.compiled_decode compiles this very function for one
+        sequence's decode step (attention a StaticDecode, shapes static per context bucket)."""
         c = self.config
-        rope = rope_cos_sin(layout.positions, c.rope_dim, c.rope_theta, c.rope_scaling, kv.max_seq_len)
-        sliding = [c.is_sliding(layer) for layer in self.layers]
-        rope_swa = (rope_cos_sin(layout.positions, c.rope_dim, c.rope_theta_swa, c.rope_scaling_swa, kv.max_seq_len)
-                    if any(sliding) else None)  # gemma3: the sliding layers' own rope
         scores = {False: Scores(c.attn_scale, c.attn_softcap), True: Scores(c.attn_scale, c.attn_softcap, c.sliding_window)}
-        decode = DecodeWindow.of(layout, c, self.dtype) if layout.decode_only and not self.batch_invariant else None
         for local, block in enumerate(self.blocks):
             layer = self.layers.start + local
             if hook is not None:
                 hidden = hook.on_layer_input(layer, hidden)
             # float32 residual stream + the block's outputs (bf16 or float32; the add promotes, no extra copy)
             x = norm(hidden, block.attn_norm, block.attn_norm_b, c.norm_eps, self.dtype)
-            cos, sin = rope_swa if sliding[local] else rope
-            attn = self._attention(block, x, cos, sin, layout, decode, kv.k[local], kv.v[local], scores[sliding[local]])
+            sliding = c.is_sliding(layer)
+            cos, sin = ropes[1] if sliding else ropes[0]
+            attn = self._attention(block, x, cos, sin, attention, k_layers[local], v_layers[local], scores[sliding])
             if block.post_attn_norm is not None:  # gemma2/3: each branch's output is normed before its add
                 attn = rms_norm(attn, block.post_attn_norm, c.norm_eps)
             if block.ffn_norm is None:  # parallel block (phi2): attention and MLP both read x
@@ -447,9 +466,11 @@ class TransformerModel:
             out = b.w_down(act * up)  # [N, D]
         return out if b.down_bias is None else out.float() + b.down_bias
 
+    @torch.compiler.disable(reason="which experts run is data: under torch.compile each choice would be a graph")
     def _moe(self, b: Block, x: torch.Tensor) -> torch.Tensor:
         """Each token's top-k experts by softmax router probability, their outputs weighted by those probabilities
-        renormalised over the k (qwen3moe). x [N, D] -> [N, D] float32; each expert runs once on its tokens."""
+        renormalised over the k (qwen3moe). x [N, D] -> [N, D] float32; each expert runs once on its tokens. Always
+        eager: the compiled decode step calls it between its graphs."""
         probs = torch.softmax(x.float() @ b.router.T, dim=-1)  # [N, E]
         # ties to the lower expert index, as llama.cpp's argsort (std::sort, insertion sort for <= 16 experts)
         weights, chosen = (t[:, :self.config.experts_used] for t in probs.sort(dim=-1, descending=True, stable=True))
@@ -462,9 +483,8 @@ class TransformerModel:
             out.index_add_(0, rows, down(F.silu(gate) * up).float() * weights[rows, rank, None])
         return out
 
-    def _attention(self, b: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
-                   decode: DecodeWindow | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   how: Scores = Scores()) -> torch.Tensor:
+    def _attention(self, b: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
         qkv = b.qkv(x)  # [N, q_size + 2 kv_size]
@@ -481,28 +501,60 @@ class TransformerModel:
             k = apply_rope(rms_norm(k.view(n, c.num_kv_heads, c.head_dim), b.k_norm, c.norm_eps), cos, sin, style)
             k = k.to(self.dtype)
         # k_cache / v_cache: [slots, KVH, max_seq, hd]; write this micro-batch's keys/values first.
-        k_cache[layout.token_slots, :, layout.positions] = k
-        v_cache[layout.token_slots, :, layout.positions] = v
-        if decode is not None:
-            out = decode.attention(q, k_cache, v_cache, how)
-        else:
-            attend = self._rowwise_attention if self.batch_invariant else self._sequence_attention
-            out = torch.cat([attend(q[o:o + ln], slot, start, ln, k_cache, v_cache, how)
-                             for slot, start, ln, o in zip(layout.slots, layout.starts, layout.lengths, layout.offsets)])
+        k_cache[attention.token_slots, :, attention.positions] = k
+        v_cache[attention.token_slots, :, attention.positions] = v
+        out = attention.attend(q, k_cache, v_cache, how)  # [N, H, hd]
         out = b.wo(out.reshape(n, c.q_size))  # [N, D]
         return out if b.wo_bias is None else out.float() + b.wo_bias
 
+
+Ropes = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]  # (all layers', sliding's)
+
+
+class Attention(Protocol):
+    """Where a step's K/V rows go and how its queries attend: q [N, H, hd] -> [N, H, hd] against the cache (read in
+    place). DecodeWindow (batched decode), ChunkAttention (prefill chunks; the batch-invariant mode), StaticDecode
+    (the compiled one-sequence step)."""
+
+    token_slots: torch.Tensor  # [N] int64: each token's KV slot
+    positions: torch.Tensor  # [N] int64: each token's position
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor: ...
+
+
+@dataclass
+class ChunkAttention:
+    """Each sequence's chunk attends causally to its own cached positions (sequence_attention); in
+    the batch-invariant mode row by row (rowwise_attention), so every row computes as a decode step would."""
+
+    layout: BatchLayout
+    rowwise: bool
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        return self.layout.token_slots
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.layout.positions
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor:
+        layout = self.layout
+        one = self.rowwise_attention if self.rowwise else self.sequence_attention
+        return torch.cat([one(q[o:o + ln], slot, start, ln, k_cache, v_cache, how)
+                          for slot, start, ln, o in zip(layout.slots, layout.starts, layout.lengths, layout.offsets)])
+
     @classmethod
-    def _rowwise_attention(cls, q, slot, start, length, k_cache, v_cache, how: Scores = Scores()) -> torch.Tensor:
+    def rowwise_attention(cls, q, slot, start, length, k_cache, v_cache, how: Scores = Scores()) -> torch.Tensor:
         """The batch-invariant mode's attention: each query row of a chunk computed exactly as a decode step
         computes it (one query over its `position + 1` keys), so a prompt prefilled in one pass, in chunks, or
         token by token -- and a sequence replayed after a failover -- gives the same numbers, bit for bit. One
         attention call per token: prefill pays for it, decode (length 1) does not."""
-        return torch.cat([cls._sequence_attention(q[t:t + 1], slot, start + t, 1, k_cache, v_cache, how)
+        return torch.cat([cls.sequence_attention(q[t:t + 1], slot, start + t, 1, k_cache, v_cache, how)
                           for t in range(length)])
 
     @staticmethod
-    def _sequence_attention(q, slot, start, length, k_cache, v_cache, how: Scores = Scores()) -> torch.Tensor:
+    def sequence_attention(q, slot, start, length, k_cache, v_cache, how: Scores = Scores()) -> torch.Tensor:
         """A chunk of one sequence at positions [start, start+length): q [T, H, hd] -> [T, H, hd], causal, reading
         exactly the cached positions its queries can see, [first, start + length), in place (first: 0, or on a
         sliding layer the first query's oldest key). Also the batch-invariant decode path (T = 1)."""
@@ -521,6 +573,35 @@ class TransformerModel:
 
 
 @dataclass
+class StaticDecode:
+    """One sequence's decode step with static shapes, for the compiled step: attention reads the first C cached
+    positions of the slot (C = the context bucket, mask's last dim) under an additive mask that hides keys past the
+    position (and, for sliding layers, before the window), so one graph serves every position below C."""
+
+    token_slots: torch.Tensor  # [1] int64
+    positions: torch.Tensor  # [1] int64
+    mask: torch.Tensor  # [1, 1, 1, C] 0 / -inf in the activation dtype
+    sliding_mask: torch.Tensor | None  # the same for sliding-window layers (None: the model has none)
+
+    @classmethod
+    def at(cls, slot: int, pos: int, bucket: int, config: ModelConfig, dtype: torch.dtype) -> StaticDecode:
+        keys = torch.arange(bucket)
+        mask = torch.zeros(1, 1, 1, bucket, dtype=dtype).masked_fill_(keys > pos, float("-inf"))
+        sliding = None
+        if config.sliding_window:
+            sliding = mask.masked_fill(keys <= pos - config.sliding_window, float("-inf"))
+        return cls(torch.tensor([slot]), torch.tensor([pos]), mask, sliding)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor:
+        _, h, hd = q.shape
+        kvh, ctx = k_cache.shape[1], self.mask.shape[-1]
+        keys, values = k_cache[self.token_slots, :, :ctx], v_cache[self.token_slots, :, :ctx]  # [1, KVH, C, hd]
+        queries = q.view(1, kvh, h // kvh, hd)  # GQA as query length: [1, KVH, g, hd]
+        mask = self.sliding_mask if how.window and self.sliding_mask is not None else self.mask
+        return sdpa(queries, keys, values, how, mask).view(1, h, hd)
+
+
+@dataclass
 class DecodeWindow:
     """Batched decode attention that reads the KV cache in place. The batch's slots lie in [lo, lo + span)
     (KVCache hands out the lowest free slot, so live sequences stay packed); attention runs over that slice of the
@@ -534,6 +615,8 @@ class DecodeWindow:
     mask: torch.Tensor | None  # [span, 1, 1, ctx] additive (0 / -inf, the query dtype); None: every row sees ctx keys
     ctx: int
     group: int
+    token_slots: torch.Tensor  # [B] int64: each sequence's slot (where its K/V row is written)
+    positions: torch.Tensor  # [B] int64
     sliding_mask: torch.Tensor | None = None  # the same for sliding-window layers; None: as mask (no key out of window)
 
     @classmethod
@@ -558,9 +641,10 @@ class DecodeWindow:
 
             mask = additive(visible) if ragged else None
             sliding_mask = additive(visible & (keys >= ends[:, None] - c.sliding_window)) if sliding else None
-        return cls(lo, span, rows, mask, ctx, c.num_heads // c.num_kv_heads, sliding_mask)
+        return cls(lo, span, rows, mask, ctx, c.num_heads // c.num_kv_heads, layout.token_slots, layout.positions,
+                   sliding_mask)
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
         """q [B, H, hd] -> [B, H, hd] against k_cache / v_cache [slots, KVH, max_seq, hd]."""
         b, h, hd = q.shape
         window = slice(self.lo, self.lo + self.span)
