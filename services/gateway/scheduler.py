@@ -140,7 +140,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self.failover_timeout_s = failover_timeout_s
         self.max_replays = max_replays
-        self._generation = pipeline.generation
+        self._epoch = pipeline.epoch
         self._lost_since: float | None = None
         self._replay_pending = False
         self._kv_cap: int | None = None  # after a kv_full: admit no more than this many running sequences ...
@@ -418,8 +418,8 @@ class Scheduler:
         for seq in [*self.waiting, *self.running.values()]:
             if now > seq.deadline:
                 self.finish(seq, "timeout", "the request exceeded its deadline")
-        if self.pipeline.generation != self._generation:
-            self._generation = self.pipeline.generation
+        if self.pipeline.epoch != self._epoch:
+            self._epoch = self.pipeline.epoch
             self._pipeline_lost()
         client = self.pipeline.client
         if not self.pipeline.ready or client is None:

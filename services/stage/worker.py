@@ -22,7 +22,7 @@ from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer, trace_id_of
 from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
-from shared.runtime import SeqWork, StageRuntime
+from shared.runtime import StageRuntime
 from shared.sampling import sample
 from shared.trace import CaptureHook
 
@@ -173,7 +173,6 @@ class StageWorker:
         """Runs in the compute thread. Returns the message for the next hop: hidden state, sampled tokens, or an
         error for this micro-batch only (the stage keeps serving)."""
         ident = self.identity
-        work = [SeqWork(s.seq_id, s.step) for s in batch.seqs]
         try:
             if batch.tokens is not None and batch.tokens.numel():
                 vocab = self.runtime.model.config.vocab_size
@@ -181,7 +180,7 @@ class StageWorker:
                 if lo < 0 or hi >= vocab:  # an embedding lookup would raise, or wrap a negative id around
                     raise BadBatch(f"token ids must lie in 0..{vocab - 1}; this micro-batch has {lo}..{hi}")
             capture = self._capture_hook(batch) if self.tracing else None
-            out = self.runtime.run(work, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
+            out = self.runtime.run(batch.seqs, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
             captures = batch.captures + ([c.to_wire() for c in capture.captures] if capture else [])
             if not ident.position.has_lm_head:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures,
