@@ -155,7 +155,7 @@ class MeshView:
             "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
             "inflight": len(sched.inflight), "max_inflight": sched.max_inflight, "replaying": sched.replaying,
             "kv_used": round(replica.kv_used(), 4),
-            "routed": replica.routed, "handed_off": replica.handed_off,
+            "routed": replica.routed_total, "handed_off": replica.handed_off,
             "prefix_cache": sched.prefix.info() if sched.prefix is not None else None, "stages": stages,
         }
 
