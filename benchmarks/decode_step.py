@@ -26,7 +26,8 @@ import torch
 from shared.device import resolve_dtype
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
-from shared.runtime import LocalPipeline, SeqWork
+from shared.protocol import SeqEntry
+from shared.runtime import LocalPipeline
 from shared.steps import Decode, Prefill
 
 
@@ -49,11 +50,11 @@ def decode_ms(pipeline: LocalPipeline, batch: int, context: int, steps: int, ste
     ids = torch.randint(100, 40000, (context + steps,), generator=torch.Generator().manual_seed(0))
     seqs = [f"s{i}" for i in range(batch)]
     for s in seqs:
-        pipeline.run([SeqWork(s, Prefill(context, 0, context, True))], ids[:context])
+        pipeline.run([SeqEntry(s, Prefill(context, 0, context, True))], ids[:context])
     run = step_fn or pipeline.run
     times = []
     for k in range(steps):
-        work = [SeqWork(s, Decode(context + k)) for s in seqs]
+        work = [SeqEntry(s, Decode(context + k)) for s in seqs]
         t = time.perf_counter()
         run(work, ids[context + k].repeat(batch))
         times.append(time.perf_counter() - t)

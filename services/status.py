@@ -113,9 +113,9 @@ def render(snap: dict):
     for s in snap.get("stages", []):
         layers = f"{s['layers'][0]}:{s['layers'][1]}" if s.get("layers") else "–"
         busy = None if s.get("busy_fraction") is None else 100 * s["busy_fraction"]
-        kv = f"{s['kv_used']}/{s['kv_slots']}" if s.get("kv_slots") is not None else "–"
-        if s.get("kv_cached"):
-            kv += f" ({s['kv_cached']} cached)"
+        kv = f"{s['kv_used_slots']}/{s['kv_slots']}" if s.get("kv_slots") is not None else "–"
+        if s.get("kv_kept_prefixes"):
+            kv += f" ({s['kv_kept_prefixes']} cached)"
         addr = s["url"] + (f"\n{s['listen']}" if s.get("listen") else "")
         t.add_row(*((s.get("pipeline", ""),) if many else ()), str(s["index"]), layers, addr, Text(s["state"], style=colors.get(s["state"], "")), _fmt(busy, "%"),
                   _fmt(s.get("compute_ms"), " ms"), _fmt(s.get("hop_next_ms"), " ms", 2), kv, str(s.get("restarts", 0)))

@@ -15,13 +15,16 @@ DTYPES: dict[str, torch.dtype] = {
 
 @functools.cache
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX); without it bf16 is emulated and slow."""
+    """The one answer to "is bf16 fast on this CPU?": the CPU multiplies bf16 natively (AVX512-BF16 or AMX) and
+    oneDNN has a bf16 GEMM for it. Without both, bf16 is emulated and slower than float32. It picks the default
+    dtype, the dense kernel (shared.models.linear.dense_dtype) and whether a bf16 matrix is oneDNN-prepacked."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    return native and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def default_device() -> torch.device:

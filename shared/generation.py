@@ -22,7 +22,7 @@ from shared.config import SCHEDULER_DEFAULTS
 from shared.errors import StagemeshError
 from shared.models import LayerHook
 from shared.protocol import SeqEntry
-from shared.runtime import LocalPipeline, SeqWork
+from shared.runtime import LocalPipeline
 from shared.sampling import LogitInputs, SamplingParams, TopLogprobs, sample
 from shared.steps import Decode, InferenceStep, Prefill
 
@@ -142,7 +142,7 @@ def drive(states: Sequence[SequenceState], prefill_chunk: int = SCHEDULER_DEFAUL
 def run_local(pipeline: LocalPipeline, entries: list[SeqEntry], tokens: list[int],
               hooks: Sequence[LayerHook | None] | None = None) -> Sampled:
     """One micro-batch through every piece in this process, sampled as the last stage does."""
-    logits = pipeline.run([SeqWork(e.seq_id, e.step) for e in entries], torch.tensor(tokens, dtype=torch.int64),
+    logits = pipeline.run(entries, torch.tensor(tokens, dtype=torch.int64),
                           hooks=hooks)
     producing = [e for e in entries if e.step.produces_token]
     sampled = sample(logits, [e.sampling for e in producing], [e.sample_position for e in producing],
@@ -248,7 +248,7 @@ class PerplexityResult:
 def window_logits(pipeline: LocalPipeline, window: list[int], seq_id: str = "window") -> torch.Tensor:
     """logits [T, V] float32 for every position of one window, from a fresh KV slot."""
     try:
-        return pipeline.run([SeqWork(seq_id, Prefill(len(window), 0, len(window), True))], torch.tensor(window),
+        return pipeline.run([SeqEntry(seq_id, Prefill(len(window), 0, len(window), True))], torch.tensor(window),
                             all_logits=True)
     finally:
         pipeline.release(seq_id)

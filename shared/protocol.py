@@ -66,7 +66,8 @@ class ProtocolError(Exception):
 
 @dataclass(frozen=True)
 class SeqEntry:
-    """One sequence's work in a micro-batch, carried through every stage (the last one samples)."""
+    """One sequence's work in a micro-batch, carried through every stage (the last one samples); also what a
+    StageRuntime runs (it reads seq_id and step), so the wire and the runtime share one type."""
 
     seq_id: str
     step: InferenceStep

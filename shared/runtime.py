@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -18,17 +17,9 @@ from shared.models import LayerHook, TransformerModel
 from shared.models.compiled_decode import COMPILE_MODES, CompiledDecode, why_not_compilable
 from shared.models.crossover import apply_measured_crossover
 from shared.models.memory import default_budget
-from shared.steps import InferenceStep
+from shared.protocol import SeqEntry
 
 log = logging.getLogger("stagemesh.runtime")
-
-
-@dataclass(frozen=True)
-class SeqWork:
-    """One sequence's share of a micro-batch."""
-
-    seq_id: Hashable
-    step: InferenceStep
 
 
 class StageRuntime:
@@ -99,7 +90,7 @@ class StageRuntime:
 
     # ---- compute -------------------------------------------------------------------------------------------
 
-    def run(self, work: Sequence[SeqWork], *, token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+    def run(self, work: Sequence[SeqEntry], *, token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
             all_logits: bool = False, hook: LayerHook | None = None) -> torch.Tensor:
         """Run one micro-batch. The first piece takes token_ids [N]; the others hidden [N, D] (never substituted).
         Returns hidden [N, D] float32, or on the last piece logits [M, V] for the sequences that produce a token
@@ -166,7 +157,7 @@ class LocalPipeline:
     def max_seq_len(self) -> int:
         return min(p.kv.max_seq_len for p in self.pieces)
 
-    def run(self, work: Sequence[SeqWork], token_ids: torch.Tensor, all_logits: bool = False,
+    def run(self, work: Sequence[SeqEntry], token_ids: torch.Tensor, all_logits: bool = False,
             hooks: Sequence[LayerHook | None] | None = None) -> torch.Tensor:
         """hooks: one LayerHook (or None) per piece."""
         out = token_ids

@@ -56,11 +56,13 @@ def _bind_with_retry(sock: zmq.Socket, addr: str, patience_s: float = 3.0) -> No
 
 
 class TransportStats:
-    """Counters the owner exports (bytes, rejects by reason)."""
+    """What one transport counts (bytes, time spent sending, rejects by reason, failed handshakes): written only by
+    the transport, part of its owner's ledger (a stage's StageStats, the gateway's result-port collector)."""
 
     def __init__(self):
         self.bytes_in = 0
         self.bytes_out = 0
+        self.sending_seconds = 0.0  # encoding and handing messages to the next hop (a full queue makes it wait)
         self.rejected: dict[str, int] = {}
         # failed handshakes per socket: "out" (our PUSH dialling the next hop: the peer there holds another key
         # set) is evidence about the mesh; "in" (anyone who can reach our port) is only counted
@@ -238,9 +240,13 @@ class ZmqTransport:
     async def send(self, msg: Message) -> None:
         if self.outbound is None:
             raise StagemeshError("this transport has no next hop to send to")
-        frames = encode(msg)
-        await self.outbound.send_multipart(frames, copy=False)
-        self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        t0 = time.perf_counter()
+        try:
+            frames = encode(msg)
+            await self.outbound.send_multipart(frames, copy=False)
+            self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        finally:
+            self.stats.sending_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         self.inbound.close(0)

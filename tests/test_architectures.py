@@ -47,7 +47,7 @@ def test_every_architecture_decodes_compiled_with_the_eager_steps_numbers(tiny):
     same definition eager steps run: sliding windows, soft caps, q/k norms, parallel blocks, biases, experts). Each
     decode step of a sequence runs compiled and gives the eager step's logits (float32: fused kernels sum in another
     order, so equal to rounding, not bit for bit)."""
-    from shared.runtime import SeqWork
+    from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
     path, spec = tiny
@@ -56,8 +56,8 @@ def test_every_architecture_decodes_compiled_with_the_eager_steps_numbers(tiny):
     logits = []
     for mode in ("off", "on"):
         pipe = LocalPipeline.load(loader, None, torch.float32, kv_slots=2, max_seq_len=64, compile_decode=mode)
-        pipe.run([SeqWork("a", Prefill(20, 0, 20, True))], ids[:20])
-        logits.append(torch.cat([pipe.run([SeqWork("a", Decode(20 + k))], ids[20 + k:21 + k]) for k in range(16)]))
+        pipe.run([SeqEntry("a", Prefill(20, 0, 20, True))], ids[:20])
+        logits.append(torch.cat([pipe.run([SeqEntry("a", Decode(20 + k))], ids[20 + k:21 + k]) for k in range(16)]))
     (compiled_piece,) = pipe.pieces
     assert compiled_piece.compiled.steps == 16, compiled_piece.compiled_decode_info()
     eager, compiled = logits

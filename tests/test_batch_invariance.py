@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from shared.models.linear import INT4_MAX_TOKENS
-from shared.runtime import LocalPipeline, SeqWork
+from shared.protocol import SeqEntry
+from shared.runtime import LocalPipeline
 from shared.steps import Decode, Prefill
 
 DECODE_STEPS = 4
@@ -27,9 +28,9 @@ def _prompt_and_continuation(ids):
 def _alone(pipeline: LocalPipeline, ids: list[int]) -> list[torch.Tensor]:
     """The target's logits rows: its prefill's last row, then one per decode step, run with nothing else."""
     prompt, cont = _prompt_and_continuation(ids)
-    rows = [pipeline.run([SeqWork("t", Prefill(len(prompt), 0, len(prompt), True))], torch.tensor(prompt))[0]]
+    rows = [pipeline.run([SeqEntry("t", Prefill(len(prompt), 0, len(prompt), True))], torch.tensor(prompt))[0]]
     for k, tok in enumerate(cont[:-1]):
-        rows.append(pipeline.run([SeqWork("t", Decode(len(prompt) + k))], torch.tensor([tok]))[0])
+        rows.append(pipeline.run([SeqEntry("t", Decode(len(prompt) + k))], torch.tensor([tok]))[0])
     pipeline.release("t")
     return rows
 
@@ -41,10 +42,10 @@ def _in_company(pipeline: LocalPipeline, ids: list[int], others: list[list[int]]
     work, tokens = [], []
     for i, o in enumerate(others):  # neighbours first: the target gets another KV slot than when alone
         p, _ = _prompt_and_continuation(o)
-        work.append(SeqWork(f"o{i}", Prefill(len(p), 0, len(p), True)))
+        work.append(SeqEntry(f"o{i}", Prefill(len(p), 0, len(p), True)))
         tokens += p
         if i == len(others) // 2:
-            work.append(SeqWork("t", Prefill(len(prompt), 0, len(prompt), True)))
+            work.append(SeqEntry("t", Prefill(len(prompt), 0, len(prompt), True)))
             tokens += prompt
     out = pipeline.run(work, torch.tensor(tokens))
     target_row = [w.seq_id for w in work].index("t")
@@ -57,10 +58,10 @@ def _in_company(pipeline: LocalPipeline, ids: list[int], others: list[list[int]]
         for j, name in enumerate(names):
             o = others[int(name[1:])]
             p, c = _prompt_and_continuation(o)
-            step_work.append(SeqWork(name, Decode(len(p) + k)))
+            step_work.append(SeqEntry(name, Decode(len(p) + k)))
             step_tokens.append(c[k])
             if j == 2:
-                step_work.append(SeqWork("t", Decode(len(prompt) + k)))
+                step_work.append(SeqEntry("t", Decode(len(prompt) + k)))
                 step_tokens.append(cont[k])
         out = pipeline.run(step_work, torch.tensor(step_tokens))
         rows.append(out[[w.seq_id for w in step_work].index("t")])
@@ -69,7 +70,7 @@ def _in_company(pipeline: LocalPipeline, ids: list[int], others: list[list[int]]
         for name in {f"o{i}" for i in range(len(others))} - set(names):
             o = others[int(name[1:])]
             p, c = _prompt_and_continuation(o)
-            pipeline.run([SeqWork(name, Decode(len(p) + k))], torch.tensor([c[k]]))
+            pipeline.run([SeqEntry(name, Decode(len(p) + k))], torch.tensor([c[k]]))
     for w in work:
         pipeline.release(w.seq_id)
     return rows, smallest
@@ -95,12 +96,12 @@ def test_prefill_in_one_pass_in_chunks_or_token_by_token_gives_the_same_bits(smo
     prefill's attention runs as one causal kernel over the chunk and the bf16 logits differ."""
     ids = texts[0]
     pipeline = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=3, weights=weights, batch_invariant=True)
-    one_pass = pipeline.run([SeqWork("a", Prefill(len(ids), 0, len(ids), True))], torch.tensor(ids))[0]
+    one_pass = pipeline.run([SeqEntry("a", Prefill(len(ids), 0, len(ids), True))], torch.tensor(ids))[0]
     split = 10
-    pipeline.run([SeqWork("b", Prefill(split, 0, len(ids), False))], torch.tensor(ids[:split]))
-    chunked = pipeline.run([SeqWork("b", Prefill(len(ids) - split, split, len(ids), True))], torch.tensor(ids[split:]))[0]
-    pipeline.run([SeqWork("c", Prefill(split, 0, split, True))], torch.tensor(ids[:split]))
+    pipeline.run([SeqEntry("b", Prefill(split, 0, len(ids), False))], torch.tensor(ids[:split]))
+    chunked = pipeline.run([SeqEntry("b", Prefill(len(ids) - split, split, len(ids), True))], torch.tensor(ids[split:]))[0]
+    pipeline.run([SeqEntry("c", Prefill(split, 0, split, True))], torch.tensor(ids[:split]))
     for k in range(split, len(ids)):
-        stepped = pipeline.run([SeqWork("c", Decode(k))], torch.tensor([ids[k]]))[0]
+        stepped = pipeline.run([SeqEntry("c", Decode(k))], torch.tensor([ids[k]]))[0]
     assert torch.equal(one_pass, chunked), f"max |diff| {(one_pass - chunked).abs().max().item():.3g}"
     assert torch.equal(one_pass, stepped), f"max |diff| {(one_pass - stepped).abs().max().item():.3g}"

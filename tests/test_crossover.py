@@ -5,8 +5,9 @@ import json
 
 import torch
 
+from shared.device import cpu_has_fast_bf16
 from shared.models.crossover import CANDIDATES, measure_int4_crossover
-from shared.models.linear import SwitchedLinear, prepacked_bf16_available
+from shared.models.linear import SwitchedLinear
 from shared.runtime import StageRuntime
 
 
@@ -54,7 +55,7 @@ def test_the_prefill_kernel_is_the_measured_dtype_on_every_switched_linear(smoll
     recorded = [v for v in json.loads(plans.read_text()).values() if isinstance(v, str)]  # the crossover is an int
     assert len(recorded) == 1 and recorded[0] in ("bfloat16", "float32"), recorded
     measured = getattr(torch, recorded[0])
-    if not prepacked_bf16_available():
+    if not cpu_has_fast_bf16():
         assert measured == torch.float32  # bf16 GEMMs would be emulated
     assert {w.large.dtype for w in _switched(runtime.model)} == {measured}
     name = {torch.bfloat16: "bf16", torch.float32: "f32"}[measured]

@@ -161,3 +161,13 @@ def test_auto_holds_the_bytes_its_plan_counts(qtype):
     raw, _ = _raw(qtype)
     for dtype in (torch.bfloat16, torch.float32):
         assert make_linear([raw], "auto", prefill_dtype=dtype).nbytes == auto_nbytes(qtype, (ROWS, COLS), dtype)
+
+
+def test_one_fast_bf16_probe_decides_the_default_dtype_the_dense_kernel_and_prepacking():
+    from shared.device import cpu_has_fast_bf16, default_dtype_name
+    from shared.models.linear import dense_dtype
+
+    fast = cpu_has_fast_bf16()
+    assert default_dtype_name(torch.device("cpu")) == ("bfloat16" if fast else "float32")
+    assert dense_dtype() == (torch.bfloat16 if fast else torch.float32)
+    assert DenseLinear(torch.randn(16, 32), torch.bfloat16).prepacked == fast

@@ -69,6 +69,7 @@ async def test_snapshot_describes_each_stage_and_the_stream_delivers_snapshots(g
     assert [st["layers"] for st in snap["stages"]] == [[0, 17], [17, 30]]
     for st in snap["stages"]:
         assert st["state"] == "ready" and st["kv_slots"] == 32 and st["listen"].startswith("tcp://")
+        assert 0 <= st["kv_used_slots"] <= 32 and st["kv_evicted_prefixes"] == 0  # /info's kv map, kv_ prefixed
         assert 0 < st["busy_fraction"] <= 1 and 0 < st["compute_ms"] < 10_000
         assert st["hop_in_ms"] is not None and 0 <= st["hop_in_ms"] < 1000  # every micro-batch header carries "sent"
         assert st["hop_next_ms"] is not None and 0 <= st["hop_next_ms"] < 1000
@@ -174,3 +175,21 @@ async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromiu
     assert all(r.success for r in results), [r.error for r in results if not r.success]  # the clients saw a pause
     for path in shots.values():
         assert os.path.getsize(path) > 10_000
+
+
+def test_the_snapshot_flattens_the_stage_kv_map_and_status_shows_it():
+    """The mesh view's stage entry carries /info's kv map as kv_* keys, and `stagemesh status` reads those keys."""
+    from rich.console import Console
+
+    from services.gateway.mesh_view import MeshView
+    from services.status import render
+
+    view = MeshView(gateway=None)
+    info = {"incarnation": "i0", "layers": [0, 30], "position": "only", "clock_s": 1.0, "busy_seconds": 0.0,
+            "kv": {"slots": 8, "used_slots": 3, "max_seq_len": 256, "kept_prefixes": 2, "evicted_prefixes": 1}}
+    view._take_polls("p0", [info])
+    st = view._stage("p0", 0, "http://s0:8101", replaying=0)
+    assert (st["kv_used_slots"], st["kv_slots"], st["kv_kept_prefixes"], st["kv_evicted_prefixes"]) == (3, 8, 2, 1)
+    console = Console(record=True, width=200)
+    console.print(render({"ready": True, "stages": [st], "gateway": {}, "pipelines": []}))
+    assert "3/8 (2 cached)" in console.export_text()

@@ -2,7 +2,6 @@
 component renders with kustomize, its standard objects validate strictly, and its PodMonitors select real pods and
 ports."""
 
-import collections
 import json
 import os
 import re
@@ -10,10 +9,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from services.gateway.metrics import GatewayMetrics
-from services.stage.metrics import StageMetrics
+from services.stage.metrics import stage_registry
+from services.stage.stats import StageStats
+from shared.kv_cache import KVCache
 from tests.conftest import ROOT
 
 COMPONENT = os.path.join(ROOT, "k8s", "components", "monitoring")
@@ -22,11 +24,16 @@ BIN = f"{sys.prefix}/bin"
 METRIC = re.compile(r"\bstagemesh_[a-z0-9_]+")
 
 
+def fresh_stage_registry():
+    """A stage's registry over a fresh ledger and a small KV cache: every number zero."""
+    kv = KVCache(num_layers=1, num_slots=2, max_seq_len=16, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    return stage_registry(StageStats(), kv, lambda: 0)
+
+
 def exported_samples() -> set[str]:
     """Every sample name the gateway's and a stage's registries expose (what Prometheus would store)."""
-    live = collections.defaultdict(int, rejected={})  # a stage's live numbers, all zero
     names = set()
-    for registry in (GatewayMetrics().registry, StageMetrics(lambda: live).registry):
+    for registry in (GatewayMetrics().registry, fresh_stage_registry()):
         names |= {s.name for fam in registry.collect() for s in fam.samples}
     return names
 
@@ -60,7 +67,7 @@ def test_dashboard_covers_what_an_operator_asks():
 
 
 def test_metric_names_follow_prometheus_conventions():
-    for registry in (GatewayMetrics().registry, StageMetrics(lambda: collections.defaultdict(int, rejected={})).registry):
+    for registry in (GatewayMetrics().registry, fresh_stage_registry()):
         for fam in registry.collect():
             assert fam.name.startswith("stagemesh_"), fam.name
             if fam.type == "counter":

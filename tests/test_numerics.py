@@ -90,7 +90,7 @@ def test_middle_stage_holds_a_third_of_the_weights(smollm2):
 
 def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
     """Prefill in chunks, then decode sequences of different lengths together: the logits equal a single pass."""
-    from shared.runtime import SeqWork
+    from shared.protocol import SeqEntry
     from shared.steps import Decode, chunk_prompt
 
     pipeline = LocalPipeline.load(smollm2.loader, [LayerRange(0, 12), LayerRange(12, 30)], torch.float32, kv_slots=3)
@@ -99,9 +99,9 @@ def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
         chunks = chunk_prompt(n - 1, 16)
         for c in chunks:
             seg = windows[1][c.chunk_start_position:c.chunk_start_position + c.chunk_tokens]
-            last = pipeline.run([SeqWork(f"s{n}", c)], torch.tensor(seg))
+            last = pipeline.run([SeqEntry(f"s{n}", c)], torch.tensor(seg))
         np.testing.assert_allclose(last[0].numpy(), full[n][n - 2].numpy(), rtol=0, atol=1e-3)
-    batch = [SeqWork("s40", Decode(39)), SeqWork("s70", Decode(69))]
+    batch = [SeqEntry("s40", Decode(39)), SeqEntry("s70", Decode(69))]
     out = pipeline.run(batch, torch.tensor([windows[1][39], windows[1][69]]))
     np.testing.assert_allclose(out[0].numpy(), full[40][39].numpy(), rtol=0, atol=1e-3)
     np.testing.assert_allclose(out[1].numpy(), full[70][69].numpy(), rtol=0, atol=1e-3)
@@ -114,18 +114,18 @@ def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
 def test_batched_decode_reads_the_cache_in_place_around_idle_slots(smollm2, windows):
     """Decode batches whose KV slots have gaps (a released sequence, a sequence sitting a step out) and come in any
     order: each row still equals its single-pass logits (float32)."""
-    from shared.runtime import SeqWork
+    from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
     pipeline = LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=5)
     lengths = {"a": 30, "gone": 12, "b": 45, "idle": 20, "c": 60}
     texts = {name: windows[2][i * 10:i * 10 + n + 2] for i, (name, n) in enumerate(lengths.items())}
     for name, n in lengths.items():  # slots 0..4 in this order
-        pipeline.run([SeqWork(name, Prefill(n, 0, n, True))], torch.tensor(texts[name][:n]))
+        pipeline.run([SeqEntry(name, Prefill(n, 0, n, True))], torch.tensor(texts[name][:n]))
     pipeline.release("gone")
     for step in range(2):
         batch = ["c", "a", "b"]  # slots 4, 0, 2: the window spans idle slots 1 and 3
-        out = pipeline.run([SeqWork(s, Decode(lengths[s] + step)) for s in batch],
+        out = pipeline.run([SeqEntry(s, Decode(lengths[s] + step)) for s in batch],
                            torch.tensor([texts[s][lengths[s] + step] for s in batch]))
         for row, s in zip(out, batch):
             full = window_logits(pipeline, texts[s][:lengths[s] + step + 1], seq_id="check")
@@ -134,12 +134,12 @@ def test_batched_decode_reads_the_cache_in_place_around_idle_slots(smollm2, wind
 
 def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Tensor:
     """Teacher-forced logits of ids[:-1] one token per step: a 1-token prefill, then a decode step per token."""
-    from shared.runtime import SeqWork
+    from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
-    rows = [pipeline.run([SeqWork(seq_id, Prefill(1, 0, 1, True))], torch.tensor(ids[:1]))]
+    rows = [pipeline.run([SeqEntry(seq_id, Prefill(1, 0, 1, True))], torch.tensor(ids[:1]))]
     for t in range(1, len(ids) - 1):
-        rows.append(pipeline.run([SeqWork(seq_id, Decode(t))], torch.tensor(ids[t:t + 1])))
+        rows.append(pipeline.run([SeqEntry(seq_id, Decode(t))], torch.tensor(ids[t:t + 1])))
     pipeline.release(seq_id)
     return torch.cat(rows)
 
@@ -172,7 +172,7 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
     """--compile-decode auto: the pipeline serves at once; until every graph is compiled its decode steps are the eager
     step's, bit for bit, although the warm-up runs the graphs on the same KV tensors (in their scratch row, which no
     sequence holds); then the steps run compiled."""
-    from shared.runtime import SeqWork
+    from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
     piece = compiled_pipeline.pieces[0]
@@ -183,7 +183,7 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
 
     def prefill(pipe) -> None:  # two live sequences: slots 0 and 1
         for name, n in (("a", 20), ("b", 30)):
-            pipe.run([SeqWork(name, Prefill(n, 0, n, True))], torch.tensor(text[:n]))
+            pipe.run([SeqEntry(name, Prefill(n, 0, n, True))], torch.tensor(text[:n]))
 
     # The compiled pipeline's steps first, right after its load: from a warm inductor cache the graphs take only
     # seconds, so the eager twin loads afterwards and replays the same steps.
@@ -193,7 +193,7 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
         state_before = compiled.state
         for name, pos in (("b", t), ("a", t - 10)):
             steps = compiled.steps
-            out = compiled_pipeline.run([SeqWork(name, Decode(pos))], torch.tensor([text[pos]]))
+            out = compiled_pipeline.run([SeqEntry(name, Decode(pos))], torch.tensor([text[pos]]))
             during = state_before == compiled.state == "compiling"
             if during:
                 assert compiled.steps == steps
@@ -205,12 +205,12 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
     assert eager.pieces[0].compiled is None and eager.pieces[0].kv.scratch_slot is None
     prefill(eager)
     for name, pos, ours, during in taken:
-        ref = eager.run([SeqWork(name, Decode(pos))], torch.tensor([text[pos]]))
+        ref = eager.run([SeqEntry(name, Decode(pos))], torch.tensor([text[pos]]))
         if during:
             assert torch.equal(ours, ref), (name, pos)
     wait_compiled(compiled_pipeline)
     steps = compiled.steps
-    compiled_pipeline.run([SeqWork("b", Decode(t + 1))], torch.tensor([text[t + 1]]))
+    compiled_pipeline.run([SeqEntry("b", Decode(t + 1))], torch.tensor([text[t + 1]]))
     assert compiled.steps == steps + 1
     for name in ("a", "b"):
         compiled_pipeline.release(name)
@@ -240,7 +240,7 @@ def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smol
     """Two sequences in a step, or a context past the largest bucket: eager, with the eager pipeline's numbers."""
     from shared.kv_cache import BatchLayout
     from shared.models.compiled_decode import CompiledDecode
-    from shared.runtime import SeqWork
+    from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
     eager = eager_twin(smollm2)
@@ -249,9 +249,9 @@ def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smol
     outs = []
     for pipe in (eager, compiled_pipeline):
         for name, n in (("a", 20), ("b", 30)):
-            pipe.run([SeqWork(name, Prefill(n, 0, n, True))], torch.tensor(text[:n]))
+            pipe.run([SeqEntry(name, Prefill(n, 0, n, True))], torch.tensor(text[:n]))
         steps = compiled.steps
-        outs.append(pipe.run([SeqWork("a", Decode(20)), SeqWork("b", Decode(30))], torch.tensor([text[20], text[30]])))
+        outs.append(pipe.run([SeqEntry("a", Decode(20)), SeqEntry("b", Decode(30))], torch.tensor([text[20], text[30]])))
         assert compiled.steps == steps  # a 2-sequence batch never runs the one-sequence graph
         for name in ("a", "b"):
             pipe.release(name)

@@ -205,7 +205,8 @@ def test_the_compiled_decode_step_covers_two_int4_planes(smollm2):
     Python, as inductor traces it) gives the eager decode step's logits, bit for bit with float32 activations (with
     bf16 ones the two round at different points)."""
     from shared.models.compiled_decode import CompiledDecode, why_not_compilable
-    from shared.runtime import SeqWork, StageRuntime
+    from shared.protocol import SeqEntry
+    from shared.runtime import StageRuntime
     from shared.steps import Decode, Prefill
 
     loader = GgufLoader(_preset(smollm2.loader.path, "Q8_0"))
@@ -216,10 +217,10 @@ def test_the_compiled_decode_step_covers_two_int4_planes(smollm2):
     runtime.kv = model.new_kv_cache(2, 128, scratch=True)
     step = CompiledDecode(model, runtime.kv)
     ids = IDS[:12]
-    runtime.run([SeqWork("s", Prefill(11, 0, 11, True))], token_ids=torch.tensor(ids[:11]))
+    runtime.run([SeqEntry("s", Prefill(11, 0, 11, True))], token_ids=torch.tensor(ids[:11]))
     slot = runtime.kv._slot_of["s"]
     with torch.inference_mode():
         hidden = step._step(*step._inputs(model.embed(torch.tensor(ids[11:12])), slot, 11, step.bucket(12)))
         stepped = model.lm_head(hidden)
-    eager = runtime.run([SeqWork("s", Decode(11))], token_ids=torch.tensor(ids[11:12]))
+    eager = runtime.run([SeqEntry("s", Decode(11))], token_ids=torch.tensor(ids[11:12]))
     assert eager.max() - eager.min() > 1.0 and torch.equal(stepped, eager)

@@ -230,3 +230,29 @@ def test_endpoint_picker_gauges_sum_the_pipelines_and_count_kv_use_over_the_serv
     r.all[0].pipeline.problem = "stage 0 is unreachable"  # its slots no longer serve: p1's 1 of 8 is what is left
     assert scrape()["vllm:kv_cache_usage_perc"] == pytest.approx(1 / 8)
     assert scrape()["vllm:num_requests_waiting"] == 3
+
+
+def test_routing_counts_live_once_in_each_replica_and_metrics_and_info_read_them():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.gateway.metrics import watch_replicas
+
+    r = replicas()
+    watch_replicas(r.metrics, r)
+    prompt = list(range(1, 4 * BLOCK_TOKENS + 2))
+    r.all[1].scheduler.prefix.insert("kept", prompt)
+    r.submit(seq(prompt))  # prefix -> p1
+    r.submit(seq(list(range(500, 600))), session="u")  # load -> p0 (less loaded)
+    r.submit(seq([9, 9, 9]), session="u")  # session -> p0
+    r.all[1].pipeline.problem = "stage 0 is unreachable"
+    r.take_over([seq(prompt)], r.all[1])  # failover -> p0, one handed off by p1
+    assert r.all[0].routed == {**dict.fromkeys(r.all[0].routed, 0), "load": 1, "session": 1, "failover": 1}
+    assert r.all[1].routed["prefix"] == 1 and (r.all[0].handed_off, r.all[1].handed_off) == (0, 1)
+    exported = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(generate_latest(r.metrics.registry).decode()) for s in f.samples}
+    routing = {(dict(k[1])["pipeline"], dict(k[1])["reason"]): v for k, v in exported.items()
+               if k[0] == "stagemesh_gateway_routing_decisions_total"}
+    assert routing == {("p0", "load"): 1, ("p0", "session"): 1, ("p0", "failover"): 1, ("p1", "prefix"): 1}
+    assert exported[("stagemesh_gateway_replica_handoffs_total", (("pipeline", "p1"),))] == 1
+    assert [i["routed"] for i in r.info()] == [3, 1] and [i["handed_off"] for i in r.info()] == [0, 1]

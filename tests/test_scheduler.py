@@ -243,17 +243,17 @@ async def test_a_stage_that_forgot_a_sequence_is_recognised_by_its_error_code(ti
     seq = h.seq()
     h.engine.submit(seq)
     await h.step()
-    generation = h.pipeline.generation
+    epoch = h.pipeline.epoch
     h.client.fail(next(iter(h.client.sent)), UnknownSequence.code, "whatever words a stage chooses")
     await asyncio.sleep(0)
-    assert h.pipeline.generation == generation + 1 and not seq.done  # replayed, not failed
+    assert h.pipeline.epoch == epoch + 1 and not seq.done  # replayed, not failed
     h2 = Harness(tiny_path)
     other = h2.seq()
     h2.engine.submit(other)
     await h2.step()
     h2.client.fail(next(iter(h2.client.sent)), "bad_input", "sequence s0 has no KV slot")  # the old magic words
     await asyncio.sleep(0)
-    assert h2.pipeline.generation == 0 and drain(other)[-1].finish_reason == "error"
+    assert h2.pipeline.epoch == 0 and drain(other)[-1].finish_reason == "error"
 
 
 async def test_a_sequence_replayed_too_often_fails_with_a_reason(tiny_path):

@@ -11,7 +11,8 @@ from shared.errors import GgufError, UnsupportedArchitecture, UnsupportedTensorT
 from shared.generation import window_logits
 from shared.gguf_loader import GgufLoader
 from shared.models.linear import INT4_PAIR_TYPES, INT4_TYPES
-from shared.runtime import LocalPipeline, SeqWork
+from shared.protocol import SeqEntry
+from shared.runtime import LocalPipeline
 from shared.steps import Decode, Prefill
 from tests.conftest import stagemesh_cmd
 from tests.factories import (
@@ -126,8 +127,8 @@ def test_rope_scaled_tiny_model_matches_llama_cpp(tmp_path, case):
 
 def _decode_logits(pipeline: LocalPipeline, ids: list[int]) -> np.ndarray:
     """[T, V]: a 1-token prefill, then one decode step per token (the decode-sized kernel at every position)."""
-    rows = [pipeline.run([SeqWork("d", Prefill(1, 0, 1, True))], torch.tensor(ids[:1]))]
-    rows += [pipeline.run([SeqWork("d", Decode(p))], torch.tensor([ids[p]])) for p in range(1, len(ids))]
+    rows = [pipeline.run([SeqEntry("d", Prefill(1, 0, 1, True))], torch.tensor(ids[:1]))]
+    rows += [pipeline.run([SeqEntry("d", Decode(p))], torch.tensor([ids[p]])) for p in range(1, len(ids))]
     pipeline.release("d")
     return torch.cat(rows).double().numpy()
 

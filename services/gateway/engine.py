@@ -51,7 +51,7 @@ class Engine:
         self.failover_timeout_s = config.failover_timeout_s
         self._mb_spans: dict[int, object] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
         self._wake = asyncio.Event()
-        self._epoch = pipeline.generation  # the pipeline's count of KV losses this loop has replayed after
+        self._epoch = pipeline.epoch  # the pipeline's count of KV losses this loop has replayed after
         self._lost_since: float | None = None
         # set by Replicas: while the pipeline is not ready, give these open requests to a ready replica; returns the
         # ones it took (None, or none taken: they wait here for this pipeline, as with a single one)
@@ -115,8 +115,8 @@ class Engine:
     async def step(self) -> None:
         now = time.perf_counter()
         self._apply(self.scheduler.expire(now))
-        if self.pipeline.generation != self._epoch:
-            self._epoch = self.pipeline.generation
+        if self.pipeline.epoch != self._epoch:
+            self._epoch = self.pipeline.epoch
             self._pipeline_lost()
         client = self.pipeline.client
         if not self.pipeline.ready or client is None:

@@ -155,7 +155,7 @@ class MeshView:
             "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
             "inflight": len(sched.inflight), "max_inflight": sched.max_inflight, "replaying": sched.replaying,
             "kv_used": round(replica.kv_used(), 4),
-            "routed": replica.routed, "handed_off": replica.handed_off,
+            "routed": replica.routed_total, "handed_off": replica.handed_off,
             "prefix_cache": sched.prefix.info() if sched.prefix is not None else None, "stages": stages,
         }
 
@@ -178,8 +178,9 @@ class MeshView:
             busy_fraction=None if busy is None else round(min(1.0, max(0.0, busy)), 4),
             compute_ms=_ms(_rate(track.samples, "busy_seconds", "microbatches", self.window_s)),
             hop_in_ms=_ms(_rate(track.samples, "hop_seconds", "hops", self.window_s)),
-            kv_used=kv.get("used_slots"), kv_slots=kv.get("slots"), max_seq_len=kv.get("max_seq_len"),
-            kv_cached=kv.get("kept_prefixes"), prefixes_evicted=kv.get("evicted_prefixes"),
+            # /info's kv map, flattened with a kv_ prefix (a count of slots; a pipeline's kv_used is a share)
+            kv_used_slots=kv.get("used_slots"), kv_slots=kv.get("slots"), max_seq_len=kv.get("max_seq_len"),
+            kv_kept_prefixes=kv.get("kept_prefixes"), kv_evicted_prefixes=kv.get("evicted_prefixes"),
             microbatches=info.get("microbatches"))
         return st
 

@@ -58,11 +58,6 @@ class GatewayMetrics:
             "the last stage's key forged the answer)", registry=r)
         self.pipeline_ready = Gauge("stagemesh_gateway_pipeline_ready", "1 when every stage is ready and consistent",
                                     registry=r)
-        self.routing = Counter("stagemesh_gateway_routing_decisions", "Requests routed to a pipeline, by reason "
-                               "(balance, session, prefix, load; failover: handed over from a pipeline that lost a "
-                               "stage)", ["reason", "pipeline"], registry=r)
-        self.handoffs = Counter("stagemesh_gateway_replica_handoffs", "Open sequences a pipeline that lost a stage "
-                                "handed to another pipeline (replayed there)", ["pipeline"], registry=r)
 
 
 class _ResultPortCollector:
@@ -143,8 +138,8 @@ def watch_prefix_cache(metrics: GatewayMetrics, indexes: list) -> None:
 
 
 class _ReplicaCollector:
-    """Per-pipeline gauges (label `pipeline`) and the routing policy's thresholds, read at scrape time from the
-    Replicas (services/gateway/replicas.py)."""
+    """Per-pipeline gauges and counters (label `pipeline`) and the routing policy's thresholds, read at scrape time
+    from the Replicas (services/gateway/replicas.py): each Replica's routing counts are its own ledger, kept once."""
 
     def __init__(self, replicas):
         self.replicas = replicas
@@ -172,6 +167,18 @@ class _ReplicaCollector:
             if prefix is not None and prefix.stats.lookups:
                 fams["hit_rate"].add_metric([r.name], prefix.stats.hits / prefix.stats.lookups)
         yield from fams.values()
+        routing = CounterMetricFamily("stagemesh_gateway_routing_decisions", "Requests routed to a pipeline, by reason "
+                                      "(balance, session, prefix, load; failover: handed over from a pipeline that "
+                                      "lost a stage)", labels=["reason", "pipeline"])
+        handoffs = CounterMetricFamily("stagemesh_gateway_replica_handoffs", "Open sequences a pipeline that lost a "
+                                       "stage handed to another pipeline (replayed there)", labels=["pipeline"])
+        for r in self.replicas.all:
+            for reason, n in r.routed.items():
+                if n:  # a series per (reason, pipeline) once it was chosen for that reason
+                    routing.add_metric([reason, r.name], n)
+            handoffs.add_metric([r.name], r.handed_off)
+        yield routing
+        yield handoffs
         thresholds = GaugeMetricFamily("stagemesh_gateway_routing_threshold", "The routing policy's thresholds "
                                        "(docs/operations.md, Routing across pipelines)", labels=["threshold"])
         for name, value in self.replicas.policy().items():

@@ -163,7 +163,7 @@ class Pipeline:
         self.client: PipelineClient | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
-        self.generation = 0  # bumped only by mark_lost(): KV state in the pipeline is gone
+        self.epoch = 0  # the pipeline's restart epoch, bumped only by mark_lost(): KV state in the pipeline is gone
         self.cache_identity = ""  # _cache_identity() of the last poll's infos
         self.lost_reason = ""  # why, the last time
         self._incarnations: list[str] | None = None
@@ -200,10 +200,10 @@ class Pipeline:
 
     def mark_lost(self, reason: str) -> None:
         """The one place that declares the pipeline's KV state lost (a stage died, restarted, or forgot a
-        sequence): the scheduler sees the new generation and replays every running sequence."""
-        self.generation += 1
+        sequence): the scheduler sees the new epoch and replays every running sequence."""
+        self.epoch += 1
         self.lost_reason = reason
-        log.warning("%s state lost (%s): generation %d", self.label, reason, self.generation)
+        log.warning("%s state lost (%s): epoch %d", self.label, reason, self.epoch)
 
     def mark_stalled(self, mb_id: int, age_s: float) -> None:
         """A micro-batch has been in flight longer than stall_s: the pipeline is not ready, naming where it stopped,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
@@ -44,12 +44,18 @@ class Replica:
     name: str  # "p0", "p1", ...: the `pipeline` label of the metrics, the mesh view and the access log
     pipeline: Pipeline
     engine: Engine  # the loop around its scheduler: what requests are submitted to
-    routed: int = 0  # requests routed here (handed-over ones included)
-    handed_off: int = 0  # open sequences it handed to another replica after losing a stage
+    # its ledger, exported as stagemesh_gateway_routing_decisions and _replica_handoffs (services/gateway/metrics.py):
+    routed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))  # requests routed here, by reason
+    handed_off: int = 0  # open requests it handed to another replica after losing a stage
 
     @property
     def scheduler(self) -> Scheduler:
         return self.engine.scheduler
+
+    @property
+    def routed_total(self) -> int:
+        """Requests routed here (handed-over ones included)."""
+        return sum(self.routed.values())
 
     @property
     def load(self) -> int:
@@ -141,8 +147,7 @@ class Replicas:
         return tied[self._turn % len(tied)]
 
     def _count(self, replica: Replica, reason: str, session: str | None) -> None:
-        self.metrics.routing.labels(reason, replica.name).inc()
-        replica.routed += 1
+        replica.routed[reason] += 1
         if session is not None:
             self.sessions[session] = replica.name
             self.sessions.move_to_end(session)
@@ -170,7 +175,6 @@ class Replicas:
             req.handoffs += 1
             target.engine.adopt(req)
             self._count(target, "failover", None)
-        self.metrics.handoffs.labels(source.name).inc(len(reqs))
         source.handed_off += len(reqs)
         return reqs
 
@@ -189,7 +193,7 @@ class Replicas:
         """Each replica's routing facts (the mesh view and /ready)."""
         return [{"name": r.name, "ready": r.pipeline.ready, "problem": r.pipeline.problem, "load": r.load,
                  "queue": len(r.scheduler.waiting), "running": len(r.scheduler.running),
-                 "kv_used": round(r.kv_used(), 4), "routed": r.routed, "handed_off": r.handed_off, "stages": r.pipeline.stage_urls} for r in self.all]
+                 "kv_used": round(r.kv_used(), 4), "routed": r.routed_total, "handed_off": r.handed_off, "stages": r.pipeline.stage_urls} for r in self.all]
 
     @staticmethod
     def policy() -> dict[str, float]:

@@ -31,7 +31,7 @@ def make_app() -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         if app[WORKER] is None:
             return web.Response(text="", content_type="text/plain")
-        body = generate_latest(app[WORKER].metrics.registry)
+        body = generate_latest(app[WORKER].registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app.router.add_get("/health", health)

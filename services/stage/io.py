@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 from shared.protocol import Message
 from shared.transport import ZmqTransport
@@ -23,7 +22,6 @@ class StageIO:
         self.prefetch = prefetch
         self.inbox: asyncio.Queue[Message] = asyncio.Queue(maxsize=depth)
         self.outbox: asyncio.Queue[Message] = asyncio.Queue()
-        self.send_seconds = 0.0
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -49,12 +47,10 @@ class StageIO:
             await self._send_now(msg)
 
     async def _send_now(self, msg: Message) -> None:
-        t0 = time.perf_counter()
         try:
-            await self.transport.send(msg)
+            await self.transport.send(msg)  # timed by the transport (TransportStats.sending_seconds)
         except Exception:
             log.exception("send failed; message dropped")
-        self.send_seconds += time.perf_counter() - t0
 
     @property
     def queue_depth(self) -> int:

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from services.stage.io import StageIO
-from services.stage.metrics import StageMetrics, size_class
+from services.stage.metrics import stage_registry
+from services.stage.stats import StageStats
 from shared.config import STAGE_DEFAULTS
 from shared.errors import BadBatch, StagemeshError
 from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer, trace_id_of
 from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
-from shared.runtime import SeqWork, StageRuntime
+from shared.runtime import StageRuntime
 from shared.sampling import sample
 from shared.trace import CaptureHook
 
@@ -72,29 +73,16 @@ class StageWorker:
         self.slot_lease_s = slot_lease_s
         self.lease_check_s = min(1.0, slot_lease_s / 4) if slot_lease_s else None
         self._next_lease_check = 0.0
-        self.reclaimed = 0
         self.runtime = runtime
         self.io = io
         self.identity = identity
-        self.metrics = StageMetrics(self.live_stats)
+        self.stats = StageStats(transport=io.transport.stats)  # the one ledger: /info and /metrics both read it
+        self.registry = stage_registry(self.stats, runtime.kv, lambda: io.queue_depth)
         # every torch op of the stage runs on this one thread (see compute_executor)
         self.compute_thread = compute_thread or compute_executor()
-        self.busy_s = self.wait_s = 0.0
-        self.mb_count = self.hop_count = 0  # with busy_s and hop_s: what /info reports for the gateway's mesh view
-        self.hop_s = 0.0
         # the ids of the last RECENT_MB ForwardBatches this loop took in, and passed on (result or hidden state)
         self.recent_in: deque[int] = deque(maxlen=RECENT_MB)
         self.recent_out: deque[int] = deque(maxlen=RECENT_MB)
-
-    def live_stats(self) -> dict:
-        stats = self.io.transport.stats
-        return {"bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out, "send_seconds": self.io.send_seconds,
-                "rejected": dict(stats.rejected), "handshakes_failed": dict(stats.handshakes_failed),
-                "queue_depth": self.io.queue_depth,
-                "kv_used": self.runtime.kv.used_slots, "kv_slots": self.runtime.kv.num_slots,
-                "kv_kept": self.runtime.kv.kept_slots, "kv_evicted": self.runtime.kv.evicted,
-                "kv_resident_bytes": self.runtime.kv.resident_bytes,
-                "bubble_ratio": self.wait_s / (self.wait_s + self.busy_s) if self.wait_s + self.busy_s else 0.0}
 
     async def run(self) -> None:
         await self.io.start()
@@ -106,17 +94,17 @@ class StageWorker:
                 if msg is None:
                     t0 = time.perf_counter()
                     msg = await self._next_input()
-                    self._waited(time.perf_counter() - t0)
+                    self.stats.waiting_seconds += time.perf_counter() - t0
                     if msg is None:
                         continue
                 if isinstance(msg, ForwardBatch) and msg.hop_s is not None:
-                    self._hopped(max(0.0, msg.hop_s))
+                    self.stats.hop.observe(max(0.0, msg.hop_s))
                 if isinstance(msg, ForwardBatch):
                     self.recent_in.append(msg.mb_id)
                     t0 = time.perf_counter()
                     span = None if self.otlp is None else self._start_span(msg)
                     out = await loop.run_in_executor(self.compute_thread, self.compute, msg)
-                    self._busy(time.perf_counter() - t0, msg.num_tokens)
+                    self.stats.computed(time.perf_counter() - t0, msg.num_tokens)
                     if span is not None:
                         self.otlp.end(span, error=out.message if isinstance(out, BatchError) else None)
                     await self.io.send(out)
@@ -156,8 +144,7 @@ class StageWorker:
         self._next_lease_check = now + self.lease_check_s
         for seq_id in self.runtime.kv.untouched_since(now - self.slot_lease_s):
             self.runtime.release(seq_id)
-            self.reclaimed += 1
-            self.metrics.reclaimed.inc()
+            self.stats.reclaimed += 1
             throttled(log, logging.WARNING, "lease", "reclaimed the KV slot of sequence %r: no micro-batch used it "
                       "for %g s (--slot-lease)", seq_id, self.slot_lease_s)
 
@@ -182,28 +169,10 @@ class StageWorker:
             attributes["stagemesh.queue_wait_ms"] = round(max(0.0, time.time() - batch.received) * 1e3, 3)
         return self.otlp.start("stagemesh.stage.compute", parent, links, attributes)
 
-    def _waited(self, s: float) -> None:
-        self.wait_s += s
-        self.metrics.waiting.inc(s)
-
-    def _hopped(self, s: float) -> None:
-        self.hop_s += s
-        self.hop_count += 1
-        self.metrics.hop.observe(s)
-
-    def _busy(self, s: float, tokens: int) -> None:
-        self.busy_s += s
-        self.mb_count += 1
-        self.metrics.compute.labels(size_class(tokens)).observe(s)
-        self.metrics.busy.inc(s)
-        self.metrics.microbatches.inc()
-        self.metrics.tokens.inc(tokens)
-
     def compute(self, batch: ForwardBatch) -> Message:
         """Runs in the compute thread. Returns the message for the next hop: hidden state, sampled tokens, or an
         error for this micro-batch only (the stage keeps serving)."""
         ident = self.identity
-        work = [SeqWork(s.seq_id, s.step) for s in batch.seqs]
         try:
             if batch.tokens is not None and batch.tokens.numel():
                 vocab = self.runtime.model.config.vocab_size
@@ -211,7 +180,7 @@ class StageWorker:
                 if lo < 0 or hi >= vocab:  # an embedding lookup would raise, or wrap a negative id around
                     raise BadBatch(f"token ids must lie in 0..{vocab - 1}; this micro-batch has {lo}..{hi}")
             capture = self._capture_hook(batch) if self.tracing else None
-            out = self.runtime.run(work, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
+            out = self.runtime.run(batch.seqs, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
             captures = batch.captures + ([c.to_wire() for c in capture.captures] if capture else [])
             if not ident.position.has_lm_head:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures,
@@ -222,7 +191,7 @@ class StageWorker:
             return BatchResult(batch.mb_id, [s.seq_id for s in producing], sampled.tokens, sampled.logprobs, captures,
                                top=sampled.top)
         except Exception as e:  # whatever it was, it ends this micro-batch only: the stage keeps serving
-            self.metrics.errors.inc()
+            self.stats.errors += 1
             code = e.code if isinstance(e, StagemeshError) else "internal"
             throttled(log, logging.WARNING, f"failed:{code}", "micro-batch %d failed on %s: %s: %s", batch.mb_id,
                       ident.name, type(e).__name__, e, exc_info=None if isinstance(e, StagemeshError) else e)
@@ -261,7 +230,7 @@ class StageWorker:
                 "next": keys.next_server.decode() if keys.next_server else None}
 
     def info(self) -> dict:
-        ident, kv = self.identity, self.runtime.kv
+        ident, kv, stats = self.identity, self.runtime.kv, self.stats
         return {
             "model": ident.model_name, "fingerprint": ident.fingerprint, "layers": [ident.layers.start, ident.layers.stop],
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
@@ -269,17 +238,18 @@ class StageWorker:
             "weights": self._weights_info,
             "compiled_decode": self.runtime.compiled_decode_info(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
-                   "slot_lease_s": self.slot_lease_s, "reclaimed": self.reclaimed,
+                   "slot_lease_s": self.slot_lease_s, "reclaimed": stats.reclaimed,
                    "kept_prefixes": kv.kept_slots, "evicted_prefixes": kv.evicted,
                    # memory by tokens held (committed page by page as written), out of what all slots could take
                    "resident_bytes": kv.resident_bytes, "reserved_bytes": kv.reserved_bytes},
             "prefetch": self.io.prefetch,
-            "busy_seconds": round(self.busy_s, 4), "waiting_seconds": round(self.wait_s, 4),
-            "rejected": dict(self.io.transport.stats.rejected),
-            "handshakes_failed": dict(self.io.transport.stats.handshakes_failed),
+            "busy_seconds": round(stats.busy_seconds, 4), "waiting_seconds": round(stats.waiting_seconds, 4),
+            "rejected": dict(stats.transport.rejected),
+            "handshakes_failed": dict(stats.transport.handshakes_failed),
             "keys": self._keys_info,
             "recent_mb": {"in": list(self.recent_in), "out": list(self.recent_out)},
             # cumulative, with this process's monotonic clock, so a poller can take exact rates between two polls
-            "clock_s": round(time.monotonic(), 4), "microbatches": self.mb_count,
-            "sending_seconds": round(self.io.send_seconds, 4), "hop_seconds": round(self.hop_s, 6), "hops": self.hop_count,
+            "clock_s": round(time.monotonic(), 4), "microbatches": stats.microbatches,
+            "sending_seconds": round(stats.transport.sending_seconds, 4), "hop_seconds": round(stats.hop.seconds, 6),
+            "hops": stats.hop.count,
         }

@@ -35,7 +35,8 @@ from collections.abc import Callable
 import torch
 
 from shared.config import SCHEDULER_DEFAULTS
-from shared.models.linear import DenseLinear, SwitchedLinear, prepacked_bf16_available
+from shared.device import cpu_has_fast_bf16
+from shared.models.linear import DenseLinear, SwitchedLinear
 
 CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending
 REPEAT = 5  # the prefill probe: fastest of REPEAT timings per kernel (noise on a shared machine only ever adds time)
@@ -124,7 +125,7 @@ def measure_prefill_dtype(out_features: int, in_features: int, rows: int = SCHED
     """bfloat16 or float32: whichever oneDNN-prepacked GEMM multiplies a prefill chunk (`rows` x in_features) by a
     random [out_features, in_features] matrix faster here (interleaved, each kernel's fastest of `repeat`; ~0.1 s,
     once per process and shape). float32 where oneDNN has no native bf16 (it would be emulated)."""
-    if not prepacked_bf16_available():
+    if not cpu_has_fast_bf16():
         return torch.float32
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))

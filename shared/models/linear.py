@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from shared.device import cpu_has_fast_bf16
 from shared.errors import GgufError
 from shared.gguf_loader import RawTensor
 
@@ -158,15 +159,10 @@ def dequantize(raw: RawTensor) -> torch.Tensor:
 # ---- the weight kinds --------------------------------------------------------------------------------------------
 
 @functools.cache
-def prepacked_bf16_available() -> bool:
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-@functools.cache
 def dense_dtype() -> torch.dtype:
     """The dtype of the auto / int4 modes' dense kernel (prefill-sized micro-batches, non-4-bit types): bf16 where
     oneDNN has a fast bf16 GEMM, else float32 (see the module docstring for the measured gap)."""
-    return torch.bfloat16 if prepacked_bf16_available() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 def int4_fits(shape: Sequence[int]) -> bool:
@@ -236,7 +232,7 @@ class Int8Linear:
 
 
 class DenseLinear:
-    """A plain matrix: float32 (F.linear, exact) or bf16 (oneDNN-prepacked where the CPU has it, else F.linear).
+    """A plain matrix: float32 (F.linear, exact) or bf16 (oneDNN-prepacked where bf16 is fast, else F.linear).
     prepack_f32: float32 through oneDNN's prepacked GEMM too (the auto modes' dense kernel on CPUs without fast bf16;
     the same fp32 products, summed in oneDNN's order rather than MKL's; the f32 reference mode keeps F.linear).
 
@@ -251,7 +247,7 @@ class DenseLinear:
         self.fixed_rows = fixed_rows
         w = weight.to(dtype).contiguous()
         self.prepacked = w.device.type == "cpu" and (
-            prepacked_bf16_available() if dtype == torch.bfloat16
+            cpu_has_fast_bf16() if dtype == torch.bfloat16
             else prepack_f32 and dtype == torch.float32 and torch.backends.mkldnn.is_available())
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.prepacked else w
         self.kind = (f"{'bf16' if dtype == torch.bfloat16 else 'f32'}-prepacked" if self.prepacked

@@ -37,8 +37,8 @@ function stageNode(s) {
     n.appendChild(row("busy (10 s)", fmt(s.busy_fraction === null ? null : 100 * s.busy_fraction, 0, "%")));
     n.appendChild(bar(s.busy_fraction));
     n.appendChild(row("compute / micro-batch", fmt(s.compute_ms, 1, " ms")));
-    n.appendChild(row("KV slots", s.kv_slots === undefined ? "–" : s.kv_used + " / " + s.kv_slots));
-    n.appendChild(bar(s.kv_slots ? s.kv_used / s.kv_slots : 0));
+    n.appendChild(row("KV slots", s.kv_slots === undefined ? "–" : s.kv_used_slots + " / " + s.kv_slots));
+    n.appendChild(bar(s.kv_slots ? s.kv_used_slots / s.kv_slots : 0));
   }
   n.appendChild(row("restarts", String(s.restarts)));
   return n;

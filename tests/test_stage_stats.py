@@ -1,0 +1,109 @@
+"""A stage's one ledger (services/stage/stats.py): its /info and its /metrics, served by the real stage HTTP app over
+a real worker loop that computes micro-batches of a tiny GGUF in this process (inproc sockets), report the same
+numbers -- and the ledger's histograms expose what Prometheus histograms would."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.stage.http import WORKER, make_app
+from services.stage.io import StageIO
+from services.stage.stats import HOP_BUCKETS, StageStats, Timings, size_class
+from services.stage.worker import StageIdentity, StageWorker
+from shared.gguf_loader import GgufLoader
+from shared.layers import LayerRange
+from shared.protocol import BatchResult, ForwardBatch, ReleaseDone, SeqEntry
+from shared.runtime import StageRuntime
+from shared.steps import Decode, Prefill
+from shared.transport import ZmqTransport
+from tests.factories import TinySpec, write_tiny_gguf
+
+_ports = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("ledger") / "tiny.gguf"), TinySpec(arch="llama"))
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics body: (name, sorted labels) -> value."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+async def test_info_and_metrics_report_the_same_numbers_from_the_one_ledger(tiny_path):
+    loader = GgufLoader(tiny_path)
+    runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=4, max_seq_len=64)
+    n = next(_ports)
+    stage_in, gateway_in = f"inproc://ledger-stage-{n}", f"inproc://ledger-gateway-{n}"
+    io = StageIO(ZmqTransport(stage_in, gateway_in, accept=(ForwardBatch,), keys=None))
+    identity = StageIdentity("tiny", loader.fingerprint, LayerRange(0, runtime.model.config.num_layers),
+                             runtime.model.config.num_layers, runtime.model.position, "float32", listen=stage_in)
+    worker = StageWorker(runtime, io, identity, slot_lease_s=0)
+    gateway = ZmqTransport(gateway_in, stage_in, accept=(BatchResult, ReleaseDone), keys=None)
+    app = make_app()
+    app[WORKER] = worker
+    loop_task = asyncio.create_task(worker.run())
+    try:
+        async with TestClient(TestServer(app)) as http:
+            await gateway.send(ForwardBatch(1, [SeqEntry("a", Prefill(5, 0, 5, True))], tokens=torch.arange(1, 6)))
+            assert isinstance(await asyncio.wait_for(gateway.receive(), 30), BatchResult)
+            for k in range(3):
+                await gateway.send(ForwardBatch(2 + k, [SeqEntry("a", Decode(5 + k))], tokens=torch.tensor([7])))
+                assert isinstance(await asyncio.wait_for(gateway.receive(), 30), BatchResult)
+            await asyncio.sleep(0.05)  # the loop's sender task finishes timing its last send
+            info = await (await http.get("/info")).json()
+            metrics = samples(await (await http.get("/metrics")).text())
+    finally:
+        loop_task.cancel()
+        await asyncio.gather(loop_task, return_exceptions=True)
+        gateway.close()
+        io.transport.close()
+
+    def metric(name: str, **labels) -> float:
+        return metrics[(name, tuple(sorted(labels.items())))]
+
+    stats = worker.stats
+    assert info["microbatches"] == metric("stagemesh_stage_microbatches_total") == stats.microbatches == 4
+    assert info["hops"] == metric("stagemesh_stage_hop_latency_seconds_count") == 4  # every header carries "sent"
+    assert info["hop_seconds"] == pytest.approx(metric("stagemesh_stage_hop_latency_seconds_sum"), abs=1e-6)
+    assert info["busy_seconds"] == pytest.approx(metric("stagemesh_stage_busy_seconds_total"), abs=1e-4)
+    assert info["busy_seconds"] > 0
+    by_size = {size: metric("stagemesh_stage_compute_seconds_count", tokens=size) for size in ("1", "2-8", "9-32")}
+    assert by_size == {"1": 3, "2-8": 1, "9-32": 0}  # three decodes, one 5-token prefill
+    assert metric("stagemesh_stage_tokens_total") == 8
+    assert info["waiting_seconds"] == pytest.approx(metric("stagemesh_stage_waiting_for_input_seconds_total"), abs=1e-4)
+    assert info["sending_seconds"] == pytest.approx(metric("stagemesh_stage_sending_seconds_total"), abs=1e-4)
+    assert info["sending_seconds"] > 0
+    assert metric("stagemesh_stage_bytes_out_total") == stats.transport.bytes_out > 0
+    assert info["kv"]["used_slots"] == metric("stagemesh_stage_kv_slots_used") == 1  # "a" is still held
+    assert info["kv"]["slots"] == metric("stagemesh_stage_kv_slots") == 4
+    assert info["kv"]["reclaimed"] == metric("stagemesh_stage_slots_reclaimed_total") == 0
+    assert metric("stagemesh_stage_rejected_messages_total", reason="kind") == info["rejected"].get("kind", 0) == 0
+
+
+def test_timings_expose_what_a_prometheus_histogram_does():
+    ours, theirs = Timings(HOP_BUCKETS), Histogram("h_seconds", "reference", buckets=HOP_BUCKETS)
+    for seconds in (0.0, 0.0001, 0.00011, 0.003, 0.01, 0.5, 1.0, 7.0):  # on a bound, between bounds, past the last
+        ours.observe(seconds)
+        theirs.observe(seconds)
+    reference = {s.labels["le"]: s.value for fam in theirs.collect() for s in fam.samples if s.name.endswith("_bucket")}
+    assert [n for _, n in ours.cumulative()] == list(reference.values())
+    assert ours.count == 8 and ours.seconds == pytest.approx(sum((0.0001, 0.00011, 0.003, 0.01, 0.5, 1.0, 7.0)))
+
+
+def test_busy_time_and_micro_batches_are_the_compute_timings_not_a_second_count():
+    stats = StageStats()
+    stats.computed(0.25, 1)
+    stats.computed(0.5, 40)
+    stats.waiting_seconds = 0.25
+    assert (stats.microbatches, stats.busy_seconds, stats.tokens) == (2, 0.75, 41)
+    assert stats.compute[size_class(40)].count == 1 and stats.bubble_ratio == 0.25
