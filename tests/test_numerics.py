@@ -279,7 +279,6 @@ def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smol
 
 @pytest.mark.parametrize("kwargs,reason", [
     ({"batch_invariant": True}, "batch-invariant"),
-    ({"weights": "bf16"}, "not int4"),
 ])
 def test_compile_decode_refuses_what_it_does_not_cover(smollm2, kwargs, reason):
     from shared.errors import CapabilityMissing

@@ -70,10 +70,10 @@ class CompiledDecode:
         # The model's own run_layers, the function eager steps run, compiled for one sequence (attention a
         # StaticDecode). cpp_wrapper: the generated code calls its kernels from C++, not Python: a shorter one-token
         # step for about twice the first compilation's time (benchmarks/decode_step.py)
-        # A mixture-of-experts block's experts run eagerly between graphs (TransformerModel._moe), so such a model's
-        # step is several graphs; every other architecture's is one (fullgraph).
-        self._compiled = torch.compile(model.run_layers, dynamic=False, fullgraph=not model.config.traits.moe,
-                                       options={"cpp_wrapper": True})
+        # Two things run eagerly between graphs (torch.compiler.disable): a mixture-of-experts block's experts
+        # (TransformerModel._moe) and a oneDNN-prepacked matrix (linear._prepacked_mm: a type kept dense, weights
+        # mode bf16). Without them the step is one graph (tests/test_architectures.py counts the graph breaks).
+        self._compiled = torch.compile(model.run_layers, dynamic=False, options={"cpp_wrapper": True})
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
         # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written
         # by the compiling thread only; forward reads it and runs nothing compiled before "ready".

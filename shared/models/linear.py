@@ -265,12 +265,18 @@ class DenseLinear:
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+            return _prepacked_mm(x, self.weight)
         return F.linear(x, self.weight)
 
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.dtype.itemsize
+
+
+@torch.compiler.disable(reason="inductor does not lower oneDNN's prepacked linear: it runs between graphs")
+def _prepacked_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ a oneDNN-prepacked weight (torch.ops.mkldnn._reorder_linear_weight of [N, K]) -> [M, N]."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 class SwitchedLinear:
