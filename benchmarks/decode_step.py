@@ -12,17 +12,25 @@ modes it lacks are skipped; bf16 there is its default).
 decode step under torch.compile with static shapes, one graph per context bucket, compiled at load; its load s
 includes compilation, seconds when inductor's on-disk cache has the graphs). Only B=1 runs compiled; larger batches
 run the eager step in both rows. Modes the compiled step does not cover (bf16, f32) are skipped.
+
+--arch llama,qwen2,... (or all) measures instead, for each architecture, a random model of SmolLM2's widths (576
+hidden, 9 heads, 3 kv heads, 1536 MLP; --arch-layers layers, Q4_0 matrices; benchmarks/tiny_gguf.py writes it)
+decoding one sequence eagerly and compiled, and writes the table to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import statistics
+import tempfile
 import time
 
 import torch
 
+from benchmarks.harness import add_out_arg, results_dir, write_results
+from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.device import resolve_dtype
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
@@ -64,6 +72,42 @@ def decode_ms(pipeline: LocalPipeline, batch: int, context: int, steps: int, ste
     return 1e3 * min(times), 1e3 * statistics.median(times)
 
 
+ARCHS = ("llama", "mistral3", "qwen2", "qwen3", "qwen3moe", "starcoder2", "phi2", "phi3", "gemma", "gemma2", "gemma3")
+
+
+def arch_spec(arch: str, layers: int) -> TinySpec:
+    """SmolLM2's widths in `arch`'s block; the lm_head tied where the architecture requires it."""
+    return TinySpec(arch=arch, layers=layers, hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536,
+                    tied=arch in ("gemma", "gemma2"), rope_dim=32 if arch == "phi2" else None, quant="Q4_0",
+                    weight_scale=0.64 / 576 ** 0.5, experts=8, experts_used=2)
+
+
+def per_architecture(archs: list[str], layers: int, context: int, steps: int, out: str) -> None:
+    """Eager against compiled one-sequence decode, per architecture (weights auto, the default dtype)."""
+    rows = []
+    print(f"decode step of one sequence, ms (fastest / median of {steps}), {torch.get_num_threads()} threads, "
+          f"{layers} layers of SmolLM2's widths, Q4_0, context {context}")
+    print(f"{'architecture':<14}{'eager':>16}{'compiled':>16}{'speed-up':>10}{'compile s':>11}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            loader = GgufLoader(write_tiny_gguf(os.path.join(tmp, f"{arch}.gguf"), arch_spec(arch, layers)))
+            eager = decode_ms(load(loader, "auto", 1, False), 1, context, steps)
+            t = time.perf_counter()
+            pipeline = load(loader, "auto", 1, False, compile_decode=True)
+            compile_s = time.perf_counter() - t
+            compiled = decode_ms(pipeline, 1, context, steps)
+            assert all(p.compiled.steps > 0 for p in pipeline.pieces), f"{arch}: the compiled step did not run"
+            rows.append({"arch": arch, "eager_ms": eager, "compiled_ms": compiled, "compile_s": round(compile_s, 1)})
+            print(f"{arch:<14}{f'{eager[0]:.2f} / {eager[1]:.2f}':>16}{f'{compiled[0]:.2f} / {compiled[1]:.2f}':>16}"
+                  f"{eager[0] / compiled[0]:>9.2f}x{compile_s:>11.1f}")
+    table = ["| architecture | eager ms | compiled ms | speed-up |", "| --- | ---: | ---: | ---: |"]
+    table += [f"| {r['arch']} | {r['eager_ms'][0]:.2f} | {r['compiled_ms'][0]:.2f} | "
+              f"{r['eager_ms'][0] / r['compiled_ms'][0]:.2f}x |" for r in rows]
+    print("wrote", write_results(out, "decode_step_per_arch", {"layers": layers, "context": context, "steps": steps,
+                                                               "threads": torch.get_num_threads(), "rows": rows},
+                                 "\n".join(table)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -73,7 +117,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch-invariant", action="store_true", help="also measure each mode with batch_invariant=True")
     p.add_argument("--compile", action="store_true", help="also measure each mode with --compile-decode")
+    p.add_argument("--arch", default=None, help=f"measure these architectures instead (comma-separated, or all: "
+                                                 f"{', '.join(ARCHS)})")
+    p.add_argument("--arch-layers", type=int, default=8, help="layers of each --arch model")
+    add_out_arg(p, "decode-step")
     args = p.parse_args()
+    if args.arch:
+        archs = list(ARCHS) if args.arch == "all" else args.arch.split(",")
+        per_architecture(archs, args.arch_layers, args.context, args.steps, results_dir(args.out, "decode-step"))
+        return
     loader = GgufLoader(resolve_model(args.model))
     batches = [int(b) for b in args.batch.split(",")]
     print(f"decode step, ms (fastest / median of {args.steps}), {torch.get_num_threads()} threads, "

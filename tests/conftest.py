@@ -23,7 +23,7 @@ def smollm2() -> ModelFiles:
 
 @pytest.fixture(scope="session")
 def llama_ref(smollm2):
-    from tests.factories import llama_cpp_model
+    from benchmarks.tiny_gguf import llama_cpp_model
 
     return llama_cpp_model(smollm2.loader.path, n_ctx=256)
 

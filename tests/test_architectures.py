@@ -6,6 +6,7 @@ test_tiny_models.py."""
 import pytest
 import torch
 
+from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.chat_template import ChatTemplate
 from shared.errors import GgufError, UnsupportedArchitecture
 from shared.generation import window_logits
@@ -13,7 +14,6 @@ from shared.gguf_loader import GgufLoader
 from shared.layers import LayerRange, split_at
 from shared.models import ModelConfig, TransformerModel
 from shared.runtime import LocalPipeline
-from tests.factories import TinySpec, write_tiny_gguf
 from tests.test_tiny_models import IDS, ROPE_CASES
 
 ARCHS = ["llama", "qwen2", "qwen3", "starcoder2", "phi3", "phi2", "qwen3moe", "mistral3", "gemma", "gemma2", "gemma3"]
@@ -150,8 +150,8 @@ def test_end_of_turn_ends_generation_as_in_llama_cpp(tmp_path):
     set has it (the same set of ids, checked over a whole vocabulary)."""
     import llama_cpp
 
+    from benchmarks.tiny_gguf import llama_cpp_vocab, write_vocab_gguf
     from shared.tokenizer import GgufTokenizer
-    from tests.factories import llama_cpp_vocab, write_vocab_gguf
 
     path = write_vocab_gguf(str(tmp_path / "gemma-vocab.gguf"), model="llama", bos="<s>", eos="</s>",
                             control_tokens=("<start_of_turn>", "<end_of_turn>"), chat_template=GEMMA2_TEMPLATE)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.tiny_gguf import llama_cpp_logits
 from shared.device import resolve_dtype
 from shared.generation import split_windows, window_logits
 from shared.layers import LayerRange, split_at
 from shared.models import TransformerModel
 from shared.runtime import LocalPipeline
-from tests.factories import llama_cpp_logits
 
 pytestmark = pytest.mark.slow  # minutes of llama.cpp comparisons: not in the fast tier
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.gateway.prefix_cache import BLOCK_TOKENS, PrefixIndex
 from services.gateway.request import Request
 from shared.errors import KVCacheFull, PrefixMiss
@@ -18,7 +19,6 @@ from shared.kv_cache import KVCache
 from shared.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, decode, encode
 from shared.sampling import SamplingParams
 from shared.steps import Prefill
-from tests.factories import TinySpec, write_tiny_gguf
 from tests.test_scheduler import Harness
 
 

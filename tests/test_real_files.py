@@ -1,7 +1,7 @@
 """Files as model hubs ship them, each against llama.cpp on the same file: llama.cpp's own quantizer presets (a
 per-tensor mix of types; K-quant fallbacks where a row is not a multiple of 256) on tiny files of every architecture,
 SmolLM2 requantized to the common presets, and the real Gemma 3 270M Q4_K_M file. The quantized files are built
-once into tests.factories.QUANT_CACHE; a preset llama.cpp refuses for a file is skipped with its reason."""
+once into benchmarks.tiny_gguf.QUANT_CACHE; a preset llama.cpp refuses for a file is skipped with its reason."""
 
 import math
 
@@ -9,12 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.generation import split_windows, window_logits
-from shared.gguf_loader import GgufLoader
-from shared.layers import split_at
-from shared.model_files import ModelFiles
-from shared.runtime import LocalPipeline
-from tests.factories import (
+from benchmarks.tiny_gguf import (
     PRESETS,
     PresetRefused,
     TinySpec,
@@ -23,6 +18,11 @@ from tests.factories import (
     quantize_preset,
     write_tiny_gguf,
 )
+from shared.generation import split_windows, window_logits
+from shared.gguf_loader import GgufLoader
+from shared.layers import split_at
+from shared.model_files import ModelFiles
+from shared.runtime import LocalPipeline
 from tests.test_architectures import ARCHS, _spec
 from tests.test_tiny_models import IDS, _decode_logits
 

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 import torch
 
+from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputProcessor
@@ -30,7 +31,6 @@ from shared.pipeline_client import PipelineError
 from shared.protocol import BatchError, BatchResult, ForwardBatch
 from shared.runtime import LocalPipeline
 from shared.sampling import SamplingParams
-from tests.factories import TinySpec, write_tiny_gguf
 
 CONTEXT = 512
 

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.stage.http import WORKER, make_app
 from services.stage.io import StageIO
 from services.stage.stats import HOP_BUCKETS, StageStats, Timings, size_class
@@ -23,7 +24,6 @@ from shared.protocol import BatchResult, ForwardBatch, ReleaseDone, SeqEntry
 from shared.runtime import StageRuntime
 from shared.steps import Decode, Prefill
 from shared.transport import ZmqTransport
-from tests.factories import TinySpec, write_tiny_gguf
 
 _ports = itertools.count()
 

@@ -7,6 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.tiny_gguf import (
+    GGMLQuantizationType,
+    TinySpec,
+    llama_cpp_logits,
+    llama_cpp_model,
+    q8_1_bytes,
+    write_tiny_gguf,
+)
 from shared.errors import GgufError, UnsupportedArchitecture, UnsupportedTensorType
 from shared.generation import window_logits
 from shared.gguf_loader import GgufLoader
@@ -15,14 +23,6 @@ from shared.protocol import SeqEntry
 from shared.runtime import LocalPipeline
 from shared.steps import Decode, Prefill
 from tests.conftest import stagemesh_cmd
-from tests.factories import (
-    GGMLQuantizationType,
-    TinySpec,
-    llama_cpp_logits,
-    llama_cpp_model,
-    q8_1_bytes,
-    write_tiny_gguf,
-)
 
 IDS = [504, 3458, 282, 4649, 314, 7042, 30, 378, 2358, 16, 28, 99, 1234, 77, 5, 902, 44, 12000, 3, 8]
 

@@ -105,7 +105,7 @@ def test_incremental_detokenizer_streams_every_case_without_replacement_characte
 
 @pytest.mark.parametrize("name", WITHOUT_CASES)
 def test_vocabularies_without_cases_match_llama_cpp_python_on_every_suite_input(name):
-    from tests.factories import llama_cpp_vocab
+    from benchmarks.tiny_gguf import llama_cpp_vocab
 
     tok, ref = tokenizer(name), llama_cpp_vocab(_path(name))
     inputs = sorted({s for other in WITH_CASES for s, _ in cases(other)})

@@ -1,5 +1,6 @@
-"""Test factories: tiny random GGUF files written with the `gguf` writer (SmolLM2's tokenizer copied in so
-llama.cpp can load them too), and a llama.cpp reference runner."""
+"""Tiny random GGUF files of every architecture, written with the `gguf` writer (SmolLM2's tokenizer copied in so
+llama.cpp can load them too), and a llama.cpp reference runner: the tests' model factory, and what
+benchmarks/decode_step.py measures each architecture on."""
 
 from __future__ import annotations
 
