@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -18,13 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     local.register(sub)
     for module in ("services.stage.main", "services.gateway.main", "services.up", "services.keys_cli",
                    "services.trace_cli", "services.status", "loadtest.cli"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name and module.startswith(e.name):
-                continue  # that part of stagemesh is not built in this checkout
-            raise
-        mod.register(sub)
+        importlib.import_module(module).register(sub)
     return parser
 
 

@@ -159,16 +159,19 @@ async def serve(files: ModelFiles, layers: LayerRange, args, config: StageConfig
     task = asyncio.create_task(worker.run())
     await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    if task.done() and not task.cancelled() and task.exception():
-        log.error("stage loop failed: %s", task.exception())
-    transport.close()
-    if otlp is not None:
-        otlp.shutdown()  # exports the spans still queued (bounded by the export timeout)
-    if watchdog is not None:
-        watchdog.cancel()
-    await runner.cleanup()
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # a worker that crashed raises here: logged, cleaned up after, then it ends the process
+    except Exception:
+        log.exception("stage loop failed")
+        raise
+    finally:
+        transport.close()
+        if otlp is not None:
+            otlp.shutdown()  # exports the spans still queued (bounded by the export timeout)
+        if watchdog is not None:
+            watchdog.cancel()
+        await runner.cleanup()
 
 
 async def _exit_with_parent(pid: int, stop: asyncio.Event, every_s: float = 0.5) -> None:
