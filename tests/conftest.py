@@ -101,4 +101,56 @@ class _GuardedPopen(subprocess.Popen):
 subprocess.Popen = _GuardedPopen  # subprocess.run, asyncio's subprocesses and os.popen all create one
 
 
+# ---- one `stagemesh up` per setup, shared by the session --------------------------------------------------------
+# Most tests only send requests to a gateway: those ask the `up` fixture for one and share it with every other test,
+# in any module, that asks for the same setup (stages, dtype, flags, API key). A test that disturbs its gateway (kills
+# or stops a stage, drains it, needs the process environment at start-up or counters no other test moved) starts a
+# private one with benchmarks.harness.start_up instead and stops it itself.
+
+LIVE_UPS = 4  # shared ups kept running at once (each holds a model in memory): asking for a fifth stops the one
+# asked for least recently, so a module may use at most this many setups at a time
+
+
+@pytest.fixture(scope="session")
+@starts_processes
+def up(tmp_path_factory):
+    """up(*flags, stages=1, dtype=None, api_key=None) -> the RunningGateway of `stagemesh up --stages N [--dtype D]
+    FLAGS` (dtype None: up's own default), with STAGEMESH_API_KEY=api_key in its environment when given. Started the
+    first time the session asks for that setup and ready; later asks get the same one back, checked to be still
+    serving (a test that left it dead or not ready fails the next user with a message saying so). All are stopped
+    at the session's end."""
+    from benchmarks.harness import RunningGateway, start_up
+
+    running: dict[tuple, RunningGateway] = {}  # setup -> its gateway, least recently asked for first
+
+    def get(*flags: str, stages: int = 1, dtype: str | None = None, api_key: str | None = None) -> RunningGateway:
+        setup = (stages, dtype, flags, api_key)
+        gw = running.pop(setup, None)
+        if gw is not None:
+            status = "exited" if gw.proc.poll() is not None else f"/ready {gw.get('/ready')[0]}"
+            if status != "/ready 200":
+                raise RuntimeError(f"the shared up {setup} is no longer serving ({status}; log {gw.log_path}): a test "
+                                   "that disturbs its gateway must start its own with start_up")
+            running[setup] = gw
+            return gw
+        while len(running) >= LIVE_UPS:
+            running.pop(next(iter(running))).stop()
+        saved = os.environ.get("STAGEMESH_API_KEY")
+        if api_key is not None:
+            os.environ["STAGEMESH_API_KEY"] = api_key  # the up process inherits it: its gateway runs in API key mode
+        try:
+            gw = start_up(stages, dtype, str(tmp_path_factory.mktemp(f"up{stages}")), *flags)
+        finally:
+            if saved is None:
+                os.environ.pop("STAGEMESH_API_KEY", None)
+            else:
+                os.environ["STAGEMESH_API_KEY"] = saved
+        running[setup] = gw
+        return gw
+
+    yield get
+    for gw in running.values():
+        gw.stop()
+
+
 torch.set_num_threads(max(1, os.cpu_count() or 1))

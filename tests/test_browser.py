@@ -15,7 +15,7 @@ import tempfile
 import aiohttp
 import pytest
 
-from benchmarks.harness import free_port, start_up
+from benchmarks.harness import free_port
 from tests.conftest import starts_processes
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -25,19 +25,8 @@ CONTEXT = 320  # tokens: a few turns fill it, so the page meets the limit quickl
 
 
 @pytest.fixture(scope="module")
-@starts_processes
-def gateway(tmp_path_factory):
-    old = os.environ.get("STAGEMESH_API_KEY")
-    os.environ["STAGEMESH_API_KEY"] = API_KEY  # start_up's process inherits it: the gateway runs in API key mode
-    try:
-        gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwbrowser")), "--max-seq-len", str(CONTEXT))
-    finally:
-        if old is None:
-            os.environ.pop("STAGEMESH_API_KEY")
-        else:
-            os.environ["STAGEMESH_API_KEY"] = old
-    yield gw
-    gw.stop()
+def gateway(up):
+    return up("--max-seq-len", str(CONTEXT), stages=2, dtype="bfloat16", api_key=API_KEY)
 
 
 @pytest.fixture

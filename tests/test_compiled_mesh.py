@@ -8,8 +8,6 @@ import urllib.request
 
 import pytest
 
-from benchmarks.harness import start_up
-
 pytestmark = pytest.mark.processes  # every test here starts a real up
 
 # The KV shapes of test_numerics' compiled pipeline (3 slots + the scratch row, 256 positions): one compilation
@@ -27,10 +25,8 @@ def complete(url: str, max_tokens: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    gw = start_up(1, None, str(tmp_path_factory.mktemp("compiled")), "--compile-decode", "auto", *SHAPE_FLAGS)
-    yield gw
-    gw.stop()
+def gateway(up):
+    return up("--compile-decode", "auto", *SHAPE_FLAGS)
 
 
 def test_up_serves_while_the_stage_compiles_then_decodes_compiled(gateway):
@@ -53,29 +49,23 @@ def test_up_serves_while_the_stage_compiles_then_decodes_compiled(gateway):
     assert gateway.stage_info(0)["compiled_decode"]["steps"] - info["steps"] == 15
 
 
-def test_off_and_uncovered_setups_say_why_decode_is_eager(tmp_path):
-    gw = start_up(1, None, str(tmp_path), "--batch-invariant", "--compile-decode", "auto", *SHAPE_FLAGS)
-    try:
-        info = gw.stage_info(0)["compiled_decode"]
-        assert info["state"] == "off" and "batch-invariant" in info["reason"]
-        assert complete(gw.url, 4)["usage"]["completion_tokens"] == 4
-    finally:
-        gw.stop()
+def test_off_and_uncovered_setups_say_why_decode_is_eager(up):
+    gw = up("--batch-invariant", "--compile-decode", "auto", *SHAPE_FLAGS)
+    info = gw.stage_info(0)["compiled_decode"]
+    assert info["state"] == "off" and "batch-invariant" in info["reason"]
+    assert complete(gw.url, 4)["usage"]["completion_tokens"] == 4
 
 
-def test_every_stage_of_a_two_stage_mesh_decodes_compiled(tmp_path):
+def test_every_stage_of_a_two_stage_mesh_decodes_compiled(up):
     # The stages after the first take their input from the wire: a view of a ZeroMQ frame, not a tensor made under
     # inference mode like the first stage's embedding. The graph must take it without recompiling (which would
     # leave that stage eager for good).
-    gw = start_up(2, None, str(tmp_path), "--compile-decode", "auto", *SHAPE_FLAGS)
-    try:
-        ready = gw.wait_compiled()
-        assert [i["state"] for i in ready] == ["ready", "ready"]
-        out = complete(gw.url, 16)
-        assert out["usage"]["completion_tokens"] == 16
-        after = [gw.stage_info(i)["compiled_decode"] for i in range(2)]
-        assert [i["fell_back_to_eager"] for i in after] == [False, False]
-        # 15 one-sequence decode steps after the prefill, compiled on each stage
-        assert [a["steps"] - r["steps"] for a, r in zip(after, ready)] == [15, 15]
-    finally:
-        gw.stop()
+    gw = up("--compile-decode", "auto", *SHAPE_FLAGS, stages=2)
+    ready = gw.wait_compiled()
+    assert [i["state"] for i in ready] == ["ready", "ready"]
+    out = complete(gw.url, 16)
+    assert out["usage"]["completion_tokens"] == 16
+    after = [gw.stage_info(i)["compiled_decode"] for i in range(2)]
+    assert [i["fell_back_to_eager"] for i in after] == [False, False]
+    # 15 one-sequence decode steps after the prefill, compiled on each stage
+    assert [a["steps"] - r["steps"] for a, r in zip(after, ready)] == [15, 15]

@@ -6,7 +6,6 @@ import subprocess
 import aiohttp
 import pytest
 
-from benchmarks.harness import start_up
 from loadtest.client import sse_events
 from tests.conftest import stagemesh_cmd, starts_processes
 
@@ -28,11 +27,8 @@ def reference():
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}stages")
-@starts_processes
-def gateway(request, tmp_path_factory):
-    gw = start_up(request.param, "float32", str(tmp_path_factory.mktemp(f"gw{request.param}")))
-    yield gw
-    gw.stop()
+def gateway(request, up):
+    return up(stages=request.param, dtype="float32")
 
 
 def chat_body(q, **kw):

@@ -18,7 +18,7 @@ import pytest
 from benchmarks.harness import start_up
 from loadtest.client import StreamEndedEarly, sse_events
 from services.launch import LocalMesh, StageProcess
-from tests.conftest import stagemesh_cmd, starts_processes
+from tests.conftest import stagemesh_cmd
 
 KEY = "k3y-for-tests"
 GOOD_ORIGIN = "http://good.example"
@@ -27,19 +27,11 @@ KEEPALIVE_S = 2.0
 
 
 @pytest.fixture(scope="module")
-@starts_processes
-def edge(tmp_path_factory):
+def edge(up):
     """A gateway with an API key, one allowed foreign origin, two allowed Host names (one a domain), /metrics behind
     the key and a 2 s keep-alive."""
-    os.environ["STAGEMESH_API_KEY"] = KEY
-    try:
-        gw = start_up(1, "float32", str(tmp_path_factory.mktemp("edge")), "--allow-origin", GOOD_ORIGIN,
-                      "--metrics-require-key", "--keepalive-timeout", str(KEEPALIVE_S), "--allow-host", "good.example",
-                      "--allow-host", ".corp.example")
-    finally:
-        del os.environ["STAGEMESH_API_KEY"]
-    yield gw
-    gw.stop()
+    return up("--allow-origin", GOOD_ORIGIN, "--metrics-require-key", "--keepalive-timeout", str(KEEPALIVE_S),
+              "--allow-host", "good.example", "--allow-host", ".corp.example", dtype="float32", api_key=KEY)
 
 
 def completion(prompt="Count to five:", max_tokens=4, **kw) -> dict:

@@ -6,20 +6,18 @@ import json
 import aiohttp
 import pytest
 
-from benchmarks.harness import scrape_metric, start_up
+from benchmarks.harness import scrape_metric
 from loadtest.client import sse_events
-from tests.conftest import starts_processes
 
 PROMPTS = [f"Count from 1 to {n}:" for n in range(3, 19)]  # 16 prompts of different lengths
 LENGTHS = [8 + 2 * i for i in range(16)]  # and different output lengths
 
 
 @pytest.fixture(scope="module")
-@starts_processes
-def gateway(tmp_path_factory):
-    gw = start_up(2, "float32", str(tmp_path_factory.mktemp("gwload")), "--kv-slots", "24")
-    yield gw
-    gw.stop()
+def gateway(up):
+    # its own setup (no other module asks for --kv-slots 24): the counters and the in-flight maximum read below are
+    # this module's alone
+    return up("--kv-slots", "24", stages=2, dtype="float32")
 
 
 async def stream_completion(session, url, prompt, max_tokens, **extra) -> str:

@@ -11,18 +11,14 @@ import time
 import pytest
 from aiohttp import web
 
-from benchmarks.harness import free_port, start_up
-from tests.conftest import starts_processes
+from benchmarks.harness import free_port
 
 BENCH = [sys.executable, "-m", "services.cli", "bench"]
 
 
 @pytest.fixture(scope="module")
-@starts_processes
-def gateway(tmp_path_factory):
-    gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwbench")))
-    yield gw
-    gw.stop()
+def gateway(up):
+    return up(stages=2)  # make serve's setup, shared with test_readme_examples
 
 
 class TimestampProxy:

@@ -11,9 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from benchmarks.harness import start_up
 from services.gateway.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
-from tests.conftest import starts_processes
 
 CAP = 6  # the gateway's --default-max-tokens in the module's up
 
@@ -102,16 +100,13 @@ def test_chat_top_logprobs_is_0_to_20_and_needs_logprobs():
 
 
 @pytest.fixture(scope="module")
-@starts_processes
-def up(tmp_path_factory):
-    gw = start_up(1, None, str(tmp_path_factory.mktemp("openai")), "--default-max-tokens", str(CAP))
-    yield gw
-    gw.stop()
+def gateway(up):
+    return up("--default-max-tokens", str(CAP))
 
 
 @pytest.fixture
-def client(up):
-    return openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0)
+def client(gateway):
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_sdk_unknown_and_unsupported_parameters_are_400s_naming_them(client):
@@ -132,7 +127,7 @@ def test_sdk_unknown_and_unsupported_parameters_are_400s_naming_them(client):
     assert r.usage.completion_tokens >= 1
 
 
-def test_the_next_turn_of_a_chat_reports_the_history_it_did_not_prefill_again(client, up):
+def test_the_next_turn_of_a_chat_reports_the_history_it_did_not_prefill_again(client, gateway):
     """A multi-turn chat through the SDK: the second turn's prompt starts with the first turn's (rendered by the
     chat template), so the stages start it from the first turn's cached K/V; the SDK reads how many tokens in
     usage.prompt_tokens_details.cached_tokens, as OpenAI reports them."""
@@ -145,7 +140,7 @@ def test_the_next_turn_of_a_chat_reports_the_history_it_did_not_prefill_again(cl
     r2 = client.chat.completions.create(model="smollm2", messages=turn2, max_tokens=4, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert r1.usage.prompt_tokens - 16 < cached < r2.usage.prompt_tokens and cached % 16 == 0
-    assert up.metric("stagemesh_gateway_prefix_cache_reused_tokens_total") >= cached
+    assert gateway.metric("stagemesh_gateway_prefix_cache_reused_tokens_total") >= cached
 
 
 def test_max_tokens_left_out_runs_to_the_servers_cap(client):
@@ -157,8 +152,8 @@ def test_max_tokens_left_out_runs_to_the_servers_cap(client):
     assert r.usage.completion_tokens == CAP + 3  # an explicit max_tokens is not capped
 
 
-async def test_websocket_envelope_is_not_an_unknown_field_but_a_stray_one_is(up):
-    async with aiohttp.ClientSession() as s, s.ws_connect(up.url.replace("http", "ws") + "/v1/stream") as ws:
+async def test_websocket_envelope_is_not_an_unknown_field_but_a_stray_one_is(gateway):
+    async with aiohttp.ClientSession() as s, s.ws_connect(gateway.url.replace("http", "ws") + "/v1/stream") as ws:
         await ws.send_json({"type": "generate", "id": "a", "prompt": "Hi", "max_tokens": 2, "temperature": 0})
         await ws.send_json({"type": "generate", "id": "b", "prompt": "Hi", "max_tokens": 2, "frobnicate": 1})
         seen: dict[str, str] = {}
@@ -320,8 +315,8 @@ def test_penalties_change_a_repetitive_answer(client):
         assert text.lower().count("banana") < plain.lower().count("banana"), (extra, text)
 
 
-async def test_websocket_takes_response_format(up):
-    async with aiohttp.ClientSession() as s, s.ws_connect(up.url.replace("http", "ws") + "/v1/stream") as ws:
+async def test_websocket_takes_response_format(gateway):
+    async with aiohttp.ClientSession() as s, s.ws_connect(gateway.url.replace("http", "ws") + "/v1/stream") as ws:
         await ws.send_json({"type": "generate", "id": "j", "messages": ASK, "max_tokens": 200, "temperature": 0,
                             "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {
                                 "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
@@ -391,10 +386,10 @@ def test_sdk_top_logprobs_out_of_range_or_without_logprobs_is_a_400_naming_it(cl
         assert e.value.param == "top_logprobs" and "top_logprobs" in e.value.message, kw
 
 
-async def test_websocket_token_events_carry_top_logprobs(up):
+async def test_websocket_token_events_carry_top_logprobs(gateway):
     """A chat message (logprobs + top_logprobs) and a prompt (completions' logprobs k) over the websocket: every
     token event holds k alternatives by token id, the greedy token first."""
-    async with aiohttp.ClientSession() as s, s.ws_connect(up.url.replace("http", "ws") + "/v1/stream") as ws:
+    async with aiohttp.ClientSession() as s, s.ws_connect(gateway.url.replace("http", "ws") + "/v1/stream") as ws:
         await ws.send_json({"type": "generate", "id": "chat", "messages": [{"role": "user", "content": "Hi"}],
                             "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 4,
                             "ignore_eos": True})

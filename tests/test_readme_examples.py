@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from benchmarks.harness import start_up
-from tests.conftest import ROOT, starts_processes
+from tests.conftest import ROOT
 
 README = os.path.join(ROOT, "README.md")
 README_URL = "http://127.0.0.1:8000"  # where make serve listens, as the README's snippets say
@@ -34,11 +33,8 @@ def at(code: str, url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-@starts_processes
-def gateway(tmp_path_factory):
-    gw = start_up(2, None, str(tmp_path_factory.mktemp("readme")))  # make serve: 2 stages, up's defaults
-    yield gw
-    gw.stop()
+def gateway(up):
+    return up(stages=2)  # make serve: 2 stages, up's defaults
 
 
 def test_curl_snippet(gateway):

@@ -298,24 +298,19 @@ def test_a_completed_stop_string_is_never_shown_and_ends_as_stop(smollm2):
 
 
 @pytest.mark.processes
-async def test_queue_full_is_429_with_retry_after_through_the_real_gateway(tmp_path):
-    from benchmarks.harness import start_up
+async def test_queue_full_is_429_with_retry_after_through_the_real_gateway(up):
+    gw = up("--kv-slots", "1", "--max-queue", "1", dtype="bfloat16")
+    body = {"prompt": "Tell me a long story.", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        async def post():
+            async with s.post(gw.url + "/v1/completions", json=body) as r:
+                return r.status, r.headers.get("Retry-After"), await r.json()
 
-    gw = start_up(1, "bfloat16", str(tmp_path), "--kv-slots", "1", "--max-queue", "1")
-    try:
-        body = {"prompt": "Tell me a long story.", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
-        async with aiohttp.ClientSession() as s:
-            async def post():
-                async with s.post(gw.url + "/v1/completions", json=body) as r:
-                    return r.status, r.headers.get("Retry-After"), await r.json()
-
-            results = await asyncio.gather(*(post() for _ in range(3)))
-        statuses = sorted(r[0] for r in results)
-        assert statuses == [200, 200, 429], results
-        refused = next(r for r in results if r[0] == 429)
-        assert refused[1] == "1" and refused[2]["error"]["code"] == "queue_full"
-    finally:
-        gw.stop()
+        results = await asyncio.gather(*(post() for _ in range(3)))
+    statuses = sorted(r[0] for r in results)
+    assert statuses == [200, 200, 429], results
+    refused = next(r for r in results if r[0] == 429)
+    assert refused[1] == "1" and refused[2]["error"]["code"] == "queue_full"
 
 
 # ---- the policy alone: plan() and on_result() driven directly, no event loop, no pipeline, no sockets ------------

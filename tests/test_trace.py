@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from benchmarks.harness import start_up
 from shared.layers import balanced_split, split_at
 from shared.runtime import LocalPipeline
 from shared.trace import (
@@ -19,7 +18,7 @@ from shared.trace import (
     compare_captures,
     trace_local,
 )
-from tests.conftest import stagemesh_cmd, starts_processes
+from tests.conftest import stagemesh_cmd
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 STEPS = 3
@@ -41,13 +40,9 @@ def traced(url: str, prompt: str, max_tokens: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-@starts_processes
-def up3(tmp_path_factory):
+def up3(up):
     # one micro-batch in flight: every running request shares it, which is where one trace could leak into another
-    gw = start_up(3, "float32", str(tmp_path_factory.mktemp("trace")), "--allow-trace",
-                  "--trace-budget", str(TRACE_BUDGET), "--max-inflight", "1")
-    yield gw
-    gw.stop()
+    return up("--allow-trace", "--trace-budget", str(TRACE_BUDGET), "--max-inflight", "1", stages=3, dtype="float32")
 
 
 def test_in_process_vs_running_3_stage_mesh_is_exactly_equal(up3, smollm2):
