@@ -228,10 +228,6 @@ IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def _is_zero(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == 0
-
-
 # Known OpenAI (and vLLM/llama.cpp) fields not implemented yet: accepted only at the value that leaves the output
 # as it is, refused otherwise. Value: (is the value neutral, the neutral value as a client writes it, what it does).
 NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
