@@ -107,8 +107,8 @@ subprocess.Popen = _GuardedPopen  # subprocess.run, asyncio's subprocesses and o
 # or stops a stage, drains it, needs the process environment at start-up or counters no other test moved) starts a
 # private one with benchmarks.harness.start_up instead and stops it itself.
 
-LIVE_UPS = 4  # shared ups kept running at once (each holds a model in memory): asking for a fifth stops the one
-# asked for least recently, so a module may use at most this many setups at a time
+LIVE_UPS = 2  # shared ups kept running at once (each holds its stages' weights and KV, 1-2 GB): asking for one more
+# stops the one asked for least recently, so a module may use at most this many setups at a time
 
 
 @pytest.fixture(scope="session")
