@@ -14,8 +14,9 @@ eager against compiled):
   graph a view of a larger cache tensor instead made inductor copy the whole cache back every step;
 - one sequence (B = 1; the step is memory- and overhead-bound): larger micro-batches stay eager, where the
   SwitchedLinear's kernel choice applies. A mixture-of-experts block's experts run eagerly between graphs.
-- the step reads each layer's weights where the model keeps them (dynamo guards each tensor; on torch 2.13 that
-  costs nothing measurable against skipping guard evaluation, so nothing is restacked for the graph).
+- each graph input costs a call a few µs (dynamo's guard, the wrapper's handling), so the model keeps its per-layer
+  weights stacked where the layers share a shape (linear.stack_int4, TransformerModel.layer_norms): a step reads
+  ten-odd weight tensors instead of ten per layer (benchmarks/decode_step.py; docs/performance.md has the figures).
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
 batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile

@@ -38,6 +38,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -197,15 +198,40 @@ class Int4Linear:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), 1)
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
 
+    stack: Int4Stack | None = None  # set by stack_int4: this weight is layer `index` of a stack
+    index: int = 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        if self.stack is None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.stack.packed[self.index], GROUP,
+                                                          self.stack.scales_and_zeros[self.index])
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+@dataclass
+class Int4Stack:
+    """Several layers' Int4Linear of one shape as one tensor each: packed [L, N, planes * K/2], scales_and_zeros
+    [L, planes * K/32, N, 2]. Each Int4Linear reads its layer's slice."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+
+def stack_int4(kernels: list[Int4Linear]) -> Int4Stack | None:
+    """Stack the kernels (one per layer) when they share a shape; each then reads its slice. None: left as they are."""
+    if len({(k.packed.shape, k.scales_and_zeros.shape, k.planes) for k in kernels}) != 1 or len(kernels) < 2:
+        return None
+    stack = Int4Stack(torch.stack([k.packed for k in kernels]), torch.stack([k.scales_and_zeros for k in kernels]))
+    for i, k in enumerate(kernels):
+        k.packed, k.scales_and_zeros, k.stack, k.index = stack.packed[i], stack.scales_and_zeros[i], stack, i
+    return stack
 
 
 class Int8Linear:

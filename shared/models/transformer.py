@@ -26,12 +26,15 @@ from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
 from shared.models.linear import (
     WEIGHT_MODES,
+    Int4Linear,
     Linear,
     QuantizedRows,
+    SwitchedLinear,
     auto_nbytes,
     dequantize,
     lean_nbytes,
     make_linear,
+    stack_int4,
 )
 from shared.models.memory import PieceMemory, PrefillCopy, default_budget, plan_prefill_copy
 
@@ -233,6 +236,16 @@ class TransformerModel:
         self.batch_invariant = batch_invariant
         self._sources = sources or {}  # our weight name -> the GGUF tensors it was built from
         self.memory: PieceMemory | None = None  # set by from_gguf
+        # attn_norm / ffn_norm of every layer as one [L, D] tensor, each block's a view of its row; run_layers reads
+        # the rows from here: a compiled step then takes two tensors as inputs instead of two per layer (each input
+        # costs the graph call a few µs; the int4 matmuls are stacked the same way, linear.stack_int4)
+        self.layer_norms: dict[str, torch.Tensor] = {}
+        for name in ("attn_norm", "ffn_norm"):
+            rows = [getattr(b, name) for b in blocks]
+            if len(rows) > 1 and all(r is not None for r in rows) and len({r.shape for r in rows}) == 1:
+                self.layer_norms[name] = torch.stack(rows)
+                for b, row in zip(blocks, self.layer_norms[name]):
+                    setattr(b, name, row)
 
     # ---- construction --------------------------------------------------------------------------------
 
@@ -288,6 +301,11 @@ class TransformerModel:
             output_bias = vector("output.bias") if "output.bias" in raw else None
             head = "output.weight" if not config.tied_embeddings else "token_embd.weight"
             output, sources["output"] = linear(head), [head]
+        for name in ("qkv", "wo", "gate_up", "w_down"):  # each kind's int4 weights as one [L, ...] tensor per part
+            kernels = [b.linears().get(name) for b in blocks]
+            kernels = [k.small if isinstance(k, SwitchedLinear) else k for k in kernels]
+            if all(isinstance(k, Int4Linear) for k in kernels):
+                stack_int4(kernels)
         model = cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
                     output_norm_b, output_bias)
         model.memory = PieceMemory(budget=budget, kv_bytes=kv_bytes, file_bytes=loader.tensor_bytes(names),
@@ -437,21 +455,27 @@ class TransformerModel:
             if hook is not None:
                 hidden = hook.on_layer_input(layer, hidden)
             # float32 residual stream + the block's outputs (bf16 or float32; the add promotes, no extra copy)
-            x = norm(hidden, block.attn_norm, block.attn_norm_b, c.norm_eps, self.dtype)
+            x = norm(hidden, self._layer_norm("attn_norm", local, block), block.attn_norm_b, c.norm_eps, self.dtype)
             sliding = c.is_sliding(layer)
             cos, sin = ropes[1] if sliding else ropes[0]
             attn = self._attention(block, x, cos, sin, attention, k_layers[local], v_layers[local], scores[sliding])
             if block.post_attn_norm is not None:  # gemma2/3: each branch's output is normed before its add
                 attn = rms_norm(attn, block.post_attn_norm, c.norm_eps)
-            if block.ffn_norm is None:  # parallel block (phi2): attention and MLP both read x
+            if c.traits.parallel:  # phi2: attention and MLP both read x (the block has no ffn_norm)
                 hidden = hidden + (attn + self._mlp(block, x))
             else:
                 h = hidden + attn
-                mlp = self._mlp(block, norm(h, block.ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype))
+                ffn_norm = self._layer_norm("ffn_norm", local, block)
+                mlp = self._mlp(block, norm(h, ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype))
                 hidden = h + (mlp if block.post_ffn_norm is None else rms_norm(mlp, block.post_ffn_norm, c.norm_eps))
             if hook is not None:
                 hidden = hook.on_layer_output(layer, hidden)
         return hidden
+
+    def _layer_norm(self, name: str, local: int, block: Block) -> torch.Tensor:
+        """Layer `local`'s attn_norm / ffn_norm weight: its row of layer_norms (the same values as the block's)."""
+        stacked = self.layer_norms.get(name)
+        return getattr(block, name) if stacked is None else stacked[local]
 
     def _mlp(self, b: Block, x: torch.Tensor) -> torch.Tensor:
         if b.experts is not None:
