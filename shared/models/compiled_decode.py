@@ -44,6 +44,10 @@ from shared.models.transformer import StaticDecode
 
 log = logging.getLogger("stagemesh.compiled_decode")
 
+# dynamo keeps one cache per code object, so every piece's graphs are entries of run_layers' one cache: a process that
+# compiles several pieces (LocalPipeline, the per-architecture benchmark, the tests) holds pieces x buckets of them.
+# Past dynamo's default of 8 it would silently run the frame eagerly; this is room for them all.
+RECOMPILE_LIMIT = 64
 CONTEXT_BUCKETS = (128, 512)  # a decode step at context length ctx runs the smallest bucket >= ctx; beyond: eager
 COMPILE_MODES = ("auto", "on", "off")  # when the graphs compile: in the background, before ready, never
 # CompiledDecodes of this process whose warm-up is running. No compiled step runs while it is non-empty: forward sets
@@ -74,6 +78,7 @@ class CompiledDecode:
         # Two things run eagerly between graphs (torch.compiler.disable): a mixture-of-experts block's experts
         # (TransformerModel._moe) and a oneDNN-prepacked matrix (linear._prepacked_mm: a type kept dense, weights
         # mode bf16). Without them the step is one graph (tests/test_architectures.py counts the graph breaks).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._compiled = torch.compile(model.run_layers, dynamic=False, options={"cpp_wrapper": True})
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
         # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written
