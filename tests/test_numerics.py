@@ -1,7 +1,9 @@
 """Numerical parity with llama.cpp on SmolLM2, split invariance, and what a stage holds in memory."""
 
 import math
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -144,14 +146,34 @@ def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Ten
     return torch.cat(rows)
 
 
+# compiled_pipeline's background compilation begins when this is set (by wait_compiled, or by the test of what runs
+# meanwhile once it has decoded a few steps): from warm in-process caches the graphs take only a few seconds, which a
+# prefill competing with the compiling thread for the GIL can outlast
+COMPILE_GATE = threading.Event()
+
+
 @pytest.fixture(scope="module")
 def compiled_pipeline(smollm2):
-    """Compiling in the background, as a stage does by default (--compile-decode auto); wait_compiled() waits for it.
-    (tests/test_compiled_mesh.py starts real stages with these KV shapes: one compilation, then inductor's cache.)
-    Weights lean: auto's decode kernels without its measured switch to dense ones, whose threshold a loaded machine
-    can measure differently in two pipelines, so an eager pipeline with lean weights computes the same numbers."""
-    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="lean",
-                              compile_decode="auto")
+    """Compiling in the background, as a stage does by default (--compile-decode auto), once COMPILE_GATE is set;
+    wait_compiled() waits for it. (tests/test_compiled_mesh.py starts real stages with these KV shapes: one
+    compilation, then inductor's cache.) Weights lean: auto's decode kernels without its measured switch to dense
+    ones, whose threshold a loaded machine can measure differently in two pipelines, so an eager pipeline with lean
+    weights computes the same numbers."""
+    from shared.models.compiled_decode import CompiledDecode
+
+    warm_up = CompiledDecode.warm_up
+
+    def gated_warm_up(self) -> None:
+        COMPILE_GATE.wait()
+        warm_up(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompiledDecode, "warm_up", gated_warm_up)
+        pipeline = LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT,
+                                      weights="lean", compile_decode="auto")
+        piece = pipeline.pieces[0]
+        piece.compiled.warm_up = types.MethodType(gated_warm_up, piece.compiled)  # the thread may look it up later
+    return pipeline
 
 
 def eager_twin(smollm2) -> LocalPipeline:
@@ -160,6 +182,7 @@ def eager_twin(smollm2) -> LocalPipeline:
 
 
 def wait_compiled(pipeline, timeout_s: float = 900.0):
+    COMPILE_GATE.set()
     compiled = pipeline.pieces[0].compiled
     deadline = time.monotonic() + timeout_s
     while compiled.state == "compiling" and time.monotonic() < deadline:
@@ -190,6 +213,8 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
     prefill(compiled_pipeline)
     taken = []  # (sequence, position, output, whether the step ran while the graphs compiled)
     for t in range(30, CONTEXT - 1):  # one-sequence decode steps, the compiled step's shape, for each sequence
+        if t == 33:  # a few steps decoded: the compilation may begin
+            COMPILE_GATE.set()
         state_before = compiled.state
         for name, pos in (("b", t), ("a", t - 10)):
             steps = compiled.steps
@@ -200,7 +225,7 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
             taken.append((name, pos, out, during))
         if compiled.state != "compiling":
             break
-    assert any(during for *_, during in taken)
+    assert any(during for *_, during in taken), compiled.info()
     eager = eager_twin(smollm2)
     assert eager.pieces[0].compiled is None and eager.pieces[0].kv.scratch_slot is None
     prefill(eager)

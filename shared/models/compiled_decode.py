@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 
 import torch
 
@@ -44,10 +45,6 @@ from shared.models.transformer import StaticDecode
 
 log = logging.getLogger("stagemesh.compiled_decode")
 
-# dynamo keeps one cache per code object, so every piece's graphs are entries of run_layers' one cache: a process that
-# compiles several pieces (LocalPipeline, the per-architecture benchmark, the tests) holds pieces x buckets of them.
-# Past dynamo's default of 8 it would silently run the frame eagerly; this is room for them all.
-RECOMPILE_LIMIT = 64
 CONTEXT_BUCKETS = (128, 512)  # a decode step at context length ctx runs the smallest bucket >= ctx; beyond: eager
 COMPILE_MODES = ("auto", "on", "off")  # when the graphs compile: in the background, before ready, never
 # CompiledDecodes of this process whose warm-up is running. No compiled step runs while it is non-empty: forward sets
@@ -64,6 +61,15 @@ def why_not_compilable(model) -> str | None:
     return None
 
 
+def _own_code(method):
+    """`method` over a code object of its own (the same source and bytecode, a distinct object). dynamo keeps its
+    graphs in a cache per code object and past 8 entries silently runs the frame eagerly; so that a process holding
+    several pieces (a LocalPipeline, the tests) gives each piece its own cache, not one shared run_layers cache."""
+    fn = method.__func__
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
 class CompiledDecode:
     """The compiled decode step of one TransformerModel piece over its KVCache, one graph per context bucket."""
 
@@ -78,8 +84,7 @@ class CompiledDecode:
         # Two things run eagerly between graphs (torch.compiler.disable): a mixture-of-experts block's experts
         # (TransformerModel._moe) and a oneDNN-prepacked matrix (linear._prepacked_mm: a type kept dense, weights
         # mode bf16). Without them the step is one graph (tests/test_architectures.py counts the graph breaks).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self._compiled = torch.compile(model.run_layers, dynamic=False, options={"cpp_wrapper": True})
+        self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, options={"cpp_wrapper": True})
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
         # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written
         # by the compiling thread only; forward reads it and runs nothing compiled before "ready".
