@@ -86,10 +86,10 @@ def test_traced_requests_sharing_the_mesh_each_get_only_their_own_activations(up
         got = TraceRecorder.from_json(trace)
         assert len(got.captures) == (30 + 2) * (STEPS + 1)  # 30 layers and 2 stage boundaries per step, no more
         ref = trace_local(LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=1), ids, STEPS)
-        # float32 in a shared micro-batch reduces in another order than alone: an ulp or so of the largest activation
-        # (SmolLM2's first position reaches ~4e4, where one ulp is 0.004-0.008); another request's rows would differ
-        # by far more
-        result = compare_captures(ref, got, threshold=1e-3, rtol=1e-6)
+        # float32 in a shared micro-batch reduces in another order than alone, and the difference grows over 30
+        # layers: up to ~10 ulps of an activation (a full run saw 0.0059 at a value of a few thousand; SmolLM2's first
+        # position reaches ~4e4, where one ulp is 0.004-0.008); another request's rows would differ by far more
+        result = compare_captures(ref, got, threshold=1e-3, rtol=1e-5)
         assert result.first_divergence is None, result.first_divergence
         assert all(c.problem is None for c in result.comparisons), [c for c in result.comparisons if c.problem][:3]
 
