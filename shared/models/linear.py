@@ -205,10 +205,10 @@ class Int4Linear:
         x = x.to(torch.bfloat16)
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
-        if self.stack is None:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.stack.packed[self.index], GROUP,
-                                                          self.stack.scales_and_zeros[self.index])
+        # stacked: read the row from the stack itself (a compiled step then takes the one stack as its input)
+        packed, scales = ((self.packed, self.scales_and_zeros) if self.stack is None
+                          else (self.stack.packed[self.index], self.stack.scales_and_zeros[self.index]))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales)
 
     @property
     def nbytes(self) -> int:

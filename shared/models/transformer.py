@@ -236,15 +236,24 @@ class TransformerModel:
         self.batch_invariant = batch_invariant
         self._sources = sources or {}  # our weight name -> the GGUF tensors it was built from
         self.memory: PieceMemory | None = None  # set by from_gguf
-        # attn_norm / ffn_norm of every layer as one [L, D] tensor, each block's a view of its row; run_layers reads
-        # the rows from here: a compiled step then takes two tensors as inputs instead of two per layer (each input
-        # costs the graph call a few µs; the int4 matmuls are stacked the same way, linear.stack_int4)
-        self.layer_norms: dict[str, torch.Tensor] = {}
+        self.layer_norms: dict[str, torch.Tensor] = {}  # attn_norm / ffn_norm of every layer, [L, D] (_stack_layers)
+        self._stack_layers()
+
+    def _stack_layers(self) -> None:
+        """Each kind of per-layer weight as one [L, ...] tensor, each block reading its row (no second copy): the
+        int4 matmuls' parts (linear.stack_int4) and attn_norm / ffn_norm (layer_norms, which run_layers reads).
+        A compiled step then takes ten-odd weight tensors as inputs instead of ten per layer (each input costs the
+        graph call a few µs: shared/models/compiled_decode.py)."""
+        for name in ("qkv", "wo", "gate_up", "w_down"):
+            kernels = [b.linears().get(name) for b in self.blocks]
+            kernels = [k.small if isinstance(k, SwitchedLinear) else k for k in kernels]
+            if all(isinstance(k, Int4Linear) for k in kernels):
+                stack_int4(kernels)
         for name in ("attn_norm", "ffn_norm"):
-            rows = [getattr(b, name) for b in blocks]
+            rows = [getattr(b, name) for b in self.blocks]
             if len(rows) > 1 and all(r is not None for r in rows) and len({r.shape for r in rows}) == 1:
                 self.layer_norms[name] = torch.stack(rows)
-                for b, row in zip(blocks, self.layer_norms[name]):
+                for b, row in zip(self.blocks, self.layer_norms[name]):
                     setattr(b, name, row)
 
     # ---- construction --------------------------------------------------------------------------------
@@ -301,11 +310,6 @@ class TransformerModel:
             output_bias = vector("output.bias") if "output.bias" in raw else None
             head = "output.weight" if not config.tied_embeddings else "token_embd.weight"
             output, sources["output"] = linear(head), [head]
-        for name in ("qkv", "wo", "gate_up", "w_down"):  # each kind's int4 weights as one [L, ...] tensor per part
-            kernels = [b.linears().get(name) for b in blocks]
-            kernels = [k.small if isinstance(k, SwitchedLinear) else k for k in kernels]
-            if all(isinstance(k, Int4Linear) for k in kernels):
-                stack_int4(kernels)
         model = cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
                     output_norm_b, output_bias)
         model.memory = PieceMemory(budget=budget, kv_bytes=kv_bytes, file_bytes=loader.tensor_bytes(names),
