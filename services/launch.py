@@ -124,19 +124,25 @@ def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop
 
 
 def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: int | None = None,
-               extra: list[str] | None = None, result_listen: str | None = None, log_dir: str | None = None,
+               threads_alone: int | None = None, extra: list[str] | None = None, result_listen: str | None = None,
+               log_dir: str | None = None,
                ready_timeout: float = 180.0, avoid_ports: frozenset[int] = frozenset(), keys_dir: str | None = None,
                insecure_plaintext: bool = False, progress: Callable[[str], None] | None = None) -> LocalMesh:
     """Start num_stages stage processes on loopback and wait until every one is ready. Their sockets use CURVE with
     the key set in keys_dir, or with ephemeral keys made here (a private 0700 temporary directory, deleted by
     stop()); plaintext only with insecure_plaintext. Each stage exits when this process dies. `progress` (e.g.
-    print) hears one line as each stage becomes ready, and one every PROGRESS_EVERY_S while any is loading."""
+    print) hears one line as each stage becomes ready, and one every PROGRESS_EVERY_S while any is loading.
+    threads: each stage's torch threads (default: the cores divided among the stages); threads_alone: for a
+    micro-batch alone in the pipeline (default: every core, as the stages share this host)."""
     owns_keys = False
     if insecure_plaintext:
         keys_dir = None
     elif keys_dir is None:
         keys_dir, owns_keys = ephemeral_key_set(num_stages), True
     threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
+    # a micro-batch alone in the pipeline (the other stages idle) may use every core, its stage's share otherwise
+    threads_alone = threads_alone or (os.cpu_count() or 1)
+    alone = ["--threads-alone", str(threads_alone)] if threads_alone != threads else []
     ports = free_ports(2 * num_stages + 1, avoid_ports)
     listens = [f"tcp://127.0.0.1:{p}" for p in ports[:num_stages]]
     result_listen = result_listen or f"tcp://127.0.0.1:{ports[-1]}"
@@ -144,7 +150,8 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
     for i in range(num_stages):
         http = f"127.0.0.1:{ports[num_stages + i]}"
         next_hop = listens[i + 1] if i + 1 < num_stages else result_listen
-        cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, extra or [], keys_dir)
+        cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, alone + (extra or []),
+                            keys_dir)
         stage = StageProcess(i, listens[i], http, None, cmd, os.path.join(log_dir, f"stage{i}.log") if log_dir else None)
         stage.proc = stage.spawn("w")
         stages.append(stage)

@@ -36,6 +36,7 @@ from shared.errors import StagemeshError
 from shared.model_registry import resolve_model
 
 STAGE_FLAGS = ("kv_slots", "max_seq_len")  # the StageConfig fields `up` takes and passes on to every stage it starts
+# (and threads_alone, which it defaults to the cores of one replica)
 
 
 def register(sub) -> None:
@@ -48,7 +49,7 @@ def register(sub) -> None:
                         "by prefix cache, session and load, and move to another pipeline when one loses a stage")
     p.add_argument("--port", type=_port, default=GATEWAY_PORT, help=f"gateway HTTP port (default {GATEWAY_PORT})")
     p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
-    add_config_args(p, StageConfig, only=STAGE_FLAGS)
+    add_config_args(p, StageConfig, only=STAGE_FLAGS + ("threads_alone",))
     p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
     add_config_args(p, SchedulerConfig)
     add_config_args(p, GatewayConfig)
@@ -161,6 +162,8 @@ def cmd_up(args) -> int:
                 args.model, args.stages, log_dir=log_dir if args.replicas == 1 else os.path.join(log_dir, f"p{r}"),
                 avoid_ports=frozenset({args.port}), keys_dir=keys_dir,
                 threads=max(1, (os.cpu_count() or 1) // (args.stages * args.replicas)),
+                # alone in its pipeline, a micro-batch may use its replica's cores (the other replicas may be busy)
+                threads_alone=stage.threads_alone or max(1, (os.cpu_count() or 1) // args.replicas),
                 extra=model_flags(args) + config_argv(stage, STAGE_FLAGS)
                 + (["--otlp-endpoint", otlp_url] if otlp_url else []),
                 insecure_plaintext=args.insecure_plaintext,

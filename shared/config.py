@@ -87,12 +87,17 @@ class StageConfig:
     slot_lease_s: float = knob(120.0, "release a sequence's KV slot when no micro-batch has used it for this long, "
                                       "so a vanished gateway cannot hold slots forever (0 = never)", unit="seconds")
     threads: int | None = knob(None, "torch threads", unset="all cores; `up` divides them among its stages")
+    threads_alone: int | None = knob(None, "torch threads for a micro-batch that is alone in the pipeline (the gateway "
+                                           "had no other in flight, so the other stages are idle): stages sharing a "
+                                           "host use the cores their idle neighbours leave",
+                                     unset="--threads; `up` gives every stage all cores")
 
     def __post_init__(self):
         check_int(self, "kv_slots", 1)
         check_int(self, "max_seq_len", 16)
         check_seconds(self, "slot_lease_s", 0, strict=False)
         check_int(self, "threads", 1, none_ok=True)
+        check_int(self, "threads_alone", 1, none_ok=True)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every re
 MAX_SEQS_PER_BATCH = 4096
 MAX_TOKENS_PER_BATCH = 1 << 16
 MAX_SEQ_ID_LEN = 128
+MAX_IN_FLIGHT = 1 << 16  # a forward header's "inflight" (micro-batches in flight in the pipeline)
 # W3C trace context (https://www.w3.org/TR/trace-context/#traceparent-header), version 00: trace id, span id (neither
 # all zeros), flags. Present in a header only when the gateway runs with --otlp-endpoint (shared.otlp).
 TRACEPARENT_LEN = 55
@@ -92,6 +93,9 @@ class ForwardBatch:
     hop_s: float | None = None  # set on receipt: receive time - the sender's send time (header "sent", wall clock)
     traceparent: str | None = None  # W3C traceparent of the gateway's span for this micro-batch (None: tracing off)
     received: float | None = None  # set on receipt: wall-clock time.time() of decoding
+    # micro-batches the gateway had in flight in this pipeline when it sent this one, this one included: 1 means the
+    # other stages are idle, so a stage sharing a host with them may use their cores too (StageConfig.threads_alone)
+    in_flight: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -181,6 +185,8 @@ def encode(msg: Message) -> list:
         }
         if msg.traceparent is not None:
             header["tp"] = msg.traceparent
+        if msg.in_flight != 1:
+            header["inflight"] = msg.in_flight
         if msg.trace is not None:
             header["trace"] = msg.trace
             header["captures"] = msg.captures
@@ -380,7 +386,8 @@ def decode(frames: list) -> Message:
                                  _traceparent(s), _logit_inputs_from_wire(s)))
         _need(len({s.seq_id for s in seqs}) == len(seqs), "schema", "a sequence appears twice in one micro-batch")
         tensors = _tensors(header, frames)
-        batch = ForwardBatch(_int(header, "mb"), seqs, tensors.get("tokens"), tensors.get("hidden"))
+        batch = ForwardBatch(_int(header, "mb"), seqs, tensors.get("tokens"), tensors.get("hidden"),
+                             in_flight=_int(header, "inflight", 1, MAX_IN_FLIGHT) if "inflight" in header else 1)
         n = batch.num_tokens
         _need(n <= MAX_TOKENS_PER_BATCH, "oversize", f"{n} tokens exceed {MAX_TOKENS_PER_BATCH} per micro-batch")
         if batch.tokens is not None:

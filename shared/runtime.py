@@ -37,13 +37,14 @@ class StageRuntime:
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
              kv_slots: int = STAGE_DEFAULTS.kv_slots, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
              weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
-             memory_budget: int | None = None) -> StageRuntime:
+             memory_budget: int | None = None, thread_counts: tuple[int, ...] | None = None) -> StageRuntime:
         """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
         batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel);
         memory_budget: bytes for the piece's weights and KV cache (None: shared.models.memory's default);
         compile_decode: a COMPILE_MODES entry (shared.models.compiled_decode): "on" compiles the one-sequence decode
         step before returning (refusing a piece it does not cover), "auto" starts compiling it in the background
-        where it covers the piece, "off" never."""
+        where it covers the piece, "off" never; thread_counts: the torch thread counts its decode steps run with
+        (a compiled step has graphs for each; None: the count it compiles with)."""
         if compile_decode not in COMPILE_MODES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
         model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant,
@@ -59,7 +60,7 @@ class StageRuntime:
                 log.info("layers %s decode eagerly: %s", model.layers, reason)
             return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device), eager_reason=reason)
         kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True)  # the warm-up writes the scratch row
-        compiled = CompiledDecode(model, kv)
+        compiled = CompiledDecode(model, kv, thread_counts=thread_counts)
         if compile_decode == "on":
             compiled.warm_up()
         else:

@@ -3,6 +3,7 @@ the decode step in the background, then runs one stream's decode steps compiled;
 (The compiled step's numbers against llama.cpp: tests/test_numerics.py.)"""
 
 import json
+import os
 import time
 import urllib.request
 
@@ -65,7 +66,14 @@ def test_every_stage_of_a_two_stage_mesh_decodes_compiled(up):
     assert [i["state"] for i in ready] == ["ready", "ready"]
     out = complete(gw.url, 16)
     assert out["usage"]["completion_tokens"] == 16
-    after = [gw.stage_info(i)["compiled_decode"] for i in range(2)]
+    infos = [gw.stage_info(i) for i in range(2)]
+    after = [i["compiled_decode"] for i in infos]
     assert [i["fell_back_to_eager"] for i in after] == [False, False]
     # 15 one-sequence decode steps after the prefill, compiled on each stage
     assert [a["steps"] - r["steps"] for a, r in zip(after, ready)] == [15, 15]
+    # the two stages share this host: each has half the cores, and all of them for a micro-batch alone in the
+    # pipeline (one stream's always is), with compiled graphs for both counts
+    cores = os.cpu_count()
+    share = max(1, cores // 2)
+    assert [(i["threads"], i["threads_alone"]) for i in infos] == [(share, cores)] * 2
+    assert [a["threads"] for a in after] == [sorted({share, cores})] * 2

@@ -47,7 +47,8 @@ def up3(up):
 
 def test_in_process_vs_running_3_stage_mesh_is_exactly_equal(up3, smollm2):
     gw = up3
-    threads = {gw.stage_info(i)["threads"] for i in range(3)}
+    # --max-inflight 1: every micro-batch is alone in the pipeline, so each stage computes with its alone-thread count
+    threads = {gw.stage_info(i)["threads_alone"] for i in range(3)}
     assert len(threads) == 1
     proc = subprocess.run(stagemesh_cmd("trace", "--baseline", "local:float32", "--target", gw.url,
                                         "--threads", str(threads.pop()),

@@ -240,8 +240,11 @@ class Engine:
     # ---- distributed tracing (only with an OtlpTracer) -----------------------------------------------------------
 
     def _forward_batch(self, mb: MicroBatch) -> ForwardBatch:
+        # in_flight: this plan's micro-batches are all in flight once sent; one alone lets co-located stages use the
+        # cores the idle ones leave (StageConfig.threads_alone)
         batch = ForwardBatch(mb.mb_id, mb.entries, tokens=torch.tensor(mb.tokens, dtype=torch.int64),
-                             trace={"seq_id": mb.traced.seq_id} if mb.traced else None)
+                             trace={"seq_id": mb.traced.seq_id} if mb.traced else None,
+                             in_flight=len(self.scheduler.inflight))
         if self.otlp is not None:
             self._start_microbatch_span(batch, mb.requests)
         return batch

@@ -131,12 +131,14 @@ async def serve(files: ModelFiles, layers: LayerRange, args, config: StageConfig
     device = default_device()
     dtype = resolve_dtype(args.dtype, device)
     compute_thread = compute_executor()  # load on the thread that will compute (one OpenMP team)
+    threads = config.threads or os.cpu_count() or 1
+    threads = (threads, config.threads_alone or threads)  # with others in flight, alone in the pipeline
     try:
         runtime = await loop.run_in_executor(
             compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, config.kv_slots, config.max_seq_len,
                                             weights=weights_from_args(args), batch_invariant=args.batch_invariant,
                                             compile_decode=args.compile_decode,
-                                            memory_budget=args.memory_budget))
+                                            memory_budget=args.memory_budget, thread_counts=threads))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))
         await runner.cleanup()
@@ -152,7 +154,7 @@ async def serve(files: ModelFiles, layers: LayerRange, args, config: StageConfig
         otlp = OtlpTracer(args.otlp_endpoint, f"stagemesh-stage-{which}",
                           {"service.instance.id": identity.incarnation, "stagemesh.stage.layers": str(layers)})
     worker = StageWorker(runtime, io, identity, tracing=not args.no_trace, slot_lease_s=config.slot_lease_s,
-                         compute_thread=compute_thread, otlp=otlp)
+                         compute_thread=compute_thread, otlp=otlp, threads=threads)
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, args.listen, args.next,
              identity.incarnation, f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT")

@@ -63,11 +63,14 @@ def compute_executor() -> ThreadPoolExecutor:
 class StageWorker:
     """`slot_lease_s`: a sequence whose slot no micro-batch has used for this long is released and counted (a
     vanished gateway cannot hold slots forever; a live sequence is touched at every step). 0 disables.
-    `otlp`: export a stagemesh.stage.compute span per traced micro-batch (None: distributed tracing off)."""
+    `otlp`: export a stagemesh.stage.compute span per traced micro-batch (None: distributed tracing off).
+    `threads`: (shared, alone) torch threads for a micro-batch that shares the pipeline with others in flight, and
+    for one alone in it (StageConfig.threads_alone); None leaves torch's thread count as it is."""
 
     def __init__(self, runtime: StageRuntime, io: StageIO, identity: StageIdentity, tracing: bool = True,
                  slot_lease_s: float = STAGE_DEFAULTS.slot_lease_s, compute_thread: ThreadPoolExecutor | None = None,
-                 otlp: OtlpTracer | None = None):
+                 otlp: OtlpTracer | None = None, threads: tuple[int, int] | None = None):
+        self.threads = threads
         self.tracing = tracing
         self.otlp = otlp
         self.slot_lease_s = slot_lease_s
@@ -173,6 +176,10 @@ class StageWorker:
         """Runs in the compute thread. Returns the message for the next hop: hidden state, sampled tokens, or an
         error for this micro-batch only (the stage keeps serving)."""
         ident = self.identity
+        if self.threads is not None:  # alone in the pipeline: the idle stages' cores are free (the compiled step's
+            want = self.threads[batch.in_flight == 1]  # kernels read the thread count at run time, see compiled_decode)
+            if want != torch.get_num_threads():
+                torch.set_num_threads(want)
         try:
             if batch.tokens is not None and batch.tokens.numel():
                 vocab = self.runtime.model.config.vocab_size
@@ -184,7 +191,7 @@ class StageWorker:
             captures = batch.captures + ([c.to_wire() for c in capture.captures] if capture else [])
             if not ident.position.has_lm_head:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures,
-                                    traceparent=batch.traceparent)
+                                    traceparent=batch.traceparent, in_flight=batch.in_flight)
             producing = [s for s in batch.seqs if s.step.produces_token]
             sampled = sample(out, [s.sampling for s in producing], [s.sample_position for s in producing],
                              [s.logit_inputs for s in producing])
@@ -234,7 +241,10 @@ class StageWorker:
         return {
             "model": ident.model_name, "fingerprint": ident.fingerprint, "layers": [ident.layers.start, ident.layers.stop],
             "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
-            "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device), "threads": torch.get_num_threads(),
+            "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device),
+            # torch threads per micro-batch: with others in flight, and alone in the pipeline (--threads-alone)
+            "threads": self.threads[0] if self.threads else torch.get_num_threads(),
+            "threads_alone": self.threads[1] if self.threads else torch.get_num_threads(),
             "weights": self._weights_info,
             "compiled_decode": self.runtime.compiled_decode_info(),
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,

@@ -73,7 +73,8 @@ def _own_code(method):
 class CompiledDecode:
     """The compiled decode step of one TransformerModel piece over its KVCache, one graph per context bucket."""
 
-    def __init__(self, model, kv: KVCache, buckets: tuple[int, ...] = CONTEXT_BUCKETS):
+    def __init__(self, model, kv: KVCache, buckets: tuple[int, ...] = CONTEXT_BUCKETS,
+                 thread_counts: tuple[int, ...] | None = None):
         if kv.scratch_slot is None:
             raise ValueError("the compiled decode step warms up in a KV scratch row: new_kv_cache(..., scratch=True)")
         self.model, self.kv = model, kv
@@ -85,7 +86,11 @@ class CompiledDecode:
         # (TransformerModel._moe) and a oneDNN-prepacked matrix (linear._prepacked_mm: a type kept dense, weights
         # mode bf16). Without them the step is one graph (tests/test_architectures.py counts the graph breaks).
         self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, options={"cpp_wrapper": True})
-        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graph took to compile (warm_up)
+        # The graphs are specialised to torch's thread count (the kernels size per-thread buffers by it; dynamo
+        # guards on it), so there is one set per count the step runs with: a stage that uses more threads for a
+        # micro-batch alone in the pipeline (StageConfig.threads_alone) has two. None: the warm-up's own count.
+        self.thread_counts = tuple(sorted(set(thread_counts))) if thread_counts else None
+        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graphs took to compile (warm_up)
         # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written
         # by the compiling thread only; forward reads it and runs nothing compiled before "ready".
         self.state = "pending"
@@ -110,26 +115,33 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile every bucket's graph, one call each at the last position of the KV cache's scratch row (no sequence
-        ever holds it); compile_seconds records each. Raises CapabilityMissing when inductor fails (state "failed")."""
+        """Compile every bucket's graph at every thread count, one call each at the last position of the KV cache's
+        scratch row (no sequence ever holds it); compile_seconds records each bucket's. Raises CapabilityMissing when
+        inductor fails (state "failed"). Leaves this thread's torch thread count as it found it."""
         self.state = "compiling"
         _compiling.add(id(self))
+        own = torch.get_num_threads()
+        self.thread_counts = self.thread_counts or (own,)
         try:
             for b in self.buckets:
                 t = time.perf_counter()
                 hidden = torch.zeros(1, self.model.config.hidden_size)
-                try:
-                    self._compiled(*self._inputs(hidden, self.kv.scratch_slot, self.kv.max_seq_len - 1, b))
-                except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
-                    self.error = (f"torch.compile failed for contexts <= {b}: {str(e).strip().splitlines()[0][:300]} "
-                                  "(inductor needs a C++ compiler, g++)")
-                    self.state = "failed"
-                    raise CapabilityMissing(f"--compile-decode: {self.error}; drop --compile-decode to decode "
-                                            "eagerly") from None
+                for threads in self.thread_counts:
+                    torch.set_num_threads(threads)
+                    try:
+                        self._compiled(*self._inputs(hidden, self.kv.scratch_slot, self.kv.max_seq_len - 1, b))
+                    except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
+                        self.error = (f"torch.compile failed for contexts <= {b}: "
+                                      f"{str(e).strip().splitlines()[0][:300]} (inductor needs a C++ compiler, g++)")
+                        self.state = "failed"
+                        raise CapabilityMissing(f"--compile-decode: {self.error}; drop --compile-decode to decode "
+                                                "eagerly") from None
                 self.compile_seconds[b] = round(time.perf_counter() - t, 1)
-                log.info("compiled the decode step for contexts <= %d in %.1f s", b, self.compile_seconds[b])
+                log.info("compiled the decode step for contexts <= %d (%s threads) in %.1f s", b,
+                         "/".join(map(str, self.thread_counts)), self.compile_seconds[b])
             self.state = "ready"
         finally:
+            torch.set_num_threads(own)
             _compiling.discard(id(self))
 
     def warm_up_in_background(self) -> None:
@@ -150,7 +162,7 @@ class CompiledDecode:
     def info(self) -> dict:
         """What a stage's /info reports: the compile state (and error), each bucket's compile seconds, the steps run
         compiled so far, and whether a serving-time call fell back to eager for good."""
-        return {"state": self.state, "error": self.error,
+        return {"state": self.state, "error": self.error, "threads": list(self.thread_counts or ()),
                 "compile_seconds": {str(b): s for b, s in self.compile_seconds.items()}, "steps": self.steps,
                 "fell_back_to_eager": self.broken}
 
@@ -158,9 +170,11 @@ class CompiledDecode:
     def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor | None:
         """hidden [1, D] f32 of a one-sequence decode micro-batch -> [1, D] f32, or None when no compiled graph covers
         it (graphs not compiled yet, or another piece's compiling; more than one sequence, not a decode step, a context
-        past the largest bucket): run eager then. Never compiles: a call that would (a guard that fails on an input
-        nobody foresaw) runs eager instead, and is logged."""
+        past the largest bucket, a thread count it was not compiled for): run eager then. Never compiles: a call that
+        would (a guard that fails on an input nobody foresaw) runs eager instead, and is logged."""
         if self.state != "ready" or _compiling or not layout.decode_only or len(layout.slots) != 1 or self.broken:
+            return None
+        if torch.get_num_threads() not in self.thread_counts:
             return None
         pos = int(layout.positions[0])
         bucket = self.bucket(pos + 1)
