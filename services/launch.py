@@ -19,6 +19,15 @@ from shared.errors import StagemeshError
 from shared.mesh_keys import KeySet, ephemeral_key_set
 from shared.pipeline_client import PipelineClient
 
+# Stages on one host that use every core for a micro-batch alone in the pipeline (--threads-alone) take turns with
+# the cores: stage 0 computes a token, then stage 1. libgomp's threads spin ~300,000 rounds before they sleep (its
+# default), so a stage that has just finished kept spinning on the cores its neighbour then computed on (one stream
+# over 2 stages on 2 cores: 32 ms a token against 23-25 ms with 1,000-3,000 rounds; 0, a sleep at every parallel
+# region, was 45 ms; docs/performance.md). Set for the stages `start_mesh` starts with both thread counts, unless the
+# caller's environment already says how OpenMP threads wait.
+SHARED_HOST_SPINCOUNT = "3000"
+WAIT_POLICY_SET = frozenset({"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"})
+
 
 def free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
     """n distinct free ports, none in `avoid`: every socket stays bound until all are chosen, so none is handed
@@ -46,13 +55,15 @@ class StageProcess:
     proc: subprocess.Popen
     args: list[str] = field(default_factory=list)
     log_path: str | None = None  # stdout+stderr of this stage, every incarnation appended (None: discarded)
+    env: dict[str, str] = field(default_factory=dict)  # set in its environment, over this process's
 
     def spawn(self, mode: str = "a") -> subprocess.Popen:
         """Start this stage's command, its output appended to log_path (truncated first when mode is "w")."""
+        env = {**os.environ, **self.env}
         if self.log_path is None:
-            return subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            return subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         with open(self.log_path, mode) as out:  # the child keeps its own copy of the descriptor
-            return subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     @property
     def url(self) -> str:
@@ -143,6 +154,7 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
     # a micro-batch alone in the pipeline (the other stages idle) may use every core, its stage's share otherwise
     threads_alone = threads_alone or (os.cpu_count() or 1)
     alone = ["--threads-alone", str(threads_alone)] if threads_alone != threads else []
+    env = {"GOMP_SPINCOUNT": SHARED_HOST_SPINCOUNT} if alone and not WAIT_POLICY_SET.intersection(os.environ) else {}
     ports = free_ports(2 * num_stages + 1, avoid_ports)
     listens = [f"tcp://127.0.0.1:{p}" for p in ports[:num_stages]]
     result_listen = result_listen or f"tcp://127.0.0.1:{ports[-1]}"
@@ -152,7 +164,8 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
         next_hop = listens[i + 1] if i + 1 < num_stages else result_listen
         cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, alone + (extra or []),
                             keys_dir)
-        stage = StageProcess(i, listens[i], http, None, cmd, os.path.join(log_dir, f"stage{i}.log") if log_dir else None)
+        stage = StageProcess(i, listens[i], http, None, cmd, os.path.join(log_dir, f"stage{i}.log") if log_dir else None,
+                             env)
         stage.proc = stage.spawn("w")
         stages.append(stage)
     mesh = LocalMesh(stages, result_listen, keys_dir, owns_keys)

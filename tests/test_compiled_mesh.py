@@ -9,6 +9,8 @@ import urllib.request
 
 import pytest
 
+from benchmarks.harness import children
+
 pytestmark = pytest.mark.processes  # every test here starts a real up
 
 # The KV shapes of test_numerics' compiled pipeline (3 slots + the scratch row, 256 positions): one compilation
@@ -77,3 +79,9 @@ def test_every_stage_of_a_two_stage_mesh_decodes_compiled(up):
     share = max(1, cores // 2)
     assert [(i["threads"], i["threads_alone"]) for i in infos] == [(share, cores)] * 2
     assert [a["threads"] for a in after] == [sorted({share, cores})] * 2
+    if share != cores:  # taking turns with the cores: OpenMP threads spin briefly before they sleep
+        stages = [p for p in children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]
+        assert len(stages) == 2
+        for pid in stages:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert b"GOMP_SPINCOUNT=3000" in f.read().split(b"\0")
