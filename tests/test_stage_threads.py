@@ -86,3 +86,46 @@ def test_the_compiled_step_has_graphs_for_each_thread_count_a_stage_uses(tiny_pa
     eager = logits["off"]
     assert eager.abs().max() > 1 and not torch.equal(eager[0], eager[-1])
     torch.testing.assert_close(logits["on"], eager, rtol=1e-5, atol=1e-4)
+
+
+async def test_releasing_and_keeping_prefixes_run_on_the_compute_thread(tiny_path):
+    """Keeping a finished sequence as a cached prefix copies its K/V (torch). Run on the event loop's thread, that
+    copy started a second OpenMP team beside the compute thread's, and every later decode step of the stage ran about
+    twice as slow (libgomp's threads then sleep between parallel regions instead of spinning). Every torch op of the
+    stage runs on its compute thread."""
+    import asyncio
+    import threading
+
+    from shared.protocol import ReleaseDone, ReleaseSeqs
+
+    loader = GgufLoader(tiny_path)
+    runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=4, max_seq_len=64)
+    n = next(_ports)
+    stage_in, gateway_in = f"inproc://keep-stage-{n}", f"inproc://keep-gateway-{n}"
+    io = StageIO(ZmqTransport(stage_in, gateway_in, accept=(ForwardBatch, ReleaseSeqs), keys=None))
+    layers = runtime.model.config.num_layers
+    identity = StageIdentity("tiny", loader.fingerprint, LayerRange(0, layers), layers, runtime.model.position,
+                             "float32", listen=stage_in)
+    worker = StageWorker(runtime, io, identity, slot_lease_s=0)
+    threads: dict[str, list[str]] = {"keep": [], "release": []}
+    for name in threads:
+        def record(seq_id, name=name, original=getattr(runtime, name)):
+            threads[name].append(threading.current_thread().name)
+            return original(seq_id)
+        setattr(runtime, name, record)
+    gateway = ZmqTransport(gateway_in, stage_in, accept=(BatchResult, ReleaseDone), keys=None)
+    loop_task = asyncio.create_task(worker.run())
+    try:
+        for seq in ("a", "b"):
+            await gateway.send(ForwardBatch(1, [SeqEntry(seq, Prefill(5, 0, 5, True))], tokens=torch.arange(1, 6)))
+            assert isinstance(await asyncio.wait_for(gateway.receive(), 30), BatchResult)
+        await gateway.send(ReleaseSeqs(["b"], keep=["a"]))
+        assert isinstance(await asyncio.wait_for(gateway.receive(), 30), ReleaseDone)
+    finally:
+        loop_task.cancel()
+        await asyncio.gather(loop_task, return_exceptions=True)
+        gateway.close()
+        io.transport.close()
+    assert runtime.kv.kept_slots == 1 and runtime.kv.used_slots == 0
+    assert threads["keep"] and threads["release"], threads
+    assert all(t.startswith("compute") for t in threads["keep"] + threads["release"]), threads

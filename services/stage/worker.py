@@ -113,21 +113,27 @@ class StageWorker:
                     await self.io.send(out)
                     self.recent_out.append(msg.mb_id)
                 elif isinstance(msg, ReleaseSeqs):
-                    if msg.everything:
-                        held = self.runtime.kv.holders
-                        log.info("releasing all %d KV slots held: a gateway started without sequences", len(held))
-                        for seq_id in held:
-                            self.runtime.release(seq_id)
-                    for seq_id in msg.seq_ids:
-                        self.runtime.release(seq_id)
-                    for seq_id in msg.keep:
-                        self.runtime.keep(seq_id)
+                    # on the compute thread: keeping a prefix copies K/V (torch), and a torch op on this loop's
+                    # thread would start a second OpenMP team (see compute_executor)
+                    await loop.run_in_executor(self.compute_thread, self._release, msg)
                     await self.io.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
                 elif isinstance(msg, BatchError):  # an earlier stage failed this micro-batch: pass it on to the client
                     await self.io.send(msg)
         finally:
             await self.io.stop()
             self.compute_thread.shutdown(wait=False, cancel_futures=True)
+
+    def _release(self, msg: ReleaseSeqs) -> None:
+        """Runs in the compute thread: free the released sequences' slots, keep the kept ones as cached prefixes."""
+        if msg.everything:
+            held = self.runtime.kv.holders
+            log.info("releasing all %d KV slots held: a gateway started without sequences", len(held))
+            for seq_id in held:
+                self.runtime.release(seq_id)
+        for seq_id in msg.seq_ids:
+            self.runtime.release(seq_id)
+        for seq_id in msg.keep:
+            self.runtime.keep(seq_id)
 
     async def _next_input(self) -> Message | None:
         """The next input, or None when the lease check is due first (never waits past it)."""
