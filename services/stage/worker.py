@@ -182,8 +182,8 @@ class StageWorker:
         """Runs in the compute thread. Returns the message for the next hop: hidden state, sampled tokens, or an
         error for this micro-batch only (the stage keeps serving)."""
         ident = self.identity
-        if self.threads is not None:  # alone in the pipeline: the idle stages' cores are free (the compiled step's
-            want = self.threads[batch.in_flight == 1]  # kernels read the thread count at run time, see compiled_decode)
+        if self.threads is not None:  # alone in the pipeline, the idle stages' cores are free (the compiled step
+            want = self.threads[batch.in_flight == 1]  # has graphs for both counts: CompiledDecode.thread_counts)
             if want != torch.get_num_threads():
                 torch.set_num_threads(want)
         try:
