@@ -88,8 +88,9 @@ class CompiledDecode:
         self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, options={"cpp_wrapper": True})
         # The graphs are specialised to torch's thread count (the kernels size per-thread buffers by it; dynamo
         # guards on it), so there is one set per count the step runs with: a stage that uses more threads for a
-        # micro-batch alone in the pipeline (StageConfig.threads_alone) has two. None: the warm-up's own count.
-        self.thread_counts = tuple(sorted(set(thread_counts))) if thread_counts else None
+        # micro-batch alone in the pipeline (StageConfig.threads_alone) has two. None: this thread's count (which
+        # warm_up_in_background's thread takes over).
+        self.thread_counts = tuple(sorted(set(thread_counts or (torch.get_num_threads(),))))
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graphs took to compile (warm_up)
         # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written
         # by the compiling thread only; forward reads it and runs nothing compiled before "ready".
@@ -121,7 +122,6 @@ class CompiledDecode:
         self.state = "compiling"
         _compiling.add(id(self))
         own = torch.get_num_threads()
-        self.thread_counts = self.thread_counts or (own,)
         try:
             for b in self.buckets:
                 t = time.perf_counter()
@@ -162,7 +162,7 @@ class CompiledDecode:
     def info(self) -> dict:
         """What a stage's /info reports: the compile state (and error), each bucket's compile seconds, the steps run
         compiled so far, and whether a serving-time call fell back to eager for good."""
-        return {"state": self.state, "error": self.error, "threads": list(self.thread_counts or ()),
+        return {"state": self.state, "error": self.error, "threads": list(self.thread_counts),
                 "compile_seconds": {str(b): s for b, s in self.compile_seconds.items()}, "steps": self.steps,
                 "fell_back_to_eager": self.broken}
 
