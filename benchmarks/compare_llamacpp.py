@@ -40,6 +40,8 @@ from shared.device import cpu_has_fast_bf16
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
 
+LLAMA_SLOTS = 32  # llama-server's parallel slots (-np): as many as the highest default concurrency
+
 
 def prompt_seed(concurrency: int, round_: int) -> int:
     """The random prompts' seed of one level's round: distinct for every (level, round), the same for every server in
@@ -59,7 +61,20 @@ def bench(url: str, label: str, concurrency: int, round_: int, out: str, args) -
            "--temperature", "0.7", "--save-result", result, "--quiet", "--warmup", "2",
            "--seed", str(prompt_seed(concurrency, round_))]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.load(open(result))  # vLLM-named metrics at the top level
+    metrics = json.load(open(result))  # vLLM-named metrics at the top level
+    expected = metrics["completed"] * args.output_len
+    if metrics["total_output_tokens"] != expected:  # a server that stops early would look faster per token
+        sys.exit(f"{label} returned {metrics['total_output_tokens']} output tokens for {metrics['completed']} requests "
+                 f"of {args.output_len} (--ignore-eos): its context per sequence is too short for --input-len + "
+                 f"--output-len ({result})")
+    return metrics
+
+
+def llama_server_context(args) -> int:
+    """llama-server's -c: its 32 slots share it, and a slot stops generating where its share ends (it answered 192 of
+    512 tokens with 8192, 256 a slot, and so looked faster per token), so each slot gets room for the prompt, the
+    answer and the chat template's few tokens, and at least 256."""
+    return LLAMA_SLOTS * max(256, args.input_len + args.output_len + 64)
 
 
 def measure(servers: dict[str, str], levels: list[int], out: str, args) -> dict[str, dict[int, list[dict]]]:
@@ -143,7 +158,8 @@ def main() -> None:
         sys.exit("--rounds must be at least 1")
     out = results_dir(args.out, "compare")
     with contextlib.ExitStack() as stack:
-        servers = {"llama-server": stack.enter_context(running_llama_server(args.model, args.llama_server))}
+        servers = {"llama-server": stack.enter_context(running_llama_server(
+            args.model, args.llama_server, slots=LLAMA_SLOTS, context=llama_server_context(args)))}
         for stages, url in ups_in_turn(stack, [int(x) for x in args.stages.split(",")], args.model, args.dtype,
                                        args.extra).items():
             servers[f"stagemesh up --stages {stages}"] = url
@@ -151,8 +167,8 @@ def main() -> None:
     md = table(runs, levels)
     header = (f"{GgufLoader(resolve_model(args.model)).model_name} ({os.path.basename(resolve_model(args.model))}), "
               f"{os.cpu_count()} CPU cores, {args.input_len} prompt tokens, "
-              f"{args.output_len} output tokens (ignore_eos), temperature 0.7; llama-server -t {os.cpu_count()} -np 32 "
-              f"-cb -c 8192; stagemesh up {' '.join(([f'--dtype {args.dtype}'] if args.dtype else []) + args.extra) or '(defaults)'}"
+              f"{args.output_len} output tokens (ignore_eos), temperature 0.7; llama-server -t {os.cpu_count()} "
+              f"-np {LLAMA_SLOTS} -cb -c {llama_server_context(args)}; stagemesh up {' '.join(([f'--dtype {args.dtype}'] if args.dtype else []) + args.extra) or '(defaults)'}"
               f" (activations {dtype_label(args.dtype)}, {'native' if cpu_has_fast_bf16() else 'no native'} "
               f"bf16 on this CPU); {args.rounds} round(s) per level, the servers interleaved")
     print(header + "\n\n" + md)

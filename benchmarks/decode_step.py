@@ -9,7 +9,7 @@ against whatever `shared` is on the path: PYTHONPATH=<an older tree> measures th
 modes it lacks are skipped; bf16 there is its default).
 
 --compile also measures each mode loaded with compile_decode="on" (shared.models.compiled_decode: one sequence's
-decode step under torch.compile with static shapes, one graph per context bucket, compiled at load; its load s
+decode step under torch.compile, static shapes but the context length, compiled at load; its load s
 includes compilation, seconds when inductor's on-disk cache has the graphs). Only B=1 runs compiled; larger batches
 run the eager step in both rows. Modes the compiled step does not cover (bf16, f32) are skipped.
 

@@ -202,7 +202,7 @@ def test_real_gemma3_split_equals_unsplit_in_float32(gemma3, varied_text):
 def test_the_compiled_decode_step_covers_two_int4_planes(smollm2):
     """SmolLM2 requantized to Q8_0 runs every block matmul as two int4 planes (in lean too; the Q5_* types' planes
     differ only in their zeros, fixed at load), which the compiled decode step covers: its inputs (the static-shape
-    StaticDecode attention over a context bucket) through run_layers run as Python, as inductor traces it, give the
+    OneSequenceDecode attention over the context) through run_layers run as Python, as inductor traces it, give the
     eager decode step's logits, bit for bit with float32 activations (compiled, fused kernels round elsewhere)."""
     from shared.models.compiled_decode import CompiledDecode, why_not_compilable
     from shared.protocol import SeqEntry
@@ -220,7 +220,7 @@ def test_the_compiled_decode_step_covers_two_int4_planes(smollm2):
     runtime.run([SeqEntry("s", Prefill(11, 0, 11, True))], token_ids=torch.tensor(ids[:11]))
     slot = runtime.kv._slot_of["s"]
     with torch.inference_mode():
-        hidden = model.run_layers(*step._inputs(model.embed(torch.tensor(ids[11:12])), slot, 11, step.bucket(12)))
+        hidden = model.run_layers(*step._inputs(model.embed(torch.tensor(ids[11:12])), slot, 11))
         stepped = model.lm_head(hidden)
     eager = runtime.run([SeqEntry("s", Decode(11))], token_ids=torch.tensor(ids[11:12]))
     assert eager.max() - eager.min() > 1.0 and torch.equal(stepped, eager)

@@ -5,11 +5,12 @@ Python each: on a small model at one token that is about as much as its int4 mat
 a handful of C++ kernels per layer and runs the step from generated code. What it compiles is the model's own
 TransformerModel.run_layers -- the function every eager step runs -- so every architecture has a compiled step and a
 change to a block is made once (gpt-fast's way). It only pays with static shapes (benchmarks/decode_step.py measures
-eager against compiled):
+eager against compiled), all but one:
 
-- one graph per context bucket (CONTEXT_BUCKETS): attention (transformer.StaticDecode) reads the bucket's first C
-  cached positions with an additive mask (keys past the sequence's position get -inf; on sliding layers also keys
-  before the window), so a graph serves every position below C;
+- the context length C = position + 1 is the graph's one dynamic size (transformer.OneSequenceDecode: attention reads
+  the slot's first C cached positions; sliding layers mask the keys before their window), so one graph serves every
+  position from 1 to the cache's length - 2 (CompiledDecode.contexts). Graphs per context bucket, as before, made a
+  step at a short context attend to the whole bucket, and decoded eagerly, at about 1.7x the time, past the largest;
 - the KV cache is one tensor per layer (KVCache) and the step writes it with index_put on that tensor. Handing the
   graph a view of a larger cache tensor instead made inductor copy the whole cache back every step;
 - one sequence (B = 1; the step is memory- and overhead-bound): larger micro-batches stay eager, where the
@@ -41,11 +42,10 @@ import torch
 
 from shared.errors import CapabilityMissing
 from shared.kv_cache import BatchLayout, KVCache
-from shared.models.transformer import StaticDecode
+from shared.models.transformer import OneSequenceDecode
 
 log = logging.getLogger("stagemesh.compiled_decode")
 
-CONTEXT_BUCKETS = (128, 512)  # a decode step at context length ctx runs the smallest bucket >= ctx; beyond: eager
 COMPILE_MODES = ("auto", "on", "off")  # when the graphs compile: in the background, before ready, never
 # CompiledDecodes of this process whose warm-up is running. No compiled step runs while it is non-empty: forward sets
 # dynamo's stance, which is process-wide, and would make a compilation in another thread fail as a "recompile".
@@ -71,27 +71,31 @@ def _own_code(method):
 
 
 class CompiledDecode:
-    """The compiled decode step of one TransformerModel piece over its KVCache, one graph per context bucket."""
+    """The compiled decode step of one TransformerModel piece over its KVCache: one graph, the context length dynamic."""
 
-    def __init__(self, model, kv: KVCache, buckets: tuple[int, ...] = CONTEXT_BUCKETS,
-                 thread_counts: tuple[int, ...] | None = None):
+    def __init__(self, model, kv: KVCache, thread_counts: tuple[int, ...] | None = None):
         if kv.scratch_slot is None:
             raise ValueError("the compiled decode step warms up in a KV scratch row: new_kv_cache(..., scratch=True)")
+        if kv.max_seq_len < 4:
+            raise ValueError(f"the compiled decode step needs a KV cache of at least 4 positions, not {kv.max_seq_len}")
         self.model, self.kv = model, kv
-        self.buckets = tuple(sorted({min(b, kv.max_seq_len) for b in buckets}))  # none past the cache's length
+        # the context lengths the graph serves: dynamo treats sizes 0 and 1 as constants, and a slice that reaches the
+        # cache's full length makes inductor guard on it, so the step at either end runs eagerly
+        self.contexts = (2, kv.max_seq_len - 1)
         # The model's own run_layers, the function eager steps run, compiled for one sequence (attention a
-        # StaticDecode). cpp_wrapper: the generated code calls its kernels from C++, not Python: a shorter one-token
+        # OneSequenceDecode). cpp_wrapper: the generated code calls its kernels from C++, not Python: a shorter one-token
         # step for about twice the first compilation's time (benchmarks/decode_step.py)
         # Two things run eagerly between graphs (torch.compiler.disable): a mixture-of-experts block's experts
         # (TransformerModel._moe) and a oneDNN-prepacked matrix (linear._prepacked_mm: a type kept dense, weights
         # mode bf16). Without them the step is one graph (tests/test_architectures.py counts the graph breaks).
+        # dynamic=False: every size is static but the one _inputs marks dynamic, the context length.
         self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, options={"cpp_wrapper": True})
         # The graphs are specialised to torch's thread count (the kernels size per-thread buffers by it; dynamo
         # guards on it), so there is one set per count the step runs with: a stage that uses more threads for a
         # micro-batch alone in the pipeline (StageConfig.threads_alone) has two. None: this thread's count (which
         # warm_up_in_background's thread takes over).
         self.thread_counts = tuple(sorted(set(thread_counts or (torch.get_num_threads(),))))
-        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its graphs took to compile (warm_up)
+        self.compile_seconds: dict[int, float] = {}  # thread count -> seconds its graph took to compile (warm_up)
         # pending -> compiling -> ready (forward runs the graphs) | failed (error says why; decode stays eager). Written
         # by the compiling thread only; forward reads it and runs nothing compiled before "ready".
         self.state = "pending"
@@ -99,10 +103,10 @@ class CompiledDecode:
         self.broken = False  # set when a serving-time call would have recompiled: eager from then on
         self.steps = 0  # decode steps run compiled
 
-    def bucket(self, ctx: int) -> int | None:
-        return next((b for b in self.buckets if ctx <= b), None)
+    def covers(self, ctx: int) -> bool:
+        return self.contexts[0] <= ctx <= self.contexts[1]
 
-    def _inputs(self, hidden: torch.Tensor, slot: int, pos: int, ctx_bucket: int):
+    def _inputs(self, hidden: torch.Tensor, slot: int, pos: int):
         """run_layers' arguments, built here under inference mode: a tensor from outside it (BatchLayout's) differs in
         dispatch keys, which dynamo guards on, and would recompile. hidden is copied (D floats) for the same reason: a
         stage after the first gets it straight from the wire, a view of a ZeroMQ frame made outside inference mode
@@ -111,34 +115,37 @@ class CompiledDecode:
         model = self.model
         hidden = hidden.clone(memory_format=torch.contiguous_format)
         ropes = model.rope_tables(torch.tensor([pos]), self.kv.max_seq_len)
-        attention = StaticDecode.at(slot, pos, ctx_bucket, model.config, model.dtype)
+        attention = OneSequenceDecode.at(slot, pos, model.config, model.dtype)
+        torch._dynamo.mark_dynamic(attention.keys, 0, min=self.contexts[0], max=self.contexts[1])
+        if attention.sliding_mask is not None:
+            torch._dynamo.mark_dynamic(attention.sliding_mask, 3, min=self.contexts[0], max=self.contexts[1])
         return hidden, ropes, attention, self.kv.k, self.kv.v
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile every bucket's graph at every thread count, one call each at the last position of the KV cache's
-        scratch row (no sequence ever holds it); compile_seconds records each bucket's. Raises CapabilityMissing when
-        inductor fails (state "failed"). Leaves this thread's torch thread count as it found it."""
+        """Compile the graph at every thread count, one call each in the KV cache's scratch row (no sequence ever holds
+        it); compile_seconds records each count's. Raises CapabilityMissing when inductor fails (state "failed").
+        Leaves this thread's torch thread count as it found it."""
         self.state = "compiling"
         _compiling.add(id(self))
         own = torch.get_num_threads()
+        pos = (self.contexts[0] + self.contexts[1]) // 2 - 1  # inside the dynamic range, at neither end
         try:
-            for b in self.buckets:
+            for threads in self.thread_counts:
                 t = time.perf_counter()
+                torch.set_num_threads(threads)
                 hidden = torch.zeros(1, self.model.config.hidden_size)
-                for threads in self.thread_counts:
-                    torch.set_num_threads(threads)
-                    try:
-                        self._compiled(*self._inputs(hidden, self.kv.scratch_slot, self.kv.max_seq_len - 1, b))
-                    except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
-                        self.error = (f"torch.compile failed for contexts <= {b}: "
-                                      f"{str(e).strip().splitlines()[0][:300]} (inductor needs a C++ compiler, g++)")
-                        self.state = "failed"
-                        raise CapabilityMissing(f"--compile-decode: {self.error}; drop --compile-decode to decode "
-                                                "eagerly") from None
-                self.compile_seconds[b] = round(time.perf_counter() - t, 1)
-                log.info("compiled the decode step for contexts <= %d (%s threads) in %.1f s", b,
-                         "/".join(map(str, self.thread_counts)), self.compile_seconds[b])
+                try:
+                    self._compiled(*self._inputs(hidden, self.kv.scratch_slot, pos))
+                except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
+                    self.error = (f"torch.compile failed: {str(e).strip().splitlines()[0][:300]} "
+                                  "(inductor needs a C++ compiler, g++)")
+                    self.state = "failed"
+                    raise CapabilityMissing(f"--compile-decode: {self.error}; drop --compile-decode to decode "
+                                            "eagerly") from None
+                self.compile_seconds[threads] = round(time.perf_counter() - t, 1)
+                log.info("compiled the decode step for contexts %d..%d with %d threads in %.1f s", *self.contexts,
+                         threads, self.compile_seconds[threads])
             self.state = "ready"
         finally:
             torch.set_num_threads(own)
@@ -160,29 +167,30 @@ class CompiledDecode:
         threading.Thread(target=run, name="compile-decode", daemon=True).start()
 
     def info(self) -> dict:
-        """What a stage's /info reports: the compile state (and error), each bucket's compile seconds, the steps run
-        compiled so far, and whether a serving-time call fell back to eager for good."""
+        """What a stage's /info reports: the compile state (and error), the context lengths the graph serves, each
+        thread count's compile seconds, the steps run compiled so far, and whether a serving-time call fell back to
+        eager for good."""
         return {"state": self.state, "error": self.error, "threads": list(self.thread_counts),
-                "compile_seconds": {str(b): s for b, s in self.compile_seconds.items()}, "steps": self.steps,
+                "contexts": list(self.contexts),
+                "compile_seconds": {str(n): s for n, s in self.compile_seconds.items()}, "steps": self.steps,
                 "fell_back_to_eager": self.broken}
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor | None:
         """hidden [1, D] f32 of a one-sequence decode micro-batch -> [1, D] f32, or None when no compiled graph covers
         it (graphs not compiled yet, or another piece's compiling; more than one sequence, not a decode step, a context
-        past the largest bucket, a thread count it was not compiled for): run eager then. Never compiles: a call that
+        outside `contexts`, a thread count it was not compiled for): run eager then. Never compiles: a call that
         would (a guard that fails on an input nobody foresaw) runs eager instead, and is logged."""
         if self.state != "ready" or _compiling or not layout.decode_only or len(layout.slots) != 1 or self.broken:
             return None
         if torch.get_num_threads() not in self.thread_counts:
             return None
         pos = int(layout.positions[0])
-        bucket = self.bucket(pos + 1)
-        if bucket is None or bucket not in self.compile_seconds:
+        if not self.covers(pos + 1):
             return None
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                out = self._compiled(*self._inputs(hidden, layout.slots[0], pos, bucket))
+                out = self._compiled(*self._inputs(hidden, layout.slots[0], pos))
         except RuntimeError as e:  # dynamo's "Detected recompile when torch.compile stance is 'fail_on_recompile'"
             self.broken = True
             log.warning("compiled decode step would recompile while serving (%s); decoding eagerly from now on",

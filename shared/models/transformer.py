@@ -451,7 +451,7 @@ class TransformerModel:
         """The piece's layers, the one definition of a step: hidden [N, D] float32 -> [N, D] float32, each layer's
         K/V written into k_layers / v_layers ([slots, KVH, max_seq, hd] each) at attention's (token_slots,
         positions). forward runs it eagerly; shared.models.compiled_decode compiles this very function for one
-        sequence's decode step (attention a StaticDecode, shapes static per context bucket)."""
+        sequence's decode step (attention a OneSequenceDecode, static shapes but the context length)."""
         c = self.config
         scores = {False: Scores(c.attn_scale, c.attn_softcap), True: Scores(c.attn_scale, c.attn_softcap, c.sliding_window)}
         for local, block in enumerate(self.blocks):
@@ -541,7 +541,7 @@ Ropes = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tenso
 
 class Attention(Protocol):
     """Where a step's K/V rows go and how its queries attend: q [N, H, hd] -> [N, H, hd] against the cache (read in
-    place). DecodeWindow (batched decode), ChunkAttention (prefill chunks; the batch-invariant mode), StaticDecode
+    place). DecodeWindow (batched decode), ChunkAttention (prefill chunks; the batch-invariant mode), OneSequenceDecode
     (the compiled one-sequence step)."""
 
     token_slots: torch.Tensor  # [N] int64: each token's KV slot
@@ -601,32 +601,32 @@ class ChunkAttention:
 
 
 @dataclass
-class StaticDecode:
-    """One sequence's decode step with static shapes, for the compiled step: attention reads the first C cached
-    positions of the slot (C = the context bucket, mask's last dim) under an additive mask that hides keys past the
-    position (and, for sliding layers, before the window), so one graph serves every position below C."""
+class OneSequenceDecode:
+    """One sequence's decode step, for the compiled step: attention reads the slot's first C = position + 1 cached
+    positions. C is the graph's one dynamic size: `keys` is a [C] tensor that carries
+    it (shared.models.compiled_decode marks its length dynamic), so one graph serves every position. Sliding-window
+    layers hide the keys before their window with an additive mask; other layers attend to all C keys unmasked."""
 
     token_slots: torch.Tensor  # [1] int64
     positions: torch.Tensor  # [1] int64
-    mask: torch.Tensor  # [1, 1, 1, C] 0 / -inf in the activation dtype
-    sliding_mask: torch.Tensor | None  # the same for sliding-window layers (None: the model has none)
+    keys: torch.Tensor  # [C] int64, 0..C-1: its length is the context the step attends to
+    sliding_mask: torch.Tensor | None  # [1, 1, 1, C] 0 / -inf in the activation dtype (None: no key lies out of window)
 
     @classmethod
-    def at(cls, slot: int, pos: int, bucket: int, config: ModelConfig, dtype: torch.dtype) -> StaticDecode:
-        keys = torch.arange(bucket)
-        mask = torch.zeros(1, 1, 1, bucket, dtype=dtype).masked_fill_(keys > pos, float("-inf"))
+    def at(cls, slot: int, pos: int, config: ModelConfig, dtype: torch.dtype) -> OneSequenceDecode:
+        keys = torch.arange(pos + 1)
         sliding = None
-        if config.sliding_window:
-            sliding = mask.masked_fill(keys <= pos - config.sliding_window, float("-inf"))
-        return cls(torch.tensor([slot]), torch.tensor([pos]), mask, sliding)
+        if config.sliding_window:  # always present on such a model, so the graph's inputs do not change with pos
+            sliding = torch.zeros(1, 1, 1, pos + 1, dtype=dtype).masked_fill_(keys <= pos - config.sliding_window,
+                                                                              float("-inf"))
+        return cls(torch.tensor([slot]), torch.tensor([pos]), keys, sliding)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor:
         _, h, hd = q.shape
-        kvh, ctx = k_cache.shape[1], self.mask.shape[-1]
+        kvh, ctx = k_cache.shape[1], self.keys.shape[0]
         keys, values = k_cache[self.token_slots, :, :ctx], v_cache[self.token_slots, :, :ctx]  # [1, KVH, C, hd]
         queries = q.view(1, kvh, h // kvh, hd)  # GQA as query length: [1, KVH, g, hd]
-        mask = self.sliding_mask if how.window and self.sliding_mask is not None else self.mask
-        return sdpa(queries, keys, values, how, mask).view(1, h, hd)
+        return sdpa(queries, keys, values, how, self.sliding_mask if how.window else None).view(1, h, hd)
 
 
 @dataclass
