@@ -152,6 +152,35 @@ def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Ten
 COMPILE_GATE = threading.Event()
 
 
+def test_batched_decode_attends_per_run_of_slots_when_the_batch_lies_far_apart(smollm2, windows):
+    """Sequences in slots 0, 1 and 8 (kept prefixes or idle sequences between them): the batch attends as two windows,
+    slots 0-1 and slot 8, not one window over the six between, and each row still equals its single-pass logits."""
+    from shared.kv_cache import BatchLayout
+    from shared.models.transformer import DecodeWindow, SplitDecode
+    from shared.protocol import SeqEntry
+    from shared.steps import Decode, Prefill
+
+    pipeline = LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=10)  # the 10th: window_logits
+    names = [f"s{i}" for i in range(9)]
+    texts = {name: windows[3][i * 7:i * 7 + 40] for i, name in enumerate(names)}
+    lengths = {name: 20 + i for i, name in enumerate(names)}
+    for name in names:  # slots 0..8 in this order
+        pipeline.run([SeqEntry(name, Prefill(lengths[name], 0, lengths[name], True))],
+                     torch.tensor(texts[name][:lengths[name]]))
+    batch = ["s8", "s0", "s1"]
+    layout = BatchLayout.build([8, 0, 1], [Decode(lengths[s]) for s in batch], 64)
+    split = SplitDecode.of(layout, pipeline.pieces[0].model.config, torch.float32)
+    assert isinstance(split, SplitDecode)
+    assert [(rows.tolist(), w.lo, w.span) for rows, w in split.parts] == [([1, 2], 0, 2), ([0], 8, 1)]
+    near = BatchLayout.build([0, 1, 3], [Decode(20)] * 3, 64)  # two idle slots between: one window
+    assert isinstance(SplitDecode.of(near, pipeline.pieces[0].model.config, torch.float32), DecodeWindow)
+    out = pipeline.run([SeqEntry(s, Decode(lengths[s])) for s in batch],
+                       torch.tensor([texts[s][lengths[s]] for s in batch]))
+    for row, s in zip(out, batch):
+        full = window_logits(pipeline, texts[s][:lengths[s] + 1], seq_id="check")
+        np.testing.assert_allclose(row.numpy(), full[-1].numpy(), rtol=0, atol=1e-3)
+
+
 @pytest.fixture(scope="module")
 def compiled_pipeline(smollm2):
     """Compiling in the background, as a stage does by default (--compile-decode auto), once COMPILE_GATE is set;

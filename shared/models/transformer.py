@@ -441,7 +441,7 @@ class TransformerModel:
     def forward(self, hidden: torch.Tensor, layout: BatchLayout, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
         """hidden [N, D] float32 -> [N, D] float32 through this piece's layers, writing their K/V into kv."""
         if layout.decode_only and not self.batch_invariant:
-            attention: Attention = DecodeWindow.of(layout, self.config, self.dtype)
+            attention: Attention = SplitDecode.of(layout, self.config, self.dtype)
         else:
             attention = ChunkAttention(layout, self.batch_invariant)
         return self.run_layers(hidden, self.rope_tables(layout.positions, kv.max_seq_len), attention, kv.k, kv.v, hook)
@@ -541,7 +541,7 @@ Ropes = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tenso
 
 class Attention(Protocol):
     """Where a step's K/V rows go and how its queries attend: q [N, H, hd] -> [N, H, hd] against the cache (read in
-    place). DecodeWindow (batched decode), ChunkAttention (prefill chunks; the batch-invariant mode), OneSequenceDecode
+    place). DecodeWindow / SplitDecode (batched decode), ChunkAttention (prefill chunks; the batch-invariant mode), OneSequenceDecode
     (the compiled one-sequence step)."""
 
     token_slots: torch.Tensor  # [N] int64: each token's KV slot
@@ -649,17 +649,23 @@ class DecodeWindow:
 
     @classmethod
     def of(cls, layout: BatchLayout, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow:
-        lo, hi = min(layout.slots), max(layout.slots)
+        return cls.over(layout.slots, layout.positions, c, dtype)
+
+    @classmethod
+    def over(cls, slots: list[int], positions: torch.Tensor, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow:
+        """The window of one decode token per slot: slots [B], positions [B] int64."""
+        token_slots = torch.tensor(slots, device=positions.device)
+        lo, hi = min(slots), max(slots)
         span = hi - lo + 1
-        ctx = int(layout.positions.max()) + 1
-        in_order = layout.slots == list(range(lo, lo + span))
-        rows = None if in_order else layout.token_slots - lo
-        ragged = not (in_order and bool((layout.positions == ctx - 1).all()))
+        ctx = int(positions.max()) + 1
+        in_order = slots == list(range(lo, lo + span))
+        rows = None if in_order else token_slots - lo
+        ragged = not (in_order and bool((positions == ctx - 1).all()))
         sliding = bool(c.sliding_window) and ctx > c.sliding_window  # some key lies outside some row's window
         mask = sliding_mask = None
         if ragged or sliding:
-            ends = torch.ones(span, dtype=torch.long, device=layout.positions.device)  # unused rows: key 0 only
-            ends[layout.token_slots - lo] = layout.positions + 1
+            ends = torch.ones(span, dtype=torch.long, device=positions.device)  # unused rows: key 0 only
+            ends[token_slots - lo] = positions + 1
             keys = torch.arange(ctx, device=ends.device)[None, :]
             visible = keys < ends[:, None]  # [span, ctx]
 
@@ -669,8 +675,7 @@ class DecodeWindow:
 
             mask = additive(visible) if ragged else None
             sliding_mask = additive(visible & (keys >= ends[:, None] - c.sliding_window)) if sliding else None
-        return cls(lo, span, rows, mask, ctx, c.num_heads // c.num_kv_heads, layout.token_slots, layout.positions,
-                   sliding_mask)
+        return cls(lo, span, rows, mask, ctx, c.num_heads // c.num_kv_heads, token_slots, positions, sliding_mask)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
         """q [B, H, hd] -> [B, H, hd] against k_cache / v_cache [slots, KVH, max_seq, hd]."""
@@ -685,6 +690,47 @@ class DecodeWindow:
         mask = self.sliding_mask if how.window and self.sliding_mask is not None else self.mask
         out = sdpa(queries, keys, values, how, mask)  # [span, KVH, g, hd]
         return (out if self.rows is None else out[self.rows]).view(b, h, hd)
+
+
+SLOT_GAP = 2  # batched decode reads one window per run of the batch's slots with at most this many unused between
+
+
+@dataclass
+class SplitDecode:
+    """Batched decode whose slots lie in runs far apart: one DecodeWindow per run. Live sequences take the lowest free
+    slots, but once kept prefixes fill the free ones, a new sequence gets the slot a given-up prefix left, anywhere;
+    one window from the lowest to that slot would attend with every kept prefix between (a throw-away row each, at
+    its full context). Each run also attends only to its own longest context."""
+
+    token_slots: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    parts: list[tuple[torch.Tensor, DecodeWindow]]  # the batch's rows of a run ([b] int64) and the run's window
+
+    @classmethod
+    def of(cls, layout: BatchLayout, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow | SplitDecode:
+        """A DecodeWindow where the batch's slots form one run, else a SplitDecode."""
+        slots = layout.slots
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        runs = [[order[0]]]
+        for i in order[1:]:
+            if slots[i] - slots[runs[-1][-1]] > SLOT_GAP + 1:
+                runs.append([i])
+            else:
+                runs[-1].append(i)
+        if len(runs) == 1:
+            return DecodeWindow.of(layout, c, dtype)
+        parts = []
+        for run in runs:
+            rows = torch.tensor(run, device=layout.positions.device)
+            parts.append((rows, DecodeWindow.over([slots[i] for i in run], layout.positions[rows], c, dtype)))
+        return cls(layout.token_slots, layout.positions, parts)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
+        """q [B, H, hd] -> [B, H, hd]."""
+        out = torch.empty_like(q)
+        for rows, window in self.parts:
+            out[rows] = window.attend(q[rows], k_cache, v_cache, how)
+        return out
 
 
 BLOCK_TENSORS_INV = {v: k for k, v in BLOCK_TENSORS.items()}
