@@ -47,7 +47,8 @@ class KVCache:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self._free: list[int] = list(range(num_slots))  # a min-heap: the lowest free slot is handed out first, so
-        # live sequences stay packed at the bottom and batched decode can read them as one slice (DecodeWindow)
+        # live sequences stay packed at the bottom and batched decode can read them as one slice (DecodeWindow; where
+        # they are not, a slice per run of them: SplitDecode)
         self._slot_of: dict[Hashable, int] = {}
         self._touched: dict[Hashable, float] = {}  # seq_id -> monotonic time its slot was last allocated or used
         self._kept: OrderedDict[Hashable, None] = OrderedDict()  # cached prefixes, least recently used first
