@@ -648,10 +648,6 @@ class DecodeWindow:
     sliding_mask: torch.Tensor | None = None  # the same for sliding-window layers; None: as mask (no key out of window)
 
     @classmethod
-    def of(cls, layout: BatchLayout, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow:
-        return cls.over(layout.slots, layout.positions, c, dtype)
-
-    @classmethod
     def over(cls, slots: list[int], positions: torch.Tensor, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow:
         """The window of one decode token per slot: slots [B], positions [B] int64."""
         token_slots = torch.tensor(slots, device=positions.device)
@@ -718,7 +714,7 @@ class SplitDecode:
             else:
                 runs[-1].append(i)
         if len(runs) == 1:
-            return DecodeWindow.of(layout, c, dtype)
+            return DecodeWindow.over(slots, layout.positions, c, dtype)
         parts = []
         for run in runs:
             rows = torch.tensor(run, device=layout.positions.device)
