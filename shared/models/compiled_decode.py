@@ -33,6 +33,7 @@ batch-invariant mode never compiles. inductor's on-disk cache makes later starts
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ import torch
 
 from shared.errors import CapabilityMissing
 from shared.kv_cache import BatchLayout, KVCache
+from shared.models import linear, transformer
 from shared.models.transformer import OneSequenceDecode
 
 log = logging.getLogger("stagemesh.compiled_decode")
@@ -59,6 +61,18 @@ def why_not_compilable(model) -> str | None:
     if model.dtype not in (torch.bfloat16, torch.float32) or model.blocks[0].attn_norm.device.type != "cpu":
         return "the compiled step is built for bfloat16 or float32 activations on the CPU"
     return None
+
+
+@functools.cache
+def mark_graph_breaks() -> None:
+    """Wrap the functions that run eagerly between the step's graphs in torch.compiler.disable: a mixture-of-experts
+    block's experts (TransformerModel._moe: which run is data) and a oneDNN-prepacked matrix (linear._prepacked_mm:
+    inductor does not lower it). Done here, once, before the first graph is traced, not as decorators where they are
+    defined: the decorator imports torch._dynamo (~1.7 s), which every process importing the models would then pay --
+    the gateway, every CLI command, every stage that never compiles."""
+    linear._prepacked_mm = torch.compiler.disable(linear._prepacked_mm, reason="oneDNN's prepacked linear")
+    transformer.TransformerModel._moe = torch.compiler.disable(transformer.TransformerModel._moe,
+                                                               reason="which experts run is data")
 
 
 def _own_code(method):
@@ -85,10 +99,11 @@ class CompiledDecode:
         # The model's own run_layers, the function eager steps run, compiled for one sequence (attention a
         # OneSequenceDecode). cpp_wrapper: the generated code calls its kernels from C++, not Python: a shorter one-token
         # step for about twice the first compilation's time (benchmarks/decode_step.py)
-        # Two things run eagerly between graphs (torch.compiler.disable): a mixture-of-experts block's experts
+        # Two things run eagerly between graphs (mark_graph_breaks): a mixture-of-experts block's experts
         # (TransformerModel._moe) and a oneDNN-prepacked matrix (linear._prepacked_mm: a type kept dense, weights
         # mode bf16). Without them the step is one graph (tests/test_architectures.py counts the graph breaks).
         # dynamic=False: every size is static but the one _inputs marks dynamic, the context length.
+        mark_graph_breaks()
         self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, options={"cpp_wrapper": True})
         # The graphs are specialised to torch's thread count (the kernels size per-thread buffers by it; dynamo
         # guards on it), so there is one set per count the step runs with: a stage that uses more threads for a

@@ -299,9 +299,10 @@ class DenseLinear:
         return self.out_features * self.in_features * self.dtype.itemsize
 
 
-@torch.compiler.disable(reason="inductor does not lower oneDNN's prepacked linear: it runs between graphs")
 def _prepacked_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ a oneDNN-prepacked weight (torch.ops.mkldnn._reorder_linear_weight of [N, K]) -> [M, N]."""
+    """x [M, K] @ a oneDNN-prepacked weight (torch.ops.mkldnn._reorder_linear_weight of [N, K]) -> [M, N]. Runs
+    eagerly between compiled graphs: inductor does not lower oneDNN's prepacked linear
+    (compiled_decode.mark_graph_breaks)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 

@@ -494,11 +494,11 @@ class TransformerModel:
             out = b.w_down(act * up)  # [N, D]
         return out if b.down_bias is None else out.float() + b.down_bias
 
-    @torch.compiler.disable(reason="which experts run is data: under torch.compile each choice would be a graph")
     def _moe(self, b: Block, x: torch.Tensor) -> torch.Tensor:
         """Each token's top-k experts by softmax router probability, their outputs weighted by those probabilities
         renormalised over the k (qwen3moe). x [N, D] -> [N, D] float32; each expert runs once on its tokens. Always
-        eager: the compiled decode step calls it between its graphs."""
+        eager: which experts run is data, so under torch.compile each choice would be a graph; the compiled decode
+        step calls it between its graphs (compiled_decode.mark_graph_breaks)."""
         probs = torch.softmax(x.float() @ b.router.T, dim=-1)  # [N, E]
         # ties to the lower expert index, as llama.cpp's argsort (std::sort, insertion sort for <= 16 experts)
         weights, chosen = (t[:, :self.config.experts_used] for t in probs.sort(dim=-1, descending=True, stable=True))
