@@ -5,10 +5,12 @@ benchmarks/decode_step.py measures each architecture on."""
 from __future__ import annotations
 
 import os
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
 from shared.gguf_loader import GgufLoader
@@ -35,6 +37,28 @@ class TinySpec:
     sliding_window: int = 8  # gemma2 / gemma3: attention.sliding_window (shorter than the test prompts)
     softcaps: tuple[float, float] = (1.0, 5.0)  # gemma2: attn_logit_softcapping, final_logit_softcapping (small: they bite)
     router_ties: bool = False  # qwen3moe, 4 experts top-2: experts 1 and 2 tie exactly at the top-k boundary (_tied_router)
+
+
+class _Writer(GGUFWriter):
+    """gguf's GGUFWriter, packing a metadata array in one go rather than element by element (the library took ~1.2 s
+    a file for the copied vocabulary; every test that builds a tiny model paid it). The same bytes
+    (tests/test_tiny_models.py compares them with the library's writer)."""
+
+    def _pack_val(self, val, vtype, add_vtype: bool, sub_type=None) -> bytes:
+        if (vtype != GGUFValueType.ARRAY or self.endianess != GGUFEndian.LITTLE or not isinstance(val, Sequence)
+                or isinstance(val, (bytes, str)) or not val):
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        item_type = sub_type or GGUFValueType.get_type(val[0])
+        if sub_type is None and not all(GGUFValueType.get_type(v) is item_type for v in val):
+            raise ValueError("All items in a GGUF array should be of the same type")
+        head = (struct.pack("<I", vtype) if add_vtype else b"") + struct.pack("<IQ", item_type, len(val))
+        if item_type == GGUFValueType.STRING:
+            encoded = [v.encode("utf-8") if isinstance(v, str) else v for v in val]
+            return head + b"".join(len(e).to_bytes(8, "little") + e for e in encoded)
+        fmt = self._simple_value_packing.get(item_type)
+        if fmt is None:  # arrays of arrays
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        return head + struct.pack(f"<{len(val)}{fmt}", *val)
 
 
 def _copy_tokenizer(writer: GGUFWriter, src: GgufLoader) -> None:
@@ -69,7 +93,7 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
     src = GgufLoader(resolve_model("smollm2"))
     vocab = len(src.get("tokenizer.ggml.tokens"))
     rng = np.random.default_rng(spec.seed)
-    w = GGUFWriter(path, spec.arch)
+    w = _Writer(path, spec.arch)
     w.add_block_count(spec.layers)
     w.add_context_length(512)
     w.add_embedding_length(spec.hidden)
@@ -269,7 +293,7 @@ def write_vocab_gguf(path: str, *, model: str = "gpt2", control_tokens: tuple[st
             types.append(CONTROL_TYPE)
             if scores is not None:
                 scores.append(0.0)
-    w = GGUFWriter(path, "llama")
+    w = _Writer(path, "llama")
     w.add_block_count(1)
     w.add_context_length(512)
     w.add_embedding_length(64)

@@ -204,6 +204,21 @@ def test_truncated_gguf_is_one_line_error(tmp_path):
     assert "truncated" in _cli_error("generate", "--model", str(cut), "--prompt", "hi")
 
 
+def test_a_file_cut_anywhere_in_its_header_is_a_gguf_error(tmp_path):
+    """Cut inside the metadata (the vocabulary's strings, its scores, a number array's end, a tensor's info): each
+    is a GgufError, never an IndexError, a hang, or a header read from past the end."""
+    from gguf import GGUFReader
+
+    path = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+    data = open(path, "rb").read()
+    header_end = GGUFReader(path).data_offset
+    cut = tmp_path / "cut.gguf"
+    for at in sorted({*range(8, header_end, max(1, header_end // 23)), header_end - 1}):
+        cut.write_bytes(data[:at])
+        with pytest.raises(GgufError, match="not a readable GGUF|truncated"):
+            GgufLoader(str(cut))
+
+
 @pytest.mark.processes
 def test_unknown_architecture_names_the_supported_ones(tmp_path):
     path = write_tiny_gguf(str(tmp_path / "odd.gguf"), TinySpec(arch="mamba9000"))
@@ -248,6 +263,18 @@ def test_loader_reads_the_header_as_the_gguf_package_does(smollm2, tmp_path):
         assert _header(fast) == _header(lib)
         for a, b in zip(fast.tensors, lib.tensors):
             assert np.array_equal(a.data, b.data)
+
+
+def test_tiny_files_are_written_as_the_gguf_package_writes_them(tmp_path, monkeypatch):
+    """benchmarks.tiny_gguf packs metadata arrays in one go: the file is byte for byte the library writer's."""
+    import gguf
+
+    import benchmarks.tiny_gguf as tiny
+
+    fast = (tmp_path / "fast.gguf").read_bytes() if write_tiny_gguf(str(tmp_path / "fast.gguf")) else b""
+    monkeypatch.setattr(tiny, "_Writer", gguf.GGUFWriter)
+    lib = (tmp_path / "lib.gguf").read_bytes() if write_tiny_gguf(str(tmp_path / "lib.gguf")) else b""
+    assert len(fast) > 100_000 and fast == lib
 
 
 def test_loader_parses_a_rewritten_file_again(tmp_path):
