@@ -49,7 +49,8 @@ class _Writer(GGUFWriter):
                 or isinstance(val, (bytes, str)) or not val):
             return super()._pack_val(val, vtype, add_vtype, sub_type)
         item_type = sub_type or GGUFValueType.get_type(val[0])
-        if sub_type is None and not all(GGUFValueType.get_type(v) is item_type for v in val):
+        one_of_each_type = {type(v): v for v in val}.values()  # get_type depends on the value's type alone
+        if sub_type is None and not all(GGUFValueType.get_type(v) is item_type for v in one_of_each_type):
             raise ValueError("All items in a GGUF array should be of the same type")
         head = (struct.pack("<I", vtype) if add_vtype else b"") + struct.pack("<IQ", item_type, len(val))
         if item_type == GGUFValueType.STRING:
