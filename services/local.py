@@ -159,7 +159,7 @@ def cmd_inspect(args) -> int:
 
 def _per_layer_rows(loader, summary: dict[str, str], num_layers: int) -> list[tuple[str, str]]:
     """One row per run of consecutive layers whose matrices have the same GGUF types and kernels, e.g.
-    ("layers 0-29", "attn_q Q4_1 -> int4-g32 ... (fused qkv); ..."), then the embedding and the head."""
+    ("layers 0-29", "attn_q Q4_1 -> q4_1-dot-q8 ... (fused qkv); ..."), then the embedding and the head."""
 
     def describe(layer: int) -> str:
         prefix = f"blk.{layer}."

@@ -15,18 +15,31 @@ from shared.models.linear import (
     DenseLinear,
     Int4Linear,
     Int8Linear,
+    QdotLinear,
     SwitchedLinear,
     auto_nbytes,
     dequantize,
     lean_kernel,
     lean_nbytes,
     make_linear,
+    qdot_takes,
     stored_kernel,
     stored_nbytes,
     unpack_levels,
 )
 
 ROWS, COLS = 48, 512  # 48 rows: a multiple of 16 (int4 kernel); 512 columns: two Q4_K superblocks
+
+
+def _blocks_kernel(qtype: str) -> type:
+    """The kernel of a 4- or 8-bit type's own blocks here: the integer-dot kernels where they run (Q4_0, Q4_1, Q8_0
+    on AVX2 CPUs; tests/test_qdot.py), else int4 (one plane or two)."""
+    return QdotLinear if qdot_takes(qtype) else Int4Linear
+
+
+def _blocks_kind(qtype: str) -> str:
+    return f"{qtype.lower()}-dot-q8" if qdot_takes(qtype) else ("int4-g32" if qtype in ("Q4_0", "Q4_1", "Q4_K")
+                                                                  else "int4x2-g32")
 
 
 def _raw(qtype: str, seed: int = 0) -> tuple[RawTensor, np.ndarray]:
@@ -65,8 +78,9 @@ def test_stored_kernel_runs_the_files_numbers(qtype):
     weights themselves. Its bytes are what stored_nbytes plans with."""
     raw, ref = _raw(qtype, seed=1)
     w = stored_kernel(raw)
-    expected = {"Q4_0": Int4Linear, "Q4_1": Int4Linear, "Q4_K": Int4Linear, "Q8_0": Int4Linear, "Q5_0": Int4Linear,
-                "Q5_1": Int4Linear, "Q5_K": Int4Linear, "F16": DenseLinear}.get(qtype, Int8Linear)
+    expected = {"Q4_0": _blocks_kernel("Q4_0"), "Q4_1": _blocks_kernel("Q4_1"), "Q4_K": Int4Linear,
+                "Q8_0": _blocks_kernel("Q8_0"), "Q5_0": Int4Linear, "Q5_1": Int4Linear, "Q5_K": Int4Linear,
+                "F16": DenseLinear}.get(qtype, Int8Linear)
     assert isinstance(w, expected), w.kind
     if isinstance(w, Int4Linear):  # the levels the kernel packs reproduce the file exactly
         q, scale, low = unpack_levels(raw)
@@ -84,7 +98,7 @@ def test_lean_kernel_is_the_smallest_within_the_types_own_error(qtype):
     the int8 bound of the exact product, and its bytes are what lean_nbytes plans with and less than stored's."""
     raw, ref = _raw(qtype, seed=2)
     w = lean_kernel(raw)
-    assert isinstance(w, Int8Linear if qtype in LEAN_INT8_TYPES + ("Q6_K",) else Int4Linear), w.kind
+    assert isinstance(w, Int8Linear if qtype in LEAN_INT8_TYPES + ("Q6_K",) else _blocks_kernel(qtype)), w.kind
     x = torch.randn(5, COLS)
     exact = x.bfloat16().double() @ torch.from_numpy(ref).double().T
     assert (w(x).double() - exact).abs().max() / exact.abs().max() < 2e-2
@@ -111,11 +125,11 @@ def dense_kind() -> str:
 def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
     raw, _ = _raw("Q4_1")
     auto, lean = make_linear([raw], "auto"), make_linear([raw], "lean")
-    assert isinstance(auto, SwitchedLinear) and isinstance(lean, Int4Linear)
+    assert isinstance(auto, SwitchedLinear) and isinstance(lean, _blocks_kernel("Q4_1"))
     x = torch.randn(INT4_MAX_TOKENS, COLS)
     small, large = x[:INT4_MAX_TOKENS - 1], x
     assert torch.equal(auto(small), auto.small(small)) and torch.equal(auto(large), auto.large(large))
-    assert isinstance(make_linear([raw], "auto", batch_invariant=True), Int4Linear)
+    assert isinstance(make_linear([raw], "auto", batch_invariant=True), _blocks_kernel("Q4_1"))
     assert isinstance(make_linear([_raw("F16")[0]], "auto"), DenseLinear)  # float types have no quantized kernel
     assert isinstance(make_linear([_raw("Q6_K")[0]], "auto"), DenseLinear)  # auto: dense, no slower than int8 rows
     assert isinstance(make_linear([_raw("Q6_K")[0]], "lean"), Int8Linear)
@@ -134,11 +148,11 @@ def test_fused_rows_of_any_type_mix_compute_the_concatenation(mode):
     assert fused.out_features == len(parts) * ROWS
     if mode == "lean":  # each type on its lean kernel, the two Q5_0 parts on one
         assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == ["int4-g32", "int8-rows",
-                                                                                    "int8-rows", "int4x2-g32"]
+                                                                                    "int8-rows", _blocks_kind("Q8_0")]
         assert fused.parts[1].out_features == 2 * ROWS
     if mode == "auto":  # int4 (one or two planes) below the crossover, dense for Q6_K; a prefill copy of the whole
         assert isinstance(fused, SwitchedLinear) and isinstance(fused.small, ConcatLinear)
-        assert [p.kind for p in fused.small.parts] == ["int4-g32", "int4x2-g32", dense_kind(), "int4x2-g32"]
+        assert [p.kind for p in fused.small.parts] == ["int4-g32", "int4x2-g32", dense_kind(), _blocks_kind("Q8_0")]
         assert fused.large.out_features == 5 * ROWS
 
 

@@ -199,9 +199,10 @@ def test_real_gemma3_split_equals_unsplit_in_float32(gemma3, varied_text):
     assert torch.equal(split, unsplit)
 
 
-def test_the_compiled_decode_step_covers_two_int4_planes(smollm2):
+def test_the_compiled_decode_step_covers_q8_0_blocks(smollm2):
     """SmolLM2 requantized to Q8_0 runs every block matmul as two int4 planes (in lean too; the Q5_* types' planes
-    differ only in their zeros, fixed at load), which the compiled decode step covers: its inputs (the static-shape
+    differ only in their zeros, fixed at load) -- or, where they run (AVX2 CPUs), on the integer-dot kernels
+    (shared.models.qdot) -- which the compiled decode step covers: its inputs (the static-shape
     OneSequenceDecode attention over the context) through run_layers run as Python, as inductor traces it, give the
     eager decode step's logits, bit for bit with float32 activations (compiled, fused kernels round elsewhere)."""
     from shared.models.compiled_decode import CompiledDecode, why_not_compilable
@@ -213,7 +214,10 @@ def test_the_compiled_decode_step_covers_two_int4_planes(smollm2):
     runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=2, max_seq_len=128, weights="lean")
     model = runtime.model
     assert why_not_compilable(model) is None
-    assert {model.blocks[0].qkv.kind, model.blocks[0].gate_up.kind} == {"int4x2-g32"}
+    from shared.models.linear import qdot_takes
+
+    assert {model.blocks[0].qkv.kind, model.blocks[0].gate_up.kind} == {
+        "q8_0-dot-q8" if qdot_takes("Q8_0") else "int4x2-g32"}
     runtime.kv = model.new_kv_cache(2, 128, scratch=True)
     step = CompiledDecode(model, runtime.kv)
     ids = IDS[:12]

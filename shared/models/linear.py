@@ -45,8 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from shared.device import cpu_has_fast_bf16
-from shared.errors import GgufError
+from shared.errors import CapabilityMissing, GgufError
 from shared.gguf_loader import RawTensor
+from shared.models import qdot
 
 WEIGHT_MODES = ("auto", "lean", "bf16", "f32")
 GROUP = 32  # ggml's block of 4-bit types (Q4_K: a 256-superblock of 8 such groups)
@@ -56,6 +57,8 @@ INT4_MAX_TOKENS = 9
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # a nibble x scale + low per group of 32: one int4 plane, as stored
 INT4_PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # up to 8 bits x scale + low per group of 32: two int4 planes
 FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
+# The types QdotLinear takes where the integer-dot kernels run (qdot.usable()), and the op each runs on.
+QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
 # (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
 _PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
@@ -234,6 +237,58 @@ def stack_int4(kernels: list[Int4Linear]) -> Int4Stack | None:
     return stack
 
 
+class QdotLinear:
+    """A Q4_0 / Q4_1 / Q8_0 matrix kept as the GGUF's blocks, multiplied by integer dot products against activations
+    quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch kernels are AVX2).
+    blocks [N, K/32 * bytes] uint8: Q4_1's 20-byte blocks as stored, Q4_0's rewritten to them (its offset -8d, exact
+    in fp16), Q8_0's 34-byte blocks as stored. float32 out. A row's result does not depend on the other rows."""
+
+    def __init__(self, raw: RawTensor):
+        if (why := qdot.load()) is not None:
+            raise CapabilityMissing(f"the integer-dot kernels cannot run here: {why}")
+        self.out_features, self.in_features = n, k = raw.shape
+        self.op = QDOT_TYPES[raw.ggml_type]
+        self.kind = f"{raw.ggml_type.lower()}-dot-q8"
+        data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
+        if raw.ggml_type == "Q4_0":  # {d, qs} -> {d, -8d, qs}
+            low = (-8.0 * data[..., 0:2].contiguous().view(torch.float16)).view(torch.uint8)
+            data = torch.cat([data[..., 0:2], low, data[..., 2:]], dim=-1)
+        self.blocks = data.reshape(n, -1).contiguous().clone()  # owned: not a view of the mapped file
+
+    stack: QdotStack | None = None  # set by stack_qdot: this weight is layer `index` of a stack
+    index: int = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = self.blocks if self.stack is None else self.stack.blocks[self.index]
+        return qdot.mm(self.op, x, blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+@dataclass
+class QdotStack:
+    """Several layers' QdotLinear of one shape and type as one tensor, blocks [L, N, K/32 * bytes]."""
+
+    blocks: torch.Tensor
+
+
+def stack_qdot(kernels: list[QdotLinear]) -> QdotStack | None:
+    """As stack_int4, for the integer-dot kernels."""
+    if len({(k.blocks.shape, k.op) for k in kernels}) != 1 or len(kernels) < 2:
+        return None
+    stack = QdotStack(torch.stack([k.blocks for k in kernels]))
+    for i, k in enumerate(kernels):
+        k.blocks, k.stack, k.index = stack.blocks[i], stack, i
+    return stack
+
+
+def qdot_takes(ggml_type: str) -> bool:
+    """Whether a matrix of this type runs on the integer-dot kernels here (QdotLinear)."""
+    return ggml_type in QDOT_TYPES and qdot.usable()
+
+
 class Int8Linear:
     """int8 weight-only with one bf16 scale per output row (`_weight_int8pack_mm`): the types whose levels are not a
     nibble or a byte per group of 32 (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, ...). Not exact: the GGUF's values are
@@ -343,16 +398,18 @@ class ConcatLinear:
         return sum(p.nbytes for p in self.parts)
 
 
-Linear = Int4Linear | Int8Linear | DenseLinear | SwitchedLinear | ConcatLinear
+Linear = Int4Linear | QdotLinear | Int8Linear | DenseLinear | SwitchedLinear | ConcatLinear
 
 
-def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | Int8Linear | DenseLinear:
-    """The kernel that runs one GGUF type from (about) its stored size: int4 for 4-bit types, two int4 planes for
-    Q8_0 (both exact up to bf16 scales), int8 per row for every other quantized type, and the dense kernel
-    (dense_dtype()) for float types. fixed_rows: as DenseLinear's (the quantized kernels need none: their rows are
+def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | QdotLinear | Int8Linear | DenseLinear:
+    """The kernel that runs one GGUF type from (about) its stored size: the integer-dot kernels for Q4_0 / Q4_1 /
+    Q8_0 where they run (qdot_takes), else int4 for 4-bit types, two int4 planes for Q8_0 (both exact up to bf16
+    scales); int8 per row for every other quantized type, and the dense kernel (dense_dtype()) for float types. fixed_rows: as DenseLinear's (the quantized kernels need none: their rows are
     independent of M)."""
     if raw.ggml_type in FLOAT_TYPES:
         return DenseLinear(dequantize(raw), dense_dtype(), fixed_rows, prepack_f32=True)
+    if qdot_takes(raw.ggml_type):
+        return QdotLinear(raw)
     if raw.ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits(raw.shape):
         return Int4Linear(*unpack_levels(raw), planes=1 if raw.ggml_type in INT4_TYPES else 2,
                           pair_zeros=_PAIR_ZEROS.get(raw.ggml_type))
@@ -385,6 +442,8 @@ def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
     n, k = math.prod(shape[:-1]), shape[-1]
     if ggml_type in FLOAT_TYPES:
         return n * k * dense_dtype().itemsize
+    if qdot_takes(ggml_type):
+        return n * (k // GROUP) * qdot.BLOCK_BYTES[QDOT_TYPES[ggml_type]]
     if ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits((n, k)):
         planes = 1 if ggml_type in INT4_TYPES else 2
         return planes * (n * k // 2 + n * (k // GROUP) * 2 * 2)  # nibbles + a bf16 scale and zero per group
@@ -394,9 +453,14 @@ def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
 def auto_nbytes(ggml_type: str, shape: Sequence[int], prefill_dtype: torch.dtype) -> int:
     """The bytes make_linear's auto holds for a matrix of this type and shape with a prefill copy in prefill_dtype."""
     n, k = math.prod(shape[:-1]), shape[-1]
-    if ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits((n, k)):
+    if _quantized_kernel_takes(ggml_type, (n, k)):
         return stored_nbytes(ggml_type, (n, k)) + n * k * prefill_dtype.itemsize
     return n * k * dense_dtype().itemsize
+
+
+def _quantized_kernel_takes(ggml_type: str, shape: Sequence[int]) -> bool:
+    """auto runs this matrix on its stored blocks (the integer-dot or int4 kernels) below the crossover."""
+    return qdot_takes(ggml_type) or (ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits(shape))
 
 
 def _rows_of(raws: list[RawTensor]) -> RawTensor:
@@ -435,8 +499,8 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
                  for _, run in itertools.groupby(raws, lambda r: (r.ggml_type, int4_fits(r.shape)))]
         return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 
-    def int4_run(r: RawTensor) -> str:  # a run's key: its type where int4 takes it, else "dense" (runs merge)
-        return r.ggml_type if r.ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits(r.shape) else "dense"
+    def int4_run(r: RawTensor) -> str:  # a run's key: its type where int4 or qdot takes it, else "dense" (runs merge)
+        return r.ggml_type if _quantized_kernel_takes(r.ggml_type, r.shape) else "dense"
 
     parts = [stored_kernel(_rows_of(run)) if key != "dense" else
              DenseLinear(torch.cat([dequantize(r) for r in run]), dense_dtype(), prepack_f32=True)

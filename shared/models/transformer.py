@@ -28,6 +28,7 @@ from shared.models.linear import (
     WEIGHT_MODES,
     Int4Linear,
     Linear,
+    QdotLinear,
     QuantizedRows,
     SwitchedLinear,
     auto_nbytes,
@@ -35,6 +36,7 @@ from shared.models.linear import (
     lean_nbytes,
     make_linear,
     stack_int4,
+    stack_qdot,
 )
 from shared.models.memory import PieceMemory, PrefillCopy, default_budget, plan_prefill_copy
 
@@ -249,6 +251,8 @@ class TransformerModel:
             kernels = [k.small if isinstance(k, SwitchedLinear) else k for k in kernels]
             if all(isinstance(k, Int4Linear) for k in kernels):
                 stack_int4(kernels)
+            elif all(isinstance(k, QdotLinear) for k in kernels):
+                stack_qdot(kernels)
         for name in ("attn_norm", "ffn_norm"):
             rows = [getattr(b, name) for b in self.blocks]
             if len(rows) > 1 and all(r is not None for r in rows) and len({r.shape for r in rows}) == 1:

@@ -1,0 +1,124 @@
+"""The integer-dot kernels (shared/models/qdot.cpp) against llama.cpp's scheme written out in numpy: activations
+quantized per block of 32 to int8 with fp16 scales, exact integer dot products, float scaling. Built and run here
+on any CPU with AVX2, whether or not this CPU's stages pick them (qdot.usable())."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from shared.errors import CapabilityMissing
+from shared.gguf_loader import RawTensor
+from shared.models import qdot
+from shared.models.linear import QdotLinear, stored_kernel, unpack_levels
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    why = qdot.load()
+    if why is not None:
+        pytest.skip(f"the integer-dot kernels cannot run on this machine: {why}")
+
+
+def _raw(qtype: str, rows: int, cols: int, seed: int = 0) -> RawTensor:
+    rng = np.random.default_rng(seed)
+    data = quantize((rng.standard_normal((rows, cols)) * 0.1).astype(np.float32), GGMLQuantizationType[qtype])
+    return RawTensor("w", qtype, (rows, cols), torch.from_numpy(np.ascontiguousarray(data)).view(rows, -1))
+
+
+def _llama_cpp_product(x: np.ndarray, raw: RawTensor) -> np.ndarray:
+    """ggml's quantize_row_q8_1 and vec_dot_q4_{0,1}_q8_1 / q8_0_q8_0, in numpy, summed in float64."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(axis=-1)
+    d = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    qx = np.rint(xb * inv[..., None]).astype(np.int64)  # round half to even, as _mm256_round_ps
+    dx = d.astype(np.float16).astype(np.float64)
+    sx = (d * qx.sum(-1).astype(np.float32)).astype(np.float16).astype(np.float64)
+    levels, scale, low = (t.numpy() for t in unpack_levels(raw))
+    n = levels.shape[0]
+    lv = levels.reshape(n, k // 32, 32).astype(np.int64)
+    if raw.ggml_type == "Q8_0":  # signed levels, no offset term
+        dots = np.einsum("nbj,mbj->mnb", lv - 128, qx)
+        return np.einsum("nb,mb,mnb->mn", scale.astype(np.float64), dx, dots)
+    dots = np.einsum("nbj,mbj->mnb", lv, qx)
+    return (np.einsum("nb,mb,mnb->mn", scale.astype(np.float64), dx, dots)
+            + np.einsum("nb,mb->mn", low.astype(np.float64), sx))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows,cols", [(40, 64), (96, 576)])
+def test_the_product_is_llama_cpps_to_float32_rounding(qtype, rows, cols):
+    """Per output, the kernel's fp32 sum of per-block terms equals the float64 sum of the same terms: a wrong nibble
+    order, sign trick, offset or activation rounding would be off by far more than fp32's rounding. 40 rows: no
+    multiple of 16 is needed, unlike torch's int4 kernel."""
+    raw = _raw(qtype, rows, cols, seed=rows)
+    w = QdotLinear(raw)
+    for m in (1, 3, 4, 9):
+        x = torch.randn(m, cols)
+        x[0, :32] = 0.0  # an all-zero block: its scale is 0, not a division by zero
+        expected = _llama_cpp_product(x.numpy(), raw)
+        got = w(x).double().numpy()
+        assert got.shape == (m, rows)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_rows_result_depends_neither_on_its_batch_nor_on_the_thread_count(qtype):
+    """The batch-invariant mode's requirement: row i of an M-row call equals the row alone, bit for bit, for every M
+    (the kernel tiles rows by 4) and whether one thread or two split the weight's rows."""
+    w = QdotLinear(_raw(qtype, 64, 128, seed=3))
+    x = torch.randn(13, 128)
+    alone = torch.cat([w(x[i:i + 1]) for i in range(13)])
+    for m in range(1, 14):
+        assert torch.equal(w(x[:m]), alone[:m]), m
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = w(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, alone)
+
+
+def test_q4_0_runs_as_q4_1_blocks_with_its_offset_spelled_out():
+    """Q4_0 {d, 16 bytes} becomes {d, -8d, 16 bytes}: the same size as Q4_1's blocks, the same numbers."""
+    raw = _raw("Q4_0", 32, 64, seed=7)
+    w = QdotLinear(raw)
+    assert w.blocks.shape == (32, 2 * 20) and w.nbytes == 32 * 2 * 20
+    blocks = w.blocks.view(32, 2, 20)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    low = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    torch.testing.assert_close(low, -8.0 * d, rtol=0, atol=0)
+
+
+def test_bad_inputs_are_refused_with_what_was_wrong():
+    w = QdotLinear(_raw("Q4_1", 32, 64))
+    with pytest.raises(RuntimeError, match="K = 96"):
+        torch.ops.stagemesh_qdot.q4_1(torch.randn(2, 96), w.blocks)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.stagemesh_qdot.q4_1(torch.randn(2, 64).double(), w.blocks)
+    with pytest.raises(RuntimeError, match="uint8"):
+        torch.ops.stagemesh_qdot.q8_0(torch.randn(2, 64), w.blocks.float())
+
+
+def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monkeypatch):
+    """stored_kernel picks them for Q4_0 / Q4_1 / Q8_0 exactly where qdot.usable() says so; STAGEMESH_QDOT=off turns
+    them off (a new process: load() and usable() are decided once)."""
+    for qtype in TYPES:
+        assert isinstance(stored_kernel(_raw(qtype, 32, 64)), QdotLinear) == qdot.usable()
+    assert not isinstance(stored_kernel(_raw("Q5_0", 32, 64)), QdotLinear)
+    monkeypatch.setenv(qdot.ENV, "off")
+    qdot.load.cache_clear()
+    try:
+        assert qdot.load() == f"turned off ({qdot.ENV}=off)"
+        with pytest.raises(CapabilityMissing, match="turned off"):
+            QdotLinear(_raw("Q4_1", 32, 64))
+    finally:
+        monkeypatch.delenv(qdot.ENV)
+        qdot.load.cache_clear()
+        assert qdot.load() is None
