@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from benchmarks.harness import children
+from shared.models import qdot
 
 pytestmark = pytest.mark.processes  # every test here starts a real up
 
@@ -79,6 +80,10 @@ def test_every_stage_of_a_two_stage_mesh_decodes_compiled(up):
     cores = os.cpu_count()
     share = max(1, cores // 2)
     assert [(i["threads"], i["threads_alone"]) for i in infos] == [(share, cores)] * 2
+    # SmolLM2's Q4_1 blocks run on the integer-dot kernels inside the graphs, where this CPU takes them (AVX2)
+    integer_dot = qdot.why_not() or "on"
+    assert [i["weights"]["integer_dot"] for i in infos] == [integer_dot] * 2
+    assert all(("q4_1-dot-q8" in str(i["weights"]["tensors"])) == (integer_dot == "on") for i in infos)
     assert [a["threads"] for a in after] == [sorted({share, cores})] * 2
     if share != cores:  # taking turns with the cores: OpenMP threads spin briefly before they sleep
         stages = [p for p in children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]

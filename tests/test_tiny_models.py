@@ -18,7 +18,7 @@ from benchmarks.tiny_gguf import (
 from shared.errors import GgufError, UnsupportedArchitecture, UnsupportedTensorType
 from shared.generation import window_logits
 from shared.gguf_loader import GgufLoader
-from shared.models.linear import INT4_PAIR_TYPES, INT4_TYPES
+from shared.models.linear import INT4_PAIR_TYPES, INT4_TYPES, qdot_takes
 from shared.protocol import SeqEntry
 from shared.runtime import LocalPipeline
 from shared.steps import Decode, Prefill
@@ -155,8 +155,8 @@ def test_quantized_tiny_model_matches_llama_cpp(tmp_path, spec, weights, toleran
     pipeline = LocalPipeline.load(GgufLoader(path), None, dtype, kv_slots=1, weights=None if weights == "auto" else weights)
     runs_as = pipeline.pieces[0].model.weight_summary()
 
-    def int4_expected(ggml_type: str) -> bool:  # lean and auto: every 4- and 8-bit type (one int4 plane or two)
-        return weights in ("auto", "lean") and ggml_type in INT4_TYPES + INT4_PAIR_TYPES
+    def blocks_expected(ggml_type: str) -> bool:  # lean and auto: every 4- and 8-bit type (one int4 plane or two,
+        return weights in ("auto", "lean") and ggml_type in INT4_TYPES + INT4_PAIR_TYPES  # or the integer-dot kernels)
 
     for name, kind in runs_as.items():
         if name == "token_embd.weight" and not spec.tied:  # the embedding alone: looked up from the file's bytes
@@ -165,8 +165,10 @@ def test_quantized_tiny_model_matches_llama_cpp(tmp_path, spec, weights, toleran
         # fused q|k|v where q fits int4 (96 rows) and k and v do not (12 each): the kind names both kernels
         k_v_misfit = name.split(".")[-2] in ("attn_q", "attn_k", "attn_v") and spec.head_dim == 12
         ggml_type = "Q8_0" if name == "token_embd.weight" else spec.quant  # token_embd is Q8_0 in these files
-        assert ("int4" in kind) == int4_expected(ggml_type), (name, kind)
-        assert ("int8" in kind) == (weights == "lean" and k_v_misfit), (name, kind)  # auto: the dense kernel
+        dot = blocks_expected(ggml_type) and qdot_takes(ggml_type)  # the integer-dot kernels (AVX2 CPUs): any rows
+        assert ("int4" in kind or "-dot-q8" in kind) == blocks_expected(ggml_type), (name, kind)
+        assert ("-dot-q8" in kind) == dot, (name, kind)
+        assert ("int8" in kind) == (weights == "lean" and k_v_misfit and not dot), (name, kind)  # auto: dense
     logit_range = ref.max() - ref.min()
     assert logit_range > 1.0  # the comparison is not vacuous
     for path_name, ours in (("prefill", window_logits(pipeline, IDS).double().numpy()), ("decode", _decode_logits(pipeline, IDS))):

@@ -21,6 +21,7 @@ from shared.config import STAGE_DEFAULTS
 from shared.errors import BadBatch, StagemeshError
 from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
+from shared.models import qdot
 from shared.otlp import OtlpTracer, trace_id_of
 from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
 from shared.runtime import StageRuntime
@@ -230,7 +231,9 @@ class StageWorker:
         of the file, and the memory budget's decision (shared.models.memory)."""
         model = self.runtime.model
         return {"mode": model.weights, "batch_invariant": model.batch_invariant, "bytes": model.weight_bytes(),
-                "memory": model.memory_report(), "tensors": model.weight_summary()}
+                "memory": model.memory_report(), "tensors": model.weight_summary(),
+                # Q4_0 / Q4_1 / Q8_0 on the integer-dot kernels (shared.models.qdot), or why not
+                "integer_dot": qdot.why_not() or "on"}
 
     @functools.cached_property
     def _keys_info(self) -> dict | None:

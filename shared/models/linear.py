@@ -13,6 +13,9 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
     bf16   bf16 (oneDNN-prepacked) for every type
     f32    float32, the GGUF's numbers exactly (the reference)
 
+Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
+(QdotLinear) wherever the table says int4: the file's blocks, multiplied as llama.cpp does (shared.models.qdot).
+
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
 Q4_K 0.56 in the file), two int4 planes 1.25 (Q8_0 1.06), int8 rows 1.0 (Q5_0 0.69, Q5_K 0.69, Q6_K 0.82, Q3_K 0.43).
 Lean holds a 5-bit type as int8 rows rather than two exact int4 planes: a per-row int8 step is a fraction of the

@@ -113,12 +113,17 @@ def _fake_mm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def why_not() -> str | None:
+    """None where the weights' Q4_0 / Q4_1 / Q8_0 blocks run on these kernels: a CPU whose torch kernels are AVX2
+    and the ops load. Otherwise why not (a stage's /info shows it)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":
+        return f"torch's kernels here are {capability}, where its int4 kernel is the faster one"
+    return load()
+
+
 def usable() -> bool:
-    """Whether the weights' 4- and 8-bit blocks run on these kernels here: a CPU whose torch kernels are AVX2 (on
-    AVX512 torch's int4 kernel with bf16 activations is faster) and the ops load."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":
-        return False
-    return load() is None
+    return why_not() is None
 
 
 def mm(op: str, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
