@@ -122,3 +122,15 @@ def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monk
         monkeypatch.delenv(qdot.ENV)
         qdot.load.cache_clear()
         assert qdot.load() is None
+
+
+def test_the_library_is_built_where_the_home_cache_cannot_hold_it(monkeypatch, tmp_path):
+    """A container with a read-only root filesystem: the home cache cannot be made, the temporary directory can."""
+    home, temp = tmp_path / "home", tmp_path / "tmp"
+    (home / ".cache" / "stagemesh").mkdir(parents=True)
+    (home / ".cache" / "stagemesh" / "kernels").write_text("not a directory")
+    temp.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(qdot.tempfile, "gettempdir", lambda: str(temp))
+    path = qdot._library_path()
+    assert path.startswith(str(temp / "stagemesh-kernels")) and path.endswith(".so")

@@ -7,8 +7,9 @@ as two torch ops (`torch.ops.stagemesh_qdot.q4_1 / q8_0`), which torch.compile's
 Same matrices: 9 ms. Numerically it is llama.cpp's own scheme (the activations' 8-bit rounding, fp16 block scales),
 so its results are closer to llama.cpp's than the int4 kernel's bf16 activations are.
 
-The ops are compiled from qdot.cpp once per machine (c++, ~10 s) into ~/.cache/stagemesh/kernels/ under a name that
-hashes the source, torch's version and the flags, and loaded from there afterwards. `usable()` says whether they run
+The ops are compiled from qdot.cpp once per machine (c++, ~10 s) into ~/.cache/stagemesh/kernels/ (where that is not
+writable, the temporary directory's stagemesh-kernels/) under a name that hashes the source, torch's version and the
+flags, and loaded from there afterwards. `usable()` says whether they run
 here and why not (no AVX2 + FMA + F16C; a CPU where torch's kernels are AVX512, whose bf16 int4 path is faster; no
 C++ compiler; STAGEMESH_QDOT=off); where they do not, the int4 kernel runs as before.
 """
@@ -34,14 +35,33 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per block of 32 weights in the o
 CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
-def cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "stagemesh", "kernels")
+def cache_dirs() -> list[str]:
+    """Where a built library is looked for, in order, and built into: the first that is writable (a container with
+    a read-only root filesystem has only its temporary directory)."""
+    return [os.path.join(os.path.expanduser("~"), ".cache", "stagemesh", "kernels"),
+            os.path.join(tempfile.gettempdir(), "stagemesh-kernels")]
+
+
+def _library_name() -> str:
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    return f"stagemesh_qdot-{digest}.so"
 
 
 def _library_path() -> str:
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
-    return os.path.join(cache_dir(), f"stagemesh_qdot-{digest}.so")
+    """The built library where one exists, else where to build it."""
+    name = _library_name()
+    for d in cache_dirs():
+        if os.path.exists(os.path.join(d, name)):
+            return os.path.join(d, name)
+    for d in cache_dirs():
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK):
+            return os.path.join(d, name)
+    return os.path.join(cache_dirs()[-1], name)
 
 
 def _cpu_flags() -> set[str]:
