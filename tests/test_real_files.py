@@ -90,14 +90,22 @@ def _check_tiny(path: str, tolerance: float = TOLERANCE, flips: int = 0) -> None
     assert rel(unsplit.double().numpy(), ref_exact) <= 1e-3
     for weights in (None, "lean"):
         pipeline = LocalPipeline.load(loader, None, torch.bfloat16, kv_slots=1, weights=weights)
+        # where the integer-dot kernels run (AVX2 CPUs: Q4_0 / Q4_1 / Q8_0 matrices), activations are quantized to 8
+        # bits as llama.cpp's own run quantizes them: that run's distance from exact is allowed on top
+        own = llama_own if _quantizes_activations(pipeline) else 0.0
         for name, ours in (("prefill", window_logits(pipeline, IDS).double().numpy()),
                            ("decode", _decode_logits(pipeline, IDS))):
-            bound = max(tolerance, LEAN_TOLERANCE) if weights == "lean" else tolerance
+            bound = (max(tolerance, LEAN_TOLERANCE) if weights == "lean" else tolerance) + own
             print(f"  {weights or 'auto'} {name}: {rel(ours, ref_exact):.1e} from exact "
                   f"({rel(ours, ref_exact, flips):.1e} but {flips} positions), "
                   f"{rel(ours, ref_quantized):.1e} from llama.cpp's run of the quantized file")
             assert rel(ours, ref_exact, flips) <= bound, (weights, name)
-            assert rel(ours, ref_quantized, flips) <= bound + llama_own, (weights, name)
+            assert rel(ours, ref_quantized, flips) <= bound - own + llama_own, (weights, name)
+
+
+def _quantizes_activations(pipeline: LocalPipeline) -> bool:
+    """Some matrix of the pipeline runs on the integer-dot kernels (shared.models.qdot), which quantize activations."""
+    return any("-dot-q8" in kind for piece in pipeline.pieces for kind in piece.model.weight_summary().values())
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -179,16 +187,18 @@ def test_real_gemma3_q4_k_m_matches_llama_cpp(gemma3, varied_text):
     assert sum(len(w) - 1 for w in windows) >= 1000
     path = gemma3.loader.path
     ref_exact = _llama_cpp_perplexity(_preset(path, "F32"), windows)
+    ref_file = _llama_cpp_perplexity(path, windows)
+    llama_own = abs(ref_file / ref_exact - 1)
     for weights in ("auto", "lean"):
-        ours = _our_perplexity(path, windows, weights)
+        pipeline = LocalPipeline.load(GgufLoader(path), None, torch.bfloat16, kv_slots=1, weights=weights)
+        ours = _perplexity(lambda w, pipeline=pipeline: window_logits(pipeline, w), windows)
         print(f"\nGemma 3 270M Q4_K_M {weights}: perplexity {ours:.4f}, llama.cpp on its F32 dequantization "
-              f"{ref_exact:.4f} ({ours / ref_exact - 1:+.2%})")
-        assert abs(ours / ref_exact - 1) <= 0.02
-        if weights == "auto":
-            ref_file = _llama_cpp_perplexity(path, windows)
-            print(f"Gemma 3 270M Q4_K_M auto against llama.cpp on the Q4_K_M file itself: {ours:.4f} vs {ref_file:.4f} "
-                  f"({ours / ref_file - 1:+.2%}); llama.cpp's own run of the file against its exact run: "
-                  f"{ref_file / ref_exact - 1:+.2%}")
+              f"{ref_exact:.4f} ({ours / ref_exact - 1:+.2%}); on the Q4_K_M file itself {ref_file:.4f} "
+              f"({ours / ref_file - 1:+.2%}; llama.cpp's own run of the file against its exact run: "
+              f"{ref_file / ref_exact - 1:+.2%})")
+        # the integer-dot kernels (AVX2 CPUs; here the Q8_0 embedding as lm_head) quantize activations as llama.cpp's
+        # own run does: that run's distance from exact is allowed on top
+        assert abs(ours / ref_exact - 1) <= 0.02 + (llama_own if _quantizes_activations(pipeline) else 0.0)
 
 
 def test_real_gemma3_split_equals_unsplit_in_float32(gemma3, varied_text):

@@ -407,8 +407,8 @@ Linear = Int4Linear | QdotLinear | Int8Linear | DenseLinear | SwitchedLinear | C
 def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | QdotLinear | Int8Linear | DenseLinear:
     """The kernel that runs one GGUF type from (about) its stored size: the integer-dot kernels for Q4_0 / Q4_1 /
     Q8_0 where they run (qdot_takes), else int4 for 4-bit types, two int4 planes for Q8_0 (both exact up to bf16
-    scales); int8 per row for every other quantized type, and the dense kernel (dense_dtype()) for float types. fixed_rows: as DenseLinear's (the quantized kernels need none: their rows are
-    independent of M)."""
+    scales); int8 per row for every other quantized type, and the dense kernel (dense_dtype()) for float types.
+    fixed_rows: as DenseLinear's (the quantized kernels need none: their rows are independent of M)."""
     if raw.ggml_type in FLOAT_TYPES:
         return DenseLinear(dequantize(raw), dense_dtype(), fixed_rows, prepack_f32=True)
     if qdot_takes(raw.ggml_type):

@@ -62,9 +62,9 @@ Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
     const float mx = _mm_cvtss_f32(m4);
     const float d = mx / 127.0f;
     const __m256 id = _mm256_set1_ps(mx != 0.0f ? 127.0f / mx : 0.0f);
+    constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as ggml's _MM_ROUND_NEAREST
     __m256i q[4];
-    for (int j = 0; j < 4; j++)
-      q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), nearest));
     __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
     s4 = _mm_hadd_epi32(s4, s4);
