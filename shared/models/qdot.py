@@ -9,9 +9,9 @@ block scales), with the distance from an exact product that llama.cpp's own run 
 
 The ops are compiled from qdot.cpp once per machine (c++, ~10 s) into ~/.cache/stagemesh/kernels/ (where that is not
 writable, the temporary directory's stagemesh-kernels/) under a name that hashes the source, torch's version and the
-flags, and loaded from there afterwards. `usable()` says whether they run
-here and why not (no AVX2 + FMA + F16C; a CPU where torch's kernels are AVX512, whose bf16 int4 path is faster; no
-C++ compiler; STAGEMESH_QDOT=off); where they do not, the int4 kernel runs as before.
+flags, and loaded from there afterwards. `why_not()` says whether they run here and, if not, why (no AVX2 + FMA +
+F16C; a CPU where torch's kernels are AVX512, whose bf16 int4 path is faster; no C++ compiler; STAGEMESH_QDOT=off);
+where they do not, the int4 kernel runs as before.
 """
 
 from __future__ import annotations
