@@ -14,16 +14,22 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo); empty where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+@functools.cache
 def cpu_has_fast_bf16() -> bool:
     """The one answer to "is bf16 fast on this CPU?": the CPU multiplies bf16 natively (AVX512-BF16 or AMX) and
     oneDNN has a bf16 GEMM for it. Without both, bf16 is emulated and slower than float32. It picks the default
     dtype, the dense kernel (shared.models.linear.dense_dtype) and whether a bf16 matrix is oneDNN-prepacked."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
     return native and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -16,7 +16,7 @@ eager against compiled), all but one:
 - one sequence (B = 1; the step is memory- and overhead-bound): larger micro-batches stay eager, where the
   SwitchedLinear's kernel choice applies. A mixture-of-experts block's experts run eagerly between graphs.
 - each graph input costs a call a few µs (dynamo's guard, the wrapper's handling), so the model keeps its per-layer
-  weights stacked where the layers share a shape (linear.stack_int4, TransformerModel.layer_norms): a step reads
+  weights stacked where the layers share a shape (linear.stack_layers, TransformerModel.layer_norms): a step reads
   ten-odd weight tensors instead of ten per layer (benchmarks/decode_step.py; docs/performance.md has the figures).
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the

@@ -204,16 +204,15 @@ class Int4Linear:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), 1)
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
 
-    stack: Int4Stack | None = None  # set by stack_int4: this weight is layer `index` of a stack
+    STACKED = ("packed", "scales_and_zeros")  # what stack_layers stacks
+    stack: LayerStack | None = None  # set by stack_layers: this weight is layer `index` of a stack
     index: int = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
-        # stacked: read the row from the stack itself (a compiled step then takes the one stack as its input)
-        packed, scales = ((self.packed, self.scales_and_zeros) if self.stack is None
-                          else (self.stack.packed[self.index], self.stack.scales_and_zeros[self.index]))
+        packed, scales = _stacked(self)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales)
 
     @property
@@ -222,22 +221,33 @@ class Int4Linear:
 
 
 @dataclass
-class Int4Stack:
-    """Several layers' Int4Linear of one shape as one tensor each: packed [L, N, planes * K/2], scales_and_zeros
-    [L, planes * K/32, N, 2]. Each Int4Linear reads its layer's slice."""
+class LayerStack:
+    """Several layers' kernels of one kind and shape (Int4Linear or QdotLinear) as one [L, ...] tensor per weight
+    field (the kernel class's STACKED); each kernel reads its layer's row."""
 
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
+    tensors: dict[str, torch.Tensor]
 
 
-def stack_int4(kernels: list[Int4Linear]) -> Int4Stack | None:
-    """Stack the kernels (one per layer) when they share a shape; each then reads its slice. None: left as they are."""
-    if len({(k.packed.shape, k.scales_and_zeros.shape, k.planes) for k in kernels}) != 1 or len(kernels) < 2:
+def stack_layers(kernels: list[Int4Linear] | list[QdotLinear]) -> LayerStack | None:
+    """Stack the kernels (one per layer) when they share class, kind and shapes; each then reads its row. None: left
+    as they are."""
+    fields = kernels[0].STACKED
+    if len(kernels) < 2 or len({(type(k), k.kind, *(getattr(k, f).shape for f in fields)) for k in kernels}) != 1:
         return None
-    stack = Int4Stack(torch.stack([k.packed for k in kernels]), torch.stack([k.scales_and_zeros for k in kernels]))
+    stack = LayerStack({f: torch.stack([getattr(k, f) for k in kernels]) for f in fields})
     for i, k in enumerate(kernels):
-        k.packed, k.scales_and_zeros, k.stack, k.index = stack.packed[i], stack.scales_and_zeros[i], stack, i
+        for f in fields:
+            setattr(k, f, stack.tensors[f][i])
+        k.stack, k.index = stack, i
     return stack
+
+
+def _stacked(kernel: Int4Linear | QdotLinear) -> tuple[torch.Tensor, ...]:
+    """The kernel's weight tensors (its STACKED fields), read from its stack where it has one: a compiled step then
+    takes the one stack tensor as its input rather than one view per layer."""
+    if kernel.stack is None:
+        return tuple(getattr(kernel, f) for f in kernel.STACKED)
+    return tuple(kernel.stack.tensors[f][kernel.index] for f in kernel.STACKED)
 
 
 class QdotLinear:
@@ -258,33 +268,17 @@ class QdotLinear:
             data = torch.cat([data[..., 0:2], low, data[..., 2:]], dim=-1)
         self.blocks = data.reshape(n, -1).contiguous().clone()  # owned: not a view of the mapped file
 
-    stack: QdotStack | None = None  # set by stack_qdot: this weight is layer `index` of a stack
+    STACKED = ("blocks",)  # what stack_layers stacks
+    stack: LayerStack | None = None  # set by stack_layers: this weight is layer `index` of a stack
     index: int = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        blocks = self.blocks if self.stack is None else self.stack.blocks[self.index]
+        (blocks,) = _stacked(self)
         return qdot.mm(self.op, x, blocks)
 
     @property
     def nbytes(self) -> int:
         return self.blocks.nbytes
-
-
-@dataclass
-class QdotStack:
-    """Several layers' QdotLinear of one shape and type as one tensor, blocks [L, N, K/32 * bytes]."""
-
-    blocks: torch.Tensor
-
-
-def stack_qdot(kernels: list[QdotLinear]) -> QdotStack | None:
-    """As stack_int4, for the integer-dot kernels."""
-    if len({(k.blocks.shape, k.op) for k in kernels}) != 1 or len(kernels) < 2:
-        return None
-    stack = QdotStack(torch.stack([k.blocks for k in kernels]))
-    for i, k in enumerate(kernels):
-        k.blocks, k.stack, k.index = stack.blocks[i], stack, i
-    return stack
 
 
 def qdot_takes(ggml_type: str) -> bool:

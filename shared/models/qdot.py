@@ -26,6 +26,8 @@ import tempfile
 
 import torch
 
+from shared.device import cpu_flags
+
 log = logging.getLogger("stagemesh.qdot")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qdot.cpp")
@@ -64,15 +66,6 @@ def _library_path() -> str:
     return os.path.join(cache_dirs()[-1], name)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.split(":", 1)[-1].split())
-
-
 def build(path: str) -> None:
     """Compile qdot.cpp against this torch into `path` (written to a temporary name, then renamed: processes
     building at once each finish with a whole library)."""
@@ -104,7 +97,7 @@ def load() -> str | None:
     """Build (once per machine) and load the ops. None when they are loaded; otherwise why they cannot run here."""
     if os.environ.get(ENV, "").lower() in ("off", "0", "false", "no"):
         return f"turned off ({ENV}={os.environ[ENV]})"
-    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     path = _library_path()

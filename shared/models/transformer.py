@@ -35,8 +35,7 @@ from shared.models.linear import (
     dequantize,
     lean_nbytes,
     make_linear,
-    stack_int4,
-    stack_qdot,
+    stack_layers,
 )
 from shared.models.memory import PieceMemory, PrefillCopy, default_budget, plan_prefill_copy
 
@@ -243,16 +242,14 @@ class TransformerModel:
 
     def _stack_layers(self) -> None:
         """Each kind of per-layer weight as one [L, ...] tensor, each block reading its row (no second copy): the
-        int4 matmuls' parts (linear.stack_int4) and attn_norm / ffn_norm (layer_norms, which run_layers reads).
+        int4 and integer-dot matmuls' parts (linear.stack_layers) and attn_norm / ffn_norm (layer_norms, which run_layers reads).
         A compiled step then takes ten-odd weight tensors as inputs instead of ten per layer (each input costs the
         graph call a few µs: shared/models/compiled_decode.py)."""
         for name in ("qkv", "wo", "gate_up", "w_down"):
             kernels = [b.linears().get(name) for b in self.blocks]
             kernels = [k.small if isinstance(k, SwitchedLinear) else k for k in kernels]
-            if all(isinstance(k, Int4Linear) for k in kernels):
-                stack_int4(kernels)
-            elif all(isinstance(k, QdotLinear) for k in kernels):
-                stack_qdot(kernels)
+            if all(isinstance(k, (Int4Linear, QdotLinear)) for k in kernels):
+                stack_layers(kernels)
         for name in ("attn_norm", "ffn_norm"):
             rows = [getattr(b, name) for b in self.blocks]
             if len(rows) > 1 and all(r is not None for r in rows) and len({r.shape for r in rows}) == 1:
