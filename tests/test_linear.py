@@ -185,3 +185,21 @@ def test_one_fast_bf16_probe_decides_the_default_dtype_the_dense_kernel_and_prep
     assert default_dtype_name(torch.device("cpu")) == ("bfloat16" if fast else "float32")
     assert dense_dtype() == (torch.bfloat16 if fast else torch.float32)
     assert DenseLinear(torch.randn(16, 32), torch.bfloat16).prepacked == fast
+
+
+def test_layers_stack_only_when_every_layer_runs_the_same_kernel_in_the_same_shape():
+    """A layer mix (Q4_K on int4 beside Q4_1 on the integer-dot kernels where they run, as a Q5_K_M file mixes types
+    per layer) stays unstacked; same-kind layers stack, each reading its row with the same results."""
+    from shared.models.linear import stack_layers
+
+    mixed = [stored_kernel(_raw("Q4_K", seed=1)[0]), stored_kernel(_raw("Q4_1", seed=2)[0])]
+    x = torch.randn(2, COLS)
+    before = [k(x) for k in mixed]
+    if type(mixed[0]) is not type(mixed[1]):
+        assert stack_layers(mixed) is None
+    same = [stored_kernel(_raw("Q4_1", seed=s)[0]) for s in (3, 4, 5)]
+    alone = [k(x) for k in same]
+    stack = stack_layers(same)
+    assert stack is not None and all(k.stack is stack for k in same)
+    assert all(torch.equal(k(x), y) for k, y in zip(same, alone))
+    assert all(torch.equal(k(x), y) for k, y in zip(mixed, before))

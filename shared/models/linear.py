@@ -231,8 +231,10 @@ class LayerStack:
 def stack_layers(kernels: list[Int4Linear] | list[QdotLinear]) -> LayerStack | None:
     """Stack the kernels (one per layer) when they share class, kind and shapes; each then reads its row. None: left
     as they are."""
+    if len(kernels) < 2 or len({type(k) for k in kernels}) != 1:  # a mix (layers of other types) stays unstacked
+        return None
     fields = kernels[0].STACKED
-    if len(kernels) < 2 or len({(type(k), k.kind, *(getattr(k, f).shape for f in fields)) for k in kernels}) != 1:
+    if len({(k.kind, *(getattr(k, f).shape for f in fields)) for k in kernels}) != 1:
         return None
     stack = LayerStack({f: torch.stack([getattr(k, f) for k in kernels]) for f in fields})
     for i, k in enumerate(kernels):
