@@ -28,6 +28,16 @@ def llama_ref(smollm2):
     return llama_cpp_model(smollm2.loader.path, n_ctx=256)
 
 
+@pytest.fixture
+def without_integer_dot(monkeypatch):
+    """This process loads weights as a CPU without the integer-dot kernels does (AVX512, or no compiler): Q4_0 / Q4_1
+    / Q8_0 on int4, with auto's dense prefill copy and its measured crossover. Where the kernels do not run anyway,
+    nothing changes."""
+    from shared.models import qdot
+
+    monkeypatch.setattr(qdot, "why_not", lambda: "turned off by the test (the int4 path)")
+
+
 @pytest.fixture(scope="session")
 def varied_text() -> str:
     with open(os.path.join(DATA, "varied.txt"), encoding="utf-8") as f:

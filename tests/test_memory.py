@@ -42,10 +42,11 @@ def _load(smollm2, **kw) -> TransformerModel:
                                       kv_slots=4, max_seq_len=256, **kw)
 
 
-def test_a_piece_whose_budget_cannot_hold_the_copy_runs_lean_by_itself(smollm2):
+def test_a_piece_whose_budget_cannot_hold_the_copy_runs_lean_by_itself(smollm2, without_integer_dot):
     """The same middle piece of SmolLM2 (Q4_1) with a roomy budget keeps auto's dense copies; with a budget that
     holds the lean weights and the KV cache but not the copy, it loads lean without being told, says why, and
-    holds at most 1.5x the file's bytes of its layers (the copy: ~5x)."""
+    holds at most 1.5x the file's bytes of its layers (the copy: ~5x). On int4, as on a CPU without the
+    integer-dot kernels."""
     roomy = _load(smollm2, memory_budget=8 * 2**30)
     tight = _load(smollm2, memory_budget=int(1.6 * roomy.memory.file_bytes) + roomy.memory.kv_bytes)
     switched = [w for b in roomy.blocks for w in b.linears().values() if isinstance(w, SwitchedLinear)]
@@ -64,6 +65,20 @@ def test_a_piece_whose_budget_cannot_hold_the_copy_runs_lean_by_itself(smollm2):
     for a, b in zip(roomy.blocks[0].linears().values(), tight.blocks[0].linears().values()):  # the same decode kernel
         x = torch.randn(3, a.in_features)
         assert torch.equal(a(x), b(x))
+
+
+def test_where_the_integer_dot_kernels_run_auto_holds_the_files_bytes(smollm2):
+    """On them auto keeps no dense copy (they outrun it at every size): SmolLM2's Q4_1 layers hold their file's bytes
+    (rows padded to 8: none in SmolLM2) whatever the budget."""
+    from shared.models import qdot
+
+    if not qdot.usable():
+        pytest.skip(f"the integer-dot kernels do not run here: {qdot.why_not()}")
+    model = _load(smollm2, memory_budget=8 * 2**30)
+    report = model.memory_report()
+    assert model.weights == "auto" and report["weights_per_file_byte"] <= 1.05, report
+    kinds = {k.kind for b in model.blocks for k in b.linears().values()}
+    assert kinds == {"q4_1-dot-q8"}, kinds
 
 
 def test_the_embedding_is_read_from_the_files_map_not_copied(smollm2):

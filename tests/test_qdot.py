@@ -51,11 +51,11 @@ def _llama_cpp_product(x: np.ndarray, raw: RawTensor) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows,cols", [(40, 64), (96, 576)])
+@pytest.mark.parametrize("rows,cols", [(43, 64), (96, 576), (5, 96)])
 def test_the_product_is_llama_cpps_to_float32_rounding(qtype, rows, cols):
     """Per output, the kernel's fp32 sum of per-block terms equals the float64 sum of the same terms: a wrong nibble
-    order, sign trick, offset or activation rounding would be off by far more than fp32's rounding. 40 rows: no
-    multiple of 16 is needed, unlike torch's int4 kernel."""
+    order, interleaving, sign trick, offset or activation rounding would be off by far more than fp32's rounding.
+    43 and 5 rows: the kernel takes rows 8 at a time, the last group padded (torch's int4 kernel needs 16 | N)."""
     raw = _raw(qtype, rows, cols, seed=rows)
     w = QdotLinear(raw)
     for m in (1, 3, 4, 9):
@@ -89,21 +89,25 @@ def test_q4_0_runs_as_q4_1_blocks_with_its_offset_spelled_out():
     """Q4_0 {d, 16 bytes} becomes {d, -8d, 16 bytes}: the same size as Q4_1's blocks, the same numbers."""
     raw = _raw("Q4_0", 32, 64, seed=7)
     w = QdotLinear(raw)
-    assert w.blocks.shape == (32, 2 * 20) and w.nbytes == 32 * 2 * 20
-    blocks = w.blocks.view(32, 2, 20)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
-    low = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    assert w.blocks.shape == (32 // 8, 2 * 8 * 20) and w.nbytes == 32 * 2 * 20
+    blocks = w.blocks.view(32 // 8, 2, 8 * 20)  # [group of 8 rows, block, {8 d, 8 m, levels}]
+    d = blocks[..., 0:16].contiguous().view(torch.float16).float()
+    low = blocks[..., 16:32].contiguous().view(torch.float16).float()
+    _, scale, _ = unpack_levels(raw)  # [rows, blocks]
+    torch.testing.assert_close(d, scale.view(4, 8, 2).transpose(1, 2), rtol=0, atol=0)
     torch.testing.assert_close(low, -8.0 * d, rtol=0, atol=0)
 
 
 def test_bad_inputs_are_refused_with_what_was_wrong():
     w = QdotLinear(_raw("Q4_1", 32, 64))
     with pytest.raises(RuntimeError, match="K = 96"):
-        torch.ops.stagemesh_qdot.q4_1(torch.randn(2, 96), w.blocks)
+        torch.ops.stagemesh_qdot.q4_1(torch.randn(2, 96), w.blocks, 32)
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.stagemesh_qdot.q4_1(torch.randn(2, 64).double(), w.blocks)
+        torch.ops.stagemesh_qdot.q4_1(torch.randn(2, 64).double(), w.blocks, 32)
     with pytest.raises(RuntimeError, match="uint8"):
-        torch.ops.stagemesh_qdot.q8_0(torch.randn(2, 64), w.blocks.float())
+        torch.ops.stagemesh_qdot.q8_0(torch.randn(2, 64), w.blocks.float(), 32)
+    with pytest.raises(RuntimeError, match="N = 40 rows do not fill 4 groups"):
+        torch.ops.stagemesh_qdot.q4_1(torch.randn(2, 64), w.blocks, 40)
 
 
 def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monkeypatch):

@@ -33,7 +33,9 @@ log = logging.getLogger("stagemesh.qdot")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qdot.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per block of 32 weights in the ops' layouts
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per block of 32 weights of one row in the ops' layouts
+SCALES = {"q4_1": 2, "q8_0": 1}  # fp16 scales leading each block: d and m, or d
+GROUP_ROWS = 8  # rows whose blocks the ops' layout interleaves
 CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
@@ -120,9 +122,9 @@ def load() -> str | None:
 _fakes_registered = False
 
 
-def _fake_mm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _fake_mm(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
     """The ops' output for tracing (torch.compile): [M, N] float32."""
-    return x.new_empty(x.shape[0], blocks.shape[0])
+    return x.new_empty(x.shape[0], n)
 
 
 @functools.cache
@@ -139,9 +141,26 @@ def usable() -> bool:
     return why_not() is None
 
 
-def mm(op: str, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (any float dtype) @ the blocks' matrix [N, K] -> [M, N] float32."""
-    return getattr(torch.ops.stagemesh_qdot, op)(x.float().contiguous(), blocks)
+def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
+    """A matrix's rows of blocks [N, K/32 * BLOCK_BYTES] (Q4_1's or Q8_0's layout) -> the ops' layout
+    [ceil(N/8), K/32 * 8 * BLOCK_BYTES]: rows 8 at a time (zero rows pad the last group), and for each group and block,
+    the 8 rows' fp16 scales side by side, then their levels 4 bytes of each row at a time (qdot.cpp's header)."""
+    n, width = blocks.shape
+    size, scales = BLOCK_BYTES[op], 2 * SCALES[op]
+    nb, groups = width // size, -(-n // GROUP_ROWS)
+    padded = blocks.new_zeros(groups * GROUP_ROWS, width)
+    padded[:n] = blocks
+    b = padded.view(groups, GROUP_ROWS, nb, size)
+    parts = [b[..., 2 * s:2 * s + 2].permute(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP_ROWS)
+             for s in range(SCALES[op])]
+    levels = b[..., scales:].reshape(groups, GROUP_ROWS, nb, -1, 4).permute(0, 2, 3, 1, 4)
+    parts.append(levels.reshape(groups, nb, -1))
+    return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
+
+
+def mm(op: str, x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ the matrix [n, K] whose interleaved blocks these are -> [M, n] float32."""
+    return getattr(torch.ops.stagemesh_qdot, op)(x.float().contiguous(), blocks, n)
 
 
 def build_now() -> None:
