@@ -31,6 +31,7 @@
 namespace {
 
 constexpr int64_t QK = 32;  // weights (and activations) per block
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the block being multiplied its successors are fetched
 constexpr int64_t Q4_GROUP_BYTES = 8 * 20, Q8_GROUP_BYTES = 8 * 34;  // 8 rows' blocks of 32, interleaved
 
 struct Q8Rows {  // x [M, K] quantized per block of 32: q [M, K] int8, d and s [M, K/32] float (fp16-rounded)
@@ -93,13 +94,16 @@ Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
 // and multiplied with each row's; lane n of every vector below is weight row n0 + n.
 template <int MT, bool Q4>
 inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_t m0, int64_t K, float *y,
-                       int64_t N, int64_t n0) {
+                       int64_t N, int64_t n0, bool prefetch) {
   constexpr int64_t bytes = Q4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
   for (int t = 0; t < MT; t++) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t *blk = group + b * bytes;
+    if (prefetch)  // the first pass over the weights streams them from memory: ask for them early
+      for (int64_t ahead = 0; ahead < bytes; ahead += 64)
+        _mm_prefetch(reinterpret_cast<const char *>(blk + PREFETCH_BYTES + ahead), _MM_HINT_T0);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk)));
     const int8_t *xq[MT];
     for (int t = 0; t < MT; t++) xq[t] = x.q.data() + (m0 + t) * K + b * QK;
@@ -180,11 +184,11 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
       for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = w + g * nb * bytes;
         int64_t m = m_chunk;
-        for (; m + 4 <= m_end; m += 4) group_tile<4, Q4>(group, nb, q, m, K, out, N, 8 * g);
+        for (; m + 4 <= m_end; m += 4) group_tile<4, Q4>(group, nb, q, m, K, out, N, 8 * g, m == 0);
         switch (m_end - m) {
-          case 3: group_tile<3, Q4>(group, nb, q, m, K, out, N, 8 * g); break;
-          case 2: group_tile<2, Q4>(group, nb, q, m, K, out, N, 8 * g); break;
-          case 1: group_tile<1, Q4>(group, nb, q, m, K, out, N, 8 * g); break;
+          case 3: group_tile<3, Q4>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
+          case 2: group_tile<2, Q4>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
+          case 1: group_tile<1, Q4>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
           default: break;
         }
       }
