@@ -12,6 +12,7 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -19,7 +20,7 @@ import msgpack
 import torch
 
 from shared.errors import ERROR_CODES
-from shared.sampling import MAX_TOP_LOGPROBS, LogitInputs, SamplingParams, TopLogprobs
+from shared.sampling import MAX_TOP_LOGPROBS, WIRE_FIELDS, LogitInputs, SamplingParams, TopLogprobs
 from shared.steps import Decode, InferenceStep, Prefill
 
 PROTOCOL_VERSION = 4  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
@@ -233,15 +234,17 @@ def _buffer(frame) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def _need(cond: bool, reason: str, message: str) -> None:
+def _need(cond: bool, reason: str, message: str | Callable[[], str]) -> None:
+    """Raise ProtocolError(reason, message) unless cond; a message that formats values comes as a lambda, formatted
+    only when it is raised (decode runs for every micro-batch at every hop)."""
     if not cond:
-        raise ProtocolError(reason, message)
+        raise ProtocolError(reason, message() if callable(message) else message)
 
 
 def _int(d: dict, key: str, lo: int = 0, hi: int = 2**62) -> int:
     v = d.get(key)
     _need(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, "schema",
-          f"field {key!r} must be an integer in {lo}..{hi}, got {v!r}")
+          lambda: f"field {key!r} must be an integer in {lo}..{hi}, got {v!r}")
     return v
 
 
@@ -249,7 +252,7 @@ def _str_list(d: dict, key: str) -> list[str]:
     v = d.get(key)
     _need(isinstance(v, list) and len(v) <= MAX_SEQS_PER_BATCH
           and all(isinstance(s, str) and 0 < len(s) <= MAX_SEQ_ID_LEN for s in v), "schema",
-          f"field {key!r} must be a list of sequence ids (strings of 1..{MAX_SEQ_ID_LEN} chars)")
+          lambda: f"field {key!r} must be a list of sequence ids (strings of 1..{MAX_SEQ_ID_LEN} chars)")
     return v
 
 
@@ -261,7 +264,7 @@ def _step_from_wire(d: Any) -> InferenceStep:
             _need(isinstance(final, bool), "schema", "prefill.final must be a boolean")
             attach = d.get("attach")
             _need(attach is None or (isinstance(attach, str) and 0 < len(attach) <= MAX_SEQ_ID_LEN), "schema",
-                  f"prefill.attach must be a sequence id (a string of 1..{MAX_SEQ_ID_LEN} chars)")
+                  lambda: f"prefill.attach must be a sequence id (a string of 1..{MAX_SEQ_ID_LEN} chars)")
             return Prefill(_int(d, "n", 1, MAX_TOKENS_PER_BATCH), _int(d, "start"), _int(d, "total", 1), final, attach)
         if d.get("t") == "decode":
             return Decode(_int(d, "pos", 1))
@@ -271,8 +274,8 @@ def _step_from_wire(d: Any) -> InferenceStep:
 
 
 def _sampling_from_wire(d: Any) -> SamplingParams:
-    _need(isinstance(d, dict) and set(d) <= set(SamplingParams.__dataclass_fields__), "schema",
-          f"sampling must be a map with keys from {sorted(SamplingParams.__dataclass_fields__)}")
+    _need(isinstance(d, dict) and WIRE_FIELDS.issuperset(d), "schema",
+          lambda: f"sampling must be a map with keys from {sorted(WIRE_FIELDS)}")
     try:
         return SamplingParams(**d)
     except (TypeError, ValueError) as e:
@@ -297,46 +300,54 @@ def _top(header: dict, n: int) -> list[TopLogprobs | None]:
         t is None or (isinstance(t, list) and len(t) <= MAX_TOP_LOGPROBS and all(
             isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
             and isinstance(pair[1], float) for pair in t)) for t in top), "schema",
-          f"result top must be one entry per sequence: null or at most {MAX_TOP_LOGPROBS} [token id, logprob] pairs")
+          lambda: f"result top must be one entry per sequence: null or at most {MAX_TOP_LOGPROBS} [token id, logprob] pairs")
     return [t if t is None else [(i, lp) for i, lp in t] for t in top]
 
 
 def _captures(header: dict) -> list:
     caps = header.get("captures", [])
     _need(isinstance(caps, list) and all(isinstance(c, dict) and set(c) == CAPTURE_KEYS for c in caps), "schema",
-          f"captures must be a list of maps with keys {sorted(CAPTURE_KEYS)}")
+          lambda: f"captures must be a list of maps with keys {sorted(CAPTURE_KEYS)}")
     return caps
 
 
 def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
     descs = header.get("tensors")
     _need(isinstance(descs, list), "schema", "field 'tensors' must be a list")
-    _need(len(frames) == 1 + len(descs), "frames", f"{len(frames) - 1} data frames for {len(descs)} tensor descriptors")
+    _need(len(frames) == 1 + len(descs), "frames",
+          lambda: f"{len(frames) - 1} data frames for {len(descs)} tensor descriptors")
     out: dict[str, torch.Tensor] = {}
     used: set[int] = set()
-    total = 0
     for d in descs:
-        _need(isinstance(d, dict) and isinstance(d.get("name"), str), "schema", "tensor descriptor needs a name")
-        name = d["name"]
-        _need(name in ("tokens", "hidden") and name not in out, "schema", f"unexpected or repeated tensor {name!r}")
-        dtype = d.get("dtype")
-        _need(dtype in WIRE_DTYPES, "dtype", f"tensor {name} dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-        shape = d.get("shape")
-        _need(isinstance(shape, list) and 1 <= len(shape) <= 4
-              and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_TENSOR_BYTES for s in shape),
-              "shape", f"tensor {name} shape {shape!r} must be 1..4 non-negative integers")
-        index = d.get("frame")
-        _need(isinstance(index, int) and 1 <= index < len(frames) and index not in used, "frames",
-              f"tensor {name} frame index {index!r} is out of range or reused")
-        used.add(index)
-        dt = WIRE_DTYPES[dtype]
-        nbytes = math.prod(shape) * dt.itemsize
-        buf = _buffer(frames[index])
-        _need(nbytes == buf.nbytes, "length", f"tensor {name}: shape {shape} x {dtype} is {nbytes} bytes, frame has {buf.nbytes}")
-        total += nbytes
-        _need(total <= MAX_TENSOR_BYTES, "oversize", f"tensors exceed {MAX_TENSOR_BYTES} bytes")
-        out[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape) if nbytes else torch.empty(shape, dtype=dt)
+        name, tensor = _tensor(d, frames, used, out)
+        out[name] = tensor
+    _need(sum(t.nbytes for t in out.values()) <= MAX_TENSOR_BYTES, "oversize",
+          lambda: f"tensors exceed {MAX_TENSOR_BYTES} bytes")
     return out
+
+
+def _tensor(d: Any, frames: list, used: set[int], seen: dict) -> tuple[str, torch.Tensor]:
+    """One tensor descriptor of the header -> (its name, the tensor over its frame's bytes); marks its frame used."""
+    _need(isinstance(d, dict) and isinstance(d.get("name"), str), "schema", "tensor descriptor needs a name")
+    name = d["name"]
+    _need(name in ("tokens", "hidden") and name not in seen, "schema", lambda: f"unexpected or repeated tensor {name!r}")
+    dtype = d.get("dtype")
+    _need(dtype in WIRE_DTYPES, "dtype", lambda: f"tensor {name} dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+    shape = d.get("shape")
+    _need(isinstance(shape, list) and 1 <= len(shape) <= 4
+          and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_TENSOR_BYTES for s in shape),
+          "shape", lambda: f"tensor {name} shape {shape!r} must be 1..4 non-negative integers")
+    index = d.get("frame")
+    _need(isinstance(index, int) and 1 <= index < len(frames) and index not in used, "frames",
+          lambda: f"tensor {name} frame index {index!r} is out of range or reused")
+    used.add(index)
+    dt = WIRE_DTYPES[dtype]
+    nbytes = math.prod(shape) * dt.itemsize
+    _need(nbytes <= MAX_TENSOR_BYTES, "oversize", lambda: f"tensors exceed {MAX_TENSOR_BYTES} bytes")
+    buf = _buffer(frames[index])
+    _need(nbytes == buf.nbytes, "length",
+          lambda: f"tensor {name}: shape {shape} x {dtype} is {nbytes} bytes, frame has {buf.nbytes}")
+    return name, torch.frombuffer(buf, dtype=dt).view(shape) if nbytes else torch.empty(shape, dtype=dt)
 
 
 def _hop_s(header: dict, now: float | None = None) -> float | None:
@@ -362,7 +373,7 @@ def decode(frames: list) -> Message:
     """ZMQ frames (bytes or zmq.Frame) -> Message. Raises ProtocolError naming the reason and the field."""
     _need(len(frames) >= 1, "frames", "empty message")
     raw = _buffer(frames[0])
-    _need(raw.nbytes <= MAX_HEADER_BYTES, "oversize", f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    _need(raw.nbytes <= MAX_HEADER_BYTES, "oversize", lambda: f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
                                  max_str_len=MAX_HEADER_BYTES,
@@ -371,12 +382,12 @@ def decode(frames: list) -> Message:
     except (ValueError, msgpack.UnpackException, UnicodeDecodeError, RecursionError) as e:  # ExtraData, FormatError, StackError...
         raise ProtocolError("msgpack", f"header is not valid msgpack ({type(e).__name__})") from None
     _need(isinstance(header, dict), "msgpack", "header is not a map")
-    _need(header.get("v") == PROTOCOL_VERSION, "version", f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}")
+    _need(header.get("v") == PROTOCOL_VERSION, "version", lambda: f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}")
     kind = header.get("kind")
     if kind == "forward":
         seqs_raw = header.get("seqs")
         _need(isinstance(seqs_raw, list) and 0 < len(seqs_raw) <= MAX_SEQS_PER_BATCH, "schema",
-              f"field 'seqs' must be a list of 1..{MAX_SEQS_PER_BATCH} sequences")
+              lambda: f"field 'seqs' must be a list of 1..{MAX_SEQS_PER_BATCH} sequences")
         seqs = []
         for s in seqs_raw:
             _need(isinstance(s, dict), "schema", "each sequence must be a map")
@@ -389,13 +400,13 @@ def decode(frames: list) -> Message:
         batch = ForwardBatch(_int(header, "mb"), seqs, tensors.get("tokens"), tensors.get("hidden"),
                              in_flight=_int(header, "inflight", 1, MAX_IN_FLIGHT) if "inflight" in header else 1)
         n = batch.num_tokens
-        _need(n <= MAX_TOKENS_PER_BATCH, "oversize", f"{n} tokens exceed {MAX_TOKENS_PER_BATCH} per micro-batch")
+        _need(n <= MAX_TOKENS_PER_BATCH, "oversize", lambda: f"{n} tokens exceed {MAX_TOKENS_PER_BATCH} per micro-batch")
         if batch.tokens is not None:
             _need(batch.tokens.dtype == torch.int64 and tuple(batch.tokens.shape) == (n,), "shape",
-                  f"tokens must be int64 [{n}], got {batch.tokens.dtype} {list(batch.tokens.shape)}")
+                  lambda: f"tokens must be int64 [{n}], got {batch.tokens.dtype} {list(batch.tokens.shape)}")
         if batch.hidden is not None:
             _need(batch.hidden.dim() == 2 and batch.hidden.shape[0] == n and batch.hidden.dtype.is_floating_point,
-                  "shape", f"hidden must be floating [{n}, D], got {batch.hidden.dtype} {list(batch.hidden.shape)}")
+                  "shape", lambda: f"hidden must be floating [{n}, D], got {batch.hidden.dtype} {list(batch.hidden.shape)}")
         if "trace" in header:
             _need(isinstance(header["trace"], dict), "schema", "trace must be a map")
             batch.trace, batch.captures = header["trace"], _captures(header)
@@ -421,6 +432,6 @@ def decode(frames: list) -> Message:
     if kind == "error":
         msg = header.get("message")
         _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")
-        _need(header.get("code") in ERROR_CODES, "schema", f"error code must be one of {sorted(ERROR_CODES)}")
+        _need(header.get("code") in ERROR_CODES, "schema", lambda: f"error code must be one of {sorted(ERROR_CODES)}")
         return BatchError(_int(header, "mb"), header["stage"], header["code"], msg, _str_list(header, "seq_ids"))
     raise ProtocolError("kind", f"message kind {kind!r} is not one of forward, release, released, result, error")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -81,11 +81,17 @@ class SamplingParams:
         return SamplingParams(**{**asdict(self), "seed": random.getrandbits(62)})
 
     def to_wire(self) -> dict:
-        return asdict(self)
+        """The fields that differ from their defaults (every micro-batch carries each sequence's: a greedy one's is
+        {}); from_wire fills in the rest."""
+        return {name: value for name, default in _DEFAULTS.items() if (value := getattr(self, name)) != default}
 
     @classmethod
     def from_wire(cls, d: dict) -> SamplingParams:
         return cls(**d)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
+WIRE_FIELDS = frozenset(_DEFAULTS)
 
 
 @dataclass(frozen=True)
