@@ -203,8 +203,14 @@ class CompiledDecode:
         pos = int(layout.positions[0])
         if not self.covers(pos + 1):
             return None
+        if hidden.dtype != torch.float32 or tuple(hidden.shape) != (1, self.model.config.hidden_size):
+            return None  # not what the graph was built for (eager raises the error that names it)
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
+            # Only the guards that tell the graphs apart (the thread count) run: the full set cost ~0.6 ms a step on
+            # the 2-core AVX2 VM (it checks every weight tensor the step reads). What they would check is fixed here:
+            # the model's weights and KV cache are the same tensors at every call, _inputs builds the rest the same
+            # way, and the lines above hold the sizes and dtype of what varies.
+            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
                 out = self._compiled(*self._inputs(hidden, layout.slots[0], pos))
         except RuntimeError as e:  # dynamo's "Detected recompile when torch.compile stance is 'fail_on_recompile'"
             self.broken = True
