@@ -224,6 +224,12 @@ class BatchLayout:
         for st, n in zip(starts, lengths):
             if st + n > max_seq_len:
                 raise BadBatch(f"sequence reaches position {st + n}, past this stage's max_seq_len {max_seq_len}")
-        positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)]).to(device)
-        token_slots = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(lengths)).to(device)
-        return cls(list(slots), starts, lengths, positions, token_slots, all(n == 1 for n in lengths))
+        decode_only = all(n == 1 for n in lengths)
+        if decode_only:  # every step of a stream: two small tensors straight from the lists (~0.3 ms less a call)
+            positions, token_slots = torch.tensor(starts, dtype=torch.long), torch.tensor(list(slots), dtype=torch.long)
+        else:
+            positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)])
+            token_slots = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(lengths))
+        if torch.device(device).type != "cpu":
+            positions, token_slots = positions.to(device), token_slots.to(device)
+        return cls(list(slots), starts, lengths, positions, token_slots, decode_only)
