@@ -14,7 +14,8 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
     f32    float32, the GGUF's numbers exactly (the reference)
 
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
-(QdotLinear) wherever the table says int4: the file's blocks, multiplied as llama.cpp does (shared.models.qdot).
+(QdotLinear) wherever the table says int4: the file's blocks, multiplied as llama.cpp does (shared.models.qdot). They
+outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
 Q4_K 0.56 in the file), two int4 planes 1.25 (Q8_0 1.06), int8 rows 1.0 (Q5_0 0.69, Q5_K 0.69, Q6_K 0.82, Q3_K 0.43).
