@@ -41,12 +41,6 @@ struct Q8Rows {  // x [M, K] quantized per block of 32: q [M, K] int8, d and s [
 
 inline float fp16_round(float v) { return _cvtsh_ss(_cvtss_sh(v, 0)); }
 
-inline float fp16_at(const uint8_t *p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 inline int32_t load_i32(const int8_t *p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -72,7 +66,8 @@ Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
       const float mx = _mm_cvtss_f32(m4);
       const float d = mx / 127.0f;
       const __m256 id = _mm256_set1_ps(mx != 0.0f ? 127.0f / mx : 0.0f);
-      constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as ggml's _MM_ROUND_NEAREST
+      // half to even, as ggml's _MM_ROUND_NEAREST
+      constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       __m256i q[4];
       for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), nearest));
       __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
