@@ -230,6 +230,4 @@ class BatchLayout:
         else:
             positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)])
             token_slots = torch.repeat_interleave(torch.tensor(list(slots)), torch.tensor(lengths))
-        if torch.device(device).type != "cpu":
-            positions, token_slots = positions.to(device), token_slots.to(device)
-        return cls(list(slots), starts, lengths, positions, token_slots, decode_only)
+        return cls(list(slots), starts, lengths, positions.to(device), token_slots.to(device), decode_only)

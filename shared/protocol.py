@@ -318,11 +318,12 @@ def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
           lambda: f"{len(frames) - 1} data frames for {len(descs)} tensor descriptors")
     out: dict[str, torch.Tensor] = {}
     used: set[int] = set()
+    total = 0
     for d in descs:
         name, tensor = _tensor(d, frames, used, out)
+        total += tensor.nbytes
+        _need(total <= MAX_TENSOR_BYTES, "oversize", lambda: f"tensors exceed {MAX_TENSOR_BYTES} bytes")
         out[name] = tensor
-    _need(sum(t.nbytes for t in out.values()) <= MAX_TENSOR_BYTES, "oversize",
-          lambda: f"tensors exceed {MAX_TENSOR_BYTES} bytes")
     return out
 
 
@@ -343,7 +344,6 @@ def _tensor(d: Any, frames: list, used: set[int], seen: dict) -> tuple[str, torc
     used.add(index)
     dt = WIRE_DTYPES[dtype]
     nbytes = math.prod(shape) * dt.itemsize
-    _need(nbytes <= MAX_TENSOR_BYTES, "oversize", lambda: f"tensors exceed {MAX_TENSOR_BYTES} bytes")
     buf = _buffer(frames[index])
     _need(nbytes == buf.nbytes, "length",
           lambda: f"tensor {name}: shape {shape} x {dtype} is {nbytes} bytes, frame has {buf.nbytes}")

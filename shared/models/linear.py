@@ -498,14 +498,12 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
     if mode in ("f32", "bf16") or torch.device(device).type != "cpu":
         dtype = torch.float32 if mode == "f32" else torch.bfloat16
         return DenseLinear(torch.cat([dequantize(r) for r in raws]).to(device), dtype, rows, prepack_f32=mode != "f32")
-    if mode == "lean" or batch_invariant:  # runs of one type (and one int4 fit: q may fit where k and v do not)
+    # lean, the invariant mode, and auto where the integer-dot kernels take every part: each run of one type (and one
+    # int4 fit: q may fit where k and v do not; the integer-dot kernels take any rows) on its stored kernel
+    if mode == "lean" or batch_invariant or all(qdot_takes(r.ggml_type) for r in raws):
         kernel = lean_kernel if mode == "lean" else stored_kernel
-        parts = [kernel(_rows_of(list(run)), rows)
-                 for _, run in itertools.groupby(raws, lambda r: (r.ggml_type, int4_fits(r.shape)))]
-        return parts[0] if len(parts) == 1 else ConcatLinear(parts)
-
-    if all(qdot_takes(r.ggml_type) for r in raws):
-        parts = [stored_kernel(_rows_of(list(run))) for _, run in itertools.groupby(raws, lambda r: r.ggml_type)]
+        parts = [kernel(_rows_of(list(run)), rows) for _, run in
+                 itertools.groupby(raws, lambda r: (r.ggml_type, qdot_takes(r.ggml_type) or int4_fits(r.shape)))]
         return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 
     def int4_run(r: RawTensor) -> str:  # a run's key: its type where int4 or qdot takes it, else "dense" (runs merge)

@@ -149,14 +149,14 @@ def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
     [ceil(N/8), K/32 * 8 * BLOCK_BYTES]: rows 8 at a time (zero rows pad the last group), and for each group and block,
     the 8 rows' fp16 scales side by side, then their levels 4 bytes of each row at a time (qdot.cpp's header)."""
     n, width = blocks.shape
-    size, scales = BLOCK_BYTES[op], 2 * SCALES[op]
+    size, scale_bytes = BLOCK_BYTES[op], 2 * SCALES[op]
     nb, groups = width // size, -(-n // GROUP_ROWS)
     padded = blocks.new_zeros(groups * GROUP_ROWS, width)
     padded[:n] = blocks
     b = padded.view(groups, GROUP_ROWS, nb, size)
     parts = [b[..., 2 * s:2 * s + 2].permute(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP_ROWS)
              for s in range(SCALES[op])]
-    levels = b[..., scales:].reshape(groups, GROUP_ROWS, nb, -1, 4).permute(0, 2, 3, 1, 4)
+    levels = b[..., scale_bytes:].reshape(groups, GROUP_ROWS, nb, -1, 4).permute(0, 2, 3, 1, 4)
     parts.append(levels.reshape(groups, nb, -1))
     return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
 

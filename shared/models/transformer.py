@@ -238,6 +238,7 @@ class TransformerModel:
         self._sources = sources or {}  # our weight name -> the GGUF tensors it was built from
         self.memory: PieceMemory | None = None  # set by from_gguf
         self.layer_norms: dict[str, torch.Tensor] = {}  # attn_norm / ffn_norm of every layer, [L, D] (_stack_layers)
+        self._rope_by_context: dict[int, Ropes] = {}  # rope_tables' tables of every position, per context length
         self._stack_layers()
 
     def _stack_layers(self) -> None:
@@ -437,7 +438,9 @@ class TransformerModel:
         if positions.numel() and int(positions.max()) >= context:
             return self._rope_at(positions, context)
         index = positions.to(torch.long)
-        rope, swa = self._rope_by_position(context)
+        if context not in self._rope_by_context:
+            self._rope_by_context[context] = self._rope_at(torch.arange(context), context)
+        rope, swa = self._rope_by_context[context]
         return (rope[0][index], rope[1][index]), None if swa is None else (swa[0][index], swa[1][index])
 
     def _rope_at(self, positions: torch.Tensor, context: int) -> Ropes:
@@ -446,10 +449,6 @@ class TransformerModel:
         if not any(c.is_sliding(layer) for layer in self.layers):
             return rope, None
         return rope, rope_cos_sin(positions, c.rope_dim, c.rope_theta_swa, c.rope_scaling_swa, context)  # gemma3
-
-    @functools.lru_cache(maxsize=2)  # noqa: B019 (the model lives as long as the process: nothing is kept alive)
-    def _rope_by_position(self, context: int) -> Ropes:
-        return self._rope_at(torch.arange(context), context)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
