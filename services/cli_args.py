@@ -181,12 +181,14 @@ def config_from_args(cls: type, args, **set_by_command):
 
 
 def config_argv(config, names: tuple[str, ...]) -> list[str]:
-    """The flags that give a command the values of `names` in `config` (what `up` passes on to its stages)."""
+    """The flags that give a command the values of `names` in `config` (what `up` passes on to its stages); a field
+    left unset (None) is left to the command's own default."""
     argv = []
     for f in fields(config):
-        if f.name in names:
+        if f.name in names and getattr(config, f.name) is not None:
             argv += [flag_of(f), str(getattr(config, f.name))]
     return argv
+
 
 def model_flags(args) -> list[str]:
     """The add_model_args flags of args as a stage command line wants them (what `up` forwards to its stages)."""

@@ -35,7 +35,7 @@ from shared.config import GATEWAY_PORT, SchedulerConfig, StageConfig
 from shared.errors import StagemeshError
 from shared.model_registry import resolve_model
 
-STAGE_FLAGS = ("kv_slots", "max_seq_len")  # the StageConfig fields `up` takes and passes on to every stage it starts
+STAGE_FLAGS = ("kv_slots", "max_seq_len", "prefix_slots", "prefix_cache_memory")  # the StageConfig fields `up` takes and passes on to every stage it starts
 # (and threads_alone, which it defaults to the cores of one replica)
 
 

@@ -78,6 +78,12 @@ def check_seconds(config: Any, name: str, low: float, strict: bool) -> None:
           f"{'>' if strict else '>='} {low:g} seconds")
 
 
+def _parse_bytes(text: str) -> int:
+    """'512M' -> bytes (shared.models.memory.parse_bytes, imported only when a size flag is given: it imports torch)."""
+    from shared.models.memory import parse_bytes
+    return parse_bytes(text)
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """One stage's serving knobs (`stage`; `up` passes kv_slots and max_seq_len to each of its stages)."""
@@ -86,6 +92,15 @@ class StageConfig:
     max_seq_len: int = knob(2048, "tokens per sequence, capped by the model's context")
     slot_lease_s: float = knob(120.0, "release a sequence's KV slot when no micro-batch has used it for this long, "
                                       "so a vanished gateway cannot hold slots forever (0 = never)", unit="seconds")
+    prefix_slots: int = knob(64, "KV rows for cached prefixes beside the --kv-slots of live sequences: a finished "
+                                 "sequence's K/V stays in one for later requests that share its prefix (the gateway's "
+                                 "prefix cache), so a full stage still keeps them; they take memory only as written, "
+                                 "within --prefix-cache-memory")
+    prefix_cache_memory: int | None = knob(None, "K/V bytes this stage's cached prefixes may hold; keeping one past it "
+                                                 "gives up the least recently used first (the gateway evicts by the "
+                                                 "same bound)", unit="bytes", parse=lambda text: _parse_bytes(text),
+                                           unset="a quarter of the memory available when the stage loads, at most "
+                                                 "what the prefix rows can hold")
     threads: int | None = knob(None, "torch threads", unset="all cores; `up` divides them among its stages")
     threads_alone: int | None = knob(None, "torch threads for a micro-batch that is alone in the pipeline (the gateway "
                                            "had no other in flight, so the other stages are idle): stages sharing a "
@@ -95,6 +110,8 @@ class StageConfig:
     def __post_init__(self):
         check_int(self, "kv_slots", 1)
         check_int(self, "max_seq_len", 16)
+        check_int(self, "prefix_slots", 0)
+        check_int(self, "prefix_cache_memory", 1, none_ok=True)
         check_seconds(self, "slot_lease_s", 0, strict=False)
         check_int(self, "threads", 1, none_ok=True)
         check_int(self, "threads_alone", 1, none_ok=True)

@@ -22,21 +22,27 @@ log = logging.getLogger("stagemesh.kv")
 
 
 class KVCache:
-    """k, v: one tensor per local layer, each [slots (+1 scratch), kv_heads, max_seq_len, head_dim]. A sequence owns
-    one slot from its first prefill chunk until it is released. (Separate tensors, not one [layers, ...] tensor: a
-    compiled decode step writes each in place, where a view of a larger tensor would make inductor copy all of it back.)
+    """k, v: one tensor per local layer, each [rows (+1 scratch), kv_heads, max_seq_len, head_dim], rows = num_slots +
+    prefix_slots. A sequence owns one row (its slot) from its first prefill chunk until it is released; at most
+    num_slots sequences are live at once. (Separate tensors, not one [layers, ...] tensor: a compiled decode step
+    writes each in place, where a view of a larger tensor would make inductor copy all of it back.)
 
-    scratch: one more row, index `scratch_slot` = num_slots, that no sequence is ever given: a compiled decode step
+    scratch: one more row, index `scratch_slot` = rows, that no sequence is ever given: a compiled decode step
     warming up in the background writes there while live sequences decode in the other rows.
 
-    kept: finished sequences whose slots stay as cached prefixes (keep()). They have no lease; the gateway owns
-    the index of what they hold and releases them itself. When a new sequence finds no free slot, the least
-    recently used kept one is given up (counted in `evicted`): the gateway learns of it from a prefix_miss."""
+    kept: finished sequences whose rows stay as cached prefixes (keep()). They have no lease; the gateway owns
+    the index of what they hold and releases them itself. They live in the rows live sequences leave free: the
+    prefix_slots rows beyond num_slots, which only kept prefixes need, and live ones' unused rows. Their K/V is
+    bounded by `prefix_bytes`: keeping one past it gives up the least recently used others first. When a new
+    sequence finds no free row, the least recently used kept one is given up. Both are counted in `evicted`; the
+    gateway, which applies the same bounds to its index, learns of any other loss from a prefix_miss."""
 
     def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", scratch: bool = False):
-        self.scratch_slot = num_slots if scratch else None
-        shape = (num_slots + int(scratch), num_kv_heads, max_seq_len, head_dim)
+                 dtype: torch.dtype, device: torch.device | str = "cpu", scratch: bool = False, prefix_slots: int = 0,
+                 prefix_bytes: int | None = None):
+        rows = num_slots + prefix_slots
+        self.scratch_slot = rows if scratch else None
+        shape = (rows + int(scratch), num_kv_heads, max_seq_len, head_dim)
         # zeros, not empty: masked positions are still multiplied by 0 in attention, and 0 * NaN is NaN.
         self._maps: list[mmap.mmap] = []  # on the CPU, each tensor's memory (see _lazy_zeros)
         self.k = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
@@ -44,16 +50,18 @@ class KVCache:
         self.device = self.k[0].device
         self.slot_bytes = math.prod(shape[1:]) * dtype.itemsize  # one slot's row of one tensor
         self.position_bytes = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize  # K and V of one token
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # live sequences at once
+        self.prefix_slots = prefix_slots  # rows beyond those, for cached prefixes
+        self.prefix_bytes = prefix_bytes  # K/V the kept prefixes may hold (None: as much as their rows take)
         self.max_seq_len = max_seq_len
-        self._free: list[int] = list(range(num_slots))  # a min-heap: the lowest free slot is handed out first, so
+        self._free: list[int] = list(range(rows))  # a min-heap: the lowest free slot is handed out first, so
         # live sequences stay packed at the bottom and batched decode can read them as one slice (DecodeWindow; where
         # they are not, a slice per run of them: SplitDecode)
         self._slot_of: dict[Hashable, int] = {}
         self._touched: dict[Hashable, float] = {}  # seq_id -> monotonic time its slot was last allocated or used
         self._kept: OrderedDict[Hashable, None] = OrderedDict()  # cached prefixes, least recently used first
-        self.filled = [0] * num_slots  # per slot: positions [0, filled) were written since it was handed out
-        self.evicted = 0  # kept slots given up for a new sequence
+        self.filled = [0] * rows  # per row: positions [0, filled) were written since it was handed out
+        self.evicted = 0  # kept prefixes given up for a new sequence or for room under prefix_bytes
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """Zeros that take memory as they are written: on the CPU a private anonymous mapping, whose pages the OS commits
@@ -89,9 +97,16 @@ class KVCache:
         """K/V memory the held slots' written positions take (what the OS has committed, to a page)."""
         return sum(self.filled[slot] for slot in self._slot_of.values()) * self.position_bytes
 
+    @property
+    def kept_bytes(self) -> int:
+        """K/V memory the kept prefixes take (bounded by prefix_bytes)."""
+        return sum(self.filled[self._slot_of[seq_id]] for seq_id in self._kept) * self.position_bytes
+
     def allocate(self, seq_id: Hashable) -> int:
         if seq_id in self._slot_of:
             raise BadBatch(f"sequence {seq_id!r} already holds KV slot {self._slot_of[seq_id]}")
+        if self.used_slots >= self.num_slots:
+            raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
         if not self._free and self._kept:
             oldest = next(iter(self._kept))
             log.info("gave up the cached prefix %r for a new sequence: every KV slot was in use", oldest)
@@ -118,13 +133,29 @@ class KVCache:
 
     def keep(self, seq_id: Hashable) -> bool:
         """The finished sequence's slot stays, as a cached prefix: no lease; released by the gateway or given up
-        for room. False when the stage holds no slot for it.
+        for room. False when the stage holds no slot for it, or its K/V alone is past prefix_bytes (then it is
+        released); the least recently used kept prefixes are given up until it fits under prefix_bytes.
 
-        A kept prefix moves to the highest free slot, when there is one above it: live sequences take the lowest
-        free slots, so they stay packed at the bottom, where batched decode reads them as one slice (DecodeWindow);
-        kept prefixes scattered among them made that slice span every slot."""
+        A kept prefix moves to the highest free row, when there is one above it: live sequences take the lowest
+        free rows, so they stay packed at the bottom, where batched decode reads them as one slice (DecodeWindow);
+        kept prefixes scattered among them made that slice span every row."""
         if seq_id not in self._slot_of:
             return False
+        if seq_id in self._kept:  # kept already: only its recency changes
+            self._kept.move_to_end(seq_id)
+            return True
+        if self.prefix_bytes is not None:
+            need = self.filled[self._slot_of[seq_id]] * self.position_bytes
+            if need > self.prefix_bytes:
+                log.info("did not keep %r as a cached prefix: its %d bytes of K/V are past the bound of %d "
+                         "(--prefix-cache-memory)", seq_id, need, self.prefix_bytes)
+                self.release(seq_id)
+                return False
+            while self._kept and self.kept_bytes + need > self.prefix_bytes:
+                oldest = next(iter(self._kept))
+                log.info("gave up the cached prefix %r for room under --prefix-cache-memory", oldest)
+                self.release(oldest)
+                self.evicted += 1
         slot, top = self._slot_of[seq_id], max(self._free, default=-1)
         if top > slot:
             self._free.remove(top)
@@ -184,7 +215,7 @@ class KVCache:
 
     @property
     def used_slots(self) -> int:
-        """Slots held by live sequences (kept prefixes not counted: kept_slots)."""
+        """Slots held by live sequences (kept prefixes not counted: kept_slots); at most num_slots."""
         return len(self._slot_of) - len(self._kept)
 
     @property

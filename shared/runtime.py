@@ -15,8 +15,9 @@ from shared.kv_cache import BatchLayout, KVCache
 from shared.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
 from shared.models.compiled_decode import COMPILE_MODES, CompiledDecode, why_not_compilable
+from shared.models.config import ModelConfig
 from shared.models.crossover import apply_measured_crossover
-from shared.models.memory import default_budget
+from shared.models.memory import default_budget, default_prefix_bytes
 from shared.protocol import SeqEntry
 
 log = logging.getLogger("stagemesh.runtime")
@@ -37,16 +38,27 @@ class StageRuntime:
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
              kv_slots: int = STAGE_DEFAULTS.kv_slots, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
              weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
-             memory_budget: int | None = None, thread_counts: tuple[int, ...] | None = None) -> StageRuntime:
+             memory_budget: int | None = None, thread_counts: tuple[int, ...] | None = None, prefix_slots: int = 0,
+             prefix_memory: int | None = None) -> StageRuntime:
         """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
         batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel);
         memory_budget: bytes for the piece's weights and KV cache (None: shared.models.memory's default);
         compile_decode: a COMPILE_MODES entry (shared.models.compiled_decode): "on" compiles the one-sequence decode
         step before returning (refusing a piece it does not cover), "auto" starts compiling it in the background
         where it covers the piece, "off" never; thread_counts: the torch thread counts its decode steps run with
-        (a compiled step has graphs for each; None: the count it compiles with)."""
+        (a compiled step has graphs for each; None: the count it compiles with); prefix_slots: KV rows for cached
+        prefixes beside the kv_slots of live sequences, whose K/V prefix_memory bounds (bytes; None:
+        shared.models.memory.default_prefix_bytes). The bound is apart from memory_budget: kept prefixes are given
+        up for room, so they never decide whether the weights fit."""
         if compile_decode not in COMPILE_MODES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
+        config = ModelConfig.from_gguf(loader)
+        row_bytes = (2 * (len(layers) if layers is not None else config.num_layers) * config.kv_size * dtype.itemsize
+                     * min(max_seq_len, config.context_length))  # one KV row: every position of one sequence
+        if prefix_memory is None:  # kept prefixes also use the rows live sequences leave free
+            prefix_memory = default_prefix_bytes((kv_slots + prefix_slots) * row_bytes)
+        if torch.device(device).type != "cpu":  # rows take their memory at once there (KVCache._zeros): only as many
+            prefix_slots = min(prefix_slots, prefix_memory // row_bytes)  # as the bound holds
         model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant,
                                            memory_budget=memory_budget, kv_slots=kv_slots, max_seq_len=max_seq_len)
         apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
@@ -58,8 +70,10 @@ class StageRuntime:
         if reason is not None:
             if compile_decode == "auto":
                 log.info("layers %s decode eagerly: %s", model.layers, reason)
-            return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device), eager_reason=reason)
-        kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True)  # the warm-up writes the scratch row
+            return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device, prefix_slots=prefix_slots,
+                                                 prefix_bytes=prefix_memory), eager_reason=reason)
+        kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True,  # the warm-up writes the scratch row
+                                prefix_slots=prefix_slots, prefix_bytes=prefix_memory)
         compiled = CompiledDecode(model, kv, thread_counts=thread_counts)
         if compile_decode == "on":
             compiled.warm_up()
@@ -145,14 +159,16 @@ class LocalPipeline:
     def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
              device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
              weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
-             memory_budget: int | None = None) -> LocalPipeline:
-        """memory_budget: per piece (each piece is a stage's share); None: the default, split over the pieces."""
+             memory_budget: int | None = None, prefix_slots: int = 0, prefix_memory: int | None = None) -> LocalPipeline:
+        """memory_budget: per piece (each piece is a stage's share); None: the default, split over the pieces.
+        prefix_slots, prefix_memory: each piece's rows for cached prefixes and their bound (StageRuntime.load)."""
         ranges = ranges or [None]
         if memory_budget is None:
             memory_budget = default_budget(len(ranges))
         return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len, weights=weights,
                                       batch_invariant=batch_invariant, compile_decode=compile_decode,
-                                      memory_budget=memory_budget) for r in ranges])
+                                      memory_budget=memory_budget, prefix_slots=prefix_slots,
+                                      prefix_memory=prefix_memory) for r in ranges])
 
     @property
     def max_seq_len(self) -> int:

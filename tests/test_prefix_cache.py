@@ -107,6 +107,48 @@ def test_a_kept_slot_moves_up_is_copied_into_a_new_sequence_has_no_lease_and_giv
         kv.allocate("fifth")  # live sequences are never given up
 
 
+def fill(kv: KVCache, seq_id: str, n: int) -> int:
+    """A live sequence that wrote n positions of K/V (random numbers)."""
+    slot = kv.allocate(seq_id)
+    for t in (*kv.k, *kv.v):
+        t[slot, :, :n] = torch.randn(t[slot, :, :n].shape)
+    kv.filled[slot] = n
+    return slot
+
+
+def test_prefix_rows_keep_prefixes_while_every_live_slot_is_in_use():
+    kv = KVCache(num_layers=1, num_slots=2, max_seq_len=32, num_kv_heads=1, head_dim=4, dtype=torch.float32,
+                 prefix_slots=2)
+    for name in ("a", "b"):
+        fill(kv, name, 16)
+        assert kv.keep(name)
+    assert kv.kept_slots == 2 and kv.kept_bytes == 2 * 16 * kv.position_bytes
+    assert sorted(kv.allocate(s) for s in ("x", "y")) == [0, 1]  # both live slots, from the rows kept ones leave
+    assert kv.evicted == 0 and "a" in kv and "b" in kv
+    with pytest.raises(KVCacheFull, match="all 2 KV slots"):
+        kv.allocate("z")  # a free row is left only when a kept prefix gives it up -- never for a third live one
+    kv.release("x")
+    assert kv.allocate("z") == 0 and kv.kept_slots == 2
+
+
+def test_kept_prefixes_stay_under_their_memory_bound_least_recently_used_given_up_first():
+    kv = KVCache(num_layers=1, num_slots=2, max_seq_len=64, num_kv_heads=1, head_dim=4, dtype=torch.float32,
+                 prefix_slots=4, prefix_bytes=1000)
+    per = kv.position_bytes  # 32 bytes: K and V of 4 float32s
+    fill(kv, "a", 10)
+    fill(kv, "b", 10)
+    assert kv.keep("a") and kv.keep("b") and kv.kept_bytes == 20 * per
+    kv.allocate("probe")
+    kv.attach("probe", "a", 8)  # "a" is now the more recently used
+    kv.release("probe")
+    fill(kv, "c", 20)  # 640 bytes: with both others 1280 > 1000, so the least recently used, "b", goes
+    assert kv.keep("c") and "b" not in kv and "a" in kv and kv.evicted == 1 and kv.kept_bytes == 30 * per
+    assert kv.keep("c") and kv.evicted == 1 and kv.kept_slots == 2  # kept again: nothing given up for itself
+    fill(kv, "huge", 40)  # 1280 bytes alone: not kept, and nothing given up for it
+    assert not kv.keep("huge") and "huge" not in kv and kv.kept_slots == 2 and kv.evicted == 1
+    assert kv.used_slots == 0 and kv.resident_bytes == kv.kept_bytes
+
+
 def test_attach_and_keep_cross_the_wire():
     step = Prefill(8, 32, 40, True, attach="abc123")
     batch = decode(encode(ForwardBatch(1, [SeqEntry("s", step)], tokens=torch.arange(8))))
@@ -152,6 +194,46 @@ async def test_kept_prefixes_give_their_slots_to_new_requests_least_recently_use
     assert c.output_ids == list(generate_tokens(Harness(tiny_path).client.local, prompt(8), SamplingParams(), 6))
     b2 = await run(h, new_seq(h, prompt(7) + [5]))
     assert b2.cached_tokens == 32 and first_step(h, b2).attach == b.seq_id
+
+
+async def test_with_prefix_rows_a_full_pipeline_runs_new_requests_and_keeps_its_prefixes(tiny_path):
+    """Both slots busy with new requests: the cached prefixes stay in the stages' prefix rows (the gateway evicts
+    none) and the next turn still starts from one. With the rows shared (prefix_slots 0), the same requests took
+    both prefixes' rows."""
+    for prefix_slots, evicted in ((2, 0), (0, 2)):
+        h = Harness(tiny_path, kv_slots=2, prefix_slots=prefix_slots)
+        a = await run(h, new_seq(h, prompt(14)))
+        await run(h, new_seq(h, prompt(15)))
+        busy = [new_seq(h, prompt(16 + i)) for i in range(2)]
+        for seq in busy:
+            h.engine.submit(seq)
+        await h.step()
+        assert set(h.scheduler.running) == {s.seq_id for s in busy}  # both admitted at once
+        await h.deliver_all()
+        assert h.scheduler.prefix.stats.evicted == evicted
+        again = await run(h, new_seq(h, prompt(14) + [6]))
+        assert again.cached_tokens == (32 if prefix_slots else 0)
+        assert again.output_ids == list(generate_tokens(Harness(tiny_path).client.local, prompt(14) + [6],
+                                                        SamplingParams(), 6))
+        if prefix_slots:
+            assert first_step(h, again).attach == a.seq_id and h.client.local.pieces[0].kv.evicted == 0
+
+
+async def test_the_gateway_evicts_by_the_stages_prefix_memory_before_a_stage_has_to(tiny_path):
+    """A bound that holds one 45-position prefix: keeping the second releases the first from the index and the
+    stages alike, so no stage ever gives a prefix up behind the gateway's back (no prefix_miss)."""
+    probe = Harness(tiny_path, kv_slots=1)
+    per = probe.client.local.pieces[0].kv.position_bytes
+    h = Harness(tiny_path, kv_slots=2, prefix_slots=2, prefix_memory=60 * per)
+    assert h.scheduler.prefix_positions == 60 and h.scheduler.kv_rows == 4  # read from the stage's /info
+    a = await run(h, new_seq(h, prompt(20)))  # 40 prompt + 5 fed outputs = 45 positions
+    b = await run(h, new_seq(h, prompt(21)))
+    assert [a.seq_id] in h.client.released and h.scheduler.prefix.stats.evicted == 1
+    assert h.scheduler.prefix.held_positions == 45 and len(h.scheduler.prefix) == 1
+    kv = h.client.local.pieces[0].kv
+    assert kv.evicted == 0 and kv.kept_slots == 1 and b.seq_id in kv
+    again = await run(h, new_seq(h, prompt(21) + [2]))
+    assert again.cached_tokens == 32 and h.scheduler.prefix.stats.misses == 0
 
 
 async def test_a_stage_that_lost_the_prefix_answers_a_miss_and_the_request_prefills_in_full(tiny_path):

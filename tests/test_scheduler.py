@@ -90,11 +90,15 @@ class RecordingClient:
 
 
 class Harness:
-    def __init__(self, tiny_path: str, kv_slots: int = 4, max_inflight: int = 1, prefix_cache: bool = True, **serving):
-        local = LocalPipeline.load(GgufLoader(tiny_path), None, torch.float32, kv_slots=kv_slots, max_seq_len=CONTEXT)
+    def __init__(self, tiny_path: str, kv_slots: int = 4, max_inflight: int = 1, prefix_cache: bool = True,
+                 prefix_slots: int = 0, prefix_memory: int | None = None, **serving):
+        local = LocalPipeline.load(GgufLoader(tiny_path), None, torch.float32, kv_slots=kv_slots, max_seq_len=CONTEXT,
+                                   prefix_slots=prefix_slots, prefix_memory=prefix_memory)
         self.client = RecordingClient(local)
         self.pipeline = Pipeline(["http://unused"], "tcp://unused", "fp", 2)
-        self.pipeline.infos = [{"kv": {"slots": kv_slots, "max_seq_len": CONTEXT}}]
+        kv = local.pieces[0].kv  # what the stage's /info says of it
+        self.pipeline.infos = [{"kv": {"slots": kv_slots, "max_seq_len": CONTEXT, "prefix_slots": prefix_slots,
+                                       "prefix_memory_bytes": kv.prefix_bytes, "position_bytes": kv.position_bytes}}]
         self.pipeline.problem, self.pipeline.client = None, self.client
         self.engine = Engine(self.pipeline, GatewayMetrics(), max_inflight,
                              SchedulerConfig(prefix_cache=prefix_cache, **serving))

@@ -114,6 +114,9 @@ def test_a_prompt_repeated_on_a_split_mesh_starts_from_every_stages_cached_prefi
     for i in range(3):
         kv = up3.stage_info(i)["kv"]
         assert kv["kept_prefixes"] >= 1 and kv["evicted_prefixes"] == 0
+        # kept in the rows beyond the live slots, under the default bound (a share of the memory free at load)
+        assert kv["prefix_slots"] == 64 and 0 < kv["kept_bytes"] <= kv["prefix_memory_bytes"]
+        assert kv["kept_bytes"] % kv["position_bytes"] == 0 and kv["kept_bytes"] >= n * kv["position_bytes"]
 
 
 def test_a_traced_request_stops_capturing_at_its_budget(up3, smollm2):

@@ -47,7 +47,8 @@ class Engine:
         self.pipeline = pipeline
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
-        self.scheduler = Scheduler(max_inflight, config, kv_slots=pipeline.kv_slots)
+        self.scheduler = Scheduler(max_inflight, config, kv_slots=pipeline.kv_slots, kv_rows=pipeline.kv_rows,
+                                   prefix_positions=pipeline.prefix_positions)
         self.failover_timeout_s = config.failover_timeout_s
         self._mb_spans: dict[int, object] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
         self._wake = asyncio.Event()
@@ -161,8 +162,11 @@ class Engine:
         self._update_gauges()
 
     def _follow_pipeline(self) -> None:
-        """Keep the policy's view of the pipeline's /info current: its KV slots, and the audit's tolerance."""
+        """Keep the policy's view of the pipeline's /info current: its KV slots and rows, the bound on cached
+        prefixes, and the audit's tolerance."""
         self.scheduler.kv_slots = self.pipeline.kv_slots
+        self.scheduler.kv_rows = self.pipeline.kv_rows
+        self.scheduler.prefix_positions = self.pipeline.prefix_positions
         if self.scheduler.prefix_audit:
             self.scheduler.audit_tolerance = audit_tolerance(self.pipeline.infos)
 

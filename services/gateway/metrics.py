@@ -153,7 +153,8 @@ class _ReplicaCollector:
             "running": GaugeMetricFamily("stagemesh_gateway_replica_running_sequences", "Sequences running on the "
                                          "pipeline", labels=["pipeline"]),
             "kv_used": GaugeMetricFamily("stagemesh_gateway_replica_kv_used_ratio", "Share of the pipeline's KV slots "
-                                         "held by running sequences and cached prefixes", labels=["pipeline"]),
+                                         "held by running sequences (cached prefixes give theirs up)",
+                                         labels=["pipeline"]),
             "hit_rate": GaugeMetricFamily("stagemesh_gateway_replica_prefix_cache_hit_ratio", "Share of the "
                                           "pipeline's admitted requests that started from a cached prefix",
                                           labels=["pipeline"]),

@@ -27,6 +27,11 @@ class Malformed(str):
     """Why a stage's /info cannot be used although the stage answered (check_pipeline says so, not "unreachable")."""
 
 
+def _count(v) -> int:
+    """A non-negative integer field of a stage's /info, 0 when absent or not one."""
+    return v if _is_int(v, 0) else 0
+
+
 def _is_int(v, lo: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v < 1 << 62
 
@@ -186,6 +191,26 @@ class Pipeline:
     @property
     def kv_slots(self) -> int:
         return min((i["kv"]["slots"] for i in self.infos if isinstance(i, dict)), default=1)
+
+    @property
+    def kv_rows(self) -> int:
+        """KV rows on every stage, for running sequences and cached prefixes together (slots + prefix_slots)."""
+        return min((i["kv"]["slots"] + _count(i["kv"].get("prefix_slots")) for i in self.infos if isinstance(i, dict)),
+                   default=1)
+
+    @property
+    def prefix_positions(self) -> int | None:
+        """The positions cached prefixes may hold on every stage: the least of each stage's --prefix-cache-memory
+        over its bytes per position (None when a stage states no bound)."""
+        bounds = []
+        for i in self.infos:
+            if isinstance(i, dict):
+                kv = i["kv"]
+                memory, per = kv.get("prefix_memory_bytes"), kv.get("position_bytes")
+                if not (_is_int(memory, 1) and _is_int(per, 1)):
+                    return None
+                bounds.append(memory // per)
+        return min(bounds, default=None)
 
     def _cache_identity(self) -> str:
         """What a cached prefix's K/V depends on besides its tokens: the model, and each stage's layers, dtype,

@@ -7,9 +7,11 @@ whose prompt starts with indexed blocks attaches the longest such prefix (Prefil
 positions' K/V into the new slot) and prefills only the rest. A stage that no longer keeps a prefix answers
 prefix_miss; the scheduler drops it from here and prefills that sequence in full.
 
-Kept prefixes use KV slots a running sequence would otherwise use: running + kept <= the pipeline's slots, and
-admission evicts the least recently used prefix that no admitted sequence is about to attach. Pure bookkeeping,
-no I/O: the scheduler sends the keeps and releases this returns."""
+Kept prefixes live in the stages' KV rows that running sequences leave free (each stage has --prefix-slots rows
+beyond its --kv-slots for them): running + kept <= those rows, and admission evicts the least recently used prefix
+that no admitted sequence is about to attach. Their K/V is bounded per stage (--prefix-cache-memory): the
+scheduler evicts by the positions they hold (held_positions) before a stage has to. Pure bookkeeping, no I/O: the
+scheduler sends the keeps and releases this returns."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ BLOCK_TOKENS = 16  # the unit of reuse: a prefix is reused in whole blocks (vLLM
 class CachedPrefix:
     seq_id: str  # the finished sequence every stage keeps
     hashes: list[bytes]  # chained hash of each full block of the tokens whose K/V it holds
+    positions: int  # the positions whose K/V it holds (what its KV rows take on the stages; >= tokens)
 
     @property
     def tokens(self) -> int:
@@ -69,8 +72,13 @@ class PrefixIndex:
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens held by the kept prefixes (what the stages' kept slots hold)."""
+        """Tokens the kept prefixes can give (whole blocks)."""
         return sum(p.tokens for p in self._prefixes.values())
+
+    @property
+    def held_positions(self) -> int:
+        """Positions the kept prefixes hold on every stage (what --prefix-cache-memory bounds)."""
+        return sum(p.positions for p in self._prefixes.values())
 
     def reset(self, identity: str) -> list[str]:
         """Forget everything (the pipeline changed); returns the kept sequences to release on the stages."""
@@ -138,7 +146,7 @@ class PrefixIndex:
         contained = [p for p in self._prefixes.values() if p.hashes[-1] in mine and p.seq_id not in pinned]
         for p in contained:
             self._forget(p.seq_id)
-        self._prefixes[seq_id] = CachedPrefix(seq_id, hashes)
+        self._prefixes[seq_id] = CachedPrefix(seq_id, hashes, len(ids))
         for h in hashes:
             self._holders.setdefault(h, set()).add(seq_id)
         self.stats.kept += 1
@@ -169,6 +177,7 @@ class PrefixIndex:
     def info(self) -> dict:
         s = self.stats
         return {"block_tokens": BLOCK_TOKENS, "prefixes": len(self), "cached_tokens": self.cached_tokens,
+                "held_positions": self.held_positions,
                 "lookups": s.lookups, "hits": s.hits, "hit_rate": round(s.hits / s.lookups, 4) if s.lookups else None,
                 "reused_tokens": s.cached_tokens, "kept": s.kept, "evicted": s.evicted, "misses": s.misses,
                 "audits": s.audits, "audit_mismatches": s.audit_mismatches}

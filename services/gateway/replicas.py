@@ -63,10 +63,9 @@ class Replica:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def kv_used(self) -> float:
-        """Share of its KV slots held by running sequences and kept prefixes."""
-        s = self.scheduler
-        kept = len(s.prefix) if s.prefix is not None else 0
-        return (len(s.running) + kept) / max(1, self.pipeline.kv_slots)
+        """Share of its KV slots held by running sequences (cached prefixes give theirs up to a new request, as
+        vLLM counts cached blocks free)."""
+        return len(self.scheduler.running) / max(1, self.pipeline.kv_slots)
 
     def matched(self, ids: list[int]) -> int:
         """Prompt tokens its prefix index could reuse for ids (0 with the cache off)."""

@@ -97,14 +97,19 @@ class Plan(Update):
 
 
 class Scheduler:
-    """The policy of one pipeline. `kv_slots` (each stage's, the most requests running at once) and
-    `audit_tolerance` follow the pipeline's /info: the engine keeps them current."""
+    """The policy of one pipeline. `kv_slots` (each stage's, the most requests running at once), `kv_rows` (each
+    stage's KV rows: running requests and kept prefixes together), `prefix_positions` (the positions kept prefixes
+    may hold on every stage; None: no bound) and `audit_tolerance` follow the pipeline's /info: the engine keeps
+    them current."""
 
-    def __init__(self, max_inflight: int, config: SchedulerConfig = SCHEDULER_DEFAULTS, kv_slots: int = 1):
+    def __init__(self, max_inflight: int, config: SchedulerConfig = SCHEDULER_DEFAULTS, kv_slots: int = 1,
+                 kv_rows: int | None = None, prefix_positions: int | None = None):
         self.max_inflight = max_inflight
         self.config = config
         self.max_replays = config.max_replays
         self.kv_slots = kv_slots
+        self.kv_rows = kv_rows or kv_slots
+        self.prefix_positions = prefix_positions
         self.audit_tolerance = AUDIT_TOLERANCE_F32
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
@@ -194,14 +199,24 @@ class Scheduler:
             self._audit_answered(req, reason)
 
     def _keeps(self, req: Request, reason: str) -> bool:
-        """Index a finished request as a cached prefix (True: keep its slots), releasing the prefixes it contains.
-        Its first `computed` tokens have K/V on every stage (a micro-batch still in flight writes only later
-        positions). Not after a failure, nor for a traced request (its rows carry capture hooks' numbers)."""
+        """Index a finished request as a cached prefix (True: keep its slots), releasing the prefixes it contains,
+        and the least recently used others while the kept prefixes hold more than prefix_positions. Its first
+        `computed` tokens have K/V on every stage (a micro-batch still in flight writes only later positions). Not
+        after a failure, nor for a traced request (its rows carry capture hooks' numbers), nor one that alone holds
+        more than prefix_positions."""
         if self.prefix is None or reason not in ("stop", "length", "cancelled") or req.traced or req.attach \
                 or req.audit:
             return False
+        bound = self.prefix_positions
+        if bound is not None and req.computed > bound:
+            return False
         kept, contained = self.prefix.insert(req.seq_id, req.all_ids[:req.computed], self._pinned())
         self._release.extend(contained)
+        while kept and bound is not None and self.prefix.held_positions > bound:
+            victim = self.prefix.evict(self._pinned() | {req.seq_id})
+            if victim is None:
+                break
+            self._release.append(victim)
         return kept
 
     def _pinned(self) -> set[str]:
@@ -313,8 +328,8 @@ class Scheduler:
             if self.prefix is not None:
                 if req.computed == 0 and not req.traced and not req.replays and not req.no_cache:
                     hit = self.prefix.lookup(req.all_ids)
-                if len(self.running) + len(self.prefix) >= self.kv_slots:
-                    # a cached prefix gives its slots up for the request -- never the one it is about to attach
+                if len(self.running) + len(self.prefix) >= self.kv_rows:
+                    # a cached prefix gives its rows up for the request -- never the one it is about to attach
                     victim = self.prefix.evict(self._pinned() | ({hit.prefix.seq_id} if hit else set()))
                     if victim is None:
                         break

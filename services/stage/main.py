@@ -138,7 +138,8 @@ async def serve(files: ModelFiles, layers: LayerRange, args, config: StageConfig
             compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, config.kv_slots, config.max_seq_len,
                                             weights=weights_from_args(args), batch_invariant=args.batch_invariant,
                                             compile_decode=args.compile_decode,
-                                            memory_budget=args.memory_budget, thread_counts=threads))
+                                            memory_budget=args.memory_budget, thread_counts=threads,
+                                            prefix_slots=config.prefix_slots, prefix_memory=config.prefix_cache_memory))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))
         await runner.cleanup()

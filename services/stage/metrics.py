@@ -63,7 +63,10 @@ class StageCollector:
         yield GaugeMetricFamily("stagemesh_stage_kv_slots_cached", "KV cache slots kept as cached prefixes (the "
                                 "gateway's prefix cache)", value=kv.kept_slots)
         yield CounterMetricFamily("stagemesh_stage_prefixes_evicted", "Cached prefixes this stage gave up because a new "
-                                  "sequence found no free slot", value=kv.evicted)
+                                  "sequence found no free slot, or for room under --prefix-cache-memory",
+                                  value=kv.evicted)
+        yield GaugeMetricFamily("stagemesh_stage_kv_cached_bytes", "K/V memory of the cached prefixes (bounded by "
+                                "--prefix-cache-memory)", value=kv.kept_bytes)
         yield GaugeMetricFamily("stagemesh_stage_kv_slots", "KV cache slots in total", value=kv.num_slots)
         yield GaugeMetricFamily("stagemesh_stage_kv_resident_bytes", "K/V memory of the positions held slots have "
                                 "written (the OS commits KV memory as it is written)", value=kv.resident_bytes)

@@ -259,6 +259,9 @@ class StageWorker:
             "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
                    "slot_lease_s": self.slot_lease_s, "reclaimed": stats.reclaimed,
                    "kept_prefixes": kv.kept_slots, "evicted_prefixes": kv.evicted,
+                   # rows for cached prefixes beside `slots`, and the bound on their K/V (the gateway evicts by it)
+                   "prefix_slots": kv.prefix_slots, "prefix_memory_bytes": kv.prefix_bytes, "kept_bytes": kv.kept_bytes,
+                   "position_bytes": kv.position_bytes,
                    # memory by tokens held (committed page by page as written), out of what all slots could take
                    "resident_bytes": kv.resident_bytes, "reserved_bytes": kv.reserved_bytes},
             "prefetch": self.io.prefetch,

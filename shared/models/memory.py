@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_FRACTION = 0.8  # of MemAvailable at load, for all the stages of one host together
+PREFIX_FRACTION = 0.25  # of MemAvailable at load: a stage's cached prefixes by default (--prefix-cache-memory)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -38,6 +39,12 @@ def available_bytes() -> int:
 
 def default_budget(stages_on_host: int = 1) -> int:
     return int(available_bytes() * DEFAULT_FRACTION / max(1, stages_on_host))
+
+
+def default_prefix_bytes(rows_bytes: int) -> int:
+    """--prefix-cache-memory's default: PREFIX_FRACTION of the memory available now, at most rows_bytes (what the
+    prefix rows hold when every position is written)."""
+    return max(1, min(rows_bytes, int(available_bytes() * PREFIX_FRACTION)))
 
 
 def parse_bytes(text: str) -> int:
