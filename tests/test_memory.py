@@ -10,6 +10,7 @@ from shared.kv_cache import KVCache
 from shared.layers import LayerRange
 from shared.models import TransformerModel
 from shared.models.linear import SwitchedLinear
+from shared.models import memory
 from shared.models.memory import parse_bytes, plan_prefill_copy
 
 MIB = 2**20
@@ -35,6 +36,28 @@ def test_sizes_parse(text, expected):
 def test_bad_sizes_name_the_form(text):
     with pytest.raises(ValueError, match="e.g. 4G"):
         parse_bytes(text)
+
+
+def test_a_containers_memory_limit_bounds_what_counts_as_available(tmp_path, monkeypatch):
+    """In a pod /proc/meminfo shows the host; the cgroup's limit is what the OOM killer enforces. The default budget
+    and the prefix cache's default bound are taken from available_bytes, so it must not exceed the cgroup's room."""
+    def cgroup(limit: str, usage: int) -> None:
+        (tmp_path / "max").write_text(limit + "\n")
+        (tmp_path / "current").write_text(f"{usage}\n")
+
+    monkeypatch.setattr(memory, "CGROUP_MEMORY_FILES", (("/nonexistent/memory.max", "/nonexistent/memory.current"),
+                                                        (str(tmp_path / "max"), str(tmp_path / "current"))))
+    host = memory.available_bytes()  # the files are not there yet: the host's figure
+    cgroup("max", 10 * MIB)  # cgroup v2 without a limit
+    assert memory.cgroup_room() is None and memory.available_bytes() == pytest.approx(host, rel=0.1)
+    cgroup(str(2**63 - 4096), 10 * MIB)  # v1's "no limit"
+    assert memory.cgroup_room() is None
+    cgroup(str(64 * MIB), 40 * MIB)  # a 64 MiB pod using 40
+    assert memory.cgroup_room() == 24 * MIB and memory.available_bytes() == 24 * MIB
+    assert memory.default_prefix_bytes(2**40) == 6 * MIB  # a quarter of the room, not of the host
+    assert memory.default_budget(2) == int(24 * MIB * memory.DEFAULT_FRACTION / 2)
+    cgroup(str(64 * MIB), 80 * MIB)  # over its limit already (reclaimable cache counts in usage)
+    assert memory.available_bytes() == 0 and memory.default_prefix_bytes(2**40) == 1
 
 
 def _load(smollm2, **kw) -> TransformerModel:

@@ -7,8 +7,8 @@ between fitting and not for the users a pipeline exists for. So auto is kept onl
 
     auto's weights + KV cache <= budget   (its prefill copy in the measured prefill dtype, else bf16; else lean)
 
-The budget is per stage (--memory-budget); by default DEFAULT_FRACTION of the memory available when the piece loads,
-divided by the stages `up` starts on the host.
+The budget is per stage (--memory-budget); by default DEFAULT_FRACTION of the memory available when the piece loads
+(within the container's memory limit, where there is one), divided by the stages `up` starts on the host.
 """
 
 from __future__ import annotations
@@ -25,16 +25,44 @@ PREFIX_FRACTION = 0.25  # of MemAvailable at load: a stage's cached prefixes by 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+# (limit, usage) files of this process's memory cgroup: v2, then v1. In a container /proc/meminfo shows the host's
+# memory, while the cgroup's limit (a Kubernetes pod's resources.limits.memory) is what the OOM killer enforces.
+CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def cgroup_room() -> int | None:
+    """Bytes this process's memory cgroup lets it take beyond what it uses now; None where it sets no limit."""
+    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v2's and v1's "no limit"
+            return None
+        return max(0, int(limit) - usage)
+    return None
+
+
 def available_bytes() -> int:
-    """Memory available to a new allocation now (MemAvailable: free + reclaimable cache), or free pages."""
+    """Memory available to a new allocation now: MemAvailable (free + reclaimable cache), or free pages, and no more
+    than the memory cgroup's limit leaves (cgroup_room)."""
+    host = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if host is None:
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    room = cgroup_room()
+    return host if room is None else min(host, room)
 
 
 def default_budget(stages_on_host: int = 1) -> int:
