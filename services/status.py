@@ -115,7 +115,10 @@ def render(snap: dict):
         busy = None if s.get("busy_fraction") is None else 100 * s["busy_fraction"]
         kv = f"{s['kv_used_slots']}/{s['kv_slots']}" if s.get("kv_slots") is not None else "–"
         if s.get("kv_kept_prefixes"):
-            kv += f" ({s['kv_kept_prefixes']} cached)"
+            kv += f" ({s['kv_kept_prefixes']} cached"
+            if s.get("kv_kept_bytes") is not None and s.get("kv_prefix_memory_bytes"):  # their K/V, of the bound
+                kv += f", {s['kv_kept_bytes'] / 2**20:.0f} of {s['kv_prefix_memory_bytes'] / 2**20:.0f} MiB"
+            kv += ")"
         addr = s["url"] + (f"\n{s['listen']}" if s.get("listen") else "")
         t.add_row(*((s.get("pipeline", ""),) if many else ()), str(s["index"]), layers, addr, Text(s["state"], style=colors.get(s["state"], "")), _fmt(busy, "%"),
                   _fmt(s.get("compute_ms"), " ms"), _fmt(s.get("hop_next_ms"), " ms", 2), kv, str(s.get("restarts", 0)))

@@ -242,6 +242,8 @@ async def test_key_asked_once_markdown_renders_and_reload_keeps_conversation_and
             await dt.js("location.hash = '#mesh'; true")
             await wait_js(dt, "document.getElementById('mesh-verdict').textContent === 'ready' && "
                               "!!document.getElementById('stage-1')", 30, "the mesh view in API key mode")
+            stage = await dt.js("document.getElementById('stage-1').textContent")  # its prefix rows' K/V, of the bound
+            assert re.search(r"cached prefixes\d+ · \d+ of [1-9]\d* MiB", stage), stage
             assert not csp_violations(dt), csp_violations(dt)
 
 

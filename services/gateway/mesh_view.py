@@ -181,6 +181,7 @@ class MeshView:
             # /info's kv map, flattened with a kv_ prefix (a count of slots; a pipeline's kv_used is a share)
             kv_used_slots=kv.get("used_slots"), kv_slots=kv.get("slots"), max_seq_len=kv.get("max_seq_len"),
             kv_kept_prefixes=kv.get("kept_prefixes"), kv_evicted_prefixes=kv.get("evicted_prefixes"),
+            kv_kept_bytes=kv.get("kept_bytes"), kv_prefix_memory_bytes=kv.get("prefix_memory_bytes"),
             microbatches=info.get("microbatches"))
         return st
 

@@ -39,6 +39,11 @@ function stageNode(s) {
     n.appendChild(row("compute / micro-batch", fmt(s.compute_ms, 1, " ms")));
     n.appendChild(row("KV slots", s.kv_slots === undefined ? "–" : s.kv_used_slots + " / " + s.kv_slots));
     n.appendChild(bar(s.kv_slots ? s.kv_used_slots / s.kv_slots : 0));
+    if (typeof s.kv_kept_prefixes === "number") {  // the prefix cache's rows, and their K/V of the stage's bound
+      const mib = (b) => (b / 1048576).toFixed(0);
+      n.appendChild(row("cached prefixes", s.kv_kept_prefixes + (s.kv_prefix_memory_bytes
+        ? " · " + mib(s.kv_kept_bytes || 0) + " of " + mib(s.kv_prefix_memory_bytes) + " MiB" : "")));
+    }
   }
   n.appendChild(row("restarts", String(s.restarts)));
   return n;
