@@ -8,9 +8,8 @@ import torch
 
 from shared.kv_cache import KVCache
 from shared.layers import LayerRange
-from shared.models import TransformerModel
+from shared.models import TransformerModel, memory
 from shared.models.linear import SwitchedLinear
-from shared.models import memory
 from shared.models.memory import parse_bytes, plan_prefill_copy
 
 MIB = 2**20
