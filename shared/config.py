@@ -86,7 +86,8 @@ def _parse_bytes(text: str) -> int:
 
 @dataclass(frozen=True)
 class StageConfig:
-    """One stage's serving knobs (`stage`; `up` passes kv_slots and max_seq_len to each of its stages)."""
+    """One stage's serving knobs (`stage`; `up` passes its STAGE_FLAGS -- KV slots, length, prefix rows and bound --
+    to each of its stages)."""
 
     kv_slots: int = knob(32, "concurrent sequences per stage")
     max_seq_len: int = knob(2048, "tokens per sequence, capped by the model's context")

@@ -21,6 +21,11 @@ from shared.steps import InferenceStep
 log = logging.getLogger("stagemesh.kv")
 
 
+def position_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one token in a KV cache of num_layers layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
 class KVCache:
     """k, v: one tensor per local layer, each [rows (+1 scratch), kv_heads, max_seq_len, head_dim], rows = num_slots +
     prefix_slots. A sequence owns one row (its slot) from its first prefill chunk until it is released; at most
@@ -49,7 +54,7 @@ class KVCache:
         self.v = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
         self.device = self.k[0].device
         self.slot_bytes = math.prod(shape[1:]) * dtype.itemsize  # one slot's row of one tensor
-        self.position_bytes = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize  # K and V of one token
+        self.position_bytes = position_bytes(num_layers, num_kv_heads, head_dim, dtype)
         self.num_slots = num_slots  # live sequences at once
         self.prefix_slots = prefix_slots  # rows beyond those, for cached prefixes
         self.prefix_bytes = prefix_bytes  # K/V the kept prefixes may hold (None: as much as their rows take)

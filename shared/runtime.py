@@ -11,11 +11,10 @@ import torch
 from shared.config import STAGE_DEFAULTS
 from shared.errors import BadBatch, CapabilityMissing, MissingActivation
 from shared.gguf_loader import GgufLoader
-from shared.kv_cache import BatchLayout, KVCache
+from shared.kv_cache import BatchLayout, KVCache, position_bytes
 from shared.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
 from shared.models.compiled_decode import COMPILE_MODES, CompiledDecode, why_not_compilable
-from shared.models.config import ModelConfig
 from shared.models.crossover import apply_measured_crossover
 from shared.models.memory import default_budget, default_prefix_bytes
 from shared.protocol import SeqEntry
@@ -52,17 +51,16 @@ class StageRuntime:
         up for room, so they never decide whether the weights fit."""
         if compile_decode not in COMPILE_MODES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
-        config = ModelConfig.from_gguf(loader)
-        row_bytes = (2 * (len(layers) if layers is not None else config.num_layers) * config.kv_size * dtype.itemsize
-                     * min(max_seq_len, config.context_length))  # one KV row: every position of one sequence
-        if prefix_memory is None:  # kept prefixes also use the rows live sequences leave free
-            prefix_memory = default_prefix_bytes((kv_slots + prefix_slots) * row_bytes)
-        if torch.device(device).type != "cpu":  # rows take their memory at once there (KVCache._zeros): only as many
-            prefix_slots = min(prefix_slots, prefix_memory // row_bytes)  # as the bound holds
         model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant,
                                            memory_budget=memory_budget, kv_slots=kv_slots, max_seq_len=max_seq_len)
         apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
         max_seq_len = min(max_seq_len, model.config.context_length)
+        c = model.config  # one KV row: every position of one sequence
+        row_bytes = max_seq_len * position_bytes(len(model.layers), c.num_kv_heads, c.head_dim, model.dtype)
+        if prefix_memory is None:  # kept prefixes also use the rows live sequences leave free
+            prefix_memory = default_prefix_bytes((kv_slots + prefix_slots) * row_bytes)
+        if torch.device(device).type != "cpu":  # rows take their memory at once there (KVCache._zeros): only as many
+            prefix_slots = min(prefix_slots, prefix_memory // row_bytes)  # as the bound holds
         reason = "--compile-decode off" if compile_decode == "off" else why_not_compilable(model)
         if compile_decode == "on" and reason is not None:
             raise CapabilityMissing(f"--compile-decode cannot compile layers {model.layers}: {reason}; "
