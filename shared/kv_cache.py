@@ -113,10 +113,7 @@ class KVCache:
         if self.used_slots >= self.num_slots:
             raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
         if not self._free and self._kept:
-            oldest = next(iter(self._kept))
-            log.info("gave up the cached prefix %r for a new sequence: every KV slot was in use", oldest)
-            self.release(oldest)
-            self.evicted += 1
+            self._give_up_oldest("for a new sequence: every KV row was in use")
         if not self._free:
             raise KVCacheFull(f"all {self.num_slots} KV slots are in use; release a sequence or raise --kv-slots")
         slot = heapq.heappop(self._free)
@@ -135,6 +132,13 @@ class KVCache:
         self.filled[slot] = 0
         heapq.heappush(self._free, slot)
         return True
+
+    def _give_up_oldest(self, why: str) -> None:
+        """Release the least recently used kept prefix (counted in `evicted`)."""
+        oldest = next(iter(self._kept))
+        log.info("gave up the cached prefix %r %s", oldest, why)
+        self.release(oldest)
+        self.evicted += 1
 
     def keep(self, seq_id: Hashable) -> bool:
         """The finished sequence's slot stays, as a cached prefix: no lease; released by the gateway or given up
@@ -157,10 +161,7 @@ class KVCache:
                 self.release(seq_id)
                 return False
             while self._kept and self.kept_bytes + need > self.prefix_bytes:
-                oldest = next(iter(self._kept))
-                log.info("gave up the cached prefix %r for room under --prefix-cache-memory", oldest)
-                self.release(oldest)
-                self.evicted += 1
+                self._give_up_oldest("for room under --prefix-cache-memory")
         slot, top = self._slot_of[seq_id], max(self._free, default=-1)
         if top > slot:
             self._free.remove(top)

@@ -213,11 +213,17 @@ class Scheduler:
         kept, contained = self.prefix.insert(req.seq_id, req.all_ids[:req.computed], self._pinned())
         self._release.extend(contained)
         while kept and bound is not None and self.prefix.held_positions > bound:
-            victim = self.prefix.evict(self._pinned() | {req.seq_id})
-            if victim is None:
+            if not self._evict_prefix({req.seq_id}):
                 break
-            self._release.append(victim)
         return kept
+
+    def _evict_prefix(self, spare: set[str]) -> bool:
+        """Release the least recently used cached prefix on every stage, sparing `spare` and the pinned ones; False
+        when there is none to release."""
+        victim = self.prefix.evict(self._pinned() | spare)
+        if victim is not None:
+            self._release.append(victim)
+        return victim is not None
 
     def _pinned(self) -> set[str]:
         """Prefixes an admitted request will attach with its first chunk, not sent yet: not to be released."""
@@ -330,10 +336,8 @@ class Scheduler:
                     hit = self.prefix.lookup(req.all_ids)
                 if len(self.running) + len(self.prefix) >= self.kv_rows:
                     # a cached prefix gives its rows up for the request -- never the one it is about to attach
-                    victim = self.prefix.evict(self._pinned() | ({hit.prefix.seq_id} if hit else set()))
-                    if victim is None:
+                    if not self._evict_prefix({hit.prefix.seq_id} if hit else set()):
                         break
-                    self._release.append(victim)
                 self.prefix.count(hit)
                 if hit is not None:
                     req.start_from(hit.prefix.seq_id, hit.tokens)

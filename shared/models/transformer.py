@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from shared.errors import CapabilityMissing, GgufError
 from shared.gguf_loader import GgufLoader, RawTensor
-from shared.kv_cache import BatchLayout, KVCache
+from shared.kv_cache import BatchLayout, KVCache, position_bytes
 from shared.layers import LayerRange
 from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
@@ -281,8 +281,8 @@ class TransformerModel:
         embedding = QuantizedRows(loader.raw("token_embd.weight", mapped=True)) if position.has_embedding else None
 
         budget = memory_budget if memory_budget is not None else default_budget()
-        kv_bytes = (2 * len(layers) * (kv_slots + 1) * min(max_seq_len, config.context_length) * config.kv_size
-                    * dtype.itemsize)  # KVCache: k and v per layer, one scratch row
+        kv_bytes = ((kv_slots + 1) * min(max_seq_len, config.context_length)  # KVCache's slots and scratch row
+                    * position_bytes(len(layers), config.num_kv_heads, config.head_dim, dtype))
         matrices = [r for n, r in raw.items() if len(r.shape) >= 2 and not n.endswith("ffn_gate_inp.weight")
                     and (n != "token_embd.weight" or position.has_lm_head)]
         lean_bytes = sum(lean_nbytes(r.ggml_type, r.shape) for r in matrices)
