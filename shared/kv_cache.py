@@ -1,13 +1,23 @@
 """KV cache owned by the runtime, never by the model: fixed slots, one per live sequence -- or per cached prefix: a
-finished sequence the gateway asked the stage to keep, whose K/V a later sequence with the same prefix copies."""
+finished sequence the gateway asked the stage to keep, whose K/V a later sequence with the same prefix starts from.
+
+On Linux CPUs a sequence that starts from a cached prefix shares the prefix's memory pages instead of copying them
+(SharedPages: vAttention's idea, virtual memory instead of a paged attention kernel): its row's pages for the prefix
+are mapped onto the kept row's, so 32 conversations on one system prompt hold that prompt's K/V once, and attention
+still reads every row in place as one tensor."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import heapq
 import logging
 import math
 import mmap
+import os
+import sys
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -26,6 +36,215 @@ def position_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: tor
     return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
+class SharedPages:
+    """The CPU memory behind a KVCache's tensors, and the kept prefixes' pages that other rows map.
+
+    Every tensor [rows, kv_heads, max_seq_len, head_dim] is a private anonymous mapping: its pages are committed as
+    they are written, unwritten ones read as the one zero page, and a freed row's are given back (MADV_DONTNEED). A
+    kept prefix's row is *published*: mapped onto its own range of one memfd (MAP_SHARED), so that other rows can map
+    the same pages. A row's run of one head, [max_seq_len, head_dim], spans `run_bytes`; where that is a whole number
+    of pages and a page a whole number of positions, `lend` maps the whole pages at the start of a row's runs onto
+    the pages that hold another row's K/V there (MAP_PRIVATE | MAP_FIXED: reads see the owner's pages; a stray write
+    would copy a page instead of changing the owner's). Published rows are kept prefixes, whose K/V never changes:
+    before their pages are freed, every row that maps them gets a copy of its own (give_back).
+
+    Invariants: `borrowed[row]` = [(end_page, owner), ...] ascending from page 0 -- pages [previous end, end) of each
+    of the row's runs are the owner's own pages (published, and not borrowed by the owner); a row's other pages are
+    its own: memfd pages if it is in `published`, anonymous otherwise. `lent[owner]` = the rows that map its pages.
+    (Not the memfd everywhere: a shared mapping commits a page when it is read, and batched decode reads past what
+    a row wrote -- the masked positions of a shorter sequence.)"""
+
+    MAP_FIXED = 0x10  # <sys/mman.h> on Linux (the mmap module does not export it)
+
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, max_map_count: int):
+        page = mmap.PAGESIZE
+        self.sizes = [-(-math.prod(shape) * dtype.itemsize // page) * page for shape in shapes]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(shapes))]
+        self.fd = os.memfd_create("stagemesh-kv", os.MFD_CLOEXEC)
+        weakref.finalize(self, os.close, self.fd)  # its pages go when the last mapping of them does
+        os.ftruncate(self.fd, max(page, sum(self.sizes)))
+        self.maps = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for size in self.sizes]
+        for buf in self.maps:
+            if hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KiB pages even where transparent huge pages are "always": a
+                buf.madvise(mmap.MADV_NOHUGEPAGE)  # 2 MiB page would commit a slot's neighbours' rows with its own
+        self.tensors = [torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+                        for buf, shape in zip(self.maps, shapes)]
+        self.addresses = [t.data_ptr() for t in self.tensors]
+        rows, heads, positions, head_dim = shapes[0]
+        self.heads = heads
+        self.run_bytes = positions * head_dim * dtype.itemsize  # one row's run of one head
+        self.row_bytes = heads * self.run_bytes  # one row of one tensor
+        position = head_dim * dtype.itemsize
+        self.page_positions = page // position if page % position == 0 else 0
+        self.shareable = self.page_positions > 0 and self.run_bytes % page == 0 and sys.platform == "linux"
+        self.borrowed: dict[int, list[tuple[int, int]]] = {}
+        self.lent: dict[int, set[int]] = {}
+        self.published: set[int] = set()
+        # each mapped piece of a run is a mapping (a VMA) of its own: stay well inside the kernel's vm.max_map_count
+        self.map_budget, self.maps_used = max_map_count // 4, 0
+
+    # ---- mappings ---------------------------------------------------------------------------------------------------
+
+    def _run(self, tensor: int, row: int, head: int) -> tuple[int, int]:
+        """(address, memfd offset) of a row's run of one head in tensor `tensor`."""
+        at = row * self.row_bytes + head * self.run_bytes
+        return self.addresses[tensor] + at, self.offsets[tensor] + at
+
+    def _map(self, address: int, length: int, offset: int | None, private: bool = True) -> None:
+        """Map [address, address + length) onto the memfd at `offset` (None: fresh anonymous memory)."""
+        if length <= 0:
+            return
+        if offset is None:
+            flags, fd, offset = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+        else:
+            flags, fd = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED), self.fd  # no MAP_POPULATE: it would
+            # populate a private writable mapping by write faults, copying every page
+        got = _libc_mmap()(address, length, mmap.PROT_READ | mmap.PROT_WRITE, flags | self.MAP_FIXED, fd, offset)
+        if got != address:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of K/V pages failed: {os.strerror(err)}")
+
+    def _map_own(self, row: int, first_page: int = 0, end_page: int | None = None) -> None:
+        """Pages [first_page, end_page) of each of the row's runs (None: to the run's end) become its own: its memfd
+        range if published, else fresh anonymous memory."""
+        own = row in self.published
+        end = self.run_bytes if end_page is None else end_page * mmap.PAGESIZE
+        for t in range(len(self.tensors)):
+            if first_page == 0 and end == self.run_bytes:  # the row's runs are contiguous: one mapping for them all
+                address, offset = self._run(t, row, 0)
+                self._map(address, self.row_bytes, offset if own else None, private=False)
+                continue
+            for h in range(self.heads):
+                address, offset = self._run(t, row, h)
+                skip = first_page * mmap.PAGESIZE
+                self._map(address + skip, end - skip, offset + skip if own else None, private=False)
+
+    def _mappings(self, row: int) -> int:
+        """The mappings (VMAs) a row's layout takes beyond one per tensor."""
+        segments = len(self.borrowed.get(row, ()))
+        return len(self.tensors) * self.heads * (segments + 1) if segments else 0
+
+    # ---- what rows share --------------------------------------------------------------------------------------------
+
+    def shared_positions(self, row: int) -> int:
+        """Positions [0, n) of the row whose K/V is another row's pages."""
+        segments = self.borrowed.get(row)
+        return segments[-1][0] * self.page_positions if segments else 0
+
+    def publish(self, row: int) -> bool:
+        """Put the row's own pages on its memfd range (their contents are lost: the caller writes them after), so that
+        other rows can map them. False when there is no room for the mappings (the row stays anonymous)."""
+        if not self.shareable:
+            return False
+        first = self.shared_positions(row) // self.page_positions
+        if first and self.maps_used + len(self.tensors) * self.heads > self.map_budget:
+            return False
+        self.published.add(row)
+        try:
+            self._map_own(row, first)
+        except OSError as e:
+            log.warning("kept prefix's K/V not shared: %s", e)
+            self.published.discard(row)
+            self._map_own(row, first)
+            return False
+        return True
+
+    def lend(self, dst: int, src: int, length: int, own: bool = True) -> int:
+        """Map the whole pages of positions [0, length) of row dst's runs onto the pages that hold src's K/V there:
+        the pages src borrows, and (own) src's own, where src is published. dst holds no borrowed pages. Returns how
+        many positions dst now shares (0: nothing to share, or no room for more mappings); the caller copies the
+        rest."""
+        pages = length // self.page_positions if self.shareable else 0
+        if not (own and src in self.published):
+            pages = min(pages, self.shared_positions(src) // self.page_positions)
+        if pages == 0 or dst in self.borrowed:
+            return 0
+        segments, start = [], 0
+        for end, owner in self.borrowed.get(src, []):  # src's borrowed pages resolve to their owners
+            if start < pages:
+                segments.append((min(end, pages), owner))
+                start = segments[-1][0]
+        if start < pages:
+            segments.append((pages, src))
+        runs = len(self.tensors) * self.heads * (len(segments) + 1)
+        if self.maps_used + runs > self.map_budget:
+            return 0
+        self.borrowed[dst] = segments
+        self.maps_used += runs
+        for _, owner in segments:
+            self.lent.setdefault(owner, set()).add(dst)
+        try:
+            for t in range(len(self.tensors)):
+                for h in range(self.heads):
+                    address, start = self._run(t, dst, h)[0], 0
+                    for end, owner in segments:
+                        self._map(address + start * mmap.PAGESIZE, (end - start) * mmap.PAGESIZE,
+                                  self._run(t, owner, h)[1] + start * mmap.PAGESIZE)
+                        start = end
+        except OSError as e:
+            log.warning("K/V pages not shared, copied instead: %s", e)
+            self.unborrow(dst)
+            return 0
+        return pages * self.page_positions
+
+    def unborrow(self, row: int) -> None:
+        """The row's borrowed pages become its own again (their contents are lost: give_back copies them)."""
+        segments = self.borrowed.get(row)
+        if not segments:
+            return
+        self.maps_used -= self._mappings(row)
+        del self.borrowed[row]
+        for _, owner in segments:
+            self.lent[owner].discard(row)
+            if not self.lent[owner]:
+                del self.lent[owner]
+        self._map_own(row, 0, segments[-1][0])
+
+    def give_back(self, owner: int) -> None:
+        """Before the owner's pages change or are freed: every row that maps them gets its own copy of the K/V it
+        read from them (of all its borrowed pages: a row borrows from page 0 or not at all)."""
+        for row in sorted(self.lent.get(owner, ())):
+            segments = list(self.borrowed[row])
+            saved = [t[row, :, :segments[-1][0] * self.page_positions].clone() for t in self.tensors]
+            self.unborrow(row)
+            for t, data in zip(self.tensors, saved):
+                t[row, :, :data.shape[1]].copy_(data)
+
+    def forget(self, row: int) -> None:
+        """The row is free: rows that map its pages get copies first, then its pages go back to the OS (the row
+        reads as zeros again) and it is anonymous memory again."""
+        self.give_back(row)
+        self.unborrow(row)
+        if row in self.published:
+            for buf in self.maps:  # frees its memfd pages (a shared mapping's backing store)
+                buf.madvise(mmap.MADV_REMOVE, row * self.row_bytes, self.row_bytes)
+            self.published.discard(row)
+            self._map_own(row)
+            return
+        start = -(-row * self.row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the row only
+        end = (row + 1) * self.row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            for buf in self.maps:
+                buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+@functools.cache
+def _libc_mmap():
+    """libc's mmap(2), which can map at a given address (MAP_FIXED); Python's mmap module cannot."""
+    mmap_ = ctypes.CDLL(None, use_errno=True).mmap
+    mmap_.restype = ctypes.c_void_p
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return mmap_
+
+
+def max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530  # the kernel's default
+
+
 class KVCache:
     """k, v: one tensor per local layer, each [rows (+1 scratch), kv_heads, max_seq_len, head_dim], rows = num_slots +
     prefix_slots. A sequence owns one row (its slot) from its first prefill chunk until it is released; at most
@@ -40,7 +259,10 @@ class KVCache:
     prefix_slots rows beyond num_slots, which only kept prefixes need, and live ones' unused rows. Their K/V is
     bounded by `prefix_bytes`: keeping one past it gives up the least recently used others first. When a new
     sequence finds no free row, the least recently used kept one is given up. Both are counted in `evicted`; the
-    gateway, which applies the same bounds to its index, learns of any other loss from a prefix_miss."""
+    gateway, which applies the same bounds to its index, learns of any other loss from a prefix_miss.
+
+    On a CPU (Linux), the tensors' memory is SharedPages': a sequence that attaches a kept prefix maps its row's
+    whole pages onto the prefix's, and the byte counts below count such a page once (shared_bytes: the rest)."""
 
     def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", scratch: bool = False, prefix_slots: int = 0,
@@ -48,10 +270,16 @@ class KVCache:
         rows = num_slots + prefix_slots
         self.scratch_slot = rows if scratch else None
         shape = (rows + int(scratch), num_kv_heads, max_seq_len, head_dim)
-        # zeros, not empty: masked positions are still multiplied by 0 in attention, and 0 * NaN is NaN.
-        self._maps: list[mmap.mmap] = []  # on the CPU, each tensor's memory (see _lazy_zeros)
-        self.k = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
+        # zeros, not empty: masked positions are still multiplied by 0 in attention, and 0 * NaN is NaN. On a CPU,
+        # memory that is committed as it is written (a memfd's pages read as zeros until then; SharedPages), so a
+        # stage's resident KV memory follows the tokens its sequences hold, not slots x max_seq_len.
+        self._pages = None
+        if torch.device(device).type == "cpu" and hasattr(os, "memfd_create"):  # Linux
+            self._pages = SharedPages([shape] * (2 * num_layers), dtype, max_map_count())
+            self.k, self.v = self._pages.tensors[:num_layers], self._pages.tensors[num_layers:]
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = self.k[0].device
         self.slot_bytes = math.prod(shape[1:]) * dtype.itemsize  # one slot's row of one tensor
         self.position_bytes = position_bytes(num_layers, num_kv_heads, head_dim, dtype)
@@ -68,29 +296,15 @@ class KVCache:
         self.filled = [0] * rows  # per row: positions [0, filled) were written since it was handed out
         self.evicted = 0  # kept prefixes given up for a new sequence or for room under prefix_bytes
 
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """Zeros that take memory as they are written: on the CPU a private anonymous mapping, whose pages the OS commits
-        on first write (a position's K/V lands on its own pages: [slot, head, position] rows are contiguous), so a
-        stage's resident KV memory follows the tokens its sequences hold, not slots x max_seq_len. Decode attention
-        reads the tensor in place as before."""
-        if torch.device(device).type != "cpu":
-            return torch.zeros(shape, dtype=dtype, device=device)
-        count = math.prod(shape)
-        buf = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KiB pages even where transparent huge pages are "always": a
-            buf.madvise(mmap.MADV_NOHUGEPAGE)  # 2 MiB page would commit a slot's neighbours' rows with its own
-        self._maps.append(buf)
-        return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
-
     def _forget(self, slot: int) -> None:
         """Give a freed slot's memory back to the OS (its pages read as zeros again, committed again when written)."""
-        if not self._maps:
-            return
-        start = -(-slot * self.slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the row only
-        end = (slot + 1) * self.slot_bytes // mmap.PAGESIZE * mmap.PAGESIZE
-        if end > start:
-            for buf in self._maps:
-                buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+        if self._pages is not None:
+            self._pages.forget(slot)
+
+    def _own_positions(self, slot: int) -> int:
+        """Positions of the slot whose K/V takes memory of its own (not shared with a kept prefix's pages)."""
+        shared = self._pages.shared_positions(slot) if self._pages is not None else 0
+        return max(0, self.filled[slot] - shared)
 
     @property
     def reserved_bytes(self) -> int:
@@ -99,13 +313,22 @@ class KVCache:
 
     @property
     def resident_bytes(self) -> int:
-        """K/V memory the held slots' written positions take (what the OS has committed, to a page)."""
-        return sum(self.filled[slot] for slot in self._slot_of.values()) * self.position_bytes
+        """K/V memory the held slots' written positions take (what the OS has committed, to a page); positions
+        shared with a kept prefix's pages count once."""
+        return sum(self._own_positions(slot) for slot in self._slot_of.values()) * self.position_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        """K/V the held slots read from kept prefixes' pages instead of copies of their own: memory sharing saves."""
+        if self._pages is None:
+            return 0
+        return sum(min(self.filled[slot], self._pages.shared_positions(slot))
+                   for slot in self._slot_of.values()) * self.position_bytes
 
     @property
     def kept_bytes(self) -> int:
         """K/V memory the kept prefixes take (bounded by prefix_bytes)."""
-        return sum(self.filled[self._slot_of[seq_id]] for seq_id in self._kept) * self.position_bytes
+        return sum(self._own_positions(self._slot_of[seq_id]) for seq_id in self._kept) * self.position_bytes
 
     def allocate(self, seq_id: Hashable) -> int:
         if seq_id in self._slot_of:
@@ -154,7 +377,7 @@ class KVCache:
             self._kept.move_to_end(seq_id)
             return True
         if self.prefix_bytes is not None:
-            need = self.filled[self._slot_of[seq_id]] * self.position_bytes
+            need = self._own_positions(self._slot_of[seq_id]) * self.position_bytes
             if need > self.prefix_bytes:
                 log.info("did not keep %r as a cached prefix: its %d bytes of K/V are past the bound of %d "
                          "(--prefix-cache-memory)", seq_id, need, self.prefix_bytes)
@@ -163,24 +386,35 @@ class KVCache:
             while self._kept and self.kept_bytes + need > self.prefix_bytes:
                 self._give_up_oldest("for room under --prefix-cache-memory")
         slot, top = self._slot_of[seq_id], max(self._free, default=-1)
+        n = self.filled[slot]
         if top > slot:
             self._free.remove(top)
-            n = self.filled[slot]
+            pages = self._pages
+            moved = pages.lend(top, slot, n, own=False) if pages is not None else 0  # the pages it borrows
+            if pages is not None:
+                pages.publish(top)  # its own pages where later sequences can map them
             for cache in (*self.k, *self.v):
-                cache[top, :, :n].copy_(cache[slot, :, :n])
+                cache[top, :, moved:n].copy_(cache[slot, :, moved:n])
             self.filled[top] = n
             self._slot_of[seq_id] = top
             self._forget(slot)
             self.filled[slot] = 0
             self._free.append(slot)
             heapq.heapify(self._free)
+        elif self._pages is not None and self._pages.shareable:  # published where it is: its K/V saved around that
+            first = self._pages.shared_positions(slot)
+            saved = [cache[slot, :, first:n].clone() for cache in (*self.k, *self.v)]
+            self._pages.publish(slot)
+            for cache, data in zip((*self.k, *self.v), saved):
+                cache[slot, :, first:n].copy_(data)
         self._touched.pop(seq_id, None)
         self._kept[seq_id] = None
         return True
 
     def attach(self, seq_id: Hashable, prefix_id: Hashable, length: int) -> None:
-        """Start the (just allocated) sequence from the cached prefix `prefix_id`: copy its K/V at positions
-        [0, length) into the sequence's slot. PrefixMiss when this stage no longer keeps that prefix."""
+        """Start the (just allocated) sequence from the cached prefix `prefix_id`: its K/V at positions [0, length),
+        whole pages shared with the prefix's where they can be (SharedPages.lend), the rest copied into the
+        sequence's slot. PrefixMiss when this stage no longer keeps that prefix."""
         if prefix_id not in self._kept:
             raise PrefixMiss(f"cached prefix {prefix_id!r} is not kept on this stage (given up for room, or the stage "
                              "restarted); the gateway prefills the sequence in full")
@@ -188,8 +422,9 @@ class KVCache:
             raise BadBatch(f"cached prefix of {length} tokens is past this stage's max_seq_len {self.max_seq_len}")
         self._kept.move_to_end(prefix_id)
         src, dst = self._slot_of[prefix_id], self._slot_of[seq_id]
+        shared = self._pages.lend(dst, src, length) if self._pages is not None else 0
         for cache in (*self.k, *self.v):
-            cache[dst, :, :length].copy_(cache[src, :, :length])
+            cache[dst, :, shared:length].copy_(cache[src, :, shared:length])
         self.filled[dst] = max(self.filled[dst], length)
 
     def wrote(self, layout: BatchLayout) -> None:

@@ -149,6 +149,75 @@ def test_kept_prefixes_stay_under_their_memory_bound_least_recently_used_given_u
     assert kv.used_slots == 0 and kv.resident_bytes == kv.kept_bytes
 
 
+def rows(kv: KVCache, slot: int, n: int) -> list[torch.Tensor]:
+    return [t[slot, :, :n].clone() for t in (*kv.k, *kv.v)]
+
+
+def same(kv: KVCache, slot: int, expected: list[torch.Tensor]) -> bool:
+    n = expected[0].shape[1]
+    return all(torch.equal(t[slot, :, :n], e) for t, e in zip((*kv.k, *kv.v), expected))
+
+
+def proportional_bytes() -> int:
+    """This process's memory as the kernel counts it, a page mapped n times counting 1/n each time (Pss)."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
+
+
+def test_a_sequence_started_from_a_kept_prefix_shares_its_pages_and_takes_memory_only_for_the_rest():
+    # head_dim 64 float32: 256 bytes a position, 16 positions to a 4 KiB page; 2 layers x K, V x 2 heads = 8 runs
+    kv = KVCache(num_layers=2, num_slots=2, max_seq_len=1024, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                 prefix_slots=1)
+    pages = kv._pages
+    fill(kv, "a", 800)
+    assert kv.keep("a")  # moved up into a row other rows can map
+    prefix = kv._slot_of["a"]
+    a = rows(kv, prefix, 800)
+    copy_bytes = 790 * kv.position_bytes  # 1.6 MB
+    before = proportional_bytes()
+    b = kv.allocate("b")
+    kv.attach("b", "a", 790)  # pages 0-48 (positions 0-783) shared, positions 784-789 copied into b's 50th page
+    grown = proportional_bytes() - before
+    assert same(kv, b, [x[:, :790] for x in a])
+    assert grown < 0.1 * copy_bytes, grown  # a copy takes 1.6 MB; b's own page of each run ~32 KB
+    assert kv.shared_bytes == 784 * kv.position_bytes and kv.resident_bytes == (800 + 6) * kv.position_bytes
+    for t in (*kv.k, *kv.v):
+        t[b, :, 790:820] = 1.0  # b's own positions
+        t[b, :, 3] = -5.0  # a write into a shared page (never made by a sequence) copies the page, never the prefix's
+    assert same(kv, prefix, a) and torch.equal(kv.k[0][b, :, 3], torch.full_like(kv.k[0][b, :, 3], -5.0))
+    kv.release("b")
+    kv.release("a")
+    assert pages.borrowed == {} and pages.lent == {} and pages.published == set() and pages.maps_used == 0
+    assert proportional_bytes() - before < 0.1 * copy_bytes and float(kv.k[0][prefix].abs().sum()) == 0.0
+
+
+def test_giving_up_a_prefix_others_share_gives_each_of_them_its_own_copy_first():
+    kv = KVCache(num_layers=1, num_slots=2, max_seq_len=64, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                 prefix_slots=2)
+    pages = kv._pages
+    fill(kv, "a", 40)
+    kv.keep("a")
+    b = kv.allocate("b")
+    kv.attach("b", "a", 32)
+    for t in (*kv.k, *kv.v):
+        t[b, :, 32:50] = torch.randn(t[b, :, 32:50].shape)
+    kv.filled[b] = 50
+    b_rows = rows(kv, b, 50)
+    assert kv.keep("b")  # moves to a higher row: its borrowed pages stay borrowed, its own are copied
+    kept_b = kv._slot_of["b"]
+    assert kept_b != b and same(kv, kept_b, b_rows) and pages.shared_positions(kept_b) == 32
+    c = kv.allocate("c")
+    kv.attach("c", "b", 48)  # pages 0-1 from a (b's are a's), page 2 from b
+    assert pages.borrowed[c] == [(2, kv._slot_of["a"]), (3, kept_b)] and same(kv, c, [x[:, :48] for x in b_rows])
+    kv.release("a")  # b and c read a's pages: each gets a copy before they are freed
+    assert same(kv, kept_b, b_rows) and same(kv, c, [x[:, :48] for x in b_rows])
+    assert pages.borrowed == {} and kv.shared_bytes == 0
+    kv.release("b")
+    assert same(kv, c, [x[:, :48] for x in b_rows])
+    kv.release("c")
+    assert pages.maps_used == 0 and pages.published == set()
+
+
 def test_attach_and_keep_cross_the_wire():
     step = Prefill(8, 32, 40, True, attach="abc123")
     batch = decode(encode(ForwardBatch(1, [SeqEntry("s", step)], tokens=torch.arange(8))))
@@ -171,6 +240,22 @@ async def test_a_repeated_prompt_computes_only_its_rest_and_samples_the_tokens_a
     expected = list(generate_tokens(Harness(tiny_path).client.local, prompt(1) + [7, 9], SamplingParams(), 6))
     assert again.output_ids == expected
     assert h.scheduler.prefix.stats.hits == 1 and h.scheduler.prefix.stats.lookups == 2
+
+
+async def test_requests_on_one_long_prompt_share_its_kv_pages_and_sample_what_a_full_prefill_gives(tiny_path):
+    """The tiny model's K/V: 64 bytes a position of a run (a layer's K or V of one head), 64 positions a page. Two
+    requests on one 150-token prompt, each with its own 20-token question: the second attaches 144 tokens, of which 128 (two
+    pages of each run) are the first's own pages, mapped, not copied -- and still are once both are kept."""
+    h = Harness(tiny_path, kv_slots=4)
+    kv = h.client.local.pieces[0].kv
+    long = prompt(2, 150)
+    await run(h, new_seq(h, long + prompt(5, 20)))
+    again = await run(h, new_seq(h, long + prompt(6, 20)))
+    assert again.cached_tokens == 144 and kv.kept_slots == 2
+    assert kv.shared_bytes == 128 * kv.position_bytes
+    cold = Harness(tiny_path, kv_slots=4, prefix_cache=False)
+    reference = await run(cold, new_seq(cold, long + prompt(6, 20)))
+    assert again.output_ids == reference.output_ids
 
 
 async def test_the_next_turn_of_a_conversation_reuses_the_last_answer_too(tiny_path):

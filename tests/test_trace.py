@@ -100,8 +100,8 @@ def test_a_prompt_repeated_on_a_split_mesh_starts_from_every_stages_cached_prefi
     last block's worth of prompt, and samples the same greedy tokens (a full prefill's)."""
     prompt = "A list of rivers, mountains, cities and the countries they lie in, one per line:\n" * 3
 
-    def complete() -> dict:
-        body = json.dumps({"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).encode()
+    def complete(extra: str = "") -> dict:
+        body = json.dumps({"prompt": prompt + extra, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).encode()
         with urllib.request.urlopen(urllib.request.Request(up3.url + "/v1/completions", body,
                                                            {"Content-Type": "application/json"}), timeout=300) as r:
             return json.loads(r.read())
@@ -117,6 +117,15 @@ def test_a_prompt_repeated_on_a_split_mesh_starts_from_every_stages_cached_prefi
         # kept in the rows beyond the live slots, under the default bound (a share of the memory free at load)
         assert kv["prefix_slots"] == 64 and 0 < kv["kept_bytes"] <= kv["prefix_memory_bytes"]
         assert kv["kept_bytes"] % kv["position_bytes"] == 0 and kv["kept_bytes"] >= n * kv["position_bytes"]
+        assert kv["shared_bytes"] == 0
+    # one more with its own ending: it maps the cached prompt's pages on every stage (float32: 16 positions a page),
+    # and stays kept beside the second, still mapping them
+    third = complete("Rivers of Norway:")
+    reused = third["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert reused >= 32
+    for i in range(3):
+        kv = up3.stage_info(i)["kv"]
+        assert kv["shared_bytes"] == reused // 16 * 16 * kv["position_bytes"], (i, kv)
 
 
 def test_a_traced_request_stops_capturing_at_its_budget(up3, smollm2):

@@ -70,6 +70,9 @@ class StageCollector:
         yield GaugeMetricFamily("stagemesh_stage_kv_slots", "KV cache slots in total", value=kv.num_slots)
         yield GaugeMetricFamily("stagemesh_stage_kv_resident_bytes", "K/V memory of the positions held slots have "
                                 "written (the OS commits KV memory as it is written)", value=kv.resident_bytes)
+        yield GaugeMetricFamily("stagemesh_stage_kv_shared_bytes", "K/V that held slots read from a cached prefix's "
+                                "memory pages instead of copies of their own (memory the sharing saves)",
+                                value=kv.shared_bytes)
         yield GaugeMetricFamily("stagemesh_stage_bubble_ratio",
                                 "Share of the compute loop's time spent waiting for input since start "
                                 "(windowed: rate(waiting) / (rate(waiting) + rate(busy)))", value=s.bubble_ratio)

@@ -262,8 +262,10 @@ class StageWorker:
                    # rows for cached prefixes beside `slots`, and the bound on their K/V (the gateway evicts by it)
                    "prefix_slots": kv.prefix_slots, "prefix_memory_bytes": kv.prefix_bytes, "kept_bytes": kv.kept_bytes,
                    "position_bytes": kv.position_bytes,
-                   # memory by tokens held (committed page by page as written), out of what all slots could take
-                   "resident_bytes": kv.resident_bytes, "reserved_bytes": kv.reserved_bytes},
+                   # memory by tokens held (committed page by page as written), out of what all slots could take;
+                   # shared: K/V held slots read from a kept prefix's pages rather than copies (not in resident)
+                   "resident_bytes": kv.resident_bytes, "reserved_bytes": kv.reserved_bytes,
+                   "shared_bytes": kv.shared_bytes},
             "prefetch": self.io.prefetch,
             "busy_seconds": round(stats.busy_seconds, 4), "waiting_seconds": round(stats.waiting_seconds, 4),
             "rejected": dict(stats.transport.rejected),
