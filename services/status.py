@@ -118,6 +118,8 @@ def render(snap: dict):
             kv += f" ({s['kv_kept_prefixes']} cached"
             if s.get("kv_kept_bytes") is not None and s.get("kv_prefix_memory_bytes"):  # their K/V, of the bound
                 kv += f", {s['kv_kept_bytes'] / 2**20:.0f} of {s['kv_prefix_memory_bytes'] / 2**20:.0f} MiB"
+            if s.get("kv_shared_bytes"):  # K/V slots read from those prefixes' pages rather than copies
+                kv += f", {s['kv_shared_bytes'] / 2**20:.0f} MiB shared"
             kv += ")"
         addr = s["url"] + (f"\n{s['listen']}" if s.get("listen") else "")
         t.add_row(*((s.get("pipeline", ""),) if many else ()), str(s["index"]), layers, addr, Text(s["state"], style=colors.get(s["state"], "")), _fmt(busy, "%"),

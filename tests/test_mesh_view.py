@@ -187,10 +187,10 @@ def test_the_snapshot_flattens_the_stage_kv_map_and_status_shows_it():
     view = MeshView(gateway=None)
     info = {"incarnation": "i0", "layers": [0, 30], "position": "only", "clock_s": 1.0, "busy_seconds": 0.0,
             "kv": {"slots": 8, "used_slots": 3, "max_seq_len": 256, "kept_prefixes": 2, "evicted_prefixes": 1,
-                   "kept_bytes": 12 * 2**20, "prefix_memory_bytes": 4096 * 2**20}}
+                   "kept_bytes": 12 * 2**20, "prefix_memory_bytes": 4096 * 2**20, "shared_bytes": 300 * 2**20}}
     view._take_polls("p0", [info])
     st = view._stage("p0", 0, "http://s0:8101", replaying=0)
     assert (st["kv_used_slots"], st["kv_slots"], st["kv_kept_prefixes"], st["kv_evicted_prefixes"]) == (3, 8, 2, 1)
     console = Console(record=True, width=200)
     console.print(render({"ready": True, "stages": [st], "gateway": {}, "pipelines": []}))
-    assert "3/8 (2 cached, 12 of 4096 MiB)" in console.export_text()
+    assert "3/8 (2 cached, 12 of 4096 MiB, 300 MiB shared)" in console.export_text()

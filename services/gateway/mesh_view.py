@@ -182,6 +182,7 @@ class MeshView:
             kv_used_slots=kv.get("used_slots"), kv_slots=kv.get("slots"), max_seq_len=kv.get("max_seq_len"),
             kv_kept_prefixes=kv.get("kept_prefixes"), kv_evicted_prefixes=kv.get("evicted_prefixes"),
             kv_kept_bytes=kv.get("kept_bytes"), kv_prefix_memory_bytes=kv.get("prefix_memory_bytes"),
+            kv_shared_bytes=kv.get("shared_bytes"),
             microbatches=info.get("microbatches"))
         return st
 

@@ -42,7 +42,8 @@ function stageNode(s) {
     if (typeof s.kv_kept_prefixes === "number") {  // the prefix cache's rows, and their K/V of the stage's bound
       const mib = (b) => (b / 1048576).toFixed(0);
       n.appendChild(row("cached prefixes", s.kv_kept_prefixes + (s.kv_prefix_memory_bytes
-        ? " · " + mib(s.kv_kept_bytes || 0) + " of " + mib(s.kv_prefix_memory_bytes) + " MiB" : "")));
+        ? " · " + mib(s.kv_kept_bytes || 0) + " of " + mib(s.kv_prefix_memory_bytes) + " MiB" : "")
+        + (s.kv_shared_bytes ? " · " + mib(s.kv_shared_bytes) + " MiB shared" : "")));
     }
   }
   n.appendChild(row("restarts", String(s.restarts)));
