@@ -157,7 +157,7 @@ async def shared_prompt(url: str, system: str, seed: int, concurrent: int) -> di
         return {"wall_s": time.perf_counter() - t0, "requests": requests}
 
 
-def tables(chat: dict[str, list[list[dict]]], burst: dict[str, list[dict]], turns: int) -> str:
+def turns_table(chat: dict[str, list[list[dict]]], turns: int) -> str:
     names = list(chat)
     ref = "llama-server"
 
@@ -171,8 +171,14 @@ def tables(chat: dict[str, list[list[dict]]], burst: dict[str, list[dict]], turn
     for t in range(turns):
         rows.append(f"| {t + 1} | {tokens[t]} | " + " | ".join(f"{1e3 * mean_ttft(n, t):.0f} ms" for n in names) + " | "
                     + " | ".join(f"{mean_ttft(n, t) / mean_ttft(ref, t):.2f}×" for n in names if n != ref) + " |")
-    rows += ["", "| server | first burst (cold) | later bursts, wall time each | mean of later | ÷ llama-server | mean TTFT |",
-             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    return "\n".join(rows)
+
+
+def shared_table(burst: dict[str, list[dict]]) -> str:
+    names = list(burst)
+    ref = "llama-server"
+    rows = ["| server | first burst (cold) | later bursts, wall time each | mean of later | ÷ llama-server | mean TTFT |",
+            "| --- | ---: | --- | ---: | ---: | ---: |"]
 
     def warm(name: str) -> list[dict]:
         return burst[name][1:] or burst[name]
@@ -258,8 +264,10 @@ def main() -> None:
                     users[n].append(asyncio.run(many_users(servers[n], 300 + r, args.users, args.user_turns)))
             print(f"round {r + 1} done", flush=True)
     parts = []
-    if "turns" in workloads and "shared" in workloads:
-        parts.append(tables(chat, burst, args.turns))
+    if "turns" in workloads:
+        parts.append(turns_table(chat, args.turns))
+    if "shared" in workloads:
+        parts.append(shared_table(burst))
     if "users" in workloads:
         parts.append(f"{args.users} users at once, {args.user_turns} turns each (TTFT = mean over users and rounds):"
                      f"\n\n{users_table(users)}")
