@@ -154,7 +154,9 @@ class SharedPages:
         the pages src borrows, and (own) src's own, where src is published. dst holds no borrowed pages. Returns how
         many positions dst now shares (0: nothing to share, or no room for more mappings); the caller copies the
         rest."""
-        pages = length // self.page_positions if self.shareable else 0
+        if not self.shareable:
+            return 0
+        pages = length // self.page_positions
         if not (own and src in self.published):
             pages = min(pages, self.shared_positions(src) // self.page_positions)
         if pages == 0 or dst in self.borrowed:

@@ -218,6 +218,22 @@ def test_giving_up_a_prefix_others_share_gives_each_of_them_its_own_copy_first()
     assert pages.maps_used == 0 and pages.published == set()
 
 
+@pytest.mark.parametrize("why", ["positions do not fill whole pages", "no room for more mappings"])
+def test_where_pages_cannot_be_shared_a_sequence_copies_the_prefix(why):
+    head_dim = 48 if why == "positions do not fill whole pages" else 64  # 192 bytes a position: 4096 / 192 is not whole
+    kv = KVCache(num_layers=1, num_slots=1, max_seq_len=256, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32,
+                 prefix_slots=1)
+    if why == "no room for more mappings":
+        kv._pages.map_budget = 3  # a share of vm.max_map_count, here fewer than one row's runs take
+    fill(kv, "a", 100)
+    kv.keep("a")
+    a = rows(kv, kv._slot_of["a"], 100)
+    b = kv.allocate("b")
+    kv.attach("b", "a", 96)
+    assert same(kv, b, [x[:, :96] for x in a]) and kv.shared_bytes == 0
+    assert kv.resident_bytes == (100 + 96) * kv.position_bytes
+
+
 def test_attach_and_keep_cross_the_wire():
     step = Prefill(8, 32, 40, True, attach="abc123")
     batch = decode(encode(ForwardBatch(1, [SeqEntry("s", step)], tokens=torch.arange(8))))
