@@ -258,18 +258,29 @@ async def test_a_repeated_prompt_computes_only_its_rest_and_samples_the_tokens_a
     assert h.scheduler.prefix.stats.hits == 1 and h.scheduler.prefix.stats.lookups == 2
 
 
-async def test_requests_on_one_long_prompt_share_its_kv_pages_and_sample_what_a_full_prefill_gives(tiny_path):
+@pytest.fixture(scope="module")
+def odd_heads_path(tmp_path_factory) -> str:
+    """head_dim 24: 96 bytes a position of a run, which no 4 KiB page holds a whole number of."""
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("odd") / "odd.gguf"), TinySpec(arch="llama", hidden=96,
+                                                                                       head_dim=24))
+
+
+@pytest.mark.parametrize("model", ["pages of 64 positions", "positions across pages"])
+async def test_requests_on_one_long_prompt_share_its_kv_pages_and_sample_what_a_full_prefill_gives(
+        model, tiny_path, odd_heads_path):
     """The tiny model's K/V: 64 bytes a position of a run (a layer's K or V of one head), 64 positions a page. Two
-    requests on one 150-token prompt, each with its own 20-token question: the second attaches 144 tokens, of which 128 (two
-    pages of each run) are the first's own pages, mapped, not copied -- and still are once both are kept."""
-    h = Harness(tiny_path, kv_slots=4)
+    requests on one 150-token prompt, each with its own 20-token question: the second attaches 144 tokens, of which
+    128 (two pages of each run) are the first's own pages, mapped, not copied -- and still are once both are kept.
+    Where positions straddle pages (head_dim 24), it copies them, to the same tokens."""
+    path = tiny_path if model == "pages of 64 positions" else odd_heads_path
+    h = Harness(path, kv_slots=4)
     kv = h.client.local.pieces[0].kv
     long = prompt(2, 150)
     await run(h, new_seq(h, long + prompt(5, 20)))
     again = await run(h, new_seq(h, long + prompt(6, 20)))
     assert again.cached_tokens == 144 and kv.kept_slots == 2
-    assert kv.shared_bytes == 128 * kv.position_bytes
-    cold = Harness(tiny_path, kv_slots=4, prefix_cache=False)
+    assert kv.shared_bytes == (128 * kv.position_bytes if path == tiny_path else 0)
+    cold = Harness(path, kv_slots=4, prefix_cache=False)
     reference = await run(cold, new_seq(cold, long + prompt(6, 20)))
     assert again.output_ids == reference.output_ids
 
