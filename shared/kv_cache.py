@@ -119,10 +119,10 @@ class SharedPages:
                 skip = first_page * mmap.PAGESIZE
                 self._map(address + skip, end - skip, offset + skip if own else None, private=False)
 
-    def _mappings(self, row: int) -> int:
-        """The mappings (VMAs) a row's layout takes beyond one per tensor."""
-        segments = len(self.borrowed.get(row, ()))
-        return len(self.tensors) * self.heads * (segments + 1) if segments else 0
+    def _mappings(self, segments: list[tuple[int, int]]) -> int:
+        """The mappings (VMAs) a row borrowing `segments` takes beyond one per tensor: each run's borrowed pieces and
+        its own rest."""
+        return len(self.tensors) * self.heads * (len(segments) + 1) if segments else 0
 
     # ---- what rows share --------------------------------------------------------------------------------------------
 
@@ -168,11 +168,10 @@ class SharedPages:
                 start = segments[-1][0]
         if start < pages:
             segments.append((pages, src))
-        runs = len(self.tensors) * self.heads * (len(segments) + 1)
-        if self.maps_used + runs > self.map_budget:
+        if self.maps_used + self._mappings(segments) > self.map_budget:
             return 0
         self.borrowed[dst] = segments
-        self.maps_used += runs
+        self.maps_used += self._mappings(segments)
         for _, owner in segments:
             self.lent.setdefault(owner, set()).add(dst)
         try:
@@ -194,7 +193,7 @@ class SharedPages:
         segments = self.borrowed.get(row)
         if not segments:
             return
-        self.maps_used -= self._mappings(row)
+        self.maps_used -= self._mappings(segments)
         del self.borrowed[row]
         for _, owner in segments:
             self.lent[owner].discard(row)
