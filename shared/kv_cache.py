@@ -316,7 +316,8 @@ class KVCache:
     def resident_bytes(self) -> int:
         """K/V memory the held slots' written positions take (what the OS has committed, to a page); positions
         shared with a kept prefix's pages count once."""
-        return sum(self._own_positions(slot) for slot in self._slot_of.values()) * self.position_bytes
+        # list(): /info and /metrics read these on the stage's loop while its compute thread may change the dicts
+        return sum(self._own_positions(slot) for slot in list(self._slot_of.values())) * self.position_bytes
 
     @property
     def shared_bytes(self) -> int:
@@ -324,12 +325,13 @@ class KVCache:
         if self._pages is None:
             return 0
         return sum(min(self.filled[slot], self._pages.shared_positions(slot))
-                   for slot in self._slot_of.values()) * self.position_bytes
+                   for slot in list(self._slot_of.values())) * self.position_bytes
 
     @property
     def kept_bytes(self) -> int:
         """K/V memory the kept prefixes take (bounded by prefix_bytes)."""
-        return sum(self._own_positions(self._slot_of[seq_id]) for seq_id in self._kept) * self.position_bytes
+        slots = [self._slot_of.get(seq_id) for seq_id in list(self._kept)]
+        return sum(self._own_positions(slot) for slot in slots if slot is not None) * self.position_bytes
 
     def allocate(self, seq_id: Hashable) -> int:
         if seq_id in self._slot_of:
