@@ -299,30 +299,28 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
+def _proc_kib(pid: int, name: str, field: str) -> float:
+    """The kB value of `field` (e.g. "VmRSS:") in /proc/<pid>/<name>, in MB; NaN once the process has exited."""
+    try:
+        with open(f"/proc/{pid}/{name}") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
 def pss_mb(pid: int) -> float:
     """Proportional set size of `pid` in MB: its memory as the kernel counts it, a page mapped n times counting 1/n
     each time (VmRSS counts a page each time it is mapped, e.g. a kept prefix's K/V pages that many sequences map);
     NaN once it has exited."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+    return _proc_kib(pid, "smaps_rollup", "Pss:")
 
 
 def rss_mb(pid: int) -> float:
     """Resident set size of `pid` in MB (NaN once it has exited)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+    return _proc_kib(pid, "status", "VmRSS:")
 
 
 def slope_per_min(samples: list[tuple[float, float]]) -> float:
