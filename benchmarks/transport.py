@@ -1,19 +1,25 @@
 """Transport cost: codec + ZeroMQ for activations of 4 KB, 1 MB and 64 MB.
 
-    python -m benchmarks.transport [--repeat N] [--curve] [--mesh] [--dtype D]
+    python -m benchmarks.transport [--repeat N] [--curve] [--mesh] [--hop] [--dtype D]
 
 Prints, per size: round trip over tcp loopback (encode -> PUSH -> PULL -> decode -> PUSH back -> PULL -> decode),
 encode+decode throughput against a plain memory copy of the same bytes (torch clone), and one-way ZMQ throughput.
 --curve: the same round trips and one-way throughput with the mesh's CURVE sockets (encrypted, ZAP-authenticated),
 measured in the same run, and the CURVE / plaintext ratio. --mesh: decode tokens/s of a 2-stage mesh (one stream,
 and 4 micro-batches of 8 in flight) with CURVE and with --insecure-plaintext, rounds alternating. --dtype: the
-activations' dtype, on the wire and in the mesh (default: stagemesh's)."""
+activations' dtype, on the wire and in the mesh (default: stagemesh's). --hop: what one hop of a one-stream decode
+step costs between two processes (a one-token micro-batch, as between stages), back to back and after the idle
+gap a stage waits between its turns at one stream (--gap-ms): raw blocking ZeroMQ, pyzmq's asyncio sockets, and
+stagemesh's codec on them (what a stage's hop runs), one-way = round trip / 2; and the codec alone in one process,
+warm and after the same gap."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -24,7 +30,7 @@ from benchmarks.harness import add_dtype_arg, dtype_label, free_port, run_groups
 from shared.device import resolve_dtype
 from shared.mesh_keys import KeyPair, SocketKeys
 from shared.protocol import ForwardBatch, SeqEntry, decode, encode
-from shared.steps import Prefill
+from shared.steps import Decode, Prefill
 from shared.transport import TransportStats, Zap, curve_receiver, curve_sender, recv_frames
 
 SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
@@ -148,12 +154,115 @@ def mesh_tokens(rounds: int, dtype: str | None) -> None:
               f"plaintext {', '.join(f'{v:.1f}' for v in runs[(shape, 'plaintext')])})")
 
 
+# ---- --hop: one decode step's hop between two processes ----------------------------------------------------------
+
+HOP_MODES = {"zmq": "blocking pyzmq, raw bytes", "asyncio": "pyzmq asyncio, raw bytes",
+             "stagemesh": "pyzmq asyncio + stagemesh's codec"}
+
+
+def decode_batch(hidden_size: int, dtype: torch.dtype) -> ForwardBatch:
+    """One sequence's decode step between stages: hidden [1, hidden_size] (SmolLM2's 576 by default)."""
+    return ForwardBatch(1, [SeqEntry("cmpl-0123456789abcdef", Decode(70))], hidden=torch.randn(1, hidden_size).to(dtype))
+
+
+def echo(mode: str, listen: str, reply: str) -> None:
+    """The far end of hop_round_trips (a process of its own): send back every message until an empty one."""
+    if mode == "zmq":
+        ctx = zmq.Context()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind(listen)
+        push.connect(reply)
+        while (frames := pull.recv_multipart()) != [b""]:
+            push.send_multipart(frames)
+        return
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind(listen)
+        push.connect(reply)
+        while (frames := await recv_frames(pull)) and frames[0].bytes != b"":
+            await push.send_multipart(encode(decode(frames)) if mode == "stagemesh" else frames, copy=False)
+    asyncio.run(run())
+
+
+async def hop_round_trips(mode: str, batch: ForwardBatch, repeat: int, gap_s: float) -> list[float]:
+    """Round trips of `batch` to an echo process and back, `gap_s` idle before each (this end sleeps, the other
+    waits in its receive, as a stage waits for its next input)."""
+    listen, reply = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    peer = subprocess.Popen([sys.executable, "-m", "benchmarks.transport", "--echo", mode, listen, reply])
+    ctx = zmq.asyncio.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(reply)
+    push.connect(listen)
+    raw = [bytes(f) for f in encode(batch)]
+    out = []
+    try:
+        for _ in range(repeat + 10):  # the first 10 connect and warm up
+            if gap_s:
+                await asyncio.sleep(gap_s)
+            t0 = time.perf_counter()
+            if mode == "stagemesh":
+                await push.send_multipart(encode(batch), copy=False)
+                back = decode(await recv_frames(pull))
+            else:
+                await push.send_multipart(raw)
+                back = await pull.recv_multipart()
+            out.append(time.perf_counter() - t0)
+            assert back is not None
+        await push.send_multipart([b""])
+        peer.wait(timeout=10)
+    finally:
+        peer.kill()
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+    return out[10:]
+
+
+def codec_times(batch: ForwardBatch, repeat: int, gap_s: float) -> tuple[float, float]:
+    """Median encode and decode seconds of `batch` in this process, each after `gap_s` idle."""
+    enc, dec = [], []
+    for _ in range(repeat):
+        time.sleep(gap_s)
+        t0 = time.perf_counter()
+        frames = encode(batch)
+        enc.append(time.perf_counter() - t0)
+        frames = [bytes(f) for f in frames]
+        time.sleep(gap_s)
+        t0 = time.perf_counter()
+        decode(frames)
+        dec.append(time.perf_counter() - t0)
+    return statistics.median(enc), statistics.median(dec)
+
+
+def hop_table(repeat: int, gap_ms: float, dtype: torch.dtype, label: str) -> None:
+    batch = decode_batch(576, dtype)
+    gaps = {"back to back": 0.0, f"after {gap_ms:g} ms idle": gap_ms / 1e3}
+    print(f"\none decode step's hop between two processes (hidden [1, 576] {label}, "
+          f"tcp loopback, plaintext), one-way median of {repeat} = round trip / 2:")
+    for mode, what in HOP_MODES.items():
+        cells = [f"{statistics.median(asyncio.run(hop_round_trips(mode, batch, repeat, g))) / 2 * 1e6:6.0f} us"
+                 for g in gaps.values()]
+        print(f"  {what:>36}: " + "  ".join(f"{label} {cell}" for label, cell in zip(gaps, cells)))
+    print("  stagemesh's codec alone, in one process (encode / decode):")
+    for label, g in gaps.items():
+        e, d = codec_times(batch, repeat, g)
+        print(f"  {label:>36}: {e * 1e6:6.0f} / {d * 1e6:6.0f} us")
+
+
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--echo":  # hop_round_trips' far end
+        echo(*sys.argv[2:])
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--curve", action="store_true", help="also measure CURVE against plaintext, same run")
     p.add_argument("--mesh", action="store_true", help="also measure a 2-stage mesh's tokens/s with and without CURVE")
     p.add_argument("--rounds", type=int, default=2, help="--mesh: alternating rounds per mode")
+    p.add_argument("--hop", action="store_true", help="also measure one decode step's hop between two processes")
+    p.add_argument("--gap-ms", type=float, default=6.0, help="--hop: the idle gap before each round trip "
+                   "(default 6: a stage's wait while the other of two computes, at one stream)")
     add_dtype_arg(p, "the activations' (wire and --mesh)")
     args = p.parse_args()
     print(f"{'size':>6} | {'round trip (median)':>19} | {'codec GB/s':>10} | {'memcpy GB/s':>11} | {'codec/memcpy':>12} | "
@@ -174,6 +283,8 @@ def main() -> None:
         curve_table(args.repeat, dtype)
     if args.mesh:
         mesh_tokens(args.rounds, args.dtype)
+    if args.hop:
+        hop_table(max(args.repeat, 100), args.gap_ms, dtype, dtype_label(args.dtype))
 
 
 if __name__ == "__main__":

@@ -273,13 +273,33 @@ def _step_from_wire(d: Any) -> InferenceStep:
     raise ProtocolError("schema", f"step type {d.get('t')!r} is neither 'prefill' nor 'decode'")
 
 
+# Validated sampling parameters by their wire form: a sequence carries the same ones at every step and hop, and
+# building them (SamplingParams' checks) was a tenth of decoding a one-sequence micro-batch. Keyed by each value's
+# type too (1, 1.0 and True are equal keys otherwise); a form with a list (logit_bias) is built every time. Bounded:
+# emptied when full, so a peer sending ever new values costs only the rebuilds.
+_SAMPLING_MEMO: dict[tuple, SamplingParams] = {}
+SAMPLING_MEMO_SIZE = 4096
+
+
 def _sampling_from_wire(d: Any) -> SamplingParams:
     _need(isinstance(d, dict) and WIRE_FIELDS.issuperset(d), "schema",
           lambda: f"sampling must be a map with keys from {sorted(WIRE_FIELDS)}")
+    key = tuple((k, type(v), v) for k, v in d.items())
     try:
-        return SamplingParams(**d)
+        return _SAMPLING_MEMO[key]
+    except TypeError:  # an unhashable value (a list): not memoized
+        key = None
+    except KeyError:
+        pass
+    try:
+        params = SamplingParams(**d)
     except (TypeError, ValueError) as e:
         raise ProtocolError("schema", f"invalid sampling parameters: {e}") from None
+    if key is not None:
+        if len(_SAMPLING_MEMO) >= SAMPLING_MEMO_SIZE:
+            _SAMPLING_MEMO.clear()
+        _SAMPLING_MEMO[key] = params
+    return params
 
 
 def _logit_inputs_from_wire(s: dict) -> LogitInputs | None:
@@ -335,8 +355,8 @@ def _tensor(d: Any, frames: list, used: set[int], seen: dict) -> tuple[str, torc
     dtype = d.get("dtype")
     _need(dtype in WIRE_DTYPES, "dtype", lambda: f"tensor {name} dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
     shape = d.get("shape")
-    _need(isinstance(shape, list) and 1 <= len(shape) <= 4
-          and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_TENSOR_BYTES for s in shape),
+    _need(type(shape) is list and 1 <= len(shape) <= 4  # type(s) is int: no bool, no int subclass
+          and all(type(s) is int and 0 <= s <= MAX_TENSOR_BYTES for s in shape),
           "shape", lambda: f"tensor {name} shape {shape!r} must be 1..4 non-negative integers")
     index = d.get("frame")
     _need(isinstance(index, int) and 1 <= index < len(frames) and index not in used, "frames",
@@ -347,7 +367,7 @@ def _tensor(d: Any, frames: list, used: set[int], seen: dict) -> tuple[str, torc
     buf = _buffer(frames[index])
     _need(nbytes == buf.nbytes, "length",
           lambda: f"tensor {name}: shape {shape} x {dtype} is {nbytes} bytes, frame has {buf.nbytes}")
-    return name, torch.frombuffer(buf, dtype=dt).view(shape) if nbytes else torch.empty(shape, dtype=dt)
+    return name, torch.frombuffer(buf, dtype=dt).view(*shape) if nbytes else torch.empty(shape, dtype=dt)
 
 
 def _hop_s(header: dict, now: float | None = None) -> float | None:

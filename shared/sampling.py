@@ -82,8 +82,13 @@ class SamplingParams:
 
     def to_wire(self) -> dict:
         """The fields that differ from their defaults (every micro-batch carries each sequence's: a greedy one's is
-        {}); from_wire fills in the rest."""
-        return {name: value for name, default in _DEFAULTS.items() if (value := getattr(self, name)) != default}
+        {}); from_wire fills in the rest. Worked out once per (immutable) instance: a sequence's parameters are
+        encoded at every step and hop. The caller must not change the dict."""
+        wire = self.__dict__.get("_wire")
+        if wire is None:
+            wire = {name: value for name, default in _DEFAULTS.items() if (value := getattr(self, name)) != default}
+            object.__setattr__(self, "_wire", wire)
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> SamplingParams:

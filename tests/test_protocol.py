@@ -5,8 +5,10 @@ import msgpack
 import pytest
 import torch
 
+from shared import protocol
 from shared.protocol import (
     PROTOCOL_VERSION,
+    SAMPLING_MEMO_SIZE,
     BatchResult,
     ForwardBatch,
     ProtocolError,
@@ -14,7 +16,7 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import MAX_TOP_LOGPROBS
+from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shared.steps import Decode
 
 
@@ -67,3 +69,38 @@ def test_a_forward_carries_how_many_micro_batches_were_in_flight():
         with pytest.raises(ProtocolError) as e:
             decode([msgpack.packb(h, use_bin_type=True), *frames[1:]])
         assert e.value.reason == "schema" and "'inflight'" in str(e.value)
+
+
+def _forward_with_sampling(sampling: dict) -> list:
+    """A one-sequence forward whose header carries `sampling` as that sequence's wire form."""
+    frames = encode(ForwardBatch(4, [SeqEntry("a", Decode(5))], tokens=torch.tensor([3])))
+    h = msgpack.unpackb(frames[0])
+    h["seqs"][0]["sampling"] = sampling
+    return [msgpack.packb(h, use_bin_type=True), *frames[1:]]
+
+
+def test_sampling_parameters_decode_the_same_however_often_they_come():
+    """A sequence's sampling parameters are validated once and then reused at every step and hop (the decoder's
+    memo): equal values of another type are kept apart, a bad value is refused every time, and the memo is bounded."""
+    for sampling in ({"temperature": 0.5, "top_p": 0.9, "seed": 7}, {"top_k": 1.0}, {"top_k": 1}, {}):
+        for _ in range(2):
+            got = decode(_forward_with_sampling(sampling)).seqs[0].sampling
+            assert got == SamplingParams(**sampling)
+            assert all(type(getattr(got, k)) is type(v) for k, v in sampling.items())  # 1 never becomes 1.0
+    for _ in range(2):
+        with pytest.raises(ProtocolError) as e:
+            decode(_forward_with_sampling({"temperature": -1.0}))
+        assert e.value.reason == "schema" and "temperature" in str(e.value)
+    biased = {"logit_bias": [[5, -100.0]]}  # a list: not hashable, built each time
+    assert decode(_forward_with_sampling(biased)).seqs[0].sampling.logit_bias == ((5, -100.0),)
+    for seed in range(SAMPLING_MEMO_SIZE + 10):
+        decode(_forward_with_sampling({"seed": seed}))
+    assert len(protocol._SAMPLING_MEMO) <= SAMPLING_MEMO_SIZE
+
+
+def test_sampling_parameters_travel_as_their_non_default_fields():
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=3, logit_bias=((4, 1.5),))
+    wire = msgpack.unpackb(encode(ForwardBatch(4, [SeqEntry("a", Decode(5), params)], tokens=torch.tensor([3])))[0])
+    assert wire["seqs"][0]["sampling"] == {"temperature": 0.7, "top_p": 0.95, "seed": 3, "logit_bias": [[4, 1.5]]}
+    assert params.to_wire() is params.to_wire()  # worked out once per instance
+    assert decode(encode(ForwardBatch(4, [SeqEntry("a", Decode(5), params)], tokens=torch.tensor([3])))).seqs[0].sampling == params
