@@ -56,7 +56,7 @@ class SharedPages:
 
     MAP_FIXED = 0x10  # <sys/mman.h> on Linux (the mmap module does not export it)
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, max_map_count: int):
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, budget: MapBudget):
         page = mmap.PAGESIZE
         self.sizes = [-(-math.prod(shape) * dtype.itemsize // page) * page for shape in shapes]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(shapes))]
@@ -80,8 +80,24 @@ class SharedPages:
         self.borrowed: dict[int, list[tuple[int, int]]] = {}
         self.lent: dict[int, set[int]] = {}
         self.published: set[int] = set()
-        # each mapped piece of a run is a mapping (a VMA) of its own: stay well inside the kernel's vm.max_map_count
-        self.map_budget, self.maps_used = max_map_count // 4, 0
+        # each mapped piece of a run is a mapping (a VMA) of its own: stay inside the process's share of the kernel's
+        # vm.max_map_count (MapBudget, shared by every cache of the process) and this cache's own map_budget
+        self.budget, self.map_budget = budget, budget.limit
+        self._used = [0]  # maps_used, in a cell the finalizer below reads: the process gets a cache's share back
+        weakref.finalize(self, _give_back_maps, budget, self._used)  # when the cache (and its mappings) goes
+
+    @property
+    def maps_used(self) -> int:
+        """The mappings this cache's borrowing rows add."""
+        return self._used[0]
+
+    def _room(self, n: int) -> bool:
+        return self.maps_used + n <= self.map_budget and self.budget.room(n)
+
+    def _count_maps(self, n: int) -> None:
+        """n mappings more (or fewer, n < 0), in this cache's count and the process's."""
+        self._used[0] += n
+        self.budget.used += n
 
     # ---- mappings ---------------------------------------------------------------------------------------------------
 
@@ -137,7 +153,7 @@ class SharedPages:
         if not self.shareable:
             return False
         first = self.shared_positions(row) // self.page_positions
-        if first and self.maps_used + len(self.tensors) * self.heads > self.map_budget:
+        if first and not self._room(len(self.tensors) * self.heads):
             return False
         self.published.add(row)
         try:
@@ -168,10 +184,10 @@ class SharedPages:
                 start = segments[-1][0]
         if start < pages:
             segments.append((pages, src))
-        if self.maps_used + self._mappings(segments) > self.map_budget:
+        if not self._room(self._mappings(segments)):
             return 0
         self.borrowed[dst] = segments
-        self.maps_used += self._mappings(segments)
+        self._count_maps(self._mappings(segments))
         for _, owner in segments:
             self.lent.setdefault(owner, set()).add(dst)
         try:
@@ -193,7 +209,7 @@ class SharedPages:
         segments = self.borrowed.get(row)
         if not segments:
             return
-        self.maps_used -= self._mappings(segments)
+        self._count_maps(-self._mappings(segments))
         del self.borrowed[row]
         for _, owner in segments:
             self.lent[owner].discard(row)
@@ -229,6 +245,12 @@ class SharedPages:
                 buf.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
+def _give_back_maps(budget: MapBudget, used: list[int]) -> None:
+    """A SharedPages went, and its mappings with it: the process's budget gets its count back."""
+    budget.used -= used[0]
+    used[0] = 0
+
+
 @functools.cache
 def _libc_mmap():
     """libc's mmap(2), which can map at a given address (MAP_FIXED); Python's mmap module cannot."""
@@ -244,6 +266,41 @@ def max_map_count() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 65530  # the kernel's default
+
+
+def _mappings_in_use() -> int:
+    """The mappings (VMAs) this process holds now: one line each in /proc/self/maps."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+class MapBudget:
+    """The mappings every SharedPages of this process may add together, against the kernel's vm.max_map_count: what
+    the process did not map already when the first was made, less a reserve of a quarter of the limit for all else
+    (malloc's large blocks, thread stacks, torch's buffers); never less than a quarter of the limit. One borrowing row
+    of a 1-stage SmolLM2 takes 360 (60 tensors x 3 heads x 2 pieces): the kernel's default of 65530 leaves room for
+    ~130 such rows, more than its 96 (a quarter of the limit would share ~45 and copy the rest)."""
+
+    def __init__(self, limit: int, in_use: int):
+        self.limit = max(limit // 4, limit - in_use - limit // 4)
+        self.used = 0
+
+    def room(self, n: int) -> bool:
+        return self.used + n <= self.limit
+
+
+_process_maps: MapBudget | None = None
+
+
+def process_map_budget() -> MapBudget:
+    """This process's MapBudget, sized when the first KV cache maps its tensors."""
+    global _process_maps
+    if _process_maps is None:
+        _process_maps = MapBudget(max_map_count(), _mappings_in_use())
+    return _process_maps
 
 
 class KVCache:
@@ -276,7 +333,7 @@ class KVCache:
         # stage's resident KV memory follows the tokens its sequences hold, not slots x max_seq_len.
         self._pages = None
         if torch.device(device).type == "cpu" and hasattr(os, "memfd_create"):  # Linux
-            self._pages = SharedPages([shape] * (2 * num_layers), dtype, max_map_count())
+            self._pages = SharedPages([shape] * (2 * num_layers), dtype, process_map_budget())
             self.k, self.v = self._pages.tensors[:num_layers], self._pages.tensors[num_layers:]
         else:
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -13,6 +13,7 @@ import torch
 from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.gateway.prefix_cache import BLOCK_TOKENS, PrefixIndex
 from services.gateway.request import Request
+from shared import kv_cache
 from shared.errors import KVCacheFull, PrefixMiss
 from shared.generation import generate_tokens
 from shared.kv_cache import KVCache
@@ -232,6 +233,45 @@ def test_where_pages_cannot_be_shared_a_sequence_copies_the_prefix(why):
     kv.attach("b", "a", 96)
     assert same(kv, b, [x[:, :96] for x in a]) and kv.shared_bytes == 0
     assert kv.resident_bytes == (100 + 96) * kv.position_bytes
+
+
+def test_the_caches_of_one_process_share_its_mapping_budget(monkeypatch):
+    """Every KV cache of a process draws on one MapBudget (the kernel's vm.max_map_count is per process): past it a
+    sequence copies the prefix, and a released borrower or a cache that is gone gives its mappings back."""
+    import gc
+
+    budget = kv_cache.MapBudget(limit=1000, in_use=0)
+    budget.limit = 16  # one borrowing row of the caches below: 1 layer x K, V x 2 heads x 2 pieces = 8; two rows 16
+    monkeypatch.setattr(kv_cache, "_process_maps", budget)
+
+    def cache_with_prefix() -> KVCache:
+        kv = KVCache(num_layers=1, num_slots=2, max_seq_len=256, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                     prefix_slots=1)
+        fill(kv, "a", 100)
+        kv.keep("a")
+        return kv
+
+    first, second = cache_with_prefix(), cache_with_prefix()
+    first.allocate("b")
+    first.attach("b", "a", 96)
+    second.allocate("b")
+    second.attach("b", "a", 96)
+    assert first.shared_bytes == second.shared_bytes == 96 * first.position_bytes and budget.used == 16
+    second.allocate("c")
+    second.attach("c", "a", 96)  # the process's budget is spent: c copies
+    assert second.shared_bytes == 96 * first.position_bytes and budget.used == 16
+    first.release("b")
+    assert budget.used == 8
+    del first
+    gc.collect()
+    assert budget.used == 8  # first held no borrowed pages any more
+    second.release("c")
+    second.allocate("d")
+    second.attach("d", "a", 96)  # room again
+    assert second.shared_bytes == 2 * 96 * second.position_bytes and budget.used == 16
+    del second
+    gc.collect()
+    assert budget.used == 0  # a cache that is gone gives its mappings back
 
 
 def test_attach_and_keep_cross_the_wire():
