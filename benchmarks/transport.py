@@ -161,7 +161,7 @@ HOP_MODES = {"zmq": "blocking pyzmq, raw bytes", "asyncio": "pyzmq asyncio, raw 
 
 
 def decode_batch(hidden_size: int, dtype: torch.dtype) -> ForwardBatch:
-    """One sequence's decode step between stages: hidden [1, hidden_size] (SmolLM2's 576 by default)."""
+    """One sequence's decode step between stages: hidden [1, hidden_size]."""
     return ForwardBatch(1, [SeqEntry("cmpl-0123456789abcdef", Decode(70))], hidden=torch.randn(1, hidden_size).to(dtype))
 
 
@@ -204,12 +204,11 @@ async def hop_round_trips(mode: str, batch: ForwardBatch, repeat: int, gap_s: fl
             t0 = time.perf_counter()
             if mode == "stagemesh":
                 await push.send_multipart(encode(batch), copy=False)
-                back = decode(await recv_frames(pull))
+                decode(await recv_frames(pull))
             else:
                 await push.send_multipart(raw)
-                back = await pull.recv_multipart()
+                await pull.recv_multipart()
             out.append(time.perf_counter() - t0)
-            assert back is not None
         await push.send_multipart([b""])
         peer.wait(timeout=10)
     finally:
@@ -236,10 +235,11 @@ def codec_times(batch: ForwardBatch, repeat: int, gap_s: float) -> tuple[float, 
     return statistics.median(enc), statistics.median(dec)
 
 
-def hop_table(repeat: int, gap_ms: float, dtype: torch.dtype, label: str) -> None:
+def hop_table(repeat: int, gap_ms: float, dtype: torch.dtype, dtype_name: str) -> None:
+    """The --hop table: SmolLM2's hidden size (576), each path back to back and after gap_ms idle."""
     batch = decode_batch(576, dtype)
     gaps = {"back to back": 0.0, f"after {gap_ms:g} ms idle": gap_ms / 1e3}
-    print(f"\none decode step's hop between two processes (hidden [1, 576] {label}, "
+    print(f"\none decode step's hop between two processes (hidden [1, 576] {dtype_name}, "
           f"tcp loopback, plaintext), one-way median of {repeat} = round trip / 2:")
     for mode, what in HOP_MODES.items():
         cells = [f"{statistics.median(asyncio.run(hop_round_trips(mode, batch, repeat, g))) / 2 * 1e6:6.0f} us"
