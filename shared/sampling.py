@@ -11,6 +11,7 @@ import random
 from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 MAX_TOP_K = 1_000_000
@@ -188,7 +189,15 @@ def _top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
     return list(zip(ids[order[:k]].tolist(), values[:k].tolist()))
 
 
-NUCLEUS_CANDIDATES = 1024  # top-p looks here first; a full sort only when these hold less than top_p of the mass
+# One sampled token is a handful of whole-vocabulary passes (49,152 logits for SmolLM2), each a few tens of µs when
+# vectorized, so every pass here is: torch's exp, numpy's compares, argmax and sums (torch's argmax and boolean
+# compares are scalar loops at this size, ~50 µs each). Only what can be in the support is ever sorted:
+# CANDIDATE_FLOORS are probabilities relative to the most likely token's; the tokens at least that likely are found
+# with one compare, and when they hold the k tokens (top-k) or top_p of the mass (top-p) only they are sorted, else
+# the next, lower floor; past the last, the whole row. Exact: every token outside the candidates is less likely than
+# every token inside, so the k most likely tokens, or the smallest most-likely prefix reaching top_p, lie among them.
+CANDIDATE_FLOORS = (1e-3, 1e-6)
+DRAW_BLOCK = 1024  # a draw finds its block of tokens from block sums, then cumulates that block only
 
 
 def _uniform(seed: int, position: int) -> float:
@@ -198,30 +207,63 @@ def _uniform(seed: int, position: int) -> float:
     return float(torch.rand(1, generator=g, dtype=torch.float64))
 
 
-def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Probabilities after temperature, top-k, top-p and min-p: (probs, token ids they belong to, or None for all);
-    probs are not renormalized (the draw scales by their sum)."""
-    row = row / p.temperature
-    if p.top_k and p.top_k < row.numel():
-        values, ids = torch.topk(row, p.top_k)  # sorted, descending
-        probs = torch.softmax(values, dim=-1)
+def _most_likely(probs: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """ids ordered by probability, most likely first; ties by token id ascending."""
+    return ids[np.argsort(-probs[ids], kind="stable")]
+
+
+def _candidates(probs: np.ndarray, enough) -> np.ndarray:
+    """The tokens at least CANDIDATE_FLOORS[i] as likely as the most likely one (probs' max is 1), at the first floor
+    whose set is `enough`; past the last floor, every token. Ascending ids."""
+    for floor in CANDIDATE_FLOORS:
+        ids = np.flatnonzero(probs >= floor)
+        if enough(ids):
+            return ids
+    return np.arange(probs.size)
+
+
+def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[np.ndarray, np.ndarray | None]:
+    """Probabilities after temperature, top-k, top-p and min-p: (probs float32, the token ids they belong to, or None
+    for all). Not normalized: the most likely token's is 1, and the draw scales by their sum."""
+    scale = 1.0 / p.temperature  # softmax(row / T) x its largest's inverse: exp((row - max) / T), in two passes
+    probs = torch.add(row, -float(row.max()), alpha=1.0).mul_(scale).exp_().numpy()
+    ids = None
+    if p.top_k and p.top_k < probs.size:
+        ids = _most_likely(probs, _candidates(probs, lambda c: c.size >= p.top_k))[:p.top_k]
+        probs = probs[ids]
+        mass = probs.sum(dtype=np.float64)  # top-p, if asked too, within the top k
     elif p.top_p < 1.0:
-        probs_all = torch.softmax(row, dim=-1)
-        k = min(NUCLEUS_CANDIDATES, row.numel())
-        probs, ids = torch.topk(probs_all, k)
-        if float(probs.sum()) < p.top_p and k < row.numel():
-            probs, ids = torch.sort(probs_all, descending=True)
-    else:
-        probs, ids = torch.softmax(row, dim=-1), None
-    if p.top_p < 1.0 and ids is not None:
-        cum = probs.cumsum(0)
-        keep = int((cum - probs < p.top_p).sum())  # the smallest prefix whose mass reaches top_p
+        mass = probs.sum(dtype=np.float64)
+        ids = _most_likely(probs, _candidates(probs, lambda c: probs[c].sum(dtype=np.float64) >= p.top_p * mass))
+        probs = probs[ids]
+    if p.top_p < 1.0 and ids is not None:  # the smallest most-likely prefix whose share of the mass reaches top_p
+        cum = np.cumsum(probs, dtype=np.float64)
+        keep = int(np.count_nonzero(cum - probs < p.top_p * mass))
         probs, ids = probs[:keep], ids[:keep]
     if p.min_p > 0.0:  # the kept tokens stay in their order; the most likely one always stays
         keep_mask = probs >= p.min_p * probs.max()
-        ids = keep_mask.nonzero().flatten() if ids is None else ids[keep_mask]
+        ids = np.flatnonzero(keep_mask) if ids is None else ids[keep_mask]
         probs = probs[keep_mask]
     return probs, ids
+
+
+def _draw(probs: np.ndarray, u: float) -> int:
+    """The index i with cdf[i - 1] <= u x total < cdf[i] (inverse transform; a token of probability 0 is never
+    drawn): the block from DRAW_BLOCK-token block sums, then the token within that block."""
+    full = probs.size // DRAW_BLOCK * DRAW_BLOCK
+    sums = probs[:full].reshape(-1, DRAW_BLOCK).sum(1)  # float32 (pairwise), then cumulated in float64
+    if full < probs.size:
+        sums = np.append(sums, probs[full:].sum())
+    cdf = np.cumsum(sums, dtype=np.float64)
+    target = u * cdf[-1]
+    # the last block with any mass caps it: u x total can round up to the total
+    b = min(int(np.searchsorted(cdf, target, side="right")), int(np.flatnonzero(sums)[-1]))
+    block = probs[b * DRAW_BLOCK:(b + 1) * DRAW_BLOCK]
+    inner = np.cumsum(block, dtype=np.float64)
+    i = int(np.searchsorted(inner, target - (cdf[b - 1] if b else 0.0), side="right"))
+    if i >= block.size:  # the block's own sum rounded below the block sums' share: its last drawable token
+        i = int(np.flatnonzero(block)[-1])
+    return b * DRAW_BLOCK + i
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
@@ -230,7 +272,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     LogitInputs (penalties' history, grammar mask), None where there are none.
     Logprobs and top alternatives come from log_softmax of the row's own logits before penalties, bias and mask,
     so a row's are the same whatever else shares the batch."""
-    logits = logits.float()
+    logits = logits.float().cpu()  # every pass below is a CPU one (and numpy's)
     unbiased = logits
     inputs = inputs or [None] * len(params)
     adjusted = [i for i, (p, li) in enumerate(zip(params, inputs))
@@ -252,16 +294,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
                 if not bool(mask.any()):
                     raise ValueError("the grammar's allowed-token mask permits no token of this vocabulary")
                 logits[i].masked_fill_(~mask, -math.inf)
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens: list[int] = [0] * len(params)
     logprobs: list[float | None] = [None] * len(params)
     top: list[TopLogprobs | None] = [None] * len(params)
     for i, p in enumerate(params):
-        if not p.greedy:
+        if p.greedy:  # numpy's argmax: the first of equal maxima, as torch's, in a tenth of its time
+            tokens[i] = int(logits[i].numpy().argmax())
+        else:
             probs, ids = _filtered_probs(logits[i], p)
             seed = p.seed if p.seed is not None else random.getrandbits(62)
-            cdf = probs.double().cumsum(0)
-            pick = int(torch.searchsorted(cdf, _uniform(seed, positions[i]) * float(cdf[-1]), right=True))
-            pick = min(pick, probs.numel() - 1)
+            pick = _draw(probs, _uniform(seed, positions[i]))
             tokens[i] = int(ids[pick]) if ids is not None else pick
         if p.logprobs or p.top_logprobs:
             row = torch.log_softmax(unbiased[i], dim=-1)  # [V]

@@ -2,10 +2,12 @@
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
-from shared.sampling import NUCLEUS_CANDIDATES, LogitInputs, SamplingParams, sample
+from shared import sampling
+from shared.sampling import DRAW_BLOCK, LogitInputs, SamplingParams, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
 N = 20000
@@ -41,10 +43,69 @@ def test_min_p_keeps_tokens_at_least_min_p_times_as_likely_as_the_top_one():
         SamplingParams(min_p=1.5)
 
 
-def test_top_p_beyond_the_candidate_set_falls_back_to_a_full_sort():
-    flat = torch.zeros(1, NUCLEUS_CANDIDATES * 4)  # uniform: 1024 candidates hold only 25% of the mass
-    picks = {sample(flat, [SamplingParams(temperature=1.0, top_p=0.9, seed=s)], [0])[0][0] for s in range(3000)}
-    assert max(picks) > NUCLEUS_CANDIDATES * 2  # tokens far outside the first 1024 are drawn
+def reference_support(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """The tokens a draw may give, by the filters' definitions over a full sort in float64: the top_k most likely,
+    then the smallest most-likely prefix holding top_p of their mass, then those at least min_p x the top one."""
+    probs = torch.softmax(row.double() / p.temperature, 0).tolist()
+    keep = sorted(range(len(probs)), key=lambda t: (-probs[t], t))
+    if p.top_k:
+        keep = keep[:p.top_k]
+    if p.top_p < 1.0:
+        mass, cum, prefix = sum(probs[t] for t in keep), 0.0, []
+        for t in keep:
+            if cum >= p.top_p * mass:
+                break
+            prefix.append(t)
+            cum += probs[t]
+        keep = prefix
+    if p.min_p:
+        keep = [t for t in keep if probs[t] >= p.min_p * max(probs)]
+    return set(keep)
+
+
+def support(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    probs, ids = sampling._filtered_probs(row, p)
+    ids = np.arange(probs.size) if ids is None else ids
+    return set(ids[probs > 0].tolist())
+
+
+def rows_of_every_shape() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    below_first_floor = torch.full((6000,), -9.0) + 0.1 * torch.randn(6000, generator=g)  # ~1.2e-4 x the top one's
+    below_first_floor[17] = 0.0
+    return {"peaked": 3 * torch.randn(6000, generator=g), "flat": 0.2 * torch.randn(6000, generator=g),
+            "mass below the first floor": below_first_floor}
+
+
+@pytest.mark.parametrize("params", [dict(top_p=0.9), dict(top_p=0.5), dict(top_k=40), dict(top_k=3000),
+                                    dict(top_k=50, top_p=0.8), dict(min_p=0.05), dict(top_p=0.95, min_p=0.01)],
+                         ids=str)
+def test_the_filters_keep_exactly_the_support_a_full_sort_gives(params, monkeypatch):
+    """Only candidates above a floor are sorted (sampling.CANDIDATE_FLOORS): the support must still be the full sort's,
+    where the first floor's candidates suffice, where the next one's must be taken, and past the last floor (made
+    coarse here, so a 6,000-token row falls through to the whole row)."""
+    for floors in (sampling.CANDIDATE_FLOORS, (0.5,)):
+        monkeypatch.setattr(sampling, "CANDIDATE_FLOORS", floors)
+        for name, row in rows_of_every_shape().items():
+            for temperature in (0.7, 1.5):
+                p = SamplingParams(temperature=temperature, **params)
+                assert support(row, p) == reference_support(row, p), (floors, name, temperature)
+
+
+def test_a_draw_is_the_inverse_cdf_and_never_a_token_without_probability():
+    """The draw finds its block by block sums, then its token in the block: the token an exact cumulative sum gives,
+    never one of probability 0 (masked tokens, a block of them, and a draw at the very top of the range)."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(5 * DRAW_BLOCK + 100, generator=g).numpy()
+    probs[DRAW_BLOCK:2 * DRAW_BLOCK] = 0  # a whole block without mass
+    probs[::7] = 0
+    probs[-50:] = 0  # the tail block ends in tokens without mass
+    cdf = np.cumsum(probs, dtype=np.float64)
+    for u in [*torch.rand(2000, generator=g).tolist(), 0.0, 1 - 2**-53]:
+        i = sampling._draw(probs, u)
+        assert probs[i] > 0, u
+        exact = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), int(np.flatnonzero(probs)[-1]))
+        assert abs(cdf[i] - cdf[exact]) <= 1e-9 * cdf[-1], (u, i, exact)  # the same token, or one of equal cdf
 
 
 def test_greedy_seeded_and_logprobs():
