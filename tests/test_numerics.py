@@ -263,10 +263,15 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
         if during:
             assert torch.equal(ours, ref), (name, pos)
     wait_compiled(compiled_pipeline)
-    steps = compiled.steps
-    compiled_pipeline.run([SeqEntry("b", Decode(t + 1))], torch.tensor([text[t + 1]]))
-    assert compiled.steps == steps + 1
-    for name in ("a", "b"):
+    # once compiled, a step of each sequence runs the graph: one graph for every slot (slots 0, 1 and 2 here; it was
+    # traced in the scratch row, 3). A fresh one: the loop above may have taken b and a to the graph's last context.
+    compiled_pipeline.run([SeqEntry("c", Prefill(20, 0, 20, True))], torch.tensor(text[:20]))
+    for name, pos in (("b", 29), ("a", 19), ("c", 20)):
+        steps = compiled.steps
+        compiled_pipeline.run([SeqEntry(name, Decode(pos))], torch.tensor([text[pos]]))  # (b and a: rewrites a position)
+        assert compiled.steps == steps + 1, (name, compiled.info())
+    assert not compiled.broken
+    for name in ("a", "b", "c"):
         compiled_pipeline.release(name)
 
 

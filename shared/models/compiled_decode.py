@@ -7,9 +7,9 @@ TransformerModel.run_layers -- the function every eager step runs -- so every ar
 change to a block is made once (gpt-fast's way). It only pays with static shapes (benchmarks/decode_step.py measures
 eager against compiled), all but one:
 
-- the context length C = position + 1 is the graph's one dynamic size (transformer.OneSequenceDecode: attention reads
-  the slot's first C cached positions; sliding layers mask the keys before their window), so one graph serves every
-  position from 1 to the cache's length - 2 (CompiledDecode.contexts). Graphs per context bucket, as before, made a
+- the context length C = position + 1 and the slot are the graph's dynamic sizes (transformer.OneSequenceDecode:
+  attention reads the slot's first C cached positions, in place; sliding layers mask the keys before their window),
+  so one graph serves every slot and every position from 1 to the cache's length - 2 (CompiledDecode.contexts). Graphs per context bucket, as before, made a
   step at a short context attend to the whole bucket, and decoded eagerly, at about 1.7x the time, past the largest;
 - the KV cache is one tensor per layer (KVCache) and the step writes it with index_put on that tensor. Handing the
   graph a view of a larger cache tensor instead made inductor copy the whole cache back every step;
@@ -102,7 +102,7 @@ class CompiledDecode:
         # Two things run eagerly between graphs (mark_graph_breaks): a mixture-of-experts block's experts
         # (TransformerModel._moe) and a oneDNN-prepacked matrix (linear._prepacked_mm: a type kept dense, weights
         # mode bf16). Without them the step is one graph (tests/test_architectures.py counts the graph breaks).
-        # dynamic=False: every size is static but the one _inputs marks dynamic, the context length.
+        # dynamic=False: every size is static but the two _inputs marks dynamic, the context length and the slot.
         mark_graph_breaks()
         self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, options={"cpp_wrapper": True})
         # The graphs are specialised to torch's thread count (the kernels size per-thread buffers by it; dynamo
@@ -132,6 +132,9 @@ class CompiledDecode:
         ropes = model.rope_tables(torch.tensor([pos]), self.kv.max_seq_len)
         attention = OneSequenceDecode.at(slot, pos, model.config, model.dtype)
         torch._dynamo.mark_dynamic(attention.keys, 0, min=self.contexts[0], max=self.contexts[1])
+        rows = self.kv.k[0].shape[0]  # every slot the step may read, the scratch row included
+        torch._dynamo.mark_dynamic(attention.slot_marker, 0, min=OneSequenceDecode.SLOT_OFFSET,
+                                   max=rows - 1 + OneSequenceDecode.SLOT_OFFSET)
         if attention.sliding_mask is not None:
             torch._dynamo.mark_dynamic(attention.sliding_mask, 3, min=self.contexts[0], max=self.contexts[1])
         return hidden, ropes, attention, self.kv.k, self.kv.v
@@ -150,8 +153,9 @@ class CompiledDecode:
                 t = time.perf_counter()
                 torch.set_num_threads(threads)
                 hidden = torch.zeros(1, self.model.config.hidden_size)
-                try:
-                    self._compiled(*self._inputs(hidden, self.kv.scratch_slot, pos))
+                try:  # no duck sizing: the context and the slot are two sizes even where they are equal when traced
+                    with torch.fx.experimental._config.patch(use_duck_shape=False):
+                        self._compiled(*self._inputs(hidden, self.kv.scratch_slot, pos))
                 except Exception as e:  # inductor: no C++ compiler, an unsupported op, ...
                     self.error = (f"torch.compile failed: {str(e).strip().splitlines()[0][:300]} "
                                   "(inductor needs a C++ compiler, g++)")

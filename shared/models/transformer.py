@@ -617,14 +617,20 @@ class ChunkAttention:
 @dataclass
 class OneSequenceDecode:
     """One sequence's decode step, for the compiled step: attention reads the slot's first C = position + 1 cached
-    positions. C is the graph's one dynamic size: `keys` is a [C] tensor that carries
-    it (shared.models.compiled_decode marks its length dynamic), so one graph serves every position. Sliding-window
-    layers hide the keys before their window with an additive mask; other layers attend to all C keys unmasked."""
+    positions. The graph's two dynamic sizes are carried by tensors' lengths (shared.models.compiled_decode marks them
+    dynamic), so one graph serves every position of every slot: `keys` is [C], and `slot_marker` is [slot + 2] (never
+    read; + 2: dynamo treats sizes 0 and 1 as constants). With the slot a size, attention reads the slot's K/V as a
+    slice of the cache, in place; indexed by a tensor they were gathered, a copy of the whole context per layer and
+    step (~45 % of the step at 1,500 positions). Sliding-window layers hide the keys before their window with an
+    additive mask; other layers attend to all C keys unmasked."""
 
-    token_slots: torch.Tensor  # [1] int64
+    token_slots: torch.Tensor  # [1] int64: the row the step's K/V is written to
     positions: torch.Tensor  # [1] int64
     keys: torch.Tensor  # [C] int64, 0..C-1: its length is the context the step attends to
+    slot_marker: torch.Tensor  # [slot + 2], uninitialized: its length is the slot the step reads
     sliding_mask: torch.Tensor | None  # [1, 1, 1, C] 0 / -inf in the activation dtype (None: no key lies out of window)
+
+    SLOT_OFFSET = 2  # slot_marker's length less the slot
 
     @classmethod
     def at(cls, slot: int, pos: int, config: ModelConfig, dtype: torch.dtype) -> OneSequenceDecode:
@@ -633,12 +639,14 @@ class OneSequenceDecode:
         if config.sliding_window:  # always present on such a model, so the graph's inputs do not change with pos
             sliding = torch.zeros(1, 1, 1, pos + 1, dtype=dtype).masked_fill_(keys <= pos - config.sliding_window,
                                                                               float("-inf"))
-        return cls(torch.tensor([slot]), torch.tensor([pos]), keys, sliding)
+        return cls(torch.tensor([slot]), torch.tensor([pos]), keys, torch.empty(slot + cls.SLOT_OFFSET, dtype=torch.uint8),
+                   sliding)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor:
         _, h, hd = q.shape
         kvh, ctx = k_cache.shape[1], self.keys.shape[0]
-        keys, values = k_cache[self.token_slots, :, :ctx], v_cache[self.token_slots, :, :ctx]  # [1, KVH, C, hd]
+        slot = self.slot_marker.shape[0] - self.SLOT_OFFSET
+        keys, values = k_cache[slot:slot + 1, :, :ctx], v_cache[slot:slot + 1, :, :ctx]  # [1, KVH, C, hd] views
         queries = q.view(1, kvh, h // kvh, hd)  # GQA as query length: [1, KVH, g, hd]
         return sdpa(queries, keys, values, how, self.sliding_mask if how.window else None).view(1, h, hd)
 
