@@ -110,6 +110,33 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
         torch.ops.stagemesh_qdot.q4_1(torch.randn(2, 64), w.blocks, 40)
 
 
+@pytest.mark.parametrize("rows,kv_heads,max_seq,head_dim,group", [(5, 3, 600, 64, 3), (3, 1, 300, 256, 4),
+                                                                    (4, 8, 300, 128, 1), (2, 2, 64, 16, 2)])
+def test_decode_attention_is_torchs_attention_over_the_slots_first_positions(rows, kv_heads, max_seq, head_dim, group):
+    """qdot.decode_attention against torch's scaled_dot_product_attention on the slot's slice of the cache: every
+    slot, contexts on both sides of the kernel's 256-position chunks, grouped queries, head sizes 16-256. It reads
+    only the slot's first ctx positions (the rest of the cache is NaN here)."""
+    g = torch.Generator().manual_seed(rows * 100 + max_seq)
+    k = torch.randn(rows, kv_heads, max_seq, head_dim, generator=g)
+    v = torch.randn(rows, kv_heads, max_seq, head_dim, generator=g)
+    heads = kv_heads * group
+    for ctx in sorted({1, 7, 255, 256, 257, 513, max_seq} & set(range(1, max_seq + 1))):
+        for slot in range(rows):
+            keys, values = k.clone(), v.clone()
+            keys[:, :, ctx:], values[:, :, ctx:] = float("nan"), float("nan")
+            keys[torch.arange(rows) != slot], values[torch.arange(rows) != slot] = float("nan"), float("nan")
+            q = torch.randn(heads, head_dim, generator=g)
+            scale = head_dim ** -0.5 if slot % 2 else 0.3
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q.view(1, kv_heads, group, head_dim), k[slot:slot + 1, :, :ctx], v[slot:slot + 1, :, :ctx], scale=scale)
+            got = qdot.decode_attention(q, keys, values, slot, ctx, scale)
+            torch.testing.assert_close(got, want.view(heads, head_dim), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="slot"):
+        qdot.decode_attention(q, k, v, rows, 1, 1.0)
+    with pytest.raises(RuntimeError, match="context"):
+        qdot.decode_attention(q, k, v, 0, max_seq + 1, 1.0)
+
+
 def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monkeypatch):
     """stored_kernel picks them for Q4_0 / Q4_1 / Q8_0 exactly where qdot.usable() says so; STAGEMESH_QDOT=off turns
     them off (a new process: load() and usable() are decided once)."""

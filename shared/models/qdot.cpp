@@ -1,4 +1,5 @@
-// Integer-dot matmuls over GGUF blocks for AVX2 CPUs: llama.cpp's scheme, as torch ops (shared/models/qdot.py).
+// Integer-dot matmuls over GGUF blocks for AVX2 CPUs: llama.cpp's scheme, as torch ops (shared/models/qdot.py);
+// and one sequence's decode attention over the KV cache (decode_attention, at the end).
 //
 // y [M, N] float32 = x [M, K] float32 @ W^T, W [N, K] kept as the GGUF's own blocks of 32 weights:
 //   q4_1: 20 bytes {fp16 d, fp16 m, 16 bytes of nibbles: byte i holds element i (low) and i + 16 (high)}, w = d q + m
@@ -23,8 +24,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -192,6 +194,131 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
   return y;
 }
 
+// exp on 8 floats (Cephes' expf polynomial, ~1 ulp on the range softmax uses); x <= 0 here, very negative -> 0
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(under, out);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+constexpr int64_t ATTN_CHUNK = 256;  // positions per work item of decode_attention
+
+// One sequence's decode attention, the cache read in place and once (flash-decoding): q [H, hd] float32 against
+// the first ctx positions of row `slot` of k_cache / v_cache [R, KVH, M, hd] (contiguous float32) -> [H, hd]. Query
+// head i reads kv head i / (H / KVH). The work is (kv head, chunk of ATTN_CHUNK positions), split over torch's
+// threads; each item keeps its own softmax max and sum for its queries, merged at the end. torch's SDPA read the
+// cache at ~9 GB/s at one token (small GEMMs per block): this streams each key and value row once per kv head.
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t slot,
+                            int64_t ctx, double scale) {
+  const at::Tensor q = q_in.contiguous();
+  TORCH_CHECK(q.dim() == 2 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "decode_attention: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous");
+  const int64_t H = q.size(0), hd = q.size(1), R = k_cache.size(0), KVH = k_cache.size(1), M = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == hd && hd % 8 == 0 && H % KVH == 0, "decode_attention: head dims");
+  TORCH_CHECK(0 <= slot && slot < R, "decode_attention: slot ", slot, " is not a row of the cache's ", R);
+  TORCH_CHECK(1 <= ctx && ctx <= M, "decode_attention: context ", ctx, " is not within 1..", M);
+  const int64_t g = H / KVH, chunks = (ctx + ATTN_CHUNK - 1) / ATTN_CHUNK, hv = hd / 8;
+  // per (kv head, chunk, query): running max, sum, and the unnormalized output [hd]
+  std::vector<float> maxes(KVH * chunks * g), sums(KVH * chunks * g), accs(KVH * chunks * g * hd);
+  const float* qp = q.data_ptr<float>();
+  const float* kbase = k_cache.data_ptr<float>() + slot * KVH * M * hd;
+  const float* vbase = v_cache.data_ptr<float>() + slot * KVH * M * hd;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, KVH * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(ATTN_CHUNK + 8);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / chunks, c = item % chunks;
+      const int64_t first = c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, ctx - first);
+      const float* K = kbase + (h * M + first) * hd;
+      const float* V = vbase + (h * M + first) * hd;
+      for (int64_t qi = 0; qi < g; ++qi) {
+        const float* qv = qp + (h * g + qi) * hd;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* kr = K + j * hd;
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), _mm256_loadu_ps(kr));
+          for (int64_t d = 1; d < hv; ++d)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), _mm256_loadu_ps(kr + 8 * d), a);
+          const float s = hsum8(a) * sc;
+          scores[j] = s;
+          m = std::max(m, s);
+        }
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 total = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+          __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[j]), mv));
+          _mm256_storeu_ps(&scores[j], p);
+          total = _mm256_add_ps(total, p);
+        }
+        float tail = 0.f;
+        for (; j < n; ++j) {
+          scores[j] = std::exp(scores[j] - m);
+          tail += scores[j];
+        }
+        const int64_t at = (h * chunks + c) * g + qi;
+        maxes[at] = m;
+        sums[at] = hsum8(total) + tail;
+        float* acc = &accs[at * hd];
+        for (int64_t d0 = 0; d0 < hv; d0 += 4) {  // 4 registers of the output at a time: hd / 8 of them in all
+          const int64_t w = std::min<int64_t>(4, hv - d0);
+          __m256 o[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const __m256 p = _mm256_set1_ps(scores[jj]);
+            const float* vr = V + jj * hd + 8 * d0;
+            for (int64_t t = 0; t < w; ++t) o[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * t), o[t]);
+          }
+          for (int64_t t = 0; t < w; ++t) _mm256_storeu_ps(acc + 8 * (d0 + t), o[t]);
+        }
+      }
+    }
+  });
+  at::Tensor out = at::empty({H, hd}, q.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t h = 0; h < KVH; ++h) {
+    for (int64_t qi = 0; qi < g; ++qi) {
+      float m = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, maxes[(h * chunks + c) * g + qi]);
+      float denom = 0.f;
+      float* o = op + (h * g + qi) * hd;
+      std::fill(o, o + hd, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (h * chunks + c) * g + qi;
+        const float w = std::exp(maxes[at] - m);
+        denom += w * sums[at];
+        const float* acc = &accs[at * hd];
+        for (int64_t d = 0; d < hd; ++d) o[d] += w * acc[d];
+      }
+      for (int64_t d = 0; d < hd; ++d) o[d] /= denom;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(stagemesh_qdot, m) {
@@ -199,4 +326,6 @@ TORCH_LIBRARY(stagemesh_qdot, m) {
   m.def("q8_0(Tensor x, Tensor blocks, int n) -> Tensor");
   m.impl("q4_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<true>));
   m.impl("q8_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<false>));
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, SymInt slot, SymInt ctx, float scale) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

@@ -15,6 +15,9 @@ writable, the temporary directory's stagemesh-kernels/) under a name that hashes
 flags, and loaded from there afterwards. `why_not()` says whether they run here and, if not, why (no AVX2 + FMA +
 F16C; a CPU where torch's kernels are AVX512, whose bf16 int4 path is faster; no C++ compiler; STAGEMESH_QDOT=off);
 where they do not, the int4 kernel runs as before.
+The same library holds one sequence's decode attention (`decode_attention`), which the compiled decode step calls on
+these CPUs for float32 layers without a window or soft cap (transformer.OneSequenceDecode): it reads the KV cache in
+place and each key and value row once, where torch's SDPA read it at a fraction of the memory's speed at one token.
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def load() -> str | None:
     if not _fakes_registered:
         for op in ("q4_1", "q8_0"):
             torch.library.register_fake(f"stagemesh_qdot::{op}", _fake_mm)
+        torch.library.register_fake("stagemesh_qdot::decode_attention", _fake_attention)
         _fakes_registered = True
     return None
 
@@ -128,6 +132,10 @@ _fakes_registered = False
 def _fake_mm(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
     """The ops' output for tracing (torch.compile): [M, N] float32."""
     return x.new_empty(x.shape[0], n)
+
+
+def _fake_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot, ctx, scale: float):
+    return q.new_empty(q.shape)
 
 
 @functools.cache
@@ -164,6 +172,14 @@ def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
 def mm(op: str, x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] (any float dtype) @ the matrix [n, K] whose interleaved blocks these are -> [M, n] float32."""
     return getattr(torch.ops.stagemesh_qdot, op)(x.float().contiguous(), blocks, n)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, ctx: int,
+                     scale: float) -> torch.Tensor:
+    """One sequence's decode attention (qdot.cpp): q [H, hd] float32 against the first ctx positions of row `slot` of
+    k_cache / v_cache [rows, KVH, max_seq, hd] (contiguous float32, read in place) -> [H, hd]; slot and ctx may be
+    a compiled graph's symbolic sizes."""
+    return torch.ops.stagemesh_qdot.decode_attention(q, k_cache, v_cache, slot, ctx, scale)
 
 
 def build_now() -> None:

@@ -22,6 +22,7 @@ from shared.errors import CapabilityMissing, GgufError
 from shared.gguf_loader import GgufLoader, RawTensor
 from shared.kv_cache import BatchLayout, KVCache, position_bytes
 from shared.layers import LayerRange
+from shared.models import qdot
 from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
 from shared.models.linear import (
@@ -622,13 +623,16 @@ class OneSequenceDecode:
     read; + 2: dynamo treats sizes 0 and 1 as constants). With the slot a size, attention reads the slot's K/V as a
     slice of the cache, in place; indexed by a tensor they were gathered, a copy of the whole context per layer and
     step (~45 % of the step at 1,500 positions). Sliding-window layers hide the keys before their window with an
-    additive mask; other layers attend to all C keys unmasked."""
+    additive mask; other layers attend to all C keys unmasked. Where the integer-dot kernels load (`kernel`, an AVX2
+    CPU), a float32 layer without window or soft cap attends with qdot.cpp's decode_attention, which reads each key
+    and value row once (torch's SDPA read the cache at ~9 GB/s at one token: half the step at 1,024 positions)."""
 
     token_slots: torch.Tensor  # [1] int64: the row the step's K/V is written to
     positions: torch.Tensor  # [1] int64
     keys: torch.Tensor  # [C] int64, 0..C-1: its length is the context the step attends to
     slot_marker: torch.Tensor  # [slot + 2], uninitialized: its length is the slot the step reads
     sliding_mask: torch.Tensor | None  # [1, 1, 1, C] 0 / -inf in the activation dtype (None: no key lies out of window)
+    kernel: bool = False  # qdot.decode_attention where it applies (a constant of the graph)
 
     SLOT_OFFSET = 2  # slot_marker's length less the slot
 
@@ -640,12 +644,15 @@ class OneSequenceDecode:
             sliding = torch.zeros(1, 1, 1, pos + 1, dtype=dtype).masked_fill_(keys <= pos - config.sliding_window,
                                                                               float("-inf"))
         return cls(torch.tensor([slot]), torch.tensor([pos]), keys, torch.empty(slot + cls.SLOT_OFFSET, dtype=torch.uint8),
-                   sliding)
+                   sliding, qdot.usable())
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor:
         _, h, hd = q.shape
         kvh, ctx = k_cache.shape[1], self.keys.shape[0]
         slot = self.slot_marker.shape[0] - self.SLOT_OFFSET
+        if self.kernel and not how.window and not how.softcap and q.dtype == torch.float32 and hd % 8 == 0:
+            scale = how.scale if how.scale is not None else hd ** -0.5
+            return qdot.decode_attention(q.reshape(h, hd), k_cache, v_cache, slot, ctx, scale).view(1, h, hd)
         keys, values = k_cache[slot:slot + 1, :, :ctx], v_cache[slot:slot + 1, :, :ctx]  # [1, KVH, C, hd] views
         queries = q.view(1, kvh, h // kvh, hd)  # GQA as query length: [1, KVH, g, hd]
         return sdpa(queries, keys, values, how, self.sliding_mask if how.window else None).view(1, h, hd)
