@@ -9,8 +9,9 @@ eager against compiled), all but one:
 
 - the context length C = position + 1 and the slot are the graph's dynamic sizes (transformer.OneSequenceDecode:
   attention reads the slot's first C cached positions, in place; sliding layers mask the keys before their window),
-  so one graph serves every slot and every position from 1 to the cache's length - 2 (CompiledDecode.contexts). Graphs per context bucket, as before, made a
-  step at a short context attend to the whole bucket, and decoded eagerly, at about 1.7x the time, past the largest;
+  so one graph serves every slot and every position from 1 to the cache's length - 2 (CompiledDecode.contexts).
+  Graphs per context bucket, as before, made a step at a short context attend to the whole bucket, and decoded
+  eagerly, at about 1.7x the time, past the largest;
 - the KV cache is one tensor per layer (KVCache) and the step writes it with index_put on that tensor. Handing the
   graph a view of a larger cache tensor instead made inductor copy the whole cache back every step;
 - one sequence (B = 1; the step is memory- and overhead-bound): larger micro-batches stay eager, where the

@@ -622,8 +622,8 @@ class OneSequenceDecode:
     dynamic), so one graph serves every position of every slot: `keys` is [C], and `slot_marker` is [slot + 2] (never
     read; + 2: dynamo treats sizes 0 and 1 as constants). With the slot a size, attention reads the slot's K/V as a
     slice of the cache, in place; indexed by a tensor they were gathered, a copy of the whole context per layer and
-    step (~45 % of the step at 1,500 positions). Sliding-window layers hide the keys before their window with an
-    additive mask; other layers attend to all C keys unmasked. Where the integer-dot kernels load (`kernel`, an AVX2
+    step (the step took 14.4 ms at 1,536 positions with it, 11.9 without). Sliding-window layers hide the keys
+    before their window with an additive mask; other layers attend to all C keys unmasked. Where the integer-dot kernels load (`kernel`, an AVX2
     CPU), a float32 layer without window or soft cap attends with qdot.cpp's decode_attention, which reads each key
     and value row once (torch's SDPA read the cache at ~9 GB/s at one token: half the step at 1,024 positions)."""
 
