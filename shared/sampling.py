@@ -225,8 +225,8 @@ def _candidates(probs: np.ndarray, enough) -> np.ndarray:
 def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[np.ndarray, np.ndarray | None]:
     """Probabilities after temperature, top-k, top-p and min-p: (probs float32, the token ids they belong to, or None
     for all). Not normalized: the most likely token's is 1, and the draw scales by their sum."""
-    scale = 1.0 / p.temperature  # softmax(row / T) x its largest's inverse: exp((row - max) / T), in two passes
-    probs = torch.add(row, -float(row.max()), alpha=1.0).mul_(scale).exp_().numpy()
+    # softmax(row / T) x its largest's inverse: exp((row - max) / T), on a new tensor (row stays as it was)
+    probs = (row - row.max()).mul_(1.0 / p.temperature).exp_().numpy()
     ids = None
     if p.top_k and p.top_k < probs.size:
         ids = _most_likely(probs, _candidates(probs, lambda c: c.size >= p.top_k))[:p.top_k]
