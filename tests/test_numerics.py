@@ -113,7 +113,21 @@ def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
     assert all(p.kv.used_slots == 0 for p in pipeline.pieces)
 
 
-def test_batched_decode_reads_the_cache_in_place_around_idle_slots(smollm2, windows):
+@pytest.fixture(params=["kernel", "sdpa"])
+def batched_attention(request, monkeypatch):
+    """Batched decode attends with qdot.cpp's decode_attention_batch (transformer.KernelDecode, where the integer-dot
+    kernels load), or with torch's SDPA over windows of slots (DecodeWindow / SplitDecode: other CPUs, bf16)."""
+    from shared.models import qdot
+    from shared.models.transformer import KernelDecode
+
+    if request.param == "sdpa":
+        monkeypatch.setattr(KernelDecode, "applies", staticmethod(lambda model, layout: False))
+    elif not qdot.usable():
+        pytest.skip(f"the decode-attention kernel does not run here: {qdot.why_not()}")
+    return request.param
+
+
+def test_batched_decode_reads_the_cache_in_place_around_idle_slots(smollm2, windows, batched_attention):
     """Decode batches whose KV slots have gaps (a released sequence, a sequence sitting a step out) and come in any
     order: each row still equals its single-pass logits (float32)."""
     from shared.protocol import SeqEntry
@@ -152,7 +166,7 @@ def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Ten
 COMPILE_GATE = threading.Event()
 
 
-def test_batched_decode_attends_per_run_of_slots_when_the_batch_lies_far_apart(smollm2, windows):
+def test_batched_decode_attends_per_run_of_slots_when_the_batch_lies_far_apart(smollm2, windows, batched_attention):
     """Sequences in slots 0, 1 and 8 (kept prefixes or idle sequences between them): the batch attends as two windows,
     slots 0-1 and slot 8, not one window over the six between, and each row still equals its single-pass logits."""
     from shared.kv_cache import BatchLayout
@@ -179,6 +193,38 @@ def test_batched_decode_attends_per_run_of_slots_when_the_batch_lies_far_apart(s
     for row, s in zip(out, batch):
         full = window_logits(pipeline, texts[s][:lengths[s] + 1], seq_id="check")
         np.testing.assert_allclose(row.numpy(), full[-1].numpy(), rtol=0, atol=1e-3)
+
+
+def test_with_the_kernel_a_batched_decode_row_is_the_sequence_decoded_alone(smollm2):
+    """KernelDecode: each sequence of a decode batch reads exactly its own context, with numbers that do not depend on
+    the batch, so with the integer-dot matmuls (row by row too) a row equals that sequence's step alone, bit for bit,
+    at contexts across the kernel's 256-position chunks; and it predicts what torch's SDPA over windows of slots
+    predicts (the logits differ a little: the matmuls' 8-bit rounding of the activations amplifies the last bits)."""
+    from shared.models import qdot
+    from shared.models.transformer import KernelDecode
+    from shared.protocol import SeqEntry
+    from shared.steps import Decode, Prefill
+
+    if not qdot.usable():
+        pytest.skip(f"the decode-attention kernel does not run here: {qdot.why_not()}")
+    pipeline = LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=6, max_seq_len=512, weights="lean")
+    lengths = [5, 300, 40, 257, 100, 12]
+    rng = np.random.default_rng(3)
+    texts = [rng.integers(100, 40000, n + 1).tolist() for n in lengths]
+    for i, n in enumerate(lengths):
+        pipeline.run([SeqEntry(f"s{i}", Prefill(n, 0, n, True))], torch.tensor(texts[i][:n]))
+    batch = [SeqEntry(f"s{i}", Decode(n)) for i, n in enumerate(lengths)]
+    tokens = torch.tensor([t[n] for t, n in zip(texts, lengths)])
+    out = pipeline.run(batch, tokens)
+    for i, entry in enumerate(batch):  # the same K/V row written again: the cache does not change
+        alone = pipeline.run([entry], tokens[i:i + 1])
+        assert torch.equal(alone[0], out[i]), f"sequence {i} (context {lengths[i] + 1})"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KernelDecode, "applies", staticmethod(lambda model, layout: False))
+        windows_out = pipeline.run(batch, tokens)
+    assert torch.equal(windows_out.argmax(-1), out.argmax(-1))
+    spread = (out.amax(-1) - out.amin(-1))[:, None]
+    assert bool(((windows_out - out).abs() <= 0.05 * spread).all())
 
 
 @pytest.fixture(scope="module")

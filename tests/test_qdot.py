@@ -111,7 +111,8 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
 
 
 @pytest.mark.parametrize("rows,kv_heads,max_seq,head_dim,group", [(5, 3, 600, 64, 3), (3, 1, 300, 256, 4),
-                                                                    (4, 8, 300, 128, 1), (2, 2, 64, 16, 2)])
+                                                                    (4, 8, 300, 128, 1), (2, 2, 64, 16, 2),
+                                                                    (2, 2, 300, 32, 7)])
 def test_decode_attention_is_torchs_attention_over_the_slots_first_positions(rows, kv_heads, max_seq, head_dim, group):
     """qdot.decode_attention against torch's scaled_dot_product_attention on the slot's slice of the cache: every
     slot, contexts on both sides of the kernel's 256-position chunks, grouped queries, head sizes 16-256. It reads
@@ -135,6 +136,39 @@ def test_decode_attention_is_torchs_attention_over_the_slots_first_positions(row
         qdot.decode_attention(q, k, v, rows, 1, 1.0)
     with pytest.raises(RuntimeError, match="context"):
         qdot.decode_attention(q, k, v, 0, max_seq + 1, 1.0)
+
+
+@pytest.mark.parametrize("kv_heads,head_dim,group", [(3, 64, 3), (1, 256, 4), (2, 32, 7)])
+def test_batched_decode_attention_gives_each_sequence_its_own_attention(kv_heads, head_dim, group):
+    """qdot.decode_attention_batch: sequences in scattered slots, contexts from 1 to past two 256-position chunks.
+    Each row is decode_attention's for that sequence alone, bit for bit (what else is in the batch changes nothing),
+    and torch's attention over the slot's slice; no sequence reads a position it does not attend to, nor a slot
+    outside the batch (NaN there)."""
+    rows, max_seq, heads = 12, 600, kv_heads * group
+    g = torch.Generator().manual_seed(head_dim + group)
+    k = torch.randn(rows, kv_heads, max_seq, head_dim, generator=g)
+    v = torch.randn(rows, kv_heads, max_seq, head_dim, generator=g)
+    slots = torch.tensor([9, 0, 4, 11, 5, 2, 7])
+    ctxs = torch.tensor([1, 600, 256, 257, 7, 513, 130])
+    keys, values = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    for slot, ctx in zip(slots.tolist(), ctxs.tolist()):
+        keys[slot, :, :ctx], values[slot, :, :ctx] = k[slot, :, :ctx], v[slot, :, :ctx]
+    q = torch.randn(len(slots), heads, head_dim, generator=g)
+    got = qdot.decode_attention_batch(q, keys, values, slots, ctxs, 0.2)
+    for b, (slot, ctx) in enumerate(zip(slots.tolist(), ctxs.tolist())):
+        assert torch.equal(got[b], qdot.decode_attention(q[b], keys, values, slot, ctx, 0.2))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b].view(1, kv_heads, group, head_dim), k[slot:slot + 1, :, :ctx], v[slot:slot + 1, :, :ctx], scale=0.2)
+        torch.testing.assert_close(got[b], want.view(heads, head_dim), rtol=1e-5, atol=1e-5)
+    assert torch.equal(qdot.decode_attention_batch(q[2:5], keys, values, slots[2:5], ctxs[2:5], 0.2), got[2:5])
+    with pytest.raises(RuntimeError, match="one slot and one context per sequence"):
+        qdot.decode_attention_batch(q, keys, values, slots[:3], ctxs[:3], 0.2)
+    with pytest.raises(RuntimeError, match="slot 12 is not a row"):
+        qdot.decode_attention_batch(q[:1], keys, values, torch.tensor([12]), torch.tensor([1]), 0.2)
+    with pytest.raises(RuntimeError, match="context 0 is not within"):
+        qdot.decode_attention_batch(q[:1], keys, values, torch.tensor([0]), torch.tensor([0]), 0.2)
+    with pytest.raises(RuntimeError, match="int64"):
+        qdot.decode_attention_batch(q[:1], keys, values, torch.tensor([0], dtype=torch.int32), torch.tensor([1]), 0.2)
 
 
 def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monkeypatch):

@@ -1,5 +1,5 @@
 // Integer-dot matmuls over GGUF blocks for AVX2 CPUs: llama.cpp's scheme, as torch ops (shared/models/qdot.py);
-// and one sequence's decode attention over the KV cache (decode_attention, at the end).
+// and decode attention over the KV cache, one sequence (decode_attention) or a batch (decode_attention_batch), at the end.
 //
 // y [M, N] float32 = x [M, K] float32 @ W^T, W [N, K] kept as the GGUF's own blocks of 32 weights:
 //   q4_1: 20 bytes {fp16 d, fp16 m, 16 bytes of nibbles: byte i holds element i (low) and i + 16 (high)}, w = d q + m
@@ -223,100 +223,168 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-constexpr int64_t ATTN_CHUNK = 256;  // positions per work item of decode_attention
+constexpr int64_t ATTN_CHUNK = 256;  // positions per work item of decode attention
 
-// One sequence's decode attention, the cache read in place and once (flash-decoding): q [H, hd] float32 against
-// the first ctx positions of row `slot` of k_cache / v_cache [R, KVH, M, hd] (contiguous float32) -> [H, hd]. Query
-// head i reads kv head i / (H / KVH). The work is (kv head, chunk of ATTN_CHUNK positions), split over torch's
-// threads; each item keeps its own softmax max and sum for its queries, merged at the end. torch's SDPA read the
-// cache at ~9 GB/s at one token (small GEMMs per block): this streams each key and value row once per kv head.
-at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t slot,
-                            int64_t ctx, double scale) {
-  const at::Tensor q = q_in.contiguous();
-  TORCH_CHECK(q.dim() == 2 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
+// One work item of decode attention: the g queries qv [g, hd] of one kv head against n <= ATTN_CHUNK consecutive
+// cached positions K / V [n, hd]. Writes each query's softmax max and sum over the chunk (maxes[qi], sums[qi]) and
+// its unnormalized output acc [g, hd]; scores is scratch of QGROUP x (ATTN_CHUNK + 8) floats. Up to QGROUP queries
+// go through the chunk together, so each key and value row is loaded once per group; every query's sums still run
+// in one fixed order (over d, then over the positions), so its numbers do not depend on the group it is in.
+constexpr int64_t QGROUP = 4;
+
+void attend_chunk(const float* qv, const float* K, const float* V, int64_t n, int64_t g, int64_t hd, float sc,
+                  float* scores, float* maxes, float* sums, float* accs) {
+  const int64_t hv = hd / 8, stride = ATTN_CHUNK + 8;
+  for (int64_t q0 = 0; q0 < g; q0 += QGROUP) {
+    const int64_t w = std::min(QGROUP, g - q0);
+    const float* qs = qv + q0 * hd;
+    float m[QGROUP] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = K + j * hd;
+      __m256 a[QGROUP];
+      const __m256 k0 = _mm256_loadu_ps(kr);
+      for (int64_t t = 0; t < w; ++t) a[t] = _mm256_mul_ps(_mm256_loadu_ps(qs + t * hd), k0);
+      for (int64_t d = 1; d < hv; ++d) {
+        const __m256 kd = _mm256_loadu_ps(kr + 8 * d);
+        for (int64_t t = 0; t < w; ++t) a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + t * hd + 8 * d), kd, a[t]);
+      }
+      for (int64_t t = 0; t < w; ++t) {
+        const float s = hsum8(a[t]) * sc;
+        scores[t * stride + j] = s;
+        m[t] = std::max(m[t], s);
+      }
+    }
+    for (int64_t t = 0; t < w; ++t) {
+      float* sct = scores + t * stride;
+      const __m256 mv = _mm256_set1_ps(m[t]);
+      __m256 total = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sct + j), mv));
+        _mm256_storeu_ps(sct + j, p);
+        total = _mm256_add_ps(total, p);
+      }
+      float tail = 0.f;
+      for (; j < n; ++j) {
+        sct[j] = std::exp(sct[j] - m[t]);
+        tail += sct[j];
+      }
+      maxes[q0 + t] = m[t];
+      sums[q0 + t] = hsum8(total) + tail;
+    }
+    for (int64_t d0 = 0; d0 < hv; d0 += 2) {  // 2 registers of each query's output at a time: hd / 8 of them in all
+      const int64_t r = std::min<int64_t>(2, hv - d0);
+      __m256 o[QGROUP][2];
+      for (int64_t t = 0; t < QGROUP; ++t) o[t][0] = o[t][1] = _mm256_setzero_ps();
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const float* vr = V + jj * hd + 8 * d0;
+        const __m256 v0 = _mm256_loadu_ps(vr), v1 = r > 1 ? _mm256_loadu_ps(vr + 8) : v0;
+        for (int64_t t = 0; t < w; ++t) {
+          const __m256 p = _mm256_set1_ps(scores[t * stride + jj]);
+          o[t][0] = _mm256_fmadd_ps(p, v0, o[t][0]);
+          o[t][1] = _mm256_fmadd_ps(p, v1, o[t][1]);
+        }
+      }
+      for (int64_t t = 0; t < w; ++t)
+        for (int64_t u = 0; u < r; ++u) _mm256_storeu_ps(accs + (q0 + t) * hd + 8 * (d0 + u), o[t][u]);
+    }
+  }
+}
+
+// The merge of one kv head's chunks for its g queries: maxes / sums [chunks, g], accs [chunks, g, hd] -> out [g, hd].
+void merge_chunks(int64_t chunks, int64_t g, int64_t hd, const float* maxes, const float* sums, const float* accs,
+                  float* out) {
+  for (int64_t qi = 0; qi < g; ++qi) {
+    float m = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, maxes[c * g + qi]);
+    float denom = 0.f;
+    float* o = out + qi * hd;
+    std::fill(o, o + hd, 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t at = c * g + qi;
+      const float w = std::exp(maxes[at] - m);
+      denom += w * sums[at];
+      const float* acc = accs + at * hd;
+      for (int64_t d = 0; d < hd; ++d) o[d] += w * acc[d];
+    }
+    for (int64_t d = 0; d < hd; ++d) o[d] /= denom;
+  }
+}
+
+// Decode attention for B sequences, the cache read in place and once (flash-decoding): q [B, H, hd] float32, sequence
+// b against the first ctxs[b] positions of row slots[b] of k_cache / v_cache [R, KVH, M, hd] (contiguous float32) ->
+// [B, H, hd]. Query head i reads kv head i / (H / KVH). The work is (sequence, kv head, chunk of ATTN_CHUNK
+// positions), split over torch's threads; each item keeps its own softmax max and sum for its queries, merged per
+// (sequence, kv head) at the end. A sequence's numbers depend only on its own query, slot and context: never on the
+// batch or the thread split. torch's SDPA read the cache at ~9 GB/s at one token (small GEMMs per block): this
+// streams each key and value row once per kv head, and reads no position a sequence does not attend to.
+at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const std::vector<int64_t>& slots, const std::vector<int64_t>& ctxs, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "decode_attention: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous");
-  const int64_t H = q.size(0), hd = q.size(1), R = k_cache.size(0), KVH = k_cache.size(1), M = k_cache.size(2);
+  const int64_t B = q.size(0), H = q.size(1), hd = q.size(2);
+  const int64_t R = k_cache.size(0), KVH = k_cache.size(1), M = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == hd && hd % 8 == 0 && H % KVH == 0, "decode_attention: head dims");
-  TORCH_CHECK(0 <= slot && slot < R, "decode_attention: slot ", slot, " is not a row of the cache's ", R);
-  TORCH_CHECK(1 <= ctx && ctx <= M, "decode_attention: context ", ctx, " is not within 1..", M);
-  const int64_t g = H / KVH, chunks = (ctx + ATTN_CHUNK - 1) / ATTN_CHUNK, hv = hd / 8;
-  // per (kv head, chunk, query): running max, sum, and the unnormalized output [hd]
-  std::vector<float> maxes(KVH * chunks * g), sums(KVH * chunks * g), accs(KVH * chunks * g * hd);
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(ctxs.size()) == B,
+              "decode_attention: one slot and one context per sequence");
+  const int64_t g = H / KVH;
+  std::vector<int64_t> first_item(B + 1, 0);  // sequence b's items: [first_item[b], first_item[b + 1])
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 <= slots[b] && slots[b] < R, "decode_attention: slot ", slots[b], " is not a row of the cache's ", R);
+    TORCH_CHECK(1 <= ctxs[b] && ctxs[b] <= M, "decode_attention: context ", ctxs[b], " is not within 1..", M);
+    first_item[b + 1] = first_item[b] + KVH * ((ctxs[b] + ATTN_CHUNK - 1) / ATTN_CHUNK);
+  }
+  const int64_t items = first_item[B];
+  // per item and query: running max, sum, and the unnormalized output [hd]
+  std::vector<float> maxes(items * g), sums(items * g), accs(items * g * hd);
   const float* qp = q.data_ptr<float>();
-  const float* kbase = k_cache.data_ptr<float>() + slot * KVH * M * hd;
-  const float* vbase = v_cache.data_ptr<float>() + slot * KVH * M * hd;
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, KVH * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(ATTN_CHUNK + 8);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(QGROUP * (ATTN_CHUNK + 8));
+    int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / chunks, c = item % chunks;
-      const int64_t first = c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, ctx - first);
-      const float* K = kbase + (h * M + first) * hd;
-      const float* V = vbase + (h * M + first) * hd;
-      for (int64_t qi = 0; qi < g; ++qi) {
-        const float* qv = qp + (h * g + qi) * hd;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          const float* kr = K + j * hd;
-          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qv), _mm256_loadu_ps(kr));
-          for (int64_t d = 1; d < hv; ++d)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * d), _mm256_loadu_ps(kr + 8 * d), a);
-          const float s = hsum8(a) * sc;
-          scores[j] = s;
-          m = std::max(m, s);
-        }
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 total = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-          __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[j]), mv));
-          _mm256_storeu_ps(&scores[j], p);
-          total = _mm256_add_ps(total, p);
-        }
-        float tail = 0.f;
-        for (; j < n; ++j) {
-          scores[j] = std::exp(scores[j] - m);
-          tail += scores[j];
-        }
-        const int64_t at = (h * chunks + c) * g + qi;
-        maxes[at] = m;
-        sums[at] = hsum8(total) + tail;
-        float* acc = &accs[at * hd];
-        for (int64_t d0 = 0; d0 < hv; d0 += 4) {  // 4 registers of the output at a time: hd / 8 of them in all
-          const int64_t w = std::min<int64_t>(4, hv - d0);
-          __m256 o[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const __m256 p = _mm256_set1_ps(scores[jj]);
-            const float* vr = V + jj * hd + 8 * d0;
-            for (int64_t t = 0; t < w; ++t) o[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * t), o[t]);
-          }
-          for (int64_t t = 0; t < w; ++t) _mm256_storeu_ps(acc + 8 * (d0 + t), o[t]);
-        }
-      }
+      while (item >= first_item[b + 1]) ++b;
+      const int64_t chunks = (ctxs[b] + ATTN_CHUNK - 1) / ATTN_CHUNK, local = item - first_item[b];
+      const int64_t h = local / chunks, c = local % chunks;
+      const int64_t first = c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, ctxs[b] - first);
+      const int64_t row = (slots[b] * KVH + h) * M + first;
+      attend_chunk(qp + (b * H + h * g) * hd, kp + row * hd, vp + row * hd, n, g, hd, sc, scores.data(),
+                   &maxes[item * g], &sums[item * g], &accs[item * g * hd]);
     }
   });
-  at::Tensor out = at::empty({H, hd}, q.options());
+  at::Tensor out = at::empty({B, H, hd}, q.options());
   float* op = out.data_ptr<float>();
-  for (int64_t h = 0; h < KVH; ++h) {
-    for (int64_t qi = 0; qi < g; ++qi) {
-      float m = -INFINITY;
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, maxes[(h * chunks + c) * g + qi]);
-      float denom = 0.f;
-      float* o = op + (h * g + qi) * hd;
-      std::fill(o, o + hd, 0.f);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t at = (h * chunks + c) * g + qi;
-        const float w = std::exp(maxes[at] - m);
-        denom += w * sums[at];
-        const float* acc = &accs[at * hd];
-        for (int64_t d = 0; d < hd; ++d) o[d] += w * acc[d];
-      }
-      for (int64_t d = 0; d < hd; ++d) o[d] /= denom;
+  at::parallel_for(0, B * KVH, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / KVH, h = bh % KVH, chunks = (ctxs[b] + ATTN_CHUNK - 1) / ATTN_CHUNK;
+      const int64_t item = first_item[b] + h * chunks;  // the first of this kv head's chunks
+      merge_chunks(chunks, g, hd, &maxes[item * g], &sums[item * g], &accs[item * g * hd], op + (b * H + h * g) * hd);
     }
-  }
+  });
   return out;
+}
+
+// One sequence (the compiled decode step's op; slot and ctx may be symbolic sizes there): q [H, hd] -> [H, hd].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t slot,
+                            int64_t ctx, double scale) {
+  TORCH_CHECK(q.dim() == 2, "decode_attention: q must be [H, hd]");
+  return attend_batch(q.contiguous().unsqueeze(0), k_cache, v_cache, {slot}, {ctx}, scale).squeeze(0);
+}
+
+// B sequences of one decode step each (the eager batched step): q [B, H, hd], slots / ctxs [B] int64 -> [B, H, hd].
+at::Tensor decode_attention_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& slots, const at::Tensor& ctxs, double scale) {
+  TORCH_CHECK(slots.dim() == 1 && ctxs.dim() == 1 && slots.scalar_type() == at::kLong &&
+                  ctxs.scalar_type() == at::kLong, "decode_attention_batch: slots and ctxs must be [B] int64");
+  const at::Tensor s = slots.contiguous(), c = ctxs.contiguous();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t* cp = c.data_ptr<int64_t>();
+  return attend_batch(q.contiguous(), k_cache, v_cache, std::vector<int64_t>(sp, sp + s.numel()),
+                      std::vector<int64_t>(cp, cp + c.numel()), scale);
 }
 
 }  // namespace
@@ -328,4 +396,6 @@ TORCH_LIBRARY(stagemesh_qdot, m) {
   m.impl("q8_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<false>));
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, SymInt slot, SymInt ctx, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("decode_attention_batch(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctxs, float scale) -> Tensor");
+  m.impl("decode_attention_batch", c10::DispatchKey::CPU, TORCH_FN(decode_attention_batch));
 }

@@ -15,8 +15,9 @@ writable, the temporary directory's stagemesh-kernels/) under a name that hashes
 flags, and loaded from there afterwards. `why_not()` says whether they run here and, if not, why (no AVX2 + FMA +
 F16C; a CPU where torch's kernels are AVX512, whose bf16 int4 path is faster; no C++ compiler; STAGEMESH_QDOT=off);
 where they do not, the int4 kernel runs as before.
-The same library holds one sequence's decode attention (`decode_attention`), which the compiled decode step calls on
-these CPUs for float32 layers without a window or soft cap (transformer.OneSequenceDecode): it reads the KV cache in
+The same library holds decode attention: one sequence's (`decode_attention`, which the compiled decode step calls,
+transformer.OneSequenceDecode) and a batch's (`decode_attention_batch`, the eager batched step's,
+transformer.KernelDecode), on these CPUs for float32 layers without a window or soft cap. It reads the KV cache in
 place and each key and value row once, where torch's SDPA read it at a fraction of the memory's speed at one token.
 """
 
@@ -180,6 +181,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_cache / v_cache [rows, KVH, max_seq, hd] (contiguous float32, read in place) -> [H, hd]; slot and ctx may be
     a compiled graph's symbolic sizes."""
     return torch.ops.stagemesh_qdot.decode_attention(q, k_cache, v_cache, slot, ctx, scale)
+
+
+def decode_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           ctxs: torch.Tensor, scale: float) -> torch.Tensor:
+    """B sequences' decode attention (qdot.cpp), the eager batched step's: q [B, H, hd] float32, sequence b against
+    the first ctxs[b] positions of row slots[b] of k_cache / v_cache (slots, ctxs [B] int64) -> [B, H, hd]. Row b's
+    numbers are decode_attention's for that sequence alone, whatever else is in the batch."""
+    return torch.ops.stagemesh_qdot.decode_attention_batch(q, k_cache, v_cache, slots, ctxs, scale)
 
 
 def build_now() -> None:

@@ -456,7 +456,8 @@ class TransformerModel:
     def forward(self, hidden: torch.Tensor, layout: BatchLayout, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
         """hidden [N, D] float32 -> [N, D] float32 through this piece's layers, writing their K/V into kv."""
         if layout.decode_only and not self.batch_invariant:
-            attention: Attention = SplitDecode.of(layout, self.config, self.dtype)
+            attention: Attention = (KernelDecode(layout, self.config, self.dtype) if KernelDecode.applies(self, layout)
+                                    else SplitDecode.of(layout, self.config, self.dtype))
         else:
             attention = ChunkAttention(layout, self.batch_invariant)
         return self.run_layers(hidden, self.rope_tables(layout.positions, kv.max_seq_len), attention, kv.k, kv.v, hook)
@@ -556,8 +557,8 @@ Ropes = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tenso
 
 class Attention(Protocol):
     """Where a step's K/V rows go and how its queries attend: q [N, H, hd] -> [N, H, hd] against the cache (read in
-    place). DecodeWindow / SplitDecode (batched decode), ChunkAttention (prefill chunks; the batch-invariant mode), OneSequenceDecode
-    (the compiled one-sequence step)."""
+    place). KernelDecode, or DecodeWindow / SplitDecode (batched decode), ChunkAttention (prefill chunks; the
+    batch-invariant mode), OneSequenceDecode (the compiled one-sequence step)."""
 
     token_slots: torch.Tensor  # [N] int64: each token's KV slot
     positions: torch.Tensor  # [N] int64: each token's position
@@ -756,6 +757,47 @@ class SplitDecode:
         for rows, window in self.parts:
             out[rows] = window.attend(q[rows], k_cache, v_cache, how)
         return out
+
+
+@dataclass
+class KernelDecode:
+    """Batched decode with qdot.cpp's decode_attention_batch, where the integer-dot kernels load (an AVX2 CPU) and the
+    activations are float32: each sequence reads exactly its own slot's first position + 1 cached positions, in place,
+    each key and value row once -- no window of throw-away rows, no mask, no padding to the longest context -- and
+    its numbers are those of the compiled one-sequence step's kernel, whatever else is in the batch. A layer with a
+    sliding window or a soft cap attends as SplitDecode does (`fallback`, built on first use)."""
+
+    layout: BatchLayout
+    config: ModelConfig
+    dtype: torch.dtype
+
+    @staticmethod
+    def applies(model: TransformerModel, layout: BatchLayout) -> bool:
+        return (model.dtype == torch.float32 and layout.positions.device.type == "cpu"
+                and model.config.head_dim % 8 == 0 and qdot.usable())
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        return self.layout.token_slots
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.layout.positions
+
+    @functools.cached_property
+    def contexts(self) -> torch.Tensor:
+        return self.layout.positions + 1  # [B] int64: each sequence attends to its positions 0..position
+
+    @functools.cached_property
+    def fallback(self) -> DecodeWindow | SplitDecode:
+        return SplitDecode.of(self.layout, self.config, self.dtype)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
+        """q [B, H, hd] -> [B, H, hd]."""
+        if how.window or how.softcap:
+            return self.fallback.attend(q, k_cache, v_cache, how)
+        scale = how.scale if how.scale is not None else q.shape[-1] ** -0.5
+        return qdot.decode_attention_batch(q, k_cache, v_cache, self.token_slots, self.contexts, scale)
 
 
 BLOCK_TENSORS_INV = {v: k for k, v in BLOCK_TENSORS.items()}
