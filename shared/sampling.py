@@ -222,11 +222,25 @@ def _candidates(probs: np.ndarray, enough) -> np.ndarray:
     return np.arange(probs.size)
 
 
-def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[np.ndarray, np.ndarray | None]:
-    """Probabilities after temperature, top-k, top-p and min-p: (probs float32, the token ids they belong to, or None
-    for all). Not normalized: the most likely token's is 1, and the draw scales by their sum."""
-    # softmax(row / T) x its largest's inverse: exp((row - max) / T), on a new tensor (row stays as it was)
-    probs = (row - row.max()).mul_(1.0 / p.temperature).exp_().numpy()
+def tempered(logits: torch.Tensor, params: list[SamplingParams]) -> list[np.ndarray]:
+    """softmax(row / T) x its largest's inverse, exp((row - max) / T), for each row of logits [M, V] float32 with its
+    params' temperature: float32 [V] each, the most likely token's 1 (logits stay as they were). Where the integer-dot
+    kernels load, qdot.cpp's temper does every row in one call, rows split over torch's threads; else torch, row by
+    row. Either way a row's numbers depend on that row alone, never on what else is sampled with it."""
+    if not params:
+        return []
+    # imported here: the gateway imports this module, and importing shared.models' package takes ~0.15 s
+    from shared.models import qdot
+
+    if qdot.usable():
+        inv_t = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+        return list(qdot.temper(logits, inv_t).numpy())
+    return [(row - row.max()).mul_(1.0 / p.temperature).exp_().numpy() for row, p in zip(logits, params)]
+
+
+def _filtered_probs(probs: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray | None]:
+    """A row's tempered probabilities (`tempered`) after top-k, top-p and min-p: (probs float32, the token ids they
+    belong to, or None for all). Not normalized: the most likely token's is 1, and the draw scales by their sum."""
     ids = None
     if p.top_k and p.top_k < probs.size:
         ids = _most_likely(probs, _candidates(probs, lambda c: c.size >= p.top_k))[:p.top_k]
@@ -297,11 +311,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     tokens: list[int] = [0] * len(params)
     logprobs: list[float | None] = [None] * len(params)
     top: list[TopLogprobs | None] = [None] * len(params)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    rows = logits if len(drawn) == len(params) else logits[drawn]
+    probs_of = dict(zip(drawn, tempered(rows, [params[i] for i in drawn])))
     for i, p in enumerate(params):
         if p.greedy:  # numpy's argmax: the first of equal maxima, as torch's, in a tenth of its time
             tokens[i] = int(logits[i].numpy().argmax())
         else:
-            probs, ids = _filtered_probs(logits[i], p)
+            probs, ids = _filtered_probs(probs_of.pop(i), p)
             seed = p.seed if p.seed is not None else random.getrandbits(62)
             pick = _draw(probs, _uniform(seed, positions[i]))
             tokens[i] = int(ids[pick]) if ids is not None else pick

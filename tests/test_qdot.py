@@ -199,3 +199,27 @@ def test_the_library_is_built_where_the_home_cache_cannot_hold_it(monkeypatch, t
     monkeypatch.setattr(qdot.tempfile, "gettempdir", lambda: str(temp))
     path = qdot._library_path()
     assert path.startswith(str(temp / "stagemesh-kernels")) and path.endswith(".so")
+
+
+def test_temper_is_each_rows_exponential_whatever_the_batch_and_the_threads():
+    """qdot.temper (sampling's tempered probabilities): exp((row - max) x 1/T) within an ulp of torch's exp, row by
+    row; a banned token (-inf) is exactly 0; a vocabulary that is not a multiple of 8 ends in a scalar tail; and a
+    row's numbers are the same alone, in any batch, on 1 or 2 threads (a seeded draw must not depend on its company)."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(7, 1003, generator=g) * 4
+    logits[2, [0, 500, 1002]] = float("-inf")
+    inv_t = torch.tensor([1 / 0.7, 1.0, 2.5, 1e4, 0.05, 1.0, 3.0])
+    got = qdot.temper(logits, inv_t)
+    want = torch.stack([(row - row.max()).mul_(float(t)).exp_() for row, t in zip(logits, inv_t)])
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-30)
+    assert got[2, [0, 500, 1002]].tolist() == [0.0, 0.0, 0.0] and bool((got.amax(1) == 1.0).all())
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for lo, hi in ((0, 7), (2, 3), (1, 6), (6, 7)):
+                assert torch.equal(qdot.temper(logits[lo:hi], inv_t[lo:hi]), got[lo:hi]), (n, lo, hi)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="one float32 inverse temperature per row"):
+        qdot.temper(logits, inv_t[:3])

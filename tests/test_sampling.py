@@ -64,7 +64,7 @@ def reference_support(row: torch.Tensor, p: SamplingParams) -> set[int]:
 
 
 def support(row: torch.Tensor, p: SamplingParams) -> set[int]:
-    probs, ids = sampling._filtered_probs(row, p)
+    probs, ids = sampling._filtered_probs(sampling.tempered(row[None], [p])[0], p)
     ids = np.arange(probs.size) if ids is None else ids
     return set(ids[probs > 0].tolist())
 
@@ -232,3 +232,21 @@ def test_top_logprobs_are_the_rows_most_likely_tokens_whatever_shares_the_batch(
     tied = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0, -2.0]])
     assert [t for t, _ in sample(tied, [SamplingParams(top_logprobs=4)], [0]).top[0]] == [1, 3, 4, 2]
     assert [t for t, _ in sample(tied, [SamplingParams(top_logprobs=2)], [0]).top[0]] == [1, 3]
+
+
+def test_tempered_rows_are_torchs_softmax_numerators_with_or_without_the_kernel(monkeypatch):
+    """sampling.tempered: qdot.cpp's temper where it loads, torch's exp row by row elsewhere; both are exp((row - max)
+    / T) to an ulp, so a seeded stream draws the same tokens on either but for a draw within an ulp of a boundary."""
+    from shared.models import qdot
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 49152, generator=g) * 3
+    params = [SamplingParams(temperature=t, seed=1) for t in (0.7, 1.0, 1.6)]
+    got = np.stack(sampling.tempered(logits, params))
+    want = np.stack([torch.softmax(row.double() / p.temperature, 0).numpy() for row, p in zip(logits, params)])
+    # float32 arguments: (x - max) / T rounds to ~6e-8 of itself, ~4e-6 of a probability at e^-60
+    np.testing.assert_allclose(got / got.sum(1, keepdims=True), want, rtol=1e-5, atol=1e-30)
+    monkeypatch.setattr(qdot, "usable", lambda: False)
+    torch_rows = np.stack(sampling.tempered(logits, params))
+    np.testing.assert_allclose(torch_rows, got, rtol=3e-7, atol=1e-37)
+    assert sampling.tempered(logits[:0], []) == []

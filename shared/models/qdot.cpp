@@ -1,5 +1,6 @@
 // Integer-dot matmuls over GGUF blocks for AVX2 CPUs: llama.cpp's scheme, as torch ops (shared/models/qdot.py);
-// and decode attention over the KV cache, one sequence (decode_attention) or a batch (decode_attention_batch), at the end.
+// decode attention over the KV cache, one sequence (decode_attention) or a batch (decode_attention_batch); and
+// sampling's tempered probabilities (temper), at the end.
 //
 // y [M, N] float32 = x [M, K] float32 @ W^T, W [N, K] kept as the GGUF's own blocks of 32 weights:
 //   q4_1: 20 bytes {fp16 d, fp16 m, 16 bytes of nibbles: byte i holds element i (low) and i + 16 (high)}, w = d q + m
@@ -387,6 +388,43 @@ at::Tensor decode_attention_batch(const at::Tensor& q, const at::Tensor& k_cache
                       std::vector<int64_t>(cp, cp + c.numel()), scale);
 }
 
+// Sampling's tempered probabilities: probs[r, i] = exp((logits[r, i] - max_r) * inv_t[r]) for logits [M, V] float32,
+// so each row's most likely token has 1 (not normalized: the draw scales by the sum). Rows go to torch's threads
+// whole, and a row is computed in one fixed order (8 lanes, then a scalar tail at its own end), so its numbers do not
+// depend on the other rows of the micro-batch nor on the thread split: a seeded draw must not depend on its company.
+at::Tensor temper(const at::Tensor& logits, const at::Tensor& inv_t) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "temper: logits must be a contiguous [M, V] float32 tensor");
+  TORCH_CHECK(inv_t.dim() == 1 && inv_t.scalar_type() == at::kFloat && inv_t.size(0) == logits.size(0),
+              "temper: one float32 inverse temperature per row");
+  const int64_t M = logits.size(0), V = logits.size(1);
+  const at::Tensor it = inv_t.contiguous();
+  at::Tensor out = at::empty({M, V}, logits.options());
+  const float* xp = logits.data_ptr<float>();
+  const float* tp = it.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * V;
+      float* o = op + r * V;
+      __m256 mv = _mm256_set1_ps(-INFINITY);
+      int64_t i = 0;
+      for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, mv);
+      float m = lanes[0];
+      for (int t = 1; t < 8; ++t) m = std::max(m, lanes[t]);
+      for (; i < V; ++i) m = std::max(m, x[i]);
+      const float t = tp[r];
+      const __m256 mb = _mm256_set1_ps(m), tb = _mm256_set1_ps(t);
+      for (i = 0; i + 8 <= V; i += 8)
+        _mm256_storeu_ps(o + i, exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), mb), tb)));
+      for (; i < V; ++i) o[i] = std::exp((x[i] - m) * t);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(stagemesh_qdot, m) {
@@ -398,4 +436,6 @@ TORCH_LIBRARY(stagemesh_qdot, m) {
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
   m.def("decode_attention_batch(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctxs, float scale) -> Tensor");
   m.impl("decode_attention_batch", c10::DispatchKey::CPU, TORCH_FN(decode_attention_batch));
+  m.def("temper(Tensor logits, Tensor inv_t) -> Tensor");
+  m.impl("temper", c10::DispatchKey::CPU, TORCH_FN(temper));
 }

@@ -191,6 +191,12 @@ def decode_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.ops.stagemesh_qdot.decode_attention_batch(q, k_cache, v_cache, slots, ctxs, scale)
 
 
+def temper(logits: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
+    """Sampling's tempered probabilities (qdot.cpp): logits [M, V] float32, inv_t [M] float32 -> exp((logits - each
+    row's max) x its inv_t) [M, V], each row's largest 1. A row's numbers never depend on the other rows."""
+    return torch.ops.stagemesh_qdot.temper(logits.contiguous(), inv_t)
+
+
 def build_now() -> None:
     """`make install`: build the kernels at install time, so that no stage waits for them."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
