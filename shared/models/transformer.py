@@ -566,13 +566,10 @@ class Attention(Protocol):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor: ...
 
 
-@dataclass
-class ChunkAttention:
-    """Each sequence's chunk attends causally to its own cached positions (sequence_attention); in
-    the batch-invariant mode row by row (rowwise_attention), so every row computes as a decode step would."""
+class LaidOut:
+    """An attention whose tokens' KV slots and positions are its BatchLayout's (a dataclass field `layout`)."""
 
     layout: BatchLayout
-    rowwise: bool
 
     @property
     def token_slots(self) -> torch.Tensor:
@@ -581,6 +578,15 @@ class ChunkAttention:
     @property
     def positions(self) -> torch.Tensor:
         return self.layout.positions
+
+
+@dataclass
+class ChunkAttention(LaidOut):
+    """Each sequence's chunk attends causally to its own cached positions (sequence_attention); in
+    the batch-invariant mode row by row (rowwise_attention), so every row computes as a decode step would."""
+
+    layout: BatchLayout
+    rowwise: bool
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor:
         layout = self.layout
@@ -760,7 +766,7 @@ class SplitDecode:
 
 
 @dataclass
-class KernelDecode:
+class KernelDecode(LaidOut):
     """Batched decode with qdot.cpp's decode_attention_batch, where the integer-dot kernels load (an AVX2 CPU) and the
     activations are float32: each sequence reads exactly its own slot's first position + 1 cached positions, in place,
     each key and value row once -- no window of throw-away rows, no mask, no padding to the longest context -- and
@@ -775,14 +781,6 @@ class KernelDecode:
     def applies(model: TransformerModel, layout: BatchLayout) -> bool:
         return (model.dtype == torch.float32 and layout.positions.device.type == "cpu"
                 and model.config.head_dim % 8 == 0 and qdot.usable())
-
-    @property
-    def token_slots(self) -> torch.Tensor:
-        return self.layout.token_slots
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.layout.positions
 
     @functools.cached_property
     def contexts(self) -> torch.Tensor:
