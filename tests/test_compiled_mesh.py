@@ -6,6 +6,7 @@ import json
 import os
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -52,6 +53,18 @@ def test_up_serves_while_the_stage_compiles_then_decodes_compiled(gateway):
     assert out["usage"]["completion_tokens"] == 16
     # the first token comes from the prefill; each of the other 15 from a one-sequence decode step, now compiled
     assert gateway.stage_info(0)["compiled_decode"]["steps"] - info["steps"] == 15
+    # streams decoding together: micro-batches of 2..3 sequences (the 3 KV slots) run the batched graph where
+    # qdot's attention kernel covers the model (float32 on an AVX2 CPU), else eagerly
+    batched = info["batched"]
+    assert batched["sizes"] == [2, 3] and not batched["fell_back_to_eager"]
+    covered = qdot.usable() and gateway.stage_info(0)["dtype"] == "float32"
+    assert (batched["reason"] is None) == covered, batched
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda _: complete(gateway.url, 24), range(3)))
+    assert [o["usage"]["completion_tokens"] for o in outs] == [24] * 3 and all(o["choices"][0]["text"] for o in outs)
+    after = gateway.stage_info(0)["compiled_decode"]["batched"]
+    assert (after["steps"] > batched["steps"]) == covered, after
+    assert not after["fell_back_to_eager"]
 
 
 def test_off_and_uncovered_setups_say_why_decode_is_eager(up):

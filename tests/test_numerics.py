@@ -346,26 +346,57 @@ def test_compiled_decode_parity_with_llama_cpp(windows, reference_logits, compil
     assert kl <= 0.01
 
 
-def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smollm2, windows, compiled_pipeline):
-    """Two sequences in a step, or a context the graph does not serve: eager, with the eager pipeline's numbers."""
-    from shared.kv_cache import BatchLayout
-    from shared.models.compiled_decode import CompiledDecode
+def test_compiled_decode_runs_decode_batches_on_one_batched_graph(smollm2, windows, compiled_pipeline):
+    """Decode micro-batches of 2..kv_slots sequences run a second graph whose one dynamic size is the batch (attention
+    on qdot.cpp's kernel: each sequence reads its own context in place, so no shape depends on the contexts), where
+    the kernel covers every layer (float32 on an AVX2 CPU); elsewhere they decode eagerly, bit for bit the eager
+    pipeline's. Compiled, they predict what the eager step predicts (fused kernels round at other points)."""
+    from shared.models import qdot
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
     eager = eager_twin(smollm2)
     compiled = wait_compiled(compiled_pipeline)
+    batched = compiled.batch_reason is None
+    assert batched == (qdot.usable() and SERVING_DTYPE == torch.float32), compiled.info()
+    if batched:
+        assert compiled.batch_sizes == (2, 3) and set(compiled.batch_compile_seconds) == set(compiled.thread_counts)
     text = windows[0]
     outs = []
     for pipe in (eager, compiled_pipeline):
-        for name, n in (("a", 20), ("b", 30)):
+        pos = {"a": 20, "b": 45, "c": 70}
+        for name, n in pos.items():
             pipe.run([SeqEntry(name, Prefill(n, 0, n, True))], torch.tensor(text[:n]))
-        steps = compiled.steps
-        outs.append(pipe.run([SeqEntry("a", Decode(20)), SeqEntry("b", Decode(30))], torch.tensor([text[20], text[30]])))
-        assert compiled.steps == steps  # a 2-sequence batch never runs the one-sequence graph
-        for name in ("a", "b"):
+        steps, batch_steps = compiled.steps, compiled.batch_steps
+        rows = []
+        for k in range(6):  # 3 sequences, then 2 whose slots are out of order (2, 0), in turn
+            names = ["a", "b", "c"] if k % 2 == 0 else ["c", "a"]
+            rows.append(pipe.run([SeqEntry(n, Decode(pos[n])) for n in names], torch.tensor([text[pos[n]] for n in names])))
+            for n in names:
+                pos[n] += 1
+        ran = compiled.batch_steps - batch_steps
+        assert ran == (6 if batched and pipe is compiled_pipeline else 0), compiled.info()
+        assert compiled.steps == steps  # never the one-sequence graph
+        outs.append(torch.cat(rows))
+        for name in pos:
             pipe.release(name)
-    assert torch.equal(outs[0], outs[1])
+    ours, ref = outs[1], outs[0]
+    assert ref.abs().max() > 1 and ours.shape == ref.shape and ours.shape[0] == 15
+    if not batched:
+        assert torch.equal(ours, ref)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    spread = (ref.amax(-1) - ref.amin(-1))[:, None]
+    assert bool(((ours - ref).abs() <= 0.05 * spread).all())
+    assert not compiled.batch_broken
+
+
+def test_compiled_decode_leaves_long_contexts_and_large_batches_to_the_eager_step(smollm2, compiled_pipeline):
+    """A context the one-sequence graph does not serve, or a batch larger than the batched graph's: eager."""
+    from shared.kv_cache import BatchLayout
+    from shared.models.compiled_decode import CompiledDecode
+    from shared.steps import Decode, Prefill
+
+    compiled = wait_compiled(compiled_pipeline)
     piece = compiled_pipeline.pieces[0]
     short = CompiledDecode(piece.model, piece.kv)
     short.state = "ready"  # as if compiled: forward must decline on the context alone
@@ -376,6 +407,9 @@ def test_compiled_decode_leaves_batches_and_long_contexts_to_the_eager_step(smol
         assert layout.decode_only
         assert short.forward(hidden, layout) is None
     assert short.steps == 0
+    # four sequences: more than the batched graph's (the KV cache's 3 live slots; the scratch row is the fourth)
+    layout = BatchLayout.build([0, 1, 2, 3], [Decode(10)] * 4, CONTEXT)
+    assert short.forward(torch.zeros(4, piece.model.config.hidden_size), layout) is None and short.batch_steps == 0
     # while another piece of the process compiles (dynamo's stance is process-wide), a covered step runs eager too
     from shared.models import compiled_decode
 

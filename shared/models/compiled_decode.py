@@ -45,7 +45,7 @@ import torch
 from shared.errors import CapabilityMissing
 from shared.kv_cache import BatchLayout, KVCache
 from shared.models import linear, transformer
-from shared.models.transformer import OneSequenceDecode
+from shared.models.transformer import BatchDecode, OneSequenceDecode
 
 log = logging.getLogger("stagemesh.compiled_decode")
 
@@ -74,6 +74,17 @@ def mark_graph_breaks() -> None:
     linear._prepacked_mm = torch.compiler.disable(linear._prepacked_mm, reason="oneDNN's prepacked linear")
     transformer.TransformerModel._moe = torch.compiler.disable(transformer.TransformerModel._moe,
                                                                reason="which experts run is data")
+
+
+def switch_rows(model) -> int | None:
+    """The fewest rows at which one of the piece's matmuls changes kernel (a SwitchedLinear's max_tokens: a batched
+    graph must not cross it), or None where none does."""
+    def rows(lin) -> list[int]:
+        if isinstance(lin, linear.SwitchedLinear):
+            return [lin.max_tokens]
+        return [r for part in getattr(lin, "parts", ()) for r in rows(part)]
+    found = [r for block in model.blocks for lin in block.linears().values() for r in rows(lin)]
+    return min(found, default=None)
 
 
 def _own_code(method):
@@ -118,6 +129,19 @@ class CompiledDecode:
         self.error: str | None = None
         self.broken = False  # set when a serving-time call would have recompiled: eager from then on
         self.steps = 0  # decode steps run compiled
+        # The batched step: decode micro-batches of B = batch_sizes[0]..[1] sequences through a second copy of
+        # run_layers, B the one dynamic size (attention a BatchDecode: the kernel reads each sequence's own context in
+        # place, so nothing else depends on the values). Where the kernel does not cover every layer, or a matmul
+        # switches kernel inside the range, batched steps stay eager (batch_reason says why).
+        self.batch_sizes = (2, min(kv.num_slots, (switch_rows(model) or kv.num_slots + 1) - 1))
+        self.batch_reason = BatchDecode.covers(model)
+        if self.batch_reason is None and self.batch_sizes[1] < 3:  # 2..2 cannot be dynamic, and would serve little
+            self.batch_reason = f"batches of at most {self.batch_sizes[1]} sequences decode eagerly"
+        self._batched = None if self.batch_reason else torch.compile(_own_code(model.run_layers), dynamic=False,
+                                                                     options={"cpp_wrapper": True})
+        self.batch_compile_seconds: dict[int, float] = {}
+        self.batch_broken = False
+        self.batch_steps = 0  # decode steps of 2 or more sequences run compiled
 
     def covers(self, ctx: int) -> bool:
         return self.contexts[0] <= ctx <= self.contexts[1]
@@ -139,6 +163,17 @@ class CompiledDecode:
         if attention.sliding_mask is not None:
             torch._dynamo.mark_dynamic(attention.sliding_mask, 3, min=self.contexts[0], max=self.contexts[1])
         return hidden, ropes, attention, self.kv.k, self.kv.v
+
+    def _batch_inputs(self, hidden: torch.Tensor, slots: list[int], positions: torch.Tensor):
+        """The batched graph's run_layers arguments (hidden [B, D] f32, B in batch_sizes), built under inference mode
+        as _inputs' are; B, every tensor's first size, is the graph's one dynamic size."""
+        lo, hi = self.batch_sizes
+        hidden = hidden.clone(memory_format=torch.contiguous_format)
+        attention = BatchDecode.at(slots, positions)
+        (cos, sin), swa = self.model.rope_tables(attention.positions, self.kv.max_seq_len)  # swa None: covers() holds
+        for t in (hidden, cos, sin, attention.token_slots, attention.positions, attention.contexts):
+            torch._dynamo.mark_dynamic(t, 0, min=lo, max=hi)
+        return hidden, ((cos, sin), swa), attention, self.kv.k, self.kv.v
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -166,10 +201,29 @@ class CompiledDecode:
                 self.compile_seconds[threads] = round(time.perf_counter() - t, 1)
                 log.info("compiled the decode step for contexts %d..%d with %d threads in %.1f s", *self.contexts,
                          threads, self.compile_seconds[threads])
+                if self._batched is not None:
+                    self._warm_up_batched(threads, pos)
             self.state = "ready"
         finally:
             torch.set_num_threads(own)
             _compiling.discard(id(self))
+
+    def _warm_up_batched(self, threads: int, pos: int) -> None:
+        """Compile the batched graph at this thread count: one call of B sequences, all in the scratch row at
+        positions pos..pos+B-1. A failure leaves batched steps eager (batch_reason) and the one-sequence step as it is."""
+        t = time.perf_counter()
+        b = min(self.batch_sizes[1], 4)
+        hidden = torch.zeros(b, self.model.config.hidden_size)
+        try:
+            self._batched(*self._batch_inputs(hidden, [self.kv.scratch_slot] * b, torch.arange(pos, pos + b)))
+        except Exception as e:
+            self.batch_reason = f"torch.compile failed: {str(e).strip().splitlines()[0][:300]}"
+            self._batched = None
+            log.warning("batched decode steps stay eager: %s", self.batch_reason)
+            return
+        self.batch_compile_seconds[threads] = round(time.perf_counter() - t, 1)
+        log.info("compiled the batched decode step for %d..%d sequences with %d threads in %.1f s", *self.batch_sizes,
+                 threads, self.batch_compile_seconds[threads])
 
     def warm_up_in_background(self) -> None:
         """warm_up in a daemon thread with the caller's torch thread count; until it is done, forward declines and the
@@ -193,34 +247,50 @@ class CompiledDecode:
         return {"state": self.state, "error": self.error, "threads": list(self.thread_counts),
                 "contexts": list(self.contexts),
                 "compile_seconds": {str(n): s for n, s in self.compile_seconds.items()}, "steps": self.steps,
-                "fell_back_to_eager": self.broken}
+                "fell_back_to_eager": self.broken,
+                "batched": {"sizes": list(self.batch_sizes), "reason": self.batch_reason,
+                            "compile_seconds": {str(n): s for n, s in self.batch_compile_seconds.items()},
+                            "steps": self.batch_steps, "fell_back_to_eager": self.batch_broken}}
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor | None:
-        """hidden [1, D] f32 of a one-sequence decode micro-batch -> [1, D] f32, or None when no compiled graph covers
-        it (graphs not compiled yet, or another piece's compiling; more than one sequence, not a decode step, a context
-        outside `contexts`, a thread count it was not compiled for): run eager then. Never compiles: a call that
-        would (a guard that fails on an input nobody foresaw) runs eager instead, and is logged."""
-        if self.state != "ready" or _compiling or not layout.decode_only or len(layout.slots) != 1 or self.broken:
+        """hidden [B, D] f32 of a decode micro-batch -> [B, D] f32, or None when no compiled graph covers it (graphs
+        not compiled yet, or another piece's compiling; not a decode step; one sequence at a context outside
+        `contexts`; B outside `batch_sizes` or no batched graph; a thread count it was not compiled for): run eager
+        then. Never compiles: a call that would (a guard that fails on an input nobody foresaw) runs eager instead,
+        from then on, and is logged."""
+        if self.state != "ready" or _compiling or not layout.decode_only:
             return None
         if torch.get_num_threads() not in self.thread_counts:
             return None
-        pos = int(layout.positions[0])
-        if not self.covers(pos + 1):
+        b = len(layout.slots)
+        if hidden.dtype != torch.float32 or tuple(hidden.shape) != (b, self.model.config.hidden_size):
+            return None  # not what the graphs were built for (eager raises the error that names it)
+        if b == 1:
+            pos = int(layout.positions[0])
+            if self.broken or not self.covers(pos + 1):
+                return None
+            out = self._run(self._compiled, self._inputs(hidden, layout.slots[0], pos), "broken")
+            self.steps += out is not None
+            return out
+        if self._batched is None or self.batch_broken or not self.batch_sizes[0] <= b <= self.batch_sizes[1]:
             return None
-        if hidden.dtype != torch.float32 or tuple(hidden.shape) != (1, self.model.config.hidden_size):
-            return None  # not what the graph was built for (eager raises the error that names it)
+        out = self._run(self._batched, self._batch_inputs(hidden, layout.slots, layout.positions), "batch_broken")
+        self.batch_steps += out is not None
+        return out
+
+    def _run(self, graph, inputs: tuple, broken: str) -> torch.Tensor | None:
+        """One serving-time call of a compiled graph; None (and self.<broken> set: eager from then on) where it would
+        have recompiled."""
         try:
             # Only the guards that tell the graphs apart (the thread count) run: the full set cost ~0.6 ms a step on
             # the 2-core AVX2 VM (it checks every weight tensor the step reads). What they would check is fixed here:
-            # the model's weights and KV cache are the same tensors at every call, _inputs builds the rest the same
-            # way, and the lines above hold the sizes and dtype of what varies.
+            # the model's weights and KV cache are the same tensors at every call, _inputs / _batch_inputs build the
+            # rest the same way, and forward holds the sizes and dtype of what varies.
             with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
-                out = self._compiled(*self._inputs(hidden, layout.slots[0], pos))
+                return graph(*inputs)
         except RuntimeError as e:  # dynamo's "Detected recompile when torch.compile stance is 'fail_on_recompile'"
-            self.broken = True
+            setattr(self, broken, True)
             log.warning("compiled decode step would recompile while serving (%s); decoding eagerly from now on",
                         str(e).splitlines()[0][:300])
             return None
-        self.steps += 1
-        return out

@@ -122,7 +122,8 @@ def load() -> str | None:
     if not _fakes_registered:
         for op in ("q4_1", "q8_0"):
             torch.library.register_fake(f"stagemesh_qdot::{op}", _fake_mm)
-        torch.library.register_fake("stagemesh_qdot::decode_attention", _fake_attention)
+        for op in ("decode_attention", "decode_attention_batch"):
+            torch.library.register_fake(f"stagemesh_qdot::{op}", _fake_attention)
         _fakes_registered = True
     return None
 
@@ -136,6 +137,7 @@ def _fake_mm(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _fake_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot, ctx, scale: float):
+    """Either decode attention's output for tracing: q's shape (slot and ctx: ints, or [B] tensors for the batch)."""
     return q.new_empty(q.shape)
 
 
@@ -185,7 +187,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                            ctxs: torch.Tensor, scale: float) -> torch.Tensor:
-    """B sequences' decode attention (qdot.cpp), the eager batched step's: q [B, H, hd] float32, sequence b against
+    """B sequences' decode attention (qdot.cpp), the batched step's (eager and compiled): q [B, H, hd] float32, sequence b against
     the first ctxs[b] positions of row slots[b] of k_cache / v_cache (slots, ctxs [B] int64) -> [B, H, hd]. Row b's
     numbers are decode_attention's for that sequence alone, whatever else is in the batch."""
     return torch.ops.stagemesh_qdot.decode_attention_batch(q, k_cache, v_cache, slots, ctxs, scale)

@@ -794,8 +794,50 @@ class KernelDecode(LaidOut):
         """q [B, H, hd] -> [B, H, hd]."""
         if how.window or how.softcap:
             return self.fallback.attend(q, k_cache, v_cache, how)
-        scale = how.scale if how.scale is not None else q.shape[-1] ** -0.5
-        return qdot.decode_attention_batch(q, k_cache, v_cache, self.token_slots, self.contexts, scale)
+        return kernel_attention(q, k_cache, v_cache, self.token_slots, self.contexts, how)
+
+
+def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     contexts: torch.Tensor, how: Scores) -> torch.Tensor:
+    """q [B, H, hd] float32 -> [B, H, hd]: sequence b against the first contexts[b] cached positions of row slots[b]
+    (qdot.decode_attention_batch; no window, no soft cap)."""
+    scale = how.scale if how.scale is not None else q.shape[-1] ** -0.5
+    return qdot.decode_attention_batch(q, k_cache, v_cache, slots, contexts, scale)
+
+
+@dataclass
+class BatchDecode:
+    """The compiled batched decode step's attention (shared.models.compiled_decode): B sequences one token each, on
+    qdot.cpp's kernel, as KernelDecode attends eagerly. Tensors only, and none whose values make a shape: B is the
+    graph's one dynamic size (every tensor's first), so one graph serves every batch of 2 or more sequences, any
+    slots, any contexts. For pieces whose every layer the kernel covers (BatchDecode.covers)."""
+
+    token_slots: torch.Tensor  # [B] int64: each sequence's KV row
+    positions: torch.Tensor  # [B] int64
+    contexts: torch.Tensor  # [B] int64: positions + 1, the cached positions each attends to
+
+    @classmethod
+    def at(cls, slots: list[int], positions: torch.Tensor) -> BatchDecode:
+        positions = positions.to(torch.long).clone()  # a tensor of the caller's inference mode (dynamo guards on it)
+        return cls(torch.tensor(slots, dtype=torch.long), positions, positions + 1)
+
+    @staticmethod
+    def covers(model: TransformerModel) -> str | None:
+        """None when every layer of the piece attends on the kernel; otherwise why not."""
+        c = model.config
+        if not qdot.usable():
+            return f"the decode-attention kernel does not run here ({qdot.why_not()})"
+        if model.dtype != torch.float32 or c.head_dim % 8:
+            return "the decode-attention kernel takes float32 activations and a head size that is a multiple of 8"
+        if c.sliding_window or c.attn_softcap:
+            return "layers with a sliding window or an attention soft cap attend with SDPA"
+        if c.num_experts:
+            return "a mixture-of-experts block runs its experts eagerly"
+        return None
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
+        """q [B, H, hd] -> [B, H, hd]."""
+        return kernel_attention(q, k_cache, v_cache, self.token_slots, self.contexts, how)
 
 
 BLOCK_TENSORS_INV = {v: k for k, v in BLOCK_TENSORS.items()}
