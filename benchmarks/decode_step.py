@@ -10,8 +10,9 @@ modes it lacks are skipped; bf16 there is its default).
 
 --compile also measures each mode loaded with compile_decode="on" (shared.models.compiled_decode: one sequence's
 decode step under torch.compile, static shapes but the context length, compiled at load; its load s
-includes compilation, seconds when inductor's on-disk cache has the graphs). Only B=1 runs compiled; larger batches
-run the eager step in both rows. Modes the compiled step does not cover (bf16, f32) are skipped.
+includes compilation, seconds when inductor's on-disk cache has the graphs). B=1 runs the one-sequence graph, B=2 up
+to the largest --batch the batched graph where the model's layers are covered (float32 on an AVX2 CPU), else the
+eager step. Modes the compiled step does not cover (bf16, f32) are skipped.
 
 --arch llama,qwen2,... (or all) measures instead, for each architecture, a random model of SmolLM2's widths (576
 hidden, 9 heads, 3 kv heads, 1536 MLP; --arch-layers layers, Q4_0 matrices; benchmarks/tiny_gguf.py writes it)

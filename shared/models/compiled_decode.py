@@ -14,15 +14,20 @@ eager against compiled), all but one:
   eagerly, at about 1.7x the time, past the largest;
 - the KV cache is one tensor per layer (KVCache) and the step writes it with index_put on that tensor. Handing the
   graph a view of a larger cache tensor instead made inductor copy the whole cache back every step;
-- one sequence (B = 1; the step is memory- and overhead-bound): larger micro-batches stay eager, where the
-  SwitchedLinear's kernel choice applies. A mixture-of-experts block's experts run eagerly between graphs.
+- one sequence (B = 1; the step is memory- and overhead-bound) in one graph; decode micro-batches of 2..kv_slots
+  sequences in a second (the batched step: run_layers again, B its one dynamic size, attention a
+  transformer.BatchDecode on qdot.cpp's kernel, which reads each sequence's own context in place, so no shape depends
+  on the slots or contexts). The batched graph needs the kernel on every layer (float32 on an AVX2 CPU; no sliding
+  window, soft cap or experts) and stops below the batch size where a SwitchedLinear changes kernel; other batches
+  decode eagerly. On the 2-core AVX2 VM a step of 2 sequences took 13.5 ms eagerly and 5.4 compiled, of 16 37.9 and
+  28.7 (docs/performance.md). A mixture-of-experts block's experts run eagerly between the one-sequence graphs.
 - each graph input costs a call a few µs (dynamo's guard, the wrapper's handling), so the model keeps its per-layer
   weights stacked where the layers share a shape (linear.stack_layers, TransformerModel.layer_norms): a step reads
   ten-odd weight tensors instead of ten per layer (benchmarks/decode_step.py; docs/performance.md has the figures).
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
 batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile
-(COMPILE_MODES, `--compile-decode`):
+(COMPILE_MODES, `--compile-decode`; both graphs at every thread count, ~35 and ~45 s each from a cold cache there):
 
 - auto (a stage's default): in a background thread once the stage has loaded. The stage is ready at once and decodes
   eagerly until every graph is compiled, then switches; a piece the step does not cover, or a failed compilation
@@ -97,7 +102,8 @@ def _own_code(method):
 
 
 class CompiledDecode:
-    """The compiled decode step of one TransformerModel piece over its KVCache: one graph, the context length dynamic."""
+    """The compiled decode steps of one TransformerModel piece over its KVCache: one sequence's graph, the context length
+    dynamic, and the batched graph (where it applies), the batch size dynamic."""
 
     def __init__(self, model, kv: KVCache, thread_counts: tuple[int, ...] | None = None):
         if kv.scratch_slot is None:
