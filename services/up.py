@@ -229,8 +229,15 @@ def decode_notes(previous: dict[int, str], infos: dict[int, dict]) -> list[str]:
             lines.append(f"stage {i}: decode runs eagerly while its compiled step builds in the background "
                          "(minutes the first time on a small CPU, seconds from inductor's cache)")
         elif state == "ready":
-            took = sum((entry.get("compile_seconds") or {}).values())
-            lines.append(f"stage {i}: decode switched to the compiled step" + (f" (compiled in {took:.0f} s)" if took else ""))
+            batched = entry.get("batched") or {}
+            took = sum((entry.get("compile_seconds") or {}).values()) + sum((batched.get("compile_seconds") or {}).values())
+            if batched.get("sizes") and batched.get("reason") is None:
+                lo, hi = batched["sizes"]
+                what = f"the compiled steps, one sequence and batches of {lo}-{hi}"
+            else:
+                what = "the compiled step" + (f" (batches decode eagerly: {batched['reason']})" if batched.get("reason")
+                                              else "")
+            lines.append(f"stage {i}: decode switched to {what}" + (f" (compiled in {took:.0f} s)" if took else ""))
         elif state == "failed":
             lines.append(f"stage {i}: the compiled decode step failed, decoding stays eager: {entry.get('error')}")
         elif state == "off":

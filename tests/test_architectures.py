@@ -3,6 +3,8 @@ its layers' tensors), any split gives exactly the unsplit logits (float32), its 
 llama.cpp's formatter renders it, and what it cannot run yet is refused in one line. Logits against llama.cpp:
 test_tiny_models.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,6 +73,55 @@ def test_every_architecture_decodes_compiled_with_the_eager_steps_numbers(tiny):
     eager, compiled = logits
     assert eager.abs().max() > 1 and not torch.equal(eager[0], eager[-1])
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_sliding_layers_decode_batches_on_the_kernel_and_the_batched_graph(tmp_path, monkeypatch):
+    """gemma3's sliding layers (window 8) in decode batches: qdot's attention kernel reads each sequence's window of its
+    own context, so a sequence decoded in a batch of 3 gives its numbers alone bit for bit, and torch's masked SDPA's
+    to rounding; compiled, the batch runs the batched graph (where the kernel runs: an AVX2 CPU) with eager's logits."""
+    from shared.models import qdot
+    from shared.models.transformer import KernelDecode
+    from shared.protocol import SeqEntry
+    from shared.steps import Decode, Prefill
+
+    # Q4_0 matrices, weights auto: on an AVX2 CPU the integer-dot matmuls, whose rows never depend on the batch
+    loader = GgufLoader(write_tiny_gguf(str(tmp_path / "tiny.gguf"), dataclasses.replace(_spec("gemma3"), quant="Q4_0")))
+    assert ModelConfig.from_gguf(loader).sliding_window == 8
+    ids = torch.tensor(IDS * 4)[:40]
+    starts = {"a": 12, "b": 20, "c": 27}  # contexts past the window, each its own length
+
+    def decode(pipe, together: bool) -> torch.Tensor:
+        for name, n in starts.items():
+            pipe.run([SeqEntry(name, Prefill(n, 0, n, True))], ids[:n])
+        rows = []
+        for k in range(5):
+            work = [SeqEntry(name, Decode(n + k)) for name, n in starts.items()]
+            tokens = torch.stack([ids[n + k] for n in starts.values()])
+            if together:
+                rows.append(pipe.run(work, tokens))
+            else:
+                rows.append(torch.cat([pipe.run([w], tokens[i:i + 1]) for i, w in enumerate(work)]))
+        for name in starts:
+            pipe.release(name)
+        return torch.cat(rows)
+
+    eager = LocalPipeline.load(loader, None, torch.float32, kv_slots=3, max_seq_len=64, weights="auto")
+    batched, alone = decode(eager, True), decode(eager, False)
+    kernel = qdot.usable()
+    if kernel:
+        assert torch.equal(batched, alone)
+    with monkeypatch.context() as patch:  # torch's SDPA with the sliding mask, as on CPUs without the kernel
+        patch.setattr(KernelDecode, "applies", staticmethod(lambda model, layout: False))
+        sdpa = decode(LocalPipeline.load(loader, None, torch.float32, kv_slots=3, max_seq_len=64, weights="auto"), True)
+    assert batched.abs().max() > 1 and not torch.equal(batched[0], batched[3])
+    torch.testing.assert_close(batched, sdpa, rtol=1e-5, atol=1e-4)
+    compiled = LocalPipeline.load(loader, None, torch.float32, kv_slots=3, max_seq_len=64, weights="auto",
+                                  compile_decode="on")
+    step = compiled.pieces[0].compiled
+    assert (step.batch_reason is None) == kernel, step.info()
+    torch.testing.assert_close(decode(compiled, True), batched, rtol=1e-5, atol=1e-4)
+    assert step.batch_steps == (5 if kernel else 0) and not step.batch_broken
 
 
 def test_a_stage_loads_only_its_layers(tiny):

@@ -171,6 +171,33 @@ def test_batched_decode_attention_gives_each_sequence_its_own_attention(kv_heads
         qdot.decode_attention_batch(q[:1], keys, values, torch.tensor([0], dtype=torch.int32), torch.tensor([1]), 0.2)
 
 
+@pytest.mark.parametrize("window", [1, 8, 256, 300])
+def test_a_sliding_layer_reads_only_its_window(window):
+    """window > 0 (a sliding layer's): sequence b attends to its last `window` positions, ctx - window .. ctx - 1 (all
+    of them when ctx is shorter), and reads nothing before them (NaN there). One sequence alone and in a batch give the
+    same numbers, bit for bit, and torch's attention over the window's slice."""
+    rows, kv_heads, group, head_dim, max_seq = 6, 1, 4, 256, 600
+    g = torch.Generator().manual_seed(window)
+    k = torch.randn(rows, kv_heads, max_seq, head_dim, generator=g)
+    v = torch.randn(rows, kv_heads, max_seq, head_dim, generator=g)
+    slots, ctxs = torch.tensor([3, 0, 5, 1, 2]), torch.tensor([1, 9, 257, 600, 513])
+    starts = (ctxs - window).clamp(min=0)
+    keys, values = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    for slot, start, ctx in zip(slots.tolist(), starts.tolist(), ctxs.tolist()):
+        keys[slot, :, start:ctx], values[slot, :, start:ctx] = k[slot, :, start:ctx], v[slot, :, start:ctx]
+    q = torch.randn(len(slots), kv_heads * group, head_dim, generator=g)
+    got = qdot.decode_attention_batch(q, keys, values, slots, ctxs, 0.1, window)
+    for b, (slot, start, ctx) in enumerate(zip(slots.tolist(), starts.tolist(), ctxs.tolist())):
+        assert torch.equal(got[b], qdot.decode_attention(q[b], keys, values, slot, ctx, 0.1, window))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b].view(1, kv_heads, group, head_dim), k[slot:slot + 1, :, start:ctx], v[slot:slot + 1, :, start:ctx],
+            scale=0.1)
+        torch.testing.assert_close(got[b], want.view(-1, head_dim), rtol=1e-5, atol=1e-5)
+    assert not torch.isnan(got).any()
+    with pytest.raises(RuntimeError, match="window -1 must be 0"):
+        qdot.decode_attention_batch(q, keys, values, slots, ctxs, 0.1, -1)
+
+
 def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monkeypatch):
     """stored_kernel picks them for Q4_0 / Q4_1 / Q8_0 exactly where qdot.usable() says so; STAGEMESH_QDOT=off turns
     them off (a new process: load() and usable() are decided once)."""

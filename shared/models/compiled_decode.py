@@ -17,10 +17,10 @@ eager against compiled), all but one:
 - one sequence (B = 1; the step is memory- and overhead-bound) in one graph; decode micro-batches of 2..kv_slots
   sequences in a second (the batched step: run_layers again, B its one dynamic size, attention a
   transformer.BatchDecode on qdot.cpp's kernel, which reads each sequence's own context in place, so no shape depends
-  on the slots or contexts). The batched graph needs the kernel on every layer (float32 on an AVX2 CPU; no sliding
-  window, soft cap or experts) and stops below the batch size where a SwitchedLinear changes kernel; other batches
-  decode eagerly. On the 2-core AVX2 VM a step of 2 sequences took 13.5 ms eagerly and 5.4 compiled, of 16 37.9 and
-  28.7 (docs/performance.md). A mixture-of-experts block's experts run eagerly between the one-sequence graphs.
+  on the slots or contexts). The batched graph needs the kernel on every layer (float32 on an AVX2 CPU; no
+  attention soft cap, no experts) and stops below the batch size where a SwitchedLinear changes kernel; other batches
+  decode eagerly. On the 2-core AVX2 VM a step of 2 sequences took 14.0 ms eagerly and 6.6 compiled, of 16 36.5 and
+  29.7 (benchmarks/decode_step.py; docs/performance.md). A mixture-of-experts block's experts run eagerly between the one-sequence graphs.
 - each graph input costs a call a few µs (dynamo's guard, the wrapper's handling), so the model keeps its per-layer
   weights stacked where the layers share a shape (linear.stack_layers, TransformerModel.layer_norms): a step reads
   ten-odd weight tensors instead of ten per layer (benchmarks/decode_step.py; docs/performance.md has the figures).
@@ -176,10 +176,11 @@ class CompiledDecode:
         lo, hi = self.batch_sizes
         hidden = hidden.clone(memory_format=torch.contiguous_format)
         attention = BatchDecode.at(slots, positions)
-        (cos, sin), swa = self.model.rope_tables(attention.positions, self.kv.max_seq_len)  # swa None: covers() holds
-        for t in (hidden, cos, sin, attention.token_slots, attention.positions, attention.contexts):
+        ropes = self.model.rope_tables(attention.positions, self.kv.max_seq_len)  # ((cos, sin), sliding's or None)
+        tables = [t for pair in ropes if pair is not None for t in pair]
+        for t in (hidden, *tables, attention.token_slots, attention.positions, attention.contexts):
             torch._dynamo.mark_dynamic(t, 0, min=lo, max=hi)
-        return hidden, ((cos, sin), swa), attention, self.kv.k, self.kv.v
+        return hidden, ropes, attention, self.kv.k, self.kv.v
 
     @torch.inference_mode()
     def warm_up(self) -> None:

@@ -314,13 +314,14 @@ void merge_chunks(int64_t chunks, int64_t g, int64_t hd, const float* maxes, con
 
 // Decode attention for B sequences, the cache read in place and once (flash-decoding): q [B, H, hd] float32, sequence
 // b against the first ctxs[b] positions of row slots[b] of k_cache / v_cache [R, KVH, M, hd] (contiguous float32) ->
-// [B, H, hd]. Query head i reads kv head i / (H / KVH). The work is (sequence, kv head, chunk of ATTN_CHUNK
+// [B, H, hd]; with window > 0 (a sliding layer's) only the last `window` of them, ctxs[b] - window .. ctxs[b] - 1. Query head i reads kv head i / (H / KVH). The work is (sequence, kv head, chunk of ATTN_CHUNK
 // positions), split over torch's threads; each item keeps its own softmax max and sum for its queries, merged per
 // (sequence, kv head) at the end. A sequence's numbers depend only on its own query, slot and context: never on the
 // batch or the thread split. torch's SDPA read the cache at ~9 GB/s at one token (small GEMMs per block): this
 // streams each key and value row once per kv head, and reads no position a sequence does not attend to.
 at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const std::vector<int64_t>& slots, const std::vector<int64_t>& ctxs, double scale) {
+                        const std::vector<int64_t>& slots, const std::vector<int64_t>& ctxs, double scale,
+                        int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "decode_attention: float32 only");
@@ -330,12 +331,15 @@ at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(k_cache.size(3) == hd && hd % 8 == 0 && H % KVH == 0, "decode_attention: head dims");
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(ctxs.size()) == B,
               "decode_attention: one slot and one context per sequence");
+  TORCH_CHECK(window >= 0, "decode_attention: window ", window, " must be 0 (none) or positive");
   const int64_t g = H / KVH;
   std::vector<int64_t> first_item(B + 1, 0);  // sequence b's items: [first_item[b], first_item[b + 1])
+  std::vector<int64_t> starts(B);  // the first position sequence b reads; it reads ctxs[b] - starts[b] of them
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(0 <= slots[b] && slots[b] < R, "decode_attention: slot ", slots[b], " is not a row of the cache's ", R);
     TORCH_CHECK(1 <= ctxs[b] && ctxs[b] <= M, "decode_attention: context ", ctxs[b], " is not within 1..", M);
-    first_item[b + 1] = first_item[b] + KVH * ((ctxs[b] + ATTN_CHUNK - 1) / ATTN_CHUNK);
+    starts[b] = window > 0 ? std::max<int64_t>(0, ctxs[b] - window) : 0;
+    first_item[b + 1] = first_item[b] + KVH * ((ctxs[b] - starts[b] + ATTN_CHUNK - 1) / ATTN_CHUNK);
   }
   const int64_t items = first_item[B];
   // per item and query: running max, sum, and the unnormalized output [hd]
@@ -349,9 +353,9 @@ at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache, const at
     int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
       while (item >= first_item[b + 1]) ++b;
-      const int64_t chunks = (ctxs[b] + ATTN_CHUNK - 1) / ATTN_CHUNK, local = item - first_item[b];
+      const int64_t chunks = (ctxs[b] - starts[b] + ATTN_CHUNK - 1) / ATTN_CHUNK, local = item - first_item[b];
       const int64_t h = local / chunks, c = local % chunks;
-      const int64_t first = c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, ctxs[b] - first);
+      const int64_t first = starts[b] + c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, ctxs[b] - first);
       const int64_t row = (slots[b] * KVH + h) * M + first;
       attend_chunk(qp + (b * H + h * g) * hd, kp + row * hd, vp + row * hd, n, g, hd, sc, scores.data(),
                    &maxes[item * g], &sums[item * g], &accs[item * g * hd]);
@@ -361,7 +365,7 @@ at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache, const at
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * KVH, 16, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / KVH, h = bh % KVH, chunks = (ctxs[b] + ATTN_CHUNK - 1) / ATTN_CHUNK;
+      const int64_t b = bh / KVH, h = bh % KVH, chunks = (ctxs[b] - starts[b] + ATTN_CHUNK - 1) / ATTN_CHUNK;
       const int64_t item = first_item[b] + h * chunks;  // the first of this kv head's chunks
       merge_chunks(chunks, g, hd, &maxes[item * g], &sums[item * g], &accs[item * g * hd], op + (b * H + h * g) * hd);
     }
@@ -371,21 +375,21 @@ at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 // One sequence (the compiled decode step's op; slot and ctx may be symbolic sizes there): q [H, hd] -> [H, hd].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t slot,
-                            int64_t ctx, double scale) {
+                            int64_t ctx, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 2, "decode_attention: q must be [H, hd]");
-  return attend_batch(q.contiguous().unsqueeze(0), k_cache, v_cache, {slot}, {ctx}, scale).squeeze(0);
+  return attend_batch(q.contiguous().unsqueeze(0), k_cache, v_cache, {slot}, {ctx}, scale, window).squeeze(0);
 }
 
 // B sequences of one decode step each (the eager batched step): q [B, H, hd], slots / ctxs [B] int64 -> [B, H, hd].
 at::Tensor decode_attention_batch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& slots, const at::Tensor& ctxs, double scale) {
+                                  const at::Tensor& slots, const at::Tensor& ctxs, double scale, int64_t window) {
   TORCH_CHECK(slots.dim() == 1 && ctxs.dim() == 1 && slots.scalar_type() == at::kLong &&
                   ctxs.scalar_type() == at::kLong, "decode_attention_batch: slots and ctxs must be [B] int64");
   const at::Tensor s = slots.contiguous(), c = ctxs.contiguous();
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* cp = c.data_ptr<int64_t>();
   return attend_batch(q.contiguous(), k_cache, v_cache, std::vector<int64_t>(sp, sp + s.numel()),
-                      std::vector<int64_t>(cp, cp + c.numel()), scale);
+                      std::vector<int64_t>(cp, cp + c.numel()), scale, window);
 }
 
 // Sampling's tempered probabilities: probs[r, i] = exp((logits[r, i] - max_r) * inv_t[r]) for logits [M, V] float32,
@@ -432,9 +436,11 @@ TORCH_LIBRARY(stagemesh_qdot, m) {
   m.def("q8_0(Tensor x, Tensor blocks, int n) -> Tensor");
   m.impl("q4_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<true>));
   m.impl("q8_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<false>));
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, SymInt slot, SymInt ctx, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, SymInt slot, SymInt ctx, float scale, "
+        "int window=0) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
-  m.def("decode_attention_batch(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctxs, float scale) -> Tensor");
+  m.def("decode_attention_batch(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor ctxs, float scale, "
+        "int window=0) -> Tensor");
   m.impl("decode_attention_batch", c10::DispatchKey::CPU, TORCH_FN(decode_attention_batch));
   m.def("temper(Tensor logits, Tensor inv_t) -> Tensor");
   m.impl("temper", c10::DispatchKey::CPU, TORCH_FN(temper));

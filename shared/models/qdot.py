@@ -16,8 +16,8 @@ flags, and loaded from there afterwards. `why_not()` says whether they run here 
 F16C; a CPU where torch's kernels are AVX512, whose bf16 int4 path is faster; no C++ compiler; STAGEMESH_QDOT=off);
 where they do not, the int4 kernel runs as before.
 The same library holds decode attention: one sequence's (`decode_attention`, which the compiled decode step calls,
-transformer.OneSequenceDecode) and a batch's (`decode_attention_batch`, the eager batched step's,
-transformer.KernelDecode), on these CPUs for float32 layers without a window or soft cap. It reads the KV cache in
+transformer.OneSequenceDecode) and a batch's (`decode_attention_batch`, the batched steps', transformer.KernelDecode
+and BatchDecode), on these CPUs for float32 layers without a soft cap (a sliding layer reads its window). It reads the KV cache in
 place and each key and value row once, where torch's SDPA read it at a fraction of the memory's speed at one token.
 """
 
@@ -136,7 +136,8 @@ def _fake_mm(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
 
-def _fake_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot, ctx, scale: float):
+def _fake_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot, ctx, scale: float,
+                    window: int = 0):
     """Either decode attention's output for tracing: q's shape (slot and ctx: ints, or [B] tensors for the batch)."""
     return q.new_empty(q.shape)
 
@@ -178,19 +179,20 @@ def mm(op: str, x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, ctx: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
     """One sequence's decode attention (qdot.cpp): q [H, hd] float32 against the first ctx positions of row `slot` of
     k_cache / v_cache [rows, KVH, max_seq, hd] (contiguous float32, read in place) -> [H, hd]; slot and ctx may be
-    a compiled graph's symbolic sizes."""
-    return torch.ops.stagemesh_qdot.decode_attention(q, k_cache, v_cache, slot, ctx, scale)
+    a compiled graph's symbolic sizes. window > 0 (a sliding layer's): only the last `window` of those positions."""
+    return torch.ops.stagemesh_qdot.decode_attention(q, k_cache, v_cache, slot, ctx, scale, window)
 
 
 def decode_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                           ctxs: torch.Tensor, scale: float) -> torch.Tensor:
+                           ctxs: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """B sequences' decode attention (qdot.cpp), the batched step's (eager and compiled): q [B, H, hd] float32, sequence b against
     the first ctxs[b] positions of row slots[b] of k_cache / v_cache (slots, ctxs [B] int64) -> [B, H, hd]. Row b's
-    numbers are decode_attention's for that sequence alone, whatever else is in the batch."""
-    return torch.ops.stagemesh_qdot.decode_attention_batch(q, k_cache, v_cache, slots, ctxs, scale)
+    numbers are decode_attention's for that sequence alone, whatever else is in the batch. window: as
+    decode_attention's."""
+    return torch.ops.stagemesh_qdot.decode_attention_batch(q, k_cache, v_cache, slots, ctxs, scale, window)
 
 
 def temper(logits: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:

@@ -629,10 +629,11 @@ class OneSequenceDecode:
     dynamic), so one graph serves every position of every slot: `keys` is [C], and `slot_marker` is [slot + 2] (never
     read; + 2: dynamo treats sizes 0 and 1 as constants). With the slot a size, attention reads the slot's K/V as a
     slice of the cache, in place; indexed by a tensor they were gathered, a copy of the whole context per layer and
-    step (the step took 14.4 ms at 1,536 positions with it, 11.9 without). Sliding-window layers hide the keys
-    before their window with an additive mask; other layers attend to all C keys unmasked. Where the integer-dot kernels load (`kernel`, an AVX2
-    CPU), a float32 layer without window or soft cap attends with qdot.cpp's decode_attention, which reads each key
-    and value row once (torch's SDPA read the cache at ~9 GB/s at one token: half the step at 1,024 positions)."""
+    step (the step took 14.4 ms at 1,536 positions with it, 11.9 without). Where the integer-dot kernels load
+    (`kernel`, an AVX2 CPU), a float32 layer without a soft cap attends with qdot.cpp's decode_attention, which reads
+    each key and value row once (torch's SDPA read the cache at ~9 GB/s at one token: half the step at 1,024
+    positions), on a sliding layer only its window's. Elsewhere SDPA attends to all C keys, sliding-window layers
+    hiding the keys before their window with an additive mask."""
 
     token_slots: torch.Tensor  # [1] int64: the row the step's K/V is written to
     positions: torch.Tensor  # [1] int64
@@ -657,9 +658,10 @@ class OneSequenceDecode:
         _, h, hd = q.shape
         kvh, ctx = k_cache.shape[1], self.keys.shape[0]
         slot = self.slot_marker.shape[0] - self.SLOT_OFFSET
-        if self.kernel and not how.window and not how.softcap and q.dtype == torch.float32 and hd % 8 == 0:
+        if self.kernel and not how.softcap and q.dtype == torch.float32 and hd % 8 == 0:
             scale = how.scale if how.scale is not None else hd ** -0.5
-            return qdot.decode_attention(q.reshape(h, hd), k_cache, v_cache, slot, ctx, scale).view(1, h, hd)
+            return qdot.decode_attention(q.reshape(h, hd), k_cache, v_cache, slot, ctx, scale,
+                                         how.window or 0).view(1, h, hd)
         keys, values = k_cache[slot:slot + 1, :, :ctx], v_cache[slot:slot + 1, :, :ctx]  # [1, KVH, C, hd] views
         queries = q.view(1, kvh, h // kvh, hd)  # GQA as query length: [1, KVH, g, hd]
         return sdpa(queries, keys, values, how, self.sliding_mask if how.window else None).view(1, h, hd)
@@ -770,8 +772,9 @@ class KernelDecode(LaidOut):
     """Batched decode with qdot.cpp's decode_attention_batch, where the integer-dot kernels load (an AVX2 CPU) and the
     activations are float32: each sequence reads exactly its own slot's first position + 1 cached positions, in place,
     each key and value row once -- no window of throw-away rows, no mask, no padding to the longest context -- and
-    its numbers are those of the compiled one-sequence step's kernel, whatever else is in the batch. A layer with a
-    sliding window or a soft cap attends as SplitDecode does (`fallback`, built on first use)."""
+    its numbers are those of the compiled one-sequence step's kernel, whatever else is in the batch (a sliding layer
+    reads its window's positions). A layer with a soft cap attends as SplitDecode does (`fallback`, built on first
+    use)."""
 
     layout: BatchLayout
     config: ModelConfig
@@ -792,17 +795,17 @@ class KernelDecode(LaidOut):
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
         """q [B, H, hd] -> [B, H, hd]."""
-        if how.window or how.softcap:
+        if how.softcap:
             return self.fallback.attend(q, k_cache, v_cache, how)
         return kernel_attention(q, k_cache, v_cache, self.token_slots, self.contexts, how)
 
 
 def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      contexts: torch.Tensor, how: Scores) -> torch.Tensor:
-    """q [B, H, hd] float32 -> [B, H, hd]: sequence b against the first contexts[b] cached positions of row slots[b]
-    (qdot.decode_attention_batch; no window, no soft cap)."""
+    """q [B, H, hd] float32 -> [B, H, hd]: sequence b against the first contexts[b] cached positions of row slots[b],
+    on a sliding layer the last how.window of them (qdot.decode_attention_batch; no soft cap)."""
     scale = how.scale if how.scale is not None else q.shape[-1] ** -0.5
-    return qdot.decode_attention_batch(q, k_cache, v_cache, slots, contexts, scale)
+    return qdot.decode_attention_batch(q, k_cache, v_cache, slots, contexts, scale, how.window or 0)
 
 
 @dataclass
@@ -829,8 +832,8 @@ class BatchDecode:
             return f"the decode-attention kernel does not run here ({qdot.why_not()})"
         if model.dtype != torch.float32 or c.head_dim % 8:
             return "the decode-attention kernel takes float32 activations and a head size that is a multiple of 8"
-        if c.sliding_window or c.attn_softcap:
-            return "layers with a sliding window or an attention soft cap attend with SDPA"
+        if c.attn_softcap:
+            return "layers with an attention soft cap attend with SDPA"
         if c.num_experts:
             return "a mixture-of-experts block runs its experts eagerly"
         return None
