@@ -76,6 +76,42 @@ def test_every_architecture_decodes_compiled_with_the_eager_steps_numbers(tiny):
 
 
 @pytest.mark.slow
+def test_matrices_kept_dense_run_inside_the_compiled_graphs(tmp_path):
+    """Real K-quant files keep some matrices dense (Q6_K under weights auto: oneDNN-prepacked float32 on CPUs without
+    fast bf16, which inductor does not lower). They run inside the compiled graphs as an op of their own (linear.prepacked_mm), so
+    the one-sequence step stays one graph of its own; with graph breaks around them dynamo compiled each layer's
+    frames apart, ran out of cache entries and the stage decoded eagerly for good (the real Gemma 3 Q4_K_M did)."""
+    from torch._dynamo.utils import counters
+
+    from shared.protocol import SeqEntry
+    from shared.steps import Decode, Prefill
+
+    # float32 matrices under weights auto: every matmul is oneDNN's prepacked float32 GEMM here
+    loader = GgufLoader(write_tiny_gguf(str(tmp_path / "tiny.gguf"), dataclasses.replace(_spec("llama"), layers=10)))
+    ids = torch.tensor(IDS * 4)[:40]
+    outs = []
+    counters.clear()
+    for mode in ("off", "on"):
+        pipe = LocalPipeline.load(loader, None, torch.float32, kv_slots=3, max_seq_len=64, weights="auto",
+                                  compile_decode=mode)
+        kinds = set(pipe.pieces[0].model.weight_summary().values())
+        assert any("f32-prepacked" in k for k in kinds) == torch.backends.mkldnn.is_available(), kinds
+        for name, n in (("a", 20), ("b", 25)):
+            pipe.run([SeqEntry(name, Prefill(n, 0, n, True))], ids[:n])
+        rows = [pipe.run([SeqEntry("a", Decode(20 + k))], ids[20 + k:21 + k]) for k in range(10)]
+        rows += [pipe.run([SeqEntry("a", Decode(30 + k)), SeqEntry("b", Decode(25 + k))],
+                          torch.stack([ids[30 + k], ids[25 + k]])) for k in range(4)]
+        outs.append(torch.cat(rows))
+    step = pipe.pieces[0].compiled
+    assert step.steps == 10 and not step.broken, step.info()  # 10 layers: more than dynamo's 8 entries a frame
+    assert not dict(counters["graph_break"]), dict(counters["graph_break"])
+    assert step.batch_steps == (4 if step.batch_reason is None else 0), step.info()
+    eager, compiled = outs
+    assert eager.abs().max() > 1 and not torch.equal(eager[0], eager[-1])
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
 def test_sliding_layers_decode_batches_on_the_kernel_and_the_batched_graph(tmp_path, monkeypatch):
     """gemma3's sliding layers (window 8) in decode batches: qdot's attention kernel reads each sequence's window of its
     own context, so a sequence decoded in a batch of 3 gives its numbers alone bit for bit, and torch's masked SDPA's

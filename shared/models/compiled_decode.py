@@ -71,12 +71,11 @@ def why_not_compilable(model) -> str | None:
 
 @functools.cache
 def mark_graph_breaks() -> None:
-    """Wrap the functions that run eagerly between the step's graphs in torch.compiler.disable: a mixture-of-experts
-    block's experts (TransformerModel._moe: which run is data) and a oneDNN-prepacked matrix (linear._prepacked_mm:
-    inductor does not lower it). Done here, once, before the first graph is traced, not as decorators where they are
-    defined: the decorator imports torch._dynamo (~1.7 s), which every process importing the models would then pay --
-    the gateway, every CLI command, every stage that never compiles."""
-    linear._prepacked_mm = torch.compiler.disable(linear._prepacked_mm, reason="oneDNN's prepacked linear")
+    """Wrap what runs eagerly between the step's graphs in torch.compiler.disable: a mixture-of-experts block's
+    experts (TransformerModel._moe: which run is data). (A oneDNN-prepacked matrix, which inductor does not lower,
+    runs inside the graph as an op of its own: linear.prepacked_mm.) Done here, once, before the first graph is
+    traced, not as a decorator where it is defined: the decorator imports torch._dynamo (~1.7 s), which every process
+    importing the models would then pay -- the gateway, every CLI command, every stage that never compiles."""
     transformer.TransformerModel._moe = torch.compiler.disable(transformer.TransformerModel._moe,
                                                                reason="which experts run is data")
 
@@ -117,9 +116,9 @@ class CompiledDecode:
         # The model's own run_layers, the function eager steps run, compiled for one sequence (attention a
         # OneSequenceDecode). cpp_wrapper: the generated code calls its kernels from C++, not Python: a shorter one-token
         # step for about twice the first compilation's time (benchmarks/decode_step.py)
-        # Two things run eagerly between graphs (mark_graph_breaks): a mixture-of-experts block's experts
-        # (TransformerModel._moe) and a oneDNN-prepacked matrix (linear._prepacked_mm: a type kept dense, weights
-        # mode bf16). Without them the step is one graph (tests/test_architectures.py counts the graph breaks).
+        # One thing runs eagerly between graphs (mark_graph_breaks): a mixture-of-experts block's experts
+        # (TransformerModel._moe). Without them the step is one graph (tests/test_architectures.py counts the graph
+        # breaks), oneDNN-prepacked matrices included (linear.prepacked_mm: a type kept dense, weights mode bf16).
         # dynamic=False: every size is static but the two _inputs marks dynamic, the context length and the slot.
         mark_graph_breaks()
         self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, options={"cpp_wrapper": True})

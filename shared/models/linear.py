@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -332,6 +333,7 @@ class DenseLinear:
             cpu_has_fast_bf16() if dtype == torch.bfloat16
             else prepack_f32 and dtype == torch.float32 and torch.backends.mkldnn.is_available())
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.prepacked else w
+        self.handle = _register_prepacked(self.weight) if self.prepacked else -1
         self.kind = (f"{'bf16' if dtype == torch.bfloat16 else 'f32'}-prepacked" if self.prepacked
                      else str(dtype).removeprefix("torch."))
         if fixed_rows:
@@ -347,7 +349,7 @@ class DenseLinear:
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
-            return _prepacked_mm(x, self.weight)
+            return torch.ops.stagemesh_dense.prepacked_mm(x, self.handle, self.out_features)
         return F.linear(x, self.weight)
 
     @property
@@ -355,11 +357,31 @@ class DenseLinear:
         return self.out_features * self.in_features * self.dtype.itemsize
 
 
-def _prepacked_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ a oneDNN-prepacked weight (torch.ops.mkldnn._reorder_linear_weight of [N, K]) -> [M, N]. Runs
-    eagerly between compiled graphs: inductor does not lower oneDNN's prepacked linear
-    (compiled_decode.mark_graph_breaks)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+# Every live oneDNN-prepacked weight by a handle (an int) of its own. A prepacked weight is an opaque oneDNN tensor
+# that torch.compile cannot take as a graph input, so the compiled decode step calls prepacked_mm with the handle, a
+# constant of its graph, and the op finds the weight here. Weak: the entry goes with its DenseLinear.
+_PREPACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+def _register_prepacked(weight: torch.Tensor) -> int:
+    handle = next(_handles)
+    _PREPACKED[handle] = weight
+    return handle
+
+
+@torch.library.custom_op("stagemesh_dense::prepacked_mm", mutates_args=(),
+                         schema="(Tensor x, int handle, int n) -> Tensor")
+def prepacked_mm(x: torch.Tensor, handle: int, n: int) -> torch.Tensor:
+    """x [M, K] @ the oneDNN-prepacked weight [n, K] registered as `handle` -> [M, n] in x's dtype (the weight's).
+    An op of its own, so a compiled graph calls it in place rather than breaking around it (inductor does not lower
+    oneDNN's prepacked linear): the real Q4_K_M files keep some matrices dense."""
+    return torch.ops.mkldnn._linear_pointwise(x, _PREPACKED[handle], None, "none", [], "")
+
+
+@prepacked_mm.register_fake
+def _(x: torch.Tensor, handle: int, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
 
 
 class SwitchedLinear:
