@@ -32,8 +32,8 @@ ROWS, COLS = 48, 512  # 48 rows: a multiple of 16 (int4 kernel); 512 columns: tw
 
 
 def _blocks_kernel(qtype: str) -> type:
-    """The kernel of a 4- or 8-bit type's own blocks here: the integer-dot kernels where they run (Q4_0, Q4_1, Q8_0
-    on AVX2 CPUs; tests/test_qdot.py), else int4 (one plane or two)."""
+    """The kernel of a 4- or 8-bit type's own blocks here: the integer-dot kernels where they run (Q4_0, Q4_1, Q4_K,
+    Q5_0, Q8_0 on AVX2 CPUs; tests/test_qdot.py), else int4 (one plane or two)."""
     return QdotLinear if qdot_takes(qtype) else Int4Linear
 
 
@@ -78,8 +78,8 @@ def test_stored_kernel_runs_the_files_numbers(qtype):
     weights themselves. Its bytes are what stored_nbytes plans with."""
     raw, ref = _raw(qtype, seed=1)
     w = stored_kernel(raw)
-    expected = {"Q4_0": _blocks_kernel("Q4_0"), "Q4_1": _blocks_kernel("Q4_1"), "Q4_K": Int4Linear,
-                "Q8_0": _blocks_kernel("Q8_0"), "Q5_0": Int4Linear, "Q5_1": Int4Linear, "Q5_K": Int4Linear,
+    expected = {"Q4_0": _blocks_kernel("Q4_0"), "Q4_1": _blocks_kernel("Q4_1"), "Q4_K": _blocks_kernel("Q4_K"),
+                "Q8_0": _blocks_kernel("Q8_0"), "Q5_0": _blocks_kernel("Q5_0"), "Q5_1": Int4Linear, "Q5_K": Int4Linear,
                 "F16": DenseLinear}.get(qtype, Int8Linear)
     assert isinstance(w, expected), w.kind
     if isinstance(w, Int4Linear):  # the levels the kernel packs reproduce the file exactly
@@ -123,9 +123,9 @@ def dense_kind() -> str:
 
 
 def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
-    raw, _ = _raw("Q4_K")  # int4 on every CPU
+    raw, _ = _raw("Q5_1")  # two int4 planes on every CPU (lean: int8 rows)
     auto, lean = make_linear([raw], "auto"), make_linear([raw], "lean")
-    assert isinstance(auto, SwitchedLinear) and isinstance(lean, Int4Linear)
+    assert isinstance(auto, SwitchedLinear) and isinstance(lean, Int8Linear)
     x = torch.randn(INT4_MAX_TOKENS, COLS)
     small, large = x[:INT4_MAX_TOKENS - 1], x
     assert torch.equal(auto(small), auto.small(small)) and torch.equal(auto(large), auto.large(large))
@@ -150,12 +150,13 @@ def test_fused_rows_of_any_type_mix_compute_the_concatenation(mode):
     assert err < (1e-6 if mode == "f32" else 2e-2), err
     assert fused.out_features == len(parts) * ROWS
     if mode == "lean":  # each type on its lean kernel, the two Q5_0 parts on one
-        assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == ["int4-g32", "int8-rows",
-                                                                                    "int8-rows", _blocks_kind("Q8_0")]
+        assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == [
+            _blocks_kind("Q4_K"), "int8-rows", "int8-rows", _blocks_kind("Q8_0")]
         assert fused.parts[1].out_features == 2 * ROWS
-    if mode == "auto":  # int4 (one or two planes) below the crossover, dense for Q6_K; a prefill copy of the whole
-        assert isinstance(fused, SwitchedLinear) and isinstance(fused.small, ConcatLinear)
-        assert [p.kind for p in fused.small.parts] == ["int4-g32", "int4x2-g32", dense_kind(), _blocks_kind("Q8_0")]
+    if mode == "auto":  # the integer-dot kernels or int4 (one or two planes) below the crossover, dense for Q6_K; a
+        assert isinstance(fused, SwitchedLinear) and isinstance(fused.small, ConcatLinear)  # prefill copy of the whole
+        assert [p.kind for p in fused.small.parts] == [_blocks_kind("Q4_K"), _blocks_kind("Q5_0"), dense_kind(),
+                                                       _blocks_kind("Q8_0")]
         assert fused.large.out_features == 5 * ROWS
 
 
@@ -191,14 +192,14 @@ def test_one_fast_bf16_probe_decides_the_default_dtype_the_dense_kernel_and_prep
 
 
 def test_layers_stack_only_when_every_layer_runs_the_same_kernel_in_the_same_shape():
-    """A layer mix (Q4_K on int4 beside Q4_1 on the integer-dot kernels where they run, as a Q5_K_M file mixes types
+    """A layer mix (Q4_K beside Q4_1: int4 or two integer-dot kinds of block, as a Q5_K_M file mixes types
     per layer) stays unstacked; same-kind layers stack, each reading its row with the same results."""
     from shared.models.linear import stack_layers
 
     mixed = [stored_kernel(_raw("Q4_K", seed=1)[0]), stored_kernel(_raw("Q4_1", seed=2)[0])]
     x = torch.randn(2, COLS)
     before = [k(x) for k in mixed]
-    if type(mixed[0]) is not type(mixed[1]):
+    if type(mixed[0]) is not type(mixed[1]) or mixed[0].kind != mixed[1].kind:
         assert stack_layers(mixed) is None
     same = [stored_kernel(_raw("Q4_1", seed=s)[0]) for s in (3, 4, 5)]
     alone = [k(x) for k in same]

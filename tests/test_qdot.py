@@ -11,9 +11,9 @@ from gguf.quants import quantize
 from shared.errors import CapabilityMissing
 from shared.gguf_loader import RawTensor
 from shared.models import qdot
-from shared.models.linear import QdotLinear, stored_kernel, unpack_levels
+from shared.models.linear import QdotLinear, dequantize, stored_kernel, unpack_levels
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # the types gguf's quantizer writes (Q4_K: _q4_k_raw)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,8 +29,8 @@ def _raw(qtype: str, rows: int, cols: int, seed: int = 0) -> RawTensor:
     return RawTensor("w", qtype, (rows, cols), torch.from_numpy(np.ascontiguousarray(data)).view(rows, -1))
 
 
-def _llama_cpp_product(x: np.ndarray, raw: RawTensor) -> np.ndarray:
-    """ggml's quantize_row_q8_1 and vec_dot_q4_{0,1}_q8_1 / q8_0_q8_0, in numpy, summed in float64."""
+def _q8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_1: x [M, K] -> levels [M, K/32, 32], each block's d and d x sum(levels) (fp16)."""
     m, k = x.shape
     xb = x.astype(np.float32).reshape(m, k // 32, 32)
     amax = np.abs(xb).max(axis=-1)
@@ -39,12 +39,24 @@ def _llama_cpp_product(x: np.ndarray, raw: RawTensor) -> np.ndarray:
     qx = np.rint(xb * inv[..., None]).astype(np.int64)  # round half to even, as _mm256_round_ps
     dx = d.astype(np.float16).astype(np.float64)
     sx = (d * qx.sum(-1).astype(np.float32)).astype(np.float16).astype(np.float64)
+    return qx, dx, sx
+
+
+def _llama_cpp_product(x: np.ndarray, raw: RawTensor) -> np.ndarray:
+    """ggml's quantize_row_q8_1 and vec_dot_q4_{0,1}_q8_1 / q8_0_q8_0, in numpy, summed in float64."""
     levels, scale, low = (t.numpy() for t in unpack_levels(raw))
-    n = levels.shape[0]
-    lv = levels.reshape(n, k // 32, 32).astype(np.int64)
-    if raw.ggml_type == "Q8_0":  # signed levels, no offset term
-        dots = np.einsum("nbj,mbj->mnb", lv - 128, qx)
+    if raw.ggml_type in ("Q8_0", "Q5_0"):  # signed levels (Q5_0's less 16, as Q8_0 blocks), no offset term
+        qx, dx, _ = _q8_activations(x)
+        lv = levels.reshape(levels.shape[0], -1, 32).astype(np.int64) - (128 if raw.ggml_type == "Q8_0" else 16)
+        dots = np.einsum("nbj,mbj->mnb", lv, qx)
         return np.einsum("nb,mb,mnb->mn", scale.astype(np.float64), dx, dots)
+    return _llama_cpp_product_of(x, levels, scale, low)
+
+
+def _llama_cpp_product_of(x: np.ndarray, levels: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """vec_dot_q4_1_q8_1's sum for levels [N, K] 0..15 with a scale and a low per group of 32 ([N, K/32])."""
+    qx, dx, sx = _q8_activations(x)
+    lv = levels.reshape(levels.shape[0], -1, 32).astype(np.int64)
     dots = np.einsum("nbj,mbj->mnb", lv, qx)
     return (np.einsum("nb,mb,mnb->mn", scale.astype(np.float64), dx, dots)
             + np.einsum("nb,mb->mn", low.astype(np.float64), sx))
@@ -83,6 +95,38 @@ def test_a_rows_result_depends_neither_on_its_batch_nor_on_the_thread_count(qtyp
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, alone)
+
+
+def _q4_k_raw(rows: int, cols: int, seed: int = 0) -> RawTensor:
+    """A Q4_K matrix of random superblocks (gguf's quantizer does not write the type): any 6-bit scales and mins and
+    nibbles are valid, with d and dmin a weight's usual sizes."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (rows, cols // 256, 144), dtype=torch.uint8, generator=g)
+    b[..., 0:2] = (torch.rand(rows, cols // 256, 1, generator=g) * 2e-3 + 1e-4).half().view(torch.uint8)
+    b[..., 2:4] = (torch.rand(rows, cols // 256, 1, generator=g) * 2e-3).half().view(torch.uint8)
+    return RawTensor("w", "Q4_K", (rows, cols), b.view(rows, -1))
+
+
+def test_q5_0_and_q4_k_run_as_q8_0_and_q4_1_blocks():
+    """Q5_0 {d, qh, nibbles} becomes Q8_0's {d, q - 16}: the same numbers, so the product is llama.cpp's (the test
+    above runs it). Q4_K's superblocks become Q4_1 blocks, one per group of 32, {d*sc, -dmin*mn} rounded to fp16:
+    the product is llama.cpp's sum of per-block terms with those scales, and within their rounding of the exact
+    weights' product."""
+    raw = _raw("Q5_0", 16, 64, seed=9)
+    w = QdotLinear(raw)
+    assert w.kind == "q5_0-dot-q8" and w.nbytes == 16 * 2 * 34
+    raw = _q4_k_raw(24, 512, seed=4)
+    w = QdotLinear(raw)
+    assert w.kind == "q4_k-dot-q8" and w.nbytes == 24 * 16 * 20
+    levels, scale, low = unpack_levels(raw)
+    x = torch.randn(3, 512)
+    x[0, :32] = 0.0
+    got = w(x).double().numpy()
+    want = _llama_cpp_product_of(x.numpy(), levels.numpy(), scale.half().float().numpy(), low.half().float().numpy())
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    exact = (x.double() @ dequantize(raw).double().T).numpy()
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+    assert np.abs(got - exact).max() > 0  # (the activations' 8-bit rounding, at least)
 
 
 def test_q4_0_runs_as_q4_1_blocks_with_its_offset_spelled_out():
@@ -203,7 +247,7 @@ def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monk
     them off (a new process: load() and usable() are decided once)."""
     for qtype in TYPES:
         assert isinstance(stored_kernel(_raw(qtype, 32, 64)), QdotLinear) == qdot.usable()
-    assert not isinstance(stored_kernel(_raw("Q5_0", 32, 64)), QdotLinear)
+    assert not isinstance(stored_kernel(_raw("Q5_1", 32, 64)), QdotLinear)  # no integer-dot form of its offsets
     monkeypatch.setenv(qdot.ENV, "off")
     qdot.load.cache_clear()
     try:

@@ -14,7 +14,8 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
     f32    float32, the GGUF's numbers exactly (the reference)
 
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
-(QdotLinear) wherever the table says int4: the file's blocks, multiplied as llama.cpp does (shared.models.qdot). They
+(QdotLinear) wherever the table says int4, and so do Q4_K and Q5_0 (rewritten to Q4_1's and Q8_0's blocks) in auto:
+the file's blocks, multiplied as llama.cpp does (shared.models.qdot). They
 outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
@@ -63,7 +64,9 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # a nibble x scale + low per group of 32:
 INT4_PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # up to 8 bits x scale + low per group of 32: two int4 planes
 FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
 # The types QdotLinear takes where the integer-dot kernels run (qdot.usable()), and the op each runs on.
-QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+# Q5_0 runs as Q8_0 blocks {d, q - 16} (exact), Q4_K as Q4_1 blocks {d*sc, -dmin*mn} per group of 32 (the two rounded
+# to fp16 once, as llama.cpp rounds Q8_1's; int4 rounds them to bf16): QdotLinear rewrites them.
+QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q8_0", "Q4_K": "q4_1"}
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
 # (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
 _PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
@@ -255,10 +258,11 @@ def _stacked(kernel: Int4Linear | QdotLinear) -> tuple[torch.Tensor, ...]:
 
 
 class QdotLinear:
-    """A Q4_0 / Q4_1 / Q8_0 matrix kept as the GGUF's blocks, multiplied by integer dot products against activations
-    quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch kernels are AVX2).
-    blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset -8d, exact
-    in fp16), Q8_0's 34-byte blocks, 8 rows' interleaved (qdot.interleave). float32 out. A row's result does not
+    """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 matrix kept as the GGUF's blocks, multiplied by integer dot products against
+    activations quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch kernels
+    are AVX2). blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset
+    -8d, exact in fp16) and Q4_K's (_rewritten_blocks), Q8_0's 34-byte blocks and Q5_0's rewritten to them, 8 rows'
+    interleaved (qdot.interleave). float32 out. A row's result does not
     depend on the other rows."""
 
     def __init__(self, raw: RawTensor):
@@ -267,7 +271,10 @@ class QdotLinear:
         self.out_features, self.in_features = n, k = raw.shape
         self.op = QDOT_TYPES[raw.ggml_type]
         self.kind = f"{raw.ggml_type.lower()}-dot-q8"
-        data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
+        if raw.ggml_type in ("Q5_0", "Q4_K"):
+            data = _rewritten_blocks(raw)
+        else:
+            data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
         if raw.ggml_type == "Q4_0":  # {d, qs} -> {d, -8d, qs}
             low = (-8.0 * data[..., 0:2].contiguous().view(torch.float16)).view(torch.uint8)
             data = torch.cat([data[..., 0:2], low, data[..., 2:]], dim=-1)
@@ -284,6 +291,23 @@ class QdotLinear:
     @property
     def nbytes(self) -> int:
         return self.blocks.nbytes
+
+
+def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
+    """Q5_0 -> Q8_0 blocks [N, K/32, 34]: {d, the levels less 16 as int8}, the same numbers. Q4_K -> Q4_1 blocks
+    [N, K/32, 20]: for each group of 32 of a superblock, {d*sc, -dmin*mn, its nibbles}, the scale and offset rounded
+    to fp16 (a relative error under 2^-11 of the group's scale; llama.cpp rounds its Q8_1 activations' the same way)."""
+    n, k = raw.shape
+    q, scale, low = unpack_levels(raw)
+    q = q.view(n, k // GROUP, GROUP)
+    if raw.ggml_type == "Q5_0":
+        d = raw.data.reshape(n, k // GROUP, _BLOCK["Q5_0"][0])[..., 0:2]
+        return torch.cat([d, (q.to(torch.int16) - 16).to(torch.int8).view(torch.uint8)], dim=-1)
+    d, m = scale.to(torch.float16), low.to(torch.float16)
+    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+        raise GgufError(f"{raw.name}: a Q4_K scale or offset past fp16's range; load it with --weights lean")
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # Q4_1's order: elements 0..15 low, 16..31 high
+    return torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)
 
 
 def qdot_takes(ggml_type: str) -> bool:
