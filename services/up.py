@@ -230,7 +230,8 @@ def decode_notes(previous: dict[int, str], infos: dict[int, dict]) -> list[str]:
                          "(minutes the first time on a small CPU, seconds from inductor's cache)")
         elif state == "ready":
             batched = entry.get("batched") or {}
-            took = sum((entry.get("compile_seconds") or {}).values()) + sum((batched.get("compile_seconds") or {}).values())
+            took = sum((entry.get("compile_seconds") or {}).values())
+            took += sum((batched.get("compile_seconds") or {}).values())
             if batched.get("sizes") and batched.get("reason") is None:
                 lo, hi = batched["sizes"]
                 what = f"the compiled steps, one sequence and batches of {lo}-{hi}"

@@ -20,14 +20,15 @@ eager against compiled), all but one:
   on the slots or contexts). The batched graph needs the kernel on every layer (float32 on an AVX2 CPU; no
   attention soft cap, no experts) and stops below the batch size where a SwitchedLinear changes kernel; other batches
   decode eagerly. On the 2-core AVX2 VM a step of 2 sequences took 14.0 ms eagerly and 6.6 compiled, of 16 36.5 and
-  29.7 (benchmarks/decode_step.py; docs/performance.md). A mixture-of-experts block's experts run eagerly between the one-sequence graphs.
+  29.7 (benchmarks/decode_step.py; docs/performance.md). A mixture-of-experts block's experts run eagerly between
+  the one-sequence graphs.
 - each graph input costs a call a few µs (dynamo's guard, the wrapper's handling), so the model keeps its per-layer
   weights stacked where the layers share a shape (linear.stack_layers, TransformerModel.layer_norms): a step reads
   ten-odd weight tensors instead of ten per layer (benchmarks/decode_step.py; docs/performance.md has the figures).
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
 batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile
-(COMPILE_MODES, `--compile-decode`; both graphs at every thread count, ~35 and ~45 s each from a cold cache there):
+(COMPILE_MODES, `--compile-decode`; both graphs at every thread count, ~35 and ~45 s from a cold cache on 2 cores):
 
 - auto (a stage's default): in a background thread once the stage has loaded. The stage is ready at once and decodes
   eagerly until every graph is compiled, then switches; a piece the step does not cover, or a failed compilation
@@ -101,8 +102,8 @@ def _own_code(method):
 
 
 class CompiledDecode:
-    """The compiled decode steps of one TransformerModel piece over its KVCache: one sequence's graph, the context length
-    dynamic, and the batched graph (where it applies), the batch size dynamic."""
+    """The compiled decode steps of one TransformerModel piece over its KVCache: one sequence's graph, the context
+    length dynamic, and the batched graph (where it applies), the batch size dynamic."""
 
     def __init__(self, model, kv: KVCache, thread_counts: tuple[int, ...] | None = None):
         if kv.scratch_slot is None:
@@ -216,7 +217,7 @@ class CompiledDecode:
 
     def _warm_up_batched(self, threads: int, pos: int) -> None:
         """Compile the batched graph at this thread count: one call of B sequences, all in the scratch row at
-        positions pos..pos+B-1. A failure leaves batched steps eager (batch_reason) and the one-sequence step as it is."""
+        positions pos..pos+B-1. A failure leaves batched steps eager (batch_reason), the one-sequence step as it is."""
         t = time.perf_counter()
         b = min(self.batch_sizes[1], 4)
         hidden = torch.zeros(b, self.model.config.hidden_size)

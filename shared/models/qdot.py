@@ -17,8 +17,9 @@ F16C; a CPU where torch's kernels are AVX512, whose bf16 int4 path is faster; no
 where they do not, the int4 kernel runs as before.
 The same library holds decode attention: one sequence's (`decode_attention`, which the compiled decode step calls,
 transformer.OneSequenceDecode) and a batch's (`decode_attention_batch`, the batched steps', transformer.KernelDecode
-and BatchDecode), on these CPUs for float32 layers without a soft cap (a sliding layer reads its window). It reads the KV cache in
-place and each key and value row once, where torch's SDPA read it at a fraction of the memory's speed at one token.
+and BatchDecode), on these CPUs for float32 layers without a soft cap (a sliding layer reads its window). It reads the
+KV cache in place and each key and value row once, where torch's SDPA read it at a fraction of the memory's speed at
+one token.
 """
 
 from __future__ import annotations
@@ -188,10 +189,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                            ctxs: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """B sequences' decode attention (qdot.cpp), the batched step's (eager and compiled): q [B, H, hd] float32, sequence b against
-    the first ctxs[b] positions of row slots[b] of k_cache / v_cache (slots, ctxs [B] int64) -> [B, H, hd]. Row b's
-    numbers are decode_attention's for that sequence alone, whatever else is in the batch. window: as
-    decode_attention's."""
+    """B sequences' decode attention (qdot.cpp), the batched steps' (eager and compiled): q [B, H, hd] float32,
+    sequence b against the first ctxs[b] positions of row slots[b] of k_cache / v_cache (slots, ctxs [B] int64) ->
+    [B, H, hd]. Row b's numbers are decode_attention's for that sequence alone, whatever else is in the batch.
+    window: as decode_attention's."""
     return torch.ops.stagemesh_qdot.decode_attention_batch(q, k_cache, v_cache, slots, ctxs, scale, window)
 
 
