@@ -782,8 +782,16 @@ class KernelDecode(LaidOut):
 
     @staticmethod
     def applies(model: TransformerModel, layout: BatchLayout) -> bool:
-        return (model.dtype == torch.float32 and layout.positions.device.type == "cpu"
-                and model.config.head_dim % 8 == 0 and qdot.usable())
+        return layout.positions.device.type == "cpu" and KernelDecode.why_not(model) is None
+
+    @staticmethod
+    def why_not(model: TransformerModel) -> str | None:
+        """None where the kernel takes this piece's attention (softcapped layers aside); otherwise why not."""
+        if model.dtype != torch.float32 or model.config.head_dim % 8:
+            return "the decode-attention kernel takes float32 activations and a head size that is a multiple of 8"
+        if not qdot.usable():
+            return f"the decode-attention kernel does not run here ({qdot.why_not()})"
+        return None
 
     @functools.cached_property
     def contexts(self) -> torch.Tensor:
@@ -828,10 +836,8 @@ class BatchDecode:
     def covers(model: TransformerModel) -> str | None:
         """None when every layer of the piece attends on the kernel; otherwise why not."""
         c = model.config
-        if not qdot.usable():
-            return f"the decode-attention kernel does not run here ({qdot.why_not()})"
-        if model.dtype != torch.float32 or c.head_dim % 8:
-            return "the decode-attention kernel takes float32 activations and a head size that is a multiple of 8"
+        if why := KernelDecode.why_not(model):
+            return why
         if c.attn_softcap:
             return "layers with an attention soft cap attend with SDPA"
         if c.num_experts:
