@@ -129,6 +129,43 @@ def test_q5_0_and_q4_k_run_as_q8_0_and_q4_1_blocks():
     assert np.abs(got - exact).max() > 0  # (the activations' 8-bit rounding, at least)
 
 
+def _q6_k_raw(rows: int, cols: int, seed: int = 0) -> RawTensor:
+    """A Q6_K matrix of random superblocks (gguf's quantizer does not write the type): any bits and int8 scales are
+    valid, with d a weight's usual size."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (rows, cols // 256, 210), dtype=torch.uint8, generator=g)
+    b[..., 208:210] = (torch.rand(rows, cols // 256, 1, generator=g) * 2e-3 + 1e-4).half().view(torch.uint8)
+    return RawTensor("w", "Q6_K", (rows, cols), b.view(rows, -1))
+
+
+def test_q6_k_runs_as_q8_16_blocks_with_the_files_numbers():
+    """Q6_K's levels (-32..31) and its scales per 16 (d * sc, exact in float32) are the file's numbers: they
+    reproduce gguf's dequantization bit for bit. The kernel's q8_16 blocks carry both halves' scales, so the product
+    is the sum of per-16 integer dots against the activations' 8-bit blocks of 32 (llama.cpp quantizes them per 256
+    for this type, we per 32 as for the others), each scaled by its own half's scale: swapping the halves or the
+    bit planes would be off by the weights' own size."""
+    from shared.models.linear import q6_k_levels
+
+    raw = _q6_k_raw(43, 512, seed=6)  # 43 rows: the last group of 8 padded
+    levels, scale = q6_k_levels(raw)
+    assert levels.dtype == torch.int8 and int(levels.min()) >= -32 and int(levels.max()) <= 31
+    weights = (levels.float().view(43, -1, 16) * scale[..., None]).view(43, 512)
+    np.testing.assert_array_equal(weights.numpy(), dequantize(raw).numpy())
+    w = QdotLinear(raw)
+    assert w.kind == "q6_k-dot-q8" and w.nbytes == 48 * 16 * 40
+    for m in (1, 4, 7):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        x[0, :32] = 0.0
+        qx, dx, _ = _q8_activations(x.numpy())
+        halves = np.einsum("nbhj,mbhj->mnbh", levels.numpy().astype(np.int64).reshape(43, -1, 2, 16),
+                           qx.reshape(m, -1, 2, 16))
+        want = np.einsum("nbh,mb,mnbh->mn", scale.double().numpy().reshape(43, -1, 2), dx, halves)
+        got = w(x).double().numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+        exact = (x.double() @ weights.double().T).numpy()
+        np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
 def test_q4_0_runs_as_q4_1_blocks_with_its_offset_spelled_out():
     """Q4_0 {d, 16 bytes} becomes {d, -8d, 16 bytes}: the same size as Q4_1's blocks, the same numbers."""
     raw = _raw("Q4_0", 32, 64, seed=7)

@@ -14,8 +14,8 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
     f32    float32, the GGUF's numbers exactly (the reference)
 
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
-(QdotLinear) wherever the table says int4, and so do Q4_K and Q5_0 (rewritten to Q4_1's and Q8_0's blocks) in auto:
-the file's blocks, multiplied as llama.cpp does (shared.models.qdot). They
+(QdotLinear) wherever the table says int4, and so do Q4_K, Q5_0 and Q6_K (rewritten to Q4_1's, Q8_0's and q8_16
+blocks) in auto: the file's blocks, multiplied as llama.cpp does (shared.models.qdot). They
 outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
@@ -66,15 +66,17 @@ FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
 # The types QdotLinear takes where the integer-dot kernels run (qdot.usable()), and the op each runs on.
 # Q5_0 runs as Q8_0 blocks {d, q - 16} (exact), Q4_K as Q4_1 blocks {d*sc, -dmin*mn} per group of 32 (the two rounded
 # to fp16 once, as llama.cpp rounds Q8_1's; int4 rounds them to bf16): QdotLinear rewrites them.
-QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q8_0", "Q4_K": "q4_1"}
+# Q6_K as q8_16 blocks {d*sc of each half, the levels less 32} per group of 32 (exact: its scales are per 16).
+QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q8_0", "Q4_K": "q4_1", "Q6_K": "q8_16"}
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
 # (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
 _PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
-# Every other quantized type (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) runs as int8 with one scale per row.
+# Every other quantized type (Q5_*, Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) runs as int8 with one scale per row, and so do
+# QDOT_TYPES where the integer-dot kernels do not run (but those of INT4_TYPES + INT4_PAIR_TYPES).
 INVARIANT_ROWS = 8  # the batch-invariant mode's fixed M for dense kernels (about one row's cost: memory-bound)
 # Bytes per block and elements per block of the types unpacked here with torch (the rest go through gguf.quants).
 _BLOCK = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
-          "Q5_1": (24, 32), "Q5_K": (176, 256)}
+          "Q5_1": (24, 32), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
 
 # ---- unpacking GGUF blocks (torch, vectorised) -------------------------------------------------------------------
@@ -146,6 +148,23 @@ def unpack_levels(raw: RawTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     qs = b[..., 16:].reshape(n, k // per, 4, 32)
     q = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, k)  # [N, K/256, 4, 2, 32] -> sub-block order
     return q, (d[..., None] * scales).reshape(n, -1), (-(dmin[..., None] * mins)).reshape(n, -1)
+
+
+def q6_k_levels(raw: RawTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K -> (q [N, K] int8 levels -32..31, scale [N, K/16] float32) with, exactly, w = q * scale (d * sc of each
+    sub-block of 16). A 210-byte superblock of 256: ql[128] (low nibbles), qh[64] (2 high bits each), sc[16] int8, d
+    fp16. Its halves of 128 hold 4 runs of 32: run g's element l has ql[32 (g % 2) + l]'s low nibble (g < 2) or high
+    one, and bits 2g, 2g+1 of qh[l] (ggml's dequantize_row_q6_K)."""
+    n, k = raw.data.shape[0], raw.shape[-1]
+    size, per = _BLOCK["Q6_K"]
+    b = raw.data.reshape(n, k // per, size)
+    ql = b[..., 0:128].reshape(n, k // per, 2, 2, 32)  # [.., half, g % 2, l]
+    qh = b[..., 128:192].reshape(n, k // per, 2, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=3)  # runs g = 0..3
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, k)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [N, K/256, 16]
+    return q, (_f16(b[..., 208:210])[..., None] * sc).reshape(n, k // 16)
 
 
 def _apply_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -258,12 +277,12 @@ def _stacked(kernel: Int4Linear | QdotLinear) -> tuple[torch.Tensor, ...]:
 
 
 class QdotLinear:
-    """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 matrix kept as the GGUF's blocks, multiplied by integer dot products against
-    activations quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch kernels
-    are AVX2). blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset
-    -8d, exact in fp16) and Q4_K's (_rewritten_blocks), Q8_0's 34-byte blocks and Q5_0's rewritten to them, 8 rows'
-    interleaved (qdot.interleave). float32 out. A row's result does not
-    depend on the other rows."""
+    """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 matrix kept as the GGUF's blocks, multiplied by integer dot products
+    against activations quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch
+    kernels are AVX2). blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them
+    (its offset -8d, exact in fp16) and Q4_K's (_rewritten_blocks), Q8_0's 34-byte blocks and Q5_0's rewritten to
+    them, Q6_K as 40-byte q8_16 blocks (two float32 scales, one per half), 8 rows' interleaved (qdot.interleave).
+    float32 out. A row's result does not depend on the other rows."""
 
     def __init__(self, raw: RawTensor):
         if (why := qdot.load()) is not None:
@@ -271,7 +290,7 @@ class QdotLinear:
         self.out_features, self.in_features = n, k = raw.shape
         self.op = QDOT_TYPES[raw.ggml_type]
         self.kind = f"{raw.ggml_type.lower()}-dot-q8"
-        if raw.ggml_type in ("Q5_0", "Q4_K"):
+        if raw.ggml_type in ("Q5_0", "Q4_K", "Q6_K"):
             data = _rewritten_blocks(raw)
         else:
             data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
@@ -296,8 +315,14 @@ class QdotLinear:
 def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
     """Q5_0 -> Q8_0 blocks [N, K/32, 34]: {d, the levels less 16 as int8}, the same numbers. Q4_K -> Q4_1 blocks
     [N, K/32, 20]: for each group of 32 of a superblock, {d*sc, -dmin*mn, its nibbles}, the scale and offset rounded
-    to fp16 (a relative error under 2^-11 of the group's scale; llama.cpp rounds its Q8_1 activations' the same way)."""
+    to fp16 (a relative error under 2^-11 of the group's scale; llama.cpp rounds its Q8_1 activations' the same way).
+    Q6_K -> q8_16 blocks [N, K/32, 40]: {d*sc of elements 0..15 and of 16..31 as float32, the levels less 32 as
+    int8}, the same numbers."""
     n, k = raw.shape
+    if raw.ggml_type == "Q6_K":
+        levels, scales = q6_k_levels(raw)
+        halves = scales.reshape(n, k // GROUP, 2).contiguous().view(torch.uint8)  # [N, K/32, 8]
+        return torch.cat([halves, levels.view(n, k // GROUP, GROUP).view(torch.uint8)], dim=-1)
     q, scale, low = unpack_levels(raw)
     q = q.view(n, k // GROUP, GROUP)
     if raw.ggml_type == "Q5_0":
@@ -317,7 +342,7 @@ def qdot_takes(ggml_type: str) -> bool:
 
 class Int8Linear:
     """int8 weight-only with one bf16 scale per output row (`_weight_int8pack_mm`): the types whose levels are not a
-    nibble or a byte per group of 32 (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, ...). Not exact: the GGUF's values are
+    nibble or a byte per group of 32 (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, ...) where no integer-dot kernel takes them. Not exact: the GGUF's values are
     requantized to 255 levels of their row's absolute maximum (an error a few times smaller than the type's own step
     for 5/6-bit types, far smaller for 2/3/4-bit ones; tests/test_real_files.py holds it to llama.cpp's logits).
     A row's result does not depend on the other rows of the call (checked for every M in tests/test_linear.py)."""
@@ -451,8 +476,8 @@ Linear = Int4Linear | QdotLinear | Int8Linear | DenseLinear | SwitchedLinear | C
 
 
 def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | QdotLinear | Int8Linear | DenseLinear:
-    """The kernel that runs one GGUF type from (about) its stored size: the integer-dot kernels for Q4_0 / Q4_1 /
-    Q8_0 where they run (qdot_takes), else int4 for 4-bit types, two int4 planes for Q8_0 (both exact up to bf16
+    """The kernel that runs one GGUF type from (about) its stored size: the integer-dot kernels for QDOT_TYPES
+    where they run (qdot_takes), else int4 for 4-bit types, two int4 planes for Q8_0 (both exact up to bf16
     scales); int8 per row for every other quantized type, and the dense kernel (dense_dtype()) for float types.
     fixed_rows: as DenseLinear's (the quantized kernels need none: their rows are independent of M)."""
     if raw.ggml_type in FLOAT_TYPES:
@@ -465,7 +490,8 @@ def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear |
     return Int8Linear(dequantize(raw))
 
 
-LEAN_INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K")  # lean: int8 rows (1 byte a weight) instead of two int4 planes (1.25)
+# lean: int8 rows (1 byte a weight) instead of two int4 planes or q8_16 blocks (1.25)
+LEAN_INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
 def lean_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | Int8Linear | DenseLinear:

@@ -5,10 +5,13 @@
 // y [M, N] float32 = x [M, K] float32 @ W^T, W [N, K] kept as the GGUF's own blocks of 32 weights:
 //   q4_1: 20 bytes {fp16 d, fp16 m, 16 bytes of nibbles: byte i holds element i (low) and i + 16 (high)}, w = d q + m
 //   q8_0: 34 bytes {fp16 d, 32 int8}, w = d q
+//   q8_16: 40 bytes {float32 d0, float32 d1, 32 int8}, w = d0 q for elements 0..15, d1 q for 16..31 (Q6_K's levels
+//          less 32 and its sub-blocks' scales d * sc, exact in float32: linear.py's _rewritten_blocks)
 // with the rows taken 8 at a time (N padded with zero rows to a multiple of 8) and each block of the 8 interleaved
 // (qdot.py's interleave), the same bytes in another order:
 //   q4_1: 160 bytes {8 fp16 d, 8 fp16 m, 4 x 32 bytes: bytes 4n .. 4n+3 of the j-th are row n's bytes 4j .. 4j+3}
 //   q8_0: 272 bytes {8 fp16 d, 8 x 32 bytes: bytes 4n .. 4n+3 of the j-th are row n's levels 4j .. 4j+3}
+//   q8_16: 320 bytes {8 float32 d0, 8 float32 d1, the 8 x 32 bytes of levels as q8_0's}
 // so one maddubs multiplies 4 levels of each of 8 rows by the same 4 activations (broadcast), and the 8 rows' sums
 // build up in the 8 lanes of one register: no horizontal sums, one float scaling per block for 8 outputs.
 // Each row of x is quantized first, per block of 32, as ggml's q8_1: q = round(x * 127 / amax) in int8, its scale
@@ -16,6 +19,7 @@
 // product is then exact in integers (maddubs: u8 x s8 pairs into int16, which cannot saturate for 4-bit levels nor,
 // by ggml's sign trick, for 8-bit ones) and scaled in float32, block after block:
 //   q4_1: y = sum_b d_w d_x dot(q_w, q_x) + m_w s_x        q8_0: y = sum_b d_w d_x dot(q_w, q_x)
+//   q8_16: y = sum_b d0_w d_x dot(q_w, q_x)[0..15] + d1_w d_x dot(q_w, q_x)[16..31]
 // The float sums run in one order per output element, whatever M is and however the rows are split over threads:
 // a row's result never depends on the rows that came with it (the batch-invariant mode relies on it).
 #include <ATen/Parallel.h>
@@ -35,7 +39,10 @@ namespace {
 
 constexpr int64_t QK = 32;  // weights (and activations) per block
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the block being multiplied its successors are fetched
-constexpr int64_t Q4_GROUP_BYTES = 8 * 20, Q8_GROUP_BYTES = 8 * 34;  // 8 rows' blocks of 32, interleaved
+enum Layout { Q4_1, Q8_0, Q8_16 };  // the weights' block layouts (above)
+constexpr int64_t group_bytes(Layout layout) {  // 8 rows' blocks of 32, interleaved
+  return layout == Q4_1 ? 8 * 20 : layout == Q8_0 ? 8 * 34 : 8 * 40;
+}
 
 struct Q8Rows {  // x [M, K] quantized per block of 32: q [M, K] int8, d and s [M, K/32] float (fp16-rounded)
   std::vector<int8_t> q;
@@ -90,10 +97,10 @@ Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
 
 // One group of 8 weight rows against MT activation rows -> y[m0..m0+MT, n0..n0+8]. The group's block is loaded once
 // and multiplied with each row's; lane n of every vector below is weight row n0 + n.
-template <int MT, bool Q4>
+template <int MT, Layout L>
 inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_t m0, int64_t K, float *y,
                        int64_t N, int64_t n0, bool prefetch) {
-  constexpr int64_t bytes = Q4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+  constexpr int64_t bytes = group_bytes(L);
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
   for (int t = 0; t < MT; t++) acc[t] = _mm256_setzero_ps();
@@ -102,11 +109,34 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
     if (prefetch)  // the first pass over the weights streams them from memory: ask for them early
       for (int64_t ahead = 0; ahead < bytes; ahead += 64)
         _mm_prefetch(reinterpret_cast<const char *>(blk + PREFETCH_BYTES + ahead), _MM_HINT_T0);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk)));
     const int8_t *xq[MT];
     for (int t = 0; t < MT; t++) xq[t] = x.q.data() + (m0 + t) * K + b * QK;
+    if constexpr (L == Q8_16) {
+      // lane n: row n's exact dot product over one half of the block (16 levels), scaled by that half's d
+      const __m256 d0 = _mm256_loadu_ps(reinterpret_cast<const float *>(blk));
+      const __m256 d1 = _mm256_loadu_ps(reinterpret_cast<const float *>(blk + 32));
+      for (int half = 0; half < 2; half++) {
+        // int16 sums of the half's 4 maddubs: a lane adds 8 products of |w| <= 32 and |x| <= 127, at most 32512
+        __m256i sum16[MT];
+        for (int t = 0; t < MT; t++) sum16[t] = _mm256_setzero_si256();
+        for (int j = 4 * half; j < 4 * half + 4; j++) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 + 32 * j));
+          const __m256i aw = _mm256_sign_epi8(w, w);
+          for (int t = 0; t < MT; t++) {
+            const __m256i xw = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq[t] + 4 * j)), w);
+            sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(aw, xw));
+          }
+        }
+        const __m256 dw = half == 0 ? d0 : d1;
+        for (int t = 0; t < MT; t++)
+          acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[(m0 + t) * nb + b])),
+                                   _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[t], ones)), acc[t]);
+      }
+      continue;
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk)));
     __m256i dot[MT];  // int32 lane n: row n's exact dot product with the activation row's block
-    if constexpr (Q4) {
+    if constexpr (L == Q4_1) {
       // int16 sums of 8 maddubs: each lane adds 16 products of a level 0..15 and |q| <= 127, at most 30480: no overflow
       __m256i sum16[MT];
       for (int t = 0; t < MT; t++) sum16[t] = _mm256_setzero_si256();
@@ -137,7 +167,7 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
     for (int t = 0; t < MT; t++) {
       const int64_t xb = (m0 + t) * nb + b;
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[xb])), _mm256_cvtepi32_ps(dot[t]), acc[t]);
-      if constexpr (Q4) {
+      if constexpr (L == Q4_1) {
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 16)));
         acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[xb]), acc[t]);
       }
@@ -155,9 +185,9 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
   }
 }
 
-template <bool Q4>
+template <Layout L>
 at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
-  constexpr int64_t bytes = Q4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+  constexpr int64_t bytes = group_bytes(L);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "qdot: x must be a contiguous float32 CPU matrix [M, K], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
@@ -182,11 +212,11 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
       for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = w + g * nb * bytes;
         int64_t m = m_chunk;
-        for (; m + 4 <= m_end; m += 4) group_tile<4, Q4>(group, nb, q, m, K, out, N, 8 * g, m == 0);
+        for (; m + 4 <= m_end; m += 4) group_tile<4, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
         switch (m_end - m) {
-          case 3: group_tile<3, Q4>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
-          case 2: group_tile<2, Q4>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
-          case 1: group_tile<1, Q4>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
+          case 3: group_tile<3, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
+          case 2: group_tile<2, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
+          case 1: group_tile<1, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
           default: break;
         }
       }
@@ -434,8 +464,10 @@ at::Tensor temper(const at::Tensor& logits, const at::Tensor& inv_t) {
 TORCH_LIBRARY(stagemesh_qdot, m) {
   m.def("q4_1(Tensor x, Tensor blocks, int n) -> Tensor");
   m.def("q8_0(Tensor x, Tensor blocks, int n) -> Tensor");
-  m.impl("q4_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<true>));
-  m.impl("q8_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<false>));
+  m.def("q8_16(Tensor x, Tensor blocks, int n) -> Tensor");
+  m.impl("q4_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q4_1>));
+  m.impl("q8_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q8_0>));
+  m.impl("q8_16", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q8_16>));
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, SymInt slot, SymInt ctx, float scale, "
         "int window=0) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));

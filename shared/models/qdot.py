@@ -1,14 +1,16 @@
-"""Integer-dot matmuls over the GGUF's own blocks (Q4_0, Q4_1, Q8_0), for CPUs whose best torch path is AVX2.
+"""Integer-dot matmuls over the GGUF's own blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q5_0 and Q6_K rewritten to blocks of
+32), for CPUs whose best torch path is AVX2.
 
 On such CPUs torch's int4 kernel widens every weight to float32 and multiplies in floats, and there is no native bf16:
 one SmolLM2 decode step's matmuls took 19 ms, llama.cpp's whole token 13-18 ms. llama.cpp quantizes the activations to
 8 bits per block of 32 and multiplies integers (AVX2's maddubs: 32 products per instruction); qdot.cpp does the same,
-as two torch ops (`torch.ops.stagemesh_qdot.q4_1 / q8_0`), which torch.compile's decode graphs call like any other op,
-over blocks of 8 rows interleaved (interleave: one maddubs multiplies 8 rows at once, their sums side by side in one
-register). Same matrices: ~8 ms; and faster than the dense float32 kernel at every micro-batch size (2 threads, SmolLM2's
-layers: 0.57x its time at 16 rows, 0.84x at 512), so weights mode auto keeps no dense copy of them. Numerically it is
-llama.cpp's own scheme for these types (the activations' 8-bit rounding, fp16 block scales), with the distance from an
-exact product that llama.cpp's own run of a quantized file has.
+as torch ops (`torch.ops.stagemesh_qdot.q4_1 / q8_0 / q8_16`, the last Q8_0's levels with a scale per 16), which
+torch.compile's decode graphs call like any other op, over blocks of 8 rows interleaved (interleave: one maddubs
+multiplies 8 rows at once, their sums side by side in one register). Same matrices: ~8 ms; and faster than the dense
+float32 kernel at every micro-batch size (2 threads, SmolLM2's layers: 0.57x its time at 16 rows, 0.84x at 512), so
+weights mode auto keeps no dense copy of them. Numerically it is llama.cpp's own scheme for these types (the
+activations' 8-bit rounding, fp16 block scales), with the distance from an exact product that llama.cpp's own run of
+a quantized file has (for Q4_K and Q6_K llama.cpp rounds the activations per 256, not per 32).
 
 The ops are compiled from qdot.cpp once per machine (c++, ~10 s) into ~/.cache/stagemesh/kernels/ (where that is not
 writable, the temporary directory's stagemesh-kernels/) under a name that hashes the source, torch's version and the
@@ -41,8 +43,9 @@ log = logging.getLogger("stagemesh.qdot")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qdot.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # bytes per block of 32 weights of one row in the ops' layouts
-SCALES = {"q4_1": 2, "q8_0": 1}  # fp16 scales leading each block: d and m, or d
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q8_16": 40}  # bytes per block of 32 weights of one row in the ops' layouts
+# the scales leading each block, (how many, bytes each): fp16 d and m, fp16 d, or float32 d of each half
+SCALES = {"q4_1": (2, 2), "q8_0": (1, 2), "q8_16": (2, 4)}
 GROUP_ROWS = 8  # rows whose blocks the ops' layout interleaves
 CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -121,7 +124,7 @@ def load() -> str | None:
         return str(e).splitlines()[0]
     global _fakes_registered
     if not _fakes_registered:
-        for op in ("q4_1", "q8_0"):
+        for op in BLOCK_BYTES:
             torch.library.register_fake(f"stagemesh_qdot::{op}", _fake_mm)
         for op in ("decode_attention", "decode_attention_batch"):
             torch.library.register_fake(f"stagemesh_qdot::{op}", _fake_attention)
@@ -158,17 +161,19 @@ def usable() -> bool:
 
 
 def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
-    """A matrix's rows of blocks [N, K/32 * BLOCK_BYTES] (Q4_1's or Q8_0's layout) -> the ops' layout
-    [ceil(N/8), K/32 * 8 * BLOCK_BYTES]: rows 8 at a time (zero rows pad the last group), and for each group and block,
-    the 8 rows' fp16 scales side by side, then their levels 4 bytes of each row at a time (qdot.cpp's header)."""
+    """A matrix's rows of blocks [N, K/32 * BLOCK_BYTES] (the op's layout: Q4_1's, Q8_0's or q8_16's) -> the ops'
+    layout [ceil(N/8), K/32 * 8 * BLOCK_BYTES]: rows 8 at a time (zero rows pad the last group), and for each group
+    and block, each of the 8 rows' scales side by side, then their levels 4 bytes of each row at a time (qdot.cpp's
+    header)."""
     n, width = blocks.shape
-    size, scale_bytes = BLOCK_BYTES[op], 2 * SCALES[op]
+    size, (count, each) = BLOCK_BYTES[op], SCALES[op]
     nb, groups = width // size, -(-n // GROUP_ROWS)
     padded = blocks.new_zeros(groups * GROUP_ROWS, width)
     padded[:n] = blocks
     b = padded.view(groups, GROUP_ROWS, nb, size)
-    parts = [b[..., 2 * s:2 * s + 2].permute(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP_ROWS)
-             for s in range(SCALES[op])]
+    parts = [b[..., each * s:each * (s + 1)].permute(0, 2, 1, 3).reshape(groups, nb, each * GROUP_ROWS)
+             for s in range(count)]
+    scale_bytes = count * each
     levels = b[..., scale_bytes:].reshape(groups, GROUP_ROWS, nb, -1, 4).permute(0, 2, 3, 1, 4)
     parts.append(levels.reshape(groups, nb, -1))
     return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
