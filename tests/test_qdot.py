@@ -29,10 +29,11 @@ def _raw(qtype: str, rows: int, cols: int, seed: int = 0) -> RawTensor:
     return RawTensor("w", qtype, (rows, cols), torch.from_numpy(np.ascontiguousarray(data)).view(rows, -1))
 
 
-def _q8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's quantize_row_q8_1: x [M, K] -> levels [M, K/32, 32], each block's d and d x sum(levels) (fp16)."""
+def _q8_activations(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_1: x [M, K] -> levels [M, K/32, 32], each block's d and d x sum(levels) (fp16); with
+    block=16 (the q8_16 kernel's), the same per 16: [M, K/16, 16]."""
     m, k = x.shape
-    xb = x.astype(np.float32).reshape(m, k // 32, 32)
+    xb = x.astype(np.float32).reshape(m, k // block, block)
     amax = np.abs(xb).max(axis=-1)
     d = amax / np.float32(127)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -140,10 +141,10 @@ def _q6_k_raw(rows: int, cols: int, seed: int = 0) -> RawTensor:
 
 def test_q6_k_runs_as_q8_16_blocks_with_the_files_numbers():
     """Q6_K's levels (-32..31) and its scales per 16 (d * sc, exact in float32) are the file's numbers: they
-    reproduce gguf's dequantization bit for bit. The kernel's q8_16 blocks carry both halves' scales, so the product
-    is the sum of per-16 integer dots against the activations' 8-bit blocks of 32 (llama.cpp quantizes them per 256
-    for this type, we per 32 as for the others), each scaled by its own half's scale: swapping the halves or the
-    bit planes would be off by the weights' own size."""
+    reproduce gguf's dequantization bit for bit. The kernel's q8_16 blocks carry both halves' scales, and it rounds
+    the activations to 8 bits per 16 as well (llama.cpp per 256 for this type; per 32, Gemma 3's perplexity was 2.5 %
+    higher), so the product is the sum of per-16 integer dots, each scaled by its half's weight and activation
+    scales: swapping the halves or the bit planes, or quantizing the activations per 32, would be far off."""
     from shared.models.linear import q6_k_levels
 
     raw = _q6_k_raw(43, 512, seed=6)  # 43 rows: the last group of 8 padded
@@ -156,10 +157,9 @@ def test_q6_k_runs_as_q8_16_blocks_with_the_files_numbers():
     for m in (1, 4, 7):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         x[0, :32] = 0.0
-        qx, dx, _ = _q8_activations(x.numpy())
-        halves = np.einsum("nbhj,mbhj->mnbh", levels.numpy().astype(np.int64).reshape(43, -1, 2, 16),
-                           qx.reshape(m, -1, 2, 16))
-        want = np.einsum("nbh,mb,mnbh->mn", scale.double().numpy().reshape(43, -1, 2), dx, halves)
+        qx, dx, _ = _q8_activations(x.numpy(), block=16)
+        halves = np.einsum("nbj,mbj->mnb", levels.numpy().astype(np.int64).reshape(43, -1, 16), qx)
+        want = np.einsum("nb,mb,mnb->mn", scale.double().numpy(), dx, halves)
         got = w(x).double().numpy()
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
         exact = (x.double() @ weights.double().T).numpy()

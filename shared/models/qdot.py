@@ -10,7 +10,7 @@ multiplies 8 rows at once, their sums side by side in one register). Same matric
 float32 kernel at every micro-batch size (2 threads, SmolLM2's layers: 0.57x its time at 16 rows, 0.84x at 512), so
 weights mode auto keeps no dense copy of them. Numerically it is llama.cpp's own scheme for these types (the
 activations' 8-bit rounding, fp16 block scales), with the distance from an exact product that llama.cpp's own run of
-a quantized file has (for Q4_K and Q6_K llama.cpp rounds the activations per 256, not per 32).
+a quantized file has (for Q4_K and Q6_K llama.cpp rounds the activations per 256; Q6_K's q8_16 per 16).
 
 The ops are compiled from qdot.cpp once per machine (c++, ~10 s) into ~/.cache/stagemesh/kernels/ (where that is not
 writable, the temporary directory's stagemesh-kernels/) under a name that hashes the source, torch's version and the
