@@ -79,7 +79,7 @@ def test_stored_kernel_runs_the_files_numbers(qtype):
     raw, ref = _raw(qtype, seed=1)
     w = stored_kernel(raw)
     expected = {"Q4_0": _blocks_kernel("Q4_0"), "Q4_1": _blocks_kernel("Q4_1"), "Q4_K": _blocks_kernel("Q4_K"),
-                "Q8_0": _blocks_kernel("Q8_0"), "Q5_0": _blocks_kernel("Q5_0"), "Q5_1": Int4Linear, "Q5_K": Int4Linear,
+                "Q8_0": _blocks_kernel("Q8_0"), "Q5_0": _blocks_kernel("Q5_0"), "Q5_1": _blocks_kernel("Q5_1"), "Q5_K": Int4Linear,
                 "Q6_K": _blocks_kernel("Q6_K"), "F16": DenseLinear}.get(qtype, Int8Linear)
     assert isinstance(w, expected), w.kind
     if isinstance(w, Int4Linear):  # the levels the kernel packs reproduce the file exactly
@@ -95,17 +95,19 @@ def test_stored_kernel_runs_the_files_numbers(qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_lean_kernel_is_the_smallest_within_the_types_own_error(qtype):
-    """lean holds 5- and 6-bit types as int8 rows (1 byte a weight, not two int4 planes' or q8_16 blocks' 1.25): the
-    result stays within the int8 bound of the exact product, and its bytes are what lean_nbytes plans with and less
-    than stored's where that is not int8 rows too."""
+    """lean holds 5- and 6-bit types as int8 rows (1 byte a weight, not two int4 planes' or q8_16 blocks' 1.25), but
+    Q5_0 / Q5_1 on the integer-dot kernels as their own blocks (0.69 / 0.75): the result stays within the int8 bound
+    of the exact product, and its bytes are what lean_nbytes plans with and less than stored's where it differs."""
     raw, ref = _raw(qtype, seed=2)
     w = lean_kernel(raw)
-    assert isinstance(w, Int8Linear if qtype in LEAN_INT8_TYPES else _blocks_kernel(qtype)), w.kind
+    own_blocks = qtype in ("Q4_1", "Q8_0") or (qtype in ("Q5_0", "Q5_1") and qdot_takes(qtype))
+    assert qtype in LEAN_INT8_TYPES or own_blocks
+    assert isinstance(w, _blocks_kernel(qtype) if own_blocks else Int8Linear), w.kind
     x = torch.randn(5, COLS)
     exact = x.bfloat16().double() @ torch.from_numpy(ref).double().T
     assert (w(x).double() - exact).abs().max() / exact.abs().max() < 2e-2
     assert w.nbytes == lean_nbytes(qtype, (ROWS, COLS)) <= stored_nbytes(qtype, (ROWS, COLS))
-    if qtype in LEAN_INT8_TYPES and not isinstance(stored_kernel(raw), Int8Linear):
+    if isinstance(w, Int8Linear) and not isinstance(stored_kernel(raw), Int8Linear):
         assert w.nbytes < stored_nbytes(qtype, (ROWS, COLS))
 
 
@@ -125,7 +127,7 @@ def dense_kind() -> str:
 
 
 def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
-    raw, _ = _raw("Q5_1")  # two int4 planes on every CPU (lean: int8 rows)
+    raw, _ = _raw("Q5_K")  # two int4 planes on every CPU (lean: int8 rows)
     auto, lean = make_linear([raw], "auto"), make_linear([raw], "lean")
     assert isinstance(auto, SwitchedLinear) and isinstance(lean, Int8Linear)
     x = torch.randn(INT4_MAX_TOKENS, COLS)
@@ -154,7 +156,8 @@ def test_fused_rows_of_any_type_mix_compute_the_concatenation(mode):
     assert fused.out_features == len(parts) * ROWS
     if mode == "lean":  # each type on its lean kernel, the two Q5_0 parts on one
         assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == [
-            _blocks_kind("Q4_K"), "int8-rows", "int8-rows", _blocks_kind("Q8_0")]
+            _blocks_kind("Q4_K"), _blocks_kind("Q5_0") if qdot_takes("Q5_0") else "int8-rows", "int8-rows",
+            _blocks_kind("Q8_0")]
         assert fused.parts[1].out_features == 2 * ROWS
     if mode == "auto" and qdot_takes("Q6_K"):  # every type on the integer-dot kernels: no switch, no dense copy
         assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == [

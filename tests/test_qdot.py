@@ -13,7 +13,7 @@ from shared.gguf_loader import RawTensor
 from shared.models import qdot
 from shared.models.linear import QdotLinear, dequantize, stored_kernel, unpack_levels
 
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # the types gguf's quantizer writes (Q4_K: _q4_k_raw)
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the types gguf's quantizer writes (Q4_K: _q4_k_raw)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,9 +44,10 @@ def _q8_activations(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndar
 
 
 def _llama_cpp_product(x: np.ndarray, raw: RawTensor) -> np.ndarray:
-    """ggml's quantize_row_q8_1 and vec_dot_q4_{0,1}_q8_1 / q8_0_q8_0, in numpy, summed in float64."""
+    """ggml's quantize_row_q8_1 and vec_dot_q4_{0,1}_q8_1 / q5_0_q8_0 / q5_1_q8_1 / q8_0_q8_0, in numpy, summed in
+    float64."""
     levels, scale, low = (t.numpy() for t in unpack_levels(raw))
-    if raw.ggml_type in ("Q8_0", "Q5_0"):  # signed levels (Q5_0's less 16, as Q8_0 blocks), no offset term
+    if raw.ggml_type in ("Q8_0", "Q5_0"):  # signed levels (Q5_0's less 16), no offset term
         qx, dx, _ = _q8_activations(x)
         lv = levels.reshape(levels.shape[0], -1, 32).astype(np.int64) - (128 if raw.ggml_type == "Q8_0" else 16)
         dots = np.einsum("nbj,mbj->mnb", lv, qx)
@@ -108,14 +109,16 @@ def _q4_k_raw(rows: int, cols: int, seed: int = 0) -> RawTensor:
     return RawTensor("w", "Q4_K", (rows, cols), b.view(rows, -1))
 
 
-def test_q5_0_and_q4_k_run_as_q8_0_and_q4_1_blocks():
-    """Q5_0 {d, qh, nibbles} becomes Q8_0's {d, q - 16}: the same numbers, so the product is llama.cpp's (the test
-    above runs it). Q4_K's superblocks become Q4_1 blocks, one per group of 32, {d*sc, -dmin*mn} rounded to fp16:
+def test_q5_0_and_q5_1_keep_their_size_and_q4_k_runs_as_q4_1_blocks():
+    """Q5_0 {d, qh, nibbles} and Q5_1 {d, m, qh, nibbles} keep their own bytes, the fifth bits after the nibbles (and
+    spread for the kernel, qdot._fifth_bit_masks): 0.69 and 0.75 bytes a weight, the same numbers, so the product
+    is llama.cpp's (the test above runs it, random fifth bits included). Q4_K's superblocks become Q4_1 blocks, one per group of 32, {d*sc, -dmin*mn} rounded to fp16:
     the product is llama.cpp's sum of per-block terms with those scales, and within their rounding of the exact
     weights' product."""
     raw = _raw("Q5_0", 16, 64, seed=9)
     w = QdotLinear(raw)
-    assert w.kind == "q5_0-dot-q8" and w.nbytes == 16 * 2 * 34
+    assert w.kind == "q5_0-dot-q8" and w.nbytes == 16 * 2 * 22
+    assert QdotLinear(_raw("Q5_1", 16, 64, seed=9)).nbytes == 16 * 2 * 24
     raw = _q4_k_raw(24, 512, seed=4)
     w = QdotLinear(raw)
     assert w.kind == "q4_k-dot-q8" and w.nbytes == 24 * 16 * 20
@@ -280,11 +283,14 @@ def test_a_sliding_layer_reads_only_its_window(window):
 
 
 def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monkeypatch):
-    """stored_kernel picks them for Q4_0 / Q4_1 / Q8_0 exactly where qdot.usable() says so; STAGEMESH_QDOT=off turns
+    """stored_kernel picks them for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 exactly where qdot.usable() says so; STAGEMESH_QDOT=off turns
     them off (a new process: load() and usable() are decided once)."""
     for qtype in TYPES:
         assert isinstance(stored_kernel(_raw(qtype, 32, 64)), QdotLinear) == qdot.usable()
-    assert not isinstance(stored_kernel(_raw("Q5_1", 32, 64)), QdotLinear)  # no integer-dot form of its offsets
+    q5_k = torch.randint(0, 256, (32, 176), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    q5_k[:, 0:4] = torch.full((32, 2), 1e-3).half().view(torch.uint8)
+    q5_k_raw = RawTensor("w", "Q5_K", (32, 256), q5_k)
+    assert not isinstance(stored_kernel(q5_k_raw), QdotLinear)  # no integer-dot form of its per-32 offsets
     monkeypatch.setenv(qdot.ENV, "off")
     qdot.load.cache_clear()
     try:

@@ -67,7 +67,9 @@ FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
 # Q5_0 runs as Q8_0 blocks {d, q - 16} (exact), Q4_K as Q4_1 blocks {d*sc, -dmin*mn} per group of 32 (the two rounded
 # to fp16 once, as llama.cpp rounds Q8_1's; int4 rounds them to bf16): QdotLinear rewrites them.
 # Q6_K as q8_16 blocks {d*sc of each half, the levels less 32} per group of 32 (exact: its scales are per 16).
-QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q8_0", "Q4_K": "q4_1", "Q6_K": "q8_16"}
+# Q5_0 and Q5_1 as their own bytes, the fifth bits moved after the nibbles.
+QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_1",
+              "Q6_K": "q8_16"}
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
 # (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
 _PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
@@ -290,7 +292,7 @@ class QdotLinear:
         self.out_features, self.in_features = n, k = raw.shape
         self.op = QDOT_TYPES[raw.ggml_type]
         self.kind = f"{raw.ggml_type.lower()}-dot-q8"
-        if raw.ggml_type in ("Q5_0", "Q4_K", "Q6_K"):
+        if raw.ggml_type in ("Q5_0", "Q5_1", "Q4_K", "Q6_K"):
             data = _rewritten_blocks(raw)
         else:
             data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
@@ -313,21 +315,23 @@ class QdotLinear:
 
 
 def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
-    """Q5_0 -> Q8_0 blocks [N, K/32, 34]: {d, the levels less 16 as int8}, the same numbers. Q4_K -> Q4_1 blocks
+    """Q5_0 / Q5_1 -> their q5_0 / q5_1 blocks [N, K/32, 22 / 24]: the same bytes, the 4 of fifth bits moved after
+    the 16 of nibbles (qdot.interleave then spreads them for the kernel). Q4_K -> Q4_1 blocks
     [N, K/32, 20]: for each group of 32 of a superblock, {d*sc, -dmin*mn, its nibbles}, the scale and offset rounded
     to fp16 (a relative error under 2^-11 of the group's scale; llama.cpp rounds its Q8_1 activations' the same way).
     Q6_K -> q8_16 blocks [N, K/32, 40]: {d*sc of elements 0..15 and of 16..31 as float32, the levels less 32 as
     int8}, the same numbers."""
     n, k = raw.shape
+    if raw.ggml_type in ("Q5_0", "Q5_1"):  # {d, (m,) qh, qs} -> {d, (m,) qs, qh}
+        b = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
+        at = 2 if raw.ggml_type == "Q5_0" else 4
+        return torch.cat([b[..., :at], b[..., at + 4:], b[..., at:at + 4]], dim=-1)
     if raw.ggml_type == "Q6_K":
         levels, scales = q6_k_levels(raw)
         halves = scales.reshape(n, k // GROUP, 2).contiguous().view(torch.uint8)  # [N, K/32, 8]
         return torch.cat([halves, levels.view(n, k // GROUP, GROUP).view(torch.uint8)], dim=-1)
     q, scale, low = unpack_levels(raw)
     q = q.view(n, k // GROUP, GROUP)
-    if raw.ggml_type == "Q5_0":
-        d = raw.data.reshape(n, k // GROUP, _BLOCK["Q5_0"][0])[..., 0:2]
-        return torch.cat([d, (q.to(torch.int16) - 16).to(torch.int8).view(torch.uint8)], dim=-1)
     d, m = scale.to(torch.float16), low.to(torch.float16)
     if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
         raise GgufError(f"{raw.name}: a Q4_K scale or offset past fp16's range; load it with --weights lean")
@@ -490,20 +494,27 @@ def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear |
     return Int8Linear(dequantize(raw))
 
 
-# lean: int8 rows (1 byte a weight) instead of two int4 planes or q8_16 blocks (1.25)
+# lean: int8 rows (1 byte a weight) where stored_kernel holds more: two int4 planes or q8_16 blocks (1.25)
 LEAN_INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
-def lean_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | Int8Linear | DenseLinear:
-    """lean's kernel, the least memory within the fidelity thresholds: stored_kernel, but int8 rows for 5-bit types."""
-    if raw.ggml_type in LEAN_INT8_TYPES:
+def _lean_int8(ggml_type: str, shape: Sequence[int]) -> bool:
+    n, k = math.prod(shape[:-1]), shape[-1]
+    return ggml_type in LEAN_INT8_TYPES and _int8_rows_nbytes(n, k) < stored_nbytes(ggml_type, shape)
+
+
+def lean_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | QdotLinear | Int8Linear | DenseLinear:
+    """lean's kernel, the least memory within the fidelity thresholds: stored_kernel, but int8 rows for 5- and 6-bit
+    types where that is smaller (not Q5_0 / Q5_1 on the integer-dot kernels, which hold their own 0.69 / 0.75
+    bytes a weight)."""
+    if _lean_int8(raw.ggml_type, raw.shape):
         return Int8Linear(dequantize(raw))
     return stored_kernel(raw, fixed_rows)
 
 
 def lean_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
     """The bytes lean_kernel holds for a matrix of this type and shape [N, K] (3-D: its rows), without building it."""
-    if ggml_type in LEAN_INT8_TYPES:
+    if _lean_int8(ggml_type, shape):
         return _int8_rows_nbytes(math.prod(shape[:-1]), shape[-1])
     return stored_nbytes(ggml_type, shape)
 

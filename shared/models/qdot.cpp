@@ -7,11 +7,17 @@
 //   q8_0: 34 bytes {fp16 d, 32 int8}, w = d q
 //   q8_16: 40 bytes {float32 d0, float32 d1, 32 int8}, w = d0 q for elements 0..15, d1 q for 16..31 (Q6_K's levels
 //          less 32 and its sub-blocks' scales d * sc, exact in float32: linear.py's _rewritten_blocks)
+//   q5_0: 22 bytes {fp16 d, 16 bytes of nibbles as q4_1's, 4 bytes: bit i is element i's fifth bit}, w = d (q - 16)
+//   q5_1: 24 bytes {fp16 d, fp16 m, the same 20 bytes}, w = d q + m (Q5_0's and Q5_1's own bytes, reordered)
 // with the rows taken 8 at a time (N padded with zero rows to a multiple of 8) and each block of the 8 interleaved
 // (qdot.py's interleave), the same bytes in another order:
 //   q4_1: 160 bytes {8 fp16 d, 8 fp16 m, 4 x 32 bytes: bytes 4n .. 4n+3 of the j-th are row n's bytes 4j .. 4j+3}
 //   q8_0: 272 bytes {8 fp16 d, 8 x 32 bytes: bytes 4n .. 4n+3 of the j-th are row n's levels 4j .. 4j+3}
 //   q8_16: 320 bytes {8 float32 d0, 8 float32 d1, the 8 x 32 bytes of levels as q8_0's}
+//   q5_0 / q5_1: 176 / 192 bytes {8 fp16 d, (8 fp16 m,) the 4 x 32 bytes of nibbles as q4_1's, 32 bytes of fifth
+//          bits: bit 2j + h of byte 4n + b is row n's element 16h + 4j + b's, the one at that byte of the j-th 32
+//          bytes, in its low (h = 0) or high nibble}, so that a shift of the 32 bytes puts the fifth bits of the
+//          j-th's low or high nibbles at bit 4 of each byte
 // so one maddubs multiplies 4 levels of each of 8 rows by the same 4 activations (broadcast), and the 8 rows' sums
 // build up in the 8 lanes of one register: no horizontal sums, one float scaling per block for 8 outputs.
 // Each row of x is quantized first, per block of 32, as ggml's q8_1: q = round(x * 127 / amax) in int8, its scale
@@ -19,6 +25,8 @@
 // product is then exact in integers (maddubs: u8 x s8 pairs into int16, which cannot saturate for 4-bit levels nor,
 // by ggml's sign trick, for 8-bit ones) and scaled in float32, block after block:
 //   q4_1: y = sum_b d_w d_x dot(q_w, q_x) + m_w s_x        q8_0: y = sum_b d_w d_x dot(q_w, q_x)
+//   q5_0: y = sum_b d_w d_x (dot(q_w, q_x) - 16 sum(q_x)), in integers as llama.cpp's dot of signed levels
+//   q5_1: as q4_1, with 5-bit levels (int16 sums widened every 4 maddubs: 4 x 2 x 31 x 127 fits)
 //   q8_16: y = sum_b d0_w d0_x dot(q_w, q_x)[0..15] + d1_w d1_x dot(q_w, q_x)[16..31], the activations quantized
 //          per 16 too (d0_x, d1_x: each half's own amax / 127): per 32, Gemma 3's Q6_K ffn_down inputs (a few large
 //          values among small ones) cost 2.5 % of perplexity
@@ -41,16 +49,18 @@ namespace {
 
 constexpr int64_t QK = 32;  // weights (and activations) per block
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the block being multiplied its successors are fetched
-enum Layout { Q4_1, Q8_0, Q8_16 };  // the weights' block layouts (above)
+enum Layout { Q4_1, Q8_0, Q8_16, Q5_0, Q5_1 };  // the weights' block layouts (above)
 constexpr int64_t group_bytes(Layout layout) {  // 8 rows' blocks of 32, interleaved
-  return layout == Q4_1 ? 8 * 20 : layout == Q8_0 ? 8 * 34 : 8 * 40;
+  constexpr int64_t row_bytes[] = {20, 34, 40, 22, 24};  // per Layout, in its order
+  return 8 * row_bytes[layout];
 }
 
-// x [M, K] quantized per block of 32: q [M, K] int8, d and s [M, K/32] float (fp16-rounded); for q8_16 weights per
-// half block (16), d [M, K/16] and no s
+// x [M, K] quantized per block of 32: q [M, K] int8, d and s [M, K/32] float (fp16-rounded), sum [M, K/32] the
+// levels' sum; for q8_16 weights per half block (16), d [M, K/16] and no s or sum
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> sum;
 };
 
 inline float fp16_round(float v) { return _cvtsh_ss(_cvtss_sh(v, 0)); }
@@ -72,7 +82,7 @@ template <bool HALVES>
 Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
   const int64_t blocks = M * (K / QK);
   Q8Rows out{std::vector<int8_t>(M * K), std::vector<float>(HALVES ? 2 * blocks : blocks),
-             std::vector<float>(HALVES ? 0 : blocks)};
+             std::vector<float>(HALVES ? 0 : blocks), std::vector<int32_t>(HALVES ? 0 : blocks)};
   const __m256 sign = _mm256_set1_ps(-0.0f);
   // a prefill's many rows over the threads; a decode step's few blocks inline (under the grain)
   at::parallel_for(0, blocks, 512, [&](int64_t first, int64_t last) {
@@ -101,7 +111,8 @@ Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
         __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
         s4 = _mm_hadd_epi32(s4, s4);
         s4 = _mm_hadd_epi32(s4, s4);
-        out.s[i] = fp16_round(d[0] * static_cast<float>(_mm_cvtsi128_si32(s4)));
+        out.sum[i] = _mm_cvtsi128_si32(s4);
+        out.s[i] = fp16_round(d[0] * static_cast<float>(out.sum[i]));
       }
       // int32 -> int8 in element order: packs interleave 128-bit lanes, the permute puts them back
       __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
@@ -110,6 +121,27 @@ Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
     }
   });
   return out;
+}
+
+// bit `bit` (0..7) of each byte moved to bit 4, every other bit 0: a 16-bit shift, whose bits crossing into the
+// neighbouring byte land below bit 4 (left, by at most 4) or above it (right, by at most 3) and are masked off
+template <int bit>
+inline __m256i fifth_bit(__m256i bits) {
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  if constexpr (bit <= 4) return _mm256_and_si256(_mm256_slli_epi16(bits, 4 - bit), bit4);
+  else return _mm256_and_si256(_mm256_srli_epi16(bits, bit - 4), bit4);
+}
+
+template <int j, int MT>
+inline void q5_chunk(const uint8_t *nibbles, __m256i fifth, const int8_t *const *xq, __m256i *sum16) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(nibbles + 32 * j));
+  const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, low), fifth_bit<2 * j>(fifth));
+  const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), fifth_bit<2 * j + 1>(fifth));
+  for (int t = 0; t < MT; t++) {
+    sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq[t] + 4 * j))));
+    sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq[t] + 16 + 4 * j))));
+  }
 }
 
 // One group of 8 weight rows against MT activation rows -> y[m0..m0+MT, n0..n0+8]. The group's block is loaded once
@@ -128,6 +160,33 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
         _mm_prefetch(reinterpret_cast<const char *>(blk + PREFETCH_BYTES + ahead), _MM_HINT_T0);
     const int8_t *xq[MT];
     for (int t = 0; t < MT; t++) xq[t] = x.q.data() + (m0 + t) * K + b * QK;
+    if constexpr (L == Q5_0 || L == Q5_1) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk)));
+      const uint8_t *nibbles = blk + (L == Q5_1 ? 32 : 16);
+      const __m256i fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(nibbles + 128));
+      __m256i dot[MT], sum16[MT];  // int32 lane n: row n's exact dot product of its unsigned levels with the block
+      // int16 sums of 4 maddubs of levels <= 31: a lane adds 8 products, at most 31496; then widened
+      for (int t = 0; t < MT; t++) sum16[t] = _mm256_setzero_si256();
+      q5_chunk<0, MT>(nibbles, fifth, xq, sum16);
+      q5_chunk<1, MT>(nibbles, fifth, xq, sum16);
+      for (int t = 0; t < MT; t++) {
+        dot[t] = _mm256_madd_epi16(sum16[t], ones);
+        sum16[t] = _mm256_setzero_si256();
+      }
+      q5_chunk<2, MT>(nibbles, fifth, xq, sum16);
+      q5_chunk<3, MT>(nibbles, fifth, xq, sum16);
+      for (int t = 0; t < MT; t++) dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(sum16[t], ones));
+      for (int t = 0; t < MT; t++) {
+        const int64_t xb = (m0 + t) * nb + b;
+        if constexpr (L == Q5_0) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(16 * x.sum[xb]));
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[xb])), _mm256_cvtepi32_ps(dot[t]), acc[t]);
+        if constexpr (L == Q5_1) {
+          const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 16)));
+          acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[xb]), acc[t]);
+        }
+      }
+      continue;
+    }
     if constexpr (L == Q8_16) {
       // lane n: row n's exact dot product over one half of the block (16 levels), scaled by that half's d
       const __m256 d0 = _mm256_loadu_ps(reinterpret_cast<const float *>(blk));
@@ -482,9 +541,13 @@ TORCH_LIBRARY(stagemesh_qdot, m) {
   m.def("q4_1(Tensor x, Tensor blocks, int n) -> Tensor");
   m.def("q8_0(Tensor x, Tensor blocks, int n) -> Tensor");
   m.def("q8_16(Tensor x, Tensor blocks, int n) -> Tensor");
+  m.def("q5_0(Tensor x, Tensor blocks, int n) -> Tensor");
+  m.def("q5_1(Tensor x, Tensor blocks, int n) -> Tensor");
   m.impl("q4_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q4_1>));
   m.impl("q8_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q8_0>));
   m.impl("q8_16", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q8_16>));
+  m.impl("q5_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q5_0>));
+  m.impl("q5_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q5_1>));
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, SymInt slot, SymInt ctx, float scale, "
         "int window=0) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));

@@ -43,9 +43,11 @@ log = logging.getLogger("stagemesh.qdot")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qdot.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q8_16": 40}  # bytes per block of 32 weights of one row in the ops' layouts
-# the scales leading each block, (how many, bytes each): fp16 d and m, fp16 d, or float32 d of each half
-SCALES = {"q4_1": (2, 2), "q8_0": (1, 2), "q8_16": (2, 4)}
+# bytes per block of 32 weights of one row in the ops' layouts
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q8_16": 40, "q5_0": 22, "q5_1": 24}
+# the scales leading each block, (how many, bytes each): fp16 d (and m), or float32 d of each half
+SCALES = {"q4_1": (2, 2), "q8_0": (1, 2), "q8_16": (2, 4), "q5_0": (1, 2), "q5_1": (2, 2)}
+FIFTH_BIT_OPS = ("q5_0", "q5_1")  # their blocks end in 4 bytes of fifth bits (bit i: element i's), after the nibbles
 GROUP_ROWS = 8  # rows whose blocks the ops' layout interleaves
 CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -173,10 +175,23 @@ def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
     b = padded.view(groups, GROUP_ROWS, nb, size)
     parts = [b[..., each * s:each * (s + 1)].permute(0, 2, 1, 3).reshape(groups, nb, each * GROUP_ROWS)
              for s in range(count)]
-    scale_bytes = count * each
-    levels = b[..., scale_bytes:].reshape(groups, GROUP_ROWS, nb, -1, 4).permute(0, 2, 3, 1, 4)
+    scale_bytes, level_end = count * each, size - 4 if op in FIFTH_BIT_OPS else size
+    levels = b[..., scale_bytes:level_end].reshape(groups, GROUP_ROWS, nb, -1, 4).permute(0, 2, 3, 1, 4)
     parts.append(levels.reshape(groups, nb, -1))
+    if op in FIFTH_BIT_OPS:
+        parts.append(_fifth_bit_masks(b[..., level_end:]))
     return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
+
+
+def _fifth_bit_masks(qh: torch.Tensor) -> torch.Tensor:
+    """Each row's fifth bits qh [groups, 8 rows, blocks, 4 bytes] -> [groups, blocks, 32 bytes]: byte 4n + b holds
+    at bit 2j + h row n's element 16h + 4j + b's, the element at that byte of the j-th 32 bytes of interleaved
+    nibbles, low (h = 0) or high (qdot.cpp's header)."""
+    groups, rows, nb, _ = qh.shape
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = ((qh[..., None] >> shifts) & 1).reshape(groups, rows, nb, 2, 4, 4)  # [.., n, block, h, j, b]
+    bits = bits.permute(0, 2, 1, 5, 4, 3).reshape(groups, nb, 32, 8)  # [.., block, byte 4n + b, bit 2j + h]
+    return (bits << shifts).sum(-1, dtype=torch.uint8)
 
 
 def mm(op: str, x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
