@@ -14,8 +14,9 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
     f32    float32, the GGUF's numbers exactly (the reference)
 
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
-(QdotLinear) wherever the table says int4, and so do Q4_K, Q5_0 and Q6_K (rewritten to Q4_1's, Q8_0's and q8_16
-blocks) in auto: the file's blocks, multiplied as llama.cpp does (shared.models.qdot). They
+(QdotLinear) wherever the table says int4, Q5_0 / Q5_1 in both modes (their own blocks, smaller than int8 rows), and
+Q4_K and Q6_K in auto (rewritten to Q4_1 and q8_16 blocks): the file's blocks, multiplied as llama.cpp does
+(shared.models.qdot). They
 outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
@@ -64,10 +65,9 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # a nibble x scale + low per group of 32:
 INT4_PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # up to 8 bits x scale + low per group of 32: two int4 planes
 FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
 # The types QdotLinear takes where the integer-dot kernels run (qdot.usable()), and the op each runs on.
-# Q5_0 runs as Q8_0 blocks {d, q - 16} (exact), Q4_K as Q4_1 blocks {d*sc, -dmin*mn} per group of 32 (the two rounded
-# to fp16 once, as llama.cpp rounds Q8_1's; int4 rounds them to bf16): QdotLinear rewrites them.
-# Q6_K as q8_16 blocks {d*sc of each half, the levels less 32} per group of 32 (exact: its scales are per 16).
-# Q5_0 and Q5_1 as their own bytes, the fifth bits moved after the nibbles.
+# QdotLinear rewrites three: Q4_K runs as Q4_1 blocks {d*sc, -dmin*mn} per group of 32 (the two rounded to fp16 once,
+# as llama.cpp rounds Q8_1's; int4 rounds them to bf16); Q6_K as q8_16 blocks {d*sc of each half, the levels less 32}
+# per group of 32 (exact: its scales are per 16); Q5_0 and Q5_1 as their own bytes, the fifth bits after the nibbles.
 QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_1",
               "Q6_K": "q8_16"}
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
