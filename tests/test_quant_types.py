@@ -51,10 +51,12 @@ def test_every_tensor_type_matches_llama_cpp(qtype, f32_source, tmp_path):
     ref = llama_cpp_logits(llama_cpp_model(path, n_ctx=64), IDS)
     pipeline = LocalPipeline.load(loader, None, torch.bfloat16, kv_slots=1)
     for name, kind in pipeline.pieces[0].model.weight_summary().items():
-        if name.startswith("blk."):  # auto: int4 (or, for Q4_0 / Q4_1 / Q8_0 on AVX2 CPUs, the integer-dot kernels)
-            # for 4/5/8-bit types below the crossover, the dense kernel for the rest
-            kernel = "-dot-q8" if qdot_takes(qtype) else "int4"
-            assert (kernel in kind) == (qtype in INT4_TYPES + INT4_PAIR_TYPES), (name, kind)
+        if name.startswith("blk."):  # auto: the integer-dot kernels for their types on AVX2 CPUs; else int4 for
+            # 4/5/8-bit types below the crossover, the dense kernel for the rest
+            if qdot_takes(qtype):
+                assert "-dot-q8" in kind, (name, kind)
+            else:
+                assert ("int4" in kind) == (qtype in INT4_TYPES + INT4_PAIR_TYPES), (name, kind)
     logit_range = ref.max() - ref.min()
     assert logit_range > 1.0  # the comparison is not vacuous
     lean = LocalPipeline.load(loader, None, torch.bfloat16, kv_slots=1, weights="lean")  # each type's stored kernel
