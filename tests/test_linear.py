@@ -111,7 +111,7 @@ def test_lean_kernel_is_the_smallest_within_the_types_own_error(qtype):
         assert w.nbytes < stored_nbytes(qtype, (ROWS, COLS))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K"])
 def test_quantized_kernels_give_a_row_the_same_numbers_at_any_batch_size(qtype):
     """What the batch-invariant mode relies on (it never pads the quantized kernels): row i of an M-row call equals
     the same row computed alone, for every M up to 40."""
