@@ -31,6 +31,7 @@ class CachedPrefix:
     seq_id: str  # the finished sequence every stage keeps
     hashes: list[bytes]  # chained hash of each full block of the tokens whose K/V it holds
     positions: int  # the positions whose K/V it holds (what its KV rows take on the stages; >= tokens)
+    prompt_blocks: int = 0  # how many of its blocks are wholly its request's prompt (the rest hold generated tokens)
 
     @property
     def tokens(self) -> int:
@@ -130,11 +131,16 @@ class PrefixIndex:
             self.stats.hits += 1
             self.stats.cached_tokens += hit.tokens
 
-    def insert(self, seq_id: str, ids: list[int], pinned: set[str] = frozenset()) -> tuple[bool, list[str]]:
-        """A finished sequence whose K/V covers ids (every stage holds those positions). Returns (keep it, prefixes
-        to release): it is not kept when it holds no full block or an indexed prefix already holds all of its
-        blocks; kept prefixes it wholly contains are released (it serves every lookup they would), except pinned
-        ones (an admitted sequence is about to attach them)."""
+    def insert(self, seq_id: str, ids: list[int], pinned: set[str] = frozenset(),
+               prompt_tokens: int = 0) -> tuple[bool, list[str]]:
+        """A finished sequence whose K/V covers ids (every stage holds those positions), the first prompt_tokens of
+        them its prompt. Returns (keep it, prefixes to release): it is not kept when it holds no full block or an
+        indexed prefix already holds all of its blocks. Released, except pinned ones (an admitted sequence is about
+        to attach them): kept prefixes it wholly contains (it serves every lookup they would), and those whose
+        prompt's whole blocks it holds -- the conversation moved on: its next turn came back with other tokens than
+        the ones generated (a client's re-tokenized or edited reply), and only that tail would be lost. Kept, each
+        turn of a chat would hold a KV row of its own, and least recently used first, the rows limit would give
+        up a shared system prompt's prefixes before them."""
         hashes = self.chain(ids)
         if not hashes:
             return False, []
@@ -143,10 +149,12 @@ class PrefixIndex:
             self._prefixes.move_to_end(next(iter(covering)))
             return False, []
         mine = set(hashes)
-        contained = [p for p in self._prefixes.values() if p.hashes[-1] in mine and p.seq_id not in pinned]
+        contained = [p for p in self._prefixes.values() if p.seq_id not in pinned and (
+            p.hashes[-1] in mine or (p.prompt_blocks > 0 and p.hashes[p.prompt_blocks - 1] in mine))]
         for p in contained:
             self._forget(p.seq_id)
-        self._prefixes[seq_id] = CachedPrefix(seq_id, hashes, len(ids))
+        prompt_blocks = min(len(hashes), prompt_tokens // BLOCK_TOKENS)
+        self._prefixes[seq_id] = CachedPrefix(seq_id, hashes, len(ids), prompt_blocks)
         for h in hashes:
             self._holders.setdefault(h, set()).add(seq_id)
         self.stats.kept += 1

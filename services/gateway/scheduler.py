@@ -210,7 +210,8 @@ class Scheduler:
         bound = self.prefix_positions
         if bound is not None and req.computed > bound:
             return False
-        kept, contained = self.prefix.insert(req.seq_id, req.all_ids[:req.computed], self._pinned())
+        kept, contained = self.prefix.insert(req.seq_id, req.all_ids[:req.computed], self._pinned(),
+                                             prompt_tokens=len(req.prompt_ids))
         self._release.extend(contained)
         while kept and bound is not None and self.prefix.held_positions > bound:
             if not self._evict_prefix({req.seq_id}):
