@@ -99,10 +99,11 @@ def test_traced_requests_sharing_the_mesh_each_get_only_their_own_activations(up
 def test_a_prompt_repeated_on_a_split_mesh_starts_from_every_stages_cached_prefix_with_the_same_tokens(up3):
     """float32 over 3 stages: the second request finds the first one's K/V kept on every stage, computes only its
     last block's worth of prompt, and samples the same greedy tokens (a full prefill's)."""
-    prompt = "A list of rivers, mountains, cities and the countries they lie in, one per line:\n" * 3
+    line = "A list of rivers, mountains, cities and the countries they lie in, one per line:\n"
+    prompt = line * 3
 
-    def complete(extra: str = "") -> dict:
-        body = json.dumps({"prompt": prompt + extra, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).encode()
+    def complete(text: str = prompt) -> dict:
+        body = json.dumps({"prompt": text, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).encode()
         with urllib.request.urlopen(urllib.request.Request(up3.url + "/v1/completions", body,
                                                            {"Content-Type": "application/json"}), timeout=300) as r:
             return json.loads(r.read())
@@ -127,9 +128,9 @@ def test_a_prompt_repeated_on_a_split_mesh_starts_from_every_stages_cached_prefi
         assert kv["prefix_slots"] == 64 and 0 < kv["kept_bytes"] <= kv["prefix_memory_bytes"]
         assert kv["kept_bytes"] % kv["position_bytes"] == 0 and kv["kept_bytes"] >= n * kv["position_bytes"]
         assert kv["shared_bytes"] == 0
-    # one more with its own ending: it maps the cached prompt's pages on every stage (float32: 16 positions a page),
-    # and stays kept beside the second, still mapping them
-    third = complete("Rivers of Norway:")
+    # one more with its own ending after two of the lines: it maps the cached prompt's pages on every stage (float32:
+    # 16 positions a page), and stays kept beside the second (whose prompt it does not hold), still mapping them
+    third = complete(line * 2 + "Rivers of Norway:")
     reused = third["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert reused >= 32
     for i in range(3):
