@@ -71,11 +71,11 @@ def test_a_longer_prefix_replaces_the_ones_it_contains_and_a_contained_one_is_no
     assert len(index) == 2 and index.insert("short", [1, 2, 3]) == (False, [])
 
 
-def test_a_turn_that_holds_the_last_turns_prompt_replaces_it_even_with_another_reply():
+def test_a_turn_that_holds_the_last_turns_prompt_puts_it_first_to_evict_even_with_another_reply():
     """A chat client sends back its own text for the assistant's reply (re-tokenized, edited, or scripted): the new
-    turn holds the last turn's prompt but not its generated tail. The last turn's prefix is released then (only its
-    tail is lost), so a conversation keeps one KV row, not one a turn; other conversations' prefixes, which share
-    only part of the new turn's prompt, stay."""
+    turn holds the last turn's prompt but not its generated tail. The last turn's prefix then goes first in the
+    eviction order (only its tail would be lost), ahead of other conversations' prefixes, which share only part of
+    the new turn's prompt and keep their recency."""
     index = PrefixIndex()
     system = prompt(5, 64)  # 4 whole blocks
     other = system + prompt(6, 40) + prompt(7, 20)  # another user: the same system text, its own question
@@ -83,14 +83,14 @@ def test_a_turn_that_holds_the_last_turns_prompt_replaces_it_even_with_another_r
     turn1 = system + prompt(8, 48)  # prompt 112 tokens = 7 blocks, then 20 generated
     assert index.insert("t1", turn1 + prompt(9, 20), prompt_tokens=len(turn1)) == (True, [])
     turn2 = turn1 + prompt(10, 50)  # the client's reply text, then its next message
-    assert index.insert("t2", turn2 + prompt(11, 20), prompt_tokens=len(turn2)) == (True, ["t1"])
-    assert len(index) == 2 and index.lookup(other).tokens == 112  # the other user's prefix stays
-    # pinned (a request is about to attach it), or kept without its prompt's length: it stays
+    assert index.lookup(turn2).prefix.seq_id == "t1"  # turn 2 starts from turn 1's prefix: now the most recent
+    assert index.insert("t2", turn2 + prompt(11, 20), prompt_tokens=len(turn2)) == (True, [])
+    assert len(index) == 3 and index.evict() == "t1"  # though "other" was used longer ago
+    assert index.lookup(other).tokens == 112  # the other user's prefix stays
     turn3 = turn2 + prompt(12, 50)
-    assert index.insert("t3", turn3 + prompt(13, 5), pinned={"t2"}, prompt_tokens=len(turn3)) == (True, [])
-    assert index.insert("t4", turn3 + prompt(14, 30), prompt_tokens=len(turn3)) == (True, ["t2", "t3"])
-    index.insert("bare", prompt(15, 64))
-    assert index.insert("after", prompt(15, 64) + prompt(16, 40), prompt_tokens=80) == (True, ["bare"])  # contained
+    assert index.insert("t3", turn3 + prompt(13, 5), prompt_tokens=len(turn3)) == (True, [])
+    assert index.evict(pinned={"t2"}) == "other" and index.evict() == "t2"  # pinned: not given up
+    assert index.insert("t4", turn3 + prompt(14, 30), prompt_tokens=len(turn3)) == (True, ["t3"])  # contained
 
 
 def test_eviction_takes_the_least_recently_used_prefix_that_is_not_pinned():

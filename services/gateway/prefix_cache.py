@@ -136,11 +136,12 @@ class PrefixIndex:
         """A finished sequence whose K/V covers ids (every stage holds those positions), the first prompt_tokens of
         them its prompt. Returns (keep it, prefixes to release): it is not kept when it holds no full block or an
         indexed prefix already holds all of its blocks. Released, except pinned ones (an admitted sequence is about
-        to attach them): kept prefixes it wholly contains (it serves every lookup they would), and those whose
-        prompt's whole blocks it holds -- the conversation moved on: its next turn came back with other tokens than
-        the ones generated (a client's re-tokenized or edited reply), and only that tail would be lost. Kept, each
-        turn of a chat would hold a KV row of its own, and least recently used first, the rows limit would give
-        up a shared system prompt's prefixes before them."""
+        to attach them): kept prefixes it wholly contains (it serves every lookup they would). Those whose prompt's
+        whole blocks it holds go first in the eviction order instead: the conversation moved on, its next turn came
+        back with other tokens than the ones generated (a client's re-tokenized or edited reply), and only their
+        tail would be lost. Least recently used, each turn of such a chat would keep a KV row ahead of a shared
+        system prompt's prefixes, which the rows limit then gave up first. (Not released at once: the new one maps
+        their pages, and releasing a lender copies them.)"""
         hashes = self.chain(ids)
         if not hashes:
             return False, []
@@ -149,10 +150,13 @@ class PrefixIndex:
             self._prefixes.move_to_end(next(iter(covering)))
             return False, []
         mine = set(hashes)
-        contained = [p for p in self._prefixes.values() if p.seq_id not in pinned and (
-            p.hashes[-1] in mine or (p.prompt_blocks > 0 and p.hashes[p.prompt_blocks - 1] in mine))]
+        contained = [p for p in self._prefixes.values() if p.hashes[-1] in mine and p.seq_id not in pinned]
         for p in contained:
             self._forget(p.seq_id)
+        superseded = [p.seq_id for p in self._prefixes.values()
+                      if p.prompt_blocks > 0 and p.hashes[p.prompt_blocks - 1] in mine]
+        for s in reversed(superseded):
+            self._prefixes.move_to_end(s, last=False)
         prompt_blocks = min(len(hashes), prompt_tokens // BLOCK_TOKENS)
         self._prefixes[seq_id] = CachedPrefix(seq_id, hashes, len(ids), prompt_blocks)
         for h in hashes:
