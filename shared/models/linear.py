@@ -279,12 +279,12 @@ def _stacked(kernel: Int4Linear | QdotLinear) -> tuple[torch.Tensor, ...]:
 
 
 class QdotLinear:
-    """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 matrix kept as the GGUF's blocks, multiplied by integer dot products
-    against activations quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch
-    kernels are AVX2). blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them
-    (its offset -8d, exact in fp16) and Q4_K's (_rewritten_blocks), Q8_0's 34-byte blocks and Q5_0's rewritten to
-    them, Q6_K as 40-byte q8_16 blocks (two float32 scales, one per half), 8 rows' interleaved (qdot.interleave).
-    float32 out. A row's result does not depend on the other rows."""
+    """A matrix of one of QDOT_TYPES kept as the GGUF's blocks, multiplied by integer dot products against activations
+    quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch kernels are AVX2).
+    blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset -8d, exact
+    in fp16) and Q4_K's (_rewritten_blocks); Q8_0's 34-byte blocks; Q5_0's and Q5_1's own 22 / 24 bytes, reordered;
+    Q6_K as 40-byte q8_16 blocks (two float32 scales, one per half); 8 rows' interleaved (qdot.interleave). float32
+    out. A row's result does not depend on the other rows."""
 
     def __init__(self, raw: RawTensor):
         if (why := qdot.load()) is not None:
@@ -346,9 +346,10 @@ def qdot_takes(ggml_type: str) -> bool:
 
 class Int8Linear:
     """int8 weight-only with one bf16 scale per output row (`_weight_int8pack_mm`): the types whose levels are not a
-    nibble or a byte per group of 32 (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, ...) where no integer-dot kernel takes them. Not exact: the GGUF's values are
-    requantized to 255 levels of their row's absolute maximum (an error a few times smaller than the type's own step
-    for 5/6-bit types, far smaller for 2/3/4-bit ones; tests/test_real_files.py holds it to llama.cpp's logits).
+    nibble or a byte per group of 32 (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, ...) where no integer-dot kernel takes them.
+    Not exact: the GGUF's values are requantized to 255 levels of their row's absolute maximum (an error a few times
+    smaller than the type's own step for 5/6-bit types, far smaller for 2/3/4-bit ones; tests/test_real_files.py holds
+    it to llama.cpp's logits).
     A row's result does not depend on the other rows of the call (checked for every M in tests/test_linear.py)."""
 
     kind = "int8-rows"
