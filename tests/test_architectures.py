@@ -44,35 +44,50 @@ def test_any_split_gives_exactly_the_unsplit_logits(tiny, points):
 
 
 @pytest.mark.slow
-def test_every_architecture_decodes_compiled_with_the_eager_steps_numbers(tiny):
+def test_every_architecture_decodes_compiled_with_the_eager_steps_numbers(tiny, monkeypatch):
     """The compiled decode step is the model's own run_layers under torch.compile, so every architecture has one (the
     same definition eager steps run: sliding windows, soft caps, q/k norms, parallel blocks, biases, experts). Each
     decode step of a sequence runs compiled and gives the eager step's logits (float32: fused kernels sum in another
-    order, so equal to rounding, not bit for bit)."""
+    order, so equal to rounding, not bit for bit). The graph is called without dynamo where it is one graph
+    (DirectCall), with exactly the numbers of the same graph called through dynamo."""
     from torch._dynamo.utils import counters
 
+    from shared.models.compiled_decode import DirectCall
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
     path, spec = tiny
     loader = GgufLoader(path)
     ids = torch.tensor(IDS * 4)[:36]  # past gemma's sliding window (8): the sliding layers' mask bites
-    logits = []
+    logits, steps = {}, {}
     counters.clear()
-    for mode in ("off", "on"):
-        pipe = LocalPipeline.load(loader, None, torch.float32, kv_slots=2, max_seq_len=64, compile_decode=mode)
+    for mode in ("off", "on", "through dynamo"):
+        with monkeypatch.context() as patch:
+            if mode == "through dynamo":
+                patch.setattr(DirectCall, "bind", classmethod(lambda cls, *args: (None, "refused by the test")))
+            pipe = LocalPipeline.load(loader, None, torch.float32, kv_slots=2, max_seq_len=64,
+                                      compile_decode="off" if mode == "off" else "on")
         pipe.run([SeqEntry("a", Prefill(20, 0, 20, True))], ids[:20])
-        logits.append(torch.cat([pipe.run([SeqEntry("a", Decode(20 + k))], ids[20 + k:21 + k]) for k in range(16)]))
-    (compiled_piece,) = pipe.pieces
-    assert compiled_piece.compiled.steps == 16, compiled_piece.compiled_decode_info()
-    # compiled for this model (a graph of its own, not another architecture's cache entry nor dynamo's eager fallback),
-    # and one graph, except that a mixture-of-experts block's experts run eagerly between graphs
-    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
-    breaks = dict(counters["graph_break"])
-    assert bool(breaks) == (spec.arch == "qwen3moe"), breaks
-    eager, compiled = logits
+        logits[mode] = torch.cat([pipe.run([SeqEntry("a", Decode(20 + k))], ids[20 + k:21 + k]) for k in range(16)])
+        steps[mode] = pipe.pieces[0].compiled
+        if mode == "on":  # counted before the third load: its graphs come from the caches
+            # compiled for this model (a graph of its own, not another architecture's cache entry nor dynamo's eager
+            # fallback), and one graph, except that a mixture-of-experts block's experts run eagerly between graphs
+            assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+            breaks = dict(counters["graph_break"])
+            assert bool(breaks) == (spec.arch == "qwen3moe"), breaks
+    direct, dynamo = steps["on"].info(), steps["through dynamo"].info()
+    assert direct["steps"] == dynamo["steps"] == 16, (direct, dynamo)
+    threads = torch.get_num_threads()
+    if spec.arch == "qwen3moe":  # several graphs with eager experts between them: dynamo runs the step
+        assert direct["direct"] == [] and "graphs" in direct["direct_reason"], direct
+    else:
+        assert f"one:{threads}" in direct["direct"] and direct["direct_reason"] is None, direct
+        assert dynamo["direct"] == [] and "refused by the test" in dynamo["direct_reason"], dynamo
+    eager = logits["off"]
     assert eager.abs().max() > 1 and not torch.equal(eager[0], eager[-1])
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(logits["on"], eager, rtol=1e-5, atol=1e-4)
+    assert torch.equal(logits["on"], logits["through dynamo"])
 
 
 @pytest.mark.slow
@@ -313,3 +328,51 @@ async def test_two_stage_mesh_generates_what_one_process_does(arch, tmp_path):
     finally:
         mesh.stop()
     assert len(expected) == 8 and out["s"] == expected
+
+
+def test_a_graph_is_called_directly_only_where_every_argument_maps_to_an_input():
+    """DirectCall.bind ties each argument dynamo handed the graph to run_layers' inputs by identity (weights: the same
+    tensor at every call) and each int to one of the step's sizes; anything else keeps the graph behind dynamo."""
+    from shared.models.compiled_decode import DirectCall, _Graph
+
+    @dataclasses.dataclass
+    class Attention:
+        positions: torch.Tensor
+        scale: float = 1.0
+
+    weight = torch.arange(4.0)
+
+    def inputs(pos: int) -> tuple:
+        return (torch.full((1, 4), float(pos)), ((torch.ones(4), torch.zeros(4)), None), Attention(torch.tensor([pos])),
+                [torch.zeros(2)], [torch.zeros(2)])
+
+    probes = [(inputs(p), {"context": p + 1, "slot": 2}) for p in (5, 9)]
+
+    def graph_of(args_of):  # a "compiled graph" of weight, hidden, positions, the context and the K cache
+        def compiled(w, h, pos, ctx, k):
+            k += 1  # the graph writes its KV inputs in place
+            return [h * w + pos * ctx]
+        graph = _Graph(compiled)
+        return graph, lambda i: graph(*args_of(i))[0]
+
+    def args(i):
+        return weight, i[0], i[2].positions, i[2].positions.item() + 1, i[3][0]
+
+    graph, call = graph_of(args)
+    direct, why = DirectCall.bind(graph, probes, call)
+    assert why == "" and direct is not None
+    fresh = inputs(20)
+    assert torch.equal(direct(fresh, {"context": 21, "slot": 2}), fresh[0] * weight + 20 * 21)
+    assert torch.equal(fresh[3][0], torch.ones(2))  # written in place through the direct call
+    # an argument made afresh at every call that is none of the inputs (dynamo computed it): refused
+    graph, call = graph_of(lambda i: (weight.clone(), *args(i)[1:]))
+    assert DirectCall.bind(graph, probes, call) == (
+        None, "graph argument 0 changes from call to call but is none of the step's inputs")
+    # an int that is none of the step's sizes
+    graph, call = graph_of(lambda i: (*args(i)[:3], 7, args(i)[4]))
+    direct, why = DirectCall.bind(graph, probes, call)
+    assert direct is None and "graph argument 3 (7) is not one of the step's sizes" in why
+    # a graph that gives another output than dynamo's call (a graph break would): refused
+    graph, _ = graph_of(args)
+    direct, why = DirectCall.bind(graph, probes, lambda i: graph(*args(i))[0] + 1)
+    assert direct is None and "did not give dynamo's call's output" in why

@@ -25,6 +25,10 @@ eager against compiled), all but one:
 - each graph input costs a call a few µs (dynamo's guard, the wrapper's handling), so the model keeps its per-layer
   weights stacked where the layers share a shape (linear.stack_layers, TransformerModel.layer_norms): a step reads
   ten-odd weight tensors instead of ten per layer (benchmarks/decode_step.py; docs/performance.md has the figures).
+- a graph is then called without dynamo (DirectCall): dynamo's frame still fetched every argument (the KV cache is
+  two tensors a layer) and cost ~0.3 ms of a 15-layer step on the 2-core AVX2 VM. After compiling, two calls through
+  dynamo show which argument is which input; later steps hand the graph those arguments straight. A graph that
+  broke in several (experts), or whose arguments do not map, keeps being called through dynamo.
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
 batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile
@@ -40,6 +44,7 @@ batch-invariant mode never compiles. inductor's on-disk cache makes later starts
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -101,6 +106,93 @@ def _own_code(method):
     return types.MethodType(copy, method.__self__)
 
 
+class _Graph:
+    """The compiled graph dynamo made of run_layers (what the backend returned: inductor's callable, its arguments
+    dynamo's graph inputs, flat), called through; `record` keeps the next call's arguments (DirectCall.bind)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.record = False
+        self.args: tuple | None = None
+
+    def __call__(self, *args):
+        if self.record:
+            self.args = args
+        return self.compiled(*args)
+
+
+def _inputs_flat(inputs: tuple) -> list[torch.Tensor]:
+    """Every tensor of run_layers' arguments (hidden, ropes, attention, k_layers, v_layers), in a fixed order."""
+    hidden, ropes, attention, k_layers, v_layers = inputs
+    fields = (getattr(attention, f.name) for f in dataclasses.fields(attention))
+    return [hidden, *(t for pair in ropes if pair is not None for t in pair),
+            *(t for t in fields if isinstance(t, torch.Tensor)), *k_layers, *v_layers]
+
+
+class DirectCall:
+    """A compiled graph called without dynamo. Dynamo's frame fetches each of the graph's inputs from run_layers'
+    arguments at every call (the weights, every layer's KV tensors) and checks the guards; here the weights are bound
+    once and the rest placed by index. `slots`: (argument index, index in _inputs_flat) of each input tensor;
+    `sizes`: (argument index, name in the step's sizes) of each dynamic size; `bound`: the arguments, weights in place.
+    Built by bind() only where two calls through dynamo show every argument's source, and checked there bit for bit
+    against dynamo's call; the caller keeps to what the graph was compiled for (CompiledDecode.forward: the thread
+    count, the batch size's range, the dtype and shapes), as dynamo's guards would."""
+
+    def __init__(self, graph: _Graph, bound: list, slots: list[tuple[int, int]], sizes: list[tuple[int, str]]):
+        self.graph, self.bound, self.slots, self.sizes = graph.compiled, bound, slots, sizes
+
+    def __call__(self, inputs: tuple, sizes: dict[str, int]) -> torch.Tensor:
+        args = self.bound.copy()
+        flat = _inputs_flat(inputs)
+        for at, i in self.slots:
+            args[at] = flat[i]
+        for at, name in self.sizes:
+            args[at] = sizes[name]
+        return self.graph(*args)[0]
+
+    @classmethod
+    def bind(cls, graph: _Graph, probes: list[tuple[tuple, dict[str, int]]], call) -> tuple[DirectCall | None, str]:
+        """The DirectCall of `graph` (or None, and why not): each probe (run_layers' inputs, the step's sizes) is
+        called through dynamo (`call`), and its arguments matched to the inputs by identity, its ints to the sizes.
+        The probes' sizes must differ where they can (so that an int names one size): an argument that maps to no
+        input, to different inputs, or that changes but is no input, leaves dynamo in charge."""
+        seen = []
+        for inputs, sizes in probes:
+            graph.record, graph.args = True, None
+            try:
+                out = call(inputs)
+            finally:
+                graph.record = False
+            if graph.args is None:
+                return None, "dynamo did not call the graph (it recompiled, or broke the step in several graphs)"
+            seen.append((inputs, sizes, graph.args, out))
+        (_, _, first, _), rest = seen[0], seen[1:]
+        bound, slots, size_slots = list(first), [], []
+        for at, arg in enumerate(first):
+            if isinstance(arg, torch.Tensor):
+                where = [next((i for i, t in enumerate(_inputs_flat(inputs)) if t is args[at]), None)
+                         for inputs, _, args, _ in seen]
+                if where[0] is not None and all(w == where[0] for w in where):
+                    slots.append((at, where[0]))
+                elif any(w is not None for w in where):
+                    return None, f"graph argument {at} is an input in one call and not in another"
+                elif any(args[at] is not arg for _, _, args, _ in rest):
+                    return None, f"graph argument {at} changes from call to call but is none of the step's inputs"
+            elif type(arg) is int:
+                names = [n for n in seen[0][1] if all(args[at] == sizes[n] for _, sizes, args, _ in seen)]
+                if len(names) != 1:
+                    return None, f"graph argument {at} ({arg}) is not one of the step's sizes {sorted(seen[0][1])}"
+                size_slots.append((at, names[0]))
+            else:
+                return None, f"graph argument {at} is a {type(arg).__name__}"
+        direct = cls(graph, bound, slots, size_slots)
+        inputs, sizes, _, out = seen[-1]
+        again = direct(inputs, sizes)  # the same inputs again: the same K/V rewritten, the same output
+        if not torch.equal(again, out):
+            return None, "called directly, the graph did not give dynamo's call's output"
+        return direct, ""
+
+
 class CompiledDecode:
     """The compiled decode steps of one TransformerModel piece over its KVCache: one sequence's graph, the context
     length dynamic, and the batched graph (where it applies), the batch size dynamic."""
@@ -122,7 +214,12 @@ class CompiledDecode:
         # breaks), oneDNN-prepacked matrices included (linear.prepacked_mm: a type kept dense, weights mode bf16).
         # dynamic=False: every size is static but the two _inputs marks dynamic, the context length and the slot.
         mark_graph_breaks()
-        self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, options={"cpp_wrapper": True})
+        # The graphs dynamo made (a _Graph each: one a thread count, or several where the step broke) and the ones
+        # called directly (DirectCall, by thread count; direct_reason: why a graph is not, None when all are)
+        self._graphs: dict[str, list[_Graph]] = {"one": [], "batched": []}
+        self._direct: dict[tuple[str, int], DirectCall] = {}
+        self.direct_reason: str | None = None
+        self._compiled = torch.compile(_own_code(model.run_layers), dynamic=False, backend=self._backend("one"))
         # The graphs are specialised to torch's thread count (the kernels size per-thread buffers by it; dynamo
         # guards on it), so there is one set per count the step runs with: a stage that uses more threads for a
         # micro-batch alone in the pipeline (StageConfig.threads_alone) has two. None: this thread's count (which
@@ -144,15 +241,52 @@ class CompiledDecode:
         if self.batch_reason is None and self.batch_sizes[1] < 3:  # 2..2 cannot be dynamic, and would serve little
             self.batch_reason = f"batches of at most {self.batch_sizes[1]} sequences decode eagerly"
         self._batched = None if self.batch_reason else torch.compile(_own_code(model.run_layers), dynamic=False,
-                                                                     options={"cpp_wrapper": True})
+                                                                     backend=self._backend("batched"))
         self.batch_compile_seconds: dict[int, float] = {}
         self.batch_broken = False
         self.batch_steps = 0  # decode steps of 2 or more sequences run compiled
 
+    def _backend(self, kind: str):
+        """The torch.compile backend of one graph kind: inductor with its C++ wrapper, the result kept as a _Graph."""
+        def backend(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx  # imported here: inductor takes seconds to import
+            graph = _Graph(compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True}))
+            self._graphs[kind].append(graph)
+            return graph
+        return backend
+
+    def _bind(self, kind: str, threads: int, made: int, probes: list[tuple[tuple, dict[str, int]]], graph) -> None:
+        """Call the graph just compiled for `threads` directly from now on, where DirectCall.bind can tie its
+        arguments to the probes' inputs (`made`: how many graphs of the kind there were before it compiled)."""
+        new = self._graphs[kind][made:]
+        if len(new) != 1:
+            direct, why = None, f"the step compiled to {len(new)} graphs"
+        else:
+            direct, why = DirectCall.bind(new[0], probes, lambda inputs: graph(*inputs))
+        if direct is None:
+            self.direct_reason = f"{kind} step, {threads} threads: {why}"
+            log.info("the compiled %s step runs through dynamo with %d threads: %s", kind, threads, why)
+        else:
+            self._direct[kind, threads] = direct
+
+    def _one_probes(self, pos: int) -> list[tuple[tuple, dict[str, int]]]:
+        """Two one-sequence steps in the scratch row at two contexts, neither equal to the slot's size (so that each
+        int the graph takes names one size)."""
+        slot, d = self.kv.scratch_slot, self.model.config.hidden_size
+        marker = slot + OneSequenceDecode.SLOT_OFFSET
+        positions = [p for p in (pos, pos + 1, pos - 1, pos + 2) if p + 1 != marker and self.covers(p + 1)][:2]
+        gen = torch.Generator().manual_seed(0)
+        return [(self._inputs(torch.randn(1, d, generator=gen), slot, p), self._one_sizes(slot, p)) for p in positions]
+
+    @staticmethod
+    def _one_sizes(slot: int, pos: int) -> dict[str, int]:
+        """The one-sequence graph's dynamic sizes (what OneSequenceDecode's tensor lengths carry)."""
+        return {"context": pos + 1, "slot": slot + OneSequenceDecode.SLOT_OFFSET}
+
     def covers(self, ctx: int) -> bool:
         return self.contexts[0] <= ctx <= self.contexts[1]
 
-    def _inputs(self, hidden: torch.Tensor, slot: int, pos: int):
+    def _inputs(self, hidden: torch.Tensor, slot: int, pos: int, mark: bool = True):
         """run_layers' arguments, built here under inference mode: a tensor from outside it (BatchLayout's) differs in
         dispatch keys, which dynamo guards on, and would recompile. hidden is copied (D floats) for the same reason: a
         stage after the first gets it straight from the wire, a view of a ZeroMQ frame made outside inference mode
@@ -162,6 +296,8 @@ class CompiledDecode:
         hidden = hidden.clone(memory_format=torch.contiguous_format)
         ropes = model.rope_tables(torch.tensor([pos]), self.kv.max_seq_len)
         attention = OneSequenceDecode.at(slot, pos, model.config, model.dtype)
+        if not mark:  # a DirectCall's: the sizes go to the graph as ints, nothing traces these
+            return hidden, ropes, attention, self.kv.k, self.kv.v
         torch._dynamo.mark_dynamic(attention.keys, 0, min=self.contexts[0], max=self.contexts[1])
         rows = self.kv.k[0].shape[0]  # every slot the step may read, the scratch row included
         torch._dynamo.mark_dynamic(attention.slot_marker, 0, min=OneSequenceDecode.SLOT_OFFSET,
@@ -170,13 +306,15 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(attention.sliding_mask, 3, min=self.contexts[0], max=self.contexts[1])
         return hidden, ropes, attention, self.kv.k, self.kv.v
 
-    def _batch_inputs(self, hidden: torch.Tensor, slots: list[int], positions: torch.Tensor):
+    def _batch_inputs(self, hidden: torch.Tensor, slots: list[int], positions: torch.Tensor, mark: bool = True):
         """The batched graph's run_layers arguments (hidden [B, D] f32, B in batch_sizes), built under inference mode
         as _inputs' are; B, every tensor's first size, is the graph's one dynamic size."""
         lo, hi = self.batch_sizes
         hidden = hidden.clone(memory_format=torch.contiguous_format)
         attention = BatchDecode.at(slots, positions)
         ropes = self.model.rope_tables(attention.positions, self.kv.max_seq_len)  # ((cos, sin), sliding's or None)
+        if not mark:
+            return hidden, ropes, attention, self.kv.k, self.kv.v
         tables = [t for pair in ropes if pair is not None for t in pair]
         for t in (hidden, *tables, attention.token_slots, attention.positions, attention.contexts):
             torch._dynamo.mark_dynamic(t, 0, min=lo, max=hi)
@@ -196,6 +334,7 @@ class CompiledDecode:
                 t = time.perf_counter()
                 torch.set_num_threads(threads)
                 hidden = torch.zeros(1, self.model.config.hidden_size)
+                made = len(self._graphs["one"])
                 try:  # no duck sizing: the context and the slot are two sizes even where they are equal when traced
                     with torch.fx.experimental._config.patch(use_duck_shape=False):
                         self._compiled(*self._inputs(hidden, self.kv.scratch_slot, pos))
@@ -208,6 +347,7 @@ class CompiledDecode:
                 self.compile_seconds[threads] = round(time.perf_counter() - t, 1)
                 log.info("compiled the decode step for contexts %d..%d with %d threads in %.1f s", *self.contexts,
                          threads, self.compile_seconds[threads])
+                self._bind("one", threads, made, self._one_probes(pos), self._compiled)
                 if self._batched is not None:
                     self._warm_up_batched(threads, pos)
             self.state = "ready"
@@ -221,6 +361,7 @@ class CompiledDecode:
         t = time.perf_counter()
         b = min(self.batch_sizes[1], 4)
         hidden = torch.zeros(b, self.model.config.hidden_size)
+        made = len(self._graphs["batched"])
         try:
             self._batched(*self._batch_inputs(hidden, [self.kv.scratch_slot] * b, torch.arange(pos, pos + b)))
         except Exception as e:
@@ -231,6 +372,11 @@ class CompiledDecode:
         self.batch_compile_seconds[threads] = round(time.perf_counter() - t, 1)
         log.info("compiled the batched decode step for %d..%d sequences with %d threads in %.1f s", *self.batch_sizes,
                  threads, self.batch_compile_seconds[threads])
+        gen = torch.Generator().manual_seed(0)
+        probes = [(self._batch_inputs(torch.randn(n, self.model.config.hidden_size, generator=gen),
+                                      [self.kv.scratch_slot] * n, torch.arange(pos, pos + n)), {"batch": n})
+                  for n in (self.batch_sizes[0], self.batch_sizes[0] + 1)]  # batch_sizes[1] >= 3 (__init__)
+        self._bind("batched", threads, made, probes, self._batched)
 
     def warm_up_in_background(self) -> None:
         """warm_up in a daemon thread with the caller's torch thread count; until it is done, forward declines and the
@@ -254,6 +400,8 @@ class CompiledDecode:
         return {"state": self.state, "error": self.error, "threads": list(self.thread_counts),
                 "contexts": list(self.contexts),
                 "compile_seconds": {str(n): s for n, s in self.compile_seconds.items()}, "steps": self.steps,
+                # the graphs called without dynamo ("one" / "batched" and the thread count), and why one is not
+                "direct": sorted(f"{kind}:{threads}" for kind, threads in self._direct), "direct_reason": self.direct_reason,
                 "fell_back_to_eager": self.broken,
                 "batched": {"sizes": list(self.batch_sizes), "reason": self.batch_reason,
                             "compile_seconds": {str(n): s for n, s in self.batch_compile_seconds.items()},
@@ -277,12 +425,21 @@ class CompiledDecode:
             pos = int(layout.positions[0])
             if self.broken or not self.covers(pos + 1):
                 return None
-            out = self._run(self._compiled, self._inputs(hidden, layout.slots[0], pos), "broken")
+            slot = layout.slots[0]
+            direct = self._direct.get(("one", torch.get_num_threads()))
+            if direct is not None:
+                out = direct(self._inputs(hidden, slot, pos, mark=False), self._one_sizes(slot, pos))
+            else:
+                out = self._run(self._compiled, self._inputs(hidden, slot, pos), "broken")
             self.steps += out is not None
             return out
         if self._batched is None or self.batch_broken or not self.batch_sizes[0] <= b <= self.batch_sizes[1]:
             return None
-        out = self._run(self._batched, self._batch_inputs(hidden, layout.slots, layout.positions), "batch_broken")
+        direct = self._direct.get(("batched", torch.get_num_threads()))
+        if direct is not None:
+            out = direct(self._batch_inputs(hidden, layout.slots, layout.positions, mark=False), {"batch": b})
+        else:
+            out = self._run(self._batched, self._batch_inputs(hidden, layout.slots, layout.positions), "batch_broken")
         self.batch_steps += out is not None
         return out
 
