@@ -249,7 +249,8 @@ class CompiledDecode:
     def _backend(self, kind: str):
         """The torch.compile backend of one graph kind: inductor with its C++ wrapper, the result kept as a _Graph."""
         def backend(gm, example_inputs):
-            from torch._inductor.compile_fx import compile_fx  # imported here: inductor takes seconds to import
+            # imported here: inductor takes seconds to import
+            from torch._inductor.compile_fx import compile_fx
             graph = _Graph(compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True}))
             self._graphs[kind].append(graph)
             return graph
