@@ -287,7 +287,7 @@ class CompiledDecode:
     def covers(self, ctx: int) -> bool:
         return self.contexts[0] <= ctx <= self.contexts[1]
 
-    def _inputs(self, hidden: torch.Tensor, slot: int, pos: int, mark: bool = True):
+    def _inputs(self, hidden: torch.Tensor, slot: int, pos: int):
         """run_layers' arguments, built here under inference mode: a tensor from outside it (BatchLayout's) differs in
         dispatch keys, which dynamo guards on, and would recompile. hidden is copied (D floats) for the same reason: a
         stage after the first gets it straight from the wire, a view of a ZeroMQ frame made outside inference mode
@@ -297,8 +297,6 @@ class CompiledDecode:
         hidden = hidden.clone(memory_format=torch.contiguous_format)
         ropes = model.rope_tables(torch.tensor([pos]), self.kv.max_seq_len)
         attention = OneSequenceDecode.at(slot, pos, model.config, model.dtype)
-        if not mark:  # a DirectCall's: the sizes go to the graph as ints, nothing traces these
-            return hidden, ropes, attention, self.kv.k, self.kv.v
         torch._dynamo.mark_dynamic(attention.keys, 0, min=self.contexts[0], max=self.contexts[1])
         rows = self.kv.k[0].shape[0]  # every slot the step may read, the scratch row included
         torch._dynamo.mark_dynamic(attention.slot_marker, 0, min=OneSequenceDecode.SLOT_OFFSET,
@@ -306,6 +304,15 @@ class CompiledDecode:
         if attention.sliding_mask is not None:
             torch._dynamo.mark_dynamic(attention.sliding_mask, 3, min=self.contexts[0], max=self.contexts[1])
         return hidden, ropes, attention, self.kv.k, self.kv.v
+
+    def _direct_inputs(self, hidden: torch.Tensor, layout: BatchLayout, pos: int):
+        """_inputs' arguments for a DirectCall of one sequence at `pos`, less what only a trace needs: the layout's own
+        slot and position tensors, the rope tables' row as views (OneSequenceDecode.called_directly). hidden is still
+        copied: from the wire it is a view of a ZeroMQ frame, at any alignment."""
+        model = self.model
+        hidden = hidden.clone(memory_format=torch.contiguous_format)
+        attention = OneSequenceDecode.called_directly(layout.token_slots, layout.positions, pos, model.config, model.dtype)
+        return hidden, model.rope_row(pos, self.kv.max_seq_len), attention, self.kv.k, self.kv.v
 
     def _batch_inputs(self, hidden: torch.Tensor, slots: list[int], positions: torch.Tensor, mark: bool = True):
         """The batched graph's run_layers arguments (hidden [B, D] f32, B in batch_sizes), built under inference mode
@@ -423,13 +430,13 @@ class CompiledDecode:
         if hidden.dtype != torch.float32 or tuple(hidden.shape) != (b, self.model.config.hidden_size):
             return None  # not what the graphs were built for (eager raises the error that names it)
         if b == 1:
-            pos = int(layout.positions[0])
+            pos = layout.starts[0]  # a decode step's one position
             if self.broken or not self.covers(pos + 1):
                 return None
             slot = layout.slots[0]
             direct = self._direct.get(("one", torch.get_num_threads()))
             if direct is not None:
-                out = direct(self._inputs(hidden, slot, pos, mark=False), self._one_sizes(slot, pos))
+                out = direct(self._direct_inputs(hidden, layout, pos), self._one_sizes(slot, pos))
             else:
                 out = self._run(self._compiled, self._inputs(hidden, slot, pos), "broken")
             self.steps += out is not None

@@ -445,6 +445,15 @@ class TransformerModel:
         rope, swa = self._rope_by_context[context]
         return (rope[0][index], rope[1][index]), None if swa is None else (swa[0][index], swa[1][index])
 
+    def rope_row(self, pos: int, context: int) -> Ropes:
+        """rope_tables at one position pos < context, as views of the tables' row (the numbers rope_tables gives,
+        without indexing: [1, rope_dim/2] each, contiguous)."""
+        if context not in self._rope_by_context:
+            self._rope_by_context[context] = self._rope_at(torch.arange(context), context)
+        rope, swa = self._rope_by_context[context]
+        return (rope[0][pos:pos + 1], rope[1][pos:pos + 1]), None if swa is None else (swa[0][pos:pos + 1],
+                                                                                       swa[1][pos:pos + 1])
+
     def _rope_at(self, positions: torch.Tensor, context: int) -> Ropes:
         c = self.config
         rope = rope_cos_sin(positions, c.rope_dim, c.rope_theta, c.rope_scaling, context)
@@ -647,12 +656,26 @@ class OneSequenceDecode:
     @classmethod
     def at(cls, slot: int, pos: int, config: ModelConfig, dtype: torch.dtype) -> OneSequenceDecode:
         keys = torch.arange(pos + 1)
-        sliding = None
-        if config.sliding_window:  # always present on such a model, so the graph's inputs do not change with pos
-            sliding = torch.zeros(1, 1, 1, pos + 1, dtype=dtype).masked_fill_(keys <= pos - config.sliding_window,
-                                                                              float("-inf"))
         return cls(torch.tensor([slot]), torch.tensor([pos]), keys, torch.empty(slot + cls.SLOT_OFFSET, dtype=torch.uint8),
-                   sliding, qdot.usable())
+                   cls._sliding_mask(keys, pos, config, dtype), qdot.usable())
+
+    @classmethod
+    def called_directly(cls, token_slots: torch.Tensor, positions: torch.Tensor, pos: int, config: ModelConfig,
+                        dtype: torch.dtype) -> OneSequenceDecode:
+        """The step at() makes, for a compiled graph called without dynamo (compiled_decode.DirectCall): the graph takes
+        the context and the slot as ints, so `keys` and `slot_marker` are left empty (attend, which reads their
+        lengths, never runs on it), and the slot and position are the caller's [1] int64 tensors."""
+        empty = torch.empty(0, dtype=torch.long)
+        sliding = cls._sliding_mask(torch.arange(pos + 1), pos, config, dtype) if config.sliding_window else None
+        return cls(token_slots, positions, empty, empty, sliding, qdot.usable())
+
+    @staticmethod
+    def _sliding_mask(keys: torch.Tensor, pos: int, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor | None:
+        """[1, 1, 1, C] 0 / -inf: the keys before the sliding window hidden (None: the model has no window). Always
+        present on such a model, so the graph's inputs do not change with pos."""
+        if not config.sliding_window:
+            return None
+        return torch.zeros(1, 1, 1, pos + 1, dtype=dtype).masked_fill_(keys <= pos - config.sliding_window, float("-inf"))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor:
         _, h, hd = q.shape
