@@ -372,6 +372,9 @@ def test_a_graph_is_called_directly_only_where_every_argument_maps_to_an_input()
     graph, call = graph_of(lambda i: (*args(i)[:3], 7, args(i)[4]))
     direct, why = DirectCall.bind(graph, probes, call)
     assert direct is None and "graph argument 3 (7) is not one of the step's sizes" in why
+    # one probe cannot tell an input from a weight (a cache too short for two contexts)
+    graph, call = graph_of(args)
+    assert DirectCall.bind(graph, probes[:1], call)[0] is None
     # a graph that gives another output than dynamo's call (a graph break would): refused
     graph, _ = graph_of(args)
     direct, why = DirectCall.bind(graph, probes, lambda i: graph(*args(i))[0] + 1)

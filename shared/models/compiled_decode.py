@@ -155,7 +155,10 @@ class DirectCall:
         """The DirectCall of `graph` (or None, and why not): each probe (run_layers' inputs, the step's sizes) is
         called through dynamo (`call`), and its arguments matched to the inputs by identity, its ints to the sizes.
         The probes' sizes must differ where they can (so that an int names one size): an argument that maps to no
-        input, to different inputs, or that changes but is no input, leaves dynamo in charge."""
+        input, to different inputs, or that changes but is no input, leaves dynamo in charge (which takes two probes to
+        tell)."""
+        if len(probes) < 2:
+            return None, f"{len(probes)} probe call: two are needed to tell the inputs from the weights"
         seen = []
         for inputs, sizes in probes:
             graph.record, graph.args = True, None
