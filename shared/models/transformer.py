@@ -440,19 +440,21 @@ class TransformerModel:
         if positions.numel() and int(positions.max()) >= context:
             return self._rope_at(positions, context)
         index = positions.to(torch.long)
-        if context not in self._rope_by_context:
-            self._rope_by_context[context] = self._rope_at(torch.arange(context), context)
-        rope, swa = self._rope_by_context[context]
+        rope, swa = self._rope_table(context)
         return (rope[0][index], rope[1][index]), None if swa is None else (swa[0][index], swa[1][index])
 
     def rope_row(self, pos: int, context: int) -> Ropes:
         """rope_tables at one position pos < context, as views of the tables' row (the numbers rope_tables gives,
         without indexing: [1, rope_dim/2] each, contiguous)."""
+        rope, swa = self._rope_table(context)
+        row = slice(pos, pos + 1)
+        return (rope[0][row], rope[1][row]), None if swa is None else (swa[0][row], swa[1][row])
+
+    def _rope_table(self, context: int) -> Ropes:
+        """The rope tables of positions 0 .. context - 1, computed once per context."""
         if context not in self._rope_by_context:
             self._rope_by_context[context] = self._rope_at(torch.arange(context), context)
-        rope, swa = self._rope_by_context[context]
-        return (rope[0][pos:pos + 1], rope[1][pos:pos + 1]), None if swa is None else (swa[0][pos:pos + 1],
-                                                                                       swa[1][pos:pos + 1])
+        return self._rope_by_context[context]
 
     def _rope_at(self, positions: torch.Tensor, context: int) -> Ropes:
         c = self.config
