@@ -28,6 +28,7 @@ from shared.protocol import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, Message, Protoco
 log = logging.getLogger("stagemesh.transport")
 
 HIGH_WATER_MARK = 64  # messages queued per socket before a send waits
+SEND_PATIENCE_S = 30.0  # how long send_from_thread waits on a full queue before it drops the message
 # socket monitor events of a failed ZMTP/CURVE handshake: a peer with another key set, a plaintext peer, an impostor
 HANDSHAKE_FAILURES = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
                       zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth"}
@@ -63,6 +64,7 @@ class TransportStats:
         self.bytes_in = 0
         self.bytes_out = 0
         self.sending_seconds = 0.0  # encoding and handing messages to the next hop (a full queue makes it wait)
+        self.dropped = 0  # messages send_from_thread gave up on: the next hop's queue stayed full (SEND_PATIENCE_S)
         self.rejected: dict[str, int] = {}
         # failed handshakes per socket: "out" (our PUSH dialling the next hop: the peer there holds another key
         # set) is evidence about the mesh; "in" (anyone who can reach our port) is only counted
@@ -183,6 +185,10 @@ class ZmqTransport:
             self._domain = curve_receiver(self.ctx, self.inbound, keys, self.stats)
         _bind_with_retry(self.inbound, check_address(listen, "--listen"))
         self.outbound = None
+        # synchronous views of the same libzmq sockets, for receive_nowait and send_from_thread
+        self._inbound_sync: zmq.Socket | None = None
+        self._outbound_sync: zmq.Socket | None = None
+        self._stop_waiting = False
         if next_hop:
             self.outbound = self.ctx.socket(zmq.PUSH)
             self.outbound.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
@@ -225,17 +231,46 @@ class ZmqTransport:
     async def receive(self) -> Message:
         """The next valid message; malformed ones are counted under their reason and dropped."""
         while True:
-            frames = await recv_frames(self.inbound)
-            size = sum(len(f) for f in frames)
-            self.stats.bytes_in += size
-            try:
-                msg = decode(frames)
-                if not isinstance(msg, self.accept):
-                    raise ProtocolError("kind", f"{type(msg).__name__} is not accepted on this socket")
+            msg = self._validated(await recv_frames(self.inbound))
+            if msg is not None:
                 return msg
-            except ProtocolError as e:
-                self.stats.reject(e.reason)
-                throttled(log, logging.WARNING, f"dropped:{e.reason}", "dropped a message of %d bytes in %d frames: %s", size, len(frames), e)
+
+    @property
+    def inbound_fd(self) -> int:
+        """The file descriptor that becomes readable when inbound may hold messages (edge-triggered: a watcher of it
+        calls receive_nowait until it returns None)."""
+        return self.inbound.FD
+
+    def receive_nowait(self) -> Message | None:
+        """The next valid message already waiting, or None; never waits. For a caller that watches inbound_fd on its
+        event loop itself (a stage: one reader callback drains every waiting message, with no future per message),
+        and never together with receive()."""
+        if self._inbound_sync is None:
+            self._inbound_sync = zmq.Socket.shadow(self.inbound.underlying)
+        while True:
+            try:
+                frames = self._inbound_sync.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            msg = self._validated(frames)
+            if msg is not None:
+                return msg
+
+    def _validated(self, frames: list) -> Message | None:
+        """The message in frames if it is well-formed and of a kind this socket accepts; else counted under its
+        reason, logged (throttled) and None."""
+        size = sum(len(f) for f in frames)
+        self.stats.bytes_in += size
+        try:
+            msg = decode(frames)
+            if not isinstance(msg, self.accept):
+                raise ProtocolError("kind", f"{type(msg).__name__} is not accepted on this socket")
+            return msg
+        except ProtocolError as e:
+            self.stats.reject(e.reason)
+            throttled(log, logging.WARNING, f"dropped:{e.reason}", "dropped a message of %d bytes in %d frames: %s",
+                      size, len(frames), e)
+            return None
 
     async def send(self, msg: Message) -> None:
         if self.outbound is None:
@@ -247,6 +282,48 @@ class ZmqTransport:
             self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
         finally:
             self.stats.sending_seconds += time.perf_counter() - t0
+
+    def send_from_thread(self, msg: Message, patience_s: float = SEND_PATIENCE_S) -> bool:
+        """Send from a plain thread that is this transport's only sender (a stage's compute thread: it sends each
+        output the moment it is computed, with no hand-off to the event loop). ZeroMQ's queue to the next hop takes
+        the message at once unless HIGH_WATER_MARK messages wait there; then this waits up to patience_s and drops
+        it (returns False, logged): the next hop has been gone that long, and the gateway's failover replays."""
+        if self.outbound is None:
+            raise StagemeshError("this transport has no next hop to send to")
+        if self._outbound_sync is None:  # the same libzmq socket, driven synchronously (never also from the loop)
+            self._outbound_sync = zmq.Socket.shadow(self.outbound.underlying)
+        t0 = time.perf_counter()
+        try:
+            frames = encode(msg)
+            try:
+                self._outbound_sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if not self._wait_to_send(patience_s):
+                    self.stats.dropped += 1
+                    throttled(log, logging.WARNING, "send:full", "dropped a %s: the next hop took nothing for %g s "
+                              "(%d messages queued)", type(msg).__name__, patience_s, HIGH_WATER_MARK)
+                    return False
+                self._outbound_sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+            return True
+        finally:
+            self.stats.sending_seconds += time.perf_counter() - t0
+
+    def _wait_to_send(self, patience_s: float) -> bool:
+        """Wait until the outbound queue takes a message (True), at most patience_s, and no longer than until
+        stop_waiting() is called."""
+        deadline = time.monotonic() + patience_s
+        while not self._stop_waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._outbound_sync.poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLOUT):
+                return True
+        return False
+
+    def stop_waiting(self) -> None:
+        """A send waiting on a full queue (send_from_thread) gives up within 0.1 s: the owner is shutting down."""
+        self._stop_waiting = True
 
     def close(self) -> None:
         self.inbound.close(0)

@@ -59,7 +59,7 @@ async def test_info_and_metrics_report_the_same_numbers_from_the_one_ledger(tiny
             for k in range(3):
                 await gateway.send(ForwardBatch(2 + k, [SeqEntry("a", Decode(5 + k))], tokens=torch.tensor([7])))
                 assert isinstance(await asyncio.wait_for(gateway.receive(), 30), BatchResult)
-            await asyncio.sleep(0.05)  # the loop's sender task finishes timing its last send
+            await asyncio.sleep(0.05)  # the compute thread finishes timing its last send
             info = await (await http.get("/info")).json()
             metrics = samples(await (await http.get("/metrics")).text())
     finally:

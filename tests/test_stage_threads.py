@@ -129,3 +129,81 @@ async def test_releasing_and_keeping_prefixes_run_on_the_compute_thread(tiny_pat
     assert runtime.kv.kept_slots == 1 and runtime.kv.used_slots == 0
     assert threads["keep"] and threads["release"], threads
     assert all(t.startswith("compute") for t in threads["keep"] + threads["release"]), threads
+
+
+async def _until(condition, timeout: float = 10.0) -> None:
+    import asyncio
+    import time
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+async def test_the_loop_hands_the_compute_thread_at_most_its_bound_and_reads_on_when_one_finishes(prefetch):
+    """The loop's reader hands inputs to the compute thread up to depth prefetched plus the one computing (one with
+    prefetch off); the rest wait in the socket. Each input the compute thread finishes lets one more in, in order."""
+    import asyncio
+    import threading
+
+    n = next(_ports)
+    stage_in, upstream_in = f"inproc://bound-stage-{n}", f"inproc://bound-up-{n}"
+    io = StageIO(ZmqTransport(stage_in, upstream_in, accept=(ForwardBatch,), keys=None), prefetch=prefetch, depth=2)
+    upstream = ZmqTransport(upstream_in, stage_in, accept=(BatchResult,), keys=None)
+    limit = 3 if prefetch else 1
+    try:
+        await io.start()
+        for mb in range(6):
+            await upstream.send(ForwardBatch(mb, [SeqEntry("a", Decode(mb + 1))], tokens=torch.tensor([mb])))
+        await _until(lambda: io.handed == limit)
+        await asyncio.sleep(0.2)
+        assert (io.handed, io.queue_depth) == (limit, limit)  # nothing past the bound, though six are waiting
+        taken = []
+        for _ in range(6 - limit):
+            taken.append(io.inputs.get_nowait().mb_id)
+            threading.Thread(target=io.finish_one).start()  # as the compute thread does, from another thread
+            await _until(lambda: io.handed == limit + len(taken))
+        await asyncio.sleep(0.2)
+        assert io.handed == 6
+        taken += [io.inputs.get_nowait().mb_id for _ in range(limit)]
+        assert taken == list(range(6))
+    finally:
+        await io.stop()
+        upstream.close()
+        io.transport.close()
+
+
+def test_a_send_the_next_hop_takes_nothing_of_is_dropped_after_the_patience_and_counted(caplog):
+    """The compute thread sends into ZeroMQ's queue for the next hop. With the next hop gone, that queue fills; a send
+    then waits the patience, and the output is dropped, counted and logged, instead of blocking the stage forever; a stage
+shutting down stops the wait at once."""
+    import threading
+    import time
+
+    from shared.transport import HIGH_WATER_MARK
+
+    n = next(_ports)
+    transport = ZmqTransport(f"inproc://drop-stage-{n}", f"inproc://drop-nobody-{n}", accept=(ForwardBatch,), keys=None)
+    try:
+        batch = ForwardBatch(1, [SeqEntry("a", Decode(3))], tokens=torch.tensor([7]))
+        sent = 0
+        while transport.send_from_thread(batch, patience_s=0.2):
+            sent += 1
+            assert sent <= 4 * HIGH_WATER_MARK, "the queue to a next hop that is not there never filled"
+        t0 = time.monotonic()
+        assert not transport.send_from_thread(batch, patience_s=0.2)
+        assert time.monotonic() - t0 >= 0.15
+        assert sent >= HIGH_WATER_MARK and transport.stats.dropped == 2
+        assert "the next hop took nothing for 0.2 s" in caplog.text
+        # a stage shutting down does not wait out the patience
+        results = []
+        waiting = threading.Thread(target=lambda: results.append(transport.send_from_thread(batch, patience_s=30)))
+        t0 = time.monotonic()
+        waiting.start()
+        time.sleep(0.2)
+        transport.stop_waiting()
+        waiting.join(5)
+        assert results == [False] and time.monotonic() - t0 < 2
+    finally:
+        transport.close()

@@ -45,6 +45,8 @@ class StageCollector:
         yield CounterMetricFamily("stagemesh_stage_bytes_out", "Bytes sent", value=t.bytes_out)
         yield CounterMetricFamily("stagemesh_stage_sending_seconds", "Seconds spent handing messages to the next hop",
                                   value=t.sending_seconds)
+        yield CounterMetricFamily("stagemesh_stage_dropped_messages", "Messages dropped because the next hop took "
+                                  "nothing for the send patience (it is gone; failover replays)", value=t.dropped)
         rejected = CounterMetricFamily("stagemesh_stage_rejected_messages", "Malformed messages dropped, by reason",
                                        labels=["reason"])
         for reason in REJECT_REASONS:

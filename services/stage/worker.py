@@ -1,11 +1,13 @@
-"""The stage loop. One asyncio event loop: StageIO's receiver task prefetches validated inputs, compute runs
-in one dedicated thread (torch releases the GIL), and outputs are queued to StageIO's sender task."""
+"""The stage: StageIO's reader on the asyncio event loop prefetches validated inputs, one dedicated compute thread
+serves them in order (torch releases the GIL) and sends each output on as soon as it is computed. The loop also serves
+the stage's HTTP endpoint; it never touches torch or the outbound socket."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import queue
 import time
 import uuid
 from collections import deque
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.stage.io import StageIO
+from services.stage.io import STOP, StageIO
 from services.stage.metrics import stage_registry
 from services.stage.stats import StageStats
 from shared.config import STAGE_DEFAULTS
@@ -84,48 +86,65 @@ class StageWorker:
         self.registry = stage_registry(self.stats, runtime.kv, lambda: io.queue_depth)
         # every torch op of the stage runs on this one thread (see compute_executor)
         self.compute_thread = compute_thread or compute_executor()
-        # the ids of the last RECENT_MB ForwardBatches this loop took in, and passed on (result or hidden state)
+        # the ids of the last RECENT_MB ForwardBatches this stage took in, and passed on (result or hidden state)
         self.recent_in: deque[int] = deque(maxlen=RECENT_MB)
         self.recent_out: deque[int] = deque(maxlen=RECENT_MB)
 
     async def run(self) -> None:
+        """Serve until cancelled: StageIO's reader feeds the compute thread, which serves every input (_serve)."""
         await self.io.start()
-        loop = asyncio.get_running_loop()
+        serving = self.compute_thread.submit(self._serve)
         try:
-            while True:
-                self._reclaim_expired()
-                msg = self.io.try_prefetch_input()
-                if msg is None:
-                    t0 = time.perf_counter()
-                    msg = await self._next_input()
-                    self.stats.waiting_seconds += time.perf_counter() - t0
-                    if msg is None:
-                        continue
-                if isinstance(msg, ForwardBatch) and msg.hop_s is not None:
-                    self.stats.hop.observe(max(0.0, msg.hop_s))
-                if isinstance(msg, ForwardBatch):
-                    self.recent_in.append(msg.mb_id)
-                    t0 = time.perf_counter()
-                    span = None if self.otlp is None else self._start_span(msg)
-                    out = await loop.run_in_executor(self.compute_thread, self.compute, msg)
-                    self.stats.computed(time.perf_counter() - t0, msg.num_tokens)
-                    if span is not None:
-                        self.otlp.end(span, error=out.message if isinstance(out, BatchError) else None)
-                    await self.io.send(out)
-                    self.recent_out.append(msg.mb_id)
-                elif isinstance(msg, ReleaseSeqs):
-                    # on the compute thread: keeping a prefix copies K/V (torch), and a torch op on this loop's
-                    # thread would start a second OpenMP team (see compute_executor)
-                    await loop.run_in_executor(self.compute_thread, self._release, msg)
-                    await self.io.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
-                elif isinstance(msg, BatchError):  # an earlier stage failed this micro-batch: pass it on to the client
-                    await self.io.send(msg)
+            await asyncio.wrap_future(serving)  # returns only if _serve fails: the error ends the stage
         finally:
+            self.io.inputs.put(STOP)  # _serve ends after what it is computing; its sockets stay open until it has
+            self.io.transport.stop_waiting()  # a send waiting on a next hop that is gone gives up
             await self.io.stop()
+            if not serving.done():
+                await asyncio.wrap_future(serving)
             self.compute_thread.shutdown(wait=False, cancel_futures=True)
 
+    def _serve(self) -> None:
+        """The compute thread's loop: every input in arrival order, each computed (or released, or passed on) and its
+        output sent from this thread; expired leases are reclaimed between inputs."""
+        io = self.io
+        while True:
+            self._reclaim_expired()
+            t0 = time.perf_counter()
+            try:
+                msg = io.inputs.get(timeout=self.lease_check_s)
+            except queue.Empty:
+                continue  # the lease check is due
+            finally:
+                self.stats.waiting_seconds += time.perf_counter() - t0
+            if msg is STOP:
+                return
+            try:
+                self._serve_one(msg)
+            finally:
+                io.finish_one()
+
+    def _serve_one(self, msg: Message) -> None:
+        if isinstance(msg, ForwardBatch):
+            if msg.hop_s is not None:
+                self.stats.hop.observe(max(0.0, msg.hop_s))
+            self.recent_in.append(msg.mb_id)
+            t0 = time.perf_counter()
+            span = None if self.otlp is None else self._start_span(msg)
+            out = self.compute(msg)
+            self.stats.computed(time.perf_counter() - t0, msg.num_tokens)
+            if self.io.send(out):
+                self.recent_out.append(msg.mb_id)
+            if span is not None:
+                self.otlp.end(span, error=out.message if isinstance(out, BatchError) else None)
+        elif isinstance(msg, ReleaseSeqs):
+            self._release(msg)
+        elif isinstance(msg, BatchError):  # an earlier stage failed this micro-batch: pass it on to the client
+            self.io.send(msg)
+
     def _release(self, msg: ReleaseSeqs) -> None:
-        """Runs in the compute thread: free the released sequences' slots, keep the kept ones as cached prefixes."""
+        """Runs in the compute thread: free the released sequences' slots, keep the kept ones as cached prefixes, and
+        pass the release on (the last stage answers the gateway's wait with ReleaseDone)."""
         if msg.everything:
             held = self.runtime.kv.holders
             log.info("releasing all %d KV slots held: a gateway started without sequences", len(held))
@@ -135,19 +154,10 @@ class StageWorker:
             self.runtime.release(seq_id)
         for seq_id in msg.keep:
             self.runtime.keep(seq_id)
-
-    async def _next_input(self) -> Message | None:
-        """The next input, or None when the lease check is due first (never waits past it)."""
-        if self.lease_check_s is None:
-            return await self.io.receive()
-        try:  # asyncio.timeout, not wait_for: no task per micro-batch
-            async with asyncio.timeout(self.lease_check_s):
-                return await self.io.receive()
-        except TimeoutError:
-            return None
+        self.io.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
 
     def _reclaim_expired(self) -> None:
-        """Release the slots whose lease expired. Runs on the loop between micro-batches, never while one computes."""
+        """Release the slots whose lease expired. Runs on the compute thread between inputs."""
         now = time.monotonic()
         if self.lease_check_s is None or now < self._next_lease_check:
             return
@@ -268,7 +278,7 @@ class StageWorker:
                    "shared_bytes": kv.shared_bytes},
             "prefetch": self.io.prefetch,
             "busy_seconds": round(stats.busy_seconds, 4), "waiting_seconds": round(stats.waiting_seconds, 4),
-            "rejected": dict(stats.transport.rejected),
+            "rejected": dict(stats.transport.rejected), "dropped": stats.transport.dropped,
             "handshakes_failed": dict(stats.transport.handshakes_failed),
             "keys": self._keys_info,
             "recent_mb": {"in": list(self.recent_in), "out": list(self.recent_out)},
