@@ -63,7 +63,11 @@ class StageIO:
                 if self.handed - self.finished >= self.limit:
                     return  # still at the bound: finish_one (which reads _paused after counting) wakes this again
                 self._paused = False
-            msg = self.transport.receive_nowait()
+            try:
+                msg = self.transport.receive_nowait()
+            except Exception:  # not a malformed message (those are counted and dropped inside): a broken socket
+                log.exception("reading the inbound socket failed; the next arrival reads on")
+                return
             if msg is None:
                 return
             self.handed += 1
