@@ -38,6 +38,7 @@ class StageIO:
         self.handed = 0
         self.finished = 0
         self._paused = False  # the reader stopped at the bound; the compute thread's next finish wakes it
+        self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -48,6 +49,7 @@ class StageIO:
         self._read()  # whatever arrived before the reader was added (the fd is edge-triggered)
 
     async def stop(self) -> None:
+        self._stopped = True  # a wake-up from finish_one still queued on the loop reads nothing more
         if self._loop is not None:
             self._loop.remove_reader(self.transport.inbound_fd)
         for t in self._tasks:
@@ -57,6 +59,8 @@ class StageIO:
     def _read(self) -> None:
         """On the loop: hand every waiting message to the compute thread, up to the bound."""
         self._paused = False
+        if self._stopped:
+            return
         while True:
             if self.handed - self.finished >= self.limit:
                 self._paused = True
