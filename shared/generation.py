@@ -164,8 +164,10 @@ async def run_group_on_mesh(client, states: Sequence[SequenceState],
         for i in itertools.count():
             if before_step is not None:
                 await before_step(i)
+            # in_flight counts this one: alone in the pipeline, a stage sharing its host computes with every core
             result = await client.forward(ForwardBatch(client.next_mb_id(), entries,
-                                                       tokens=torch.tensor(tokens, dtype=torch.int64)))
+                                                       tokens=torch.tensor(tokens, dtype=torch.int64),
+                                                       in_flight=client.in_flight + 1))
             entries, tokens = loop.send(dict(zip(result.seq_ids, zip(result.tokens, result.logprobs, result.top))))
     except StopIteration:
         pass

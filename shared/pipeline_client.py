@@ -60,6 +60,11 @@ class PipelineClient:
     def next_mb_id(self) -> int:
         return next(self._mb_ids)
 
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches sent and not yet answered."""
+        return len(self._pending)
+
     async def submit(self, batch: ForwardBatch) -> asyncio.Future:
         """Send a micro-batch; the returned future resolves to its BatchResult (or raises PipelineError)."""
         fut = asyncio.get_running_loop().create_future()

@@ -66,9 +66,18 @@ async def test_several_sequences_in_one_microbatch(smollm2, client, reference):
 
 async def test_several_microbatches_in_flight(smollm2, client, reference, mesh):
     groups = [{sid: ids} for sid, ids in prompt_ids(smollm2).items()]
+    said_in_flight = []  # what each micro-batch tells the stages: with others in flight they compute on their share
+    forward = client.forward
+
+    async def recording(batch):
+        said_in_flight.append(batch.in_flight)
+        return await forward(batch)
+
+    client.forward = recording
     results = await asyncio.gather(*(generate_group(client, g, MAX_TOKENS) for g in groups))
     merged = {k: v for r in results for k, v in r.items()}
     assert [merged[f"p{i}"] for i in range(len(PROMPTS))] == [reference[p] for p in PROMPTS]
+    assert min(said_in_flight) >= 1 and 1 < max(said_in_flight) <= len(groups)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 5.0  # the releases travel the ring after the last token: poll, don't guess a delay
     while any(s.info()["kv"]["used_slots"] for s in mesh.stages) and loop.time() < deadline:
