@@ -279,7 +279,7 @@ class ZmqTransport:
         try:
             frames = encode(msg)
             await self.outbound.send_multipart(frames, copy=False)
-            self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+            self._count_sent(frames)
         finally:
             self.stats.sending_seconds += time.perf_counter() - t0
 
@@ -304,10 +304,13 @@ class ZmqTransport:
                               "(%d messages queued)", type(msg).__name__, patience_s, HIGH_WATER_MARK)
                     return False
                 self._outbound_sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+            self._count_sent(frames)
             return True
         finally:
             self.stats.sending_seconds += time.perf_counter() - t0
+
+    def _count_sent(self, frames: list) -> None:
+        self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
     def _wait_to_send(self, patience_s: float) -> bool:
         """Wait until the outbound queue takes a message (True), at most patience_s, and no longer than until
