@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     local.register(sub)
     for module in ("services.stage.main", "services.gateway.main", "services.up", "services.keys_cli",
-                   "services.trace_cli", "services.status", "loadtest.cli"):
+                   "services.trace_cli", "services.status", "services.plan_cli", "loadtest.cli"):
         importlib.import_module(module).register(sub)
     return parser
 
