@@ -61,8 +61,9 @@ $(VOCAB_SUITE)/.fetched: $(REF_STAMP)
 
 fetch-vocab-suite: $(VOCAB_SUITE)/.fetched
 
-# llama.cpp's own C++ server, the performance anchor of benchmarks/compare_llamacpp (not needed by `make test`):
-# built once from the llama.cpp source vendored in the installed llama-cpp-python's sdist (~8 min on 2 cores).
+# llama.cpp's own C++ server, the performance anchor of benchmarks/compare_llamacpp, and its llama-perplexity beside
+# it (the perplexity agreement check in docs/models.md); neither is needed by `make test`: built once from the
+# llama.cpp source vendored in the installed llama-cpp-python's sdist (~8 min on 2 cores).
 LLAMA_SERVER ?= $(HOME)/.cache/stagemesh/llama-server/bin/llama-server
 $(LLAMA_SERVER): | $(REF_STAMP)
 	rm -rf $(LLAMA_SERVER_SRC) && mkdir -p $(LLAMA_SERVER_SRC)
@@ -72,8 +73,8 @@ $(LLAMA_SERVER): | $(REF_STAMP)
 	cmake -S $(LLAMA_SERVER_SRC) -B $(LLAMA_SERVER_SRC)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
 	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON \
 	  -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"
-	cmake --build $(LLAMA_SERVER_SRC)/build --target llama-server -j $$(nproc)
-	mkdir -p $(dir $(LLAMA_SERVER)) && cp $(LLAMA_SERVER_SRC)/build/bin/llama-server $(LLAMA_SERVER)
+	cmake --build $(LLAMA_SERVER_SRC)/build --target llama-server llama-perplexity -j $$(nproc)
+	mkdir -p $(dir $(LLAMA_SERVER)) && cp $(LLAMA_SERVER_SRC)/build/bin/llama-server $(LLAMA_SERVER_SRC)/build/bin/llama-perplexity $(dir $(LLAMA_SERVER))
 	rm -rf $(LLAMA_SERVER_SRC)
 LLAMA_SERVER_SRC := $(HOME)/.cache/stagemesh/llama-server-src
 

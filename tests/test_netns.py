@@ -1,23 +1,20 @@
 """Multi-host rehearsal: the gateway and each stage in its own network namespace, joined by veth pairs and a
 bridge, started with exactly the command lines the Kubernetes manifests give them (rendered with kustomize), their
-DNS names resolved per namespace, and a delay proxy on every hop. Runs where `ip netns` is permitted (root)."""
+DNS names resolved per namespace, and a delay relay on every hop (benchmarks/netns.py). Runs where `ip netns` is
+permitted (root)."""
 
 import asyncio
-import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 import time
 
 import aiohttp
 import pytest
 
+from benchmarks.netns import namespaces, netns_permitted, start_pods
 from loadtest.client import sse_events
 from shared.mesh_keys import write_key_set
 from tests.conftest import starts_processes
-from tests.delay_proxy import DelayProxy, ProxyThread
 from tests.k8s_render import config, container_args, render
 
 SUBNET = "10.77.0"
@@ -27,94 +24,19 @@ PORTS = {"gw": [5599], "s0": [5550, 8101], "s1": [5550, 8101]}  # what others co
 BRIDGE = "br-smtest"
 
 
-def sh(*cmd, check=True):
-    return subprocess.run(cmd, capture_output=True, text=True, check=check)
-
-
-def netns_permitted() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if not shutil.which("ip"):
-        return "iproute2 (ip) is not installed"
-    probe = sh("ip", "netns", "add", "smprobe", check=False)
-    if probe.returncode != 0:
-        return f"ip netns add is not permitted here: {probe.stderr.strip()}"
-    sh("ip", "netns", "del", "smprobe", check=False)
-    return None
-
-
-def namespaces(tag: str, subnet: str, hosts: dict[str, int], names: dict[str, str], ports: dict[str, list[int]]):
-    """One network namespace per host (sm{tag}-HOST) on bridge br-sm{tag}, each resolving every host's DNS name to
-    the delay proxy in front of it; yields the proxies, removes everything after."""
+def _namespaces_or_skip(*args):
+    """benchmarks.netns.namespaces, skipped (and said so) where namespaces cannot be made here."""
     reason = netns_permitted()
     if reason:
         print(f"\nSKIPPED multi-host rehearsal: {reason}")
         pytest.skip(reason)
-    bridge = f"br-sm{tag}test"
-    sh("ip", "link", "add", bridge, "type", "bridge")
-    sh("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
-    sh("ip", "link", "set", bridge, "up")
-    for host, octet in hosts.items():
-        ns = f"sm{tag}-{host}"
-        sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", f"v{tag}-{host}", "type", "veth", "peer", "name", f"p{tag}-{host}")
-        sh("ip", "link", "set", f"v{tag}-{host}", "master", bridge, "up")
-        sh("ip", "link", "set", f"p{tag}-{host}", "netns", ns)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.{octet}/24", "dev", f"p{tag}-{host}")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", f"p{tag}-{host}", "up")
-        sh("ip", "addr", "add", f"{subnet}.{octet + 100}/24", "dev", bridge)  # this host's proxy address
-        # every namespace resolves the manifests' DNS names to the proxies in front of the real hosts
-        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-        with open(f"/etc/netns/{ns}/hosts", "w") as f:
-            f.write("127.0.0.1 localhost\n")
-            for other, o in hosts.items():
-                f.write(f"{subnet}.{o + 100} {names[other]}\n")
-    proxies = ProxyThread([DelayProxy((f"{subnet}.{o + 100}", port), (f"{subnet}.{o}", port))
-                           for host, o in hosts.items() for port in ports[host]])
-    proxies.start()
-    yield proxies
-    proxies.stop()
-    for host in hosts:
-        sh("ip", "netns", "del", f"sm{tag}-{host}", check=False)
-        shutil.rmtree(f"/etc/netns/sm{tag}-{host}", ignore_errors=True)
-    sh("ip", "link", "del", bridge, check=False)
+    yield from namespaces(*args)
 
 
 @pytest.fixture(scope="module")
 @starts_processes
 def network():
-    yield from namespaces("", SUBNET, HOSTS, NAMES, PORTS)
-
-
-def start_pods(tag: str, commands: dict[str, list[str]], url: str, logs, ready=lambda body: True):
-    """Start each host's command in its namespace; yields once the gateway's /ready answers 200 and ready(body)
-    holds; stops them all after."""
-    cli = [sys.executable, "-m", "services.cli"]
-    procs = {host: subprocess.Popen(["ip", "netns", "exec", f"sm{tag}-{host}", *cli, *args],
-                                    stdout=open(logs / f"{host}.log", "w"), stderr=subprocess.STDOUT)
-             for host, args in commands.items()}
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            assert all(p.poll() is None for p in procs.values()), {h: (logs / f"{h}.log").read_text()[-800:] for h in procs}
-            try:
-                out = subprocess.run(["curl", "-sf", f"{url}/ready"], capture_output=True, text=True, timeout=5)
-                if out.returncode == 0 and ready(json.loads(out.stdout)):
-                    break
-            except subprocess.TimeoutExpired:
-                pass
-            assert time.monotonic() < deadline, "the rehearsed deployment never became ready"
-            time.sleep(1)
-        yield
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    yield from _namespaces_or_skip("", SUBNET, HOSTS, NAMES, PORTS)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +57,7 @@ def deployment(network, tmp_path_factory):
                 for i in range(2)}
     commands["gw"] = container_args(docs, "Deployment", "stagemesh-gateway", cfg, secrets)
     url = f"http://{SUBNET}.{HOSTS['gw']}:8000"
-    for _ in start_pods("", commands, url, logs):
+    for _ in start_pods("", commands, url, str(logs)):
         yield url, commands
 
 
@@ -211,8 +133,8 @@ def replicas_deployment(tmp_path_factory):
                 for host, sts in (("a0", "stagemesh-stage"), ("b0", "stagemesh-stage-p1"))}
     commands["gw"] = container_args(docs, "Deployment", "stagemesh-gateway", cfg, secrets)
     url = f"http://{R_SUBNET}.{R_HOSTS['gw']}:8000"
-    for _ in namespaces("r", R_SUBNET, R_HOSTS, R_NAMES, R_PORTS):
-        for _ in start_pods("r", commands, url, logs, ready=lambda b: all(p["ready"] for p in b["pipelines"])):
+    for _ in _namespaces_or_skip("r", R_SUBNET, R_HOSTS, R_NAMES, R_PORTS):
+        for _ in start_pods("r", commands, url, str(logs), ready=lambda b: all(p["ready"] for p in b["pipelines"])):
             yield url, commands, logs / "gw.log"
 
 
