@@ -12,7 +12,7 @@ from tqdm import tqdm
 from services.cli_args import add_model_args, add_sampling_args, sampling_from_args, weights_from_args
 from shared.device import default_device, resolve_dtype
 from shared.errors import StagemeshError
-from shared.generation import GenerationTimings, generate_tokens, perplexity, split_windows
+from shared.generation import GenerationTimings, generate_tokens, perplexity, perplexity_chunks
 from shared.layers import parse_split
 from shared.model_files import ModelFiles
 from shared.models import TransformerModel
@@ -32,14 +32,16 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("perplexity", help="perplexity of a text file",
-                       description="Perplexity over consecutive non-overlapping windows of --context tokens: in each "
-                                   "window every token after the first is scored given the earlier ones; "
-                                   "perplexity = exp(mean NLL over all scored tokens).")
+                       description="Perplexity as llama.cpp's llama-perplexity computes it: the text is cut into "
+                                   "consecutive chunks of --context tokens (at least 2 chunks; a shorter tail is "
+                                   "dropped), each chunk starts with BOS when the model asks for BOS (it replaces the "
+                                   "chunk's first token), and the second half of each chunk is scored given the "
+                                   "tokens before it; perplexity = exp(mean NLL over all scored tokens).")
     add_model_args(p)
     p.add_argument("--file", required=True, help="UTF-8 text file")
-    p.add_argument("--context", type=int, default=256, help="window length in tokens (default 256)")
+    p.add_argument("--context", type=int, default=256, help="chunk length in tokens (default 256)")
     p.add_argument("--split", default=None, help="layer split points, e.g. 7,19 (must not change the result)")
-    p.add_argument("--json", action="store_true", help='print {"perplexity", "nll_mean", "scored_tokens"}')
+    p.add_argument("--json", action="store_true", help='print {"perplexity", "nll_mean", "scored_tokens", "chunks"}')
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("tokenize", help="print token ids of a text")
@@ -104,18 +106,26 @@ def cmd_perplexity(args) -> int:
         text = open(args.file, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as e:
         raise StagemeshError(f"cannot read --file {args.file}: {e}") from None
-    ids = files.tokenizer.encode(text)
+    if files.loader.get("tokenizer.ggml.add_eos_token", False):
+        # llama-perplexity asserts !llama_vocab_get_add_eos: it gives no figure for such a model to agree with
+        raise StagemeshError(f"{args.model}'s vocabulary appends EOS to every text (tokenizer.ggml.add_eos_token), "
+                             "which llama.cpp's llama-perplexity refuses; perplexity follows its rule and cannot "
+                             "score this model")
+    tok = files.tokenizer
+    ids = tok.encode(text)  # the whole text once, BOS first if the model asks for it
+    bos_id = tok.bos_id if tok.add_bos else None
+    n_chunks = len(perplexity_chunks(ids, args.context, bos_id))  # a too-short text fails before the model loads
     pipeline = _pipeline(files, args)
-    n_windows = len(split_windows(ids, args.context))
     t0 = time.perf_counter()
-    with tqdm(total=n_windows, desc="perplexity", unit="window", disable=not sys.stderr.isatty()) as bar:
-        result = perplexity(pipeline, ids, args.context, progress=bar.update)
+    with tqdm(total=n_chunks, desc="perplexity", unit="chunk", disable=not sys.stderr.isatty()) as bar:
+        result = perplexity(pipeline, ids, args.context, bos_id, progress=bar.update)
     if args.json:
         print(json.dumps({"perplexity": result.perplexity, "nll_mean": result.nll_mean,
-                          "scored_tokens": result.scored_tokens}))
+                          "scored_tokens": result.scored_tokens, "chunks": result.chunks}))
     else:
+        print(",".join(f"[{i}]{p:.4f}" for i, p in enumerate(result.running, 1)))  # llama-perplexity's running line
         print(f"perplexity {result.perplexity:.4f} (mean NLL {result.nll_mean:.4f} over {result.scored_tokens} tokens "
-              f"in {result.windows} windows of {args.context}, {time.perf_counter() - t0:.1f} s)")
+              f"in {result.chunks} chunks of {args.context}, {time.perf_counter() - t0:.1f} s)")
     return 0
 
 

@@ -244,7 +244,8 @@ class PerplexityResult:
     perplexity: float
     nll_mean: float
     scored_tokens: int
-    windows: int
+    chunks: int
+    running: list[float]  # exp(mean NLL so far) after each chunk, as llama-perplexity prints it
 
 
 def window_logits(pipeline: LocalPipeline, window: list[int], seq_id: str = "window") -> torch.Tensor:
@@ -256,10 +257,10 @@ def window_logits(pipeline: LocalPipeline, window: list[int], seq_id: str = "win
         pipeline.release(seq_id)
 
 
-def token_nlls(pipeline: LocalPipeline, window: list[int]) -> torch.Tensor:
-    """Teacher-forced: NLL [T-1] of tokens 1..T-1 of the window given the earlier ones of that window."""
-    logp = torch.log_softmax(window_logits(pipeline, window)[:-1].double(), dim=-1)
-    return -logp.gather(1, torch.tensor(window[1:])[:, None])[:, 0]
+def token_nlls(pipeline: LocalPipeline, window: list[int], first: int = 0) -> torch.Tensor:
+    """Teacher-forced: NLL [T-1-first] of tokens first+1..T-1 of the window given the earlier ones of that window."""
+    logp = torch.log_softmax(window_logits(pipeline, window)[first:-1].double(), dim=-1)
+    return -logp.gather(1, torch.tensor(window[first + 1:])[:, None])[:, 0]
 
 
 def split_windows(ids: list[int], context: int) -> list[list[int]]:
@@ -272,16 +273,39 @@ def split_windows(ids: list[int], context: int) -> list[list[int]]:
     return windows
 
 
-def perplexity(pipeline: LocalPipeline, ids: list[int], context: int, progress=None) -> PerplexityResult:
+def perplexity_chunks(ids: list[int], context: int, bos_id: int | None) -> list[list[int]]:
+    """llama.cpp's llama-perplexity chunks (tools/perplexity/perplexity.cpp, `perplexity`, non-strided; read at
+    ggml-org/llama.cpp 050fc7f32de16858ac667d775b43a51ed8976e6f), so that our figure and its figure agree: `ids` is
+    the whole text tokenized once (BOS first if the model asks for it); chunk i is ids[i*context, (i+1)*context), the
+    tail dropped, and for a model that asks for BOS (bos_id given) each chunk's first token is replaced by BOS (not
+    inserted): every chunk then starts as the model saw text start in training (without it Gemma 3 reads far higher
+    on the same chunks: tests/test_perplexity.py). At least 2 x context tokens are needed, as llama-perplexity
+    requires."""
+    if len(ids) < 2 * context:
+        raise StagemeshError(f"the text has {len(ids)} tokens; perplexity over chunks of --context {context} needs at "
+                             f"least 2 x {context} = {2 * context} (as llama-perplexity); lower --context to at most "
+                             f"{len(ids) // 2} or give a longer text")
+    chunks = split_windows(ids, context)
+    if bos_id is not None:
+        chunks = [[bos_id, *c[1:]] for c in chunks]
+    return chunks
+
+
+def perplexity(pipeline: LocalPipeline, ids: list[int], context: int, bos_id: int | None,
+               progress=None) -> PerplexityResult:
+    """llama-perplexity's estimate over perplexity_chunks(ids, context, bos_id): in each chunk only the second half
+    is scored (tokens context//2+1 .. context-1, each given every earlier token of its chunk, so each has at least
+    half a context before it); perplexity = exp(mean NLL over all scored tokens)."""
     if context > pipeline.max_seq_len:
         raise StagemeshError(f"--context {context} exceeds the runtime's max_seq_len {pipeline.max_seq_len}")
-    windows = split_windows(ids, context)
-    total, count = 0.0, 0
-    for w in windows:
-        nll = token_nlls(pipeline, w)
+    chunks = perplexity_chunks(ids, context, bos_id)
+    total, count, running = 0.0, 0, []
+    for chunk in chunks:
+        nll = token_nlls(pipeline, chunk, first=context // 2)
         total += float(nll.sum())
         count += nll.numel()
+        running.append(math.exp(total / count))
         if progress:
             progress()
     mean = total / count
-    return PerplexityResult(math.exp(mean), mean, count, len(windows))
+    return PerplexityResult(math.exp(mean), mean, count, len(chunks), running)
