@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import mmap
 import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -206,6 +207,17 @@ class GgufLoader:
         """One tensor's bytes as stored, shape in torch order: copied out of the map, or with mapped=True a
         read-only view of it (pages are read, and held, only where touched: an embedding table). Types we cannot
         decode are refused here, before anything is built from them."""
+        t = self._decodable(name)
+        shape = self.tensor_shape(name)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        if not mapped:
+            data = data.copy()
+        with warnings.catch_warnings():  # torch warns that the map is read-only; nothing ever writes through it
+            warnings.simplefilter("ignore", UserWarning)
+            return RawTensor(name, t.tensor_type.name, shape, torch.from_numpy(data))
+
+    def _decodable(self, name: str) -> ReaderTensor:
         try:
             t = self._tensors[name]
         except KeyError:
@@ -216,16 +228,65 @@ class GgufLoader:
                 f"supported types: {', '.join(supported_tensor_types())} (requantize the file with llama.cpp's "
                 "llama-quantize to one of them)"
             )
-        shape = self.tensor_shape(name)
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
-        if not mapped:
-            data = data.copy()
-        with warnings.catch_warnings():  # torch warns that the map is read-only; nothing ever writes through it
-            warnings.simplefilter("ignore", UserWarning)
-            return RawTensor(name, t.tensor_type.name, shape, torch.from_numpy(data))
+        return t
+
+    def release_pages(self) -> None:
+        """Unmap the file's pages this process has read (they stay in the OS's page cache, and a later read, such as
+        an embedding row, maps its page again). Loading reads each tensor of a piece once through the map; without this
+        the piece's whole share of the file stays in the process's resident set beside the weights built from it."""
+        mm = getattr(self._reader.data, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_DONTNEED)
+
+    def tensors_on_demand(self, names: list[str]) -> PieceTensors:
+        """names' tensors as a mapping that copies each out of the map when it is looked up (PieceTensors)."""
+        return PieceTensors(self, names)
 
     def iter_raw(self, names: list[str], desc: str = "loading") -> Iterator[RawTensor]:
         """Yield each requested tensor's RawTensor, with a progress bar when stderr is a terminal."""
         for name in tqdm(names, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False):
             yield self.raw(name)
+
+
+class PieceTensors(Mapping[str, RawTensor]):
+    """A stage's tensors by name, each copied out of the file's map when looked up and kept only while it is among the
+    last few looked up (an expert loop reads gate, up and down in turn). Loading builds each weight from its tensor and
+    drops the copy, so at most a few tensors' bytes sit beside what has been built: a stage's peak memory while it loads
+    is its weights, not its weights plus its share of the file (in copies or in pages of the map). Type and shape come
+    from the file's index (no copy)."""
+
+    KEEP = 3
+
+    def __init__(self, loader: GgufLoader, names: list[str]):
+        """Every name is checked here, before anything is built: a missing tensor or a type that cannot be decoded is
+        refused at once (GgufError / UnsupportedTensorType), not after minutes of loading."""
+        self._loader, self._names = loader, list(dict.fromkeys(names))
+        for name in self._names:
+            loader._decodable(name)
+        self._kept: dict[str, RawTensor] = {}
+
+    def __getitem__(self, name: str) -> RawTensor:
+        if name not in self._names:
+            raise KeyError(name)
+        if (kept := self._kept.pop(name, None)) is None:
+            kept = self._loader.raw(name)
+            self._loader.release_pages()  # the copy is made: its pages of the map need not stay in this process
+        self._kept[name] = kept  # most recent last
+        while len(self._kept) > self.KEEP:
+            del self._kept[next(iter(self._kept))]
+        return kept
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def type_and_shape(self, name: str) -> tuple[str, tuple[int, ...]]:
+        return self._loader.tensor_type(name), self._loader.tensor_shape(name)
+
+    def release(self) -> None:
+        self._kept.clear()

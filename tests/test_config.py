@@ -11,6 +11,7 @@ from dataclasses import fields
 
 import pytest
 
+from benchmarks.k8s_render import find, render
 from services.cli import build_parser
 from services.cli_args import config_argv, config_from_args
 from services.gateway.config import GatewayConfig
@@ -18,7 +19,6 @@ from services.up import STAGE_FLAGS
 from shared.config import GATEWAY_PORT, SchedulerConfig, StageConfig, flag_of
 from shared.errors import StagemeshError
 from tests.conftest import ROOT
-from tests.k8s_render import find, render
 
 # command -> (the least it parses with, {config class: the fields it takes (None: all)}, what the command fills in)
 COMMANDS = {

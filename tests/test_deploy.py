@@ -8,11 +8,11 @@ import sys
 import pytest
 import yaml
 
+from benchmarks.k8s_render import config, container_args, find, render, secret_mount
 from services.cli import build_parser
 from services.gateway.main import pipeline_specs
 from shared.mesh_keys import KeySet, write_key_set
 from tests.conftest import ROOT
-from tests.k8s_render import config, container_args, find, render, secret_mount
 
 BIN = f"{sys.prefix}/bin"
 

@@ -11,11 +11,11 @@ import time
 import aiohttp
 import pytest
 
+from benchmarks.k8s_render import config, container_args, render
 from benchmarks.netns import namespaces, netns_permitted, start_pods
 from loadtest.client import sse_events
 from shared.mesh_keys import write_key_set
 from tests.conftest import starts_processes
-from tests.k8s_render import config, container_args, render
 
 SUBNET = "10.77.0"
 HOSTS = {"gw": 10, "s0": 11, "s1": 12}

@@ -262,9 +262,13 @@ def stack_layers(kernels: list[Int4Linear] | list[QdotLinear]) -> LayerStack | N
     fields = kernels[0].STACKED
     if len({(k.kind, *(getattr(k, f).shape for f in fields)) for k in kernels}) != 1:
         return None
-    stack = LayerStack({f: torch.stack([getattr(k, f) for k in kernels]) for f in fields})
+    # filled layer by layer, each layer's own tensor dropped once copied: one layer's bytes beside the stack at most
+    # (torch.stack would hold every layer's tensor and the stack at once while loading)
+    stack = LayerStack({f: torch.empty((len(kernels), *getattr(kernels[0], f).shape), dtype=getattr(kernels[0], f).dtype)
+                        for f in fields})
     for i, k in enumerate(kernels):
         for f in fields:
+            stack.tensors[f][i].copy_(getattr(k, f))
             setattr(k, f, stack.tensors[f][i])
         k.stack, k.index = stack, i
     return stack
@@ -353,12 +357,30 @@ class Int8Linear:
     A row's result does not depend on the other rows of the call (checked for every M in tests/test_linear.py)."""
 
     kind = "int8-rows"
+    ROWS_AT_ONCE = 4096  # from_raw's chunk: its float32 copies stay ~tens of MiB even for a 128k-vocabulary lm_head
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
+        self.weight, self.scales = self._rows(weight)
+
+    @staticmethod
+    def _rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 [N, K] -> (int8 [N, K], bf16 scales [N]): each row on its own."""
         scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-        self.weight = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.scales = scale
+        return torch.round(weight / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+    @classmethod
+    def from_raw(cls, raw: RawTensor) -> Int8Linear:
+        """The same numbers as Int8Linear(dequantize(raw)), dequantized ROWS_AT_ONCE rows at a time (a whole 128k x 4096
+        matrix in float32 would be 2 GiB beside the int8 one)."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = n, k = raw.shape
+        self.weight, self.scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.bfloat16)
+        for r0 in range(0, n, cls.ROWS_AT_ONCE):
+            r1 = min(n, r0 + cls.ROWS_AT_ONCE)
+            self.weight[r0:r1], self.scales[r0:r1] = cls._rows(
+                dequantize(RawTensor(raw.name, raw.ggml_type, (r1 - r0, k), raw.data[r0:r1])))
+        return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
@@ -492,7 +514,7 @@ def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear |
     if raw.ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits(raw.shape):
         return Int4Linear(*unpack_levels(raw), planes=1 if raw.ggml_type in INT4_TYPES else 2,
                           pair_zeros=_PAIR_ZEROS.get(raw.ggml_type))
-    return Int8Linear(dequantize(raw))
+    return Int8Linear.from_raw(raw)
 
 
 # lean: int8 rows (1 byte a weight) where stored_kernel holds more: two int4 planes or q8_16 blocks (1.25)
@@ -509,7 +531,7 @@ def lean_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | Q
     types where that is smaller (not Q5_0 / Q5_1 on the integer-dot kernels, which hold their own 0.69 / 0.75
     bytes a weight)."""
     if _lean_int8(raw.ggml_type, raw.shape):
-        return Int8Linear(dequantize(raw))
+        return Int8Linear.from_raw(raw)
     return stored_kernel(raw, fixed_rows)
 
 

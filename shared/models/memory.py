@@ -13,6 +13,7 @@ The budget is per stage (--memory-budget); by default DEFAULT_FRACTION of the me
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from collections.abc import Callable
@@ -63,6 +64,16 @@ def available_bytes() -> int:
         host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     room = cgroup_room()
     return host if room is None else min(host, room)
+
+
+def return_freed_memory() -> None:
+    """Give the heap's freed pages back to the OS (glibc's malloc_trim). Loading frees the copies it built weights
+    from, matrix by matrix; below malloc's mmap threshold those come from the heap, which keeps them (a 1.2B-parameter
+    piece's resident set stayed ~1.3 GiB above its weights). Nothing where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def default_budget(stages_on_host: int = 1) -> int:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from shared.errors import CapabilityMissing, GgufError
 from shared.gguf_loader import GgufLoader, RawTensor
@@ -38,7 +41,13 @@ from shared.models.linear import (
     make_linear,
     stack_layers,
 )
-from shared.models.memory import PieceMemory, PrefillCopy, default_budget, plan_prefill_copy
+from shared.models.memory import (
+    PieceMemory,
+    PrefillCopy,
+    default_budget,
+    plan_prefill_copy,
+    return_freed_memory,
+)
 
 
 class LayerHook(Protocol):
@@ -275,22 +284,22 @@ class TransformerModel:
         layers = layers or LayerRange(0, config.num_layers)
         position = layers.position(config.num_layers)
         names = loader.names_for(layers, position)
-        # the embedding table stays in the file's map (only looked-up rows are read); the rest is copied out
-        raw: dict[str, RawTensor] = {r.name: r for r in loader.iter_raw(
-            [n for n in names if n != "token_embd.weight" or (position.has_lm_head and config.tied_embeddings)],
-            desc=f"layers {layers}")}
+        # the embedding table stays in the file's map (only looked-up rows are read); every other tensor is copied out
+        # when its weight is built, then dropped (PieceTensors: the peak while loading is the weights, not twice them)
+        raw = loader.tensors_on_demand(
+            [n for n in names if n != "token_embd.weight" or (position.has_lm_head and config.tied_embeddings)])
         embedding = QuantizedRows(loader.raw("token_embd.weight", mapped=True)) if position.has_embedding else None
 
         budget = memory_budget if memory_budget is not None else default_budget()
         kv_bytes = ((kv_slots + 1) * min(max_seq_len, config.context_length)  # KVCache's slots and scratch row
                     * position_bytes(len(layers), config.num_kv_heads, config.head_dim, dtype))
-        matrices = [r for n, r in raw.items() if len(r.shape) >= 2 and not n.endswith("ffn_gate_inp.weight")
-                    and (n != "token_embd.weight" or position.has_lm_head)]
-        lean_bytes = sum(lean_nbytes(r.ggml_type, r.shape) for r in matrices)
+        matrices = [t for n in raw if len((t := raw.type_and_shape(n))[1]) >= 2 and not n.endswith("ffn_gate_inp.weight")
+                    and (n != "token_embd.weight" or position.has_lm_head)]  # (ggml type, shape) of each
+        lean_bytes = sum(lean_nbytes(*t) for t in matrices)
         prefill = None
         if weights == "auto" and not batch_invariant and torch.device(device).type == "cpu":
             copy = plan_prefill_copy(budget, lean_bytes, kv_bytes,
-                                     lambda dt: sum(auto_nbytes(r.ggml_type, r.shape, dt) for r in matrices),
+                                     lambda dt: sum(auto_nbytes(*t, dt) for t in matrices),
                                      choose_prefill_dtype(config))
             log.info("layers %s: %s", layers, copy.reason)
             prefill, weights = copy.dtype, ("auto" if copy.dtype is not None else "lean")
@@ -305,7 +314,9 @@ class TransformerModel:
             return dequantize(raw[name]).reshape(-1).to(device)
 
         sources: dict[str, list[str]] = {}
-        blocks = [cls._block(config, raw, i, linear, vector, sources, loader.path) for i in layers]
+        blocks = [cls._block(config, raw, i, linear, vector, sources, loader.path)
+                  for i in tqdm(layers, desc=f"layers {layers}", unit="layer", disable=not sys.stderr.isatty(),
+                                leave=False)]
         output_norm = output = output_norm_b = output_bias = None
         if position.has_lm_head:
             output_norm = vector("output_norm.weight")
@@ -313,14 +324,17 @@ class TransformerModel:
             output_bias = vector("output.bias") if "output.bias" in raw else None
             head = "output.weight" if not config.tied_embeddings else "token_embd.weight"
             output, sources["output"] = linear(head), [head]
+        raw.release()  # every weight is built: the last copies go before the layers are stacked (another copy)
         model = cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
                     output_norm_b, output_bias)
         model.memory = PieceMemory(budget=budget, kv_bytes=kv_bytes, file_bytes=loader.tensor_bytes(names),
                                    prefill_copy=copy.reason)
+        loader.release_pages()
+        return_freed_memory()
         return model
 
     @staticmethod
-    def _block(config: ModelConfig, raw: dict[str, RawTensor], i: int, linear, vector, sources: dict[str, list[str]],
+    def _block(config: ModelConfig, raw: Mapping[str, RawTensor], i: int, linear, vector, sources: dict[str, list[str]],
                path: str) -> Block:
         t = config.traits
         p = {ours: f"blk.{i}.{gguf_name}" for gguf_name, ours in BLOCK_TENSORS.items() if f"blk.{i}.{gguf_name}" in raw}

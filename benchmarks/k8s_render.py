@@ -3,6 +3,7 @@ for the tests that rehearse a deployment without a cluster)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import tempfile
 
 import yaml
 
-from tests.conftest import ROOT
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def render(overlay: str) -> list[dict]:
