@@ -311,7 +311,7 @@ class QdotLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         (blocks,) = _stacked(self)
-        return qdot.mm(self.op, x, blocks, self.out_features)
+        return qdot.mm(self.op, x, blocks, self.out_features).to(x.dtype)  # a bf16 piece stays bf16 (as int4 does)
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,5 @@
 """Integer-dot matmuls over the GGUF's own blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q5_0 and Q6_K rewritten to blocks of
-32), for CPUs whose best torch path is AVX2.
+32), for CPUs whose best torch path is AVX2, and AVX512 ones where they measure faster than torch's int4 (why_not).
 
 On such CPUs torch's int4 kernel widens every weight to float32 and multiplies in floats, and there is no native bf16:
 one SmolLM2 decode step's matmuls took 19 ms, llama.cpp's whole token 13-18 ms. llama.cpp quantizes the activations to
@@ -15,7 +15,7 @@ a quantized file has (for Q4_K and Q6_K llama.cpp rounds the activations per 256
 The ops are compiled from qdot.cpp once per machine (c++, ~10 s) into ~/.cache/stagemesh/kernels/ (where that is not
 writable, the temporary directory's stagemesh-kernels/) under a name that hashes the source, torch's version and the
 flags, and loaded from there afterwards. `why_not()` says whether they run here and, if not, why (no AVX2 + FMA +
-F16C; a CPU where torch's kernels are AVX512, whose bf16 int4 path is faster; no C++ compiler; STAGEMESH_QDOT=off);
+F16C; an AVX512 CPU where torch's int4 kernel measured faster; no C++ compiler; STAGEMESH_QDOT=off);
 where they do not, the int4 kernel runs as before.
 The same library holds decode attention: one sequence's (`decode_attention`, which the compiled decode step calls,
 transformer.OneSequenceDecode) and a batch's (`decode_attention_batch`, the batched steps', transformer.KernelDecode
@@ -42,7 +42,7 @@ log = logging.getLogger("stagemesh.qdot")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qdot.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels
+ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels; "on": on an AVX512 CPU too, without measuring
 # bytes per block of 32 weights of one row in the ops' layouts
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q8_16": 40, "q5_0": 22, "q5_1": 24}
 # the scales leading each block, (how many, bytes each): fp16 d (and m), or float32 d of each half
@@ -150,12 +150,56 @@ def _fake_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 @functools.cache
 def why_not() -> str | None:
-    """None where the weights' Q4_0 / Q4_1 / Q8_0 blocks run on these kernels: a CPU whose torch kernels are AVX2
-    and the ops load. Otherwise why not (a stage's /info shows it)."""
+    """None where the weights' blocks run on these kernels: the ops load, on a CPU whose torch kernels are AVX2, or
+    AVX512 where they measured faster than torch's int4 kernel at one token (ONE_TOKEN_PROBE, once per machine, kept
+    in the kernel plans file; on a Xeon int4 was the faster, on an AMD Zen 4 the integer-dot kernels took 0.31x its
+    time for an 8192 x 2048 Q4_K matrix, and 0.46x int8 rows' time for a 128k-row Q6_K lm_head); STAGEMESH_QDOT=on
+    takes them without measuring. Otherwise why not (a stage's /info shows it)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX2":
-        return f"torch's kernels here are {capability}, where its int4 kernel is the faster one"
-    return load()
+    if capability != "AVX2" and not capability.startswith("AVX512"):
+        return f"torch's kernels here are {capability}"
+    if (why := load()) is not None:
+        return why
+    if capability != "AVX2" and os.environ.get(ENV, "").lower() != "on":
+        from shared.models.crossover import kernel_plan  # crossover imports linear, which imports this module
+
+        faster, _ = kernel_plan(ONE_TOKEN_PROBE, _faster_at_one_token, lambda v: v in ("integer-dot", "int4"))
+        if faster == "int4":
+            return f"torch's kernels here are {capability}, and its int4 kernel measured faster at one token"
+    return None
+
+
+ONE_TOKEN_PROBE = "integer-dot or int4, one token through a 4096 x 4096 Q4_0 matrix"
+
+
+def _faster_at_one_token() -> str:
+    """"integer-dot" or "int4": the faster for one token's row through a 4096 x 4096 Q4_0 matrix of random levels
+    (each kernel's best of 5 timings of 10 calls)."""
+    import time
+
+    from shared.gguf_loader import RawTensor
+    from shared.models.linear import Int4Linear, QdotLinear, unpack_levels
+
+    n = k = 4096
+    blocks = torch.randint(0, 256, (n, k // 32, 18), dtype=torch.uint8)
+    blocks[..., :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # every block's scale d
+    raw = RawTensor("probe", "Q4_0", (n, k), blocks.reshape(n, -1))
+    x = torch.randn(1, k)
+    kernels = {"integer-dot": QdotLinear(raw), "int4": Int4Linear(*unpack_levels(raw), planes=1)}
+
+    def best_ms(kernel) -> float:
+        kernel(x)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                kernel(x)
+            times.append(time.perf_counter() - t0)
+        return min(times) * 100
+
+    timed = {name: best_ms(kernel) for name, kernel in kernels.items()}
+    log.info("one token through a 4096 x 4096 Q4_0 matrix: %s", ", ".join(f"{n} {ms:.3f} ms" for n, ms in timed.items()))
+    return min(timed, key=timed.get)
 
 
 def usable() -> bool:
