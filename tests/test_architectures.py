@@ -98,10 +98,11 @@ def test_matrices_kept_dense_run_inside_the_compiled_graphs(tmp_path):
     frames apart, ran out of cache entries and the stage decoded eagerly for good (the real Gemma 3 Q4_K_M did)."""
     from torch._dynamo.utils import counters
 
+    from shared.models.linear import dense_dtype
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
-    # float32 matrices under weights auto: every matmul is oneDNN's prepacked float32 GEMM here
+    # float32 matrices under weights auto: every matmul is oneDNN's prepacked GEMM here (bf16 where the CPU has it)
     loader = GgufLoader(write_tiny_gguf(str(tmp_path / "tiny.gguf"), dataclasses.replace(_spec("llama"), layers=10)))
     ids = torch.tensor(IDS * 4)[:40]
     outs = []
@@ -110,7 +111,8 @@ def test_matrices_kept_dense_run_inside_the_compiled_graphs(tmp_path):
         pipe = LocalPipeline.load(loader, None, torch.float32, kv_slots=3, max_seq_len=64, weights="auto",
                                   compile_decode=mode)
         kinds = set(pipe.pieces[0].model.weight_summary().values())
-        assert any("f32-prepacked" in k for k in kinds) == torch.backends.mkldnn.is_available(), kinds
+        prepacked = "bf16-prepacked" if dense_dtype() == torch.bfloat16 else "f32-prepacked"  # auto's dense kernel here
+        assert any(prepacked in k for k in kinds) == torch.backends.mkldnn.is_available(), kinds
         for name, n in (("a", 20), ("b", 25)):
             pipe.run([SeqEntry(name, Prefill(n, 0, n, True))], ids[:n])
         rows = [pipe.run([SeqEntry("a", Decode(20 + k))], ids[20 + k:21 + k]) for k in range(10)]
@@ -123,7 +125,10 @@ def test_matrices_kept_dense_run_inside_the_compiled_graphs(tmp_path):
     assert step.batch_steps == (4 if step.batch_reason is None else 0), step.info()
     eager, compiled = outs
     assert eager.abs().max() > 1 and not torch.equal(eager[0], eager[-1])
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-4)
+    if dense_dtype() == torch.float32:
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-4)
+    else:  # bf16 matrices: the compiled graph rounds its bf16 products in other places (1 % of the logits' range)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0.01 * float(eager.max() - eager.min()))
 
 
 @pytest.mark.slow
