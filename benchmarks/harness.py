@@ -318,6 +318,17 @@ def pss_mb(pid: int) -> float:
     return _proc_kib(pid, "smaps_rollup", "Pss:")
 
 
+def anon_mb(pid: int) -> float:
+    """Anonymous resident memory of `pid` in MB (RssAnon: what the process itself holds, without the file pages it
+    has mapped, which the OS reclaims under pressure); NaN once it has exited."""
+    return _proc_kib(pid, "status", "RssAnon:")
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The highest resident set `pid` has had (VmHWM), in MB; NaN once it has exited."""
+    return _proc_kib(pid, "status", "VmHWM:")
+
+
 def rss_mb(pid: int) -> float:
     """Resident set size of `pid` in MB (NaN once it has exited)."""
     return _proc_kib(pid, "status", "VmRSS:")

@@ -26,9 +26,10 @@ from shared.models import ModelConfig
 
 GiB = 2**30
 # A stage process's memory beyond its weights and KV: the interpreter, torch and its kernel library, ZeroMQ, the
-# HTTP probe server, allocator slack. Issue 52 measured ~0.65 GiB anonymous memory per stage beyond its weights
-# (1.15 GiB held for a 0.45 GiB share of a 1.5B-shaped Q4_K_M file, --weights lean).
-RUNTIME_BYTES = int(0.65 * GiB)
+# HTTP probe server, allocator slack. Measured 0.23 GiB anonymous memory beyond the weights in each of 2 stages of the
+# Llama 3.2 1B-shaped Q4_K_M, eager decode (benchmarks/results/2026-11-28-sizes-memory-llama3.2-1b; 0.65 GiB before
+# loading dropped its copies); the allowance leaves room for the compiled decode graphs.
+RUNTIME_BYTES = int(0.4 * GiB)
 # One hop's software cost beyond the link (ZeroMQ send, stagemesh's codec both ends, the receiver's wake-up): the
 # loopback figure of docs/performance.md (benchmarks.critical_path: 1.06 ms outside compute with 2 hops, 1.44 with 3).
 HOP_MS = 0.4

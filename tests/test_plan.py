@@ -54,8 +54,8 @@ def test_split_balances_uneven_hosts(hosts, expected):
 
 @pytest.mark.parametrize("mem_b,expected", [
     (64, [(0, 6), (6, 12)]),
-    (0.65 + 0.45, [(0, 8), (8, 12)]),  # b holds 4 layers beside its runtime: a takes the rest, slower but fitting
-    (0.65 + 0.15, [(0, 11), (11, 12)]),
+    (RUNTIME_BYTES / GiB + 0.45, [(0, 8), (8, 12)]),  # b holds 4 layers beside its runtime: a takes the rest, slower but fitting
+    (RUNTIME_BYTES / GiB + 0.15, [(0, 11), (11, 12)]),
 ])
 def test_memory_bounds_the_split(mem_b, expected):
     m = model(layer_mib=0.1 * 1024)
@@ -70,10 +70,10 @@ def test_kv_for_the_workload_counts_in_each_stage():
 
 
 @pytest.mark.parametrize("hosts,work,says", [
-    ([host("a", mem_gib=1), host("b", mem_gib=1)], Workload(),
-     ["host a has 1.00 GiB; layers 0:6 need 1.25 GiB (0.59 GiB weights, 0.01 GiB KV, 0.65 GiB runtime)",
-      "host b has 1.00 GiB; layers 6:12", "add memory or a host"]),
-    ([host("a", mem_gib=8), host("b", mem_gib=0.5)], Workload(), ["host b has 0.50 GiB; layers 6:12"]),
+    ([host("a", mem_gib=0.75), host("b", mem_gib=0.75)], Workload(),
+     ["host a has 0.75 GiB; layers 0:6 need 1.00 GiB (0.59 GiB weights, 0.01 GiB KV, 0.40 GiB runtime)",
+      "host b has 0.75 GiB; layers 6:12", "add memory or a host"]),
+    ([host("a", mem_gib=8), host("b", mem_gib=0.3)], Workload(), ["host b has 0.30 GiB; layers 6:12"]),
     ([host("a", mem_gib=2)], Workload(streams=64, context=4096), ["needs", "fewer --streams or a shorter --context"]),
 ])
 def test_refuses_what_does_not_fit_naming_it(hosts, work, says):
