@@ -32,6 +32,10 @@ class ChatTemplateError(StagemeshError):
     """The chat template failed, was refused by the sandbox, or exceeded its caps."""
 
 
+class DoesNotFit(StagemeshError):
+    """A piece's weights need more memory than this process can have (the host's, or its cgroup's limit)."""
+
+
 class KVCacheFull(StagemeshError):
     code = "kv_full"
 

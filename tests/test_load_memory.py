@@ -5,6 +5,7 @@ llama.cpp-quantized Q4_K_M file with a real 128k vocabulary (Llama 3.2's shape, 
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,42 @@ def test_a_lean_piece_holds_its_weights_not_the_file_besides(q4_k_m):
     # the 128k-row lm_head; no float32 copy of it (4 bytes a weight), no second copy of the share or of the layers
     largest = m["largest_tensor"]
     assert after["VmHWM"] - before["VmRSS"] <= 1.15 * weights + 2 * largest + 64 * MIB
+
+
+CGROUP_V1 = "/sys/fs/cgroup/memory"
+
+
+def _memory_cgroup(name: str, limit: int) -> str | None:
+    """A cgroup v1 memory cgroup limited to `limit` bytes (None where this machine does not let us make one)."""
+    path = f"{CGROUP_V1}/{name}"
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(f"{path}/memory.limit_in_bytes", "w") as f:
+            f.write(str(limit))
+    except OSError:
+        return None
+    return path
+
+
+def test_a_piece_that_cannot_fit_its_cgroup_is_refused_before_loading(q4_k_m):
+    """A process confined to less memory than the piece's weights need (lean) says so at once, naming the layers
+    and the sizes, instead of being killed by the OOM killer part way through loading."""
+    cgroup = _memory_cgroup(f"stagemesh-test-{os.getpid()}", 4 * 2**30)
+    if cgroup is None:
+        pytest.skip(f"cannot make a memory cgroup under {CGROUP_V1} here")
+    join = f"open({cgroup + '/cgroup.procs'!r}, 'w').write(str(__import__('os').getpid()))\n"
+    try:
+        # what a process that has imported torch and opened the file holds there, then a limit with room for that and
+        # half of the ~0.18 GiB of weights
+        base = subprocess.run([sys.executable, "-c", join + "import torch, sys\nfrom shared.gguf_loader import GgufLoader\n"
+                               "from shared.models.memory import cgroup_room\nGgufLoader(sys.argv[1])\n"
+                               "print(4 * 2**30 - cgroup_room())", q4_k_m], capture_output=True, text=True, timeout=300)
+        assert base.returncode == 0, base.stderr[-1500:]
+        with open(f"{cgroup}/memory.limit_in_bytes", "w") as f:
+            f.write(str(int(base.stdout.split()[-1]) + 90 * MIB))
+        out = subprocess.run([sys.executable, "-c", join + PROBE, q4_k_m], capture_output=True, text=True, timeout=300)
+    finally:
+        os.rmdir(cgroup)
+    assert out.returncode == 1, (out.returncode, out.stderr[-1500:])  # an error raised, not a kill (-9)
+    assert "DoesNotFit: layers 0:6 need 0.18 GiB" in out.stderr and "memory cgroup's limit" in out.stderr, \
+        out.stderr[-1500:]

@@ -44,8 +44,8 @@ def test_a_containers_memory_limit_bounds_what_counts_as_available(tmp_path, mon
         (tmp_path / "max").write_text(limit + "\n")
         (tmp_path / "current").write_text(f"{usage}\n")
 
-    monkeypatch.setattr(memory, "CGROUP_MEMORY_FILES", (("/nonexistent/memory.max", "/nonexistent/memory.current"),
-                                                        (str(tmp_path / "max"), str(tmp_path / "current"))))
+    monkeypatch.setattr(memory, "cgroup_memory_files", lambda: [("/nonexistent/memory.max", "/nonexistent/memory.current"),
+                                                                (str(tmp_path / "max"), str(tmp_path / "current"))])
     host = memory.available_bytes()  # the files are not there yet: the host's figure
     cgroup("max", 10 * MIB)  # cgroup v2 without a limit
     assert memory.cgroup_room() is None and memory.available_bytes() == pytest.approx(host, rel=0.1)

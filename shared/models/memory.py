@@ -21,20 +21,48 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.errors import DoesNotFit
+
 DEFAULT_FRACTION = 0.8  # of MemAvailable at load, for all the stages of one host together
 PREFIX_FRACTION = 0.25  # of MemAvailable at load: a stage's cached prefixes by default (--prefix-cache-memory)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-# (limit, usage) files of this process's memory cgroup: v2, then v1. In a container /proc/meminfo shows the host's
-# memory, while the cgroup's limit (a Kubernetes pod's resources.limits.memory) is what the OOM killer enforces.
-CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+def cgroup_memory_files() -> list[tuple[str, str]]:
+    """(limit, usage) files of this process's memory cgroup and of each cgroup above it, innermost first: v2, then v1.
+    In a container /proc/meminfo shows the host's memory, while the cgroup's limit (a Kubernetes pod's
+    resources.limits.memory) is what the OOM killer enforces; a process put in a cgroup by hand (no cgroup namespace)
+    finds its own under /proc/self/cgroup's path, not at the mount's root."""
+    own = {"v2": "/", "v1": "/"}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    own["v2"] = path
+                elif "memory" in controllers.split(","):
+                    own["v1"] = path
+    except (OSError, ValueError):
+        pass
+    files = []
+    for key, root, limit, usage in (("v2", "/sys/fs/cgroup", "memory.max", "memory.current"),
+                                    ("v1", "/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")):
+        path = own[key]
+        while True:
+            d = os.path.normpath(root + "/" + path)
+            files.append((os.path.join(d, limit), os.path.join(d, usage)))
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return files
 
 
 def cgroup_room() -> int | None:
-    """Bytes this process's memory cgroup lets it take beyond what it uses now; None where it sets no limit."""
-    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+    """Bytes this process's memory cgroups (its own and those above it) let it take beyond their working sets now
+    (usage less the inactive file cache, which the kernel reclaims before it would kill: the kubelet's measure), the
+    least of them; None where none sets a limit."""
+    rooms = []
+    for limit_file, usage_file in cgroup_memory_files():
         try:
             with open(limit_file) as f:
                 limit = f.read().strip()
@@ -43,9 +71,19 @@ def cgroup_room() -> int | None:
         except (OSError, ValueError):
             continue
         if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v2's and v1's "no limit"
-            return None
-        return max(0, int(limit) - usage)
-    return None
+            continue
+        rooms.append(max(0, int(limit) - usage + _inactive_file(os.path.dirname(usage_file))))
+    return min(rooms) if rooms else None
+
+
+def _inactive_file(cgroup_dir: str) -> int:
+    """The cgroup's inactive file cache (memory.stat: v2 inactive_file, v1 total_inactive_file), 0 where unreadable."""
+    try:
+        with open(os.path.join(cgroup_dir, "memory.stat")) as f:
+            stat = dict(line.split() for line in f if line.count(" ") == 1)
+    except (OSError, ValueError):
+        return 0
+    return int(stat.get("inactive_file", stat.get("total_inactive_file", 0)))
 
 
 def available_bytes() -> int:
@@ -74,6 +112,24 @@ def return_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def room() -> tuple[int, str]:
+    """available_bytes() and what sets it, in words for an error message."""
+    room_in_cgroup, host = cgroup_room(), available_bytes()
+    if room_in_cgroup is not None and room_in_cgroup <= host:
+        return room_in_cgroup, "what its memory cgroup's limit leaves"
+    return host, "what the host has available"
+
+
+def check_fits(what: str, need: int) -> None:
+    """Refuse (DoesNotFit, naming `what`) before loading weights of `need` bytes that this process cannot hold: the
+    OOM killer would stop it part way, minutes in, with no word of why."""
+    have, source = room()
+    if need > have:
+        raise DoesNotFit(f"{what} need {need / 2**30:.2f} GiB for their weights even with --weights lean, and this "
+                         f"process can have {have / 2**30:.2f} GiB ({source}); serve the model over more stages or "
+                         "hosts (`stagemesh plan` shows a split that fits) or give this process more memory")
 
 
 def default_budget(stages_on_host: int = 1) -> int:

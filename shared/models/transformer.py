@@ -44,6 +44,7 @@ from shared.models.linear import (
 from shared.models.memory import (
     PieceMemory,
     PrefillCopy,
+    check_fits,
     default_budget,
     plan_prefill_copy,
     return_freed_memory,
@@ -296,6 +297,7 @@ class TransformerModel:
         matrices = [t for n in raw if len((t := raw.type_and_shape(n))[1]) >= 2 and not n.endswith("ffn_gate_inp.weight")
                     and (n != "token_embd.weight" or position.has_lm_head)]  # (ggml type, shape) of each
         lean_bytes = sum(lean_nbytes(*t) for t in matrices)
+        check_fits(f"layers {layers}", lean_bytes)  # before anything is built
         prefill = None
         if weights == "auto" and not batch_invariant and torch.device(device).type == "cpu":
             copy = plan_prefill_copy(budget, lean_bytes, kv_bytes,
