@@ -1,9 +1,10 @@
 """Too big for one host: a model served by 2 stages, each confined by a cgroup (v1 memory controller) to less memory
 than the whole file, where one process under the same limit cannot load it.
 
-    python -m benchmarks.too_big [--model llama3.1-8b] [--limit 3.5G] [--out DIR]
+    python -m benchmarks.shaped_gguf llama3.1-8b Q4_K_M        # prints the file's path (built once)
+    python -m benchmarks.too_big --model FILE [--limit 3.5G] [--out DIR]
 
---model: a SHAPES name of benchmarks/shaped_gguf.py (built once, Q4_K_M) or a GGUF path. The single process is
+The single process is
 `stagemesh generate` in one cgroup: it must be refused before loading (DoesNotFit), not killed part way. The mesh is
 `stagemesh up --stages 2 --weights lean --compile-decode off`, each stage moved into a cgroup of its own as soon as
 it starts (its early charges move with it); it must serve a request. Each cgroup's peak usage and its failcnt (times
@@ -22,7 +23,6 @@ import time
 import urllib.request
 
 from benchmarks.harness import add_out_arg, children, free_port, results_dir, write_results
-from benchmarks.shaped_gguf import SHAPES, shaped_gguf
 from shared.models.memory import parse_bytes
 
 CGROUPS = "/sys/fs/cgroup/memory"
@@ -109,13 +109,13 @@ def two_stages(model: str, limit: int, logs: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama3.1-8b", help="a shaped file's name (built once, Q4_K_M) or a GGUF path")
+    p.add_argument("--model", required=True, help="a GGUF path (e.g. the 8B-shaped Q4_K_M of benchmarks.shaped_gguf)")
     p.add_argument("--limit", default="3.5G", help="each process's memory limit (less than the whole file)")
     add_out_arg(p, "too-big")
     args = p.parse_args()
     if not os.access(CGROUPS, os.W_OK):
         sys.exit(f"benchmarks.too_big needs a writable cgroup v1 memory controller at {CGROUPS} (root)")
-    model = shaped_gguf(args.model) if args.model in SHAPES else args.model
+    model = args.model
     limit, file_bytes = parse_bytes(args.limit), os.path.getsize(model)
     if limit >= file_bytes:
         sys.exit(f"--limit {args.limit} is not less than the file ({file_bytes / GiB:.2f} GiB): nothing to show")
