@@ -152,10 +152,9 @@ def _fake_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def why_not() -> str | None:
     """None where the weights' blocks run on these kernels: the ops load, on a CPU whose torch kernels are AVX2, or
     AVX512 where they measured faster than torch's int4 kernel at one token (ONE_TOKEN_PROBE, once per machine, kept
-    in the kernel plans file; they were kept to AVX2 on the belief that AVX512's bf16 int4 is faster, but on an AMD
-    Zen 4 the integer-dot kernels took 0.31x its
-    time for an 8192 x 2048 Q4_K matrix, and 0.46x int8 rows' time for a 128k-row Q6_K lm_head); STAGEMESH_QDOT=on
-    takes them without measuring. Otherwise why not (a stage's /info shows it)."""
+    in the kernel plans file). They had been kept to AVX2 on the belief that AVX512's bf16 int4 is faster; on an AMD
+    Zen 4 they took 0.31x its time for an 8192 x 2048 Q4_K matrix, and 0.46x int8 rows' time for a 128k-row Q6_K
+    lm_head. STAGEMESH_QDOT=on takes them without measuring. Otherwise why not (a stage's /info shows it)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2" and not capability.startswith("AVX512"):
         return f"torch's kernels here are {capability}"
