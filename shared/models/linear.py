@@ -297,7 +297,7 @@ class QdotLinear:
         self.op = QDOT_TYPES[raw.ggml_type]
         self.kind = f"{raw.ggml_type.lower()}-dot-q8"
         if raw.ggml_type in ("Q5_0", "Q5_1", "Q4_K", "Q6_K"):
-            data = _rewritten_blocks(raw)
+            data = _by_rows(raw, _rewritten_blocks)
         else:
             data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
         if raw.ggml_type == "Q4_0":  # {d, qs} -> {d, -8d, qs}
@@ -316,6 +316,27 @@ class QdotLinear:
     @property
     def nbytes(self) -> int:
         return self.blocks.nbytes
+
+
+WEIGHTS_AT_ONCE = 1 << 22  # a matrix is converted at load this many weights at a time: its float copies stay ~16 MiB
+
+
+def rows_at_once(k: int) -> int:
+    return max(GROUP, WEIGHTS_AT_ONCE // k)
+
+
+def _by_rows(raw: RawTensor, convert) -> torch.Tensor:
+    """convert(raw) [N, ...] made rows_at_once rows at a time (each row's result depends on that row alone), so a
+    14336 x 4096 Q4_K matrix is not unpacked whole into int and float copies beside the weights being loaded."""
+    n, k = raw.shape
+    out = None
+    for r0 in range(0, n, rows_at_once(k)):
+        r1 = min(n, r0 + rows_at_once(k))
+        part = convert(RawTensor(raw.name, raw.ggml_type, (r1 - r0, k), raw.data[r0:r1]))
+        if out is None:
+            out = torch.empty((n, *part.shape[1:]), dtype=part.dtype)
+        out[r0:r1] = part
+    return out
 
 
 def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
@@ -357,7 +378,6 @@ class Int8Linear:
     A row's result does not depend on the other rows of the call (checked for every M in tests/test_linear.py)."""
 
     kind = "int8-rows"
-    ROWS_AT_ONCE = 4096  # from_raw's chunk: its float32 copies stay ~tens of MiB even for a 128k-vocabulary lm_head
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
@@ -371,13 +391,13 @@ class Int8Linear:
 
     @classmethod
     def from_raw(cls, raw: RawTensor) -> Int8Linear:
-        """The same numbers as Int8Linear(dequantize(raw)), dequantized ROWS_AT_ONCE rows at a time (a whole 128k x 4096
+        """The same numbers as Int8Linear(dequantize(raw)), dequantized rows_at_once rows at a time (a whole 128k x 4096
         matrix in float32 would be 2 GiB beside the int8 one)."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = n, k = raw.shape
         self.weight, self.scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.bfloat16)
-        for r0 in range(0, n, cls.ROWS_AT_ONCE):
-            r1 = min(n, r0 + cls.ROWS_AT_ONCE)
+        for r0 in range(0, n, rows_at_once(k)):
+            r1 = min(n, r0 + rows_at_once(k))
             self.weight[r0:r1], self.scales[r0:r1] = cls._rows(
                 dequantize(RawTensor(raw.name, raw.ggml_type, (r1 - r0, k), raw.data[r0:r1])))
         return self

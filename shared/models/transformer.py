@@ -325,7 +325,9 @@ class TransformerModel:
             output_norm_b = vector("output_norm.bias") if config.traits.norm == "layer" else None
             output_bias = vector("output.bias") if "output.bias" in raw else None
             head = "output.weight" if not config.tied_embeddings else "token_embd.weight"
-            output, sources["output"] = linear(head), [head]
+            # read from the file's map as it is converted, not copied first: a 128k-row head is the largest tensor,
+            # and its copy would sit beside the weights built from it (every kernel builds its own copy)
+            output, sources["output"] = linear(loader.raw(head, mapped=True)), [head]
         raw.release()  # every weight is built: the last copies go before the layers are stacked (another copy)
         model = cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
                     output_norm_b, output_bias)
