@@ -8,7 +8,6 @@ import hashlib
 import mmap
 import os
 import re
-import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderTensor
-from tqdm import tqdm
 
 from shared.errors import GgufError, UnsupportedTensorType
 from shared.layers import LayerRange, StagePosition
@@ -242,10 +240,6 @@ class GgufLoader:
         """names' tensors as a mapping that copies each out of the map when it is looked up (PieceTensors)."""
         return PieceTensors(self, names)
 
-    def iter_raw(self, names: list[str], desc: str = "loading") -> Iterator[RawTensor]:
-        """Yield each requested tensor's RawTensor, with a progress bar when stderr is a terminal."""
-        for name in tqdm(names, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False):
-            yield self.raw(name)
 
 
 class PieceTensors(Mapping[str, RawTensor]):
