@@ -22,21 +22,15 @@ first start on a busy machine).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
-import json
-import os
-import platform
-import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 
 from shared.config import SCHEDULER_DEFAULTS
 from shared.device import cpu_has_fast_bf16
 from shared.models.linear import DenseLinear, SwitchedLinear
+from shared.models.plans import PLANS_ENV, kernel_plan, timing_alone  # noqa: F401 (PLANS_ENV: the tests set it)
 
 CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending
 REPEAT = 5  # the prefill probe: fastest of REPEAT timings per kernel (noise on a shared machine only ever adds time)
@@ -46,68 +40,6 @@ REPEAT = 5  # the prefill probe: fastest of REPEAT timings per kernel (noise on 
 CROSSOVER_BLOCKS = 8
 CROSSOVER_REPEAT = 3
 PREFILL_PROBE_MAX = 2048  # the prefill kernels are timed on a matrix of the model's MLP shape, capped at this per side
-
-
-@contextlib.contextmanager
-def timing_alone():
-    """Hold the machine-wide lock of load-time kernel timings: the stages of a mesh load at once, and two stages
-    timing kernels on the same cores measure each other and pick a crossover the kernels timed alone would not).
-    Other loading work still runs meanwhile."""
-    with open(os.path.join(tempfile.gettempdir(), "stagemesh-kernel-timing.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-PLANS_ENV = "STAGEMESH_KERNEL_PLANS"  # the plans file; "off": measure at every load
-
-
-def plans_path() -> str | None:
-    value = os.environ.get(PLANS_ENV)
-    if value == "off":
-        return None
-    return value or os.path.join(os.path.expanduser("~"), ".cache", "stagemesh", "kernel-plans.json")
-
-
-@functools.cache
-def machine_id() -> str:
-    """What the timings depend on besides the shapes: the CPU, torch's version and the thread count."""
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-
-
-def _read_plans(path: str | None) -> dict:
-    try:
-        with open(path) as f:
-            plans = json.load(f)
-        return plans if isinstance(plans, dict) else {}
-    except (OSError, TypeError, ValueError):  # none yet, unreadable or not JSON: measure (and rewrite it)
-        return {}
-
-
-def kernel_plan(key: str, measure: Callable[[], str | int], valid: Callable[[object], bool]) -> tuple[str | int, bool]:
-    """This machine's plan for `key` (a kernel choice for one shape): from the plans file where `valid` accepts it,
-    else measure() timed alone and recorded there. Returns (value, whether it came from the file)."""
-    path, full = plans_path(), f"{machine_id()} | {key}"
-    with timing_alone():
-        plans = _read_plans(path)
-        if valid(plans.get(full)):
-            return plans[full], True
-        value = measure()
-        if path:
-            plans[full] = value
-            with contextlib.suppress(OSError):  # a read-only home: measured again next time, nothing worse
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(plans, f, indent=1, sort_keys=True)
-                os.replace(tmp, path)
-    return value, False
 
 
 def _best_ms(fn, repeat: int) -> float:

@@ -37,6 +37,7 @@ import tempfile
 import torch
 
 from shared.device import cpu_flags
+from shared.models.plans import kernel_plan
 
 log = logging.getLogger("stagemesh.qdot")
 
@@ -161,49 +162,46 @@ def why_not() -> str | None:
     if (why := load()) is not None:
         return why
     if capability != "AVX2" and os.environ.get(ENV, "").lower() != "on":
-        from shared.models.crossover import kernel_plan  # crossover imports linear, which imports this module
-
         faster, _ = kernel_plan(ONE_TOKEN_PROBE, _faster_at_one_token, lambda v: v in ("integer-dot", "int4"))
         if faster == "int4":
             return f"torch's kernels here are {capability}, and its int4 kernel measured faster at one token"
     return None
 
 
-ONE_TOKEN_PROBE = "integer-dot or int4, one token through a 4096 x 4096 Q4_0 matrix"
+ONE_TOKEN_PROBE = "integer-dot or int4, one token through a 4096 x 4096 Q4_1 matrix"
 
 
 def _faster_at_one_token() -> str:
-    """"integer-dot" or "int4": the faster for one token's row through a 4096 x 4096 Q4_0 matrix of random levels
-    (each kernel's best of 5 timings of 10 calls)."""
+    """"integer-dot" or "int4": the faster for one token's row through a 4096 x 4096 matrix of random 4-bit levels,
+    as each holds it (q4_1 blocks interleaved; torch's int4 pack with bf16 scales), each kernel's best of 5 timings of
+    10 calls."""
     import time
 
-    from shared.gguf_loader import RawTensor
-    from shared.models.linear import Int4Linear, QdotLinear, unpack_levels
-
     n = k = 4096
-    blocks = torch.randint(0, 256, (n, k // 32, 18), dtype=torch.uint8)
-    blocks[..., :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # every block's scale d
-    raw = RawTensor("probe", "Q4_0", (n, k), blocks.reshape(n, -1))
+    levels = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    groups = levels.view(n, k // 32, 32).to(torch.uint8)
+    scales = torch.tensor([0.01, -0.08], dtype=torch.float16).view(torch.uint8).expand(n, k // 32, 4)
+    blocks = interleave("q4_1", torch.cat([scales, groups[..., :16] | (groups[..., 16:] << 4)], dim=-1).reshape(n, -1))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+    scales_and_zeros = torch.tensor([0.01, 0.0], dtype=torch.bfloat16).expand(k // 32, n, 2).contiguous()
     x = torch.randn(1, k)
-    kernels = {"integer-dot": QdotLinear(raw), "int4": Int4Linear(*unpack_levels(raw), planes=1)}
+    kernels = {"integer-dot": lambda: mm("q4_1", x, blocks, n),
+               "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, 32,
+                                                                          scales_and_zeros)}
 
     def best_ms(kernel) -> float:
-        kernel(x)
+        kernel()
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
             for _ in range(10):
-                kernel(x)
+                kernel()
             times.append(time.perf_counter() - t0)
         return min(times) * 100
 
     timed = {name: best_ms(kernel) for name, kernel in kernels.items()}
-    log.info("one token through a 4096 x 4096 Q4_0 matrix: %s", ", ".join(f"{n} {ms:.3f} ms" for n, ms in timed.items()))
+    log.info("one token through a 4096 x 4096 4-bit matrix: %s", ", ".join(f"{k} {ms:.3f} ms" for k, ms in timed.items()))
     return min(timed, key=timed.get)
-
-
-def usable() -> bool:
-    return why_not() is None
 
 
 def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
