@@ -204,6 +204,10 @@ def _faster_at_one_token() -> str:
     return min(timed, key=timed.get)
 
 
+def usable() -> bool:
+    return why_not() is None
+
+
 def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
     """A matrix's rows of blocks [N, K/32 * BLOCK_BYTES] (the op's layout: Q4_1's, Q8_0's or q8_16's) -> the ops'
     layout [ceil(N/8), K/32 * 8 * BLOCK_BYTES]: rows 8 at a time (zero rows pad the last group), and for each group
