@@ -59,10 +59,13 @@ def _read_plans(path: str | None) -> dict:
         return {}
 
 
-def kernel_plan(key: str, measure: Callable[[], str | int], valid: Callable[[object], bool]) -> tuple[str | int, bool]:
+def kernel_plan(key: str, measure: Callable[[], str | int], valid: Callable[[object], bool],
+                per_thread_count: bool = True) -> tuple[str | int, bool]:
     """This machine's plan for `key` (a kernel choice for one shape): from the plans file where `valid` accepts it,
-    else measure() timed alone and recorded there. Returns (value, whether it came from the file)."""
-    path, full = plans_path(), f"{machine_id()} | {key}"
+    else measure() timed alone and recorded there. Returns (value, whether it came from the file).
+    per_thread_count=False: one plan whatever this process's thread count (a choice every process must share)."""
+    machine = machine_id() if per_thread_count else machine_id().rsplit(" | ", 1)[0]
+    path, full = plans_path(), f"{machine} | {key}"
     with timing_alone():
         plans = _read_plans(path)
         if valid(plans.get(full)):
