@@ -377,9 +377,10 @@ async def test_micro_batches_lost_past_a_healthy_looking_stage_make_the_pipeline
 # ---- Medium 4: two deaths in one request ------------------------------------------------------------------------
 
 async def test_two_stage_deaths_in_one_request_cost_two_replays_and_every_stream_completes(clean):
-    """Stage 1, then stage 0, is killed and restarted while three streams run (each death is noticed twice: the stage
-    unreachable, then its new incarnation). Replays are counted when sent, so two deaths cost two of the three a
-    request may have, and every stream completes."""
+    """Stage 1, then stage 0, is killed and restarted while three streams run (each death is noticed: the stage
+    unreachable and then its new incarnation, or only the new incarnation when the stage is back before the gateway's
+    next poll -- SmolLM2's stage 0 reloads in ~0.3 s from the page cache). Replays are counted when sent, so two
+    deaths cost two of the three a request may have, and every stream completes."""
     url = clean.gw.url
     replayed = clean.metric("stagemesh_gateway_replayed_sequences_total")
     streams = [asyncio.create_task(stream(url, f"Write a long letter to friend number {i}.", 240)) for i in range(3)]
@@ -387,7 +388,7 @@ async def test_two_stage_deaths_in_one_request_cost_two_replays_and_every_stream
     for victim in (1, 0):
         failovers = clean.metric("stagemesh_gateway_pipeline_failovers_total")
         clean.restart(victim)  # SIGKILL, then the same command again
-        await async_until(lambda f=failovers: clean.metric("stagemesh_gateway_pipeline_failovers_total") >= f + 2,
+        await async_until(lambda f=failovers: clean.metric("stagemesh_gateway_pipeline_failovers_total") >= f + 1,
                           120, f"the gateway never saw stage {victim} die and come back")
         await async_until(lambda: _ready(clean.gw), 60, "the gateway never became ready again")
         assert not any(t.done() for t in streams), [t.result() for t in streams if t.done()]  # both deaths mid-stream
