@@ -44,7 +44,7 @@ import functools
 import itertools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -325,17 +325,24 @@ def rows_at_once(k: int) -> int:
     return max(GROUP, WEIGHTS_AT_ONCE // k)
 
 
+def _row_slices(raw: RawTensor) -> Iterator[tuple[slice, RawTensor]]:
+    """raw's rows rows_at_once at a time: (their slice, them as a RawTensor of their own)."""
+    n, k = raw.shape
+    step = rows_at_once(k)
+    for r0 in range(0, n, step):
+        rows = slice(r0, min(n, r0 + step))
+        yield rows, RawTensor(raw.name, raw.ggml_type, (rows.stop - r0, k), raw.data[rows])
+
+
 def _by_rows(raw: RawTensor, convert) -> torch.Tensor:
     """convert(raw) [N, ...] made rows_at_once rows at a time (each row's result depends on that row alone), so a
     14336 x 4096 Q4_K matrix is not unpacked whole into int and float copies beside the weights being loaded."""
-    n, k = raw.shape
     out = None
-    for r0 in range(0, n, rows_at_once(k)):
-        r1 = min(n, r0 + rows_at_once(k))
-        part = convert(RawTensor(raw.name, raw.ggml_type, (r1 - r0, k), raw.data[r0:r1]))
+    for rows, part_raw in _row_slices(raw):
+        part = convert(part_raw)
         if out is None:
-            out = torch.empty((n, *part.shape[1:]), dtype=part.dtype)
-        out[r0:r1] = part
+            out = torch.empty((raw.shape[0], *part.shape[1:]), dtype=part.dtype)
+        out[rows] = part
     return out
 
 
@@ -396,10 +403,8 @@ class Int8Linear:
         self = cls.__new__(cls)
         self.out_features, self.in_features = n, k = raw.shape
         self.weight, self.scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.bfloat16)
-        for r0 in range(0, n, rows_at_once(k)):
-            r1 = min(n, r0 + rows_at_once(k))
-            self.weight[r0:r1], self.scales[r0:r1] = cls._rows(
-                dequantize(RawTensor(raw.name, raw.ggml_type, (r1 - r0, k), raw.data[r0:r1])))
+        for rows, part in _row_slices(raw):
+            self.weight[rows], self.scales[rows] = cls._rows(dequantize(part))
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
