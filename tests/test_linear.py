@@ -95,12 +95,12 @@ def test_stored_kernel_runs_the_files_numbers(qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_lean_kernel_is_the_smallest_within_the_types_own_error(qtype):
-    """lean holds 5- and 6-bit types as int8 rows (1 byte a weight, not two int4 planes' or q8_16 blocks' 1.25), but
-    Q5_0 / Q5_1 on the integer-dot kernels as their own blocks (0.69 / 0.75): the result stays within the int8 bound
+    """lean holds 5- and 6-bit types as int8 rows (1 byte a weight, not two int4 planes' 1.25), but Q5_0 / Q5_1 / Q6_K
+    on the integer-dot kernels as their own blocks (0.69 / 0.75 / 0.875): the result stays within the int8 bound
     of the exact product, and its bytes are what lean_nbytes plans with and less than stored's where it differs."""
     raw, ref = _raw(qtype, seed=2)
     w = lean_kernel(raw)
-    own_blocks = qtype in ("Q4_1", "Q8_0") or (qtype in ("Q5_0", "Q5_1") and qdot_takes(qtype))
+    own_blocks = qtype in ("Q4_1", "Q8_0") or (qtype in ("Q5_0", "Q5_1", "Q6_K") and qdot_takes(qtype))
     assert qtype in LEAN_INT8_TYPES or own_blocks
     assert isinstance(w, _blocks_kernel(qtype) if own_blocks else Int8Linear), w.kind
     x = torch.randn(5, COLS)
@@ -140,7 +140,7 @@ def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
     assert isinstance(make_linear([_raw("F16")[0]], "auto"), DenseLinear)  # float types have no quantized kernel
     q6_k = make_linear([_raw("Q6_K")[0]], "auto")  # elsewhere dense, no slower than int8 rows
     assert isinstance(q6_k, QdotLinear if qdot_takes("Q6_K") else DenseLinear), q6_k.kind
-    assert isinstance(make_linear([_raw("Q6_K")[0]], "lean"), Int8Linear)
+    assert isinstance(make_linear([_raw("Q6_K")[0]], "lean"), QdotLinear if qdot_takes("Q6_K") else Int8Linear)
 
 
 @pytest.mark.parametrize("mode", ["f32", "bf16", "lean", "auto"])
@@ -156,8 +156,8 @@ def test_fused_rows_of_any_type_mix_compute_the_concatenation(mode):
     assert fused.out_features == len(parts) * ROWS
     if mode == "lean":  # each type on its lean kernel, the two Q5_0 parts on one
         assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == [
-            _blocks_kind("Q4_K"), _blocks_kind("Q5_0") if qdot_takes("Q5_0") else "int8-rows", "int8-rows",
-            _blocks_kind("Q8_0")]
+            _blocks_kind("Q4_K"), _blocks_kind("Q5_0") if qdot_takes("Q5_0") else "int8-rows",
+            _blocks_kind("Q6_K") if qdot_takes("Q6_K") else "int8-rows", _blocks_kind("Q8_0")]
         assert fused.parts[1].out_features == 2 * ROWS
     if mode == "auto" and qdot_takes("Q6_K"):  # every type on the integer-dot kernels: no switch, no dense copy
         assert isinstance(fused, ConcatLinear) and [p.kind for p in fused.parts] == [

@@ -31,7 +31,7 @@ def _raw(qtype: str, rows: int, cols: int, seed: int = 0) -> RawTensor:
 
 def _q8_activations(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ggml's quantize_row_q8_1: x [M, K] -> levels [M, K/32, 32], each block's d and d x sum(levels) (fp16); with
-    block=16 (the q8_16 kernel's), the same per 16: [M, K/16, 16]."""
+    block=16 (the q6_16 kernel's), the same per 16: [M, K/16, 16]."""
     m, k = x.shape
     xb = x.astype(np.float32).reshape(m, k // block, block)
     amax = np.abs(xb).max(axis=-1)
@@ -142,9 +142,9 @@ def _q6_k_raw(rows: int, cols: int, seed: int = 0) -> RawTensor:
     return RawTensor("w", "Q6_K", (rows, cols), b.view(rows, -1))
 
 
-def test_q6_k_runs_as_q8_16_blocks_with_the_files_numbers():
+def test_q6_k_runs_as_q6_16_blocks_with_the_files_numbers():
     """Q6_K's levels (-32..31) and its scales per 16 (d * sc, exact in float32) are the file's numbers: they
-    reproduce gguf's dequantization bit for bit. The kernel's q8_16 blocks carry both halves' scales, and it rounds
+    reproduce gguf's dequantization bit for bit. The kernel's q6_16 blocks carry both halves' scales, and it rounds
     the activations to 8 bits per 16 as well (llama.cpp per 256 for this type; per 32, Gemma 3's perplexity was 2.5 %
     higher), so the product is the sum of per-16 integer dots, each scaled by its half's weight and activation
     scales: swapping the halves or the bit planes, or quantizing the activations per 32, would be far off."""
@@ -156,7 +156,7 @@ def test_q6_k_runs_as_q8_16_blocks_with_the_files_numbers():
     weights = (levels.float().view(43, -1, 16) * scale[..., None]).view(43, 512)
     np.testing.assert_array_equal(weights.numpy(), dequantize(raw).numpy())
     w = QdotLinear(raw)
-    assert w.kind == "q6_k-dot-q8" and w.nbytes == 48 * 16 * 40
+    assert w.kind == "q6_k-dot-q8" and w.nbytes == 48 * 16 * 28  # 7 bits a weight
     for m in (1, 4, 7):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         x[0, :32] = 0.0

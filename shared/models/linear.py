@@ -15,8 +15,8 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
 
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
 (QdotLinear) wherever the table says int4, Q5_0 / Q5_1 in both modes (their own blocks, smaller than int8 rows), and
-Q4_K and Q6_K in auto (rewritten to Q4_1 and q8_16 blocks): the file's blocks, multiplied as llama.cpp does
-(shared.models.qdot). They
+Q4_K in auto (rewritten to Q4_1 blocks) and Q6_K in both (q6_16 blocks, 0.875 bytes a weight): the file's numbers,
+multiplied as llama.cpp does (shared.models.qdot). They
 outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
@@ -66,10 +66,11 @@ INT4_PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # up to 8 bits x scale + low
 FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
 # The types QdotLinear takes where the integer-dot kernels run (qdot.usable()), and the op each runs on.
 # QdotLinear rewrites three: Q4_K runs as Q4_1 blocks {d*sc, -dmin*mn} per group of 32 (the two rounded to fp16 once,
-# as llama.cpp rounds Q8_1's; int4 rounds them to bf16); Q6_K as q8_16 blocks {d*sc of each half, the levels less 32}
-# per group of 32 (exact: its scales are per 16); Q5_0 and Q5_1 as their own bytes, the fifth bits after the nibbles.
+# as llama.cpp rounds Q8_1's; int4 rounds them to bf16); Q6_K as q6_16 blocks {d, the two int8 scales, its 6-bit
+# levels} per group of 32 (its own numbers, 7 bits a weight); Q5_0 and Q5_1 as their own bytes, the fifth bits after
+# the nibbles.
 QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_1",
-              "Q6_K": "q8_16"}
+              "Q6_K": "q6_16"}
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
 # (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
 _PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
@@ -287,7 +288,7 @@ class QdotLinear:
     quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch kernels are AVX2).
     blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset -8d, exact
     in fp16) and Q4_K's (_rewritten_blocks); Q8_0's 34-byte blocks; Q5_0's and Q5_1's own 22 / 24 bytes, reordered;
-    Q6_K as 40-byte q8_16 blocks (two float32 scales, one per half); 8 rows' interleaved (qdot.interleave). float32
+    Q6_K as 28-byte q6_16 blocks (d, an int8 scale per half, 6-bit levels); 8 rows' interleaved (qdot.interleave). float32
     out. A row's result does not depend on the other rows."""
 
     def __init__(self, raw: RawTensor):
@@ -296,14 +297,12 @@ class QdotLinear:
         self.out_features, self.in_features = n, k = raw.shape
         self.op = QDOT_TYPES[raw.ggml_type]
         self.kind = f"{raw.ggml_type.lower()}-dot-q8"
-        if raw.ggml_type in ("Q5_0", "Q5_1", "Q4_K", "Q6_K"):
-            data = _by_rows(raw, _rewritten_blocks)
-        else:
-            data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
-        if raw.ggml_type == "Q4_0":  # {d, qs} -> {d, -8d, qs}
-            low = (-8.0 * data[..., 0:2].contiguous().view(torch.float16)).view(torch.uint8)
-            data = torch.cat([data[..., 0:2], low, data[..., 2:]], dim=-1)
-        self.blocks = qdot.interleave(self.op, data.reshape(n, -1))  # owned: not a view of the mapped file
+        # owned, not a view of the mapped file; made rows_at_once rows (whole groups of 8) at a time
+        self.blocks = torch.empty(-(-n // qdot.GROUP_ROWS), k // GROUP * qdot.GROUP_ROWS * qdot.BLOCK_BYTES[self.op],
+                                  dtype=torch.uint8)
+        for rows, part in _row_slices(raw):
+            groups = slice(rows.start // qdot.GROUP_ROWS, -(-rows.stop // qdot.GROUP_ROWS))
+            self.blocks[groups] = qdot.interleave(self.op, _op_blocks(part).reshape(rows.stop - rows.start, -1))
 
     STACKED = ("blocks",)  # what stack_layers stacks
     stack: LayerStack | None = None  # set by stack_layers: this weight is layer `index` of a stack
@@ -322,7 +321,8 @@ WEIGHTS_AT_ONCE = 1 << 22  # a matrix is converted at load this many weights at 
 
 
 def rows_at_once(k: int) -> int:
-    return max(GROUP, WEIGHTS_AT_ONCE // k)
+    """About WEIGHTS_AT_ONCE weights' rows, a multiple of the integer-dot kernels' groups of 8 rows."""
+    return max(GROUP, WEIGHTS_AT_ONCE // k // qdot.GROUP_ROWS * qdot.GROUP_ROWS)
 
 
 def _row_slices(raw: RawTensor) -> Iterator[tuple[slice, RawTensor]]:
@@ -334,16 +334,17 @@ def _row_slices(raw: RawTensor) -> Iterator[tuple[slice, RawTensor]]:
         yield rows, RawTensor(raw.name, raw.ggml_type, (rows.stop - r0, k), raw.data[rows])
 
 
-def _by_rows(raw: RawTensor, convert) -> torch.Tensor:
-    """convert(raw) [N, ...] made rows_at_once rows at a time (each row's result depends on that row alone), so a
-    14336 x 4096 Q4_K matrix is not unpacked whole into int and float copies beside the weights being loaded."""
-    out = None
-    for rows, part_raw in _row_slices(raw):
-        part = convert(part_raw)
-        if out is None:
-            out = torch.empty((raw.shape[0], *part.shape[1:]), dtype=part.dtype)
-        out[rows] = part
-    return out
+def _op_blocks(raw: RawTensor) -> torch.Tensor:
+    """raw's blocks in its qdot op's layout [N, K/32, BLOCK_BYTES]: Q4_0's with their offset spelled out ({d, qs} ->
+    {d, -8d, qs}, Q4_1's), Q4_1's and Q8_0's as stored, the rest rewritten (_rewritten_blocks)."""
+    if raw.ggml_type in ("Q5_0", "Q5_1", "Q4_K", "Q6_K"):
+        return _rewritten_blocks(raw)
+    n, k = raw.shape
+    data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
+    if raw.ggml_type == "Q4_0":
+        low = (-8.0 * data[..., 0:2].contiguous().view(torch.float16)).view(torch.uint8)
+        data = torch.cat([data[..., 0:2], low, data[..., 2:]], dim=-1)
+    return data
 
 
 def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
@@ -351,17 +352,26 @@ def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
     the 16 of nibbles (qdot.interleave then spreads them for the kernel). Q4_K -> Q4_1 blocks
     [N, K/32, 20]: for each group of 32 of a superblock, {d*sc, -dmin*mn, its nibbles}, the scale and offset rounded
     to fp16 (a relative error under 2^-11 of the group's scale; llama.cpp rounds its Q8_1 activations' the same way).
-    Q6_K -> q8_16 blocks [N, K/32, 40]: {d*sc of elements 0..15 and of 16..31 as float32, the levels less 32 as
-    int8}, the same numbers."""
+    Q6_K -> q6_16 blocks [N, K/32, 28]: {its superblock's fp16 d, the int8 scales of elements 0..15 and 16..31, the
+    levels' low nibbles as Q4_1's, their high 2 bits: bits 2j, 2j + 1 of byte 4h + b are element 16h + 4j + b's}, the
+    same numbers."""
     n, k = raw.shape
     if raw.ggml_type in ("Q5_0", "Q5_1"):  # {d, (m,) qh, qs} -> {d, (m,) qs, qh}
         b = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
         at = 2 if raw.ggml_type == "Q5_0" else 4
         return torch.cat([b[..., :at], b[..., at + 4:], b[..., at:at + 4]], dim=-1)
     if raw.ggml_type == "Q6_K":
-        levels, scales = q6_k_levels(raw)
-        halves = scales.reshape(n, k // GROUP, 2).contiguous().view(torch.uint8)  # [N, K/32, 8]
-        return torch.cat([halves, levels.view(n, k // GROUP, GROUP).view(torch.uint8)], dim=-1)
+        size, per = _BLOCK["Q6_K"]
+        nb = k // GROUP
+        levels, _ = q6_k_levels(raw)
+        u = (levels.view(n, nb, GROUP).to(torch.int16) + 32).to(torch.uint8)  # 0..63
+        sb = raw.data.reshape(n, k // per, size)
+        d = sb[..., None, 208:210].expand(n, k // per, per // GROUP, 2).reshape(n, nb, 2)
+        sc = sb[..., 192:208].reshape(n, nb, 2)
+        nibbles = (u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4)
+        high = ((u >> 4).view(n, nb, 2, 4, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1))
+        high = high.sum(3, dtype=torch.uint8).view(n, nb, 8)  # [.., h, j, b] summed over j -> byte 4h + b
+        return torch.cat([d, sc, nibbles, high], dim=-1)
     q, scale, low = unpack_levels(raw)
     q = q.view(n, k // GROUP, GROUP)
     d, m = scale.to(torch.float16), low.to(torch.float16)
@@ -542,7 +552,7 @@ def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear |
     return Int8Linear.from_raw(raw)
 
 
-# lean: int8 rows (1 byte a weight) where stored_kernel holds more: two int4 planes or q8_16 blocks (1.25)
+# lean: int8 rows (1 byte a weight) where stored_kernel holds more: two int4 planes (1.25)
 LEAN_INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
@@ -553,8 +563,8 @@ def _lean_int8(ggml_type: str, shape: Sequence[int]) -> bool:
 
 def lean_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear | QdotLinear | Int8Linear | DenseLinear:
     """lean's kernel, the least memory within the fidelity thresholds: stored_kernel, but int8 rows for 5- and 6-bit
-    types where that is smaller (not Q5_0 / Q5_1 on the integer-dot kernels, which hold their own 0.69 / 0.75
-    bytes a weight)."""
+    types where that is smaller (not Q5_0 / Q5_1 / Q6_K on the integer-dot kernels, which hold their own 0.69 / 0.75 /
+    0.875 bytes a weight)."""
     if _lean_int8(raw.ggml_type, raw.shape):
         return Int8Linear.from_raw(raw)
     return stored_kernel(raw, fixed_rows)

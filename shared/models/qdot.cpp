@@ -5,15 +5,18 @@
 // y [M, N] float32 = x [M, K] float32 @ W^T, W [N, K] kept as the GGUF's own blocks of 32 weights:
 //   q4_1: 20 bytes {fp16 d, fp16 m, 16 bytes of nibbles: byte i holds element i (low) and i + 16 (high)}, w = d q + m
 //   q8_0: 34 bytes {fp16 d, 32 int8}, w = d q
-//   q8_16: 40 bytes {float32 d0, float32 d1, 32 int8}, w = d0 q for elements 0..15, d1 q for 16..31 (Q6_K's levels
-//          less 32 and its sub-blocks' scales d * sc, exact in float32: linear.py's _rewritten_blocks)
+//   q6_16: 28 bytes {fp16 d, int8 sc0, int8 sc1, 16 bytes of nibbles as q4_1's, 8 bytes of high bits: bits 2j, 2j + 1
+//          of byte 4h + b are element 16h + 4j + b's bits 4, 5}, w = d sc0 (q - 32) for elements 0..15, d sc1 (q - 32)
+//          for 16..31 (Q6_K's own numbers, its superblock's d repeated per block: linear.py's _rewritten_blocks)
 //   q5_0: 22 bytes {fp16 d, 16 bytes of nibbles as q4_1's, 4 bytes: bit i is element i's fifth bit}, w = d (q - 16)
 //   q5_1: 24 bytes {fp16 d, fp16 m, the same 20 bytes}, w = d q + m (Q5_0's and Q5_1's own bytes, reordered)
 // with the rows taken 8 at a time (N padded with zero rows to a multiple of 8) and each block of the 8 interleaved
 // (qdot.py's interleave), the same bytes in another order:
 //   q4_1: 160 bytes {8 fp16 d, 8 fp16 m, 4 x 32 bytes: bytes 4n .. 4n+3 of the j-th are row n's bytes 4j .. 4j+3}
 //   q8_0: 272 bytes {8 fp16 d, 8 x 32 bytes: bytes 4n .. 4n+3 of the j-th are row n's levels 4j .. 4j+3}
-//   q8_16: 320 bytes {8 float32 d0, 8 float32 d1, the 8 x 32 bytes of levels as q8_0's}
+//   q6_16: 224 bytes {8 fp16 d, 8 int8 sc0, 8 int8 sc1, the 4 x 32 bytes of nibbles as q4_1's, 2 x 32 bytes of high
+//          bits: byte 4n + b of the h-th holds row n's byte 4h + b}, so that a shift of the h-th 32 bytes puts the high
+//          bits of the j-th's low (h = 0) or high (h = 1) nibbles at bits 4, 5 of each byte
 //   q5_0 / q5_1: 176 / 192 bytes {8 fp16 d, (8 fp16 m,) the 4 x 32 bytes of nibbles as q4_1's, 32 bytes of fifth
 //          bits: bit 2j + h of byte 4n + b is row n's element 16h + 4j + b's, the one at that byte of the j-th 32
 //          bytes, in its low (h = 0) or high nibble}, so that a shift of the 32 bytes puts the fifth bits of the
@@ -27,7 +30,8 @@
 //   q4_1: y = sum_b d_w d_x dot(q_w, q_x) + m_w s_x        q8_0: y = sum_b d_w d_x dot(q_w, q_x)
 //   q5_0: y = sum_b d_w d_x (dot(q_w, q_x) - 16 sum(q_x)), in integers as llama.cpp's dot of signed levels
 //   q5_1: as q4_1, with 5-bit levels (int16 sums widened every 4 maddubs: 4 x 2 x 31 x 127 fits)
-//   q8_16: y = sum_b d0_w d0_x dot(q_w, q_x)[0..15] + d1_w d1_x dot(q_w, q_x)[16..31], the activations quantized
+//   q6_16: y = sum_b d0_w d0_x dot(q_w, q_x)[0..15] + d1_w d1_x dot(q_w, q_x)[16..31] (d0_w = d sc0 exact in float32,
+//          q_w the levels less 32, signed, by ggml's sign trick as q8_0's), the activations quantized
 //          per 16 too (d0_x, d1_x: each half's own amax / 127): per 32, Gemma 3's Q6_K ffn_down inputs (a few large
 //          values among small ones) cost 2.5 % of perplexity
 // The float sums run in one order per output element, whatever M is and however the rows are split over threads:
@@ -49,14 +53,14 @@ namespace {
 
 constexpr int64_t QK = 32;  // weights (and activations) per block
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the block being multiplied its successors are fetched
-enum Layout { Q4_1, Q8_0, Q8_16, Q5_0, Q5_1 };  // the weights' block layouts (above)
+enum Layout { Q4_1, Q8_0, Q6_16, Q5_0, Q5_1 };  // the weights' block layouts (above)
 constexpr int64_t group_bytes(Layout layout) {  // 8 rows' blocks of 32, interleaved
-  constexpr int64_t row_bytes[] = {20, 34, 40, 22, 24};  // per Layout, in its order
+  constexpr int64_t row_bytes[] = {20, 34, 28, 22, 24};  // per Layout, in its order
   return 8 * row_bytes[layout];
 }
 
 // x [M, K] quantized per block of 32: q [M, K] int8, d and s [M, K/32] float (fp16-rounded), sum [M, K/32] the
-// levels' sum; for q8_16 weights per half block (16), d [M, K/16] and no s or sum
+// levels' sum; for q6_16 weights per half block (16), d [M, K/16] and no s or sum
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
@@ -69,6 +73,36 @@ inline int32_t load_i32(const int8_t *p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+// Partial dot products of u8 x s8 bytes, 4 adjacent pairs per int32 lane of the result. Where the library is built
+// with AVX512-VNNI (qdot.py's flags, on CPUs that have it), one vpdpbusd adds them into int32 lanes; on AVX2, maddubs
+// adds pairs into int16 lanes, which the callers let build up only as far as int16 holds (the bounds beside each) and
+// then widen. The integers are exact either way, so both builds give the same numbers.
+inline __m256i add_products(__m256i partial, __m256i u, __m256i s) {
+#ifdef __AVX512VNNI__
+  return _mm256_dpbusd_epi32(partial, u, s);
+#else
+  return _mm256_add_epi16(partial, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+// int32 lanes plus the products (the AVX2 build widens at once: for 8-bit levels a pair's sum is all int16 holds)
+inline __m256i add_products_wide(__m256i sums, __m256i u, __m256i s) {
+#ifdef __AVX512VNNI__
+  return _mm256_dpbusd_epi32(sums, u, s);
+#else
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// a partial sum's int32 lanes (row n's sum in lane n)
+inline __m256i widen(__m256i partial) {
+#ifdef __AVX512VNNI__
+  return partial;
+#else
+  return _mm256_madd_epi16(partial, _mm256_set1_epi16(1));
+#endif
 }
 
 inline float hmax8(__m256 v) {
@@ -139,8 +173,36 @@ inline void q5_chunk(const uint8_t *nibbles, __m256i fifth, const int8_t *const 
   const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, low), fifth_bit<2 * j>(fifth));
   const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), fifth_bit<2 * j + 1>(fifth));
   for (int t = 0; t < MT; t++) {
-    sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq[t] + 4 * j))));
-    sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq[t] + 16 + 4 * j))));
+    sum16[t] = add_products(sum16[t], lo, _mm256_set1_epi32(load_i32(xq[t] + 4 * j)));
+    sum16[t] = add_products(sum16[t], hi, _mm256_set1_epi32(load_i32(xq[t] + 16 + 4 * j)));
+  }
+}
+
+// bits `bit`, `bit` + 1 (bit even, 0..6) of each byte moved to bits 4, 5, every other bit 0 (as fifth_bit)
+template <int bit>
+inline __m256i high_bits(__m256i bits) {
+  const __m256i bits45 = _mm256_set1_epi8(0x30);
+  if constexpr (bit <= 4) return _mm256_and_si256(_mm256_slli_epi16(bits, 4 - bit), bits45);
+  else return _mm256_and_si256(_mm256_srli_epi16(bits, bit - 4), bits45);
+}
+
+// q6_16's j-th 32 bytes of nibbles: 4 levels (less 32, signed) of each of 8 rows from the low nibbles (elements
+// 4j .. 4j+3) into sum16[0], from the high ones (16+4j ..) into sum16[1]; |w| <= 32 and |x| <= 127, so a lane's 4
+// maddubs add 8 products, at most 32512
+template <int j, int MT>
+inline void q6_chunk(const uint8_t *nibbles, __m256i high0, __m256i high1, const int8_t *const *xq,
+                     __m256i (*sum16)[MT]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8(32);
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(nibbles + 32 * j));
+  const __m256i lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(packed, low), high_bits<2 * j>(high0)), offset);
+  const __m256i hi = _mm256_sub_epi8(
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), high_bits<2 * j>(high1)), offset);
+  const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+  for (int t = 0; t < MT; t++) {
+    const __m256i xlo = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq[t] + 4 * j)), lo);
+    const __m256i xhi = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq[t] + 16 + 4 * j)), hi);
+    sum16[0][t] = add_products(sum16[0][t], alo, xlo);
+    sum16[1][t] = add_products(sum16[1][t], ahi, xhi);
   }
 }
 
@@ -150,7 +212,7 @@ template <int MT, Layout L>
 inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_t m0, int64_t K, float *y,
                        int64_t N, int64_t n0, bool prefetch) {
   constexpr int64_t bytes = group_bytes(L);
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[MT];
   for (int t = 0; t < MT; t++) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
@@ -170,12 +232,12 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
       q5_chunk<0, MT>(nibbles, fifth, xq, sum16);
       q5_chunk<1, MT>(nibbles, fifth, xq, sum16);
       for (int t = 0; t < MT; t++) {
-        dot[t] = _mm256_madd_epi16(sum16[t], ones);
+        dot[t] = widen(sum16[t]);
         sum16[t] = _mm256_setzero_si256();
       }
       q5_chunk<2, MT>(nibbles, fifth, xq, sum16);
       q5_chunk<3, MT>(nibbles, fifth, xq, sum16);
-      for (int t = 0; t < MT; t++) dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(sum16[t], ones));
+      for (int t = 0; t < MT; t++) dot[t] = _mm256_add_epi32(dot[t], widen(sum16[t]));
       for (int t = 0; t < MT; t++) {
         const int64_t xb = (m0 + t) * nb + b;
         if constexpr (L == Q5_0) dot[t] = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(16 * x.sum[xb]));
@@ -187,27 +249,27 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
       }
       continue;
     }
-    if constexpr (L == Q8_16) {
-      // lane n: row n's exact dot product over one half of the block (16 levels), scaled by that half's d
-      const __m256 d0 = _mm256_loadu_ps(reinterpret_cast<const float *>(blk));
-      const __m256 d1 = _mm256_loadu_ps(reinterpret_cast<const float *>(blk + 32));
-      for (int half = 0; half < 2; half++) {
-        // int16 sums of the half's 4 maddubs: a lane adds 8 products of |w| <= 32 and |x| <= 127, at most 32512
-        __m256i sum16[MT];
-        for (int t = 0; t < MT; t++) sum16[t] = _mm256_setzero_si256();
-        for (int j = 4 * half; j < 4 * half + 4; j++) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 + 32 * j));
-          const __m256i aw = _mm256_sign_epi8(w, w);
-          for (int t = 0; t < MT; t++) {
-            const __m256i xw = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq[t] + 4 * j)), w);
-            sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(aw, xw));
-          }
-        }
-        const __m256 dw = half == 0 ? d0 : d1;
+    if constexpr (L == Q6_16) {
+      // lane n: row n's exact dot product over one half of the block (16 levels), scaled by that half's d sc
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk)));
+      const __m256 dw[2] = {
+          _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                               reinterpret_cast<const __m128i *>(blk + 16))))),
+          _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                               reinterpret_cast<const __m128i *>(blk + 24)))))};
+      const uint8_t *nibbles = blk + 32;
+      const __m256i high0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(nibbles + 128));
+      const __m256i high1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(nibbles + 160));
+      __m256i sum16[2][MT];
+      for (int t = 0; t < MT; t++) sum16[0][t] = sum16[1][t] = _mm256_setzero_si256();
+      q6_chunk<0, MT>(nibbles, high0, high1, xq, sum16);
+      q6_chunk<1, MT>(nibbles, high0, high1, xq, sum16);
+      q6_chunk<2, MT>(nibbles, high0, high1, xq, sum16);
+      q6_chunk<3, MT>(nibbles, high0, high1, xq, sum16);
+      for (int half = 0; half < 2; half++)
         for (int t = 0; t < MT; t++)
-          acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x.d[((m0 + t) * nb + b) * 2 + half])),
-                                   _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[t], ones)), acc[t]);
-      }
+          acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw[half], _mm256_set1_ps(x.d[((m0 + t) * nb + b) * 2 + half])),
+                                   _mm256_cvtepi32_ps(widen(sum16[half][t])), acc[t]);
       continue;
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk)));
@@ -223,11 +285,11 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
         for (int t = 0; t < MT; t++) {
           const __m256i xlo = _mm256_set1_epi32(load_i32(xq[t] + 4 * j));
           const __m256i xhi = _mm256_set1_epi32(load_i32(xq[t] + 16 + 4 * j));
-          sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(lo, xlo));
-          sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(hi, xhi));
+          sum16[t] = add_products(sum16[t], lo, xlo);
+          sum16[t] = add_products(sum16[t], hi, xhi);
         }
       }
-      for (int t = 0; t < MT; t++) dot[t] = _mm256_madd_epi16(sum16[t], ones);
+      for (int t = 0; t < MT; t++) dot[t] = widen(sum16[t]);
     } else {
       // maddubs takes unsigned bytes first: |w|, its sign moved onto x; a pair's sum fits int16, so widen each
       for (int t = 0; t < MT; t++) dot[t] = _mm256_setzero_si256();
@@ -236,7 +298,7 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
         const __m256i aw = _mm256_sign_epi8(w, w);
         for (int t = 0; t < MT; t++) {
           const __m256i xw = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq[t] + 4 * j)), w);
-          dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xw), ones));
+          dot[t] = add_products_wide(dot[t], aw, xw);
         }
       }
     }
@@ -276,7 +338,7 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
               " groups of 8");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const Q8Rows q = quantize_rows<L == Q8_16>(x.data_ptr<float>(), M, K);
+  const Q8Rows q = quantize_rows<L == Q6_16>(x.data_ptr<float>(), M, K);
   const uint8_t *w = blocks.data_ptr<uint8_t>();
   float *out = y.data_ptr<float>();
   // groups of W split over torch's threads (its count, as the stage set it for this micro-batch); within a thread,
@@ -288,6 +350,9 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
       for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = w + g * nb * bytes;
         int64_t m = m_chunk;
+#ifdef __AVX512VL__  // 32 vector registers: 8 rows' accumulators and partial sums stay in them
+        for (; m + 8 <= m_end; m += 8) group_tile<8, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
+#endif
         for (; m + 4 <= m_end; m += 4) group_tile<4, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
         switch (m_end - m) {
           case 3: group_tile<3, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
@@ -540,12 +605,12 @@ at::Tensor temper(const at::Tensor& logits, const at::Tensor& inv_t) {
 TORCH_LIBRARY(stagemesh_qdot, m) {
   m.def("q4_1(Tensor x, Tensor blocks, int n) -> Tensor");
   m.def("q8_0(Tensor x, Tensor blocks, int n) -> Tensor");
-  m.def("q8_16(Tensor x, Tensor blocks, int n) -> Tensor");
+  m.def("q6_16(Tensor x, Tensor blocks, int n) -> Tensor");
   m.def("q5_0(Tensor x, Tensor blocks, int n) -> Tensor");
   m.def("q5_1(Tensor x, Tensor blocks, int n) -> Tensor");
   m.impl("q4_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q4_1>));
   m.impl("q8_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q8_0>));
-  m.impl("q8_16", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q8_16>));
+  m.impl("q6_16", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q6_16>));
   m.impl("q5_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q5_0>));
   m.impl("q5_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q5_1>));
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, SymInt slot, SymInt ctx, float scale, "

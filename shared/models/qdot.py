@@ -4,13 +4,13 @@
 On such CPUs torch's int4 kernel widens every weight to float32 and multiplies in floats, and there is no native bf16:
 one SmolLM2 decode step's matmuls took 19 ms, llama.cpp's whole token 13-18 ms. llama.cpp quantizes the activations to
 8 bits per block of 32 and multiplies integers (AVX2's maddubs: 32 products per instruction); qdot.cpp does the same,
-as torch ops (`torch.ops.stagemesh_qdot.q4_1 / q8_0 / q8_16`, the last Q8_0's levels with a scale per 16), which
+as torch ops (`torch.ops.stagemesh_qdot.q4_1 / q8_0 / q6_16 / q5_0 / q5_1`, q6_16 Q6_K's 6-bit levels with a scale per 16), which
 torch.compile's decode graphs call like any other op, over blocks of 8 rows interleaved (interleave: one maddubs
 multiplies 8 rows at once, their sums side by side in one register). Same matrices: ~8 ms; and faster than the dense
 float32 kernel at every micro-batch size (2 threads, SmolLM2's layers: 0.57x its time at 16 rows, 0.84x at 512), so
 weights mode auto keeps no dense copy of them. Numerically it is llama.cpp's own scheme for these types (the
 activations' 8-bit rounding, fp16 block scales), with the distance from an exact product that llama.cpp's own run of
-a quantized file has (for Q4_K and Q6_K llama.cpp rounds the activations per 256; Q6_K's q8_16 per 16).
+a quantized file has (for Q4_K and Q6_K llama.cpp rounds the activations per 256; Q6_K's q6_16 per 16).
 
 The ops are compiled from qdot.cpp once per machine (c++, ~10 s) into ~/.cache/stagemesh/kernels/ (where that is not
 writable, the temporary directory's stagemesh-kernels/) under a name that hashes the source, torch's version and the
@@ -43,11 +43,14 @@ log = logging.getLogger("stagemesh.qdot")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qdot.cpp")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+# where the CPU has AVX512-VNNI the dot products take one vpdpbusd (on 256-bit registers) for AVX2's three
+# instructions, the same integers (qdot.cpp's add_products)
+VNNI_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni"}
 ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels; "on": on an AVX512 CPU too, without measuring
 # bytes per block of 32 weights of one row in the ops' layouts
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q8_16": 40, "q5_0": 22, "q5_1": 24}
-# the scales leading each block, (how many, bytes each): fp16 d (and m), or float32 d of each half
-SCALES = {"q4_1": (2, 2), "q8_0": (1, 2), "q8_16": (2, 4), "q5_0": (1, 2), "q5_1": (2, 2)}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_16": 28, "q5_0": 22, "q5_1": 24}
+# the scales leading each block, the bytes of each: fp16 d (and m), or q6_16's fp16 d and int8 scale of each half
+SCALES = {"q4_1": (2, 2), "q8_0": (2,), "q6_16": (2, 1, 1), "q5_0": (2,), "q5_1": (2, 2)}
 FIFTH_BIT_OPS = ("q5_0", "q5_1")  # their blocks end in 4 bytes of fifth bits (bit i: element i's), after the nibbles
 GROUP_ROWS = 8  # rows whose blocks the ops' layout interleaves
 CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -60,9 +63,15 @@ def cache_dirs() -> list[str]:
             os.path.join(tempfile.gettempdir(), "stagemesh-kernels")]
 
 
+def flags() -> list[str]:
+    """The compiler's flags for this CPU: AVX2's, and AVX512-VNNI's where it has all of it."""
+    vnni = list(VNNI_FLAGS.values()) if all(f in cpu_flags() for f in VNNI_FLAGS) else []
+    return FLAGS + vnni
+
+
 def _library_name() -> str:
     with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f.read() + " ".join(flags()).encode() + torch.__version__.encode()).hexdigest()[:16]
     return f"stagemesh_qdot-{digest}.so"
 
 
@@ -96,7 +105,7 @@ def build(path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    cmd = [compiler, *FLAGS, abi, *includes, SOURCE, "-o", tmp, f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
+    cmd = [compiler, *flags(), abi, *includes, SOURCE, "-o", tmp, f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{torch_lib}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -210,20 +219,22 @@ def usable() -> bool:
 
 
 def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
-    """A matrix's rows of blocks [N, K/32 * BLOCK_BYTES] (the op's layout: Q4_1's, Q8_0's or q8_16's) -> the ops'
+    """A matrix's rows of blocks [N, K/32 * BLOCK_BYTES] (the op's layout: Q4_1's, Q8_0's, q6_16's, ...) -> the ops'
     layout [ceil(N/8), K/32 * 8 * BLOCK_BYTES]: rows 8 at a time (zero rows pad the last group), and for each group
-    and block, each of the 8 rows' scales side by side, then their levels 4 bytes of each row at a time (qdot.cpp's
-    header)."""
+    and block, each of the 8 rows' scales side by side, then their levels (and q6_16's high bits) 4 bytes of each row
+    at a time (qdot.cpp's header)."""
     n, width = blocks.shape
-    size, (count, each) = BLOCK_BYTES[op], SCALES[op]
+    size, scales = BLOCK_BYTES[op], SCALES[op]
     nb, groups = width // size, -(-n // GROUP_ROWS)
     padded = blocks.new_zeros(groups * GROUP_ROWS, width)
     padded[:n] = blocks
     b = padded.view(groups, GROUP_ROWS, nb, size)
-    parts = [b[..., each * s:each * (s + 1)].permute(0, 2, 1, 3).reshape(groups, nb, each * GROUP_ROWS)
-             for s in range(count)]
-    scale_bytes, level_end = count * each, size - 4 if op in FIFTH_BIT_OPS else size
-    levels = b[..., scale_bytes:level_end].reshape(groups, GROUP_ROWS, nb, -1, 4).permute(0, 2, 3, 1, 4)
+    parts, at = [], 0
+    for each in scales:
+        parts.append(b[..., at:at + each].permute(0, 2, 1, 3).reshape(groups, nb, each * GROUP_ROWS))
+        at += each
+    level_end = size - 4 if op in FIFTH_BIT_OPS else size
+    levels = b[..., at:level_end].reshape(groups, GROUP_ROWS, nb, -1, 4).permute(0, 2, 3, 1, 4)
     parts.append(levels.reshape(groups, nb, -1))
     if op in FIFTH_BIT_OPS:
         parts.append(_fifth_bit_masks(b[..., level_end:]))
