@@ -45,7 +45,7 @@ from shared.steps import Decode, Prefill
 
 def load(loader: GgufLoader, weights: str, slots: int, batch_invariant: bool,
          compile_decode: bool = False) -> LocalPipeline | None:
-    dtype = torch.float32 if weights == "f32" else resolve_dtype(None)  # the serving default: bf16 where it is fast
+    dtype = torch.float32 if weights == "f32" else resolve_dtype(None)  # the serving default (shared.device)
     params = inspect.signature(LocalPipeline.load).parameters
     if "weights" not in params:  # the code before weights modes existed
         return LocalPipeline.load(loader, None, dtype, kv_slots=slots) if weights in ("bf16", "f32") else None

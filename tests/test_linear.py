@@ -191,11 +191,14 @@ def test_auto_holds_the_bytes_its_plan_counts(qtype):
 
 
 def test_one_fast_bf16_probe_decides_the_default_dtype_the_dense_kernel_and_prepacking():
+    """bf16 activations only where the CPU multiplies bf16 natively and the integer-dot kernels (float32 in and out)
+    do not run."""
     from shared.device import cpu_has_fast_bf16, default_dtype_name
+    from shared.models import qdot
     from shared.models.linear import dense_dtype
 
     fast = cpu_has_fast_bf16()
-    assert default_dtype_name(torch.device("cpu")) == ("bfloat16" if fast else "float32")
+    assert default_dtype_name(torch.device("cpu")) == ("bfloat16" if fast and not qdot.usable() else "float32")
     assert dense_dtype() == (torch.bfloat16 if fast else torch.float32)
     assert DenseLinear(torch.randn(16, 32), torch.bfloat16).prepacked == fast
 
