@@ -6,22 +6,13 @@ import functools
 
 import torch
 
+from shared.cpu import cpu_flags
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo); empty where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.split(":", 1)[-1].split())
 
 
 @functools.cache
@@ -46,9 +37,10 @@ def default_dtype_name(device: torch.device | None = None) -> str:
     device = device or default_device()
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    from shared.models import qdot  # the kernels' own module decides whether they run here (built and measured once)
+    # the kernels' own module says whether they run here (built and measured once per machine)
+    from shared.models.qdot import usable as integer_dot_kernels_run
 
-    return "bfloat16" if cpu_has_fast_bf16() and not qdot.usable() else "float32"
+    return "bfloat16" if cpu_has_fast_bf16() and not integer_dot_kernels_run() else "float32"
 
 
 def resolve_dtype(name: str | None, device: torch.device | None = None) -> torch.dtype:

@@ -36,7 +36,7 @@ import tempfile
 
 import torch
 
-from shared.device import cpu_flags
+from shared.cpu import cpu_flags
 from shared.models.plans import kernel_plan
 
 log = logging.getLogger("stagemesh.qdot")
