@@ -8,8 +8,8 @@ the product (services/, shared/, loadtest/) never imports this.
     write_results(out, "batching", {"levels": [level.as_dict()]}, markdown)
 
 Every server runs with stagemesh's default dtype unless the script's --dtype (add_dtype_arg) names one: dtype None
-is passed on as no --dtype flag at all, so the stages choose as `stagemesh up` does (bfloat16 where the CPU has native
-bf16, else float32, with weights auto)."""
+is passed on as no --dtype flag at all, so the stages choose as `stagemesh up` does (shared.device.default_dtype_name,
+with weights auto)."""
 
 from __future__ import annotations
 

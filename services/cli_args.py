@@ -26,7 +26,8 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool
     p.add_argument("--model", default="smollm2", help="alias (smollm2, gemma3-270m) or path to a .gguf file (default: smollm2)")
     if dtype:
         p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                       help="compute dtype (default: bfloat16 where the CPU/GPU supports it, else float32)")
+                       help="compute dtype (default: float32 where the integer-dot kernels run, else bfloat16 "
+                            "where the CPU/GPU multiplies it natively, else float32)")
         p.add_argument("--weights", choices=list(WEIGHT_MODES), default=None,
                        help="matmul kernels: auto (every quantized type decodes from a kernel of about its stored "
                             "size -- int4, two int4 planes, int8 rows -- and prefills from a dense copy, prepacked "
