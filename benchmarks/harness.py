@@ -45,8 +45,8 @@ RESULTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results
 def add_dtype_arg(p: argparse.ArgumentParser, what: str = "the stages'") -> None:
     """--dtype, default None: stagemesh's own default (no --dtype passed to the stages)."""
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help=f"{what} activation dtype (default: stagemesh's default, {default_dtype_name()} on this "
-                        "machine, with weights auto)")
+                   help=f"{what} activation dtype (default: stagemesh's default, shared.device.default_dtype_name, "
+                        "with weights auto)")
 
 
 def dtype_label(dtype: str | None) -> str:

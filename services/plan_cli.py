@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shared.device import DTYPES, default_device, default_dtype_name, resolve_dtype
+from shared.device import DTYPES, default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.layers import LayerRange
 from shared.model_files import ModelFiles
@@ -52,7 +52,8 @@ def register(sub) -> None:
                                                            "KV memory (default 16)")
     p.add_argument("--context", type=int, default=2048, help="tokens of KV each stream may hold (default 2048)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help=f"the stages' compute and KV dtype (default: this machine's, {default_dtype_name()})")
+                   help="the stages' compute and KV dtype (default: this machine's, as a stage picks it: float32 "
+                        "where the integer-dot kernels run, else bfloat16 where the CPU has it natively)")
     p.add_argument("--batch-factor", type=float, default=None, metavar="F",
                    help="a decode step of --streams sequences over a step of one, as measured on the hosts (default: "
                         "measured here)")

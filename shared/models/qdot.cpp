@@ -157,33 +157,26 @@ Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
   return out;
 }
 
-// bit `bit` (0..7) of each byte moved to bit 4, every other bit 0: a 16-bit shift, whose bits crossing into the
-// neighbouring byte land below bit 4 (left, by at most 4) or above it (right, by at most 3) and are masked off
-template <int bit>
-inline __m256i fifth_bit(__m256i bits) {
-  const __m256i bit4 = _mm256_set1_epi8(0x10);
-  if constexpr (bit <= 4) return _mm256_and_si256(_mm256_slli_epi16(bits, 4 - bit), bit4);
-  else return _mm256_and_si256(_mm256_srli_epi16(bits, bit - 4), bit4);
+// `width` bits of each byte from bit `bit` on moved to bit 4 (bit + width <= 8), every other bit 0: a 16-bit shift,
+// whose bits crossing into the neighbouring byte land below bit 4 (left, by at most 4) or above bit 4 + width - 1
+// (right, by at most 3) and are masked off. q5's fifth bits take width 1, q6_16's high bits width 2.
+template <int bit, int width = 1>
+inline __m256i bits_to_4(__m256i bits) {
+  const __m256i kept = _mm256_set1_epi8(static_cast<char>(((1 << width) - 1) << 4));
+  if constexpr (bit <= 4) return _mm256_and_si256(_mm256_slli_epi16(bits, 4 - bit), kept);
+  else return _mm256_and_si256(_mm256_srli_epi16(bits, bit - 4), kept);
 }
 
 template <int j, int MT>
 inline void q5_chunk(const uint8_t *nibbles, __m256i fifth, const int8_t *const *xq, __m256i *sum16) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(nibbles + 32 * j));
-  const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, low), fifth_bit<2 * j>(fifth));
-  const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), fifth_bit<2 * j + 1>(fifth));
+  const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, low), bits_to_4<2 * j>(fifth));
+  const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), bits_to_4<2 * j + 1>(fifth));
   for (int t = 0; t < MT; t++) {
     sum16[t] = add_products(sum16[t], lo, _mm256_set1_epi32(load_i32(xq[t] + 4 * j)));
     sum16[t] = add_products(sum16[t], hi, _mm256_set1_epi32(load_i32(xq[t] + 16 + 4 * j)));
   }
-}
-
-// bits `bit`, `bit` + 1 (bit even, 0..6) of each byte moved to bits 4, 5, every other bit 0 (as fifth_bit)
-template <int bit>
-inline __m256i high_bits(__m256i bits) {
-  const __m256i bits45 = _mm256_set1_epi8(0x30);
-  if constexpr (bit <= 4) return _mm256_and_si256(_mm256_slli_epi16(bits, 4 - bit), bits45);
-  else return _mm256_and_si256(_mm256_srli_epi16(bits, bit - 4), bits45);
 }
 
 // q6_16's j-th 32 bytes of nibbles: 4 levels (less 32, signed) of each of 8 rows from the low nibbles (elements
@@ -194,9 +187,9 @@ inline void q6_chunk(const uint8_t *nibbles, __m256i high0, __m256i high1, const
                      __m256i (*sum16)[MT]) {
   const __m256i low = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8(32);
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(nibbles + 32 * j));
-  const __m256i lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(packed, low), high_bits<2 * j>(high0)), offset);
+  const __m256i lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(packed, low), bits_to_4<2 * j, 2>(high0)), offset);
   const __m256i hi = _mm256_sub_epi8(
-      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), high_bits<2 * j>(high1)), offset);
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), bits_to_4<2 * j, 2>(high1)), offset);
   const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
   for (int t = 0; t < MT; t++) {
     const __m256i xlo = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq[t] + 4 * j)), lo);
