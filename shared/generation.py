@@ -21,23 +21,27 @@ import torch
 from shared.config import SCHEDULER_DEFAULTS
 from shared.errors import StagemeshError
 from shared.models import LayerHook
-from shared.protocol import SeqEntry
+from shared.protocol import BatchResult, Sample, SeqEntry, sampling_rows
 from shared.runtime import LocalPipeline
 from shared.sampling import LogitInputs, SamplingParams, TopLogprobs, sample
-from shared.steps import Decode, InferenceStep, Prefill
+from shared.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
 
 if TYPE_CHECKING:  # llguidance is imported only where grammars are compiled (the gateway), never by a stage
     from shared.grammar import SequenceGrammar
 
-# seq_id -> (token, logprob, top alternatives) of the sequences that produced one
-Sampled = dict[str, tuple[int, float | None, TopLogprobs | None]]
+# seq_id -> the (token, logprob, top alternatives) its step sampled, in position order, for the sequences that sampled
+Sampled = dict[str, list[Sample]]
 
 
 @dataclass(eq=False)  # a sequence is itself, never equal to another with the same tokens
 class SequenceState:
     """One sequence's progress, one invariant instead of two modes (vLLM's): `computed` tokens of
     `all_ids = prompt + output` have their KV in the pipeline; each step feeds the next slice -- a prefill chunk
-    while computed < prefill_target, else the one newest token (a decode)."""
+    while computed < prefill_target, else the one newest token (a decode), followed by the tokens in `draft` when a
+    drafter proposed some. take() accepts what a step sampled: a drafted token stands only where it equals what the
+    pipeline sampled at its position, so the tokens are exactly those of one-token steps (each position's draw is
+    seeded by its position), and the K/V of positions after a rejected draft no longer count (the next step writes
+    over them)."""
 
     seq_id: str
     prompt_ids: list[int]
@@ -52,6 +56,8 @@ class SequenceState:
     finish_reason: str | None = None
     attach: str | None = None  # a cached prefix holding positions [0, computed) that its first chunk starts from
     grammar: SequenceGrammar | None = None  # constrains what it samples (response_format, a forced tool call)
+    draft: list[int] = field(default_factory=list)  # tokens proposed to follow the newest one, for its next decode
+    verifying: tuple[int, ...] = ()  # the drafted tokens of its step in flight (set by next_step, read by take)
 
     def __post_init__(self):
         self.prefill_target = self.prefill_target or len(self.prompt_ids)
@@ -78,8 +84,13 @@ class SequenceState:
             inputs = self.logit_inputs() if step.produces_token else None
             return SeqEntry(self.seq_id, step, self.params, logit_inputs=inputs), \
                 self.all_ids[self.computed:self.computed + n]
-        return SeqEntry(self.seq_id, Decode(self.computed), self.params, logit_inputs=self.logit_inputs()), \
-            [self.output_ids[-1]]
+        inputs = self.logit_inputs()
+        # drafts go only where one position's logit inputs hold for every row (none), and within max_tokens
+        room = min(max_tokens, self.max_tokens - len(self.output_ids)) - 1
+        self.verifying = tuple(self.draft[:max(0, min(room, MAX_DECODE_TOKENS - 1))]) if inputs is None else ()
+        self.draft = []
+        return SeqEntry(self.seq_id, Decode(self.computed, 1 + len(self.verifying)), self.params,
+                        logit_inputs=inputs), [self.output_ids[-1], *self.verifying]
 
     def logit_inputs(self) -> LogitInputs | None:
         """What its history adds to its next sample: the grammar's allowed tokens, the penalties' token counts
@@ -116,6 +127,26 @@ class SequenceState:
             return "length"
         return None
 
+    def take(self, fed: int, samples: list[Sample] | None) -> list[tuple[Sample, str | None]]:
+        """The pipeline holds the K/V of the `fed` tokens of this sequence's last step and sampled `samples` (None:
+        a prefill chunk that samples nothing). Returns each accepted sample with the finish reason it causes (the
+        last one may end the sequence). Sample i > 0 of a decode stands only if every drafted token before it equals
+        the sample before it; the K/V kept is that of the accepted positions."""
+        drafted, self.verifying = self.verifying, ()
+        accepted = (samples or [])[:1]
+        for i in range(1, min(len(samples or ()), 1 + len(drafted))):
+            if drafted[i - 1] != samples[i - 1][0]:
+                break  # position i was fed a draft other than what position i - 1 sampled: nothing after it stands
+            accepted.append(samples[i])
+        self.advance(len(accepted) if drafted else fed)
+        taken = []
+        for one in accepted:
+            reason = self.append(*one)
+            taken.append((one, reason))
+            if reason is not None:
+                break
+        return taken
+
     def reset_for_replay(self) -> None:
         """The pipeline lost this sequence's KV: prefill everything it has (prompt + output so far) again; the
         final chunk samples the next token at the same position a decode would have (same seed, same draw)."""
@@ -124,19 +155,26 @@ class SequenceState:
         self.prefill_target = len(self.all_ids)
 
 
+Propose = Callable[[SequenceState], Sequence[int]]  # a drafter: tokens that may follow a sequence's newest one
+
+
 def drive(states: Sequence[SequenceState], prefill_chunk: int = SCHEDULER_DEFAULTS.prefill_chunk,
-          ) -> Generator[tuple[list[SeqEntry], list[int]], Sampled, None]:
+          propose: Propose | None = None) -> Generator[tuple[list[SeqEntry], list[int]], Sampled, None]:
     """The prefill-then-decode loop: yields (entries, token ids) of one micro-batch holding every live sequence's
-    next step, and is sent back what that micro-batch sampled. Ends when every sequence has finished."""
+    next step, and is sent back what that micro-batch sampled. Ends when every sequence has finished. `propose`:
+    drafts for each decoding sequence's next step (verified in that step; SequenceState.take)."""
     live = [s for s in states if not s.done]
     while live:
         work = [s.next_step(prefill_chunk) for s in live]
         sampled = yield [e for e, _ in work], [t for _, toks in work for t in toks]
         for s, (_, toks) in zip(live, work):
-            s.advance(len(toks))
-            if s.seq_id in sampled:
-                s.finish_reason = s.append(*sampled[s.seq_id])
+            for _, reason in s.take(len(toks), sampled.get(s.seq_id)):
+                s.finish_reason = reason
         live = [s for s in live if not s.done]
+        if propose is not None:
+            for s in live:
+                if not s.prefilling:
+                    s.draft = list(propose(s))
 
 
 def run_local(pipeline: LocalPipeline, entries: list[SeqEntry], tokens: list[int],
@@ -144,21 +182,23 @@ def run_local(pipeline: LocalPipeline, entries: list[SeqEntry], tokens: list[int
     """One micro-batch through every piece in this process, sampled as the last stage does."""
     logits = pipeline.run(entries, torch.tensor(tokens, dtype=torch.int64),
                           hooks=hooks)
-    producing = [e for e in entries if e.step.produces_token]
-    sampled = sample(logits, [e.sampling for e in producing], [e.sample_position for e in producing],
-                     [e.logit_inputs for e in producing])
-    return {e.seq_id: (t, lp, top) for e, t, lp, top in zip(producing, *sampled)}
+    producing, counts, params, positions, inputs = sampling_rows(entries)
+    sampled = sample(logits, params, positions, inputs)
+    return BatchResult(0, [e.seq_id for e in producing], sampled.tokens, sampled.logprobs, top=sampled.top,
+                       counts=counts).by_sequence()
 
 
 async def run_group_on_mesh(client, states: Sequence[SequenceState],
                             prefill_chunk: int = SCHEDULER_DEFAULTS.prefill_chunk,
-                            before_step: Callable[[int], Awaitable[None]] | None = None) -> None:
+                            before_step: Callable[[int], Awaitable[None]] | None = None,
+                            propose: Propose | None = None) -> int:
     """drive() over a running mesh (a shared.pipeline_client.PipelineClient): every sequence of the group shares
     each micro-batch. before_step(i) is awaited before micro-batch i (0 = the first prefill). Releases the group's
-    KV slots at the end."""
+    KV slots at the end. Returns the micro-batches it ran."""
     from shared.protocol import ForwardBatch
 
-    loop = drive(states, prefill_chunk)
+    loop = drive(states, prefill_chunk, propose)
+    passes = 0
     try:
         entries, tokens = next(loop)
         for i in itertools.count():
@@ -168,11 +208,13 @@ async def run_group_on_mesh(client, states: Sequence[SequenceState],
             result = await client.forward(ForwardBatch(client.next_mb_id(), entries,
                                                        tokens=torch.tensor(tokens, dtype=torch.int64),
                                                        in_flight=client.in_flight + 1))
-            entries, tokens = loop.send(dict(zip(result.seq_ids, zip(result.tokens, result.logprobs, result.top))))
+            passes += 1
+            entries, tokens = loop.send(result.by_sequence())
     except StopIteration:
         pass
     finally:
         await client.release([s.seq_id for s in states])
+    return passes
 
 
 @dataclass
@@ -216,7 +258,7 @@ def generate_tokens(pipeline: LocalPipeline, prompt_ids: list[int], params: Samp
             step = entries[0].step
             hooks = hooks_for(step) if hooks_for else None
             sampled = run_local(pipeline, entries, tokens, hooks)
-            token = sampled[seq_id][0] if seq_id in sampled else None
+            token = sampled[seq_id][0][0] if seq_id in sampled else None
             if on_step:
                 on_step(step, hooks, token)
             if token is not None:

@@ -19,13 +19,13 @@ from typing import Any, Union
 import msgpack
 import torch
 
-from shared.errors import ERROR_CODES
+from shared.errors import ERROR_CODES, BadBatch
 from shared.sampling import MAX_TOP_LOGPROBS, WIRE_FIELDS, LogitInputs, SamplingParams, TopLogprobs
-from shared.steps import Decode, InferenceStep, Prefill
+from shared.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
 
-PROTOCOL_VERSION = 4  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
+PROTOCOL_VERSION = 5  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
 # 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields, the
-# result's top alternatives ("top")
+# result's top alternatives ("top"); 5: decode steps of several positions ("n"), the result's per-sequence "counts"
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
@@ -78,9 +78,29 @@ class SeqEntry:
     logit_inputs: LogitInputs | None = None  # penalties' history and grammar mask for this step's sample
 
     @property
-    def sample_position(self) -> int:
-        """The position the sampled token will occupy."""
-        return self.step.start_position + self.step.num_tokens
+    def sample_positions(self) -> list[int]:
+        """The positions the sampled tokens will occupy (the step's `samples` last rows' next positions)."""
+        end = self.step.start_position + self.step.num_tokens
+        return list(range(end - self.step.samples + 1, end + 1))
+
+
+def sampling_rows(entries: list[SeqEntry]) -> tuple[list[SeqEntry], list[int], list[SamplingParams], list[int],
+                                                   list[LogitInputs | None]]:
+    """What the last stage samples for a micro-batch, one row per sampled token in batch order: (the entries that
+    sample, each one's count of rows, then per row its params, position and logit inputs). A step of several rows
+    carries no logit inputs (a grammar mask or a penalties' history holds for one position only)."""
+    producing = [e for e in entries if e.step.samples]
+    counts, params, positions, inputs = [], [], [], []
+    for e in producing:
+        n = e.step.samples
+        if n > 1 and e.logit_inputs is not None and not e.logit_inputs.empty:
+            raise BadBatch(f"sequence {e.seq_id!r}: a {n}-token decode step cannot carry a grammar mask or penalties' "
+                           "history (they hold for one position); send one-token steps for it")
+        counts.append(n)
+        params += [e.sampling] * n
+        positions += e.sample_positions
+        inputs += [e.logit_inputs] * n
+    return producing, counts, params, positions, inputs
 
 
 @dataclass
@@ -110,9 +130,14 @@ class ReleaseSeqs:
     keep: list[str] = field(default_factory=list)  # finished sequences whose slots stay, as cached prefixes (no lease)
 
 
+Sample = tuple[int, "float | None", "TopLogprobs | None"]  # one sampled token: (id, logprob, top alternatives)
+
+
 @dataclass
 class BatchResult:
-    """Last stage -> client: one sampled token per sequence that produced one (in batch order)."""
+    """Last stage -> client: the sampled tokens of each sequence that produced any (in batch order), counts[i] of
+    them for seq_ids[i] (1 each unless a step carried several positions); tokens, logprobs and top are flat, one
+    entry per sampled token."""
 
     mb_id: int
     seq_ids: list[str]
@@ -120,10 +145,20 @@ class BatchResult:
     logprobs: list[float | None]
     captures: list = field(default_factory=list)
     hop_s: float | None = None  # set on receipt, as ForwardBatch.hop_s
-    top: list[TopLogprobs | None] = field(default_factory=list)  # per sequence: its top_logprobs alternatives
+    top: list[TopLogprobs | None] = field(default_factory=list)  # per token: its top_logprobs alternatives
+    counts: list[int] = field(default_factory=list)  # per sequence: its sampled tokens ([] = one each)
 
     def __post_init__(self):
-        self.top = self.top or [None] * len(self.seq_ids)
+        self.top = self.top or [None] * len(self.tokens)
+        self.counts = self.counts or [1] * len(self.seq_ids)
+
+    def by_sequence(self) -> dict[str, list[Sample]]:
+        """seq_id -> its sampled tokens in position order."""
+        out, i = {}, 0
+        for seq_id, n in zip(self.seq_ids, self.counts):
+            out[seq_id] = list(zip(self.tokens[i:i + n], self.logprobs[i:i + n], self.top[i:i + n]))
+            i += n
+        return out
 
 
 @dataclass
@@ -155,7 +190,10 @@ def _step_to_wire(step: InferenceStep) -> dict:
         if step.attach is not None:
             wire["attach"] = step.attach
         return wire
-    return {"t": "decode", "pos": step.current_position}
+    wire = {"t": "decode", "pos": step.current_position}
+    if step.num_tokens != 1:
+        wire["n"] = step.num_tokens
+    return wire
 
 
 def _seq_to_wire(s: SeqEntry) -> dict:
@@ -207,7 +245,9 @@ def encode(msg: Message) -> list:
         header = {"kind": "result", "mb": msg.mb_id, "seq_ids": msg.seq_ids, "tokens": msg.tokens,
                   "logprobs": msg.logprobs, "captures": msg.captures}
         if any(t is not None for t in msg.top):  # only when some sequence asked for alternatives
-            header["top"] = msg.top  # [[id, logprob], ...] or null per sequence
+            header["top"] = msg.top  # [[id, logprob], ...] or null per token
+        if any(n != 1 for n in msg.counts):  # only when some step sampled several positions
+            header["counts"] = msg.counts
     elif isinstance(msg, BatchError):
         header = {"kind": "error", "mb": msg.mb_id, "stage": msg.stage, "code": msg.code, "message": msg.message,
                   "seq_ids": msg.seq_ids}
@@ -267,7 +307,7 @@ def _step_from_wire(d: Any) -> InferenceStep:
                   lambda: f"prefill.attach must be a sequence id (a string of 1..{MAX_SEQ_ID_LEN} chars)")
             return Prefill(_int(d, "n", 1, MAX_TOKENS_PER_BATCH), _int(d, "start"), _int(d, "total", 1), final, attach)
         if d.get("t") == "decode":
-            return Decode(_int(d, "pos", 1))
+            return Decode(_int(d, "pos", 1), _int(d, "n", 1, MAX_DECODE_TOKENS) if "n" in d else 1)
     except ValueError as e:
         raise ProtocolError("schema", f"invalid step: {e}") from None
     raise ProtocolError("schema", f"step type {d.get('t')!r} is neither 'prefill' nor 'decode'")
@@ -312,7 +352,7 @@ def _logit_inputs_from_wire(s: dict) -> LogitInputs | None:
 
 
 def _top(header: dict, n: int) -> list[TopLogprobs | None]:
-    """The result's optional "top": per sequence null or up to MAX_TOP_LOGPROBS [token id, logprob] pairs."""
+    """The result's optional "top": per token null or up to MAX_TOP_LOGPROBS [token id, logprob] pairs."""
     if "top" not in header:
         return [None] * n
     top = header["top"]
@@ -320,7 +360,7 @@ def _top(header: dict, n: int) -> list[TopLogprobs | None]:
         t is None or (isinstance(t, list) and len(t) <= MAX_TOP_LOGPROBS and all(
             isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
             and isinstance(pair[1], float) for pair in t)) for t in top), "schema",
-          lambda: f"result top must be one entry per sequence: null or at most {MAX_TOP_LOGPROBS} [token id, logprob] pairs")
+          lambda: f"result top must be one entry per token: null or at most {MAX_TOP_LOGPROBS} [token id, logprob] pairs")
     return [t if t is None else [(i, lp) for i, lp in t] for t in top]
 
 
@@ -443,12 +483,16 @@ def decode(frames: list) -> Message:
         return ReleaseSeqs(ids, everything, _str_list(header, "keep") if "keep" in header else [])
     if kind == "result":
         ids = _str_list(header, "seq_ids")
+        counts = header.get("counts", [1] * len(ids))
+        _need(isinstance(counts, list) and len(counts) == len(ids)
+              and all(type(n) is int and 1 <= n <= MAX_DECODE_TOKENS for n in counts), "schema",
+              lambda: f"result counts must be one integer in 1..{MAX_DECODE_TOKENS} per sequence")
         toks, lps = header.get("tokens"), header.get("logprobs")
-        _need(isinstance(toks, list) and all(isinstance(t, int) for t in toks) and len(toks) == len(ids), "schema",
-              "result tokens must be one integer per sequence")
-        _need(isinstance(lps, list) and len(lps) == len(ids), "schema", "result logprobs must be one entry per sequence")
+        _need(isinstance(toks, list) and all(type(t) is int for t in toks) and len(toks) == sum(counts), "schema",
+              "result tokens must be one integer per sampled token (counts, one per sequence if absent)")
+        _need(isinstance(lps, list) and len(lps) == len(toks), "schema", "result logprobs must be one entry per token")
         return BatchResult(_int(header, "mb"), ids, toks, lps, _captures(header), _hop_s(header),
-                           _top(header, len(ids)))
+                           _top(header, len(toks)), counts)
     if kind == "error":
         msg = header.get("message")
         _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")

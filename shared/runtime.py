@@ -106,8 +106,9 @@ class StageRuntime:
     def run(self, work: Sequence[SeqEntry], *, token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
             all_logits: bool = False, hook: LayerHook | None = None) -> torch.Tensor:
         """Run one micro-batch. The first piece takes token_ids [N]; the others hidden [N, D] (never substituted).
-        Returns hidden [N, D] float32, or on the last piece logits [M, V] for the sequences that produce a token
-        (last row of a final prefill chunk, or the decode row) -- every row when all_logits."""
+        Returns hidden [N, D] float32, or on the last piece logits [M, V] for the rows that sample a token (the last
+        row of a final prefill chunk, every row of a decode step; InferenceStep.samples) -- every row when
+        all_logits."""
         model = self.model
         n = sum(w.step.num_tokens for w in work)
         if model.has_embedding:
@@ -141,8 +142,9 @@ class StageRuntime:
             x = compiled if compiled is not None else model.forward(x, layout, self.kv, hook)
             if not model.has_lm_head:
                 return x
-            if not all_logits:
-                rows = [o + ln - 1 for w, o, ln in zip(work, layout.offsets, layout.lengths) if w.step.produces_token]
+            if not all_logits:  # each step's last `samples` rows (one, or every row of a several-token decode)
+                rows = [r for w, o, ln in zip(work, layout.offsets, layout.lengths)
+                        for r in range(o + ln - w.step.samples, o + ln)]
                 x = x[torch.tensor(rows, device=x.device, dtype=torch.long)]
             return model.lm_head(x)
 

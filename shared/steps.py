@@ -1,4 +1,9 @@
-"""InferenceStep: what one sequence does in one micro-batch. Code asks the step, never `len(tokens) == 1`."""
+"""InferenceStep: what one sequence does in one micro-batch. Code asks the step, never `len(tokens) == 1`.
+
+A step feeds num_tokens tokens at positions [start_position, start_position + num_tokens) and asks for `samples`
+sampled tokens back: none for a prefill chunk that is not the prompt's last, one for the last chunk (the first
+output token), one per position for a Decode -- the one newest token (k = 1), or the newest token and k - 1 drafted
+ones, each position's next token sampled, so one pass can verify k - 1 drafts (SequenceState.take)."""
 
 from __future__ import annotations
 
@@ -47,18 +52,29 @@ class Prefill:
     def produces_token(self) -> bool:
         return self.is_final_chunk
 
+    @property
+    def samples(self) -> int:
+        """Tokens sampled from this step: the last row of the prompt's final chunk, else none."""
+        return 1 if self.is_final_chunk else 0
+
+
+MAX_DECODE_TOKENS = 64  # query positions one Decode may carry (the newest token and up to 63 drafted ones)
+
 
 @dataclass(frozen=True)
 class Decode:
-    """One generated token at current_position (the token's own position)."""
+    """The newest generated token at current_position (its own position), followed by num_tokens - 1 drafted tokens
+    at the positions after it; every one of the num_tokens positions has its next token sampled."""
 
     current_position: int
+    num_tokens: int = 1
 
     def __post_init__(self):
         if self.current_position < 1:
             raise ValueError(f"decode position must be >= 1 (a prompt comes first), got {self.current_position}")
+        if not 1 <= self.num_tokens <= MAX_DECODE_TOKENS:
+            raise ValueError(f"a decode step carries 1..{MAX_DECODE_TOKENS} tokens, got {self.num_tokens}")
 
-    num_tokens = 1
     attach = None  # a decode never starts a sequence, so never from a cached prefix
     starts_sequence = False
     produces_token = True
@@ -66,6 +82,10 @@ class Decode:
     @property
     def start_position(self) -> int:
         return self.current_position
+
+    @property
+    def samples(self) -> int:
+        return self.num_tokens
 
 
 InferenceStep = Union[Prefill, Decode]

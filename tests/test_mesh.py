@@ -8,6 +8,7 @@ import pytest
 import pytest_asyncio
 
 from services.launch import start_mesh
+from shared.generation import SequenceState, run_group_on_mesh
 from shared.pipeline_client import PipelineError
 from shared.protocol import ForwardBatch, SeqEntry
 from shared.sampling import SamplingParams
@@ -147,3 +148,40 @@ async def test_release_acknowledgements_are_counted_not_kept(client):
     tracemalloc.stop()
     assert client.releases_acknowledged >= 301 * len(ids)  # (late acks of earlier tests may add a few)
     assert grown < 1 << 20, f"the client kept {grown} bytes for 30,000 acknowledged releases"  # ~3 MB when queued
+
+
+def drafts_from(answer: list[int], k: int = 4):
+    """A drafter proposing the next k - 1 tokens of `answer`: right, then with its last one wrong, then all wrong, in
+    turn."""
+    proposals = []
+
+    def propose(s: SequenceState) -> list[int]:
+        n = len(s.output_ids)
+        draft = answer[n:n + k - 1]
+        if len(proposals) % 3 == 1 and draft:
+            draft = [*draft[:-1], (draft[-1] + 1) % 1000]
+        if len(proposals) % 3 == 2:
+            draft = [(t + 7) % 1000 for t in draft]  # one token from this pass
+        proposals.append(draft)
+        return draft
+
+    return propose
+
+
+async def test_a_step_of_several_tokens_equals_as_many_single_steps(smollm2, client):
+    """k positions of one sequence in one micro-batch through every stage: the newest token and k - 1 drafted ones,
+    each position sampled. The drafts here come from the answer itself (one-token steps' tokens) with some made
+    wrong: a draft stands only where it equals what was sampled before it, and the K/V of the positions after a
+    wrong one is written over -- so the tokens are exactly those of one-token steps, greedy and seeded alike, in
+    fewer passes."""
+    ids = prompt_ids(smollm2)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50, seed=77)):
+        for sid in ("p0", "p2"):
+            one = SequenceState(f"one-{sid}", ids[sid], params, MAX_TOKENS)
+            single_passes = await run_group_on_mesh(client, [one], prefill_chunk=64)
+            answer = one.output_ids
+            assert len(answer) == MAX_TOKENS
+            drafted = SequenceState(f"k-{sid}", ids[sid], params, MAX_TOKENS)
+            passes = await run_group_on_mesh(client, [drafted], prefill_chunk=64, propose=drafts_from(answer))
+            assert drafted.output_ids == answer
+            assert passes < single_passes  # some drafts stood: fewer passes than tokens

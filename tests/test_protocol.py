@@ -104,3 +104,42 @@ def test_sampling_parameters_travel_as_their_non_default_fields():
     assert wire["seqs"][0]["sampling"] == {"temperature": 0.7, "top_p": 0.95, "seed": 3, "logit_bias": [[4, 1.5]]}
     assert params.to_wire() is params.to_wire()  # worked out once per instance
     assert decode(encode(ForwardBatch(4, [SeqEntry("a", Decode(5), params)], tokens=torch.tensor([3])))).seqs[0].sampling == params
+
+
+def test_a_decode_of_several_positions_and_its_several_samples_cross_the_wire():
+    """A k-token decode step (the newest token and k - 1 drafts) reaches the stage as it was sent; the result's
+    tokens come back flat with a count per sequence, and a plain micro-batch carries neither key."""
+    batch = ForwardBatch(1, [SeqEntry("a", Decode(9, 4)), SeqEntry("b", Decode(3))],
+                         tokens=torch.tensor([1, 2, 3, 4, 5]))
+    got = decode(encode(batch))
+    assert [s.step for s in got.seqs] == [Decode(9, 4), Decode(3)] and got.num_tokens == 5
+    assert [s.sample_positions for s in got.seqs] == [[10, 11, 12, 13], [4]]
+    assert "n" not in msgpack.unpackb(encode(ForwardBatch(1, [SeqEntry("b", Decode(3))],
+                                                          tokens=torch.tensor([1])))[0])["seqs"][0]["step"]
+    result = decode(encode(BatchResult(1, ["a", "b"], [7, 8, 9, 1, 2], [None] * 5, counts=[4, 1])))
+    assert result.by_sequence() == {"a": [(7, None, None), (8, None, None), (9, None, None), (1, None, None)],
+                                    "b": [(2, None, None)]}
+    assert "counts" not in msgpack.unpackb(encode(BatchResult(1, ["a"], [7], [None]))[0])
+
+
+@pytest.mark.parametrize("over", [
+    {"counts": [2, 1]},  # 3 tokens counted, 2 sent
+    {"counts": [1]},  # one count for two sequences
+    {"counts": [0, 2]},  # a sequence with no token is not listed
+    {"counts": [1, 65]},  # past MAX_DECODE_TOKENS
+    {"counts": [1, True]},
+])
+def test_malformed_counts_are_refused_naming_them(over):
+    with pytest.raises(ProtocolError) as e:
+        decode([msgpack.packb(_result_header(**over), use_bin_type=True)])
+    assert e.value.reason == "schema" and "counts" in str(e.value)  # named, whether the counts or the tokens are off
+
+
+@pytest.mark.parametrize("step", [{"t": "decode", "pos": 4, "n": 0}, {"t": "decode", "pos": 4, "n": 65},
+                                  {"t": "decode", "pos": 4, "n": 2.0}])
+def test_a_decode_of_no_or_too_many_positions_is_refused(step):
+    header = {"v": PROTOCOL_VERSION, "kind": "forward", "mb": 1, "seqs": [{"id": "a", "step": step}],
+              "tensors": []}
+    with pytest.raises(ProtocolError, match="'n'") as e:
+        decode([msgpack.packb(header, use_bin_type=True)])
+    assert e.value.reason == "schema"

@@ -25,12 +25,13 @@ from services.gateway.request import Request, RequestOutput
 from services.gateway.scheduler import MicroBatch, QueueFull, Scheduler
 from shared.config import SchedulerConfig
 from shared.errors import KVCacheFull, UnknownSequence
-from shared.generation import generate_tokens, run_local
+from shared.generation import SequenceState, generate_tokens, run_local
 from shared.gguf_loader import GgufLoader
 from shared.pipeline_client import PipelineError
 from shared.protocol import BatchError, BatchResult, ForwardBatch
 from shared.runtime import LocalPipeline
 from shared.sampling import SamplingParams
+from shared.steps import Decode
 
 CONTEXT = 512
 
@@ -80,8 +81,9 @@ class RecordingClient:
         batch, fut = self.sent.pop(mb)
         sampled = run_local(self.local, batch.seqs, batch.tokens.tolist())
         ids = list(sampled)
-        fut.set_result(BatchResult(mb, ids, [sampled[i][0] for i in ids], [sampled[i][1] for i in ids], [],
-                                   top=[sampled[i][2] for i in ids]))
+        rows = [row for i in ids for row in sampled[i]]
+        fut.set_result(BatchResult(mb, ids, [t for t, _, _ in rows], [lp for _, lp, _ in rows], [],
+                                   top=[top for _, _, top in rows], counts=[len(sampled[i]) for i in ids]))
         return batch
 
     def fail(self, mb: int, code: str, message: str) -> None:
@@ -104,6 +106,8 @@ class Harness:
                              SchedulerConfig(prefix_cache=prefix_cache, **serving))
         self.scheduler = self.engine.scheduler
         self.ids = itertools.count()
+        self.outputs: dict[str, list[RequestOutput]] = {}  # what the engine reported, per request, not yet read
+        self.engine.on_output = lambda req, out: self.outputs.setdefault(req.seq_id, []).append(out)
 
     def seq(self, prompt_len: int = 5, max_tokens: int = 8, **kw) -> Request:
         prompt = [(7 * i + 3) % 200 + 1 for i in range(prompt_len)]
@@ -120,11 +124,9 @@ class Harness:
             await self.step()
 
 
-def drain(seq: Request) -> list[RequestOutput]:
-    out = []
-    while not seq.outputs.empty():
-        out.append(seq.outputs.get_nowait())
-    return out
+def drain(h: Harness, seq: Request) -> list[RequestOutput]:
+    """What the engine reported for seq since the last drain."""
+    return h.outputs.pop(seq.seq_id, [])
 
 
 async def test_admission_is_bounded_by_kv_slots_and_the_queue(tiny_path):
@@ -197,7 +199,7 @@ async def test_deadline_ends_waiting_and_running_requests_and_frees_slots(tiny_p
     running.deadline = waiting.deadline = 0.0  # both past due now
     await h.step()
     for s in (running, waiting):
-        assert drain(s)[-1] == RequestOutput(finish_reason="timeout", error="the request exceeded its deadline")
+        assert drain(h, s)[-1] == RequestOutput(finish_reason="timeout", error="the request exceeded its deadline")
     assert not h.scheduler.running and not h.scheduler.waiting
     await h.step()
     assert [running.seq_id] in h.client.released  # the slot it held on every stage is freed; the waiter held none
@@ -210,7 +212,7 @@ async def test_cancel_while_waiting_and_while_in_flight(tiny_path):
     h.engine.submit(flying)
     h.engine.submit(queued)
     h.engine.cancel(queued)
-    assert drain(queued) == [RequestOutput(finish_reason="cancelled")] and not h.scheduler.waiting
+    assert drain(h, queued) == [RequestOutput(finish_reason="cancelled")] and not h.scheduler.waiting
     await h.step()
     assert flying.in_flight
     h.engine.cancel(flying)
@@ -218,7 +220,7 @@ async def test_cancel_while_waiting_and_while_in_flight(tiny_path):
     assert h.client.released == [[flying.seq_id]]  # sent after the micro-batch that holds it
     h.client.deliver()  # its late result is dropped: no token after the cancel
     await h.step()
-    assert drain(flying) == [RequestOutput(finish_reason="cancelled")] and flying.output_ids == []
+    assert drain(h, flying) == [RequestOutput(finish_reason="cancelled")] and flying.output_ids == []
     assert h.engine.metrics.registry.get_sample_value("stagemesh_gateway_requests_total", {"outcome": "cancelled"}) == 2
 
 
@@ -257,7 +259,7 @@ async def test_a_stage_that_forgot_a_sequence_is_recognised_by_its_error_code(ti
     await h2.step()
     h2.client.fail(next(iter(h2.client.sent)), "bad_input", "sequence s0 has no KV slot")  # the old magic words
     await asyncio.sleep(0)
-    assert h2.pipeline.epoch == 0 and drain(other)[-1].finish_reason == "error"
+    assert h2.pipeline.epoch == 0 and drain(h2, other)[-1].finish_reason == "error"
 
 
 async def test_a_sequence_replayed_too_often_fails_with_a_reason(tiny_path):
@@ -269,7 +271,7 @@ async def test_a_sequence_replayed_too_often_fails_with_a_reason(tiny_path):
         await h.step()
         h.pipeline.mark_lost("stage 1 vanished")
     await h.step()
-    assert drain(seq)[-1] == RequestOutput(finish_reason="error", error="the pipeline failed 1 times during this request; "
+    assert drain(h, seq)[-1] == RequestOutput(finish_reason="error", error="the pipeline failed 1 times during this request; "
                                                                     "the last time: stage 1 vanished")  # the cause
 
 
@@ -433,3 +435,52 @@ def test_errors_deadlines_and_a_lost_pipeline_come_back_as_outputs_and_replays()
     assert [(r.seq_id, o.finish_reason, o.error) for r, o in broken.outputs] == [
         ("a", "error", "pipeline failure: socket closed")]
     assert s.idle
+
+
+# ---- steps of several tokens: SequenceState.take's rules, without a pipeline ------------------------------------
+
+def _decoding(max_tokens: int = 10, stop: frozenset = frozenset()) -> SequenceState:
+    s = SequenceState("d", [1, 2, 3], max_tokens=max_tokens, stop_ids=stop)
+    s.take(3, [(40, None, None)])  # the prompt's one chunk, and its first token
+    return s
+
+
+def _row(token: int) -> tuple:
+    return (token, None, None)
+
+
+def test_drafts_stand_while_each_equals_what_the_position_before_it_sampled():
+    s = _decoding()
+    s.draft = [41, 42, 99, 44]
+    entry, fed = s.next_step(512)
+    assert entry.step == Decode(3, 5) and fed == [40, 41, 42, 99, 44]
+    # positions 4..8 sampled 41, 42, 43 (not the drafted 99: nothing after it stands), 7, 8
+    taken = s.take(len(fed), [_row(41), _row(42), _row(43), _row(7), _row(8)])
+    assert [t for (t, _, _), _ in taken] == [41, 42, 43] and s.output_ids == [40, 41, 42, 43]
+    assert s.computed == 6  # the K/V of 40, 41, 42 (positions 3..5); 99's position is written over next
+    entry, fed = s.next_step(512)
+    assert entry.step == Decode(6) and fed == [43] and s.verifying == ()
+
+
+def test_a_first_draft_that_misses_keeps_one_token_and_a_stop_ends_mid_draft():
+    s = _decoding()
+    s.draft = [5, 6]
+    _, fed = s.next_step(512)
+    assert [t for (t, _, _), _ in s.take(len(fed), [_row(7), _row(6), _row(1)])] == [7] and s.computed == 4
+    s = _decoding(stop=frozenset({2}))
+    s.draft = [41, 2, 43]
+    _, fed = s.next_step(512)
+    taken = s.take(len(fed), [_row(41), _row(2), _row(43), _row(44)])
+    assert [(t, reason) for (t, _, _), reason in taken] == [(41, None), (2, "stop")]
+
+
+def test_drafts_never_run_past_max_tokens_nor_with_logit_inputs():
+    s = _decoding(max_tokens=3)
+    s.draft = [41, 42, 43, 44]
+    entry, fed = s.next_step(512)
+    assert entry.step == Decode(3, 2) and fed == [40, 41]  # 1 output so far, 3 at most: this step may add 2
+    s = _decoding()
+    s.params = SamplingParams(repetition_penalty=1.3)  # a penalty's history holds for one position only
+    s.draft = [41, 42]
+    entry, fed = s.next_step(512)
+    assert entry.step == Decode(3) and fed == [40] and s.draft == []

@@ -19,10 +19,11 @@ from services.gateway.config import (
     SMALL_PROMPT_CHARS,
     GatewayConfig,
 )
+from services.gateway.events import RequestHandle, RequestRegistry
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputProcessor
 from services.gateway.replicas import Replicas
-from services.gateway.request import Request, TraceCapture, new_seq_id
+from services.gateway.request import Request, RequestOutput, TraceCapture, new_seq_id
 from services.gateway.scheduler import QueueFull
 from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
 from services.gateway.tools import forced_call_schema, tool_messages
@@ -82,9 +83,14 @@ class Gateway:
     config: GatewayConfig
     lanes: TokenizeLanes = field(default_factory=TokenizeLanes)
     draining: bool = False  # set on SIGTERM: /ready answers 503 "draining" and no request is admitted
-    open_streams: int = 0  # event streams (Gateway.events) not yet ended
+    requests: RequestRegistry = field(default_factory=RequestRegistry)  # open requests' handles, and recent ones
+    open_streams: int = 0  # readers following an event log (Gateway.events) not yet ended
     websockets: set = field(default_factory=set)  # open web.WebSocketResponse objects, closed after a drain
     _char_cap: tuple[int, int] | None = None  # (context, cap) cache for prompt_char_cap
+
+    def __post_init__(self):
+        for replica in self.replicas.all:  # every engine reports its requests' outputs here, once each
+            replica.engine.on_output = self.deliver
 
     def char_cap(self, context: int) -> int:
         if self._char_cap is None or self._char_cap[0] != context:
@@ -147,37 +153,58 @@ class Gateway:
         except QueueFull as e:
             raise RequestError(str(e), status=429, code="queue_full") from None
 
-    async def start(self, body: dict, chat: bool, session: str | None = None) -> tuple[GenerationSpec, Request]:
-        """Validate, tokenize and queue one generation request. `session` (a header) or the body's OpenAI `user`
-        keeps a conversation on one pipeline (Replicas.route)."""
+    async def start(self, body: dict, chat: bool, session: str | None = None,
+                    cancel_on_leave: bool = True) -> RequestHandle:
+        """Validate, tokenize and queue one generation request; its handle is registered before it can produce
+        anything. `session` (a header) or the body's OpenAI `user` keeps a conversation on one pipeline
+        (Replicas.route). `cancel_on_leave`: see RequestHandle."""
         spec = parse_generation(body, chat, self.replicas.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
         seq = await self.prepare(spec)
+        handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
+                               cancel_on_leave=cancel_on_leave)
+        self.requests.add(handle)
         user = body.get("user")
-        self.submit(seq, session or (user if isinstance(user, str) and user else None))
-        return spec, seq
-
-    async def events(self, seq: Request, spec: GenerationSpec) -> AsyncIterator[dict]:
-        """The request's client events, through the output processor, ending with its done or error event.
-        A stop string ends the request here: the scheduler frees its slots and reports the finish."""
-        proc = OutputProcessor(seq, self.files.tokenizer, spec.stop)
-        self.open_streams += 1
-        logged = False
         try:
-            while True:
-                out = await seq.outputs.get()
-                already_stopped = proc.stop_string_hit
-                for ev in proc.process(out):
-                    if ev["type"] != "token":  # logged before the client sees the end
-                        logged = _log_access(seq)
-                    yield ev
-                    if ev["type"] != "token":
-                        return
-                if proc.stop_string_hit and not already_stopped:
-                    self.replicas.finish(seq, "stop")
+            self.submit(seq, session or (user if isinstance(user, str) and user else None))
+        except RequestError:
+            self.requests.open.pop(handle.id, None)  # refused: it never existed
+            raise
+        return handle
+
+    def deliver(self, seq: Request, out: RequestOutput) -> None:
+        """What an engine reports for one request, made into client events once and appended to its log. A stop
+        string ends the request here: the scheduler frees its slots and reports the finish (which comes back
+        through here as the done event). Outputs of requests without a handle (the prefix audit's twins) are the
+        engine's own."""
+        handle = self.requests.open.get(seq.seq_id)
+        if handle is None:
+            return
+        proc = handle.processor
+        already_stopped = proc.stop_string_hit
+        for ev in proc.process(out):
+            if ev["type"] != "token":
+                _log_access(seq)  # logged before any reader sees the end
+            handle.log.append(ev)
+        if handle.log.ended:
+            self.requests.mark_ended(handle)
+        elif proc.stop_string_hit and not already_stopped:
+            self.replicas.finish(seq, "stop")
+
+    async def events(self, handle: RequestHandle, start: int = 0) -> AsyncIterator[tuple[int, dict]]:
+        """(offset, event) of the request's client events from offset `start`, ending with its done or error event.
+        Reading takes nothing from the log: other readers, and later ones, see the same events."""
+        self.open_streams += 1
+        try:
+            async for item in handle.log.follow(start):
+                yield item
         finally:
             self.open_streams -= 1
-            if not logged:  # the client went away first
-                _log_access(seq)
+
+    def leave(self, handle: RequestHandle) -> None:
+        """A reader is done (its client went away, or its handler returned): end the request unless it outlives its
+        connections (cancel_on_leave False). No-op once it ended."""
+        if handle.cancel_on_leave:
+            self.replicas.cancel(handle.seq)
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting, let running requests finish for up to grace_s, end the rest with an error event that
@@ -199,14 +226,13 @@ class Gateway:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the gateway is shutting down")
 
 
-def _log_access(seq: Request) -> bool:
-    """The access log's line for one generation request: where it ran (its pipeline, and how often it moved), how it
-    ended, its sizes and time."""
+def _log_access(seq: Request) -> None:
+    """The access log's line for one generation request, when it ends: where it ran (its pipeline, and how often it
+    moved), how it ended, its sizes and time."""
     access_log.info("request %s pipeline=%s handoffs=%d replays=%d finish=%s prompt_tokens=%d cached_tokens=%d "
                     "output_tokens=%d duration_ms=%.0f", seq.seq_id, seq.pipeline, seq.handoffs, seq.replays,
                     seq.finish_reason or "open", len(seq.prompt_ids), seq.cached_tokens, len(seq.output_ids),
                     (time.perf_counter() - seq.times.arrival) * 1e3)
-    return True
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

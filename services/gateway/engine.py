@@ -57,6 +57,8 @@ class Engine:
         # set by Replicas: while the pipeline is not ready, give these open requests to a ready replica; returns the
         # ones it took (None, or none taken: they wait here for this pipeline, as with a single one)
         self.handoff: Callable[[list[Request]], list[Request]] | None = None
+        # where each request's outputs go, once each, in order (the gateway's front end: Gateway.deliver)
+        self.on_output: Callable[[Request, RequestOutput], None] = lambda req, out: None
         pipeline.on_unexpected_result = metrics.unexpected_results.inc
 
     # ---- what the handlers call -------------------------------------------------------------------------------
@@ -228,7 +230,7 @@ class Engine:
                 if out.finish_reason in ("stop", "length"):
                     self.metrics.e2e.observe(now - times.arrival)
                 self.metrics.requests.labels(out.finish_reason).inc()
-        req.outputs.put_nowait(out)
+        self.on_output(req, out)
 
     def _changed(self) -> None:
         self._update_gauges()

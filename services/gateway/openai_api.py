@@ -4,6 +4,7 @@ They shape the output processor's events into OpenAI's chunk and response object
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from services.gateway.config import BODY_READ_TIMEOUT_S
 from services.gateway.core import GATEWAY
+from services.gateway.events import RequestHandle
 from services.gateway.replicas import SESSION_HEADER
 from services.gateway.request import Request
 from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
@@ -140,25 +142,28 @@ def _error_status(ev: dict) -> RequestError:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    spec, seq = await gw.start(await _json_body(request), chat, request.headers.get(SESSION_HEADER))
-    shape = OpenAIShape(seq, chat, gw.config.model_id, spec)
+    handle = await gw.start(await _json_body(request), chat, request.headers.get(SESSION_HEADER))
+    spec = handle.spec
+    shape = OpenAIShape(handle.seq, chat, gw.config.model_id, spec)
     try:
         if spec.stream:
-            return await _stream_sse(request, gw, seq, spec, shape)
+            return await _stream_sse(request, gw, handle, shape)
         tokens = []
-        async for ev in gw.events(seq, spec):
-            if ev["type"] == "token":
-                tokens.append(ev)
-            elif ev["type"] == "error":
-                raise _error_status(ev)
-            else:
-                return web.json_response(shape.response(tokens, ev, _tool_parser(spec)))
+        async with contextlib.aclosing(gw.events(handle)) as events:
+            async for _, ev in events:
+                if ev["type"] == "token":
+                    tokens.append(ev)
+                elif ev["type"] == "error":
+                    raise _error_status(ev)
+                else:
+                    return web.json_response(shape.response(tokens, ev, _tool_parser(spec)))
         raise AssertionError("the event stream ended without done or error")
     finally:
-        gw.replicas.cancel(seq)  # no-op when finished; frees KV slots when the client went away
+        gw.leave(handle)  # no-op when finished; frees KV slots when the client went away
 
 
-async def _stream_sse(request, gw, seq: Request, spec: GenerationSpec, shape: OpenAIShape) -> web.StreamResponse:
+async def _stream_sse(request, gw, handle: RequestHandle, shape: OpenAIShape) -> web.StreamResponse:
+    spec = handle.spec
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
@@ -169,7 +174,7 @@ async def _stream_sse(request, gw, seq: Request, spec: GenerationSpec, shape: Op
     if shape.chat:
         await send(shape.chunk({"role": "assistant", "content": ""}))
     tools = _tool_parser(spec)
-    async for ev in gw.events(seq, spec):
+    async for _, ev in gw.events(handle):
         if ev["type"] == "token" and tools is not None:
             for chunk in shape.tool_chunks(tools.push(ev["text"])):
                 await send(chunk)

@@ -3,13 +3,13 @@
 
 A Request is a SequenceState (shared/generation.py: its tokens and how many of them the pipeline holds) plus what
 the gateway adds, by concern: where and how it is scheduled (deadline, replica, replays, the scheduler's
-bookkeeping of its micro-batch in flight), its stream of outputs to the client, its timings (RequestTimes), its
-activation captures when traced (TraceCapture) and its distributed-tracing span (RequestSpan, owned by the
-engine loop). The scheduler's policy reads and writes only the first two."""
+bookkeeping of its micro-batch in flight), its timings (RequestTimes), its activation captures when traced
+(TraceCapture) and its distributed-tracing span (RequestSpan, owned by the engine loop). Its outputs go to the
+engine's on_output, not to a field of it: what a client reads is the front end's RequestHandle and EventLog
+(services/gateway/events.py), which outlive any one connection."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import uuid
@@ -98,8 +98,7 @@ class Request(SequenceState):
     starting: bool = False  # ... and that micro-batch holds its first chunk (it allocates the slot on every stage)
     sent: bool = False  # a micro-batch of it was planned since its last release: stages may hold a slot for it
     replay_due: bool = False  # reset for replay, that micro-batch not planned yet
-    # what the client reads, and the telemetry around it
-    outputs: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    # the telemetry around it (what the client reads is the front end's: services/gateway/events.py)
     times: RequestTimes = field(default_factory=RequestTimes)
     capture: TraceCapture | None = None  # set when traced
     span: RequestSpan | None = None  # set while its stagemesh.request span is open (the engine loop's)

@@ -405,7 +405,7 @@ class Scheduler:
         if code == PrefixMiss.code:
             return self._prefix_miss(reqs, error)
         update = Update()
-        sampled = dict(zip(result.seq_ids, zip(result.tokens, result.logprobs, result.top))) if result else {}
+        sampled = result.by_sequence() if result else {}
         for r in reqs:
             fed, r.feeding, r.starting = r.feeding, 0, False
             if r.done:
@@ -414,12 +414,9 @@ class Scheduler:
                 msg = str(error) if isinstance(error, PipelineError) else f"pipeline failure: {error}"
                 update.outputs += self.finish(r, "error", msg).outputs
                 continue
-            r.advance(fed)
             if r is batch.traced and result is not None:  # the captures are its rows, never another request's
                 r.capture.take(result.captures)
-            if r.seq_id in sampled:
-                token, logprob, top = sampled[r.seq_id]
-                reason = r.append(token, logprob, top)
+            for (token, logprob, top), reason in r.take(fed, sampled.get(r.seq_id)):
                 why = f"the output left its grammar: {r.grammar.error}" if reason == "error" and r.grammar else None
                 update.outputs.append((r, RequestOutput(token, logprob, top, reason, why)))
                 if reason is not None:

@@ -9,8 +9,8 @@ import logging
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from services.gateway.core import GATEWAY, Gateway
-from services.gateway.request import Request
-from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
+from services.gateway.events import RequestHandle
+from services.gateway.schemas import RequestError, parse_json_text
 from shared.log_throttle import throttled
 
 log = logging.getLogger("stagemesh.gateway.ws")
@@ -24,7 +24,7 @@ class WsSession:
     def __init__(self, gw: Gateway, ws: web.WebSocketResponse):
         self.gw = gw
         self.ws = ws
-        self.active: dict[str, tuple[Request, asyncio.Task]] = {}  # request id -> its sequence and event pump
+        self.active: dict[str, tuple[RequestHandle, asyncio.Task]] = {}  # client's id -> its request, event pump
 
     async def run(self) -> None:
         try:
@@ -35,8 +35,8 @@ class WsSession:
                 if msg.type == WSMsgType.TEXT:
                     await self.on_message(msg.data)
         finally:
-            for seq, task in list(self.active.values()):
-                self.gw.replicas.cancel(seq)
+            for handle, task in list(self.active.values()):
+                self.gw.leave(handle)
                 task.cancel()
 
     async def error(self, rid: str | None, code: str, message: str) -> None:
@@ -75,7 +75,7 @@ class WsSession:
     async def cancel(self, rid: str) -> None:
         if rid not in self.active:
             return await self.error(rid, "unknown_id", f"no running generation with id {rid!r}")
-        self.gw.replicas.cancel(self.active[rid][0])
+        self.gw.replicas.cancel(self.active[rid][0].seq)
 
     async def generate(self, rid: str, data: dict) -> None:
         if rid in self.active:
@@ -87,15 +87,15 @@ class WsSession:
             if body.get("tools") is not None:  # calls are shaped into OpenAI's tool_calls by the HTTP API only
                 raise RequestError("'tools' are served by POST /v1/chat/completions, not the websocket", "tools",
                                    code="unsupported_parameter")
-            spec, seq = await self.gw.start(body, chat="messages" in body)
+            handle = await self.gw.start(body, chat="messages" in body)
         except RequestError as e:
             self.gw.metrics.rejected.labels(str(e.status)).inc()
             return await self.error(rid, e.code, e.message)
-        self.active[rid] = (seq, asyncio.create_task(self.pump(rid, seq, spec)))
+        self.active[rid] = (handle, asyncio.create_task(self.pump(rid, handle)))
 
-    async def pump(self, rid: str, seq: Request, spec: GenerationSpec) -> None:
+    async def pump(self, rid: str, handle: RequestHandle) -> None:
         try:
-            async for ev in self.gw.events(seq, spec):
+            async for _, ev in self.gw.events(handle):
                 await self.ws.send_json({**ev, "id": rid})
         finally:
             self.active.pop(rid, None)

@@ -25,7 +25,15 @@ from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
 from shared.models import qdot
 from shared.otlp import OtlpTracer, trace_id_of
-from shared.protocol import BatchError, BatchResult, ForwardBatch, Message, ReleaseDone, ReleaseSeqs
+from shared.protocol import (
+    BatchError,
+    BatchResult,
+    ForwardBatch,
+    Message,
+    ReleaseDone,
+    ReleaseSeqs,
+    sampling_rows,
+)
 from shared.runtime import StageRuntime
 from shared.sampling import sample
 from shared.trace import CaptureHook
@@ -209,11 +217,10 @@ class StageWorker:
             if not ident.position.has_lm_head:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures,
                                     traceparent=batch.traceparent, in_flight=batch.in_flight)
-            producing = [s for s in batch.seqs if s.step.produces_token]
-            sampled = sample(out, [s.sampling for s in producing], [s.sample_position for s in producing],
-                             [s.logit_inputs for s in producing])
+            producing, counts, params, positions, inputs = sampling_rows(batch.seqs)
+            sampled = sample(out, params, positions, inputs)
             return BatchResult(batch.mb_id, [s.seq_id for s in producing], sampled.tokens, sampled.logprobs, captures,
-                               top=sampled.top)
+                               top=sampled.top, counts=counts)
         except Exception as e:  # whatever it was, it ends this micro-batch only: the stage keeps serving
             self.stats.errors += 1
             code = e.code if isinstance(e, StagemeshError) else "internal"
