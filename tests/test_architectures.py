@@ -137,7 +137,7 @@ def test_sliding_layers_decode_batches_on_the_kernel_and_the_batched_graph(tmp_p
     own context, so a sequence decoded in a batch of 3 gives its numbers alone bit for bit, and torch's masked SDPA's
     to rounding; compiled, the batch runs the batched graph (where the kernel runs: an AVX2 CPU) with eager's logits."""
     from shared.models import qdot
-    from shared.models.transformer import KernelDecode
+    from shared.models.attention import KernelDecode
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 

@@ -118,10 +118,10 @@ def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
 
 @pytest.fixture(params=["kernel", "sdpa"])
 def batched_attention(request, monkeypatch):
-    """Batched decode attends with qdot.cpp's decode_attention_batch (transformer.KernelDecode, where the integer-dot
+    """Batched decode attends with qdot.cpp's decode_attention_batch (attention.KernelDecode, where the integer-dot
     kernels load), or with torch's SDPA over windows of slots (DecodeWindow / SplitDecode: other CPUs, bf16)."""
     from shared.models import qdot
-    from shared.models.transformer import KernelDecode
+    from shared.models.attention import KernelDecode
 
     if request.param == "sdpa":
         monkeypatch.setattr(KernelDecode, "applies", staticmethod(lambda model, layout: False))
@@ -173,7 +173,7 @@ def test_batched_decode_attends_per_run_of_slots_when_the_batch_lies_far_apart(s
     """Sequences in slots 0, 1 and 8 (kept prefixes or idle sequences between them): the batch attends as two windows,
     slots 0-1 and slot 8, not one window over the six between, and each row still equals its single-pass logits."""
     from shared.kv_cache import BatchLayout
-    from shared.models.transformer import DecodeWindow, SplitDecode
+    from shared.models.attention import DecodeWindow, SplitDecode
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 
@@ -204,7 +204,7 @@ def test_with_the_kernel_a_batched_decode_row_is_the_sequence_decoded_alone(smol
     at contexts across the kernel's 256-position chunks; and it predicts what torch's SDPA over windows of slots
     predicts (the logits differ a little: the matmuls' 8-bit rounding of the activations amplifies the last bits)."""
     from shared.models import qdot
-    from shared.models.transformer import KernelDecode
+    from shared.models.attention import KernelDecode
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 

@@ -244,7 +244,7 @@ def test_the_compiled_decode_step_covers_q8_0_blocks(smollm2):
 
     eager = runtime.run([SeqEntry("s", Decode(11))], token_ids=torch.tensor(ids[11:12]))
     assert eager.max() - eager.min() > 1.0
-    # eager decode attends as the step does on this CPU: qdot's kernel where it runs (transformer.KernelDecode), else SDPA
+    # eager decode attends as the step does on this CPU: qdot's kernel where it runs (attention.KernelDecode), else SDPA
     assert torch.equal(step_logits(kernel=qdot.usable()), eager)
     if qdot.usable():
         # the kernel sums in its own order (tests/test_qdot.py: within 1e-5 of SDPA; here each layer's attention is

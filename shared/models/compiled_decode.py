@@ -7,7 +7,7 @@ TransformerModel.run_layers -- the function every eager step runs -- so every ar
 change to a block is made once (gpt-fast's way). It only pays with static shapes (benchmarks/decode_step.py measures
 eager against compiled), all but one:
 
-- the context length C = position + 1 and the slot are the graph's dynamic sizes (transformer.OneSequenceDecode:
+- the context length C = position + 1 and the slot are the graph's dynamic sizes (attention.OneSequenceDecode:
   attention reads the slot's first C cached positions, in place; sliding layers mask the keys before their window),
   so one graph serves every slot and every position from 1 to the cache's length - 2 (CompiledDecode.contexts).
   Graphs per context bucket, as before, made a step at a short context attend to the whole bucket, and decoded
@@ -16,7 +16,7 @@ eager against compiled), all but one:
   graph a view of a larger cache tensor instead made inductor copy the whole cache back every step;
 - one sequence (B = 1; the step is memory- and overhead-bound) in one graph; decode micro-batches of 2..kv_slots
   sequences in a second (the batched step: run_layers again, B its one dynamic size, attention a
-  transformer.BatchDecode on qdot.cpp's kernel, which reads each sequence's own context in place, so no shape depends
+  attention.BatchDecode on qdot.cpp's kernel, which reads each sequence's own context in place, so no shape depends
   on the slots or contexts). The batched graph needs the kernel on every layer (float32 on an AVX2 CPU; no
   attention soft cap, no experts) and stops below the batch size where a SwitchedLinear changes kernel; other batches
   decode eagerly. On the 2-core AVX2 VM a step of 2 sequences took 14.0 ms eagerly and 6.6 compiled, of 16 36.5 and
@@ -56,7 +56,7 @@ import torch
 from shared.errors import CapabilityMissing
 from shared.kv_cache import BatchLayout, KVCache
 from shared.models import linear, transformer
-from shared.models.transformer import BatchDecode, OneSequenceDecode
+from shared.models.attention import BatchDecode, OneSequenceDecode
 
 log = logging.getLogger("stagemesh.compiled_decode")
 

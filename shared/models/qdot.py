@@ -18,7 +18,7 @@ flags, and loaded from there afterwards. `why_not()` says whether they run here 
 F16C; an AVX512 CPU where torch's int4 kernel measured faster; no C++ compiler; STAGEMESH_QDOT=off);
 where they do not, the int4 kernel runs as before.
 The same library holds decode attention: one sequence's (`decode_attention`, which the compiled decode step calls,
-transformer.OneSequenceDecode) and a batch's (`decode_attention_batch`, the batched steps', transformer.KernelDecode
+attention.OneSequenceDecode) and a batch's (`decode_attention_batch`, the batched steps', attention.KernelDecode
 and BatchDecode), on these CPUs for float32 layers without a soft cap (a sliding layer reads its window). It reads the
 KV cache in place and each key and value row once, where torch's SDPA read it at a fraction of the memory's speed at
 one token.
