@@ -124,7 +124,7 @@ def _kv_used(gw: RunningGateway, n: int) -> list[int | None]:
     out = []
     for i in range(n):
         try:
-            out.append(gw.stage_info(i)["kv"]["used_slots"])
+            out.append(gw.stage_info(i).kv_slots_used)
         except (OSError, ValueError, KeyError):
             out.append(None)
     return out
@@ -190,7 +190,7 @@ async def wrong_keys(gw: RunningGateway, stages: int) -> dict:
     try:
         for suffix in (".key", ".key_secret"):
             shutil.copy2(os.path.join(other, role + suffix), os.path.join(keys_dir, role + suffix))
-        before = gw.stage_info(index)["incarnation"]
+        before = gw.stage_info(index).incarnation
         t_kill = time.monotonic()
         os.kill(gw.stage_pids()[index], signal.SIGKILL)
         await until(lambda: _incarnation(gw, index) not in (None, before), 300, "up never restarted the stage")
@@ -212,7 +212,7 @@ async def wrong_keys(gw: RunningGateway, stages: int) -> dict:
 def _incarnation(gw: RunningGateway, index: int) -> str | None:
     """The stage's incarnation id, or None while it does not answer."""
     try:
-        return gw.stage_info(index)["incarnation"]
+        return gw.stage_info(index).incarnation
     except (OSError, ValueError, KeyError):
         return None
 

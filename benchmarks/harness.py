@@ -36,6 +36,7 @@ from shared.device import DTYPES, default_dtype_name
 from shared.errors import StagemeshError
 from shared.generation import SequenceState, run_group_on_mesh
 from shared.model_registry import resolve_model
+from shared.stage_info import StageInfo
 
 RESULTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -113,13 +114,13 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def wait_compiled(stage_infos: Callable[[], list[dict]], timeout: float = 900) -> list[dict]:
+def wait_compiled(stage_infos: Callable[[], list[StageInfo]], timeout: float = 900) -> list[dict]:
     """Poll `stage_infos()` (every stage's /info) until no stage is still compiling its decode step (--compile-decode
     auto compiles in the background after /ready); returns each stage's compiled_decode entry. Benchmarks wait for it
     so that they measure steady state, not a stage sharing its cores with the compiler."""
     deadline = time.monotonic() + timeout
     while True:
-        entries = [info["compiled_decode"] for info in stage_infos()]
+        entries = [info.compiled_decode for info in stage_infos()]
         if all(e["state"] != "compiling" for e in entries) or time.monotonic() > deadline:
             return entries
         time.sleep(1)
@@ -162,9 +163,9 @@ class RunningGateway:
     def stage_urls(self) -> list[str]:
         return json.loads(self.get("/ready")[1])["stages"]
 
-    def stage_info(self, i: int) -> dict:
+    def stage_info(self, i: int) -> StageInfo:
         with urllib.request.urlopen(self.stage_urls()[i] + "/info", timeout=5) as r:
-            return json.loads(r.read())
+            return StageInfo.from_json(json.loads(r.read()))
 
     def wait_compiled(self, timeout: float = 900) -> list[dict]:
         return wait_compiled(lambda: [self.stage_info(i) for i in range(len(self.stage_urls()))], timeout)

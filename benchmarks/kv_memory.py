@@ -42,12 +42,11 @@ def snapshot(gw, stages: int, pids: list[int]) -> list[dict]:
     largest = sorted(pids, key=rss_mb)[-stages:]  # the stages: the largest children of up
     out = []
     for i in range(stages):
-        kv = gw.stage_info(i)["kv"]
+        info = gw.stage_info(i)
         out.append({"rss_mib": rss_mb(largest[i]), "pss_mib": pss_mb(largest[i]),
-                    "kv_resident_mib": kv["resident_bytes"] / MIB,
-                    "kv_reserved_mib": kv["reserved_bytes"] / MIB, "used_slots": kv["used_slots"],
-                    "kv_shared_mib": kv.get("shared_bytes", 0) / MIB,
-                    "kept_prefixes": kv["kept_prefixes"]})
+                    "kv_resident_mib": info.kv_resident_bytes / MIB,
+                    "kv_reserved_mib": info.kv_reserved_bytes / MIB, "kv_slots_used": info.kv_slots_used,
+                    "kv_shared_mib": info.kv_shared_bytes / MIB, "kv_slots_cached": info.kv_slots_cached})
     return out
 
 
@@ -92,7 +91,7 @@ def main() -> None:
         if shared:  # the stages keep the system text's K/V from this one on
             asyncio.run(burst(gw.url, 1, 8, 0, shared))
             deadline = time.monotonic() + 10
-            while gw.stage_info(0)["kv"]["kept_prefixes"] == 0 and time.monotonic() < deadline:
+            while gw.stage_info(0).kv_slots_cached == 0 and time.monotonic() < deadline:
                 time.sleep(0.1)  # its release (keep) is on its way to the stages
         idle = snapshot(gw, args.stages, pids)
         peak: list[dict] = []
@@ -119,8 +118,8 @@ def main() -> None:
                     " · ".join(f"{s['pss_mib']:.0f} MiB" for s in snap) + " | " +
                     " · ".join(f"{s['kv_resident_mib']:.1f} / {s['kv_reserved_mib']:.0f} MiB" for s in snap) + " | " +
                     " · ".join(f"{s['kv_shared_mib']:.1f} MiB" for s in snap) + " | " +
-                    " · ".join(str(s["used_slots"]) for s in snap) + " | " +
-                    " · ".join(str(s["kept_prefixes"]) for s in snap) + " |")
+                    " · ".join(str(s["kv_slots_used"]) for s in snap) + " | " +
+                    " · ".join(str(s["kv_slots_cached"]) for s in snap) + " |")
     header = (f"stagemesh up --stages {args.stages} {' '.join(args.extra) or '(defaults)'}, {dtype_label(args.dtype)}; "
               f"{args.concurrent} concurrent completions of ~{args.prompt_words + 2}-word prompts"
               + (f" after a {args.shared_prompt_words + 4}-word system text they share" if shared else "")

@@ -58,8 +58,8 @@ def measure(model: str, mode: str, args) -> dict:
         pids = gw.stage_pids()
         for i in range(args.stages):
             info = gw.stage_info(i)
-            mem = info["weights"]["memory"]
-            stages.append({"layers": info["layers"], "file_mib": mem["file_bytes"] / MIB,
+            mem = info.weights["memory"]
+            stages.append({"layers": list(info.layers), "file_mib": mem["file_bytes"] / MIB,
                            "weights_mib": mem["weight_bytes"] / MIB, "ratio": mem["weights_per_file_byte"],
                            "kv_mib": mem["kv_bytes"] / MIB, "prefill_copy": mem["prefill_copy"],
                            "rss_mib": rss_mb(pids[i]), "anon_mib": anon_mb(pids[i]), "peak_mib": peak_rss_mb(pids[i])})

@@ -29,6 +29,7 @@ from shared.layers import LayerRange
 from shared.model_files import ModelFiles
 from shared.models.memory import available_bytes
 from shared.plan import Host, ModelFacts, Workload, predict
+from shared.stage_info import StageInfo
 
 TARGET = 0.2  # issue 52: predictions within 20 % of what is measured
 
@@ -40,7 +41,7 @@ def stage_ranges(url: str) -> list[LayerRange]:
     ranges = []
     for s in stages:
         with urllib.request.urlopen(s + "/info", timeout=5) as r:
-            ranges.append(LayerRange(*json.loads(r.read())["layers"]))
+            ranges.append(LayerRange(*StageInfo.from_json(json.loads(r.read())).layers))
     return ranges
 
 

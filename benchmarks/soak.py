@@ -50,7 +50,7 @@ async def request(s, url: str, prompt: str, max_tokens: int, abort_after: int | 
                     r.close()  # the client goes away mid-stream
                     return "aborted"
             return "ok"
-    except (aiohttp.ClientError, StreamEndedEarly, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError, StreamEndedEarly) as e:
         return f"{type(e).__name__}: {e}"
 
 
@@ -124,7 +124,7 @@ def main() -> None:
                    f"{args.abort:.0%} aborts (logs in {logs})")
         res = asyncio.run(soak(gw.url, gw.proc.pid, rate, args.minutes, args.abort, args.max_tokens))
         time.sleep(2.0)  # releases of the last aborts reach the stages
-        res["kv_used_slots_end"] = [gw.stage_info(i)["kv"]["used_slots"] for i in range(args.stages)]
+        res["kv_used_slots_end"] = [gw.stage_info(i).kv_slots_used for i in range(args.stages)]
         res["gateway_running_end"] = gw.metric("stagemesh_gateway_running_sequences")
         res["capacity_req_s"], res["rate_req_s"] = round(cap, 2), round(rate, 2)
         res["dtype"] = dtype_label(args.dtype)

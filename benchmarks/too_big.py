@@ -23,7 +23,7 @@ import time
 import urllib.request
 
 from benchmarks.harness import add_out_arg, children, free_port, results_dir, write_results
-from shared.models.memory import parse_bytes
+from shared.config import parse_bytes
 
 CGROUPS = "/sys/fs/cgroup/memory"
 GiB = 2**30

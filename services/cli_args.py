@@ -8,12 +8,12 @@ import argparse
 import os
 from dataclasses import MISSING, Field, fields
 
-from shared.config import flag_of
+from shared.config import flag_of, parse_bytes
 from shared.device import DTYPES
 from shared.errors import StagemeshError
 from shared.models.compiled_decode import COMPILE_MODES
 from shared.models.linear import WEIGHT_MODES
-from shared.models.memory import default_budget, parse_bytes
+from shared.models.memory import default_budget
 from shared.otlp import otlp_endpoint, require_sdk
 from shared.sampling import SamplingParams
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from shared.errors import StagemeshError
 from shared.mesh_keys import KeySet, ephemeral_key_set
 from shared.pipeline_client import PipelineClient
+from shared.stage_info import StageInfo
 
 # Stages on one host that use every core for a micro-batch alone in the pipeline (--threads-alone) take turns with
 # the cores: stage 0 computes a token, then stage 1. libgomp's threads spin ~300,000 rounds before they sleep (its
@@ -69,9 +70,10 @@ class StageProcess:
     def url(self) -> str:
         return f"http://{self.http}"
 
-    def info(self) -> dict:
+    def info(self) -> StageInfo:
+        """Its /info (StageInfo.from_json raises InfoError if it is not one)."""
         with urllib.request.urlopen(f"{self.url}/info", timeout=5) as r:
-            return json.loads(r.read())
+            return StageInfo.from_json(json.loads(r.read()))
 
 
 @dataclass

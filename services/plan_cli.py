@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from shared.config import parse_bytes
 from shared.device import DTYPES, default_device, resolve_dtype
 from shared.errors import StagemeshError
 from shared.layers import LayerRange
 from shared.model_files import ModelFiles
-from shared.models.memory import parse_bytes
 from shared.plan import STAGE_HANDOFF_MS, Host, ModelFacts, Plan, Workload, gib, plan
 from shared.protocol import SeqEntry
 from shared.runtime import StageRuntime

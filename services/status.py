@@ -89,7 +89,7 @@ def _pipelines_table(pipelines: list[dict]):
         pc = p.get("prefix_cache") or {}
         rate = "–" if pc.get("hit_rate") is None else f"{100 * pc['hit_rate']:.0f}%"
         t.add_row(p["name"], Text(p["state"], style="green" if p["ready"] else "red"), str(len(p["stages"])),
-                  str(p["queue"]), str(p["running"]), f"{100 * p['kv_used']:.0f}%", rate, str(p["routed"]),
+                  str(p["queue"]), str(p["running"]), f"{100 * p['kv_used_ratio']:.0f}%", rate, str(p["routed"]),
                   str(p["handed_off"]))
     return t
 
@@ -113,11 +113,11 @@ def render(snap: dict):
     for s in snap.get("stages", []):
         layers = f"{s['layers'][0]}:{s['layers'][1]}" if s.get("layers") else "–"
         busy = None if s.get("busy_fraction") is None else 100 * s["busy_fraction"]
-        kv = f"{s['kv_used_slots']}/{s['kv_slots']}" if s.get("kv_slots") is not None else "–"
-        if s.get("kv_kept_prefixes"):
-            kv += f" ({s['kv_kept_prefixes']} cached"
-            if s.get("kv_kept_bytes") is not None and s.get("kv_prefix_memory_bytes"):  # their K/V, of the bound
-                kv += f", {s['kv_kept_bytes'] / 2**20:.0f} of {s['kv_prefix_memory_bytes'] / 2**20:.0f} MiB"
+        kv = f"{s['kv_slots_used']}/{s['kv_slots']}" if s.get("kv_slots") is not None else "–"
+        if s.get("kv_slots_cached"):
+            kv += f" ({s['kv_slots_cached']} cached"
+            if s.get("kv_cached_bytes") is not None and s.get("kv_prefix_memory_bytes"):  # their K/V, of the bound
+                kv += f", {s['kv_cached_bytes'] / 2**20:.0f} of {s['kv_prefix_memory_bytes'] / 2**20:.0f} MiB"
             if s.get("kv_shared_bytes"):  # K/V slots read from those prefixes' pages rather than copies
                 kv += f", {s['kv_shared_bytes'] / 2**20:.0f} MiB shared"
             kv += ")"

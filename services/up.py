@@ -214,13 +214,12 @@ def _cli_hint() -> str:
     return f"{shown} status   (or `source {activate}`, then `stagemesh --help`)"
 
 
-def decode_notes(previous: dict[int, str], infos: dict[int, dict]) -> list[str]:
+def decode_notes(previous: dict[int, str], entries: dict[int, dict]) -> list[str]:
     """Lines announcing each stage's change of decode mode since `previous` (stage -> state, updated in place), from
-    the `compiled_decode` entries of the stages' /info: compiling in the background, switched to the compiled step,
-    failed (decoding eagerly, with the reason), off (with the reason)."""
+    the stages' compiled_decode entries (StageInfo.compiled_decode, stage -> entry): compiling in the background,
+    switched to the compiled step, failed (decoding eagerly, with the reason), off (with the reason)."""
     lines = []
-    for i, info in sorted(infos.items()):
-        entry = info.get("compiled_decode") or {}
+    for i, entry in sorted(entries.items()):
         state = entry.get("state")
         if state == previous.get(i) or state is None:
             continue
@@ -263,20 +262,21 @@ async def _supervise(meshes: list[LocalMesh]) -> None:
             last_poll = time.monotonic()
             watching = False
             for r, mesh in enumerate(meshes):
-                infos = await asyncio.to_thread(_stage_infos, mesh)
+                infos = await asyncio.to_thread(_compiled_decode, mesh)
                 for line in decode_notes(states[r], infos):
                     _say(f"p{r} {line}" if len(meshes) > 1 else line)
                 watching |= (len(states[r]) < len(mesh.stages) or "compiling" in states[r].values()
                              or "pending" in states[r].values())
 
 
-def _stage_infos(mesh: LocalMesh) -> dict[int, dict]:
-    """Each reachable stage's /info (a stage that does not answer is left out and asked again next time)."""
+def _compiled_decode(mesh: LocalMesh) -> dict[int, dict]:
+    """Each reachable stage's compiled_decode entry of its /info (a stage that does not answer is left out and asked
+    again next time)."""
     infos = {}
     for s in mesh.stages:
         try:
-            infos[s.index] = s.info()
-        except (OSError, ValueError):
+            infos[s.index] = s.info().compiled_decode
+        except (OSError, ValueError):  # InfoError is a ValueError
             pass
     return infos
 

@@ -14,6 +14,7 @@ built in code is checked the same way as one built from a command line."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
@@ -78,10 +79,15 @@ def check_seconds(config: Any, name: str, low: float, strict: bool) -> None:
           f"{'>' if strict else '>='} {low:g} seconds")
 
 
-def _parse_bytes(text: str) -> int:
-    """'512M' -> bytes (shared.models.memory.parse_bytes, imported only when a size flag is given: it imports torch)."""
-    from shared.models.memory import parse_bytes
-    return parse_bytes(text)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4G', '512M', '1.5GiB', '1000000' -> bytes (binary units); ValueError naming the form otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a size; give a positive number of bytes with an optional unit, e.g. 4G or 512M")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,7 @@ class StageConfig:
                                  "within --prefix-cache-memory")
     prefix_cache_memory: int | None = knob(None, "K/V bytes this stage's cached prefixes may hold; keeping one past it "
                                                  "gives up the least recently used first (the gateway evicts by the "
-                                                 "same bound)", unit="bytes", parse=lambda text: _parse_bytes(text),
+                                                 "same bound)", unit="bytes", parse=parse_bytes,
                                            unset="a quarter of the memory available when the stage loads, at most "
                                                  "what the prefix rows can hold")
     threads: int | None = knob(None, "torch threads", unset="all cores; `up` divides them among its stages")

@@ -16,12 +16,19 @@ DATA = os.path.join(ROOT, "tests", "data")
 os.environ["STAGEMESH_COMPILE_DECODE"] = "off"
 
 
+def uses_llama_cpp(fixture_fn):
+    """Tags a fixture function (under @pytest.fixture) as one that needs llama.cpp's Python binding (the reference)."""
+    fixture_fn.uses_llama_cpp = True
+    return fixture_fn
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> ModelFiles:
     return ModelFiles.open("smollm2")
 
 
 @pytest.fixture(scope="session")
+@uses_llama_cpp
 def llama_ref(smollm2):
     from benchmarks.tiny_gguf import llama_cpp_model
 
@@ -71,9 +78,30 @@ def starts_processes(fixture_fn):
 def pytest_collection_modifyitems(config, items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
-        defs = (d for name in getattr(info, "names_closure", ()) for d in info.name2fixturedefs.get(name, ()))
+        defs = [d for name in getattr(info, "names_closure", ()) for d in info.name2fixturedefs.get(name, ())]
         if any(getattr(d.func, "starts_processes", False) for d in defs):
             item.add_marker(pytest.mark.processes)
+        if any(getattr(d.func, "uses_llama_cpp", False) for d in defs):
+            item.add_marker(pytest.mark.reference)
+
+
+# ---- the `reference` tier ------------------------------------------------------------------------------------------
+# A test that needs llama.cpp (llama-cpp-python, built ~6 min, or its vendored sources) is marked `reference`, through a
+# fixture tagged @uses_llama_cpp or on the test itself; `make test-unit` runs without it. The guard makes the mark a
+# checked fact: a test without it that imports llama_cpp fails, naming the test.
+
+class _LlamaCppGuard:
+    """A meta path finder that refuses `import llama_cpp` inside a running test that is not marked reference."""
+
+    def find_spec(self, name, path=None, target=None):
+        item = _running[-1] if _running else None
+        if name.split(".")[0] == "llama_cpp" and item is not None and item.get_closest_marker("reference") is None:
+            raise ImportError(f"{item.nodeid} imports llama_cpp but is not marked reference: tag the fixture with "
+                              "@uses_llama_cpp or mark the test @pytest.mark.reference")
+        return None
+
+
+sys.meta_path.insert(0, _LlamaCppGuard())
 
 
 PROGRAMS = ("stagemesh", "chromium", "llama-server")  # what a command line starts: one of ours, or python -m

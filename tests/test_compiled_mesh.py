@@ -35,41 +35,41 @@ def gateway(up):
 
 
 def test_up_serves_while_the_stage_compiles_then_decodes_compiled(gateway):
-    before = gateway.stage_info(0)["compiled_decode"]
+    before = gateway.stage_info(0).compiled_decode
     assert before["state"] in ("compiling", "ready") and before["error"] is None
     out = complete(gateway.url, 8)  # served at once, whatever the compilation's progress
     assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
-    after = gateway.stage_info(0)["compiled_decode"]
+    after = gateway.stage_info(0).compiled_decode
     if before["state"] == after["state"] == "compiling":
         assert after["steps"] == 0  # every step of that request ran eager
     deadline = time.monotonic() + 900  # a cold compilation takes 1-2 minutes on 2 busy cores
-    while gateway.stage_info(0)["compiled_decode"]["state"] == "compiling" and time.monotonic() < deadline:
+    while gateway.stage_info(0).compiled_decode["state"] == "compiling" and time.monotonic() < deadline:
         time.sleep(1)
-    info = gateway.stage_info(0)["compiled_decode"]
+    info = gateway.stage_info(0).compiled_decode
     assert info["state"] == "ready" and set(info["compile_seconds"]) == {str(n) for n in info["threads"]}
     assert info["contexts"] == [2, 255]  # one graph: every context but the two ends of the 256-position cache
     assert not info["fell_back_to_eager"]
     out = complete(gateway.url, 16)
     assert out["usage"]["completion_tokens"] == 16
     # the first token comes from the prefill; each of the other 15 from a one-sequence decode step, now compiled
-    assert gateway.stage_info(0)["compiled_decode"]["steps"] - info["steps"] == 15
+    assert gateway.stage_info(0).compiled_decode["steps"] - info["steps"] == 15
     # streams decoding together: micro-batches of 2..3 sequences (the 3 KV slots) run the batched graph where
     # qdot's attention kernel covers the model (float32 on an AVX2 CPU), else eagerly
     batched = info["batched"]
     assert batched["sizes"] == [2, 3] and not batched["fell_back_to_eager"]
-    covered = qdot.usable() and gateway.stage_info(0)["dtype"] == "float32"
+    covered = qdot.usable() and gateway.stage_info(0).dtype == "float32"
     assert (batched["reason"] is None) == covered, batched
     with ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda _: complete(gateway.url, 24), range(3)))
     assert [o["usage"]["completion_tokens"] for o in outs] == [24] * 3 and all(o["choices"][0]["text"] for o in outs)
-    after = gateway.stage_info(0)["compiled_decode"]["batched"]
+    after = gateway.stage_info(0).compiled_decode["batched"]
     assert (after["steps"] > batched["steps"]) == covered, after
     assert not after["fell_back_to_eager"]
 
 
 def test_off_and_uncovered_setups_say_why_decode_is_eager(up):
     gw = up("--batch-invariant", "--compile-decode", "auto", *SHAPE_FLAGS)
-    info = gw.stage_info(0)["compiled_decode"]
+    info = gw.stage_info(0).compiled_decode
     assert info["state"] == "off" and "batch-invariant" in info["reason"]
     assert complete(gw.url, 4)["usage"]["completion_tokens"] == 4
 
@@ -84,7 +84,7 @@ def test_every_stage_of_a_two_stage_mesh_decodes_compiled(up):
     out = complete(gw.url, 16)
     assert out["usage"]["completion_tokens"] == 16
     infos = [gw.stage_info(i) for i in range(2)]
-    after = [i["compiled_decode"] for i in infos]
+    after = [i.compiled_decode for i in infos]
     assert [i["fell_back_to_eager"] for i in after] == [False, False]
     # 15 one-sequence decode steps after the prefill, compiled on each stage
     assert [a["steps"] - r["steps"] for a, r in zip(after, ready)] == [15, 15]
@@ -92,11 +92,11 @@ def test_every_stage_of_a_two_stage_mesh_decodes_compiled(up):
     # pipeline (one stream's always is), with compiled graphs for both counts
     cores = os.cpu_count()
     share = max(1, cores // 2)
-    assert [(i["threads"], i["threads_alone"]) for i in infos] == [(share, cores)] * 2
+    assert [(i.threads, i.threads_alone) for i in infos] == [(share, cores)] * 2
     # SmolLM2's Q4_1 blocks run on the integer-dot kernels inside the graphs, where this CPU takes them (AVX2)
     integer_dot = qdot.why_not() or "on"
-    assert [i["weights"]["integer_dot"] for i in infos] == [integer_dot] * 2
-    assert all(("q4_1-dot-q8" in str(i["weights"]["tensors"])) == (integer_dot == "on") for i in infos)
+    assert [i.weights["integer_dot"] for i in infos] == [integer_dot] * 2
+    assert all(("q4_1-dot-q8" in str(i.weights["tensors"])) == (integer_dot == "on") for i in infos)
     assert [a["threads"] for a in after] == [sorted({share, cores})] * 2
     if share != cores:  # taking turns with the cores: OpenMP threads spin briefly before they sleep
         stages = [p for p in children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]

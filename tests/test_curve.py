@@ -47,7 +47,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 def kv_used(mesh: LocalMesh) -> list[int]:
-    return [s.info()["kv"]["used_slots"] for s in mesh.stages]
+    return [s.info().kv_slots_used for s in mesh.stages]
 
 
 def forged_batches(first_stage: bool, n: int = 5) -> list[list]:
@@ -274,7 +274,7 @@ async def test_an_abandoned_sequence_loses_its_slot_when_its_lease_expires(smoll
     mesh = start_mesh("smollm2", 2, dtype="float32", log_dir=str(tmp_path), extra=["--slot-lease", "1.5"])
     try:
         assert len(await _generate(mesh, smollm2, "live", tokens=12)) == 12  # a live sequence is never expired
-        assert [s.info()["kv"]["reclaimed"] for s in mesh.stages] == [0, 0]
+        assert [s.info().slots_reclaimed for s in mesh.stages] == [0, 0]
         client = mesh.client()
         await client.start()
         try:
@@ -287,7 +287,7 @@ async def test_an_abandoned_sequence_loses_its_slot_when_its_lease_expires(smoll
             while kv_used(mesh) != [0, 0] and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             assert kv_used(mesh) == [0, 0]
-            assert [s.info()["kv"]["reclaimed"] for s in mesh.stages] == [1, 1]
+            assert [s.info().slots_reclaimed for s in mesh.stages] == [1, 1]
             assert [metric(s.url, "stagemesh_stage_slots_reclaimed_total") for s in mesh.stages] == [1, 1]
             with pytest.raises(PipelineError) as e:  # the owner coming back is told, and the gateway replays
                 await asyncio.wait_for(client.forward(ForwardBatch(client.next_mb_id(), [SeqEntry("gone", Decode(n))],

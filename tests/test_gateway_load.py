@@ -89,12 +89,12 @@ async def test_disconnected_clients_free_everything_within_2s(gateway):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     while loop.time() - t0 < 2.0:
-        used = [gateway.stage_info(i)["kv"]["used_slots"] for i in range(2)]
+        used = [gateway.stage_info(i).kv_slots_used for i in range(2)]
         if gateway.metric("stagemesh_gateway_running_sequences") == 0 and used == [0, 0]:
             break
         await asyncio.sleep(0.1)
     assert gateway.metric("stagemesh_gateway_running_sequences") == 0
-    assert [gateway.stage_info(i)["kv"]["used_slots"] for i in range(2)] == [0, 0]
+    assert [gateway.stage_info(i).kv_slots_used for i in range(2)] == [0, 0]
     assert gateway.metric("stagemesh_gateway_requests_total", outcome="cancelled") == 10
 
 

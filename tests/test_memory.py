@@ -6,11 +6,12 @@ import os
 import pytest
 import torch
 
+from shared.config import parse_bytes
 from shared.kv_cache import KVCache
 from shared.layers import LayerRange
 from shared.models import TransformerModel, memory
 from shared.models.linear import SwitchedLinear
-from shared.models.memory import parse_bytes, plan_prefill_copy
+from shared.models.memory import plan_prefill_copy
 
 MIB = 2**20
 

@@ -81,9 +81,9 @@ async def test_several_microbatches_in_flight(smollm2, client, reference, mesh):
     assert min(said_in_flight) >= 1 and 1 < max(said_in_flight) <= len(groups)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 5.0  # the releases travel the ring after the last token: poll, don't guess a delay
-    while any(s.info()["kv"]["used_slots"] for s in mesh.stages) and loop.time() < deadline:
+    while any(s.info().kv_slots_used for s in mesh.stages) and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    assert all(s.info()["kv"]["used_slots"] == 0 for s in mesh.stages)  # every slot released
+    assert all(s.info().kv_slots_used == 0 for s in mesh.stages)  # every slot released
 
 
 async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(smollm2, client):

@@ -16,6 +16,7 @@ import pytest
 from benchmarks.harness import start_up
 from loadtest.client import send_sse
 from tests.conftest import stagemesh_cmd, starts_processes
+from tests.stage_infos import make_info
 from tests.test_browser import DevTools, chromium, page_ws_url  # noqa: F401  (chromium is a fixture)
 
 
@@ -69,7 +70,7 @@ async def test_snapshot_describes_each_stage_and_the_stream_delivers_snapshots(g
     assert [st["layers"] for st in snap["stages"]] == [[0, 17], [17, 30]]
     for st in snap["stages"]:
         assert st["state"] == "ready" and st["kv_slots"] == 32 and st["listen"].startswith("tcp://")
-        assert 0 <= st["kv_used_slots"] <= 32 and st["kv_evicted_prefixes"] == 0  # /info's kv map, kv_ prefixed
+        assert 0 <= st["kv_slots_used"] <= 32 and st["prefixes_evicted"] == 0  # /info's fields, its names
         assert 0 < st["busy_fraction"] <= 1 and 0 < st["compute_ms"] < 10_000
         assert st["hop_in_ms"] is not None and 0 <= st["hop_in_ms"] < 1000  # every micro-batch header carries "sent"
         assert st["hop_next_ms"] is not None and 0 <= st["hop_next_ms"] < 1000
@@ -177,20 +178,21 @@ async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromiu
         assert os.path.getsize(path) > 10_000
 
 
-def test_the_snapshot_flattens_the_stage_kv_map_and_status_shows_it():
-    """The mesh view's stage entry carries /info's kv map as kv_* keys, and `stagemesh status` reads those keys."""
+def test_the_snapshot_carries_the_stage_kv_fields_and_status_shows_them():
+    """The mesh view's stage entry carries /info's KV fields under StageInfo's names, and `stagemesh status` reads
+    them."""
     from rich.console import Console
 
     from services.gateway.mesh_view import MeshView
     from services.status import render
 
     view = MeshView(gateway=None)
-    info = {"incarnation": "i0", "layers": [0, 30], "position": "only", "clock_s": 1.0, "busy_seconds": 0.0,
-            "kv": {"slots": 8, "used_slots": 3, "max_seq_len": 256, "kept_prefixes": 2, "evicted_prefixes": 1,
-                   "kept_bytes": 12 * 2**20, "prefix_memory_bytes": 4096 * 2**20, "shared_bytes": 300 * 2**20}}
+    info = make_info(clock_s=1.0, kv_slots=8, kv_slots_used=3, kv_max_seq_len=256, kv_slots_cached=2,
+                     prefixes_evicted=1, kv_cached_bytes=12 * 2**20, kv_prefix_memory_bytes=4096 * 2**20,
+                     kv_shared_bytes=300 * 2**20)
     view._take_polls("p0", [info])
     st = view._stage("p0", 0, "http://s0:8101", replaying=0)
-    assert (st["kv_used_slots"], st["kv_slots"], st["kv_kept_prefixes"], st["kv_evicted_prefixes"]) == (3, 8, 2, 1)
+    assert (st["kv_slots_used"], st["kv_slots"], st["kv_slots_cached"], st["prefixes_evicted"]) == (3, 8, 2, 1)
     console = Console(record=True, width=200)
     console.print(render({"ready": True, "stages": [st], "gateway": {}, "pipelines": []}))
     assert "3/8 (2 cached, 12 of 4096 MiB, 300 MiB shared)" in console.export_text()

@@ -155,7 +155,7 @@ def test_one_trace_per_request_with_a_span_per_microbatch_per_stage(tmp_path):
         # --max-inflight 1: every micro-batch carries every running request, so spans link across requests
         gw = start_up(2, "float32", str(tmp_path), "--otlp-endpoint", rx.url, "--max-inflight", "1")
         try:
-            layers = [tuple(gw.stage_info(i)["layers"]) for i in range(2)]
+            layers = [tuple(gw.stage_info(i).layers) for i in range(2)]
             responses = asyncio.run(_complete_all(gw.url))
         finally:
             gw.stop()  # SIGTERM: the gateway and both stages flush their spans on the way out

@@ -83,7 +83,7 @@ class Outage:
         self.mesh, self.proxy, self.gw = mesh, proxy, gw
 
     def kv_used(self) -> list[int]:
-        return [s.info()["kv"]["used_slots"] for s in self.mesh.stages]
+        return [s.info().kv_slots_used for s in self.mesh.stages]
 
     def metric(self, name: str, **labels: str) -> float:
         value = self.gw.metric(name, **labels)
@@ -264,7 +264,7 @@ async def test_clients_leaving_during_an_outage_leave_no_slot_held(clean):
     await asyncio.gather(*streams, return_exceptions=True)
     await async_until(lambda: clean.metric("stagemesh_gateway_requests_total", outcome="cancelled") >= cancelled + 4,
                       10, "the gateway never saw the clients leave")
-    assert clean.mesh.stages[0].info()["kv"]["used_slots"] == 4  # the survivor still holds them
+    assert clean.mesh.stages[0].info().kv_slots_used == 4  # the survivor still holds them
     clean.mesh.restart_dead()
     await async_until(lambda: _ready(clean.gw), 120, "the gateway never became ready again")
     await async_until(lambda: clean.kv_used() == [0, 0], 10, "the survivor kept the leavers' slots")
@@ -295,11 +295,11 @@ async def test_a_stage_with_another_key_set_makes_the_pipeline_not_ready_naming_
                           "the gateway never named the hop to the stage with another key set")
         refused = await stream(clean.gw.url, "Say hello.", 4)
         assert refused["error"] and "HTTP 503" in refused["error"] and "stage 1" in refused["error"], refused
-        clean.proxy.info_body = json.dumps(good_info).encode()  # /info claims the mesh's keys
+        clean.proxy.info_body = json.dumps(good_info.to_json()).encode()  # /info claims the mesh's keys
         await async_until(lambda: "hop stage 0 -> stage 1:" in _problem(clean)
                           and "handshakes failed" in _problem(clean), 15,
                           "the gateway never noticed stage 0's failed handshakes")
-        assert stage0.info()["handshakes_failed"]["out"] > 0
+        assert stage0.info().handshakes_failed["out"] > 0
         assert stage_metric(stage1, "stagemesh_stage_rejected_messages_total", reason="handshake") > 0
     finally:
         clean.proxy.info_body = None
@@ -442,10 +442,12 @@ async def test_a_malformed_info_is_a_problem_named_and_the_poller_lives_on(clean
     """Stage 1's /info answers nonsense of several shapes, one after another: each makes the pipeline not ready with
     a problem naming stage 1 and what is wrong; the right /info back makes it ready again (only a living poller can
     notice), and a request completes."""
-    good = clean.mesh.stages[1].info()
-    bodies = MALFORMED_INFO + [json.dumps({**good, **change}).encode() for change in (
-        {"layers": "0:30"}, {"layers": [0, "30"]}, {"kv": {"slots": "4", "max_seq_len": 64}}, {"kv": None},
-        {"incarnation": ["x"]}, {"keys": {"public": 5}}, {"handshakes_failed": {"out": "many"}}, {"layers": [9, 3]})]
+    good = clean.mesh.stages[1].info().to_json()
+    missing = {k: v for k, v in good.items() if k != "kv_slots"}
+    bodies = MALFORMED_INFO + [json.dumps(missing).encode()] + [json.dumps({**good, **change}).encode() for change in (
+        {"layers": "0:30"}, {"layers": [0, "30"]}, {"kv_slots": "4"}, {"kv_max_seq_len": None}, {"kv_slots": 0},
+        {"incarnation": ["x"]}, {"keys": {"public": 5}}, {"handshakes_failed": {"out": "many"}}, {"layers": [9, 3]},
+        {"busy_seconds": -1.0}, {"recent_mb_in": list(range(2000))})]
     try:
         for body in bodies:
             clean.proxy.info_body = body

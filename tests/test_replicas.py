@@ -24,6 +24,7 @@ from services.gateway.request import Request
 from services.status import not_ready_reason, render
 from shared.sampling import SamplingParams
 from tests.conftest import stagemesh_cmd, starts_processes
+from tests.stage_infos import make_info
 from tests.test_failover import stream
 from tests.test_mesh_view import mesh, wait_for
 
@@ -161,7 +162,7 @@ def replicas(n: int = 2) -> Replicas:
     reps = []
     for i in range(n):
         p = Pipeline(["http://unused"], f"tcp://unused{i}", "fp", 2)
-        p.infos = [{"kv": {"slots": 8, "max_seq_len": 256}}]
+        p.infos = [make_info(kv_slots=8, kv_max_seq_len=256)]
         p.problem, p.client = None, object()  # ready: routing reads only that
         reps.append(Replica(f"p{i}", p, Engine(p, metrics, 1)))
     return Replicas(reps, metrics)

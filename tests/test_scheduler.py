@@ -32,6 +32,7 @@ from shared.protocol import BatchError, BatchResult, ForwardBatch
 from shared.runtime import LocalPipeline
 from shared.sampling import SamplingParams
 from shared.steps import Decode
+from tests.stage_infos import make_info
 
 CONTEXT = 512
 
@@ -99,8 +100,8 @@ class Harness:
         self.client = RecordingClient(local)
         self.pipeline = Pipeline(["http://unused"], "tcp://unused", "fp", 2)
         kv = local.pieces[0].kv  # what the stage's /info says of it
-        self.pipeline.infos = [{"kv": {"slots": kv_slots, "max_seq_len": CONTEXT, "prefix_slots": prefix_slots,
-                                       "prefix_memory_bytes": kv.prefix_bytes, "position_bytes": kv.position_bytes}}]
+        self.pipeline.infos = [make_info(kv_slots=kv_slots, kv_max_seq_len=CONTEXT, kv_prefix_slots=prefix_slots,
+                                         kv_prefix_memory_bytes=kv.prefix_bytes, kv_position_bytes=kv.position_bytes)]
         self.pipeline.problem, self.pipeline.client = None, self.client
         self.engine = Engine(self.pipeline, GatewayMetrics(), max_inflight,
                              SchedulerConfig(prefix_cache=prefix_cache, **serving))

@@ -5,6 +5,7 @@ numbers -- and the ledger's histograms expose what Prometheus histograms would."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 
 import pytest
@@ -22,6 +23,7 @@ from shared.gguf_loader import GgufLoader
 from shared.layers import LayerRange
 from shared.protocol import BatchResult, ForwardBatch, ReleaseDone, SeqEntry
 from shared.runtime import StageRuntime
+from shared.stage_info import StageInfo
 from shared.steps import Decode, Prefill
 from shared.transport import ZmqTransport
 
@@ -60,7 +62,7 @@ async def test_info_and_metrics_report_the_same_numbers_from_the_one_ledger(tiny
                 await gateway.send(ForwardBatch(2 + k, [SeqEntry("a", Decode(5 + k))], tokens=torch.tensor([7])))
                 assert isinstance(await asyncio.wait_for(gateway.receive(), 30), BatchResult)
             await asyncio.sleep(0.05)  # the compute thread finishes timing its last send
-            info = await (await http.get("/info")).json()
+            info = StageInfo.from_json(await (await http.get("/info")).json())
             metrics = samples(await (await http.get("/metrics")).text())
     finally:
         loop_task.cancel()
@@ -72,22 +74,31 @@ async def test_info_and_metrics_report_the_same_numbers_from_the_one_ledger(tiny
         return metrics[(name, tuple(sorted(labels.items())))]
 
     stats = worker.stats
-    assert info["microbatches"] == metric("stagemesh_stage_microbatches_total") == stats.microbatches == 4
-    assert info["hops"] == metric("stagemesh_stage_hop_latency_seconds_count") == 4  # every header carries "sent"
-    assert info["hop_seconds"] == pytest.approx(metric("stagemesh_stage_hop_latency_seconds_sum"), abs=1e-6)
-    assert info["busy_seconds"] == pytest.approx(metric("stagemesh_stage_busy_seconds_total"), abs=1e-4)
-    assert info["busy_seconds"] > 0
+    assert info.microbatches == metric("stagemesh_stage_microbatches_total") == stats.microbatches == 4
+    assert info.hop_latency_seconds_count == metric("stagemesh_stage_hop_latency_seconds_count") == 4  # every header
+    assert info.hop_latency_seconds_sum == pytest.approx(metric("stagemesh_stage_hop_latency_seconds_sum"), abs=1e-6)
+    assert info.busy_seconds == pytest.approx(metric("stagemesh_stage_busy_seconds_total"), abs=1e-4)
+    assert info.busy_seconds > 0
     by_size = {size: metric("stagemesh_stage_compute_seconds_count", tokens=size) for size in ("1", "2-8", "9-32")}
     assert by_size == {"1": 3, "2-8": 1, "9-32": 0}  # three decodes, one 5-token prefill
     assert metric("stagemesh_stage_tokens_total") == 8
-    assert info["waiting_seconds"] == pytest.approx(metric("stagemesh_stage_waiting_for_input_seconds_total"), abs=1e-4)
-    assert info["sending_seconds"] == pytest.approx(metric("stagemesh_stage_sending_seconds_total"), abs=1e-4)
-    assert info["sending_seconds"] > 0
+    assert info.waiting_for_input_seconds == pytest.approx(
+        metric("stagemesh_stage_waiting_for_input_seconds_total"), abs=1e-4)
+    assert info.sending_seconds == pytest.approx(metric("stagemesh_stage_sending_seconds_total"), abs=1e-4)
+    assert info.sending_seconds > 0
     assert metric("stagemesh_stage_bytes_out_total") == stats.transport.bytes_out > 0
-    assert info["kv"]["used_slots"] == metric("stagemesh_stage_kv_slots_used") == 1  # "a" is still held
-    assert info["kv"]["slots"] == metric("stagemesh_stage_kv_slots") == 4
-    assert info["kv"]["reclaimed"] == metric("stagemesh_stage_slots_reclaimed_total") == 0
-    assert metric("stagemesh_stage_rejected_messages_total", reason="kind") == info["rejected"].get("kind", 0) == 0
+    assert info.kv_slots_used == metric("stagemesh_stage_kv_slots_used") == 1  # "a" is still held
+    assert info.kv_slots == metric("stagemesh_stage_kv_slots") == 4
+    assert info.slots_reclaimed == metric("stagemesh_stage_slots_reclaimed_total") == 0
+    assert metric("stagemesh_stage_rejected_messages_total", reason="kind") == info.rejected_messages.get("kind", 0) == 0
+    # one name per quantity: every /info field that is also a metric carries the metric's name, and the same number
+    named = 0
+    for field in dataclasses.fields(info):
+        for sample in (f"stagemesh_stage_{field.name}", f"stagemesh_stage_{field.name}_total"):
+            if (sample, ()) in metrics:
+                assert getattr(info, field.name) == pytest.approx(metric(sample), abs=1e-3), field.name
+                named += 1
+    assert named >= 14, named
 
 
 def test_timings_expose_what_a_prometheus_histogram_does():

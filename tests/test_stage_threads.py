@@ -51,7 +51,7 @@ def test_a_micro_batch_alone_in_the_pipeline_uses_the_alone_thread_count(tiny_pa
                                              in_flight=in_flight)))
         assert used == [1, 2, 1, 2]
         info = worker.info()
-        assert (info["threads"], info["threads_alone"]) == (1, 2)
+        assert (info.threads, info.threads_alone) == (1, 2)
     finally:
         worker.compute_thread.shutdown()
         io.transport.close()

@@ -49,7 +49,7 @@ def up3(up):
 def test_in_process_vs_running_3_stage_mesh_is_exactly_equal(up3, smollm2):
     gw = up3
     # --max-inflight 1: every micro-batch is alone in the pipeline, so each stage computes with its alone-thread count
-    threads = {gw.stage_info(i)["threads_alone"] for i in range(3)}
+    threads = {gw.stage_info(i).threads_alone for i in range(3)}
     assert len(threads) == 1
     proc = subprocess.run(stagemesh_cmd("trace", "--baseline", "local:float32", "--target", gw.url,
                                         "--threads", str(threads.pop()),
@@ -109,10 +109,10 @@ def test_a_prompt_repeated_on_a_split_mesh_starts_from_every_stages_cached_prefi
             return json.loads(r.read())
 
     def settled(i: int, done) -> dict:
-        """Stage i's /info kv once done(kv): the release and keep that follow a request reach the stages after its
+        """Stage i's /info once done(it): the release and keep that follow a request reach the stages after its
         answer, and a keep's move is briefly half made (the kept row mapping the pages beside the old one)."""
         deadline = time.monotonic() + 30
-        while not done(kv := up3.stage_info(i)["kv"]) and time.monotonic() < deadline:
+        while not done(kv := up3.stage_info(i)) and time.monotonic() < deadline:
             time.sleep(0.05)
         return kv
 
@@ -122,20 +122,20 @@ def test_a_prompt_repeated_on_a_split_mesh_starts_from_every_stages_cached_prefi
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16 > 0
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     for i in range(3):
-        kv = settled(i, lambda kv: kv["used_slots"] == 0)  # the second kept, the first it contains released
-        assert kv["kept_prefixes"] >= 1 and kv["evicted_prefixes"] == 0
+        kv = settled(i, lambda kv: kv.kv_slots_used == 0)  # the second kept, the first it contains released
+        assert kv.kv_slots_cached >= 1 and kv.prefixes_evicted == 0
         # kept in the rows beyond the live slots, under the default bound (a share of the memory free at load)
-        assert kv["prefix_slots"] == 64 and 0 < kv["kept_bytes"] <= kv["prefix_memory_bytes"]
-        assert kv["kept_bytes"] % kv["position_bytes"] == 0 and kv["kept_bytes"] >= n * kv["position_bytes"]
-        assert kv["shared_bytes"] == 0
+        assert kv.kv_prefix_slots == 64 and 0 < kv.kv_cached_bytes <= kv.kv_prefix_memory_bytes
+        assert kv.kv_cached_bytes % kv.kv_position_bytes == 0 and kv.kv_cached_bytes >= n * kv.kv_position_bytes
+        assert kv.kv_shared_bytes == 0
     # one more with its own ending after two of the lines: it maps the cached prompt's pages on every stage (float32:
     # 16 positions a page), and stays kept beside the second (whose prompt it does not hold), still mapping them
     third = complete(line * 2 + "Rivers of Norway:")
     reused = third["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert reused >= 32
     for i in range(3):
-        kv = settled(i, lambda kv: kv["used_slots"] == 0 and kv["kept_prefixes"] == 2)
-        assert kv["shared_bytes"] == reused // 16 * 16 * kv["position_bytes"], (i, kv)
+        kv = settled(i, lambda kv: kv.kv_slots_used == 0 and kv.kv_slots_cached == 2)
+        assert kv.kv_shared_bytes == reused // 16 * 16 * kv.kv_position_bytes, (i, kv)
 
 
 def test_a_traced_request_stops_capturing_at_its_budget(up3, smollm2):

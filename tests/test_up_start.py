@@ -87,20 +87,20 @@ def test_banner_has_url_curl_and_cli():
 
 def test_decode_notes_announce_each_change_once():
     states: dict[int, str] = {}
-    compiling = {"compiled_decode": {"state": "compiling"}}
+    compiling = {"state": "compiling"}
     assert len(decode_notes(states, {0: compiling, 1: compiling})) == 2
     assert decode_notes(states, {0: compiling, 1: compiling}) == []
-    done = {"compiled_decode": {"state": "ready", "compile_seconds": {"256": 100.0, "2048": 80.0}}}
+    done = {"state": "ready", "compile_seconds": {"256": 100.0, "2048": 80.0}}
     notes = decode_notes(states, {0: done, 1: compiling})
     assert notes == ["stage 0: decode switched to the compiled step (compiled in 180 s)"]
-    both = {"compiled_decode": {"state": "ready", "compile_seconds": {"1": 30.0, "2": 31.0},
-                                "batched": {"sizes": [2, 32], "reason": None, "compile_seconds": {"1": 40.0, "2": 41.0}}}}
+    both = {"state": "ready", "compile_seconds": {"1": 30.0, "2": 31.0},
+            "batched": {"sizes": [2, 32], "reason": None, "compile_seconds": {"1": 40.0, "2": 41.0}}}
     assert decode_notes({}, {0: both}) == [
         "stage 0: decode switched to the compiled steps, one sequence and batches of 2-32 (compiled in 142 s)"]
-    alone = {"compiled_decode": {"state": "ready", "compile_seconds": {"2": 30.0},
-                                 "batched": {"sizes": [2, 3], "reason": "layers with an attention soft cap attend with SDPA",
-                                             "compile_seconds": {}}}}
+    alone = {"state": "ready", "compile_seconds": {"2": 30.0},
+             "batched": {"sizes": [2, 3], "reason": "layers with an attention soft cap attend with SDPA",
+                         "compile_seconds": {}}}
     assert decode_notes({}, {0: alone}) == ["stage 0: decode switched to the compiled step (batches decode eagerly: "
                                             "layers with an attention soft cap attend with SDPA) (compiled in 30 s)"]
-    failed = {"compiled_decode": {"state": "failed", "error": "no C++ compiler"}}
+    failed = {"state": "failed", "error": "no C++ compiler"}
     assert "no C++ compiler" in decode_notes(states, {1: failed})[0]

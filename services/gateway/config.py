@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import check, check_int, check_seconds, flag_for, knob, not_a_flag
+from shared.config import check, check_int, check_seconds, flag_for, knob, not_a_flag, parse_bytes
 from shared.errors import StagemeshError
-from shared.models.memory import parse_bytes
 
 API_KEY_ENV = "STAGEMESH_API_KEY"  # when set, /v1/* requires `Authorization: Bearer <key>`
 

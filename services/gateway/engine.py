@@ -170,7 +170,7 @@ class Engine:
         self.scheduler.kv_rows = self.pipeline.kv_rows
         self.scheduler.prefix_positions = self.pipeline.prefix_positions
         if self.scheduler.prefix_audit:
-            self.scheduler.audit_tolerance = audit_tolerance(self.pipeline.infos)
+            self.scheduler.audit_tolerance = audit_tolerance(self.pipeline.stages)
 
     def _pipeline_lost(self) -> None:
         """Every request's KV may be gone: stop waiting for what is in flight; the policy replays the rest."""

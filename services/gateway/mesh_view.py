@@ -21,11 +21,15 @@ from aiohttp import web
 
 from services.gateway.core import Gateway
 from services.gateway.replicas import Replica
+from shared.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.gateway.mesh")
 
 TICK_S = 1.0
 WINDOW_S = 10.0  # busy fraction, compute and hop times, TTFT: averaged over this window
+# what a stage's entry carries of its /info as it is, under StageInfo's names
+STAGE_FIELDS = ("kv_slots", "kv_slots_used", "kv_max_seq_len", "kv_slots_cached", "prefixes_evicted", "kv_cached_bytes",
+                "kv_prefix_memory_bytes", "kv_shared_bytes", "microbatches")
 HISTORY_POINTS = 120  # the charts' length, in ticks
 
 
@@ -35,12 +39,16 @@ def _rate(samples: deque, key: str, per: str | None = None, window_s: float = WI
     None with fewer than two samples or a zero denominator."""
     if len(samples) < 2:
         return None
+    def get(sample, name: str) -> float:  # the gateway's gauges are dicts, a stage's polls StageInfo
+        return sample[name] if isinstance(sample, dict) else getattr(sample, name)
+
     newest = samples[-1]
-    oldest = next((s for s in samples if newest[clock] - s[clock] <= window_s + 1e-6 and s is not newest), None)
+    oldest = next((s for s in samples if get(newest, clock) - get(s, clock) <= window_s + 1e-6 and s is not newest),
+                  None)
     if oldest is None:
         return None
-    den = (newest[per] - oldest[per]) if per else (newest[clock] - oldest[clock])
-    return (newest[key] - oldest[key]) / den if den > 0 else None
+    den = (get(newest, per) - get(oldest, per)) if per else (get(newest, clock) - get(oldest, clock))
+    return (get(newest, key) - get(oldest, key)) / den if den > 0 else None
 
 
 def _ms(x: float | None) -> float | None:
@@ -56,8 +64,8 @@ def _values(registry) -> dict[str, float]:
 class StageTrack:
     """What the view remembers of one stage between polls."""
 
-    samples: deque = field(default_factory=lambda: deque(maxlen=64))  # its /info dicts, oldest first
-    last_info: dict | str | None = None
+    samples: deque = field(default_factory=lambda: deque(maxlen=64))  # its /info polls (StageInfo), oldest first
+    last_info: StageInfo | str | None = None
     incarnation: str | None = None
     restarts: int = 0  # new incarnations seen after the first
     lost_polls: int = 0  # polls that found it unreachable
@@ -88,16 +96,15 @@ class MeshView:
             tracks.append(StageTrack())
         for track, info in zip(tracks, infos):
             track.last_info = info
-            if not isinstance(info, dict):
+            if not isinstance(info, StageInfo):
                 track.lost_polls += 1
                 continue
-            if info.get("incarnation") != track.incarnation:
+            if info.incarnation != track.incarnation:
                 if track.incarnation is not None:
                     track.restarts += 1
-                track.incarnation = info.get("incarnation")
+                track.incarnation = info.incarnation
                 track.samples.clear()  # counters restart with the process
-            if "clock_s" in info:
-                track.samples.append(info)
+            track.samples.append(info)
 
     def sample(self) -> dict:
         """Take one tick: fold in new /info polls, read the schedulers and the registry, build the snapshot."""
@@ -154,7 +161,7 @@ class MeshView:
             "name": replica.name, "ready": pipe.ready, "state": "ready" if pipe.ready else "lost",
             "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
             "inflight": len(sched.inflight), "max_inflight": sched.max_inflight, "replaying": sched.replaying,
-            "kv_used": round(replica.kv_used(), 4),
+            "kv_used_ratio": round(replica.kv_used_ratio(), 4),
             "routed": replica.routed_total, "handed_off": replica.handed_off,
             "prefix_cache": sched.prefix.info() if sched.prefix is not None else None, "stages": stages,
         }
@@ -166,24 +173,18 @@ class MeshView:
         st: dict = {"index": i, "url": url, "restarts": track.restarts, "lost_polls": track.lost_polls}
         if labelled:
             st["pipeline"] = name
-        if not isinstance(info, dict):
+        if not isinstance(info, StageInfo):
             st.update(state="lost" if info is not None else "unknown", error=info)
             return st
         busy = _rate(track.samples, "busy_seconds", window_s=self.window_s)
-        kv = info.get("kv", {})
         st.update(
-            state="replaying" if replaying else "ready", error=None, layers=info.get("layers"),
-            position=info.get("position"), listen=info.get("listen"), incarnation=info.get("incarnation"),
-            device=info.get("device"), dtype=info.get("dtype"),
-            busy_fraction=None if busy is None else round(min(1.0, max(0.0, busy)), 4),
+            state="replaying" if replaying else "ready", error=None, layers=list(info.layers),
+            position=info.position, listen=info.listen, incarnation=info.incarnation, device=info.device,
+            dtype=info.dtype, busy_fraction=None if busy is None else round(min(1.0, max(0.0, busy)), 4),
             compute_ms=_ms(_rate(track.samples, "busy_seconds", "microbatches", self.window_s)),
-            hop_in_ms=_ms(_rate(track.samples, "hop_seconds", "hops", self.window_s)),
-            # /info's kv map, flattened with a kv_ prefix (a count of slots; a pipeline's kv_used is a share)
-            kv_used_slots=kv.get("used_slots"), kv_slots=kv.get("slots"), max_seq_len=kv.get("max_seq_len"),
-            kv_kept_prefixes=kv.get("kept_prefixes"), kv_evicted_prefixes=kv.get("evicted_prefixes"),
-            kv_kept_bytes=kv.get("kept_bytes"), kv_prefix_memory_bytes=kv.get("prefix_memory_bytes"),
-            kv_shared_bytes=kv.get("shared_bytes"),
-            microbatches=info.get("microbatches"))
+            hop_in_ms=_ms(_rate(track.samples, "hop_latency_seconds_sum", "hop_latency_seconds_count", self.window_s)),
+            # StageInfo's own names (its metrics' names)
+            **{name: getattr(info, name) for name in STAGE_FIELDS})
         return st
 
     # ---- serving ------------------------------------------------------------------------------------------------

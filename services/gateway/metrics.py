@@ -164,7 +164,7 @@ class _ReplicaCollector:
             fams["ready"].add_metric([r.name], 1 if r.pipeline.ready else 0)
             fams["queue"].add_metric([r.name], len(s.waiting))
             fams["running"].add_metric([r.name], len(s.running))
-            fams["kv_used"].add_metric([r.name], r.kv_used())
+            fams["kv_used"].add_metric([r.name], r.kv_used_ratio())
             if prefix is not None and prefix.stats.lookups:
                 fams["hit_rate"].add_metric([r.name], prefix.stats.hits / prefix.stats.lookups)
         yield from fams.values()
@@ -209,7 +209,7 @@ class _PoolCollector:
     def collect(self):
         every = self.replicas.all
         serving = [r for r in every if r.pipeline.ready] or every
-        held = sum(r.kv_used() * max(1, r.pipeline.kv_slots) for r in serving)
+        held = sum(r.kv_used_ratio() * max(1, r.pipeline.kv_slots) for r in serving)
         values = {"queued": sum(len(r.scheduler.waiting) for r in every),
                   "running": sum(len(r.scheduler.running) for r in every),
                   "kv": held / sum(max(1, r.pipeline.kv_slots) for r in serving)}

@@ -23,7 +23,7 @@ async def _json_body(request: web.Request) -> dict:
     """The body as a JSON object, read within BODY_READ_TIMEOUT_S (a trickled body is cut with 408)."""
     try:
         raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise RequestError(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s", status=408,
                            code="body_timeout") from None
     try:

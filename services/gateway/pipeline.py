@@ -19,6 +19,7 @@ from shared.layers import LayerRange, check_cover
 from shared.log_throttle import throttled
 from shared.mesh_keys import SocketKeys
 from shared.pipeline_client import PipelineClient
+from shared.stage_info import InfoError, StageInfo
 
 log = logging.getLogger("stagemesh.gateway.pipeline")
 
@@ -27,60 +28,17 @@ class Malformed(str):
     """Why a stage's /info cannot be used although the stage answered (check_pipeline says so, not "unreachable")."""
 
 
-def _count(v) -> int:
-    """A non-negative integer field of a stage's /info, 0 when absent or not one."""
-    return v if _is_int(v, 0) else 0
-
-
-def _is_int(v, lo: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < 1 << 62
-
-
-# what the gateway reads of a stage's /info: field -> (what it must be, test)
-INFO_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "fingerprint": ("a string", lambda v: isinstance(v, str)),
-    "layers": ("[start, stop] integers, start < stop",
-               lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_int, v)) and v[0] < v[1]),
-    "position": ("a string", lambda v: isinstance(v, str)),
-    "incarnation": ("a string", lambda v: isinstance(v, str)),
-    "listen": ("a string", lambda v: isinstance(v, str)),
-    "kv": ("a map with integer slots >= 1 and max_seq_len >= 1",
-           lambda v: isinstance(v, dict) and _is_int(v.get("slots"), 1) and _is_int(v.get("max_seq_len"), 1)),
-    "keys": ("null or a map of public keys (strings or null)",
-             lambda v: v is None or isinstance(v, dict) and all(isinstance(k, (str, type(None))) for k in v.values())),
-    "handshakes_failed": ("a map of counts", lambda v: isinstance(v, dict) and all(map(_is_int, v.values()))),
-    "recent_mb": ("a map of two lists of micro-batch ids, in and out",
-                  lambda v: isinstance(v, dict) and all(isinstance(v.get(k), list) and len(v[k]) <= 1024
-                                                        and all(map(_is_int, v[k])) for k in ("in", "out"))),
-}
-OPTIONAL_INFO = frozenset({"keys", "handshakes_failed", "recent_mb"})  # stages of an older build do not report them
-
-
-def info_problem(info) -> str | None:
-    """None when a stage's /info has the shape the gateway reads; otherwise which field is wrong."""
-    if not isinstance(info, dict):
-        return f"a JSON {type(info).__name__}, not a map"
-    for name, (want, ok) in INFO_FIELDS.items():
-        if name not in info:
-            if name in OPTIONAL_INFO:
-                continue
-            return f"field {name!r} is missing"
-        if not ok(info[name]):
-            return f"field {name!r} must be {want}, got {str(info[name])[:60]!r}"
-    return None
-
-
-def check_pipeline(infos: list[dict | str], fingerprint: str, num_layers: int) -> str | None:
+def check_pipeline(infos: list[StageInfo | str], fingerprint: str, num_layers: int) -> str | None:
     """None when the stages form one consistent pipeline in the given order; otherwise why not.
     An entry that is a string is a stage we could not reach (the string says why)."""
     for i, info in enumerate(infos):
         if isinstance(info, str):
             return f"stage {i} {'is not usable' if isinstance(info, Malformed) else 'is unreachable'}: {info}"
-        if info.get("fingerprint") != fingerprint:
-            return (f"stage {i} serves model fingerprint {info.get('fingerprint')} ({info.get('model')}), "
+        if info.fingerprint != fingerprint:
+            return (f"stage {i} serves model fingerprint {info.fingerprint} ({info.model}), "
                     f"the gateway's model is {fingerprint}")
     try:
-        ranges = [LayerRange(*info["layers"]) for info in infos]
+        ranges = [LayerRange(*info.layers) for info in infos]
         check_cover(ranges, num_layers)
     except LayerRangeError as e:
         return str(e)
@@ -89,10 +47,10 @@ def check_pipeline(infos: list[dict | str], fingerprint: str, num_layers: int) -
             return f"stage {i} ({ranges[i]}) is not followed by the layers it hands on to; stage {i + 1} has {ranges[i + 1]}"
     for i, (info, rng) in enumerate(zip(infos, ranges)):
         expected = rng.position(num_layers).value
-        if info.get("position") != expected:
-            return f"stage {i} ({rng}) reports position {info.get('position')}, expected {expected}"
+        if info.position != expected:
+            return f"stage {i} ({rng}) reports position {info.position}, expected {expected}"
     # every stage must serve the same context: it picks rope factors (LongRoPE's long or short set) and bounds positions
-    lengths = [info.get("kv", {}).get("max_seq_len") for info in infos]
+    lengths = [info.kv_max_seq_len for info in infos]
     if len(set(lengths)) > 1:
         return (f"the stages serve different contexts (max_seq_len {', '.join(map(str, lengths))} for stages "
                 f"0..{len(lengths) - 1}); start every stage with the same --max-seq-len")
@@ -103,7 +61,7 @@ def _short(key: str | None) -> str:
     return f"{key[:8]}..." if key else "none"
 
 
-def check_keys(infos: list[dict], keys: SocketKeys | None) -> str | None:
+def check_keys(infos: list[StageInfo], keys: SocketKeys | None) -> str | None:
     """None when every hop's two ends hold the same key set: each sender dials the key its next hop serves, and
     each receiver accepts the key its upstream sends with. Otherwise the first hop that does not, named. `infos`:
     consistent stages' /info (their "keys"); `keys`: the gateway's own (None: plaintext, nothing to check)."""
@@ -112,7 +70,7 @@ def check_keys(infos: list[dict], keys: SocketKeys | None) -> str | None:
     gateway = {"public": keys.receive.public.decode(), "accepts": keys.accept.decode(),
                "next": keys.next_server.decode() if keys.next_server else None, "send": keys.send.public.decode()}
     ends: list[tuple[str, dict | None]] = [("the gateway", gateway)]
-    ends += [(f"stage {i}", info.get("keys")) for i, info in enumerate(infos)]
+    ends += [(f"stage {i}", info.keys) for i, info in enumerate(infos)]
     ends.append(("the gateway", gateway))
     for (a, ka), (b, kb) in zip(ends, ends[1:]):
         if ka is None or kb is None:
@@ -128,21 +86,18 @@ def check_keys(infos: list[dict], keys: SocketKeys | None) -> str | None:
     return None
 
 
-def stalled_hop(infos: list[dict], mb_id: int, age_s: float) -> str:
+def stalled_hop(infos: list[StageInfo], mb_id: int, age_s: float) -> str:
     """Where micro-batch `mb_id`, sent `age_s` ago and never answered, stopped: the first stage whose /info does not
     list it as taken in (the hop before it lost it), or that took it in and never passed it on (stuck computing),
-    else the hop back to the gateway. `infos`: consistent stages' /info; their "recent_mb" lists the ids each
-    stage's loop last took in and passed on (absent for an older build: then the pipeline as a whole is named)."""
+    else the hop back to the gateway. `infos`: consistent stages' /info; recent_mb_in / _out list the ids each
+    stage's loop last took in and passed on."""
     lost = f"micro-batch {mb_id} sent {age_s:.0f} s ago never came back"
-    if any("recent_mb" not in i for i in infos):
-        return f"{lost}; a stage does not report which micro-batches it saw (an older build)"
     before = "the gateway"
     for i, info in enumerate(infos):
-        seen = info["recent_mb"]
-        if mb_id not in seen["in"]:
+        if mb_id not in info.recent_mb_in:
             return (f"hop {before} -> stage {i}: {lost}, and stage {i} never took it in (something else serves "
                     f"stage {i}'s address, or the network between them drops it)")
-        if mb_id not in seen["out"]:
+        if mb_id not in info.recent_mb_out:
             return f"stage {i}: {lost}; stage {i} took it in and never passed it on (its compute is stuck?)"
         before = f"stage {i}"
     return (f"hop {before} -> the gateway: {lost}, and {before} passed it on (its results go elsewhere than this "
@@ -163,7 +118,7 @@ class Pipeline:
         self.num_layers = num_layers
         self.first_stage = first_stage
         self.poll_s = poll_s
-        self.infos: list[dict | str] = []
+        self.infos: list[StageInfo | str] = []  # each stage's last /info, or why there is none (unreachable, Malformed)
         self.problem: str | None = "not checked yet"
         self.client: PipelineClient | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -189,39 +144,35 @@ class Pipeline:
         return self.problem is None and self.client is not None
 
     @property
+    def stages(self) -> list[StageInfo]:
+        """The stages' last /info, of those that answered with one."""
+        return [i for i in self.infos if isinstance(i, StageInfo)]
+
+    @property
     def kv_slots(self) -> int:
-        return min((i["kv"]["slots"] for i in self.infos if isinstance(i, dict)), default=1)
+        return min((i.kv_slots for i in self.stages), default=1)
 
     @property
     def kv_rows(self) -> int:
         """KV rows on every stage, for running sequences and cached prefixes together (slots + prefix_slots)."""
-        return min((i["kv"]["slots"] + _count(i["kv"].get("prefix_slots")) for i in self.infos if isinstance(i, dict)),
-                   default=1)
+        return min((i.kv_slots + i.kv_prefix_slots for i in self.stages), default=1)
 
     @property
     def prefix_positions(self) -> int | None:
         """The positions cached prefixes may hold on every stage: the least of each stage's --prefix-cache-memory
         over its bytes per position (None when a stage states no bound)."""
-        bounds = []
-        for i in self.infos:
-            if isinstance(i, dict):
-                kv = i["kv"]
-                memory, per = kv.get("prefix_memory_bytes"), kv.get("position_bytes")
-                if not (_is_int(memory, 1) and _is_int(per, 1)):
-                    return None
-                bounds.append(memory // per)
-        return min(bounds, default=None)
+        bounds = [i.prefix_positions for i in self.stages]
+        return None if None in bounds else min(bounds, default=None)
 
     def _cache_identity(self) -> str:
         """What a cached prefix's K/V depends on besides its tokens: the model, and each stage's layers, dtype,
         weights mode and incarnation (a restarted stage keeps nothing). The prefix index roots its hashes here."""
-        stages = [(i.get("layers"), i.get("dtype"), i.get("weights", {}).get("mode"),
-                   i.get("weights", {}).get("batch_invariant"), i.get("incarnation")) for i in self.infos if isinstance(i, dict)]
+        stages = [(i.layers, i.dtype, i.weights_mode, i.batch_invariant, i.incarnation) for i in self.stages]
         return repr((self.fingerprint, stages))
 
     @property
     def max_seq_len(self) -> int:
-        return min((i["kv"]["max_seq_len"] for i in self.infos if isinstance(i, dict)), default=0)
+        return min((i.kv_max_seq_len for i in self.stages), default=0)
 
     def mark_lost(self, reason: str) -> None:
         """The one place that declares the pipeline's KV state lost (a stage died, restarted, or forgot a
@@ -233,9 +184,9 @@ class Pipeline:
     def mark_stalled(self, mb_id: int, age_s: float) -> None:
         """A micro-batch has been in flight longer than stall_s: the pipeline is not ready, naming where it stopped,
         for stall_s more or until a stage restarts (a fix); its KV state counts as lost (the scheduler replays)."""
-        infos = [i for i in self.infos if isinstance(i, dict)]
+        infos = self.stages
         why = stalled_hop(infos, mb_id, age_s) if len(infos) == len(self.infos) else f"micro-batch {mb_id} was lost"
-        self._stall = (why, time.monotonic() + self.stall_s, [i["incarnation"] for i in infos])
+        self._stall = (why, time.monotonic() + self.stall_s, [i.incarnation for i in infos])
         log.warning("%s %s", self.label, why)
         if self.problem is None:
             self.mark_lost(why)
@@ -246,7 +197,7 @@ class Pipeline:
         if self._stall is None:
             return None
         why, until, incarnations = self._stall
-        if time.monotonic() < until and [i["incarnation"] for i in self.infos] == incarnations:
+        if time.monotonic() < until and [getattr(i, "incarnation", None) for i in self.infos] == incarnations:
             return why
         self._stall = None
         return None
@@ -266,21 +217,23 @@ class Pipeline:
         if self._session:
             await self._session.close()
 
-    async def _info(self, url: str) -> dict | str:
-        """The stage's /info, or why not: unreachable, not 200, or not the shape check_pipeline reads."""
+    async def _info(self, url: str) -> StageInfo | str:
+        """The stage's /info, or why not: unreachable, not 200, or not a StageInfo (Malformed)."""
         try:
             async with self._session.get(f"{url}/info") as r:
                 if r.status != 200:
                     return f"{url}/info answered {r.status} (still loading?)"
                 body = await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             return f"{url}: {type(e).__name__} {e}".strip()
         try:
             info = json.loads(body)
         except ValueError as e:  # UnicodeDecodeError included
             return Malformed(f"{url}/info is malformed: not JSON ({type(e).__name__})")
-        problem = info_problem(info)
-        return info if problem is None else Malformed(f"{url}/info is malformed: {problem}")
+        try:
+            return StageInfo.from_json(info)
+        except InfoError as e:
+            return Malformed(f"{url}/info is malformed: {e}")
 
     def _failed_dials(self) -> str | None:
         """A hop whose sender's handshakes failed since the last check (socket monitor counts: the gateway's own
@@ -289,7 +242,7 @@ class Pipeline:
         senders = ["the gateway", *(f"stage {i}" for i in range(len(self.infos)))]
         receivers = [*(f"stage {i}" for i in range(len(self.infos))), "the gateway"]
         counts = [self.client.transport.stats.handshakes_failed["out"] if self.client else 0]
-        counts += [int((i.get("handshakes_failed") or {}).get("out", 0)) for i in self.infos]
+        counts += [i.handshakes_failed.get("out", 0) if isinstance(i, StageInfo) else 0 for i in self.infos]
         before, self._dial_failures = self._dial_failures, counts
         if before is None or len(before) != len(counts):
             return None
@@ -312,7 +265,7 @@ class Pipeline:
                 self.mark_lost(problem)
             self.problem = problem
         if problem is None:
-            incarnations = [i["incarnation"] for i in self.infos]
+            incarnations = [i.incarnation for i in self.stages]
             if self._incarnations is not None and incarnations != self._incarnations:
                 self.mark_lost(f"a stage restarted (incarnations {self._incarnations} -> {incarnations})")
             self._incarnations = incarnations
@@ -325,7 +278,7 @@ class Pipeline:
 
     def _first_stage_address(self) -> str:
         """The first stage's ZMQ address from its /info, with a wildcard host replaced by the host we reach it at."""
-        listen = self.infos[0]["listen"]
+        listen = self.stages[0].listen
         host = urlparse(self.stage_urls[0]).hostname
         scheme, _, rest = listen.partition("://")
         bind_host, _, port = rest.rpartition(":")

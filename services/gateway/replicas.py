@@ -62,7 +62,7 @@ class Replica:
         """Requests it holds: queued and running (what a new request waits behind)."""
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
-    def kv_used(self) -> float:
+    def kv_used_ratio(self) -> float:
         """Share of its KV slots held by running sequences (cached prefixes give theirs up to a new request, as
         vLLM counts cached blocks free)."""
         return len(self.scheduler.running) / max(1, self.pipeline.kv_slots)
@@ -192,7 +192,7 @@ class Replicas:
         """Each replica's routing facts (the mesh view and /ready)."""
         return [{"name": r.name, "ready": r.pipeline.ready, "problem": r.pipeline.problem, "load": r.load,
                  "queue": len(r.scheduler.waiting), "running": len(r.scheduler.running),
-                 "kv_used": round(r.kv_used(), 4), "routed": r.routed_total, "handed_off": r.handed_off, "stages": r.pipeline.stage_urls} for r in self.all]
+                 "kv_used_ratio": round(r.kv_used_ratio(), 4), "routed": r.routed_total, "handed_off": r.handed_off, "stages": r.pipeline.stage_urls} for r in self.all]
 
     @staticmethod
     def policy() -> dict[str, float]:

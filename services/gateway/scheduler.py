@@ -29,6 +29,7 @@ from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.pipeline_client import PipelineError
 from shared.protocol import BatchResult, SeqEntry
 from shared.sampling import SamplingParams
+from shared.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
@@ -42,13 +43,12 @@ class QueueFull(Exception):
     pass
 
 
-def audit_tolerance(infos: list) -> float:
+def audit_tolerance(stages: list[StageInfo]) -> float:
     """How far a recompute may move the logprobs, from the stages' /info: not at all on batch-invariant stages,
     float32's rounding on float32 ones, bfloat16's otherwise."""
-    infos = [i for i in infos if isinstance(i, dict)]
-    if infos and all((i.get("weights") or {}).get("batch_invariant") for i in infos):
+    if stages and all(i.batch_invariant for i in stages):
         return 0.0
-    return AUDIT_TOLERANCE_BF16 if any(i.get("dtype") in ("bfloat16", "float16") for i in infos) \
+    return AUDIT_TOLERANCE_BF16 if any(i.dtype in ("bfloat16", "float16") for i in stages) \
         else AUDIT_TOLERANCE_F32
 
 

@@ -26,7 +26,7 @@ def make_app() -> web.Application:
     async def info(request: web.Request) -> web.Response:
         if app[WORKER] is None:
             return web.json_response({"ready": False}, status=503)
-        return web.json_response(app[WORKER].info())
+        return web.json_response(app[WORKER].info().to_json())
 
     async def metrics(request: web.Request) -> web.Response:
         if app[WORKER] is None:

@@ -36,6 +36,7 @@ from shared.protocol import (
 )
 from shared.runtime import StageRuntime
 from shared.sampling import sample
+from shared.stage_info import StageInfo
 from shared.trace import CaptureHook
 
 log = logging.getLogger("stagemesh.stage")
@@ -247,7 +248,7 @@ class StageWorker:
         """What each matmul of this stage runs as (GGUF tensor name -> kernel), the bytes it holds against its share
         of the file, and the memory budget's decision (shared.models.memory)."""
         model = self.runtime.model
-        return {"mode": model.weights, "batch_invariant": model.batch_invariant, "bytes": model.weight_bytes(),
+        return {"bytes": model.weight_bytes(),
                 "memory": model.memory_report(), "tensors": model.weight_summary(),
                 # Q4_0 / Q4_1 / Q8_0 on the integer-dot kernels (shared.models.qdot), or why not
                 "integer_dot": qdot.why_not() or "on"}
@@ -262,35 +263,26 @@ class StageWorker:
         return {"public": keys.receive.public.decode(), "accepts": keys.accept.decode(),
                 "next": keys.next_server.decode() if keys.next_server else None}
 
-    def info(self) -> dict:
-        ident, kv, stats = self.identity, self.runtime.kv, self.stats
-        return {
-            "model": ident.model_name, "fingerprint": ident.fingerprint, "layers": [ident.layers.start, ident.layers.stop],
-            "num_layers": ident.num_layers, "position": ident.position.value, "dtype": ident.dtype,
-            "incarnation": ident.incarnation, "listen": ident.listen, "device": str(self.runtime.device),
-            # torch threads per micro-batch: with others in flight, and alone in the pipeline (--threads-alone)
-            "threads": self.threads[0] if self.threads else torch.get_num_threads(),
-            "threads_alone": self.threads[1] if self.threads else torch.get_num_threads(),
-            "weights": self._weights_info,
-            "compiled_decode": self.runtime.compiled_decode_info(),
-            "kv": {"slots": kv.num_slots, "used_slots": kv.used_slots, "max_seq_len": kv.max_seq_len,
-                   "slot_lease_s": self.slot_lease_s, "reclaimed": stats.reclaimed,
-                   "kept_prefixes": kv.kept_slots, "evicted_prefixes": kv.evicted,
-                   # rows for cached prefixes beside `slots`, and the bound on their K/V (the gateway evicts by it)
-                   "prefix_slots": kv.prefix_slots, "prefix_memory_bytes": kv.prefix_bytes, "kept_bytes": kv.kept_bytes,
-                   "position_bytes": kv.position_bytes,
-                   # memory by tokens held (committed page by page as written), out of what all slots could take;
-                   # shared: K/V held slots read from a kept prefix's pages rather than copies (not in resident)
-                   "resident_bytes": kv.resident_bytes, "reserved_bytes": kv.reserved_bytes,
-                   "shared_bytes": kv.shared_bytes},
-            "prefetch": self.io.prefetch,
-            "busy_seconds": round(stats.busy_seconds, 4), "waiting_seconds": round(stats.waiting_seconds, 4),
-            "rejected": dict(stats.transport.rejected), "dropped": stats.transport.dropped,
-            "handshakes_failed": dict(stats.transport.handshakes_failed),
-            "keys": self._keys_info,
-            "recent_mb": {"in": list(self.recent_in), "out": list(self.recent_out)},
-            # cumulative, with this process's monotonic clock, so a poller can take exact rates between two polls
-            "clock_s": round(time.monotonic(), 4), "microbatches": stats.microbatches,
-            "sending_seconds": round(stats.transport.sending_seconds, 4), "hop_seconds": round(stats.hop.seconds, 6),
-            "hops": stats.hop.count,
-        }
+    def info(self) -> StageInfo:
+        ident, kv, stats, transport = self.identity, self.runtime.kv, self.stats, self.stats.transport
+        model = self.runtime.model
+        return StageInfo(
+            model=ident.model_name, fingerprint=ident.fingerprint, layers=(ident.layers.start, ident.layers.stop),
+            num_layers=ident.num_layers, position=ident.position.value, incarnation=ident.incarnation,
+            listen=ident.listen, device=str(self.runtime.device), dtype=ident.dtype, weights_mode=model.weights,
+            batch_invariant=model.batch_invariant,
+            threads=self.threads[0] if self.threads else torch.get_num_threads(),
+            threads_alone=self.threads[1] if self.threads else torch.get_num_threads(),
+            prefetch=self.io.prefetch, weights=self._weights_info, compiled_decode=self.runtime.compiled_decode_info(),
+            keys=self._keys_info,
+            kv_slots=kv.num_slots, kv_slots_used=kv.used_slots, kv_slots_cached=kv.kept_slots,
+            kv_prefix_slots=kv.prefix_slots, kv_max_seq_len=kv.max_seq_len, kv_slot_lease_s=self.slot_lease_s,
+            kv_prefix_memory_bytes=kv.prefix_bytes, kv_cached_bytes=kv.kept_bytes, kv_position_bytes=kv.position_bytes,
+            kv_resident_bytes=kv.resident_bytes, kv_reserved_bytes=kv.reserved_bytes, kv_shared_bytes=kv.shared_bytes,
+            slots_reclaimed=stats.reclaimed, prefixes_evicted=kv.evicted,
+            clock_s=round(time.monotonic(), 4), microbatches=stats.microbatches,
+            busy_seconds=round(stats.busy_seconds, 4), waiting_for_input_seconds=round(stats.waiting_seconds, 4),
+            sending_seconds=round(transport.sending_seconds, 4), hop_latency_seconds_sum=round(stats.hop.seconds, 6),
+            hop_latency_seconds_count=stats.hop.count, dropped_messages=transport.dropped,
+            rejected_messages=dict(transport.rejected), handshakes_failed=dict(transport.handshakes_failed),
+            recent_mb_in=tuple(self.recent_in), recent_mb_out=tuple(self.recent_out))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,9 +24,6 @@ from shared.errors import DoesNotFit
 
 DEFAULT_FRACTION = 0.8  # of MemAvailable at load, for all the stages of one host together
 PREFIX_FRACTION = 0.25  # of MemAvailable at load: a stage's cached prefixes by default (--prefix-cache-memory)
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
 def cgroup_memory_files() -> list[tuple[str, str]]:
     """(limit, usage) files of this process's memory cgroup and of each cgroup above it, innermost first: v2, then v1.
     In a container /proc/meminfo shows the host's memory, while the cgroup's limit (a Kubernetes pod's
@@ -140,14 +136,6 @@ def default_prefix_bytes(rows_bytes: int) -> int:
     """--prefix-cache-memory's default: PREFIX_FRACTION of the memory available now, at most rows_bytes (what the
     prefix rows hold when every position is written)."""
     return max(1, min(rows_bytes, int(available_bytes() * PREFIX_FRACTION)))
-
-
-def parse_bytes(text: str) -> int:
-    """'4G', '512M', '1.5GiB', '1000000' -> bytes (binary units); ValueError naming the form otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a size; give a positive number of bytes with an optional unit, e.g. 4G or 512M")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def mib(n: int) -> str:

@@ -37,12 +37,12 @@ function stageNode(s) {
     n.appendChild(row("busy (10 s)", fmt(s.busy_fraction === null ? null : 100 * s.busy_fraction, 0, "%")));
     n.appendChild(bar(s.busy_fraction));
     n.appendChild(row("compute / micro-batch", fmt(s.compute_ms, 1, " ms")));
-    n.appendChild(row("KV slots", s.kv_slots === undefined ? "–" : s.kv_used_slots + " / " + s.kv_slots));
-    n.appendChild(bar(s.kv_slots ? s.kv_used_slots / s.kv_slots : 0));
-    if (typeof s.kv_kept_prefixes === "number") {  // the prefix cache's rows, and their K/V of the stage's bound
+    n.appendChild(row("KV slots", s.kv_slots === undefined ? "–" : s.kv_slots_used + " / " + s.kv_slots));
+    n.appendChild(bar(s.kv_slots ? s.kv_slots_used / s.kv_slots : 0));
+    if (typeof s.kv_slots_cached === "number") {  // the prefix cache's rows, and their K/V of the stage's bound
       const mib = (b) => (b / 1048576).toFixed(0);
-      n.appendChild(row("cached prefixes", s.kv_kept_prefixes + (s.kv_prefix_memory_bytes
-        ? " · " + mib(s.kv_kept_bytes || 0) + " of " + mib(s.kv_prefix_memory_bytes) + " MiB" : "")
+      n.appendChild(row("cached prefixes", s.kv_slots_cached + (s.kv_prefix_memory_bytes
+        ? " · " + mib(s.kv_cached_bytes || 0) + " of " + mib(s.kv_prefix_memory_bytes) + " MiB" : "")
         + (s.kv_shared_bytes ? " · " + mib(s.kv_shared_bytes) + " MiB shared" : "")));
     }
   }
@@ -93,7 +93,7 @@ function replicaRow(p) {
   const h = el("h3"); h.append(el("span", "", "pipeline " + p.name), el("span", "badge " + p.state, p.state)); head.appendChild(h);
   const pc = p.prefix_cache, rate = pc && pc.hit_rate !== null ? fmt(100 * pc.hit_rate, 0, "%") : "–";
   head.append(row("queue", String(p.queue)), row("running", String(p.running)),
-              row("KV used", fmt(100 * p.kv_used, 0, "%")), bar(p.kv_used), row("cache hits", rate),
+              row("KV used", fmt(100 * p.kv_used_ratio, 0, "%")), bar(p.kv_used_ratio), row("cache hits", rate),
               row("routed", String(p.routed)), row("handed off", String(p.handed_off)));
   if (pc && pc.audits) head.append(row("cache audited", pc.audits + ", " + pc.audit_mismatches + " mismatched"));
   if (!p.ready) head.appendChild(el("div", "error", p.problem || ""));
