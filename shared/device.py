@@ -38,7 +38,7 @@ def default_dtype_name(device: torch.device | None = None) -> str:
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     # the kernels' own module says whether they run here (built and measured once per machine)
-    from shared.models.qdot import usable as integer_dot_kernels_run
+    from shared.kernels.qdot import usable as integer_dot_kernels_run
 
     return "bfloat16" if cpu_has_fast_bf16() and not integer_dot_kernels_run() else "float32"
 

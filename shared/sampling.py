@@ -230,7 +230,7 @@ def tempered(logits: torch.Tensor, params: list[SamplingParams]) -> list[np.ndar
     if not params:
         return []
     # imported here: the gateway imports this module, and importing shared.models' package takes ~0.15 s
-    from shared.models import qdot
+    from shared.kernels import qdot
 
     if qdot.usable():
         inv_t = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)

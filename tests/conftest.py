@@ -40,7 +40,7 @@ def without_integer_dot(monkeypatch):
     """This process loads weights as a CPU without the integer-dot kernels does (AVX512, or no compiler): Q4_0 / Q4_1
     / Q8_0 on int4, with auto's dense prefill copy and its measured crossover. Where the kernels do not run anyway,
     nothing changes."""
-    from shared.models import qdot
+    from shared.kernels import qdot
 
     monkeypatch.setattr(qdot, "why_not", lambda: "turned off by the test (the int4 path)")
 

@@ -136,7 +136,7 @@ def test_sliding_layers_decode_batches_on_the_kernel_and_the_batched_graph(tmp_p
     """gemma3's sliding layers (window 8) in decode batches: qdot's attention kernel reads each sequence's window of its
     own context, so a sequence decoded in a batch of 3 gives its numbers alone bit for bit, and torch's masked SDPA's
     to rounding; compiled, the batch runs the batched graph (where the kernel runs: an AVX2 CPU) with eager's logits."""
-    from shared.models import qdot
+    from shared.kernels import qdot
     from shared.models.attention import KernelDecode
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from shared.kernels import qdot
 from shared.kv_cache import BatchLayout
-from shared.models import qdot
 from shared.models.attention import (
     BatchDecode,
     ChunkAttention,

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from benchmarks.harness import children
-from shared.models import qdot
+from shared.kernels import qdot
 
 pytestmark = pytest.mark.processes  # every test here starts a real up
 

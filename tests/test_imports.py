@@ -28,7 +28,7 @@ def test_the_tree_keeps_its_layers():
 
 @pytest.mark.parametrize("module, line, says", [
     ("shared/steps.py", "import shared.runtime", "shared.steps -> shared.runtime"),  # a type importing the runtime
-    ("shared/models/qdot.py", "from shared.models import transformer", "shared.models.qdot -> shared.models.transformer"),
+    ("shared/kernels/qdot.py", "from shared.models import transformer", "shared.kernels.qdot -> shared.models.transformer"),
     ("services/gateway/scheduler.py", "from services.gateway import engine", "services.gateway.scheduler -> "),
     ("shared/errors.py", "def _late():\n    import shared.cpu", "shared.errors -> shared.cpu"),  # inside a function
 ], ids=["type-over-runtime", "kernel-over-model", "policy-over-engine", "function-level"])

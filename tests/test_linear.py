@@ -194,7 +194,7 @@ def test_one_fast_bf16_probe_decides_the_default_dtype_the_dense_kernel_and_prep
     """bf16 activations only where the CPU multiplies bf16 natively and the integer-dot kernels (float32 in and out)
     do not run."""
     from shared.device import cpu_has_fast_bf16, default_dtype_name
-    from shared.models import qdot
+    from shared.kernels import qdot
     from shared.models.linear import dense_dtype
 
     fast = cpu_has_fast_bf16()

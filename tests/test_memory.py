@@ -93,7 +93,7 @@ def test_a_piece_whose_budget_cannot_hold_the_copy_runs_lean_by_itself(smollm2, 
 def test_where_the_integer_dot_kernels_run_auto_holds_the_files_bytes(smollm2):
     """On them auto keeps no dense copy (they outrun it at every size): SmolLM2's Q4_1 layers hold their file's bytes
     (rows padded to 8: none in SmolLM2) whatever the budget."""
-    from shared.models import qdot
+    from shared.kernels import qdot
 
     if not qdot.usable():
         pytest.skip(f"the integer-dot kernels do not run here: {qdot.why_not()}")

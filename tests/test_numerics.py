@@ -120,7 +120,7 @@ def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
 def batched_attention(request, monkeypatch):
     """Batched decode attends with qdot.cpp's decode_attention_batch (attention.KernelDecode, where the integer-dot
     kernels load), or with torch's SDPA over windows of slots (DecodeWindow / SplitDecode: other CPUs, bf16)."""
-    from shared.models import qdot
+    from shared.kernels import qdot
     from shared.models.attention import KernelDecode
 
     if request.param == "sdpa":
@@ -203,7 +203,7 @@ def test_with_the_kernel_a_batched_decode_row_is_the_sequence_decoded_alone(smol
     the batch, so with the integer-dot matmuls (row by row too) a row equals that sequence's step alone, bit for bit,
     at contexts across the kernel's 256-position chunks; and it predicts what torch's SDPA over windows of slots
     predicts (the logits differ a little: the matmuls' 8-bit rounding of the activations amplifies the last bits)."""
-    from shared.models import qdot
+    from shared.kernels import qdot
     from shared.models.attention import KernelDecode
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
@@ -354,7 +354,7 @@ def test_compiled_decode_runs_decode_batches_on_one_batched_graph(smollm2, windo
     on qdot.cpp's kernel: each sequence reads its own context in place, so no shape depends on the contexts), where
     the kernel covers every layer (float32 on an AVX2 CPU); elsewhere they decode eagerly, bit for bit the eager
     pipeline's. Compiled, they predict what the eager step predicts (fused kernels round at other points)."""
-    from shared.models import qdot
+    from shared.kernels import qdot
     from shared.protocol import SeqEntry
     from shared.steps import Decode, Prefill
 

@@ -1,4 +1,4 @@
-"""The integer-dot kernels (shared/models/qdot.cpp) against llama.cpp's scheme written out in numpy: activations
+"""The integer-dot kernels (shared/kernels/qdot.cpp) against llama.cpp's scheme written out in numpy: activations
 quantized per block of 32 to int8 with fp16 scales, exact integer dot products, float scaling. Built and run here
 on any CPU with AVX2, whether or not this CPU's stages pick them (qdot.usable())."""
 
@@ -10,7 +10,7 @@ from gguf.quants import quantize
 
 from shared.errors import CapabilityMissing
 from shared.gguf_loader import RawTensor
-from shared.models import qdot
+from shared.kernels import qdot
 from shared.models.linear import QdotLinear, dequantize, stored_kernel, unpack_levels
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the types gguf's quantizer writes (Q4_K: _q4_k_raw)

@@ -104,7 +104,7 @@ def _check_tiny(path: str, tolerance: float = TOLERANCE, flips: int = 0) -> None
 
 
 def _quantizes_activations(pipeline: LocalPipeline) -> bool:
-    """Some matrix of the pipeline runs on the integer-dot kernels (shared.models.qdot), which quantize activations."""
+    """Some matrix of the pipeline runs on the integer-dot kernels (shared.kernels.qdot), which quantize activations."""
     return any("-dot-q8" in kind for piece in pipeline.pieces for kind in piece.model.weight_summary().values())
 
 
@@ -212,7 +212,7 @@ def test_real_gemma3_split_equals_unsplit_in_float32(gemma3, varied_text):
 def test_the_compiled_decode_step_covers_q8_0_blocks(smollm2):
     """SmolLM2 requantized to Q8_0 runs every block matmul as two int4 planes (in lean too; the Q5_* types' planes
     differ only in their zeros, fixed at load) -- or, where they run (AVX2 CPUs), on the integer-dot kernels
-    (shared.models.qdot) -- which the compiled decode step covers: its inputs (the static-shape
+    (shared.kernels.qdot) -- which the compiled decode step covers: its inputs (the static-shape
     OneSequenceDecode attention over the context) through run_layers run as Python, as inductor traces it, give the
     eager decode step's logits, bit for bit with float32 activations (compiled, fused kernels round elsewhere), with
     the attention eager decode uses on this CPU (qdot's kernel on AVX2, else SDPA)."""
@@ -234,7 +234,7 @@ def test_the_compiled_decode_step_covers_q8_0_blocks(smollm2):
     ids = IDS[:12]
     runtime.run([SeqEntry("s", Prefill(11, 0, 11, True))], token_ids=torch.tensor(ids[:11]))
     slot = runtime.kv._slot_of["s"]
-    from shared.models import qdot
+    from shared.kernels import qdot
 
     def step_logits(kernel: bool) -> torch.Tensor:
         with torch.inference_mode():

@@ -237,7 +237,7 @@ def test_top_logprobs_are_the_rows_most_likely_tokens_whatever_shares_the_batch(
 def test_tempered_rows_are_torchs_softmax_numerators_with_or_without_the_kernel(monkeypatch):
     """sampling.tempered: qdot.cpp's temper where it loads, torch's exp row by row elsewhere; both are exp((row - max)
     / T) to an ulp, so a seeded stream draws the same tokens on either but for a draw within an ulp of a boundary."""
-    from shared.models import qdot
+    from shared.kernels import qdot
 
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 49152, generator=g) * 3

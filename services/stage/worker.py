@@ -21,9 +21,9 @@ from services.stage.metrics import stage_registry
 from services.stage.stats import StageStats
 from shared.config import STAGE_DEFAULTS
 from shared.errors import BadBatch, StagemeshError
+from shared.kernels import qdot
 from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
-from shared.models import qdot
 from shared.otlp import OtlpTracer, trace_id_of
 from shared.protocol import (
     BatchError,
@@ -250,7 +250,7 @@ class StageWorker:
         model = self.runtime.model
         return {"bytes": model.weight_bytes(),
                 "memory": model.memory_report(), "tensors": model.weight_summary(),
-                # Q4_0 / Q4_1 / Q8_0 on the integer-dot kernels (shared.models.qdot), or why not
+                # Q4_0 / Q4_1 / Q8_0 on the integer-dot kernels (shared.kernels.qdot), or why not
                 "integer_dot": qdot.why_not() or "on"}
 
     @functools.cached_property

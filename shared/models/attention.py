@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from shared.kernels import qdot
 from shared.kv_cache import BatchLayout
-from shared.models import qdot
 from shared.models.config import ModelConfig
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ import torch
 
 from shared.config import SCHEDULER_DEFAULTS
 from shared.device import cpu_has_fast_bf16
+from shared.kernels.plans import PLANS_ENV, kernel_plan, timing_alone  # noqa: F401 (PLANS_ENV: the tests set it)
 from shared.models.linear import DenseLinear, SwitchedLinear
-from shared.models.plans import PLANS_ENV, kernel_plan, timing_alone  # noqa: F401 (PLANS_ENV: the tests set it)
 
 CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending
 REPEAT = 5  # the prefill probe: fastest of REPEAT timings per kernel (noise on a shared machine only ever adds time)

@@ -16,7 +16,7 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
 (QdotLinear) wherever the table says int4, Q5_0 / Q5_1 in both modes (their own blocks, smaller than int8 rows), and
 Q4_K in auto (rewritten to Q4_1 blocks) and Q6_K in both (q6_16 blocks, 0.875 bytes a weight): the file's numbers,
-multiplied as llama.cpp does (shared.models.qdot). They
+multiplied as llama.cpp does (shared.kernels.qdot). They
 outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
 So a stage's memory tracks its share of the file in lean: int4 is 0.625 bytes a weight (Q4_0 0.56, Q4_1 0.625,
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from shared.device import cpu_has_fast_bf16
 from shared.errors import CapabilityMissing, GgufError
 from shared.gguf_loader import RawTensor
-from shared.models import qdot
+from shared.kernels import qdot
 
 WEIGHT_MODES = ("auto", "lean", "bf16", "f32")
 GROUP = 32  # ggml's block of 4-bit types (Q4_K: a 256-superblock of 8 such groups)
@@ -285,7 +285,7 @@ def _stacked(kernel: Int4Linear | QdotLinear) -> tuple[torch.Tensor, ...]:
 
 class QdotLinear:
     """A matrix of one of QDOT_TYPES kept as the GGUF's blocks, multiplied by integer dot products against activations
-    quantized to 8 bits per block (shared.models.qdot: llama.cpp's scheme, on CPUs whose torch kernels are AVX2).
+    quantized to 8 bits per block (shared.kernels.qdot: llama.cpp's scheme, on CPUs whose torch kernels are AVX2).
     blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset -8d, exact
     in fp16) and Q4_K's (_rewritten_blocks); Q8_0's 34-byte blocks; Q5_0's and Q5_1's own 22 / 24 bytes, reordered;
     Q6_K as 28-byte q6_16 blocks (d, an int8 scale per half, 6-bit levels); 8 rows' interleaved (qdot.interleave). float32

@@ -1,7 +1,7 @@
 """This machine's kernel plans: choices timed once per machine and shape at a load, kept in a plans file
 (~/.cache/stagemesh/kernel-plans.json, or $STAGEMESH_KERNEL_PLANS; "off" measures at every load) so that the same
 file loads with the same kernels from run to run. shared.models.crossover (auto's prefill kernel and int4 crossover)
-and shared.models.qdot (integer-dot or int4 on an AVX512 CPU) keep theirs here."""
+and shared.kernels.qdot (integer-dot or int4 on an AVX512 CPU) keep theirs here."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ import tempfile
 import torch
 
 from shared.cpu import cpu_flags
-from shared.models.plans import kernel_plan
+from shared.kernels.plans import kernel_plan
 
 log = logging.getLogger("stagemesh.qdot")
 

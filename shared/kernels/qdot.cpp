@@ -1,4 +1,4 @@
-// Integer-dot matmuls over GGUF blocks for AVX2 CPUs: llama.cpp's scheme, as torch ops (shared/models/qdot.py);
+// Integer-dot matmuls over GGUF blocks for AVX2 CPUs: llama.cpp's scheme, as torch ops (shared/kernels/qdot.py);
 // decode attention over the KV cache, one sequence (decode_attention) or a batch (decode_attention_batch); and
 // sampling's tempered probabilities (temper), at the end.
 //
@@ -323,7 +323,7 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
               "qdot: x must be a contiguous float32 CPU matrix [M, K], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "qdot: the weight must be a contiguous uint8 matrix of row groups [ceil(N/8), K/32 * ", bytes,
-              "] (shared.models.qdot.interleave)");
+              "] (shared.kernels.qdot.interleave)");
   const int64_t M = x.size(0), K = x.size(1), groups = blocks.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0 && blocks.size(1) == nb * bytes, "qdot: x has K = ", K,
               " columns; the weight's row groups hold ", blocks.size(1), " bytes, not K/32 * ", bytes);
