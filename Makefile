@@ -11,7 +11,7 @@ PORT ?= 8000
 # pip says only what went wrong: -qq drops its warnings (a site pip.conf's index notes, the version nag), keeps errors.
 PIP := $(BIN)/pip --quiet --quiet --disable-pip-version-check
 
-.PHONY: llama-server install install-reference install-browser install-kubectl fetch-vocab-suite serve test test-fast lint bench clean
+.PHONY: llama-server install install-reference install-browser install-kubectl fetch-vocab-suite serve test test-fast test-unit lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,11 @@ serve: install
 
 test: install install-reference install-browser install-kubectl fetch-vocab-suite
 	$(BIN)/python -m pytest -q -ra
+
+# The unit tier: no real process, no llama.cpp (tests marked `reference` need its binding or sources), nothing slow;
+# about a minute on 2 cores, set up with `install` alone.
+test-unit: install
+	$(BIN)/python -m pytest -q -ra -m "not processes and not slow and not reference"
 
 # The fast tier: every test that starts no real process (no stagemesh CLI run, stage, mesh, `up`, llama-server or
 # browser: those are marked `processes`, see tests/conftest.py); its time is mostly the llama.cpp comparisons.

@@ -237,6 +237,7 @@ GEMMA3_TEMPLATE = ("{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\
                    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\\n'}}\n{%- endif -%}\n")
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("source,bos,eos,ends_with", [
     (PHI3_TEMPLATE, "<s>", "<|endoftext|>", "<|user|>\nAnd 3+3?<|end|>\n<|assistant|>\n"),
     (STARCODER2_TEMPLATE, "<|endoftext|>", "<|endoftext|>", "### Instruction\nAnd 3+3?\n\n### Response\n"),
@@ -254,6 +255,7 @@ def test_chat_template_renders_as_llama_cpp_formats_it(source, bos, eos, ends_wi
     assert ours.endswith(ends_with)
 
 
+@pytest.mark.reference
 def test_end_of_turn_ends_generation_as_in_llama_cpp(tmp_path):
     """Gemma GGUFs name no eot_token_id: <end_of_turn> ends generation by its text, as llama.cpp's end-of-generation
     set has it (the same set of ids, checked over a whole vocabulary)."""

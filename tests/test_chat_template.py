@@ -10,6 +10,7 @@ from shared.errors import ChatTemplateError
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.reference
 def test_smollm2_template_matches_llama_cpp_python_formatter(smollm2):
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 

@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks.shaped_gguf import SHAPES, write_shaped_f16
 from benchmarks.tiny_gguf import quantize_preset
+from tests.conftest import uses_llama_cpp
 
 MIB = 2**20
 
@@ -41,6 +42,7 @@ print(json.dumps({"before": before, "after": after, "weights": model.weight_byte
 
 
 @pytest.fixture(scope="module")
+@uses_llama_cpp  # llama.cpp's quantizer makes the Q4_K_M file
 def q4_k_m(tmp_path_factory) -> str:
     shape = dataclasses.replace(SHAPES["llama3.2-1b"], layers=6, hidden=1024, heads=16, kv_heads=4, head_dim=64,
                                 ffn=4096)

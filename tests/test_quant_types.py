@@ -42,6 +42,7 @@ def _file_of_type(qtype: str, f32_source: str, tmp_path) -> str:
     return llama_quantize(f32_source, str(tmp_path / "t.gguf"), qtype)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("qtype", GGUF_WRITTEN + LLAMA_QUANTIZED_TYPES)
 def test_every_tensor_type_matches_llama_cpp(qtype, f32_source, tmp_path):
     path = _file_of_type(qtype, f32_source, tmp_path)

@@ -24,6 +24,7 @@ def test_temperature_sampling_matches_softmax():
     assert got == pytest.approx(expected, abs=0.015)
 
 
+@pytest.mark.slow
 def test_top_k_and_top_p_keep_exactly_their_support():
     probs = torch.softmax(LOGITS[0], 0).tolist()
     got = frequencies(lambda s: SamplingParams(temperature=1.0, top_k=2, seed=s))
@@ -33,6 +34,7 @@ def test_top_k_and_top_p_keep_exactly_their_support():
     assert got[2:] == [0, 0, 0] and got[1] == pytest.approx(probs[1] / (probs[0] + probs[1]), abs=0.015)
 
 
+@pytest.mark.slow
 def test_min_p_keeps_tokens_at_least_min_p_times_as_likely_as_the_top_one():
     probs = torch.softmax(LOGITS[0], 0).tolist()  # ~[0.64, 0.23, 0.09, 0.03, 0.004]; 0.3 x 0.64 = 0.19 -> {0, 1}
     want = probs[1] / (probs[0] + probs[1])
@@ -77,6 +79,7 @@ def rows_of_every_shape() -> dict[str, torch.Tensor]:
             "mass below the first floor": below_first_floor}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [dict(top_p=0.9), dict(top_p=0.5), dict(top_k=40), dict(top_k=3000),
                                     dict(top_k=50, top_p=0.8), dict(min_p=0.05), dict(top_p=0.95, min_p=0.01)],
                          ids=str)
@@ -169,6 +172,7 @@ def test_logit_bias_shifts_those_logits_only_and_leaves_logprobs_unbiased():
             SamplingParams(logit_bias=bad)
 
 
+@pytest.mark.slow
 def test_penalties_follow_vllms_formulas_on_the_rows_they_are_given():
     """Repetition divides a positive logit of a seen token and multiplies a negative one; frequency subtracts
     penalty x count, presence subtracts the penalty once for generated tokens (count > 0), not prompt-only ones

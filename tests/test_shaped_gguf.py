@@ -54,10 +54,12 @@ def _relative_gap(path: str) -> float:
     return float(np.abs(ours - ref).max() / (ref.max() - ref.min()))
 
 
+@pytest.mark.reference
 def test_a_miniature_gives_llama_cpps_logits(miniature):
     assert _relative_gap(miniature) <= 1e-2
 
 
+@pytest.mark.reference
 def test_a_miniature_quantized_by_llama_cpp_gives_its_logits(miniature, tmp_path):
     from benchmarks.tiny_gguf import quantize_preset
 
@@ -66,6 +68,7 @@ def test_a_miniature_quantized_by_llama_cpp_gives_its_logits(miniature, tmp_path
     assert _relative_gap(q4km) <= 2e-2
 
 
+@pytest.mark.reference
 def test_the_padded_vocabulary_tokenizes_as_llama_cpp_does(miniature, varied_text):
     from llama_cpp import Llama
 

@@ -27,6 +27,7 @@ from tests.conftest import stagemesh_cmd
 IDS = [504, 3458, 282, 4649, 314, 7042, 30, 378, 2358, 16, 28, 99, 1234, 77, 5, 902, 44, 12000, 3, 8]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("spec,tolerance", [
     (TinySpec(arch="llama"), 1e-3),
     (TinySpec(arch="llama", tied=False, kv_heads=4), 1e-3),
@@ -108,6 +109,7 @@ ROPE_CASES = {
 }
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("case", ROPE_CASES.values(), ids=ROPE_CASES.keys())
 def test_rope_scaled_tiny_model_matches_llama_cpp(tmp_path, case):
     """LongRoPE (long and short factors), llama 3 rope_freqs, linear and YaRN against llama.cpp at the same
@@ -138,6 +140,7 @@ def _decode_logits(pipeline: LocalPipeline, ids: list[int]) -> np.ndarray:
 _NO_INT4_QKV = dict(heads=8, kv_heads=1, head_dim=12)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("spec,weights,tolerance", [
     (TinySpec(quant="Q4_0"), "auto", 1e-2),
     (TinySpec(quant="Q4_1"), "auto", 1e-2),
@@ -206,6 +209,7 @@ def test_truncated_gguf_is_one_line_error(tmp_path):
     assert "truncated" in _cli_error("generate", "--model", str(cut), "--prompt", "hi")
 
 
+@pytest.mark.slow
 def test_a_file_cut_anywhere_in_its_header_is_a_gguf_error(tmp_path):
     """Cut inside the metadata (the vocabulary's strings, its scores, a number array's end, a tensor's info): each
     is a GgufError, never an IndexError, a hang, or a header read from past the end."""
@@ -250,6 +254,7 @@ def _header(reader) -> tuple:
     return fields, tensors
 
 
+@pytest.mark.slow
 def test_loader_reads_the_header_as_the_gguf_package_does(smollm2, tmp_path):
     """The loader's faster reader (a plain view of the memory map) yields the library's fields and tensors, on the
     real SmolLM2 file and on a file of many tensor types."""

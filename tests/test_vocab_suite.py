@@ -21,6 +21,8 @@ from shared.errors import GgufError
 from shared.gguf_loader import GgufLoader
 from shared.tokenizer import GgufTokenizer, IncrementalDetokenizer
 
+pytestmark = pytest.mark.reference  # llama.cpp's own suite, from its sources (make fetch-vocab-suite), and its binding
+
 SUITE = os.environ.get("STAGEMESH_VOCAB_SUITE", os.path.expanduser("~/.cache/stagemesh/llama.cpp-src"))
 MODELS = os.path.join(SUITE, "models")
 SEPARATOR = "\n__ggml_vocab_test__\n"
