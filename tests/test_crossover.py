@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.device import cpu_has_fast_bf16
-from shared.models.crossover import CANDIDATES, measure_int4_crossover
+from shared.models.crossover import CANDIDATES, crossover, measure_int4_crossover
 from shared.models.linear import SwitchedLinear
 from shared.runtime import StageRuntime
 
@@ -34,13 +34,33 @@ def test_a_stage_load_sets_one_measured_threshold_on_every_switched_linear(smoll
     assert all(f"< {threshold} tokens, measured" in kind for name, kind in summary.items() if name.startswith("blk."))
 
 
-def test_the_measurement_answers_a_candidate_token_count(smollm2):
-    """The crossover is a measured number, whatever this shared machine's load makes it: one of the candidates tried,
-    or one past the last where int4 won throughout (benchmarks/kernels.py prints the timings it comes from)."""
+@pytest.mark.parametrize("dense_wins, want", [
+    (lambda m: True, CANDIDATES[0]),  # dense wins from the first candidate on
+    (lambda m: False, CANDIDATES[-1] + 1),  # the quantized kernel wins throughout
+    (lambda m: m >= 24, 24),
+    (lambda m: m in (8, 24, 32, 48), 24),  # one win at 8, lost at 12: a noisy win does not end the scan
+    (lambda m: m == CANDIDATES[-1], CANDIDATES[-1]),  # at the last candidate there is no next one to confirm it
+], ids=["dense-throughout", "int4-throughout", "from-24", "noisy-win", "last-alone"])
+def test_the_crossover_is_the_first_of_two_dense_wins_in_a_row(dense_wins, want):
+    asked = []
+
+    def timings(m: int) -> tuple[float, float]:
+        asked.append(m)
+        return (2.0, 1.0) if dense_wins(m) else (1.0, 2.0)
+
+    assert crossover(timings) == want
+    assert asked == sorted(asked) and len(set(asked)) == len(asked)  # ascending, each once
+
+
+def test_the_measurement_follows_its_own_timings(smollm2):
+    """The crossover is a measured number, whatever this shared machine's load makes it: the one its own timings
+    give (benchmarks/kernels.py prints such timings)."""
     runtime = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights="auto")
     first_block = [w for w in runtime.model.blocks[0].linears().values() if isinstance(w, SwitchedLinear)]
-    threshold = measure_int4_crossover(first_block, repeat=7)
-    assert threshold in (*CANDIDATES, CANDIDATES[-1] + 1)
+    seen: dict[int, tuple[float, float]] = {}
+    threshold = measure_int4_crossover(first_block, repeat=7, seen=seen)
+    assert seen and all(small > 0 and large > 0 for small, large in seen.values())
+    assert threshold == crossover(lambda m: seen[m])
 
 
 def test_modes_without_a_switch_are_left_alone(smollm2):

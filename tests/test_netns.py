@@ -159,7 +159,9 @@ def test_two_pipelines_in_their_own_namespaces_behind_one_gateway(replicas_deplo
 
     done = asyncio.run(burst())
     assert all(tokens == 8 for _, tokens in done), done
-    time.sleep(0.5)  # the access log line follows the stream's end
-    served = dict(re.findall(r"request (\w+) pipeline=(p\d+)", gw_log.read_text()))
-    assert {rid for rid, _ in done} <= served.keys(), served
+    deadline = time.monotonic() + 10  # the log file may trail the streams a little
+    while not {rid for rid, _ in done} <= (served := dict(re.findall(r"request (\w+) pipeline=(p\d+)",
+                                                                     gw_log.read_text()))).keys():
+        assert time.monotonic() < deadline, served
+        time.sleep(0.1)
     assert {served[rid] for rid, _ in done} == {"p0", "p1"}  # each pipeline, in its own namespace, streamed some

@@ -199,7 +199,8 @@ def test_one_trace_per_request_with_a_span_per_microbatch_per_stage(tmp_path):
         index = int(c.service.rsplit("-", 1)[1])
         assert c.attributes["stagemesh.stage.index"] == index
         assert c.attributes["stagemesh.stage.layers"] == f"{layers[index][0]}:{layers[index][1]}"
-        assert c.attributes["stagemesh.hop_ms"] >= 0 and c.attributes["stagemesh.queue_wait_ms"] >= 0
+        assert 0 <= c.attributes["stagemesh.hop_ms"] < 1000 and 0 <= c.attributes["stagemesh.queue_wait_ms"] < 10_000
+    assert any(c.attributes["stagemesh.hop_ms"] > 0 for c in computes)  # measured, not a default
     assert set(per_stage) == {"stagemesh-stage-0", "stagemesh-stage-1"}
     # the same micro-batches reached both stages: one compute span per micro-batch per stage
     mb_ids = sorted(mb.attributes["stagemesh.microbatch.id"] for mb in microbatches)
@@ -221,6 +222,7 @@ def test_without_the_flag_nothing_is_exported(tmp_path, monkeypatch):
             responses = asyncio.run(_complete_all(gw.url))
         finally:
             gw.stop()
-        time.sleep(2.0)  # longer than the batch processor's export delay
+        # the process has exited: an SDK's batch processor would have exported at its shutdown, before the exit
+        assert gw.proc.poll() is not None
         assert len(responses) == len(PROMPTS)
         assert rx.requests == 0 and rx.spans() == []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -81,19 +82,15 @@ def choose_prefill_dtype(config) -> torch.dtype:
     return dtypes[name]
 
 
-def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = CROSSOVER_REPEAT) -> int:
-    """The smallest candidate token count from which the dense kernel beats the quantized one (int4, int8) over `linears` at that candidate and
-    the next one too (timed interleaved, each kernel's fastest of `repeat`: one noisy win in the flat region where the
-    two are within a few percent does not end the scan); the largest candidate + 1 when int4 wins throughout."""
-    inputs = {w.in_features: torch.randn(CANDIDATES[-1], w.in_features).to(torch.bfloat16) for w in linears}
-    for w in linears:  # warm up both kernels (first calls allocate and pick code paths)
-        w.small(inputs[w.in_features][:1])
-        w.large(inputs[w.in_features][:1])
+def crossover(timings: Callable[[int], tuple[float, float]]) -> int:
+    """The smallest candidate token count from which the dense kernel beats the quantized one at that candidate and the
+    next one too (one noisy win in the flat region where the two are within a few percent does not end the scan; a
+    win at the last candidate stands alone);
+    the largest candidate + 1 when the quantized kernel wins throughout. timings(m) -> (quantized ms, dense ms) at m
+    tokens, asked in ascending order and no further than the answer needs."""
     dense_won_at = None
     for m in CANDIDATES:
-        xs = [inputs[w.in_features][:m] for w in linears]
-        small = _best_ms(lambda xs=xs: [w.small(x) for w, x in zip(linears, xs)], repeat)
-        large = _best_ms(lambda xs=xs: [w.large(x) for w, x in zip(linears, xs)], repeat)
+        small, large = timings(m)
         if large >= small:
             dense_won_at = None
         elif dense_won_at is not None:
@@ -101,6 +98,26 @@ def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = CROSSOVE
         else:
             dense_won_at = m
     return dense_won_at or CANDIDATES[-1] + 1
+
+
+def measure_int4_crossover(linears: list[SwitchedLinear], repeat: int = CROSSOVER_REPEAT,
+                           seen: dict[int, tuple[float, float]] | None = None) -> int:
+    """crossover() over `linears`, each candidate timed interleaved, each kernel's fastest of `repeat`; `seen` (when
+    given) gets the timings it was decided from."""
+    inputs = {w.in_features: torch.randn(CANDIDATES[-1], w.in_features).to(torch.bfloat16) for w in linears}
+    for w in linears:  # warm up both kernels (first calls allocate and pick code paths)
+        w.small(inputs[w.in_features][:1])
+        w.large(inputs[w.in_features][:1])
+
+    def timings(m: int) -> tuple[float, float]:
+        xs = [inputs[w.in_features][:m] for w in linears]
+        small = _best_ms(lambda: [w.small(x) for w, x in zip(linears, xs)], repeat)
+        large = _best_ms(lambda: [w.large(x) for w, x in zip(linears, xs)], repeat)
+        if seen is not None:
+            seen[m] = (small, large)
+        return small, large
+
+    return crossover(timings)
 
 
 def apply_measured_crossover(model) -> int | None:
