@@ -457,8 +457,7 @@ async def audited_hit(h: Harness) -> tuple[Request, Request]:
 async def test_the_audit_recomputes_a_hit_and_finds_the_cache_right(tiny_path):
     """Rate 1: every hit gets two one-token twins, one from the cached prefix and one computed in full, whose top
     logprobs agree (float32 stages); the client's request is untouched, and the twins keep nothing."""
-    h = Harness(tiny_path, kv_slots=6)
-    h.scheduler.prefix_audit = 1.0
+    h = Harness(tiny_path, kv_slots=6, prefix_cache_audit=1.0)
     first, again = await audited_hit(h)
     assert again.cached_tokens == 32 and again.finish_reason == "length"
     twins = [e for b in h.client.order for e in b.seqs if e.seq_id not in (first.seq_id, again.seq_id)]
@@ -476,8 +475,7 @@ async def test_the_audit_recomputes_a_hit_and_finds_the_cache_right(tiny_path):
 async def test_the_audit_catches_a_cached_prefix_whose_kv_went_wrong(tiny_path, caplog):
     """A stage's kept K/V altered after it was kept (as a bug or a bit-flip would): the request cannot tell, the
     audit does -- a mismatch counted and logged, naming the request."""
-    h = Harness(tiny_path, kv_slots=6)
-    h.scheduler.prefix_audit = 1.0
+    h = Harness(tiny_path, kv_slots=6, prefix_cache_audit=1.0)
     first = await run(h, new_seq(h, prompt(13)))
     kv = h.client.local.pieces[0].kv
     slot = kv._slot_of[first.seq_id]

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from services.gateway.audit import PrefixAuditor, audit_tolerance
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.request import Request, RequestOutput, RequestSpan
@@ -26,7 +27,6 @@ from services.gateway.scheduler import (
     QueueFull,
     Scheduler,
     Update,
-    audit_tolerance,
 )
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.log_throttle import throttled
@@ -49,6 +49,10 @@ class Engine:
         self.otlp = otlp  # distributed tracing (None: off)
         self.scheduler = Scheduler(max_inflight, config, kv_slots=pipeline.kv_slots, kv_rows=pipeline.kv_rows,
                                    prefix_positions=pipeline.prefix_positions)
+        prefix = self.scheduler.prefix
+        # --prefix-cache-audit: a client of this engine, submitting its twins as any caller does (None: off)
+        self.auditor = PrefixAuditor(config.prefix_cache_audit, self._submit_twin, lambda: prefix.stats) \
+            if prefix is not None and config.prefix_cache_audit else None
         self.failover_timeout_s = config.failover_timeout_s
         self._mb_spans: dict[int, object] = {}  # micro-batch id -> its stagemesh.microbatch span, while in flight
         self._wake = asyncio.Event()
@@ -70,12 +74,20 @@ class Engine:
         self._apply(update)
         if update.refused is not None:
             raise QueueFull(update.refused)
-        if self.otlp is not None:
+        if self.otlp is not None and req.audit is None:
             span = self.otlp.start("stagemesh.request", attributes={
                 "stagemesh.request_id": req.seq_id, "stagemesh.prompt_tokens": len(req.prompt_ids),
                 "stagemesh.max_tokens": req.max_tokens, "stagemesh.pipeline": req.pipeline})
             req.span = RequestSpan(span, self.otlp.traceparent(span))
         self._changed()
+
+    def _submit_twin(self, twin: Request) -> bool:
+        """The auditor's submit: False when the queue refused it."""
+        try:
+            self.submit(twin)
+        except QueueFull:
+            return False
+        return True
 
     def adopt(self, req: Request) -> None:
         """Take over an open request another replica could not keep running (Replicas.take_over)."""
@@ -169,8 +181,8 @@ class Engine:
         self.scheduler.kv_slots = self.pipeline.kv_slots
         self.scheduler.kv_rows = self.pipeline.kv_rows
         self.scheduler.prefix_positions = self.pipeline.prefix_positions
-        if self.scheduler.prefix_audit:
-            self.scheduler.audit_tolerance = audit_tolerance(self.pipeline.stages)
+        if self.auditor is not None:
+            self.auditor.tolerance = audit_tolerance(self.pipeline.stages)
 
     def _pipeline_lost(self) -> None:
         """Every request's KV may be gone: stop waiting for what is in flight; the policy replays the rest."""
@@ -197,9 +209,16 @@ class Engine:
 
     def _apply(self, update: Update) -> None:
         m = self.metrics
+        now = time.perf_counter()
         for req in update.admitted:
+            req.times.admitted = now
             if req.audit is None:  # the audit's twins are the gateway's own: not in the clients' figures
                 m.prompt_tokens.inc(len(req.prompt_ids))
+        for req, captures in update.captures:  # before the outputs: a done event carries the trace
+            req.capture.take(captures)
+        if self.auditor is not None:
+            for req, tokens in update.hits:
+                self.auditor.on_hit(req, tokens, now)
         if update.kv_full:
             m.kv_full_requeued.inc(len(update.requeued))
             throttled(log, logging.WARNING, "kv_full", "a stage's KV slots are full (slots held by sequences this "
@@ -207,7 +226,6 @@ class Engine:
                       "for %g s", len(update.requeued), self.scheduler.kv_cap, KV_FULL_BACKOFF_S)
         if update.prefix_miss is not None:
             throttled(log, logging.WARNING, "prefix_miss", "%s", update.prefix_miss)
-        now = time.perf_counter()
         for req, out in update.outputs:
             self._deliver(req, out, now)
 
@@ -230,7 +248,10 @@ class Engine:
                 if out.finish_reason in ("stop", "length"):
                     self.metrics.e2e.observe(now - times.arrival)
                 self.metrics.requests.labels(out.finish_reason).inc()
-        self.on_output(req, out)
+        if req.audit is not None:  # the auditor's own twin
+            self.auditor.on_output(req, out)
+        else:
+            self.on_output(req, out)
 
     def _changed(self) -> None:
         self._update_gauges()

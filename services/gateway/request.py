@@ -4,7 +4,8 @@
 A Request is a SequenceState (shared/generation.py: its tokens and how many of them the pipeline holds) plus what
 the gateway adds, by concern: where and how it is scheduled (deadline, replica, replays, the scheduler's
 bookkeeping of its micro-batch in flight), its timings (RequestTimes), its activation captures when traced
-(TraceCapture) and its distributed-tracing span (RequestSpan, owned by the engine loop). Its outputs go to the
+(TraceCapture) and its distributed-tracing span (RequestSpan). The scheduler's policy writes only the first two; the
+engine loop writes the telemetry, from what the policy returns. Its outputs go to the
 engine's on_output, not to a field of it: what a client reads is the front end's RequestHandle and EventLog
 (services/gateway/events.py), which outlive any one connection."""
 
@@ -92,6 +93,7 @@ class Request(SequenceState):
     replays: int = 0  # replays started: counted when its first replay micro-batch is planned
     cached_tokens: int = 0  # prompt tokens a cached prefix supplied (usage.prompt_tokens_details.cached_tokens)
     audit: PrefixAudit | None = None  # set on the gateway's own twins that check a cache hit (no client reads them)
+    admitted: bool = False  # admitted once (a re-admission after a kv_full is not a new admission)
     no_cache: bool = False  # admitted without a prefix-cache lookup (the audit's recomputing twin)
     # the scheduler's bookkeeping of its micro-batch in flight (a request sits in at most one)
     feeding: int = 0  # tokens in the micro-batch now in flight (0: not in flight)

@@ -1,11 +1,11 @@
 """Continuous batching over one pipeline, as a pure policy: what to run next, and what a result means.
 
-Scheduler holds no socket, task, span or metric (vLLM v1's split): plan() says which micro-batches to send now and
-which KV slots to free first; on_result() turns what came back into per-request outputs (tokens accepted, ends,
-errors, requeues). The rest of its methods (submit, finish, expire, pipeline_lost, ...) change its state the same
-way and return an Update. The engine loop (services/gateway/engine.py) does the I/O around it and feeds the
-metrics and spans from those return values. Turning outputs into text is the output processor's job
-(services/gateway/output.py), as in vLLM v1.
+Scheduler holds no socket, task, span or metric, and writes no timing or capture (vLLM v1's split): plan() says
+which micro-batches to send now and which KV slots to free first; on_result() turns what came back into per-request
+outputs (tokens accepted, ends, errors, requeues). The rest of its methods (submit, finish, expire, pipeline_lost,
+...) change its state the same way and return an Update. The engine loop (services/gateway/engine.py) does the I/O
+around it and feeds the metrics and spans from those return values. Turning outputs into text is the output
+processor's job (services/gateway/output.py), as in vLLM v1.
 
 Each request is a SequenceState (shared/generation.py): `computed` tokens of prompt + output have KV in the
 pipeline, and its next step is a prefill chunk or one decode. A request sits in at most one micro-batch in flight
@@ -18,38 +18,23 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.gateway.prefix_cache import AUDIT_TOP, PrefixAudit, PrefixIndex
-from services.gateway.request import Request, RequestOutput, new_seq_id
+from services.gateway.prefix_cache import PrefixIndex
+from services.gateway.request import Request, RequestOutput
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.pipeline_client import PipelineError
 from shared.protocol import BatchResult, SeqEntry
-from shared.sampling import SamplingParams
-from shared.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
 KV_FULL_BACKOFF_S = 1.0  # after a stage answered kv_full, admission holds at what fits for this long
-AUDIT_DEADLINE_S = 600.0  # an audit twin still queued after this long is dropped (counted as skipped)
-AUDIT_TOLERANCE_F32 = 1e-3  # logprob differences a recompute may show on float32 stages (other chunking, rounding)
-AUDIT_TOLERANCE_BF16 = 0.1  # ... on bfloat16 ones
 
 
 class QueueFull(Exception):
     pass
-
-
-def audit_tolerance(stages: list[StageInfo]) -> float:
-    """How far a recompute may move the logprobs, from the stages' /info: not at all on batch-invariant stages,
-    float32's rounding on float32 ones, bfloat16's otherwise."""
-    if stages and all(i.batch_invariant for i in stages):
-        return 0.0
-    return AUDIT_TOLERANCE_BF16 if any(i.dtype in ("bfloat16", "float16") for i in stages) \
-        else AUDIT_TOLERANCE_F32
 
 
 @dataclass(eq=False)
@@ -75,6 +60,8 @@ class Update:
 
     outputs: list[tuple[Request, RequestOutput]] = field(default_factory=list)  # in order: tokens, then ends
     admitted: list[Request] = field(default_factory=list)  # admitted for the first time (their prompts count now)
+    captures: list[tuple[Request, list]] = field(default_factory=list)  # a traced request's captures that came back
+    hits: list[tuple[Request, int]] = field(default_factory=list)  # clients' requests admitted from a cached prefix
     requeued: list[Request] = field(default_factory=list)  # started ones a failed micro-batch sent back to the queue
     kv_full: bool = False  # a stage had no free slot: admission holds at kv_cap until kv_cap_until
     prefix_miss: str | None = None  # a stage no longer held a prefix a micro-batch attached: its answer
@@ -99,7 +86,7 @@ class Plan(Update):
 class Scheduler:
     """The policy of one pipeline. `kv_slots` (each stage's, the most requests running at once), `kv_rows` (each
     stage's KV rows: running requests and kept prefixes together), `prefix_positions` (the positions kept prefixes
-    may hold on every stage; None: no bound) and `audit_tolerance` follow the pipeline's /info: the engine keeps
+    may hold on every stage; None: no bound) follow the pipeline's /info: the engine keeps
     them current."""
 
     def __init__(self, max_inflight: int, config: SchedulerConfig = SCHEDULER_DEFAULTS, kv_slots: int = 1,
@@ -110,19 +97,16 @@ class Scheduler:
         self.kv_slots = kv_slots
         self.kv_rows = kv_rows or kv_slots
         self.prefix_positions = prefix_positions
-        self.audit_tolerance = AUDIT_TOLERANCE_F32
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.inflight: dict[int, MicroBatch] = {}  # micro-batch id -> the micro-batch, oldest first
         self.max_inflight_seen = 0
         self.prefix = PrefixIndex() if config.prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
-        self.prefix_audit = config.prefix_cache_audit  # share of cache hits checked against a recompute (PrefixAudit)
         self.kv_cap: int | None = None  # after a kv_full: admit no more than this many running requests ...
         self.kv_cap_until = 0.0  # ... until this time (or until one of them finishes)
         self._release: list[str] = []  # sequences to free on every stage with the next plan
         self._keep: list[str] = []  # finished sequences to keep on every stage, as cached prefixes
         self._replay_pending = False  # the pipeline was lost: free what surviving stages hold before replaying
-        self._audit_draw = random.Random(0).random
         self._mb_ids = itertools.count(1)
 
     # ---- state ------------------------------------------------------------------------------------------------
@@ -149,7 +133,8 @@ class Scheduler:
         """Admit now if a slot is free, else queue; `refused` (and nothing kept of it) when the queue is at its
         bound. Requests a free slot takes at once never count against the bound."""
         self.waiting.append(req)
-        update = Update(admitted=self._admit(now))
+        update = Update()
+        self._admit(now, update)
         if len(self.waiting) > self.config.max_queue:
             self.waiting.pop()  # the request itself: admission takes from the front
             update.refused = f"{len(self.waiting)} requests are already waiting; retry shortly"
@@ -159,7 +144,9 @@ class Scheduler:
         """Take over an open request another replica could not keep running: it waits at the front of the queue,
         never refused (it was admitted once), and prefills its token history here."""
         self.waiting.appendleft(req)
-        return Update(admitted=self._admit(now))
+        update = Update()
+        self._admit(now, update)
+        return update
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> Update:
         """End a request outside the token flow (cancel, a stop string, deadline, failure). No-op once finished."""
@@ -195,8 +182,6 @@ class Scheduler:
             else:
                 self._release.append(req.seq_id)
             req.sent = False
-        if req.audit is not None:
-            self._audit_answered(req, reason)
 
     def _keeps(self, req: Request, reason: str) -> bool:
         """Index a finished request as a cached prefix (True: keep its slots), releasing the prefixes it contains,
@@ -229,35 +214,6 @@ class Scheduler:
     def _pinned(self) -> set[str]:
         """Prefixes an admitted request will attach with its first chunk, not sent yet: not to be released."""
         return {r.attach for r in self.running.values() if r.attach is not None}
-
-    # ---- the prefix cache's audit -------------------------------------------------------------------------------
-
-    def _start_audit(self, req: Request, prefix_tokens: int, now: float) -> None:
-        """Queue the twins that check this hit (PrefixAudit): they wait behind the requests already queued."""
-        audit = PrefixAudit(req.seq_id, prefix_tokens, self.audit_tolerance)
-        params = SamplingParams(logprobs=True, top_logprobs=AUDIT_TOP)
-        for role in ("cached", "full"):
-            twin = Request(seq_id=new_seq_id(), prompt_ids=list(req.prompt_ids), params=params, max_tokens=1,
-                           deadline=now + AUDIT_DEADLINE_S, audit=audit, no_cache=role == "full")
-            setattr(audit, f"{role}_id", twin.seq_id)
-            self.waiting.append(twin)
-
-    def _audit_answered(self, twin: Request, reason: str) -> None:
-        audit = twin.audit
-        top = twin.top_logprobs[0] if reason == "length" and twin.top_logprobs else None
-        audit.results[twin.seq_id] = (twin.cached_tokens, top)
-        if len(audit.results) < 2 or self.prefix is None:
-            return
-        verdict = audit.compare()
-        if verdict is None:
-            self.prefix.stats.audit_skipped += 1
-            return
-        agree, _, how = verdict
-        self.prefix.stats.audits += 1
-        if not agree:
-            self.prefix.stats.audit_mismatches += 1
-            log.warning("prefix cache audit of request %s: a cached prefix and a recompute disagree: %s",
-                        audit.request_id, how)
 
     # ---- failover ---------------------------------------------------------------------------------------------
 
@@ -311,7 +267,7 @@ class Scheduler:
             self._release.extend(self.prefix.reset(cache_identity))  # another pipeline (or the first): it keeps nothing
         plan = Plan(release=self._release, keep=self._keep)
         self._release, self._keep = [], []
-        plan.admitted = self._admit(now)
+        self._admit(now, plan)
         while len(self.inflight) < self.max_inflight:
             batch = self._next_batch(now, plan)
             if batch is None:
@@ -321,9 +277,9 @@ class Scheduler:
             plan.batches.append(batch)
         return plan
 
-    def _admit(self, now: float) -> list[Request]:
-        """Move waiting requests to running while slots allow; returns those admitted for the first time."""
-        admitted = []
+    def _admit(self, now: float, update: Update) -> None:
+        """Move waiting requests to running while slots allow; update.admitted gets those admitted for the first
+        time, update.hits the clients' requests among them that start from a cached prefix."""
         limit = self.kv_slots
         if self.kv_cap is not None:
             if now < self.kv_cap_until:
@@ -342,15 +298,14 @@ class Scheduler:
                 self.prefix.count(hit)
                 if hit is not None:
                     req.start_from(hit.prefix.seq_id, hit.tokens)
-                    if req.audit is None and self.prefix_audit and self._audit_draw() < self.prefix_audit:
-                        self._start_audit(req, hit.tokens, now)
+                    if req.audit is None:
+                        update.hits.append((req, hit.tokens))
                 req.cached_tokens = hit.tokens if hit else 0
             self.waiting.popleft()
             self.running[req.seq_id] = req
-            if req.times.admitted is None:  # not a re-admission after a kv_full
-                req.times.admitted = now
-                admitted.append(req)
-        return admitted
+            if not req.admitted:  # not a re-admission after a kv_full
+                req.admitted = True
+                update.admitted.append(req)
 
     def _next_batch(self, now: float, plan: Plan) -> MicroBatch | None:
         """The next micro-batch: at most ceil(running / K) requests and token_budget tokens, decodes first, and at
@@ -415,7 +370,7 @@ class Scheduler:
                 update.outputs += self.finish(r, "error", msg).outputs
                 continue
             if r is batch.traced and result is not None:  # the captures are its rows, never another request's
-                r.capture.take(result.captures)
+                update.captures.append((r, result.captures))
             for (token, logprob, top), reason in r.take(fed, sampled.get(r.seq_id)):
                 why = f"the output left its grammar: {r.grammar.error}" if reason == "error" and r.grammar else None
                 update.outputs.append((r, RequestOutput(token, logprob, top, reason, why)))
