@@ -17,6 +17,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.core import Gateway
 from services.gateway.events import EventLog, RequestRegistry
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.output import DoneEvent, TokenEvent
 from services.gateway.replicas import Replica, Replicas
 from shared.model_files import ModelFiles
 from tests.test_scheduler import Harness, tiny_path  # noqa: F401  (tiny_path: the fixture, used by name)
@@ -30,21 +31,21 @@ async def test_followers_see_every_event_once_from_their_offset_and_wait_for_mor
 
     async def follow(into: list, start: int) -> None:
         async for offset, event in log.follow(start):
-            into.append((offset, event["n"] if "n" in event else event["type"]))
+            into.append((offset, event.index if isinstance(event, TokenEvent) else event.type))
 
     readers = [asyncio.create_task(follow(first, 0)), asyncio.create_task(follow(second, 2))]
     for n in range(5):
-        assert log.append({"type": "token", "n": n}) == n
+        assert log.append(TokenEvent(n, f"t{n}", n, None)) == n
         await asyncio.sleep(0)  # followers run between appends: they wait for what is not there yet
     assert not log.ended
-    log.append({"type": "done"})
+    log.append(DoneEvent("length", {}, {}))
     await asyncio.wait_for(asyncio.gather(*readers), 5)
     assert first == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, "done")]
     assert second == first[2:]
     again = [item async for item in log.follow(4)]  # after the end: re-read, nothing waits
     assert [o for o, _ in again] == [4, 5] and log.ended
     with pytest.raises(RuntimeError, match="already ended"):
-        log.append({"type": "token", "n": 9})
+        log.append(TokenEvent(9, "", 9, None))
     with pytest.raises(ValueError, match=">= 0"):
         [item async for item in log.follow(-1)]
 
@@ -112,14 +113,14 @@ async def test_a_request_followed_by_two_readers_outlives_one_and_is_re_read_aft
     assert not handle.seq.done and fe.gw.open_streams == 1
     await fe.run_until(lambda: staying.done())
     whole = await staying
-    assert [o for o, _ in whole] == list(range(len(whole))) and whole[-1][1]["type"] == "done"
-    assert whole[-1][1]["finish_reason"] == "length" and whole[-1][1]["usage"]["completion_tokens"] == TOKENS
+    assert [o for o, _ in whole] == list(range(len(whole))) and isinstance(whole[-1][1], DoneEvent)
+    assert whole[-1][1].finish_reason == "length" and whole[-1][1].usage["completion_tokens"] == TOKENS
     assert left == whole[:4]  # the same events, not a share of them
     assert fe.gw.open_streams == 0 and not fe.gw.requests.open
     again = fe.gw.requests.get(handle.id)
     assert again is handle
     assert await read(fe.gw, again, start=5) == whole[5:]  # re-read from an offset, after every reader ended
-    text = "".join(e["text"] for _, e in whole if e["type"] == "token")
+    text = "".join(e.text for _, e in whole if isinstance(e, TokenEvent))
     assert text == fe.gw.files.tokenizer.decode(handle.seq.output_ids)  # once each, in order, nothing lost
     # the same request again, now ending with its only reader (the default): cancelled, its slot freed
     second = await fe.gw.start(body, chat=False)
@@ -127,5 +128,5 @@ async def test_a_request_followed_by_two_readers_outlives_one_and_is_re_read_aft
     await fe.run_until(lambda: reader.done())
     fe.gw.leave(second)
     assert second.seq.finish_reason == "cancelled" and second.log.ended
-    assert second.log.events[-1]["finish_reason"] == "cancelled"
-    assert [e["token_id"] for e in second.log.events[:2]] == handle.seq.output_ids[:2]  # same seed, same tokens
+    assert second.log.events[-1].finish_reason == "cancelled"
+    assert [e.token_id for e in second.log.events[:2]] == handle.seq.output_ids[:2]  # same seed, same tokens

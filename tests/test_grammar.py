@@ -7,7 +7,15 @@ import json
 import pytest
 import torch
 
-from services.gateway.tools import CALL_OPEN, ToolCallParser, forced_call_schema, tool_messages
+from services.gateway.tools import (
+    CALL_OPEN,
+    ArgumentsDelta,
+    CallStarted,
+    ContentDelta,
+    ToolCallParser,
+    forced_call_schema,
+    tool_messages,
+)
 from shared.generation import SequenceState
 from shared.grammar import GrammarError, json_schema_grammar
 from shared.model_files import ModelFiles
@@ -98,8 +106,8 @@ def test_a_forced_call_under_random_logits_parses_and_has_every_required_argumen
         assert set(fn["parameters"]["required"]) <= set(args)
         if isinstance(choice, dict):
             assert call["function"]["name"] == "add"
-        assert "".join(e[2] for e in events if e[0] == "arguments") == call["function"]["arguments"]
-        assert [e[0] for e in events][:1] == ["call"]
+        assert "".join(e.fragment for e in events if isinstance(e, ArgumentsDelta)) == call["function"]["arguments"]
+        assert isinstance(events[0], CallStarted) and events[0].name == call["function"]["name"]
 
 
 def test_tagged_calls_are_parsed_out_of_streamed_text_and_content_before_them_kept():
@@ -111,13 +119,13 @@ def test_tagged_calls_are_parsed_out_of_streamed_text_and_content_before_them_ke
         for k in range(0, len(text), step):
             events += parser.push(text[k:k + step])
         events += parser.finish()
-        content = "".join(e[1] for e in events if e[0] == "content")
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
         assert content == "Let me check.\n"  # "<tool_c..." was held back, never shown
         assert [c["function"]["name"] for c in parser.calls] == ["get_weather", "add"]
         assert json.loads(parser.calls[1]["function"]["arguments"]) == {"a": 1, "b": 2}
     plain = ToolCallParser(forced=False)
-    assert plain.push("a < b and <tool") == [("content", "a < b and ")]
-    assert plain.finish() == [("content", "<tool")] and plain.calls == []  # never a call: shown at the end
+    assert plain.push("a < b and <tool") == [ContentDelta("a < b and ")]
+    assert plain.finish() == [ContentDelta("<tool")] and plain.calls == []  # never a call: shown at the end
 
 
 def test_tools_calls_and_results_render_into_plain_messages():

@@ -19,7 +19,7 @@ import torch
 from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.output import OutputProcessor
+from services.gateway.output import DoneEvent, OutputProcessor, TokenEvent
 from services.gateway.pipeline import Pipeline
 from services.gateway.request import Request, RequestOutput
 from services.gateway.scheduler import MicroBatch, QueueFull, Scheduler
@@ -284,10 +284,10 @@ def test_text_held_for_a_stop_string_reaches_the_client_when_eos_arrives(smollm2
     events, ids = [], tok.encode("Say Hello")
     for t in ids:
         events += proc.process(RequestOutput(t))
-    assert "".join(e["text"] for e in events) == "Say"  # " Hello" is held back: it may begin the stop string
+    assert "".join(e.text for e in events) == "Say"  # " Hello" is held back: it may begin the stop string
     final = proc.process(RequestOutput(tok.eos_id, finish_reason="stop"))
-    assert [e["type"] for e in final] == ["token", "done"] and final[0]["text"] == " Hello"
-    assert final[1]["finish_reason"] == "stop" and final[1]["usage"]["completion_tokens"] == len(ids) + 1
+    assert [e.type for e in final] == ["token", "done"] and final[0].text == " Hello"
+    assert final[1].finish_reason == "stop" and final[1].usage["completion_tokens"] == len(ids) + 1
 
 
 def test_a_completed_stop_string_is_never_shown_and_ends_as_stop(smollm2):
@@ -300,8 +300,9 @@ def test_a_completed_stop_string_is_never_shown_and_ends_as_stop(smollm2):
         if proc.stop_string_hit:
             break
     shown += proc.process(RequestOutput(finish_reason="stop"))
-    assert "".join(e["text"] for e in shown if e["type"] == "token") == "Hello"
-    assert shown[-1]["type"] == "done" and shown[-1]["finish_reason"] == "stop"
+    assert "".join(e.text for e in shown if isinstance(e, TokenEvent)) == "Hello"
+    assert isinstance(shown[-1], DoneEvent) and shown[-1].finish_reason == "stop"
+    assert shown[-1].to_json()["type"] == "done" and "trace" not in shown[-1].to_json()  # the websocket's JSON
 
 
 @pytest.mark.processes

@@ -21,7 +21,7 @@ from services.gateway.config import (
 )
 from services.gateway.events import RequestHandle, RequestRegistry
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.output import OutputProcessor
+from services.gateway.output import END_EVENTS, ClientEvent, OutputProcessor
 from services.gateway.replicas import Replicas
 from services.gateway.request import Request, RequestOutput, TraceCapture, new_seq_id
 from services.gateway.scheduler import QueueFull
@@ -182,7 +182,7 @@ class Gateway:
         proc = handle.processor
         already_stopped = proc.stop_string_hit
         for ev in proc.process(out):
-            if ev["type"] != "token":
+            if isinstance(ev, END_EVENTS):
                 _log_access(seq)  # logged before any reader sees the end
             handle.log.append(ev)
         if handle.log.ended:
@@ -190,7 +190,7 @@ class Gateway:
         elif proc.stop_string_hit and not already_stopped:
             self.replicas.finish(seq, "stop")
 
-    async def events(self, handle: RequestHandle, start: int = 0) -> AsyncIterator[tuple[int, dict]]:
+    async def events(self, handle: RequestHandle, start: int = 0) -> AsyncIterator[tuple[int, ClientEvent]]:
         """(offset, event) of the request's client events from offset `start`, ending with its done or error event.
         Reading takes nothing from the log: other readers, and later ones, see the same events."""
         self.open_streams += 1

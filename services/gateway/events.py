@@ -16,11 +16,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from services.gateway.output import OutputProcessor
+from services.gateway.output import END_EVENTS, ClientEvent, OutputProcessor
 from services.gateway.request import Request
 from services.gateway.schemas import GenerationSpec
 
-END_EVENTS = ("done", "error")  # a log's last event is exactly one of these
 KEEP_ENDED = 256  # ended requests whose logs stay readable (the most recently ended ones) ...
 KEEP_ENDED_S = 600.0  # ... for at most this long after they ended (OpenAI keeps a background stream ~10 minutes)
 
@@ -30,23 +29,23 @@ class EventLog:
     event; read by following, from any offset, as often as anyone likes."""
 
     def __init__(self):
-        self.events: list[dict] = []
+        self.events: list[ClientEvent] = []
         self._more = asyncio.Event()  # set (and replaced) by each append: wakes every follower at once
 
     @property
     def ended(self) -> bool:
-        return bool(self.events) and self.events[-1]["type"] in END_EVENTS
+        return bool(self.events) and isinstance(self.events[-1], END_EVENTS)
 
-    def append(self, event: dict) -> int:
+    def append(self, event: ClientEvent) -> int:
         """Add the next event; returns its offset."""
         if self.ended:
-            raise RuntimeError(f"the log already ended with {self.events[-1]['type']!r}; nothing follows it")
+            raise RuntimeError(f"the log already ended with {self.events[-1].type!r}; nothing follows it")
         self.events.append(event)
         self._more.set()
         self._more = asyncio.Event()
         return len(self.events) - 1
 
-    async def follow(self, start: int = 0) -> AsyncIterator[tuple[int, dict]]:
+    async def follow(self, start: int = 0) -> AsyncIterator[tuple[int, ClientEvent]]:
         """(offset, event) from offset `start` on, waiting for events not appended yet, until the end event."""
         if start < 0:
             raise ValueError(f"an offset is >= 0, got {start}")
@@ -56,7 +55,7 @@ class EventLog:
             while offset < len(self.events):
                 event = self.events[offset]
                 yield offset, event
-                if event["type"] in END_EVENTS:
+                if isinstance(event, END_EVENTS):
                     return
                 offset += 1
             await more.wait()

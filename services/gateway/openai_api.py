@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 
@@ -13,10 +14,11 @@ from aiohttp import web
 from services.gateway.config import BODY_READ_TIMEOUT_S
 from services.gateway.core import GATEWAY
 from services.gateway.events import RequestHandle
+from services.gateway.output import DoneEvent, ErrorEvent, TokenEvent
 from services.gateway.replicas import SESSION_HEADER
 from services.gateway.request import Request
 from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
-from services.gateway.tools import ToolCallParser
+from services.gateway.tools import CallStarted, ContentDelta, ToolCallParser, ToolEvent
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -60,23 +62,23 @@ class OpenAIShape:
                      "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": model_id}
 
-    def logprobs_field(self, events: list[dict]) -> dict | None:
+    def logprobs_field(self, events: list[TokenEvent]) -> dict | None:
         """The choice's "logprobs" for these token events (in order, the next after those already shaped)."""
         if not self.logprobs:
             return None
         if self.chat:
-            return {"content": [{**_chat_token(e["token_text"], e["logprob"]),
+            return {"content": [{**_chat_token(e.token_text, e.logprob),
                                  "top_logprobs": [_chat_token(a["text"], a["logprob"])
-                                                  for a in e.get("top_logprobs", [])]}
-                                for e in events if e.get("logprob") is not None]}
+                                                  for a in e.top_logprobs or ()]}
+                                for e in events if e.logprob is not None]}
         offsets = []
         for e in events:
             offsets.append(self.text_offset)
-            self.text_offset += len(e["text"])
-        field = {"tokens": [e.get("token_text", e["text"]) for e in events],
-                 "token_logprobs": [e["logprob"] for e in events], "text_offset": offsets}
+            self.text_offset += len(e.text)
+        field = {"tokens": [e.token_text if e.token_text is not None else e.text for e in events],
+                 "token_logprobs": [e.logprob for e in events], "text_offset": offsets}
         if self.top_logprobs:
-            field["top_logprobs"] = [_completion_top(e["top_logprobs"]) if "top_logprobs" in e else None
+            field["top_logprobs"] = [_completion_top(e.top_logprobs) if e.top_logprobs is not None else None
                                      for e in events]
         return field
 
@@ -84,46 +86,46 @@ class OpenAIShape:
         key = "delta" if self.chat else "text"
         return {**self.base, "choices": [{"index": 0, key: delta_or_text, "finish_reason": finish, "logprobs": logprobs}]}
 
-    def token_chunk(self, ev: dict) -> dict:
-        return self.chunk({"content": ev["text"]} if self.chat else ev["text"], logprobs=self.logprobs_field([ev]))
+    def token_chunk(self, ev: TokenEvent) -> dict:
+        return self.chunk({"content": ev.text} if self.chat else ev.text, logprobs=self.logprobs_field([ev]))
 
-    def final_chunk(self, done: dict) -> dict:
-        return self.chunk({} if self.chat else "", finish=done["finish_reason"])
+    def final_chunk(self, done: DoneEvent) -> dict:
+        return self.chunk({} if self.chat else "", finish=done.finish_reason)
 
-    def usage_chunk(self, done: dict) -> dict:
-        return {**self.base, "choices": [], "usage": done["usage"]}
+    def usage_chunk(self, done: DoneEvent) -> dict:
+        return {**self.base, "choices": [], "usage": done.usage}
 
-    def tool_chunks(self, events: list[tuple]) -> list[dict]:
+    def tool_chunks(self, events: list[ToolEvent]) -> list[dict]:
         """ToolCallParser events -> chat chunks: content deltas, then each call's start and argument fragments."""
         chunks = []
         for ev in events:
-            if ev[0] == "content":
-                chunks.append(self.chunk({"content": ev[1]}))
-            elif ev[0] == "call":
-                chunks.append(self.chunk({"tool_calls": [{"index": ev[1], "id": ev[2], "type": "function",
-                                                          "function": {"name": ev[3], "arguments": ""}}]}))
+            if isinstance(ev, ContentDelta):
+                chunks.append(self.chunk({"content": ev.text}))
+            elif isinstance(ev, CallStarted):
+                chunks.append(self.chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                                          "function": {"name": ev.name, "arguments": ""}}]}))
             else:
-                chunks.append(self.chunk({"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}))
+                chunks.append(self.chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.fragment}}]}))
         return chunks
 
-    def response(self, tokens: list[dict], done: dict, tools: ToolCallParser | None = None) -> dict:
-        text = "".join(e["text"] for e in tokens)
-        choice = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": self.logprobs_field(tokens)}
+    def response(self, tokens: list[TokenEvent], done: DoneEvent, tools: ToolCallParser | None = None) -> dict:
+        text = "".join(e.text for e in tokens)
+        choice = {"index": 0, "finish_reason": done.finish_reason, "logprobs": self.logprobs_field(tokens)}
         if tools is not None:
             events = tools.push(text) + tools.finish()
-            content = "".join(ev[1] for ev in events if ev[0] == "content")
+            content = "".join(ev.text for ev in events if isinstance(ev, ContentDelta))
             choice["message"] = {"role": "assistant", "content": content or None}
             if tools.calls:
                 choice["message"]["tool_calls"] = tools.calls
-                choice["finish_reason"] = finish_with_calls(done["finish_reason"])
+                choice["finish_reason"] = finish_with_calls(done.finish_reason)
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         body = {**self.base, "object": "chat.completion" if self.chat else "text_completion", "choices": [choice],
-                "usage": done["usage"], "timings": done["timings"]}
-        if "trace" in done:
-            body["trace"] = done["trace"]
+                "usage": done.usage, "timings": done.timings}
+        if done.trace is not None:
+            body["trace"] = done.trace
         return body
 
 
@@ -136,8 +138,8 @@ def _tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
     return ToolCallParser(forced=spec.forced_tool) if spec.tools is not None else None
 
 
-def _error_status(ev: dict) -> RequestError:
-    return RequestError(ev["message"], status=504 if ev["code"] == "timeout" else 503, code=ev["code"])
+def _error_status(ev: ErrorEvent) -> RequestError:
+    return RequestError(ev.message, status=504 if ev.code == "timeout" else 503, code=ev.code)
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -151,9 +153,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         tokens = []
         async with contextlib.aclosing(gw.events(handle)) as events:
             async for _, ev in events:
-                if ev["type"] == "token":
+                if isinstance(ev, TokenEvent):
                     tokens.append(ev)
-                elif ev["type"] == "error":
+                elif isinstance(ev, ErrorEvent):
                     raise _error_status(ev)
                 else:
                     return web.json_response(shape.response(tokens, ev, _tool_parser(spec)))
@@ -175,20 +177,20 @@ async def _stream_sse(request, gw, handle: RequestHandle, shape: OpenAIShape) ->
         await send(shape.chunk({"role": "assistant", "content": ""}))
     tools = _tool_parser(spec)
     async for _, ev in gw.events(handle):
-        if ev["type"] == "token" and tools is not None:
-            for chunk in shape.tool_chunks(tools.push(ev["text"])):
+        if isinstance(ev, TokenEvent) and tools is not None:
+            for chunk in shape.tool_chunks(tools.push(ev.text)):
                 await send(chunk)
-        elif ev["type"] == "token":
-            if ev["text"] or spec.logprobs:
+        elif isinstance(ev, TokenEvent):
+            if ev.text or spec.logprobs:
                 await send(shape.token_chunk(ev))
-        elif ev["type"] == "error":
-            await send({"error": {"message": ev["message"], "type": "server_error", "code": ev["code"]}})
+        elif isinstance(ev, ErrorEvent):
+            await send({"error": {"message": ev.message, "type": "server_error", "code": ev.code}})
         else:
             if tools is not None:
                 for chunk in shape.tool_chunks(tools.finish()):
                     await send(chunk)
                 if tools.calls:
-                    ev = {**ev, "finish_reason": finish_with_calls(ev["finish_reason"])}
+                    ev = dataclasses.replace(ev, finish_reason=finish_with_calls(ev.finish_reason))
             await send(shape.final_chunk(ev))
             if spec.include_usage:
                 await send(shape.usage_chunk(ev))

@@ -2,8 +2,8 @@
 sees. It owns detokenizing (UTF-8-safe deltas), stop strings (text that could begin one is held back, a completed
 one is never shown), usage, timings and the trace JSON. The scheduler never touches text.
 
-Events are plain dicts, shaped once here; the websocket sends them as they are (plus the request's id) and the
-OpenAI handlers turn them into chunks:
+Events are typed (TokenEvent, DoneEvent, ErrorEvent), made once here; the websocket sends each one's to_json() (plus
+the client's id for the stream) and the OpenAI handlers turn them into chunks. Their JSON:
   {"type": "token", "index", "text", "token_id", "logprob"}    text may be "" while text is held back
     with logprobs also "token_text" (the token's own text), with top_logprobs k also "top_logprobs":
     [{"token_id", "text", "logprob"}] x k, most likely first
@@ -13,11 +13,70 @@ OpenAI handlers turn them into chunks:
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+from typing import ClassVar, Union
+
 from services.gateway.request import Request, RequestOutput
 from shared.sampling import TopLogprobs
 from shared.streaming import TextStream
 from shared.tokenizer import GgufTokenizer
 from shared.trace import HookCapture, TraceRecorder
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token's text (index: its place in the answer; text "" while held back for a stop string; a
+    token_id of None: held-back text released at the end)."""
+
+    index: int
+    text: str
+    token_id: int | None
+    logprob: float | None
+    token_text: str | None = None  # the token's own text, when logprobs were asked
+    top_logprobs: tuple[dict, ...] | None = None  # ({"token_id", "text", "logprob"}, ...), most likely first
+    type: ClassVar[str] = "token"
+
+    def to_json(self) -> dict:
+        out = {"type": self.type, "index": self.index, "text": self.text, "token_id": self.token_id,
+               "logprob": self.logprob}
+        if self.token_text is not None:
+            out["token_text"] = self.token_text
+        if self.top_logprobs is not None:
+            out["top_logprobs"] = list(self.top_logprobs)
+        return out
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The answer ended: why, its usage and timings (and its trace, when it asked for one)."""
+
+    finish_reason: str
+    usage: dict
+    timings: dict
+    trace: dict | None = None
+    type: ClassVar[str] = "done"
+
+    def to_json(self) -> dict:
+        out = {"type": self.type, **{k: v for k, v in asdict(self).items() if k != "trace"}}
+        if self.trace is not None:
+            out["trace"] = self.trace
+        return out
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed (code: a finish reason such as timeout or error, or a refusal's code)."""
+
+    code: str
+    message: str
+    type: ClassVar[str] = "error"
+
+    def to_json(self) -> dict:
+        return {"type": self.type, "code": self.code, "message": self.message}
+
+
+ClientEvent = Union[TokenEvent, DoneEvent, ErrorEvent]
+END_EVENTS = (DoneEvent, ErrorEvent)  # a request's events end with exactly one of these
 
 
 def _ms(a: float | None, b: float | None) -> float | None:
@@ -46,8 +105,8 @@ class OutputProcessor:
     def stop_string_hit(self) -> bool:
         return self.stream.stopped
 
-    def process(self, out: RequestOutput) -> list[dict]:
-        events: list[dict] = []
+    def process(self, out: RequestOutput) -> list[ClientEvent]:
+        events: list[ClientEvent] = []
         if out.token is not None and not self.stream.stopped:
             self.completion_tokens += 1
             if out.finish_reason != "stop":  # a stop id (EOS) ends the text; it is not part of it
@@ -56,7 +115,7 @@ class OutputProcessor:
         if out.finish_reason is None:
             return events
         if out.error is not None:
-            events.append({"type": "error", "code": out.finish_reason, "message": out.error})
+            events.append(ErrorEvent(out.finish_reason, out.error))
             return events
         tail = self.stream.finish()  # text held back for a stop string that never completed
         if tail:
@@ -65,29 +124,26 @@ class OutputProcessor:
         return events
 
     def _token(self, text: str, token_id: int | None, logprob: float | None,
-               top: TopLogprobs | None = None) -> dict:
-        ev = {"type": "token", "index": self.completion_tokens - 1, "text": text, "token_id": token_id,
-              "logprob": logprob}
-        if logprob is not None:
-            ev["token_text"] = self._own_text(token_id)
-        if top is not None:
-            ev["top_logprobs"] = [{"token_id": t, "text": self._own_text(t), "logprob": lp} for t, lp in top]
-        return ev
+               top: TopLogprobs | None = None) -> TokenEvent:
+        alternatives = None if top is None else tuple({"token_id": t, "text": self._own_text(t), "logprob": lp}
+                                                      for t, lp in top)
+        return TokenEvent(self.completion_tokens - 1, text, token_id, logprob,
+                          self._own_text(token_id) if logprob is not None else None, alternatives)
 
     def _own_text(self, token_id: int) -> str:
         """One token's text by itself (not a UTF-8-safe delta: a token holding part of a character decodes to
         U+FFFD)."""
         return self.tokenizer.decode([token_id], skip_special=False)
 
-    def _done(self, reason: str) -> dict:
+    def _done(self, reason: str) -> DoneEvent:
         seq = self.seq
         usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": self.completion_tokens,
                  "total_tokens": len(seq.prompt_ids) + self.completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
-        done = {"type": "done", "finish_reason": reason, "usage": usage, "timings": timings(seq)}
+        trace = None
         if seq.capture is not None:
             captures = [HookCapture.from_wire(c) for c in seq.capture.captures]
-            done["trace"] = TraceRecorder(captures, seq.output_ids, len(seq.prompt_ids)).to_json(seq.prompt_ids)
+            trace = TraceRecorder(captures, seq.output_ids, len(seq.prompt_ids)).to_json(seq.prompt_ids)
             # over its budget: the captures stop at some step; say so rather than look like a complete trace
-            done["trace"]["truncated"] = seq.capture.truncated
-        return done
+            trace["truncated"] = seq.capture.truncated
+        return DoneEvent(reason, usage, timings(seq), trace)

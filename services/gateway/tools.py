@@ -14,6 +14,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Union
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -75,14 +76,41 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+@dataclass(frozen=True)
+class ContentDelta:
+    """Answer text outside any call."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    """Call `index` begins: its id and function name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    """The next fragment of call `index`'s arguments (JSON text)."""
+
+    index: int
+    fragment: str
+
+
+ToolEvent = Union[ContentDelta, CallStarted, ArgumentsDelta]
+
+
 # The forced answer's opening, exactly as the grammar writes it (shared.grammar.JSON_STYLE separators).
 _FORCED_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
 
 
 @dataclass
 class ToolCallParser:
-    """Generated text -> content and tool calls, as it streams. `push(text)` returns events in order:
-    ("content", text), ("call", index, id, name), ("arguments", index, fragment); `finish()` the rest.
+    """Generated text -> content and tool calls, as it streams. `push(text)` returns ToolEvents in order
+    (ContentDelta, CallStarted, ArgumentsDelta); `finish()` the rest.
 
     forced: the whole text is one call's JSON object (the grammar made it so); its arguments stream as they come,
     less the closing brace. Otherwise content streams until a <tool_call> tag (text that could begin one is held
@@ -93,11 +121,11 @@ class ToolCallParser:
     _buffer: str = ""
     _in_call: bool = False  # (not forced) inside <tool_call>...</tool_call>
 
-    def push(self, text: str) -> list[tuple]:
+    def push(self, text: str) -> list[ToolEvent]:
         self._buffer += text
         return self._forced() if self.forced else self._tagged()
 
-    def finish(self) -> list[tuple]:
+    def finish(self) -> list[ToolEvent]:
         if self.forced:
             events = self._forced()
             if self.calls:  # the rest, less the object's closing brace
@@ -105,31 +133,31 @@ class ToolCallParser:
                 self._buffer = ""
                 if rest:
                     self.calls[-1]["function"]["arguments"] += rest
-                    events.append(("arguments", 0, rest))
+                    events.append(ArgumentsDelta(0, rest))
             return events
         if self._in_call or not self._buffer:
             return []  # an unfinished call is not a call
         text, self._buffer = self._buffer, ""
-        return [("content", text)] if not self.calls else []
+        return [ContentDelta(text)] if not self.calls else []
 
-    def _forced(self) -> list[tuple]:
-        events: list[tuple] = []
+    def _forced(self) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
         if not self.calls:
             m = _FORCED_HEAD.match(self._buffer)
             if m is None:
                 return events
             name = json.loads(f'"{m.group(1)}"')
             self.calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}})
-            events.append(("call", 0, self.calls[0]["id"], name))
+            events.append(CallStarted(0, self.calls[0]["id"], name))
             self._buffer = self._buffer[m.end():]
         if len(self._buffer) > 1:  # hold back the last character: it may be the object's closing brace
             fragment, self._buffer = self._buffer[:-1], self._buffer[-1:]
             self.calls[0]["function"]["arguments"] += fragment
-            events.append(("arguments", 0, fragment))
+            events.append(ArgumentsDelta(0, fragment))
         return events
 
-    def _tagged(self) -> list[tuple]:
-        events: list[tuple] = []
+    def _tagged(self) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
         while True:
             if self._in_call:
                 end = self._buffer.find(CALL_CLOSE)
@@ -142,7 +170,7 @@ class ToolCallParser:
             start = self._buffer.find(CALL_OPEN)
             if start >= 0:
                 if start and not self.calls:
-                    events.append(("content", self._buffer[:start]))
+                    events.append(ContentDelta(self._buffer[:start]))
                 self._buffer = self._buffer[start + len(CALL_OPEN):]
                 self._in_call = True
                 continue
@@ -153,11 +181,11 @@ class ToolCallParser:
             keep = _open_prefix(self._buffer)
             emit = self._buffer[:len(self._buffer) - keep]
             if emit:
-                events.append(("content", emit))
+                events.append(ContentDelta(emit))
             self._buffer = self._buffer[len(emit):]
             return events
 
-    def _call(self, body: str) -> list[tuple]:
+    def _call(self, body: str) -> list[ToolEvent]:
         try:
             obj = json.loads(body)
         except ValueError:
@@ -167,7 +195,7 @@ class ToolCallParser:
         index = len(self.calls)
         args = json.dumps(obj["arguments"])
         self.calls.append({"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}})
-        return [("call", index, self.calls[index]["id"], obj["name"]), ("arguments", index, args)]
+        return [CallStarted(index, self.calls[index]["id"], obj["name"]), ArgumentsDelta(index, args)]
 
 
 def _open_prefix(text: str) -> int:

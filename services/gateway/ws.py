@@ -96,7 +96,7 @@ class WsSession:
     async def pump(self, rid: str, handle: RequestHandle) -> None:
         try:
             async for _, ev in self.gw.events(handle):
-                await self.ws.send_json({**ev, "id": rid})
+                await self.ws.send_json({**ev.to_json(), "id": rid})
         finally:
             self.active.pop(rid, None)
 
