@@ -299,3 +299,67 @@ def _neutralise(value, markup: tuple[str, ...]):
     if isinstance(value, (list, tuple)):
         return [_neutralise(v, markup) for v in value]
     return value
+
+
+# ---- templates for files that carry none --------------------------------------------------------------------------
+# Chat formats by family, as their models were trained on them (the families llama.cpp recognises without a template
+# too). A file's own tokenizer.chat_template always wins; --chat-template NAME|FILE chooses one; otherwise
+# detect_template() picks the family whose turn markers the vocabulary holds as control tokens.
+
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+               "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"),
+    "gemma": ("{{ bos_token }}{%- if messages and messages[0]['role'] == 'system' -%}"
+              "{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}"
+              "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+              "{%- for m in turns -%}{%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}"
+              "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') + m['content'] | trim"
+              " + '<end_of_turn>\n' }}{%- endfor -%}"
+              "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"),
+    "llama3": ("{{ bos_token }}{%- for m in messages -%}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n'"
+               " + m['content'] | trim + '<|eot_id|>' }}{%- endfor -%}"
+               "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}"),
+    "phi3": ("{%- for m in messages -%}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{%- endfor -%}"
+             "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}"),
+    "mistral": ("{{ bos_token }}{%- if messages and messages[0]['role'] == 'system' -%}"
+                "{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}"
+                "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+                "{%- for m in turns -%}{%- if m['role'] == 'user' -%}"
+                "{{ '[INST] ' + (prefix if loop.first else '') + m['content'] + '[/INST]' }}"
+                "{%- else -%}{{ m['content'] + eos_token }}{%- endif -%}{%- endfor -%}"),
+}
+# the family's turn markers (control tokens of its vocabulary), checked in this order
+FAMILY_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gemma", ("<start_of_turn>", "<end_of_turn>")),
+    ("llama3", ("<|start_header_id|>", "<|eot_id|>")),
+    ("chatml", ("<|im_start|>", "<|im_end|>")),
+    ("phi3", ("<|assistant|>", "<|end|>")),
+    ("mistral", ("[INST]", "[/INST]")),
+)
+MAX_TEMPLATE_FILE_BYTES = 1 << 16
+
+
+def detect_template(control_texts) -> str | None:
+    """The built-in template whose family's turn markers are all control tokens of this vocabulary; None if none."""
+    have = set(control_texts)
+    return next((name for name, markers in FAMILY_MARKERS if have.issuperset(markers)), None)
+
+
+def template_source(choice: str) -> tuple[str, str]:
+    """--chat-template's value -> (the template's source, how to name it): a built-in name, or a file of at most
+    MAX_TEMPLATE_FILE_BYTES. ChatTemplateError says which names exist."""
+    if choice in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[choice], f"built-in {choice}"
+    import os
+
+    if not os.path.isfile(choice):
+        raise ChatTemplateError(f"--chat-template {choice!r} is neither a built-in template "
+                                f"({', '.join(BUILTIN_TEMPLATES)}) nor a file")
+    if os.path.getsize(choice) > MAX_TEMPLATE_FILE_BYTES:
+        raise ChatTemplateError(f"--chat-template {choice}: larger than {MAX_TEMPLATE_FILE_BYTES} bytes")
+    try:
+        with open(choice, encoding="utf-8") as f:
+            return f.read(), f"file {os.path.basename(choice)}"
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatTemplateError(f"--chat-template {choice}: cannot be read as UTF-8 text ({e})") from None
+

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from shared.chat_template import ChatTemplate
+from shared.chat_template import BUILTIN_TEMPLATES, ChatTemplate, detect_template, template_source
 from shared.gguf_loader import GgufLoader
 from shared.model_registry import resolve_model
 from shared.models import ModelConfig
@@ -20,10 +20,29 @@ if TYPE_CHECKING:
 class ModelFiles:
     name: str
     loader: GgufLoader
+    chat_template_choice: str | None = None  # --chat-template: a built-in name or a file (None: the file's, or detected)
 
     @classmethod
-    def open(cls, name: str) -> ModelFiles:
-        return cls(name, GgufLoader(resolve_model(name)))
+    def open(cls, name: str, chat_template: str | None = None) -> ModelFiles:
+        files = cls(name, GgufLoader(resolve_model(name)), chat_template)
+        _ = files._template  # a --chat-template that names nothing fails here, before anything serves
+        return files
+
+    @cached_property
+    def _template(self) -> tuple[str | None, str]:
+        """(the chat template's source, where it comes from: "file", "built-in NAME (detected)", ...)."""
+        if self.chat_template_choice is not None:
+            return template_source(self.chat_template_choice)
+        if self.loader.chat_template:
+            return self.loader.chat_template, "the model file"
+        name = detect_template(self.tokenizer.control_texts)
+        if name is None:
+            return None, "none"
+        return BUILTIN_TEMPLATES[name], f"built-in {name} (the file has none; detected by its turn markers)"
+
+    @property
+    def chat_template_origin(self) -> str:
+        return self._template[1]
 
     @cached_property
     def config(self) -> ModelConfig:
@@ -42,7 +61,9 @@ class ModelFiles:
 
     @cached_property
     def chat_template(self) -> ChatTemplate | None:
-        src = self.loader.chat_template
+        """The template chat requests render through: --chat-template's (chat_template_choice), else the file's own,
+        else its family's detected by the vocabulary's turn markers (detect_template); None when there is none."""
+        src = self._template[0]
         if not src:
             return None
         tok = self.tokenizer
@@ -56,7 +77,9 @@ class ModelFiles:
         from shared.errors import ChatTemplateError
 
         if self.chat_template is None:
-            raise ChatTemplateError(f"{self.loader.path} has no tokenizer.chat_template; send a plain prompt instead")
+            raise ChatTemplateError("this model's file has no chat template and its family is not one stagemesh knows "
+                                    "by its turn markers: start it with --chat-template NAME|FILE (built-in: "
+                                    f"{', '.join(BUILTIN_TEMPLATES)}), or send a plain prompt to /v1/completions")
         tok = self.tokenizer
         segments = self.chat_template.render_segments(messages, add_generation_prompt=True, markup=tok.control_texts)
         bos = self.chat_template.bos_token

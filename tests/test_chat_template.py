@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from shared.chat_template import ChatTemplate
+from shared.chat_template import BUILTIN_TEMPLATES, ChatTemplate, detect_template
 from shared.errors import ChatTemplateError
+from shared.model_files import ModelFiles
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -79,3 +80,79 @@ def test_render_segments_tell_client_text_from_template_text(source):
     template_text = "".join(text for text, client in segments if not client)
     assert "why" not in template_text and "hello" not in template_text.lower() and "user" not in template_text
     assert template_text.count("<t>") == 1 and template_text.count("</t>") == 1  # the template's own, only
+
+
+# ---- templates for files that carry none (--chat-template, detection by turn markers) -------------------------------
+
+def _conversation(system: bool) -> list[dict]:
+    msgs = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+            {"role": "user", "content": " And 3+3? "}]
+    return ([{"role": "system", "content": "Answer briefly."}] if system else []) + msgs
+
+
+@pytest.mark.parametrize("name, official, bos, eos, system", [
+    ("gemma", "GEMMA3_TEMPLATE", "<bos>", "<eos>", True),  # Gemma 3's own (its system turn joins the first user one)
+    ("llama3", "LLAMA3_TEMPLATE", "<|begin_of_text|>", "<|eot_id|>", True),
+    ("phi3", "PHI3_TEMPLATE", "<s>", "<|endoftext|>", True),
+    ("mistral", "MISTRAL_TEMPLATE", "<s>", "</s>", False),  # Mistral's drops a system turn; ours joins it to the first
+], ids=["gemma", "llama3", "phi3", "mistral"])
+def test_each_built_in_template_renders_as_its_familys_own(name, official, bos, eos, system):
+    from tests import test_architectures, test_prompt_injection
+
+    source = getattr(test_architectures, official, None) or getattr(test_prompt_injection, official)
+    for with_system in {system, False}:
+        msgs = _conversation(with_system)
+        ours = ChatTemplate(BUILTIN_TEMPLATES[name], bos_token=bos, eos_token=eos).render(
+            [dict(m) for m in msgs], add_generation_prompt=True)
+        theirs = ChatTemplate(source, bos_token=bos, eos_token=eos).render([dict(m) for m in msgs],
+                                                                           add_generation_prompt=True)
+        assert ours == theirs
+
+
+def test_chatml_renders_as_smollm2s_own(smollm2):
+    msgs = _conversation(True)  # with a system turn: SmolLM2's template adds a default one only when there is none
+    ours = ChatTemplate(BUILTIN_TEMPLATES["chatml"]).render([dict(m) for m in msgs], add_generation_prompt=True)
+    assert ours == smollm2.chat_template.render([dict(m) for m in msgs], add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("markers, family", [
+    (("<start_of_turn>", "<end_of_turn>", "<eos>"), "gemma"),
+    (("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "llama3"),
+    (("<|im_start|>", "<|im_end|>"), "chatml"),
+    (("<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"), "phi3"),
+    (("[INST]", "[/INST]", "</s>"), "mistral"),
+    (("<|im_start|>",), None),  # half a family's markers is none
+    ((), None),
+])
+def test_a_family_is_detected_by_all_of_its_turn_markers(markers, family):
+    assert detect_template(markers) == family
+
+
+def test_a_model_without_a_template_is_refused_with_what_to_do_and_no_path(tmp_path):
+    from benchmarks.tiny_gguf import write_vocab_gguf
+
+    path = write_vocab_gguf(str(tmp_path / "plain.gguf"), model="llama")  # SentencePiece, no turn markers
+    files = ModelFiles.open(path)
+    assert files.chat_template is None and files.chat_template_origin == "none"
+    with pytest.raises(ChatTemplateError) as e:
+        files.chat_prompt_ids([{"role": "user", "content": "Hi"}])
+    assert "--chat-template" in str(e.value) and "/v1/completions" in str(e.value) and str(tmp_path) not in str(e.value)
+    chosen = ModelFiles.open(path, "chatml")
+    assert chosen.chat_template_origin == "built-in chatml" and chosen.chat_prompt_ids([{"role": "user", "content": "Hi"}])
+    (tmp_path / "mine.jinja").write_text("{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    assert ModelFiles.open(path, str(tmp_path / "mine.jinja")).chat_template.render(
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a|b|"
+    with pytest.raises(ChatTemplateError, match="neither a built-in template .*chatml.* nor a file"):
+        ModelFiles.open(path, "no-such-template")
+
+
+@pytest.mark.reference  # the real Gemma 3 270M file comes with the reference packages (make install-reference)
+def test_gemma3_270m_chats_with_its_familys_template():
+    files = ModelFiles.open("gemma3-270m")
+    assert files.loader.chat_template is None and files.chat_template_origin.startswith("built-in gemma")
+    ids = files.chat_prompt_ids(_conversation(True))
+    text = files.tokenizer.decode(ids, skip_special=False)
+    assert text.startswith("<bos><start_of_turn>user\nAnswer briefly.\n\nWhat is 2+2?<end_of_turn>\n")
+    assert text.endswith("<start_of_turn>model\n")
+    turn = files.tokenizer.control["<start_of_turn>"]
+    assert ids.count(turn) == 4  # the markers are control tokens, not text

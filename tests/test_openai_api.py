@@ -414,3 +414,21 @@ async def test_websocket_token_events_carry_top_logprobs(gateway):
             assert len(top) == k and _descending([a["logprob"] for a in top])
             assert (top[0]["token_id"], top[0]["logprob"], top[0]["text"]) == (ev["token_id"], ev["logprob"],
                                                                                ev["token_text"])
+
+
+# ---- a model whose file carries no chat template (issue: the documented second model could not chat) ---------------
+
+@pytest.mark.reference  # the real Gemma 3 270M file comes with the reference packages (make install-reference)
+def test_gemma3_270m_chats_through_the_sdk_under_the_name_it_is_served_as(up):
+    gemma = up("--model", "gemma3-270m", "--served-model-name", "gemma-small")
+    client = openai.OpenAI(base_url=gemma.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["gemma-small"]
+    reply = client.chat.completions.create(model="gemma-small", max_tokens=16, temperature=0, messages=[
+        {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What colour is the sky?"}])
+    answer = reply.choices[0].message.content
+    assert reply.model == "gemma-small" and answer and answer.strip(), reply
+    assert "<start_of_turn>" not in answer and "<end_of_turn>" not in answer  # the turn ended on its marker
+    assert reply.usage.prompt_tokens > 10  # the template's turns around the messages
+    stream = client.chat.completions.create(model="gemma-small", max_tokens=16, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": "What colour is the sky?"}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).strip()

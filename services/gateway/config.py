@@ -62,6 +62,12 @@ class GatewayConfig:
                                             "headers within it", unit="seconds")
     allow_trace: bool = knob(False, "answer requests with \"trace\": true (every layer's activations of that request: "
                                     "an operator's debugging tool; `stagemesh trace` needs it)")
+    chat_template: str | None = knob(
+        None, "render chat requests with this template: a built-in name (chatml, gemma, llama3, phi3, mistral) or "
+              "a Jinja file", metavar="NAME|FILE",
+        unset="the model file's own; for a file without one, its family's (by its turn markers)")
+    served_model_name: str | None = knob(None, "the model's name in the API (/v1/models, each response's model)",
+                                         metavar="NAME", unset="--model's alias, or the file's name without .gguf")
     trace_budget: int = knob(64 << 20, "activation bytes one traced request may collect (e.g. 16M); beyond it the "
                                        "trace stops and says so", unit="bytes", parse=parse_bytes)
 

@@ -66,7 +66,8 @@ class PipelineSpec:
 
 def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
     """The gateway over one or several pipelines (replicas of the same model, each checked on its own)."""
-    files = ModelFiles.open(model)
+    config = gateway_config_from_args(args, model)
+    files = ModelFiles.open(model, config.chat_template)
     seen: set[str] = set()
     for spec in specs:
         for u in spec.stage_urls:
@@ -88,7 +89,6 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
         key_set.check_stages(len(specs[0].stage_urls), "the gateway's --stages")
         keys = key_set.for_gateway()
     scheduling = config_from_args(SchedulerConfig, args)
-    config = gateway_config_from_args(args, model)
     pipelines = [Pipeline(s.stage_urls, s.result_listen, files.loader.fingerprint, files.config.num_layers,
                           s.first_stage, keys=keys, stall_s=scheduling.stall_timeout_s) for s in specs]
     # K = stages: each stage has a micro-batch to work on; more splits the running sequences into smaller
@@ -101,8 +101,11 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
 
 
 def gateway_config_from_args(args, model: str) -> GatewayConfig:
-    """The GatewayConfig of `gateway`'s (or `up`'s) flags, the model's name and $STAGEMESH_API_KEY; validated."""
-    return config_from_args(GatewayConfig, args, model_id=model, api_key=os.environ.get(API_KEY_ENV) or None)
+    """The GatewayConfig of `gateway`'s (or `up`'s) flags, the model's name and $STAGEMESH_API_KEY; validated. The
+    model's name in the API is --served-model-name, else --model as given when it is an alias, else the file's name
+    without .gguf (never a path of this machine)."""
+    name = args.served_model_name or os.path.basename(model).removesuffix(".gguf")
+    return config_from_args(GatewayConfig, args, model_id=name, api_key=os.environ.get(API_KEY_ENV) or None)
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:
