@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 README = os.path.join(ROOT, "README.md")
 PAGES = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
-MAX_README_LINES = 300
+MAX_README_LINES = 200
 
 FENCE = re.compile(r"^(```|~~~)")
 INLINE_CODE = re.compile(r"(`+)(.+?)\1")
