@@ -10,12 +10,20 @@ import sys
 from shared.errors import StagemeshError
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A parser that takes flags only as written: `--stage 3` is an error, never `--stages 3` by abbreviation."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from services import local
 
-    parser = argparse.ArgumentParser(prog="stagemesh", description="Serve a GGUF model as a mesh of pipeline stages.")
+    parser = CommandParser(prog="stagemesh", description="Serve a GGUF model as a mesh of pipeline stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     local.register(sub)
     for module in ("services.stage.main", "services.gateway.main", "services.up", "services.keys_cli",
                    "services.trace_cli", "services.status", "services.plan_cli", "loadtest.cli"):
@@ -29,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     except StagemeshError as e:  # a flag default from the environment that is not valid (STAGEMESH_*)
         print(f"stagemesh: error: {e}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, with its usage (not the top level's)
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

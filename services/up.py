@@ -31,6 +31,7 @@ from services.gateway.core import GATEWAY
 from services.gateway.main import PipelineSpec, build_app, gateway_config_from_args
 from services.keys_cli import add_security_args
 from services.launch import LocalMesh, start_mesh
+from shared.chat_template import template_source
 from shared.config import GATEWAY_PORT, SchedulerConfig, StageConfig
 from shared.errors import StagemeshError
 from shared.model_registry import resolve_model
@@ -130,6 +131,18 @@ def check_model(name: str) -> str:
     return path
 
 
+def model_layers(path: str) -> int:
+    """The model's layer count from its GGUF header alone (read before any stage starts: nothing is loaded)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+    except (KeyError, IndexError, ValueError, OSError) as e:
+        raise StagemeshError(f"model file {path}: its header names no layer count ({type(e).__name__})") from None
+
+
 def _say(line: str) -> None:
     print(line, flush=True)
 
@@ -143,10 +156,16 @@ def cmd_up(args) -> int:
     otlp_url = otlp_from_args(args)  # the stages export to the same collector
     stage = config_from_args(StageConfig, args)
     config_from_args(SchedulerConfig, args)  # the gateway's flags, checked now (build_app builds them again)
-    gateway_config_from_args(args, args.model)
+    gateway = gateway_config_from_args(args, args.model)
+    if gateway.chat_template is not None:
+        template_source(gateway.chat_template)  # a name that is neither built in nor a file, refused now
     log_dir = log_dir_from_args(args.log_dir)
     check_port_free(args.host, args.port)
     model_path = check_model(args.model)
+    layers = model_layers(model_path)
+    if args.stages > layers:
+        raise StagemeshError(f"--stages {args.stages}: {os.path.basename(model_path)} has {layers} layers, so at most "
+                             f"{layers} stages (each holds at least one layer)")
     many = f"{args.replicas} pipelines of " if args.replicas > 1 else ""
     _say(f"starting {many}{args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
          f"(logs in {log_dir}) ...")

@@ -68,7 +68,11 @@ def test_bad_model_exits_at_once(tmp_path, model, words):
     (["--trace-budget", "lots"], "--trace-budget"),
     (["--stall-timeout", "0"], "--stall-timeout"),
     (["--allow-origin", "example.com/x"], "--allow-origin"),
-], ids=["port-range", "stages-type", "stages-zero", "dtype", "trace-budget", "stall-timeout", "origin"])
+    (["--stages", "40"], "30 layers, so at most 30 stages"),  # SmolLM2: refused before 40 processes start
+    (["--stage", "3"], "unrecognized arguments: --stage 3"),  # never taken as --stages by abbreviation
+    (["--chat-template", "nope"], "--chat-template 'nope' is neither a built-in template"),
+], ids=["port-range", "stages-type", "stages-zero", "dtype", "trace-budget", "stall-timeout", "origin", "stages-past-layers",
+        "abbreviation", "chat-template"])
 def test_bad_flag_is_one_line(tmp_path, flags, word):
     rc, err, took = run_up("--port", str(free_port()), *flags, log_dir=str(tmp_path))  # the last --port wins
     assert_fast_one_line(rc, err, took, str(tmp_path), word)
