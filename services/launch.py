@@ -226,9 +226,9 @@ def _layers_note(url: str) -> str:
     """" (layers a:b)" from the stage's /info, or "" when it cannot be read (the note is for people, not a check)."""
     try:
         with urllib.request.urlopen(f"{url}/info", timeout=2) as r:
-            start, stop = json.loads(r.read())["layers"]
+            start, stop = StageInfo.from_json(json.loads(r.read())).layers
         return f" (layers {start}:{stop})"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):  # InfoError is a ValueError
         return ""
 
 
