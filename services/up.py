@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import errno
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -143,6 +144,23 @@ def model_layers(path: str) -> int:
         raise StagemeshError(f"model file {path}: its header names no layer count ({type(e).__name__})") from None
 
 
+GATEWAY_LOG = "gateway.log"  # in --log-dir: the gateway's log lines (the access log among them)
+
+
+def log_to_file(log_dir: str, verbose: bool) -> str:
+    """The terminal is for people: the gateway's log lines go to GATEWAY_LOG in log_dir, and only warnings and errors
+    also to the terminal (every line with -v). Returns the file's path."""
+    root = logging.getLogger()
+    if not verbose:
+        for handler in root.handlers:
+            handler.setLevel(logging.WARNING)
+    path = os.path.join(log_dir, GATEWAY_LOG)
+    to_file = logging.FileHandler(path, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root.addHandler(to_file)
+    return path
+
+
 def _say(line: str) -> None:
     print(line, flush=True)
 
@@ -161,6 +179,7 @@ def cmd_up(args) -> int:
         template_source(gateway.chat_template)  # a name that is neither built in nor a file, refused now
     log_dir = log_dir_from_args(args.log_dir)
     check_port_free(args.host, args.port)
+    log_to_file(log_dir, getattr(args, "verbose", False))
     model_path = check_model(args.model)
     layers = model_layers(model_path)
     if args.stages > layers:
