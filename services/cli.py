@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if hasattr(args, "kernel_plan"):  # a command that loads a model: its kernel plans, chosen once, here
+        from shared.kernels import plans
+
+        plans.use(plans.KernelPlans.from_flag(args.kernel_plan))
     try:
         return int(args.func(args) or 0)
     except StagemeshError as e:

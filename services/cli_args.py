@@ -38,6 +38,11 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool
                        help="bytes a stage's weights and KV cache may take, e.g. 4G: auto keeps its dense prefill "
                             "copy only where it fits (default: 80%% of the memory available at load, shared by the "
                             "stages `up` starts)")
+        p.add_argument("--kernel-plan", default=None, metavar="FILE|off",
+                       help="the kernel plans file: which kernels this machine measured fastest for each shape, read "
+                            "where it has them, measured and written where not (stages given one file pick the same "
+                            "kernels); off measures at every load (default: $STAGEMESH_KERNEL_PLANS, else "
+                            "~/.cache/stagemesh/kernel-plans.json)")
         p.add_argument("--batch-invariant", action="store_true",
                        help="each sequence's numbers independent of what else is in its micro-batch (fixed kernels "
                             "and reduction order): greedy output reproducible under any load; costs speed at large "
@@ -206,6 +211,8 @@ def model_flags(args) -> list[str]:
         flags += ["--memory-budget", str(budget)]
     if getattr(args, "compile_decode", None):
         flags += ["--compile-decode", args.compile_decode]
+    if getattr(args, "kernel_plan", None):
+        flags += ["--kernel-plan", args.kernel_plan]
     return flags
 
 

@@ -40,6 +40,7 @@ class StageInfo:
     prefetch: bool
     weights: dict  # what each matmul runs as, bytes, the memory budget's decision (StageWorker._weights_info)
     compiled_decode: dict  # shared.models.compiled_decode.CompiledDecode.info(), or {"state": "off", "reason"}
+    kernel_plans: dict  # the plans file and how many plans were read from it, measured (shared.kernels.plans)
     keys: dict | None  # its sockets' CURVE public keys (None: plaintext)
     # its KV cache
     kv_slots: int  # rows for live sequences

@@ -3,11 +3,13 @@ micro-batches (prepacked bf16 or f32) and the crossover from int4 to it. SmolLM2
 without the integer-dot kernels (where they run, auto keeps no dense copy: nothing to switch to)."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from shared.device import cpu_has_fast_bf16
+from shared.kernels.plans import KernelPlans
 from shared.models.crossover import CANDIDATES, crossover, measure_int4_crossover
 from shared.models.linear import SwitchedLinear
 from shared.runtime import StageRuntime
@@ -118,3 +120,26 @@ def test_two_loads_of_a_file_pick_the_same_kernels_and_the_second_times_nothing(
     plans.write_text(json.dumps({key: "garbage" for key in recorded}))  # a hand edit: measured again, not trusted
     assert load()[0] in (*CANDIDATES, CANDIDATES[-1] + 1)
     assert set(json.loads(plans.read_text()).values()) <= {*CANDIDATES, CANDIDATES[-1] + 1, "bfloat16", "float32"}
+
+
+def test_kernel_plans_read_what_they_measured_and_say_so(tmp_path):
+    """A plans file: the first load measures and writes a plan, the next reads it; counted either way (a stage's
+    /info shows the counts). Where the file cannot be written the plan is measured, used, and said to be unsaved."""
+    plans = KernelPlans(str(tmp_path / "plans.json"))
+    measured = []
+
+    def measure() -> str:
+        measured.append(1)
+        return "bfloat16"
+
+    valid = lambda v: v in ("bfloat16", "float32")  # noqa: E731
+    assert plans.plan("probe 8x8", measure, valid) == ("bfloat16", False)
+    assert KernelPlans(plans.path).plan("probe 8x8", measure, valid) == ("bfloat16", True)  # another process reads it
+    assert plans.plan("probe 8x8", measure, valid) == ("bfloat16", True) and len(measured) == 1
+    assert plans.info() == {"file": plans.path, "read": 1, "measured": 1, "written": True}
+    (tmp_path / "ro").mkdir(mode=0o500)
+    unsaved = KernelPlans(str(tmp_path / "ro" / "plans.json"))
+    if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere: a file in place of the directory instead
+        unsaved = KernelPlans(str(tmp_path / "plans.json" / "inside"))
+    assert unsaved.plan("probe 8x8", measure, valid) == ("bfloat16", False) and unsaved.info()["written"] is False
+    assert KernelPlans.from_flag("off").path is None and KernelPlans.from_flag("f.json").path == "f.json"

@@ -21,7 +21,7 @@ from services.stage.metrics import stage_registry
 from services.stage.stats import StageStats
 from shared.config import STAGE_DEFAULTS
 from shared.errors import BadBatch, StagemeshError
-from shared.kernels import qdot
+from shared.kernels import plans, qdot
 from shared.layers import LayerRange, StagePosition
 from shared.log_throttle import throttled
 from shared.otlp import OtlpTracer, trace_id_of
@@ -274,6 +274,7 @@ class StageWorker:
             threads=self.threads[0] if self.threads else torch.get_num_threads(),
             threads_alone=self.threads[1] if self.threads else torch.get_num_threads(),
             prefetch=self.io.prefetch, weights=self._weights_info, compiled_decode=self.runtime.compiled_decode_info(),
+            kernel_plans=plans.active().info(),
             keys=self._keys_info,
             kv_slots=kv.num_slots, kv_slots_used=kv.used_slots, kv_slots_cached=kv.kept_slots,
             kv_prefix_slots=kv.prefix_slots, kv_max_seq_len=kv.max_seq_len, kv_slot_lease_s=self.slot_lease_s,

@@ -1,6 +1,6 @@
 """This machine's kernel plans: choices timed once per machine and shape at a load, kept in a plans file
-(~/.cache/stagemesh/kernel-plans.json, or $STAGEMESH_KERNEL_PLANS; "off" measures at every load) so that the same
-file loads with the same kernels from run to run. shared.models.crossover (auto's prefill kernel and int4 crossover)
+(--kernel-plan FILE, else $STAGEMESH_KERNEL_PLANS, else ~/.cache/stagemesh/kernel-plans.json; "off" measures at every
+load) so that the same file loads with the same kernels from run to run, and stages given one file pick the same. shared.models.crossover (auto's prefill kernel and int4 crossover)
 and shared.kernels.qdot (integer-dot or int4 on an AVX512 CPU) keep theirs here."""
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ def timing_alone():
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-PLANS_ENV = "STAGEMESH_KERNEL_PLANS"  # the plans file; "off": measure at every load
+PLANS_ENV = "STAGEMESH_KERNEL_PLANS"  # the plans file when no --kernel-plan is given; "off": measure at every load
 
 
-def plans_path() -> str | None:
+def default_plans_path() -> str | None:
+    """$STAGEMESH_KERNEL_PLANS ("off": None), else ~/.cache/stagemesh/kernel-plans.json."""
     value = os.environ.get(PLANS_ENV)
     if value == "off":
         return None
@@ -59,24 +60,69 @@ def _read_plans(path: str | None) -> dict:
         return {}
 
 
+class KernelPlans:
+    """The kernel plans a process loads with: a plans file (None: measure at every load), and what it did with it --
+    plans read from the file, plans measured (and written to it, where it can be written). Made once at the
+    composition root (`use`, from --kernel-plan); a stage's /info shows info()."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.read = 0
+        self.measured = 0
+        self.written = True  # every measured plan reached the file (False: it could not be written)
+
+    @classmethod
+    def from_flag(cls, value: str | None) -> KernelPlans:
+        """--kernel-plan's value: a file, "off", or None (the default file)."""
+        return cls(None if value == "off" else value or default_plans_path())
+
+    def info(self) -> dict:
+        return {"file": self.path, "read": self.read, "measured": self.measured, "written": self.written}
+
+    def plan(self, key: str, measure: Callable[[], str | int], valid: Callable[[object], bool],
+             per_thread_count: bool = True) -> tuple[str | int, bool]:
+        """This machine's plan for `key` (a kernel choice for one shape): from the file where `valid` accepts it,
+        else measure() timed alone and recorded there. Returns (value, whether it came from the file).
+        per_thread_count=False: one plan whatever this process's thread count (a choice every process must share)."""
+        machine = machine_id() if per_thread_count else machine_id().rsplit(" | ", 1)[0]
+        full = f"{machine} | {key}"
+        with timing_alone():
+            plans = _read_plans(self.path)
+            if valid(plans.get(full)):
+                self.read += 1
+                return plans[full], True
+            value = measure()
+            self.measured += 1
+            if self.path:
+                plans[full] = value
+                try:
+                    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                    tmp = f"{self.path}.{os.getpid()}.tmp"
+                    with open(tmp, "w") as f:
+                        json.dump(plans, f, indent=1, sort_keys=True)
+                    os.replace(tmp, self.path)
+                except OSError:  # a read-only file system: measured again next time, nothing worse
+                    self.written = False
+        return value, False
+
+
+_active: KernelPlans | None = None
+
+
+def use(plans: KernelPlans) -> KernelPlans:
+    """Make `plans` the ones every load of this process plans its kernels with (the composition root calls it)."""
+    global _active
+    _active = plans
+    return plans
+
+
+def active() -> KernelPlans:
+    """The plans in use: use()'s, else the default file's as the environment names it now (a process that never
+    chose: a test, a library user)."""
+    return _active if _active is not None else KernelPlans.from_flag(None)
+
+
 def kernel_plan(key: str, measure: Callable[[], str | int], valid: Callable[[object], bool],
                 per_thread_count: bool = True) -> tuple[str | int, bool]:
-    """This machine's plan for `key` (a kernel choice for one shape): from the plans file where `valid` accepts it,
-    else measure() timed alone and recorded there. Returns (value, whether it came from the file).
-    per_thread_count=False: one plan whatever this process's thread count (a choice every process must share)."""
-    machine = machine_id() if per_thread_count else machine_id().rsplit(" | ", 1)[0]
-    path, full = plans_path(), f"{machine} | {key}"
-    with timing_alone():
-        plans = _read_plans(path)
-        if valid(plans.get(full)):
-            return plans[full], True
-        value = measure()
-        if path:
-            plans[full] = value
-            with contextlib.suppress(OSError):  # a read-only home: measured again next time, nothing worse
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(plans, f, indent=1, sort_keys=True)
-                os.replace(tmp, path)
-    return value, False
+    """active().plan(...)."""
+    return active().plan(key, measure, valid, per_thread_count)
