@@ -60,11 +60,11 @@ def status(gw) -> subprocess.CompletedProcess:
 
 
 async def test_snapshot_describes_each_stage_and_the_stream_delivers_snapshots(gateway):
-    results = await load(gateway.url, 6, 32)
+    results = await load(gateway.url, 6, 96)  # seconds of load: the once-a-second snapshots see requests running
     assert all(r.success for r in results), [r.error for r in results if not r.success]
     # snapshots are built once a second: wait for one taken after the load finished
     snap = wait_for(lambda: (s := mesh(gateway)) and all(st.get("compute_ms") for st in s["stages"])
-                    and s["gateway"]["generated_tokens"] >= 6 * 32 and s, 10,
+                    and s["gateway"]["generated_tokens"] >= 6 * 96 and s, 10,
                     "a snapshot after the load, with compute times of both stages")
     assert snap["ready"] and snap["problem"] is None
     assert [st["layers"] for st in snap["stages"]] == [[0, 17], [17, 30]]
@@ -75,7 +75,7 @@ async def test_snapshot_describes_each_stage_and_the_stream_delivers_snapshots(g
         assert st["hop_in_ms"] is not None and 0 <= st["hop_in_ms"] < 1000  # every micro-batch header carries "sent"
         assert st["hop_next_ms"] is not None and 0 <= st["hop_next_ms"] < 1000
     g = snap["gateway"]
-    assert g["generated_tokens"] >= 6 * 32 and g["ttft_ms"] > 0 and g["failovers"] == 0
+    assert g["generated_tokens"] >= 6 * 96 and g["ttft_ms"] > 0 and g["failovers"] == 0
     assert any(v for v in snap["series"]["tokens_per_s"] if v)  # the chart saw the load
     assert max(snap["series"]["running"]) >= 1
     async with aiohttp.ClientSession() as s, s.get(gateway.url + "/v1/mesh/stream") as r:
