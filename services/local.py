@@ -149,7 +149,8 @@ def cmd_inspect(args) -> int:
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
         ("tokenizer", f"{loader.get('tokenizer.ggml.model')} (pre {loader.get('tokenizer.ggml.pre', '-')}), "
                       f"bos {tok.bos_id}, eos {tok.eos_id}, add_bos {tok.add_bos}"),
-        ("chat template", files.chat_template_origin),
+        ("chat template", files.chat_template_origin + (
+            f": {files.chat_template_source[:160]}".replace("\n", "\\n") if files.chat_template_source else "")),
     ]
     model = TransformerModel.from_gguf(loader, None, resolve_dtype(None, default_device()), default_device(), weights="auto")
     apply_measured_crossover(model)

@@ -44,6 +44,10 @@ class ModelFiles:
     def chat_template_origin(self) -> str:
         return self._template[1]
 
+    @property
+    def chat_template_source(self) -> str | None:
+        return self._template[0]
+
     @cached_property
     def config(self) -> ModelConfig:
         return ModelConfig.from_gguf(self.loader)

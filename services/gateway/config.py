@@ -81,6 +81,9 @@ class GatewayConfig:
                 check(self, name, False, "a list of strings")
         for name in ("metrics_require_key", "allow_trace"):
             check(self, name, isinstance(getattr(self, name), bool), "given or left out (a switch)")
+        for name in ("chat_template", "served_model_name"):
+            value = getattr(self, name)
+            check(self, name, value is None or (isinstance(value, str) and bool(value.strip())), "a non-empty name")
         check_int(self, "default_max_tokens", 1, none_ok=True)
         check_seconds(self, "request_timeout_s", 0, strict=True)
         check_seconds(self, "drain_timeout_s", 0, strict=False)

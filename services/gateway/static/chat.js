@@ -283,7 +283,7 @@ async function fetchInfo() {
   if (r.ok) { const m = await r.json(); $("model").textContent = m.data && m.data[0] ? m.data[0].id : ""; }
   const mesh = await fetch("/v1/mesh", {headers: authHeaders()});
   if (mesh.ok) {
-    const lens = (await mesh.json()).stages.map((s) => s.max_seq_len).filter((n) => Number.isInteger(n));
+    const lens = (await mesh.json()).stages.map((s) => s.kv_max_seq_len).filter((n) => Number.isInteger(n));
     context = lens.length ? Math.min(...lens) : null; drawContext();
   }
   return true;
