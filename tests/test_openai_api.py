@@ -432,3 +432,77 @@ def test_gemma3_270m_chats_through_the_sdk_under_the_name_it_is_served_as(up):
     stream = client.chat.completions.create(model="gemma-small", max_tokens=16, temperature=0, stream=True,
                                             messages=[{"role": "user", "content": "What colour is the sky?"}])
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).strip()
+
+
+# ---- schemas, tools and their history (the third hostile pass's low findings) ----------------------------------------
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {"name": {"type": "string"},
+                                                            "children": {"type": "array",
+                                                                         "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}
+
+
+@pytest.mark.parametrize("schema, cycle", [
+    (TREE, "#/$defs/node -> #/$defs/node"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "array", "items": {"$ref": "#/$defs/a"}}},
+      "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}, "#/$defs/a -> #/$defs/b"),
+    ({"type": "object", "properties": {"self": {"$ref": "#"}}}, "# -> #"),
+], ids=["tree", "two-step", "root"])
+def test_a_schema_that_refers_to_itself_is_refused_naming_the_loop(schema, cycle):
+    body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}}
+    err = refused(body, chat=True)
+    named = err.message.split("(")[1].split(")")[0]  # the loop, from wherever the walk entered it
+    assert "refers to itself" in err.message and all(ref in named for ref in cycle.split(" -> ")), err.message
+    tools = {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+    assert "refers to itself" in refused(tools, chat=True).message
+    shared = {"$defs": {"leaf": {"type": "string"}}, "type": "object",  # a $ref used twice is no loop
+              "properties": {"a": {"$ref": "#/$defs/leaf"}, "b": {"$ref": "#/$defs/leaf"}}}
+    ok = parse_generation({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "t", "schema": shared}}}, True, 8192, VOCAB)
+    assert ok.json_schema == shared
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+
+
+def test_tool_parameters_must_describe_an_object_and_the_history_must_hold_together():
+    err = refused({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+                  chat=True)
+    assert err.param == "tools[0].function.parameters" and "object" in err.message
+    history = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
+    assert parse_generation({"messages": history, "tools": [TOOL]}, True, 8192, VOCAB).messages[2]["role"] == "tool"
+    orphan = [*history[:1], {"role": "tool", "tool_call_id": "call_9", "content": "12 C"}]
+    err = refused({"messages": orphan, "tools": [TOOL]}, chat=True)
+    assert err.param == "messages[1].tool_call_id" and "call_9" in err.message
+    err = refused({"messages": history, "tools": [{**TOOL, "function": {**TOOL["function"], "name": "other"}}]},
+                  chat=True)
+    assert err.param == "messages[1].tool_calls" and "get_weather" in err.message
+
+
+def test_a_grammar_that_fails_mid_answer_is_the_requests_fault_not_a_retry(smollm2):
+    """The output left its grammar (llguidance refused a token its own mask allowed, e.g. past one of its limits):
+    the request ends with code grammar_failed and a 400, not a 503 inviting the same request again."""
+    from services.gateway.openai_api import _error_status
+    from services.gateway.output import ErrorEvent, OutputProcessor
+    from services.gateway.request import Request
+    from services.gateway.scheduler import Scheduler
+    from shared.config import SchedulerConfig
+    from shared.grammar import json_schema_grammar
+
+    grammar = smollm2.grammars.matcher(json_schema_grammar({"type": "object"}))
+    req = Request(seq_id="g", prompt_ids=[1, 2], max_tokens=8, grammar=grammar)
+    s = Scheduler(1, SchedulerConfig(prefix_cache=False))
+    s.submit(req, 0.0)
+    (batch,) = s.plan(0.0).batches
+    off_grammar = smollm2.tokenizer.encode("x")[0]  # a JSON object cannot begin with it
+    from shared.protocol import BatchResult
+
+    update = s.on_result(batch.mb_id, BatchResult(batch.mb_id, ["g"], [off_grammar], [None]), None, 0.0)
+    (_, out), = update.outputs
+    assert (out.finish_reason, out.code) == ("error", "grammar_failed") and "grammar" in out.error
+    (event,) = [e for e in OutputProcessor(req, smollm2.tokenizer).process(out) if isinstance(e, ErrorEvent)]
+    err = _error_status(event)
+    assert (err.status, err.code) == (400, "grammar_failed")

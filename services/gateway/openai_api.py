@@ -138,8 +138,13 @@ def _tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
     return ToolCallParser(forced=spec.forced_tool) if spec.tools is not None else None
 
 
+# the status of a request that failed while generating: its own fault (a 4xx, not to be retried as it is), its
+# deadline, or the server's (503, retried after a second)
+ERROR_STATUS = {"grammar_failed": 400, "timeout": 504}
+
+
 def _error_status(ev: ErrorEvent) -> RequestError:
-    return RequestError(ev.message, status=504 if ev.code == "timeout" else 503, code=ev.code)
+    return RequestError(ev.message, status=ERROR_STATUS.get(ev.code, 503), code=ev.code)
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:

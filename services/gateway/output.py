@@ -115,7 +115,7 @@ class OutputProcessor:
         if out.finish_reason is None:
             return events
         if out.error is not None:
-            events.append(ErrorEvent(out.finish_reason, out.error))
+            events.append(ErrorEvent(out.code or out.finish_reason, out.error))
             return events
         tail = self.stream.finish()  # text held back for a stop string that never completed
         if tail:

@@ -34,6 +34,7 @@ class RequestOutput:
     top_logprobs: TopLogprobs | None = None  # (token id, logprob) alternatives, most likely first, when asked
     finish_reason: str | None = None  # stop | length | cancelled | timeout | error
     error: str | None = None
+    code: str | None = None  # an error's own code where it is not the finish reason (grammar_failed: the request's)
 
 
 def new_seq_id() -> str:

@@ -372,8 +372,10 @@ class Scheduler:
             if r is batch.traced and result is not None:  # the captures are its rows, never another request's
                 update.captures.append((r, result.captures))
             for (token, logprob, top), reason in r.take(fed, sampled.get(r.seq_id)):
-                why = f"the output left its grammar: {r.grammar.error}" if reason == "error" and r.grammar else None
-                update.outputs.append((r, RequestOutput(token, logprob, top, reason, why)))
+                grammar_failed = reason == "error" and r.grammar is not None
+                why = f"the output left its grammar: {r.grammar.error}" if grammar_failed else None
+                update.outputs.append((r, RequestOutput(token, logprob, top, reason, why,
+                                                        "grammar_failed" if grammar_failed else None)))
                 if reason is not None:
                     self._retire(r, reason)
         return update

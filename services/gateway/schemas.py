@@ -278,7 +278,51 @@ def _schema(value: Any, param: str) -> dict:
         raise RequestError(f"'{param}' must be a JSON schema object", param)
     if len(json.dumps(value)) > MAX_SCHEMA_CHARS:
         raise RequestError(f"'{param}' is longer than {MAX_SCHEMA_CHARS} characters", param)
+    cycle = _ref_cycle(value)
+    if cycle:
+        raise RequestError(f"'{param}' refers to itself ({' -> '.join(cycle)}): a recursive schema has no finite "
+                           "answer this server can guarantee; unroll it to a fixed depth", param)
     return value
+
+
+def _ref_cycle(schema: dict) -> list[str] | None:
+    """A chain of local $refs ("#/...") that comes back to where it started, or None. A $ref that leaves the
+    document or names nothing is left to the grammar compiler (it refuses it)."""
+    def resolve(ref: str):
+        node = schema
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    def refs(node, out: list[str]) -> list[str]:  # the $refs inside node, not through other $refs
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+                out.append(node["$ref"])
+            for v in node.values():
+                refs(v, out)
+        elif isinstance(node, list):
+            for v in node:
+                refs(v, out)
+        return out
+
+    def visit(ref: str, path: list[str]) -> list[str] | None:
+        if ref in path:
+            return path[path.index(ref):] + [ref]
+        target = resolve(ref)
+        for inner in refs(target, []) if target is not None else []:
+            found = visit(inner, path + [ref])
+            if found:
+                return found
+        return None
+
+    for ref in refs(schema, []):
+        found = visit(ref, [])
+        if found:
+            return found
+    return None
 
 
 def _response_format(body: dict) -> dict | None:
@@ -328,6 +372,10 @@ def _tools(body: dict) -> tuple[list[dict] | None, str | dict]:
             raise RequestError(f"tools[{k}].function.description must be a string", f"tools[{k}].function.description")
         params = _schema(fn.get("parameters") or {"type": "object", "properties": {}},
                          f"tools[{k}].function.parameters")
+        if params.get("type", "object") != "object":
+            raise RequestError(f"tools[{k}].function.parameters must describe an object (\"type\": \"object\"): a "
+                               f"call's arguments are a JSON object, got type {params.get('type')!r}",
+                               f"tools[{k}].function.parameters")
         entry = {"name": name, "parameters": params}
         if desc:
             entry["description"] = _text(desc, f"tools[{k}].function.description")
@@ -434,6 +482,23 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
         if spec.tools is not None and spec.tool_choice != "none" and spec.json_schema is not None:
             raise RequestError("'response_format' and 'tools' both decide the output's shape; send one (or "
                                "tool_choice 'none')", "response_format")
+        _check_tool_history(spec.messages, spec.tools)
         if spec.tool_choice == "none":
             spec.tools = None  # the model neither sees nor calls them (OpenAI's "none")
     return spec
+
+
+def _check_tool_history(messages: list[dict] | None, tools: list[dict] | None) -> None:
+    """Every tool result answers a call an earlier assistant message made; with tools given, every earlier call
+    names one of them."""
+    names = {t["function"]["name"] for t in tools} if tools is not None else None
+    called: set[str] = set()
+    for i, m in enumerate(messages or []):
+        for k, c in enumerate(m.get("tool_calls", ())):
+            if names is not None and c["function"]["name"] not in names:
+                raise RequestError(f"messages[{i}].tool_calls[{k}] calls {c['function']['name']!r}, which is not "
+                                   f"among 'tools' ({', '.join(sorted(names))})", f"messages[{i}].tool_calls")
+            called.add(c["id"])
+        if m["role"] == "tool" and m["tool_call_id"] not in called:
+            raise RequestError(f"messages[{i}] answers tool call {m['tool_call_id']!r}, which no earlier assistant "
+                               "message made", f"messages[{i}].tool_call_id")
