@@ -506,3 +506,65 @@ def test_a_grammar_that_fails_mid_answer_is_the_requests_fault_not_a_retry(smoll
     (event,) = [e for e in OutputProcessor(req, smollm2.tokenizer).process(out) if isinstance(e, ErrorEvent)]
     err = _error_status(event)
     assert (err.status, err.code) == (400, "grammar_failed")
+
+
+# ---- a stream that outlives its connection (resumable; GET /v1/streams/{id}) -----------------------------------------
+
+async def _sse(resp, limit: int | None = None) -> list[tuple[str | None, dict | str]]:
+    """(event id, parsed data) of an SSE response, at most `limit` events (then the connection is dropped)."""
+    events, current_id = [], None
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            current_id = line[4:]
+        elif line.startswith("data: "):
+            data = line[6:]
+            events.append((current_id, data if data == "[DONE]" else json.loads(data)))
+            current_id = None
+            if limit is not None and len(events) == limit:
+                break
+    return events
+
+
+def _text(events) -> str:
+    return "".join(d["choices"][0]["delta"].get("content") or "" for _, d in events
+                   if isinstance(d, dict) and d.get("choices"))
+
+
+async def test_a_resumable_stream_outlives_its_connection_and_resumes_after_its_last_event(gateway):
+    body = {"messages": [{"role": "user", "content": "Tell me about rivers."}], "max_tokens": 40, "seed": 11,
+            "temperature": 0.9, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gateway.url + "/v1/chat/completions", json=body) as r:  # the same request, read whole
+            whole = await _sse(r)
+        async with s.post(gateway.url + "/v1/chat/completions", json={**body, "resumable": True}) as r:
+            first = await _sse(r, limit=6)  # ... and this connection drops here
+        rid = first[0][1]["id"]
+        assert all(eid and eid.count(":") == 1 for eid, _ in first)  # every event has an id
+        async with s.get(f"{gateway.url}/v1/streams/{rid}", headers={"Last-Event-ID": first[-1][0]}) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            rest = await _sse(r)
+        offsets = [int(eid.split(":")[1]) for eid, _ in first + rest if eid]
+        assert offsets == sorted(offsets) and offsets[len(first)] == offsets[len(first) - 1] + 1  # no gap, no repeat
+        assert rest[-1][1] == "[DONE]" and rest[-2][1]["usage"]["completion_tokens"] == 40
+        assert _text(first + rest) == _text(whole) and _text(whole)  # the answer, as if never interrupted
+        async with s.get(f"{gateway.url}/v1/streams/{rid}?starting_after={first[2][0]}") as r:  # read again, later
+            again = await _sse(r)
+        assert [d for _, d in again] == [d for _, d in first[3:] + rest]
+        async with s.get(f"{gateway.url}/v1/streams/{rid}", headers={"Last-Event-ID": "0000dead:3"}) as r:
+            assert r.status == 410 and (await r.json())["error"]["code"] == "stream_expired"
+        async with s.get(f"{gateway.url}/v1/streams/chatcmpl-{'0' * 16}") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "stream_not_found"
+
+
+async def test_a_stream_not_marked_resumable_ends_with_its_connection(gateway):
+    body = {"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gateway.url + "/v1/completions", json=body) as r:
+            first = await _sse(r, limit=3)
+        rid = first[0][1]["id"]
+        async with s.get(f"{gateway.url}/v1/streams/{rid}", headers={"Last-Event-ID": first[-1][0]}) as r:
+            rest = await _sse(r)
+    final = [d for _, d in rest if isinstance(d, dict) and d.get("choices") and d["choices"][0]["finish_reason"]]
+    assert final and final[-1]["choices"][0]["finish_reason"] == "cancelled"  # its reader left: it was cancelled
+    assert sum(len(d["choices"][0]["text"]) > 0 for _, d in rest if isinstance(d, dict) and d.get("choices")) < 390

@@ -29,7 +29,7 @@ from services.gateway.metrics import (
     watch_replicas,
     watch_transport,
 )
-from services.gateway.openai_api import chat_completions, completions, models
+from services.gateway.openai_api import chat_completions, completions, models, resume_stream
 from services.gateway.pipeline import Pipeline
 from services.gateway.replicas import Replica, Replicas
 from services.gateway.schemas import RequestError
@@ -267,6 +267,7 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/streams/{id}", resume_stream)
     app.router.add_get("/v1/stream", stream_ws)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

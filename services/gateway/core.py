@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ from shared.grammar import GrammarError, json_schema_grammar
 from shared.model_files import ModelFiles
 
 log = logging.getLogger("stagemesh.gateway")
+RESUME_GRACE_S = 120.0  # a resumable request with no reader ends after this long (cancelled, its slots freed)
 access_log = logging.getLogger("stagemesh.gateway.access")  # one line per generation request, when it ends
 
 
@@ -84,6 +86,7 @@ class Gateway:
     lanes: TokenizeLanes = field(default_factory=TokenizeLanes)
     draining: bool = False  # set on SIGTERM: /ready answers 503 "draining" and no request is admitted
     requests: RequestRegistry = field(default_factory=RequestRegistry)  # open requests' handles, and recent ones
+    epoch: str = field(default_factory=lambda: secrets.token_hex(4))  # this process's: an event id's first part
     open_streams: int = 0  # readers following an event log (Gateway.events) not yet ended
     websockets: set = field(default_factory=set)  # open web.WebSocketResponse objects, closed after a drain
     _char_cap: tuple[int, int] | None = None  # (context, cap) cache for prompt_char_cap
@@ -161,7 +164,7 @@ class Gateway:
         spec = parse_generation(body, chat, self.replicas.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
         seq = await self.prepare(spec)
         handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
-                               cancel_on_leave=cancel_on_leave)
+                               cancel_on_leave=cancel_on_leave and not spec.resumable)
         self.requests.add(handle)
         user = body.get("user")
         try:
@@ -194,16 +197,25 @@ class Gateway:
         """(offset, event) of the request's client events from offset `start`, ending with its done or error event.
         Reading takes nothing from the log: other readers, and later ones, see the same events."""
         self.open_streams += 1
+        handle.readers += 1
         try:
             async for item in handle.log.follow(start):
                 yield item
         finally:
             self.open_streams -= 1
+            handle.readers -= 1
 
     def leave(self, handle: RequestHandle) -> None:
         """A reader is done (its client went away, or its handler returned): end the request unless it outlives its
         connections (cancel_on_leave False). No-op once it ended."""
         if handle.cancel_on_leave:
+            self.replicas.cancel(handle.seq)
+        elif not handle.log.ended and handle.readers == 0:  # resumable: a reader has RESUME_GRACE_S to come back
+            asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._cancel_if_unread, handle)
+
+    def _cancel_if_unread(self, handle: RequestHandle) -> None:
+        if handle.readers == 0 and not handle.log.ended:
+            log.info("request %s: no reader came back within %g s; cancelled", handle.id, RESUME_GRACE_S)
             self.replicas.cancel(handle.seq)
 
     async def drain(self, grace_s: float) -> None:

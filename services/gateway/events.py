@@ -74,6 +74,12 @@ class RequestHandle:
     log: EventLog = field(default_factory=EventLog)
     cancel_on_leave: bool = True
     ended_at: float | None = None  # time.monotonic() when its end event was appended
+    readers: int = 0  # readers following its log now (Gateway.events)
+    created: int = field(default_factory=lambda: int(time.time()))  # its responses' "created", on every reading
+
+    @property
+    def chat(self) -> bool:
+        return self.spec.messages is not None
 
     @property
     def id(self) -> str:

@@ -54,13 +54,13 @@ class OpenAIShape:
     """One request's OpenAI objects: the id, the chunk envelope, the final response, and (when the request asked
     for logprobs) each token's logprobs in chat's or completions' shape."""
 
-    def __init__(self, seq: Request, chat: bool, model_id: str, spec: GenerationSpec):
+    def __init__(self, seq: Request, chat: bool, model_id: str, spec: GenerationSpec, created: int | None = None):
         self.chat = chat
         self.logprobs, self.top_logprobs = spec.logprobs, spec.sampling.top_logprobs
         self.text_offset = 0  # completions: characters of text before the next token
         self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + seq.seq_id,
                      "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": int(time.time()), "model": model_id}
+                     "created": int(time.time()) if created is None else created, "model": model_id}
 
     def logprobs_field(self, events: list[TokenEvent]) -> dict | None:
         """The choice's "logprobs" for these token events (in order, the next after those already shaped)."""
@@ -151,7 +151,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     handle = await gw.start(await _json_body(request), chat, request.headers.get(SESSION_HEADER))
     spec = handle.spec
-    shape = OpenAIShape(handle.seq, chat, gw.config.model_id, spec)
+    shape = OpenAIShape(handle.seq, chat, gw.config.model_id, spec, handle.created)
     try:
         if spec.stream:
             return await _stream_sse(request, gw, handle, shape)
@@ -169,39 +169,76 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         gw.leave(handle)  # no-op when finished; frees KV slots when the client went away
 
 
-async def _stream_sse(request, gw, handle: RequestHandle, shape: OpenAIShape) -> web.StreamResponse:
+async def _stream_sse(request, gw, handle: RequestHandle, shape: OpenAIShape, start: int = 0) -> web.StreamResponse:
+    """The request's chunks as SSE, each with the id `<epoch>:<offset>` of the event it comes from. From `start`
+    (a resumed stream): the events before it are shaped again, unsent, so every chunk after it is the one the first
+    reading sent (the tool parser's and the logprobs' state included)."""
     spec = handle.spec
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
 
-    async def send(obj) -> None:
-        await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+    async def send(obj, offset: int) -> None:
+        if offset >= start:
+            await resp.write(f"id: {gw.epoch}:{offset}\ndata: {json.dumps(obj)}\n\n".encode())
 
     if shape.chat:
-        await send(shape.chunk({"role": "assistant", "content": ""}))
+        await send(shape.chunk({"role": "assistant", "content": ""}), 0)
     tools = _tool_parser(spec)
-    async for _, ev in gw.events(handle):
-        if isinstance(ev, TokenEvent) and tools is not None:
-            for chunk in shape.tool_chunks(tools.push(ev.text)):
-                await send(chunk)
-        elif isinstance(ev, TokenEvent):
-            if ev.text or spec.logprobs:
-                await send(shape.token_chunk(ev))
-        elif isinstance(ev, ErrorEvent):
-            await send({"error": {"message": ev.message, "type": "server_error", "code": ev.code}})
-        else:
-            if tools is not None:
-                for chunk in shape.tool_chunks(tools.finish()):
-                    await send(chunk)
-                if tools.calls:
-                    ev = dataclasses.replace(ev, finish_reason=finish_with_calls(ev.finish_reason))
-            await send(shape.final_chunk(ev))
-            if spec.include_usage:
-                await send(shape.usage_chunk(ev))
+    async with contextlib.aclosing(gw.events(handle)) as events:
+        async for offset, ev in events:
+            for chunk in _chunks(shape, spec, tools, ev):
+                await send(chunk, offset)
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _chunks(shape: OpenAIShape, spec: GenerationSpec, tools: ToolCallParser | None, ev) -> list[dict]:
+    """One client event -> the SSE chunks it makes (none for text held back)."""
+    if isinstance(ev, TokenEvent) and tools is not None:
+        return shape.tool_chunks(tools.push(ev.text))
+    if isinstance(ev, TokenEvent):
+        return [shape.token_chunk(ev)] if ev.text or spec.logprobs else []
+    if isinstance(ev, ErrorEvent):
+        return [{"error": {"message": ev.message, "type": "server_error", "code": ev.code}}]
+    chunks = []
+    if tools is not None:
+        chunks += shape.tool_chunks(tools.finish())
+        if tools.calls:
+            ev = dataclasses.replace(ev, finish_reason=finish_with_calls(ev.finish_reason))
+    chunks.append(shape.final_chunk(ev))
+    if spec.include_usage:
+        chunks.append(shape.usage_chunk(ev))
+    return chunks
+
+
+async def resume_stream(request: web.Request) -> web.StreamResponse:
+    """GET /v1/streams/{id}: a request's SSE stream read again, after the event named by `Last-Event-ID` (or
+    `?starting_after=`), as `<epoch>:<offset>` or an offset; from its start without one. A request marked
+    `resumable` keeps generating while no one reads it (RESUME_GRACE_S); an ended one stays readable for a while
+    (services/gateway/events.py)."""
+    gw = request.app[GATEWAY]
+    rid = request.match_info["id"].removeprefix("chatcmpl-").removeprefix("cmpl-")
+    handle = gw.requests.get(rid)
+    if handle is None:
+        raise RequestError(f"no stream {request.match_info['id']!r} here: it never ran on this gateway, or ended "
+                           "too long ago to be kept", status=404, code="stream_not_found")
+    cursor = request.headers.get("Last-Event-ID") or request.query.get("starting_after")
+    start = 0
+    if cursor:
+        epoch, _, offset = cursor.rpartition(":")
+        if epoch and epoch != gw.epoch:
+            raise RequestError(f"the cursor {cursor!r} is from another run of this gateway (it restarted since): "
+                               "its events are gone", status=410, code="stream_expired")
+        if not offset.isdigit() or len(offset) > 9:
+            raise RequestError(f"the cursor {cursor!r} is not an event id (`<epoch>:<offset>`)", "Last-Event-ID")
+        start = int(offset) + 1
+    shape = OpenAIShape(handle.seq, handle.chat, gw.config.model_id, handle.spec, handle.created)
+    try:
+        return await _stream_sse(request, gw, handle, shape, start)
+    finally:
+        gw.leave(handle)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

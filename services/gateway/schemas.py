@@ -72,6 +72,7 @@ class GenerationSpec:
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (load testing)
     trace: bool = False  # return per-layer captures (stagemesh trace)
     include_usage: bool = False
+    resumable: bool = False  # keeps generating when its connection drops; GET /v1/streams/{id} reads it again
     timeout_s: float | None = None
     json_schema: dict | None = None  # response_format json_object / json_schema: the output is constrained to it
     tools: list[dict] | None = None  # validated {"type": "function", "function": {name, description, parameters}}
@@ -216,7 +217,7 @@ def parse_messages(value: Any) -> list[dict]:
 READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                          "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p",
                          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                         "response_format"})
+                         "response_format", "resumable"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls"})
 COMPLETION_FIELDS = frozenset({"prompt"})
@@ -470,6 +471,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     spec.stream = _bool(body, "stream")
     spec.ignore_eos = _bool(body, "ignore_eos")
     spec.trace = _bool(body, "trace")
+    spec.resumable = _bool(body, "resumable")
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
