@@ -568,3 +568,32 @@ async def test_a_stream_not_marked_resumable_ends_with_its_connection(gateway):
     final = [d for _, d in rest if isinstance(d, dict) and d.get("choices") and d["choices"][0]["finish_reason"]]
     assert final and final[-1]["choices"][0]["finish_reason"] == "cancelled"  # its reader left: it was cancelled
     assert sum(len(d["choices"][0]["text"]) > 0 for _, d in rest if isinstance(d, dict) and d.get("choices")) < 390
+
+
+async def test_a_websocket_generation_is_resumed_on_another_socket_after_its_last_event(gateway):
+    gen = {"type": "generate", "id": "a", "prompt": "Once upon a time", "max_tokens": 24, "seed": 5,
+           "temperature": 0.9, "ignore_eos": True, "resumable": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(gateway.url + "/v1/stream") as ws:
+            await ws.send_json(gen)
+            first = [await ws.receive_json(timeout=60) for _ in range(5)]
+        # the socket closed mid-answer; the generation goes on
+        rid = first[0]["request_id"]
+        assert [e["offset"] for e in first] == list(range(5)) and all(e["id"] == "a" for e in first)
+        async with s.ws_connect(gateway.url + "/v1/stream") as ws:
+            await ws.send_json({"type": "resume", "id": "b", "request_id": rid, "after": first[-1]["offset"]})
+            rest = []
+            while not rest or rest[-1]["type"] == "token":
+                rest.append(await ws.receive_json(timeout=60))
+            await ws.send_json({"type": "resume", "id": "c", "request_id": "no-such-request", "after": -1})
+            missing = await ws.receive_json(timeout=60)
+        async with s.ws_connect(gateway.url + "/v1/stream") as ws:  # the same request, read whole, for comparison
+            await ws.send_json({**gen, "id": "w", "resumable": False})
+            whole = []
+            while not whole or whole[-1]["type"] == "token":
+                whole.append(await ws.receive_json(timeout=60))
+    assert [e["offset"] for e in rest] == list(range(5, 5 + len(rest))) and all(e["id"] == "b" for e in rest)
+    assert rest[-1]["type"] == "done" and rest[-1]["usage"]["completion_tokens"] == 24
+    text = "".join(e["text"] for e in first + rest if e["type"] == "token")
+    assert text == "".join(e["text"] for e in whole if e["type"] == "token") and text
+    assert missing["type"] == "error" and missing["code"] == "stream_not_found" and missing["id"] == "c"

@@ -4,6 +4,7 @@ the protocol. One WsSession per socket; each generation's events are pumped by i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -35,9 +36,12 @@ class WsSession:
                 if msg.type == WSMsgType.TEXT:
                     await self.on_message(msg.data)
         finally:
-            for handle, task in list(self.active.values()):
-                self.gw.leave(handle)
+            pumps = list(self.active.values())
+            for _, task in pumps:
                 task.cancel()
+            await asyncio.gather(*(task for _, task in pumps), return_exceptions=True)  # their readers gone first
+            for handle, _ in pumps:
+                self.gw.leave(handle)
 
     async def error(self, rid: str | None, code: str, message: str) -> None:
         await self.ws.send_json({"type": "error", "id": rid, "code": code, "message": message})
@@ -69,8 +73,11 @@ class WsSession:
             await self.cancel(rid)
         elif kind == "generate":
             await self.generate(rid, data)
+        elif kind == "resume":
+            await self.resume(rid, data)
         else:
-            await self.error(rid, "unknown_type", f"unknown message type {kind!r}; use 'generate' or 'cancel'")
+            await self.error(rid, "unknown_type", f"unknown message type {kind!r}; use 'generate', 'resume' or "
+                                                  "'cancel'")
 
     async def cancel(self, rid: str) -> None:
         if rid not in self.active:
@@ -93,10 +100,26 @@ class WsSession:
             return await self.error(rid, e.code, e.message)
         self.active[rid] = (handle, asyncio.create_task(self.pump(rid, handle)))
 
-    async def pump(self, rid: str, handle: RequestHandle) -> None:
+    async def resume(self, rid: str, data: dict) -> None:
+        """Follow a request again (one sent with "resumable": true, on this socket or another that closed): its
+        events after offset `after` (every event carries its offset), under the new id `rid`."""
+        if rid in self.active:
+            return await self.error(rid, "duplicate_id", f"a generation with id {rid!r} is already running")
+        request_id, after = data.get("request_id"), data.get("after", -1)
+        handle = self.gw.requests.get(request_id) if isinstance(request_id, str) else None
+        if handle is None:
+            return await self.error(rid, "stream_not_found", f"no request {request_id!r} here: it never ran on this "
+                                                             "gateway, or ended too long ago to be kept")
+        if type(after) is not int or not -1 <= after < 1 << 30:
+            return await self.error(rid, "invalid_request", "'after' must be the offset of the last event received "
+                                                            "(-1: from the start)")
+        self.active[rid] = (handle, asyncio.create_task(self.pump(rid, handle, after + 1)))
+
+    async def pump(self, rid: str, handle: RequestHandle, start: int = 0) -> None:
         try:
-            async for _, ev in self.gw.events(handle):
-                await self.ws.send_json({**ev.to_json(), "id": rid})
+            async with contextlib.aclosing(self.gw.events(handle, start)) as events:
+                async for offset, ev in events:
+                    await self.ws.send_json({**ev.to_json(), "id": rid, "request_id": handle.id, "offset": offset})
         finally:
             self.active.pop(rid, None)
 
