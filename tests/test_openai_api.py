@@ -3,6 +3,7 @@ a 400 naming it; `max_tokens` left out. The validator alone, then the real `open
 `stagemesh up` (1 stage, SmolLM2) shared by the module."""
 
 import json
+import os
 from enum import Enum
 from typing import Literal
 
@@ -597,3 +598,36 @@ async def test_a_websocket_generation_is_resumed_on_another_socket_after_its_las
     text = "".join(e["text"] for e in first + rest if e["type"] == "token")
     assert text == "".join(e["text"] for e in whole if e["type"] == "token") and text
     assert missing["type"] == "error" and missing["code"] == "stream_not_found" and missing["id"] == "c"
+
+
+# ---- the prefix cache is no cross-tenant oracle (cache_salt, prompt_cache_key, user) --------------------------------
+
+def test_a_tenants_cached_prefix_is_invisible_to_every_other_tenant(client):
+    """The third hostile pass's oracle: a victim's long message ending in a PIN is cached; an attacker who knows the
+    rest tries PINs and reads cached_tokens. Under any other scope (the shared one, another cache_salt,
+    prompt_cache_key or user) the right PIN finds nothing of the victim's: each guess, in a scope of its own, reports
+    exactly what a wrong one does. Within the victim's own scope the cache still serves."""
+    for field in ("cache_salt", "prompt_cache_key", "user"):
+        secret = ("My account statement follows, please keep it private. " * 12) + "My PIN is 4817."
+        # a system turn of its own: the template's default one is every request's, and so is its first block
+        system = {"role": "system", "content": f"Bank assistant {field} {os.urandom(4).hex()}, careful with numbers."}
+
+        def cached(pin: str, secret: str = secret, system: dict = system, **scope) -> int:
+            guess = [system, {"role": "user", "content": secret.replace("4817", pin)}]
+            return client.chat.completions.create(model="smollm2", messages=guess, max_tokens=1, temperature=0,
+                                                  extra_body=scope).usage.prompt_tokens_details.cached_tokens
+
+        assert cached("4817", **{field: "victim"}) == 0  # the victim's message, cached in its scope
+        assert cached("4817") == 0  # the shared scope holds nothing of it (asked first: nothing of its own yet)
+        for n, other in enumerate({field, "cache_salt"}):  # the victim's kind of scope, and a salt
+            right, wrong = cached("4817", **{other: f"attacker-right-{n}"}), cached("0000", **{other: f"attacker-wrong-{n}"})
+            assert right == wrong == 0, (field, other, right, wrong)  # the guess tells nothing
+        mine = cached("4817", **{field: "victim"})
+        assert mine >= 128 and mine % 16 == 0  # its own scope: all but the message's last block or two
+
+
+@pytest.mark.parametrize("field", ["cache_salt", "prompt_cache_key", "user"])
+def test_a_cache_scope_must_be_a_short_string(field):
+    assert refused({**CHAT, field: 7}, chat=True).param == field
+    assert refused({**CHAT, field: "x" * 257}, chat=True).param == field
+    assert parse_generation({**CHAT, field: "t1"}, True, 8192, VOCAB).cache_tenant == f"{field}:t1"

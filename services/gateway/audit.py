@@ -50,7 +50,8 @@ class PrefixAuditor:
         params = SamplingParams(logprobs=True, top_logprobs=AUDIT_TOP)
         for role in ("cached", "full"):
             twin = Request(seq_id=new_seq_id(), prompt_ids=list(req.prompt_ids), params=params, max_tokens=1,
-                           deadline=now + AUDIT_DEADLINE_S, audit=audit, no_cache=role == "full")
+                           deadline=now + AUDIT_DEADLINE_S, audit=audit, no_cache=role == "full",
+                           cache_tenant=req.cache_tenant)
             setattr(audit, f"{role}_id", twin.seq_id)
             if not self.submit(twin):  # the queue is full: this hit goes unaudited
                 self.stats().audit_skipped += 1

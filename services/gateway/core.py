@@ -146,6 +146,7 @@ class Gateway:
                                f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
         timeout = spec.timeout_s or self.config.request_timeout_s
         return Request(seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
+                       cache_tenant=spec.cache_tenant,
                        stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
                        deadline=time.perf_counter() + timeout, grammar=grammar,
                        capture=TraceCapture(self.config.trace_budget) if spec.trace else None)

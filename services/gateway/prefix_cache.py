@@ -90,20 +90,24 @@ class PrefixIndex:
         self._holders.clear()
         return dropped
 
-    def chain(self, ids: list[int]) -> list[bytes]:
-        """The chained hash of each full block of ids: hash i covers ids[:BLOCK_TOKENS * (i + 1)]."""
-        out, h = [], self._root
+    def chain(self, ids: list[int], tenant: str = "") -> list[bytes]:
+        """The chained hash of each full block of ids: hash i covers ids[:BLOCK_TOKENS * (i + 1)]. A tenant roots
+        its own chains (Request.cache_tenant): the same tokens of two tenants share no hash, so no lookup of one can
+        find, or time, the other's prefixes; "" is the shared tenant."""
+        h = self._root if not tenant else hashlib.blake2b(self._root + b"tenant\0" + tenant.encode(),
+                                                          digest_size=16).digest()
+        out = []
         for i in range(len(ids) // BLOCK_TOKENS):
             block = array("q", ids[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])
             h = hashlib.blake2b(h + block.tobytes(), digest_size=16).digest()
             out.append(h)
         return out
 
-    def lookup(self, ids: list[int]) -> Hit | None:
+    def lookup(self, ids: list[int], tenant: str = "") -> Hit | None:
         """The longest indexed prefix of ids that leaves at least one token to compute (the last prompt token's
         logits give the first output token); None when no full block matches. Counted by count()."""
         best = None
-        for i, h in enumerate(self.chain(ids[:-1])):
+        for i, h in enumerate(self.chain(ids[:-1], tenant)):
             holders = self._holders.get(h)
             if not holders:
                 break
@@ -115,10 +119,10 @@ class PrefixIndex:
         self._prefixes.move_to_end(seq_id)
         return Hit(self._prefixes[seq_id], blocks * BLOCK_TOKENS)
 
-    def matched(self, ids: list[int]) -> int:
+    def matched(self, ids: list[int], tenant: str = "") -> int:
         """The tokens lookup(ids) would reuse, without touching the recency order (what routing compares)."""
         blocks = 0
-        for h in self.chain(ids[:-1]):
+        for h in self.chain(ids[:-1], tenant):
             if not self._holders.get(h):
                 break
             blocks += 1
@@ -132,7 +136,7 @@ class PrefixIndex:
             self.stats.cached_tokens += hit.tokens
 
     def insert(self, seq_id: str, ids: list[int], pinned: set[str] = frozenset(),
-               prompt_tokens: int = 0) -> tuple[bool, list[str]]:
+               prompt_tokens: int = 0, tenant: str = "") -> tuple[bool, list[str]]:
         """A finished sequence whose K/V covers ids (every stage holds those positions), the first prompt_tokens of
         them its prompt. Returns (keep it, prefixes to release): it is not kept when it holds no full block or an
         indexed prefix already holds all of its blocks. Released, except pinned ones (an admitted sequence is about
@@ -142,7 +146,7 @@ class PrefixIndex:
         tail would be lost. Least recently used, each turn of such a chat would keep a KV row ahead of a shared
         system prompt's prefixes, which the rows limit then gave up first. (Not released at once: the new one maps
         their pages, and releasing a lender copies them.)"""
-        hashes = self.chain(ids)
+        hashes = self.chain(ids, tenant)
         if not hashes:
             return False, []
         covering = self._holders.get(hashes[-1])

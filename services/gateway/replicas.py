@@ -67,9 +67,9 @@ class Replica:
         vLLM counts cached blocks free)."""
         return len(self.scheduler.running) / max(1, self.pipeline.kv_slots)
 
-    def matched(self, ids: list[int]) -> int:
+    def matched(self, ids: list[int], tenant: str = "") -> int:
         """Prompt tokens its prefix index could reuse for ids (0 with the cache off)."""
-        return self.scheduler.prefix.matched(ids) if self.scheduler.prefix is not None else 0
+        return self.scheduler.prefix.matched(ids, tenant) if self.scheduler.prefix is not None else 0
 
 
 class Replicas:
@@ -117,7 +117,7 @@ class Replicas:
 
     # ---- routing -----------------------------------------------------------------------------------------------
 
-    def route(self, ids: list[int], session: str | None = None,
+    def route(self, ids: list[int], session: str | None = None, tenant: str = "",
               exclude: Replica | None = None) -> tuple[Replica, str]:
         """The replica for a prompt and why (one of REASONS but "failover"). Not-ready replicas are skipped while
         any is ready."""
@@ -134,7 +134,7 @@ class Replicas:
             if r in candidates:
                 return r, "session"
         if ids:
-            matched = {r.name: r.matched(ids) for r in candidates}
+            matched = {r.name: r.matched(ids, tenant) for r in candidates}
             best = max(matched.values())
             if best and best >= CACHE_THRESHOLD * len(ids):
                 holders = [r for r in candidates if matched[r.name] == best]
@@ -155,7 +155,7 @@ class Replicas:
 
     def submit(self, req: Request, session: str | None = None) -> Replica:
         """Route and queue a new request (QueueFull from the chosen replica's scheduler)."""
-        replica, reason = self.route(req.all_ids, session)
+        replica, reason = self.route(req.all_ids, session, req.cache_tenant)
         req.pipeline = replica.name
         replica.engine.submit(req)
         self._count(replica, reason, session)
@@ -167,7 +167,7 @@ class Replicas:
         if not any(r is not source for r in self.ready):
             return []
         for req in reqs:
-            target, _ = self.route(req.all_ids, exclude=source)
+            target, _ = self.route(req.all_ids, tenant=req.cache_tenant, exclude=source)
             log.warning("pipeline %s is not ready (%s): request %s replays on pipeline %s", source.name,
                         source.pipeline.problem, req.seq_id, target.name)
             req.pipeline = target.name

@@ -93,6 +93,7 @@ class Request(SequenceState):
     handoffs: int = 0  # times it moved to another replica because its own lost a stage
     replays: int = 0  # replays started: counted when its first replay micro-batch is planned
     cached_tokens: int = 0  # prompt tokens a cached prefix supplied (usage.prompt_tokens_details.cached_tokens)
+    cache_tenant: str = ""  # whose cached prefixes it may use and add to ("": the shared tenant; PrefixIndex.chain)
     audit: PrefixAudit | None = None  # set on the gateway's own twins that check a cache hit (no client reads them)
     admitted: bool = False  # admitted once (a re-admission after a kv_full is not a new admission)
     no_cache: bool = False  # admitted without a prefix-cache lookup (the audit's recomputing twin)

@@ -196,7 +196,7 @@ class Scheduler:
         if bound is not None and req.computed > bound:
             return False
         kept, contained = self.prefix.insert(req.seq_id, req.all_ids[:req.computed], self._pinned(),
-                                             prompt_tokens=len(req.prompt_ids))
+                                             prompt_tokens=len(req.prompt_ids), tenant=req.cache_tenant)
         self._release.extend(contained)
         while kept and bound is not None and self.prefix.held_positions > bound:
             if not self._evict_prefix({req.seq_id}):
@@ -290,7 +290,7 @@ class Scheduler:
             req, hit = self.waiting[0], None
             if self.prefix is not None:
                 if req.computed == 0 and not req.traced and not req.replays and not req.no_cache:
-                    hit = self.prefix.lookup(req.all_ids)
+                    hit = self.prefix.lookup(req.all_ids, req.cache_tenant)
                 if len(self.running) + len(self.prefix) >= self.kv_rows:
                     # a cached prefix gives its rows up for the request -- never the one it is about to attach
                     if not self._evict_prefix({hit.prefix.seq_id} if hit else set()):

@@ -73,6 +73,7 @@ class GenerationSpec:
     trace: bool = False  # return per-layer captures (stagemesh trace)
     include_usage: bool = False
     resumable: bool = False  # keeps generating when its connection drops; GET /v1/streams/{id} reads it again
+    cache_tenant: str = ""  # whose cached prefixes it may use (cache_salt, prompt_cache_key or user; "": shared)
     timeout_s: float | None = None
     json_schema: dict | None = None  # response_format json_object / json_schema: the output is constrained to it
     tools: list[dict] | None = None  # validated {"type": "function", "function": {name, description, parameters}}
@@ -217,15 +218,14 @@ def parse_messages(value: Any) -> list[dict]:
 READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                          "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p",
                          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                         "response_format", "resumable"})
+                         "response_format", "resumable", "cache_salt", "prompt_cache_key", "user"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls"})
 COMPLETION_FIELDS = frozenset({"prompt"})
 # Accepted and ignored: none of them can change the tokens generated (bookkeeping for the caller's own records, or
 # options of features this server refuses when they would take effect). Value: the JSON types accepted.
 IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
-    "user": (str,), "metadata": (dict,), "store": (bool,), "service_tier": (str,), "safety_identifier": (str,),
-    "prompt_cache_key": (str,),
+    "metadata": (dict,), "store": (bool,), "service_tier": (str,), "safety_identifier": (str,),
 }
 
 
@@ -472,6 +472,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     spec.ignore_eos = _bool(body, "ignore_eos")
     spec.trace = _bool(body, "trace")
     spec.resumable = _bool(body, "resumable")
+    spec.cache_tenant = _cache_tenant(body)
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
@@ -488,6 +489,23 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
         if spec.tool_choice == "none":
             spec.tools = None  # the model neither sees nor calls them (OpenAI's "none")
     return spec
+
+
+MAX_CACHE_KEY_CHARS = 256
+# what scopes a request's prefix cache, first found first: vLLM's cache_salt, OpenAI's prompt_cache_key, OpenAI's user
+CACHE_SCOPES = ("cache_salt", "prompt_cache_key", "user")
+
+
+def _cache_tenant(body: dict) -> str:
+    """The prefix-cache tenant of a request: prefixes cached under one are invisible to every other (their hash
+    chains share no root), so neither `cached_tokens` nor the time to first token tells one tenant what another
+    sent. A request naming none of CACHE_SCOPES is in the shared tenant "" (as vLLM without cache_salt)."""
+    for key in CACHE_SCOPES:
+        value = body.get(key)
+        if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_CACHE_KEY_CHARS):
+            raise RequestError(f"'{key}' must be a string of 1-{MAX_CACHE_KEY_CHARS} characters", key)
+    key = next((k for k in CACHE_SCOPES if body.get(k) is not None), None)
+    return f"{key}:{body[key]}" if key else ""
 
 
 def _check_tool_history(messages: list[dict] | None, tools: list[dict] | None) -> None:
