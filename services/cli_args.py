@@ -206,8 +206,10 @@ def model_flags(args) -> list[str]:
     if getattr(args, "batch_invariant", False):
         flags.append("--batch-invariant")
     if getattr(args, "memory_budget", None) is not None or getattr(args, "stages", None):
-        # up's stages load at once on one host: each gets its share of the default, fixed here
-        budget = args.memory_budget if args.memory_budget is not None else default_budget(args.stages)
+        # up's stages load at once on one host: each gets its share of the default, fixed here (every replica's
+        # stages share the host too)
+        stages_on_host = args.stages * getattr(args, "replicas", 1)
+        budget = args.memory_budget if args.memory_budget is not None else default_budget(stages_on_host)
         flags += ["--memory-budget", str(budget)]
     if getattr(args, "compile_decode", None):
         flags += ["--compile-decode", args.compile_decode]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import json
 import logging
@@ -36,6 +37,7 @@ from shared.chat_template import template_source
 from shared.config import GATEWAY_PORT, SchedulerConfig, StageConfig
 from shared.errors import StagemeshError
 from shared.model_registry import resolve_model
+from shared.models.memory import PREFIX_FRACTION, available_bytes, default_budget
 
 STAGE_FLAGS = ("kv_slots", "max_seq_len", "prefix_slots", "prefix_cache_memory")  # the StageConfig fields `up` takes and passes on to every stage it starts
 # (and threads_alone, which it defaults to the cores of one replica)
@@ -173,6 +175,14 @@ def cmd_up(args) -> int:
         raise StagemeshError(f"--replicas {args.replicas} must be at least 1")
     otlp_url = otlp_from_args(args)  # the stages export to the same collector
     stage = config_from_args(StageConfig, args)
+    # one host: every stage `up` starts (each replica's) shares its default memory budget and cached-prefix bound,
+    # each fixed once here, before any stage takes memory
+    stages_on_host = args.stages * args.replicas
+    if args.memory_budget is None:
+        args.memory_budget = default_budget(stages_on_host)
+    if stage.prefix_cache_memory is None:
+        stage = dataclasses.replace(stage, prefix_cache_memory=max(1, int(
+            available_bytes() * PREFIX_FRACTION / stages_on_host)))
     config_from_args(SchedulerConfig, args)  # the gateway's flags, checked now (build_app builds them again)
     gateway = gateway_config_from_args(args, args.model)
     if gateway.chat_template is not None:

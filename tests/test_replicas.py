@@ -265,3 +265,19 @@ def test_routing_counts_live_once_in_each_replica_and_metrics_and_info_read_them
     assert routing == {("p0", "load"): 1, ("p0", "session"): 1, ("p0", "failover"): 1, ("p1", "prefix"): 1}
     assert exported[("stagemesh_gateway_replica_handoffs_total", (("pipeline", "p1"),))] == 1
     assert [i["routed"] for i in r.info()] == [3, 1] and [i["handed_off"] for i in r.info()] == [0, 1]
+
+
+def test_every_stage_up_starts_shares_one_budget_and_one_prefix_bound(gateway):
+    """--replicas 2 --stages 1: the host's default memory budget and cached-prefix bound are divided among all the
+    stages `up` starts (both pipelines'), so together they stay within the host (the third hostile pass: each stage
+    took the whole default, two of them more than the host had)."""
+    from shared.models.memory import DEFAULT_FRACTION, PREFIX_FRACTION
+
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    infos = [gateway.stage_info(i) for i in range(2)]
+    budgets = [i.weights["memory"]["budget_bytes"] for i in infos]
+    bounds = [i.kv_prefix_memory_bytes for i in infos]
+    assert len(set(budgets)) == 1 and len(set(bounds)) == 1, (budgets, bounds)  # the same share each
+    assert sum(budgets) <= DEFAULT_FRACTION * total, budgets  # two shares of what the host has, not two wholes
+    assert sum(bounds) <= PREFIX_FRACTION * total, bounds
