@@ -246,20 +246,22 @@ def ready_banner(host: str, port: int, stages: int, model: str, replicas: int = 
         f"  chat page  {url}/",
         f"  API        {url}/v1   (OpenAI-compatible)",
         f"  try        curl -s {url}/v1/{route} -H 'Content-Type: application/json' -d {shlex.quote(body)}",
-        f"  CLI        {_cli_hint()}",
+        f"  CLI        {_cli_hint('' if url == f'http://127.0.0.1:{GATEWAY_PORT}' else url)}",
     ])
 
 
-def _cli_hint() -> str:
-    """How to run `stagemesh` from the user's shell: plain `stagemesh` when PATH already finds this one, else the
-    path of the script beside this interpreter (a venv's bin/) and how to activate that venv."""
+def _cli_hint(url: str = "") -> str:
+    """How to run `stagemesh status` from the user's shell (for a gateway at `url`, "" for the default one): plain
+    `stagemesh` when PATH already finds this one, else the path of the script beside this interpreter (a venv's
+    bin/) and how to activate that venv."""
     here = os.path.join(os.path.dirname(sys.executable), "stagemesh")
     found = shutil.which("stagemesh")
+    status = f"status {url}".rstrip()
     if found and os.path.realpath(found) == os.path.realpath(here):
-        return "stagemesh status   (stagemesh --help for every command)"
+        return f"stagemesh {status}   (stagemesh --help for every command)"
     shown = os.path.relpath(here) if not os.path.relpath(here).startswith("..") else here
     activate = os.path.join(os.path.dirname(shown), "activate")
-    return f"{shown} status   (or `source {activate}`, then `stagemesh --help`)"
+    return f"{shown} {status}   (or `source {activate}`, then `stagemesh --help`)"
 
 
 def decode_notes(previous: dict[int, str], entries: dict[int, dict]) -> list[str]:

@@ -83,7 +83,8 @@ def test_banner_has_url_curl_and_cli():
     assert "http://127.0.0.1:8123/" in text
     curl = next(ln for ln in text.splitlines() if "curl" in ln)
     assert "http://127.0.0.1:8123/v1/chat/completions" in curl and '"smollm2"' in curl
-    assert "stagemesh" in text.splitlines()[-1]
+    assert "stagemesh status http://127.0.0.1:8123 " in text.splitlines()[-1]  # the status hint names this gateway
+    assert "status http" not in ready_banner("127.0.0.1", 8000, 1, "smollm2").splitlines()[-1]  # the default needs none
     plain = ready_banner("127.0.0.1", 8123, 1, "gemma3-270m", chat=False)  # a model without a chat template
     curl = next(ln for ln in plain.splitlines() if "curl" in ln)
     assert "/v1/completions" in curl and '"prompt"' in curl and "messages" not in curl
