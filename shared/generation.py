@@ -58,6 +58,8 @@ class SequenceState:
     grammar: SequenceGrammar | None = None  # constrains what it samples (response_format, a forced tool call)
     draft: list[int] = field(default_factory=list)  # tokens proposed to follow the newest one, for its next decode
     verifying: tuple[int, ...] = ()  # the drafted tokens of its step in flight (set by next_step, read by take)
+    drafts_accepted: int = 0  # drafted tokens that stood (each one a position that pass computed for free) ...
+    drafts_rejected: int = 0  # ... and those that did not
 
     def __post_init__(self):
         self.prefill_target = self.prefill_target or len(self.prompt_ids)
@@ -145,6 +147,10 @@ class SequenceState:
             taken.append((one, reason))
             if reason is not None:
                 break
+        if drafted:
+            stood = min(len(taken) - 1, len(drafted))
+            self.drafts_accepted += stood
+            self.drafts_rejected += len(drafted) - stood
         return taken
 
     def reset_for_replay(self) -> None:

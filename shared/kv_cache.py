@@ -550,9 +550,18 @@ class BatchLayout:
 
     @classmethod
     def build(cls, slots: Sequence[int], steps: Sequence[InferenceStep], max_seq_len: int,
-              device: torch.device | str = "cpu") -> BatchLayout:
-        starts = [s.start_position for s in steps]
-        lengths = [s.num_tokens for s in steps]
+              device: torch.device | str = "cpu", positions_as_rows: bool = False) -> BatchLayout:
+        """positions_as_rows: every step a Decode, each of a step's positions laid out as a one-token row of its
+        own (the same slot, consecutive positions), so a several-position step computes exactly as that many
+        one-token decode steps do: the decode kernels, the compiled graphs (their attention must read each row's
+        own slot and context: KernelDecode, BatchDecode)."""
+        if positions_as_rows:
+            slots = [slot for slot, s in zip(slots, steps) for _ in range(s.num_tokens)]
+            starts = [s.start_position + i for s in steps for i in range(s.num_tokens)]
+            lengths = [1] * len(starts)
+        else:
+            starts = [s.start_position for s in steps]
+            lengths = [s.num_tokens for s in steps]
         for st, n in zip(starts, lengths):
             if st + n > max_seq_len:
                 raise BadBatch(f"sequence reaches position {st + n}, past this stage's max_seq_len {max_seq_len}")

@@ -14,10 +14,12 @@ from shared.gguf_loader import GgufLoader
 from shared.kv_cache import BatchLayout, KVCache, position_bytes
 from shared.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
+from shared.models.attention import KernelDecode
 from shared.models.compiled_decode import COMPILE_MODES, CompiledDecode, why_not_compilable
 from shared.models.crossover import apply_measured_crossover
 from shared.models.memory import default_budget, default_prefix_bytes
 from shared.protocol import SeqEntry
+from shared.steps import Decode
 
 log = logging.getLogger("stagemesh.runtime")
 
@@ -130,7 +132,12 @@ class StageRuntime:
                     if w.step.attach is not None:  # a first chunk starting from a cached prefix
                         self.kv.attach(w.seq_id, w.step.attach, w.step.start_position)
             slots = [self.kv.slot(w.seq_id) for w in work]
-            layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device)
+            # several positions of one sequence in a decode micro-batch: as that many one-token rows where the decode
+            # attention reads each row's own slot and context (KernelDecode), so a verified draft's numbers are those
+            # of one-token steps; the batch-invariant mode's rowwise attention already computes them so
+            as_rows = any(w.step.num_tokens > 1 for w in work) and all(isinstance(w.step, Decode) for w in work) \
+                and not model.batch_invariant and KernelDecode.applies(model, self.device)
+            layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device, as_rows)
             self.kv.wrote(layout)
         except Exception:
             for seq_id in fresh:
@@ -142,10 +149,10 @@ class StageRuntime:
             x = compiled if compiled is not None else model.forward(x, layout, self.kv, hook)
             if not model.has_lm_head:
                 return x
-            if not all_logits:  # each step's last `samples` rows (one, or every row of a several-token decode)
+            if not all_logits and not as_rows:  # each step's last `samples` rows (one, or every row of a decode)
                 rows = [r for w, o, ln in zip(work, layout.offsets, layout.lengths)
                         for r in range(o + ln - w.step.samples, o + ln)]
-                x = x[torch.tensor(rows, device=x.device, dtype=torch.long)]
+                x = x[torch.tensor(rows, device=x.device, dtype=torch.long)]  # (as rows: every row samples)
             return model.lm_head(x)
 
 

@@ -145,11 +145,17 @@ class Gateway:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                                f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
         timeout = spec.timeout_s or self.config.request_timeout_s
+        prediction = None
+        if spec.prediction is not None:  # tokenized as the output will be: without BOS
+            prediction = await self.lanes.run(len(spec.prediction), self._encode_plain, spec.prediction)
         return Request(seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
-                       cache_tenant=spec.cache_tenant,
+                       cache_tenant=spec.cache_tenant, prediction_ids=prediction,
                        stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
                        deadline=time.perf_counter() + timeout, grammar=grammar,
                        capture=TraceCapture(self.config.trace_budget) if spec.trace else None)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.files.tokenizer.encode(text, add_bos=False)
 
     def submit(self, seq: Request, session: str | None = None) -> None:
         try:

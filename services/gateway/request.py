@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.prefix_cache import PrefixAudit
+from services.gateway.speculation import DraftBudget
 from shared.generation import SequenceState
 from shared.sampling import TopLogprobs
 
@@ -94,6 +95,8 @@ class Request(SequenceState):
     replays: int = 0  # replays started: counted when its first replay micro-batch is planned
     cached_tokens: int = 0  # prompt tokens a cached prefix supplied (usage.prompt_tokens_details.cached_tokens)
     cache_tenant: str = ""  # whose cached prefixes it may use and add to ("": the shared tenant; PrefixIndex.chain)
+    prediction_ids: list[int] | None = None  # the output the client expects, tokenized: drafts (speculation.py)
+    draft_budget: DraftBudget = field(default_factory=DraftBudget)  # its next draft's length, from its last ones
     audit: PrefixAudit | None = None  # set on the gateway's own twins that check a cache hit (no client reads them)
     admitted: bool = False  # admitted once (a re-admission after a kv_full is not a new admission)
     no_cache: bool = False  # admitted without a prefix-cache lookup (the audit's recomputing twin)

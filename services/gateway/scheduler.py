@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.prefix_cache import PrefixIndex
 from services.gateway.request import Request, RequestOutput
+from services.gateway.speculation import predicted_draft
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.pipeline_client import PipelineError
@@ -326,6 +327,8 @@ class Scheduler:
                 if traced is not None:
                     continue
                 traced = r
+            if r.prediction_ids and not r.prefilling and (size := r.draft_budget.next_size()):
+                r.draft = predicted_draft(r.prediction_ids, r.output_ids, size)
             entry, toks = r.next_step(min(self.config.prefill_chunk, budget))
             r.feeding = len(toks)
             r.starting = entry.step.starts_sequence
@@ -371,6 +374,7 @@ class Scheduler:
                 continue
             if r is batch.traced and result is not None:  # the captures are its rows, never another request's
                 update.captures.append((r, result.captures))
+            drafted, stood_before = len(r.verifying), r.drafts_accepted
             for (token, logprob, top), reason in r.take(fed, sampled.get(r.seq_id)):
                 grammar_failed = reason == "error" and r.grammar is not None
                 why = f"the output left its grammar: {r.grammar.error}" if grammar_failed else None
@@ -378,6 +382,7 @@ class Scheduler:
                                                         "grammar_failed" if grammar_failed else None)))
                 if reason is not None:
                     self._retire(r, reason)
+            r.draft_budget.update(drafted, r.drafts_accepted - stood_before)
         return update
 
     def _prefix_miss(self, reqs: list[Request], error: PipelineError) -> Update:

@@ -74,6 +74,7 @@ class GenerationSpec:
     include_usage: bool = False
     resumable: bool = False  # keeps generating when its connection drops; GET /v1/streams/{id} reads it again
     cache_tenant: str = ""  # whose cached prefixes it may use (cache_salt, prompt_cache_key or user; "": shared)
+    prediction: str | None = None  # the output the client expects (OpenAI's Predicted Outputs): drafts to verify
     timeout_s: float | None = None
     json_schema: dict | None = None  # response_format json_object / json_schema: the output is constrained to it
     tools: list[dict] | None = None  # validated {"type": "function", "function": {name, description, parameters}}
@@ -218,7 +219,7 @@ def parse_messages(value: Any) -> list[dict]:
 READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                          "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p",
                          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                         "response_format", "resumable", "cache_salt", "prompt_cache_key", "user"})
+                         "response_format", "resumable", "cache_salt", "prompt_cache_key", "user", "prediction"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls"})
 COMPLETION_FIELDS = frozenset({"prompt"})
@@ -239,7 +240,6 @@ NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
     "suffix": (lambda v: v == "", '""', "inserts the completion before a suffix"),
     "modalities": (lambda v: v == ["text"], '["text"]', "asks for audio output"),
     "audio": (lambda v: False, "null", "asks for audio output"),
-    "prediction": (lambda v: False, "null", "speeds up output the client predicts"),
     "reasoning_effort": (lambda v: False, "null", "sets a reasoning model's effort"),
     "web_search_options": (lambda v: False, "null", "searches the web"),
 }
@@ -473,6 +473,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     spec.trace = _bool(body, "trace")
     spec.resumable = _bool(body, "resumable")
     spec.cache_tenant = _cache_tenant(body)
+    spec.prediction = _prediction(body)
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
@@ -489,6 +490,24 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
         if spec.tool_choice == "none":
             spec.tools = None  # the model neither sees nor calls them (OpenAI's "none")
     return spec
+
+
+def _prediction(body: dict) -> str | None:
+    """prediction: {"type": "content", "content": text or [{"type": "text", "text"}]} -> its text."""
+    v = body.get("prediction")
+    if v is None:
+        return None
+    content = v.get("content") if isinstance(v, dict) and v.get("type") == "content" and set(v) <= {"type", "content"} \
+        else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise RequestError("'prediction' must be {'type': 'content', 'content': the text you expect, or a list of "
+                           "{'type': 'text', 'text': ...} parts}", "prediction")
+    if len(content) > MAX_PROMPT_CHARS:
+        raise RequestError(f"'prediction' is longer than {MAX_PROMPT_CHARS} characters", "prediction")
+    return content or None
 
 
 MAX_CACHE_KEY_CHARS = 256

@@ -302,8 +302,9 @@ class KernelDecode(LaidOut):
     dtype: torch.dtype
 
     @staticmethod
-    def applies(model: TransformerModel, layout: BatchLayout) -> bool:
-        return layout.positions.device.type == "cpu" and KernelDecode.why_not(model) is None
+    def applies(model: TransformerModel, device: torch.device) -> bool:
+        """The kernel takes this piece's decode attention on `device` (softcapped layers aside)."""
+        return device.type == "cpu" and KernelDecode.why_not(model) is None
 
     @staticmethod
     def why_not(model: TransformerModel) -> str | None:
@@ -373,7 +374,7 @@ class BatchDecode:
 def choose_attention(model: TransformerModel, layout: BatchLayout) -> Attention:
     """The eager step's attention, by the table above."""
     if layout.decode_only and not model.batch_invariant:
-        if KernelDecode.applies(model, layout):
+        if KernelDecode.applies(model, layout.positions.device):
             return KernelDecode(layout, model.config, model.dtype)
         return SplitDecode.of(layout, model.config, model.dtype)
     return ChunkAttention(layout, model.batch_invariant)
