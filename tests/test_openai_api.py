@@ -536,9 +536,11 @@ async def test_a_resumable_stream_outlives_its_connection_and_resumes_after_its_
     body = {"messages": [{"role": "user", "content": "Tell me about rivers."}], "max_tokens": 40, "seed": 11,
             "temperature": 0.9, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession() as s:
-        async with s.post(gateway.url + "/v1/chat/completions", json=body) as r:  # the same request, read whole
-            whole = await _sse(r)
-        async with s.post(gateway.url + "/v1/chat/completions", json={**body, "resumable": True}) as r:
+        # each in a cache scope of its own: both prefill in full, so their numbers (and seeded draws) are the same
+        async with s.post(gateway.url + "/v1/chat/completions", json={**body, "cache_salt": "whole"}) as r:
+            whole = await _sse(r)  # the same request, read whole
+        async with s.post(gateway.url + "/v1/chat/completions", json={**body, "resumable": True,
+                                                                       "cache_salt": "resumed"}) as r:
             first = await _sse(r, limit=6)  # ... and this connection drops here
         rid = first[0][1]["id"]
         assert all(eid and eid.count(":") == 1 for eid, _ in first)  # every event has an id
@@ -573,7 +575,7 @@ async def test_a_stream_not_marked_resumable_ends_with_its_connection(gateway):
 
 async def test_a_websocket_generation_is_resumed_on_another_socket_after_its_last_event(gateway):
     gen = {"type": "generate", "id": "a", "prompt": "Once upon a time", "max_tokens": 24, "seed": 5,
-           "temperature": 0.9, "ignore_eos": True, "resumable": True}
+           "temperature": 0.9, "ignore_eos": True, "resumable": True, "cache_salt": "resumed"}
     async with aiohttp.ClientSession() as s:
         async with s.ws_connect(gateway.url + "/v1/stream") as ws:
             await ws.send_json(gen)
@@ -589,7 +591,7 @@ async def test_a_websocket_generation_is_resumed_on_another_socket_after_its_las
             await ws.send_json({"type": "resume", "id": "c", "request_id": "no-such-request", "after": -1})
             missing = await ws.receive_json(timeout=60)
         async with s.ws_connect(gateway.url + "/v1/stream") as ws:  # the same request, read whole, for comparison
-            await ws.send_json({**gen, "id": "w", "resumable": False})
+            await ws.send_json({**gen, "id": "w", "resumable": False, "cache_salt": "whole"})  # prefilled in full too
             whole = []
             while not whole or whole[-1]["type"] == "token":
                 whole.append(await ws.receive_json(timeout=60))

@@ -74,13 +74,17 @@ def test_a_prediction_changes_how_fast_not_what(gateway):
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "system", "content": "Repeat the user's text word for word."},
                 {"role": "user", "content": TEXT}]
-    plain = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0)
+    # each in a cache scope of its own: both prefill in full (a cached prefix's remainder runs other kernels)
+    plain = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0,
+                                           extra_body={"cache_salt": "plain"})
     predicted = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0,
-                                               prediction={"type": "content", "content": TEXT})
+                                               prediction={"type": "content", "content": TEXT},
+                                               extra_body={"cache_salt": "predicted"})
     assert predicted.choices[0].message.content == plain.choices[0].message.content
     details = predicted.usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
     assert plain.usage.completion_tokens_details is None or not plain.usage.completion_tokens_details.accepted_prediction_tokens
     stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0,
-                                            stream=True, prediction={"type": "content", "content": TEXT})
+                                            stream=True, prediction={"type": "content", "content": TEXT},
+                                            extra_body={"cache_salt": "streamed"})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == plain.choices[0].message.content

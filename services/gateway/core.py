@@ -217,7 +217,7 @@ class Gateway:
         connections (cancel_on_leave False). No-op once it ended."""
         if handle.cancel_on_leave:
             self.replicas.cancel(handle.seq)
-        elif not handle.log.ended and handle.readers == 0:  # resumable: a reader has RESUME_GRACE_S to come back
+        elif not handle.log.ended:  # resumable: checked RESUME_GRACE_S from now, when a reader may have come back
             asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._cancel_if_unread, handle)
 
     def _cancel_if_unread(self, handle: RequestHandle) -> None:

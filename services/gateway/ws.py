@@ -36,11 +36,8 @@ class WsSession:
                 if msg.type == WSMsgType.TEXT:
                     await self.on_message(msg.data)
         finally:
-            pumps = list(self.active.values())
-            for _, task in pumps:
+            for handle, task in list(self.active.values()):  # no await here: the handler itself may be cancelled
                 task.cancel()
-            await asyncio.gather(*(task for _, task in pumps), return_exceptions=True)  # their readers gone first
-            for handle, _ in pumps:
                 self.gw.leave(handle)
 
     async def error(self, rid: str | None, code: str, message: str) -> None:
