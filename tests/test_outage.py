@@ -487,7 +487,7 @@ async def test_trace_is_refused_unless_the_gateway_allows_it(clean, body):
 def push_from(address: str, messages: list, curve: tuple[bytes, bytes, bytes] | None, arrived) -> None:
     """test_curve's push of these protocol messages, its socket held open until arrived() -- the receiver counted the
     refused handshake, or what the messages did."""
-    push(address, [encode(msg) for msg in messages], curve, arrived)
+    push(address, [encode(msg) for msg in messages], curve, arrived, timeout=45)  # a loaded machine: slow to count
 
 
 async def test_refusals_are_counted_and_forged_errors_are_named(clean, smollm2, tmp_path):
