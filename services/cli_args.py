@@ -13,7 +13,6 @@ from shared.device import DTYPES
 from shared.errors import StagemeshError
 from shared.models.compiled_decode import COMPILE_MODES
 from shared.models.linear import WEIGHT_MODES
-from shared.models.memory import default_budget
 from shared.otlp import otlp_endpoint, require_sdk
 from shared.sampling import SamplingParams
 
@@ -205,12 +204,8 @@ def model_flags(args) -> list[str]:
         flags += ["--weights", args.weights]
     if getattr(args, "batch_invariant", False):
         flags.append("--batch-invariant")
-    if getattr(args, "memory_budget", None) is not None or getattr(args, "stages", None):
-        # up's stages load at once on one host: each gets its share of the default, fixed here (every replica's
-        # stages share the host too)
-        stages_on_host = args.stages * getattr(args, "replicas", 1)
-        budget = args.memory_budget if args.memory_budget is not None else default_budget(stages_on_host)
-        flags += ["--memory-budget", str(budget)]
+    if getattr(args, "memory_budget", None) is not None:  # `up` fixes its stages' shares of the default first
+        flags += ["--memory-budget", str(args.memory_budget)]
     if getattr(args, "compile_decode", None):
         flags += ["--compile-decode", args.compile_decode]
     if getattr(args, "kernel_plan", None):
