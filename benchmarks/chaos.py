@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 import aiohttp
 
-from benchmarks.harness import RunningGateway, add_dtype_arg, children, dtype_label, running_up
 from loadtest.client import send_sse
-from shared.mesh_keys import write_key_set
+from services.testing.harness import RunningGateway, add_dtype_arg, children, dtype_label, running_up
+from shared.wire.mesh_keys import write_key_set
 
 SCENARIOS = ("kills", "leavers", "two-deaths", "wrong-keys")
 

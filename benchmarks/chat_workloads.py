@@ -33,7 +33,8 @@ import time
 
 import aiohttp
 
-from benchmarks.harness import (
+from loadtest.client import sse_events
+from services.testing.harness import (
     LLAMA_SERVER,
     add_dtype_arg,
     add_out_arg,
@@ -43,9 +44,8 @@ from benchmarks.harness import (
     ups_in_turn,
     write_results,
 )
-from loadtest.client import sse_events
-from shared.gguf_loader import GgufLoader
-from shared.model_registry import resolve_model
+from shared.files.gguf_loader import GgufLoader
+from shared.files.model_registry import resolve_model
 
 WORDS = ("river mountain city garden window morning evening market bridge harbour library station forest meadow "
          "village kitchen letter teacher student doctor farmer sailor painter engineer question answer story history "

@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks.harness import (
+from services.testing.harness import (
     LLAMA_SERVER,
     add_dtype_arg,
     add_out_arg,
@@ -36,9 +36,9 @@ from benchmarks.harness import (
     ups_in_turn,
     write_results,
 )
-from shared.device import cpu_has_fast_bf16
-from shared.gguf_loader import GgufLoader
-from shared.model_registry import resolve_model
+from shared.files.gguf_loader import GgufLoader
+from shared.files.model_registry import resolve_model
+from shared.models.device import cpu_has_fast_bf16
 
 LLAMA_SLOTS = 32  # llama-server's parallel slots (-np): as many as the highest default concurrency
 

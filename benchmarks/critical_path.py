@@ -20,10 +20,10 @@ import statistics
 
 import aiohttp
 
-from benchmarks.harness import Report, add_dtype_arg, add_out_arg, dtype_label, running_up, scrape
 from loadtest.client import send_sse
 from loadtest.datasets import random_requests
-from shared.model_files import ModelFiles
+from services.testing.harness import Report, add_dtype_arg, add_out_arg, dtype_label, running_up, scrape
+from shared.runtime.model_files import ModelFiles
 
 STAGE = ["stagemesh_stage_busy_seconds_total", "stagemesh_stage_microbatches_total",
          "stagemesh_stage_hop_latency_seconds_sum", "stagemesh_stage_hop_latency_seconds_count"]

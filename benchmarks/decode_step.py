@@ -15,7 +15,7 @@ to the largest --batch the batched graph where the model's layers are covered (f
 eager step. Modes the compiled step does not cover (bf16, f32) are skipped.
 
 --arch llama,qwen2,... (or all) measures instead, for each architecture, a random model of SmolLM2's widths (576
-hidden, 9 heads, 3 kv heads, 1536 MLP; --arch-layers layers, Q4_0 matrices; benchmarks/tiny_gguf.py writes it)
+hidden, 9 heads, 3 kv heads, 1536 MLP; --arch-layers layers, Q4_0 matrices; services/testing/tiny_gguf.py writes it)
 decoding one sequence eagerly and compiled, and writes the table to --out.
 """
 
@@ -33,19 +33,19 @@ import time
 
 import torch
 
-from benchmarks.harness import add_out_arg, results_dir, write_results
-from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
-from shared.device import resolve_dtype
-from shared.gguf_loader import GgufLoader
-from shared.model_registry import resolve_model
-from shared.protocol import SeqEntry
-from shared.runtime import LocalPipeline
-from shared.steps import Decode, Prefill
+from services.testing.harness import add_out_arg, results_dir, write_results
+from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
+from shared.batch.steps import Decode, Prefill
+from shared.files.gguf_loader import GgufLoader
+from shared.files.model_registry import resolve_model
+from shared.models.device import resolve_dtype
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.wire.protocol import SeqEntry
 
 
 def load(loader: GgufLoader, weights: str, slots: int, batch_invariant: bool,
          compile_decode: bool = False) -> LocalPipeline | None:
-    dtype = torch.float32 if weights == "f32" else resolve_dtype(None)  # the serving default (shared.device)
+    dtype = torch.float32 if weights == "f32" else resolve_dtype(None)  # the serving default (shared.models.device)
     params = inspect.signature(LocalPipeline.load).parameters
     if "weights" not in params:  # the code before weights modes existed
         return LocalPipeline.load(loader, None, dtype, kv_slots=slots) if weights in ("bf16", "f32") else None

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from shared.gguf_loader import GgufLoader, RawTensor
-from shared.model_registry import resolve_model
+from shared.files.gguf_loader import GgufLoader, RawTensor
+from shared.files.model_registry import resolve_model
 from shared.models.linear import DenseLinear, Int4Linear, _apply_groups, dequantize, unpack_levels
 
 

@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from benchmarks.harness import (
+from services.testing.harness import (
     add_dtype_arg,
     add_out_arg,
     children,

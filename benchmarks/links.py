@@ -1,5 +1,5 @@
 """What a real link between stages costs: the gateway and 2 stages each in its own network namespace (the Kubernetes
-manifests' command lines, benchmarks/netns.py), every hop through a relay that adds half the RTT each way, every
+manifests' command lines, services/testing/netns.py), every hop through a relay that adds half the RTT each way, every
 host's link capped by `tc tbf`; measured interleaved against the same deployment with a zero-delay relay and no cap
 (the calibration: what the relay itself costs is in both).
 
@@ -22,11 +22,11 @@ import sys
 import tempfile
 import urllib.request
 
-from benchmarks.harness import add_out_arg, results_dir, scrape_metric, wait_compiled, write_results
-from benchmarks.k8s_render import config, container_args, render
-from benchmarks.netns import namespaces, netns_permitted, shape_links, start_pods
-from shared.mesh_keys import write_key_set
-from shared.model_registry import resolve_model
+from services.testing.harness import add_out_arg, results_dir, scrape_metric, wait_compiled, write_results
+from services.testing.k8s_render import config, container_args, render
+from services.testing.netns import namespaces, netns_permitted, shape_links, start_pods
+from shared.files.model_registry import resolve_model
+from shared.wire.mesh_keys import write_key_set
 
 SUBNET = "10.79.0"
 HOSTS = {"gw": 10, "s0": 11, "s1": 12}

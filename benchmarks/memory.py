@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.harness import (
+from services.testing.harness import (
     add_dtype_arg,
     add_out_arg,
     anon_mb,
@@ -30,8 +30,8 @@ from benchmarks.harness import (
     running_up,
     write_results,
 )
-from shared.gguf_loader import GgufLoader
-from shared.model_registry import resolve_model
+from shared.files.gguf_loader import GgufLoader
+from shared.files.model_registry import resolve_model
 
 MIB = 2**20
 

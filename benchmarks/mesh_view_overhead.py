@@ -16,7 +16,7 @@ import statistics
 
 import aiohttp
 
-from benchmarks.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_level, running_up
+from services.testing.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_level, running_up
 
 
 async def with_subscribers(url: str, n: int, concurrency: int, max_tokens: int) -> tuple[float, int]:

@@ -1,6 +1,6 @@
 """What distributed tracing costs: aggregate generated tokens/s of `stagemesh up --stages 2` without --otlp-endpoint
 (the default: no span objects, no header field) and with it, exporting every request's trace to an OTLP/HTTP
-receiver in this process (benchmarks/otlp_receiver.py, decoding each export as a collector would). Both meshes run side
+receiver in this process (services/testing/otlp_receiver.py, decoding each export as a collector would). Both meshes run side
 by side and the rounds alternate, so drift on a shared machine hits both equally.
 
 It also times, in this process, what tracing adds per micro-batch (header encode + decode with and without the
@@ -23,12 +23,12 @@ import timeit
 
 import torch
 
-from benchmarks.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_level, running_up
-from benchmarks.otlp_receiver import OtlpReceiver
-from shared.device import resolve_dtype
-from shared.otlp import OtlpTracer, otlp_endpoint
-from shared.protocol import ForwardBatch, SeqEntry, decode, encode
-from shared.steps import Decode
+from services.testing.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_level, running_up
+from services.testing.otlp_receiver import OtlpReceiver
+from shared.batch.steps import Decode
+from shared.models.device import resolve_dtype
+from shared.observe.otlp import OtlpTracer, otlp_endpoint
+from shared.wire.protocol import ForwardBatch, SeqEntry, decode, encode
 
 
 def per_microbatch_us(url: str, dtype: torch.dtype, seqs: int = 16, n: int = 2000) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.plan_check [--rounds 3] [--tokens 128] [--dtype D] [--out DIR]
 
-Times SmolLM2's decode steps here as `plan` does (services.plan_cli.measure_here: eager, every core), predicts one
+Times SmolLM2's decode steps here as `plan` does (services.cli.plan.measure_here: eager, every core), predicts one
 stream's tok/s for `up --stages 1` and `--stages 2` on loopback (RTT 0, each stage a "host" of this machine's speed,
 the split `up` runs), then streams greedy requests through both (`--compile-decode off`: eager, as measured), taking
 turns, and prints predicted, measured and their ratio. A request's speed is 1 / its median inter-token time. The
@@ -22,14 +22,14 @@ import statistics
 import urllib.request
 from dataclasses import replace
 
-from benchmarks.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_level, ups_in_turn
-from services.plan_cli import Measured, measure_here
-from shared.device import default_device, resolve_dtype
-from shared.layers import LayerRange
-from shared.model_files import ModelFiles
+from services.cli.plan import Measured, measure_here
+from services.testing.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_level, ups_in_turn
+from shared.files.layers import LayerRange
+from shared.models.device import default_device, resolve_dtype
 from shared.models.memory import available_bytes
-from shared.plan import Host, ModelFacts, Workload, predict
-from shared.stage_info import StageInfo
+from shared.runtime.model_files import ModelFiles
+from shared.runtime.plan import Host, ModelFacts, Workload, predict
+from shared.wire.stage_info import StageInfo
 
 TARGET = 0.2  # issue 52: predictions within 20 % of what is measured
 

@@ -13,7 +13,7 @@ import statistics
 import time
 import urllib.request
 
-from benchmarks.harness import Report, add_out_arg, running_up
+from services.testing.harness import Report, add_out_arg, running_up
 
 # (what the user asks, the text it is about): the answer mostly repeats the text, as an edit does
 EDITS = [

@@ -25,8 +25,15 @@ import time
 
 import aiohttp
 
-from benchmarks.harness import add_dtype_arg, add_out_arg, dtype_label, results_dir, running_up, write_results
 from loadtest.client import send_sse
+from services.testing.harness import (
+    add_dtype_arg,
+    add_out_arg,
+    dtype_label,
+    results_dir,
+    running_up,
+    write_results,
+)
 
 
 async def burst(url: str, concurrency: int, max_tokens: int, seed: int) -> dict:

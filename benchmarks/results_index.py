@@ -5,6 +5,7 @@ benchmark's per-request records of each round stay out of it (.gitignore): its c
 
 from __future__ import annotations
 
+import argparse
 import os
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -34,7 +35,12 @@ def index() -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
+def main() -> None:
+    argparse.ArgumentParser(description="Write benchmarks/results/README.md: one line per result folder.").parse_args()
     with open(os.path.join(RESULTS, "README.md"), "w", encoding="utf-8") as f:
         f.write(index())
     print(f"wrote {os.path.join(RESULTS, 'README.md')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,8 @@ import time
 
 import aiohttp
 
-from benchmarks.harness import (
+from loadtest.client import StreamEndedEarly, sse_events
+from services.testing.harness import (
     Report,
     add_dtype_arg,
     add_out_arg,
@@ -28,7 +29,6 @@ from benchmarks.harness import (
     running_up,
     slope_per_min,
 )
-from loadtest.client import StreamEndedEarly, sse_events
 
 PROMPTS = ["Write a story about a dragon.", "Explain how rain forms.", "List some fruits.", "Describe a city street.",
            "What is machine learning?", "Tell me about Rome.", "How do bees make honey?", "Why is the sky blue?"]

@@ -25,10 +25,10 @@ import statistics
 
 import aiohttp
 
-from benchmarks.harness import Report, add_dtype_arg, add_out_arg, dtype_label, ups_in_turn
 from loadtest.client import send_sse
 from loadtest.datasets import random_requests
-from shared.model_files import ModelFiles
+from services.testing.harness import Report, add_dtype_arg, add_out_arg, dtype_label, ups_in_turn
+from shared.runtime.model_files import ModelFiles
 
 TARGET = 0.9  # issue 29: N stages on one host at one stream, against 1 stage
 

@@ -20,9 +20,16 @@ import time
 
 import aiohttp
 
-from benchmarks.harness import add_dtype_arg, add_out_arg, dtype_label, results_dir, running_up, write_results
-from shared.gguf_loader import GgufLoader
-from shared.model_registry import resolve_model
+from services.testing.harness import (
+    add_dtype_arg,
+    add_out_arg,
+    dtype_label,
+    results_dir,
+    running_up,
+    write_results,
+)
+from shared.files.gguf_loader import GgufLoader
+from shared.files.model_registry import resolve_model
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},

@@ -1,7 +1,7 @@
 """Too big for one host: a model served by 2 stages, each confined by a cgroup (v1 memory controller) to less memory
 than the whole file, where one process under the same limit cannot load it.
 
-    python -m benchmarks.shaped_gguf llama3.1-8b Q4_K_M        # prints the file's path (built once)
+    python -m services.testing.shaped_gguf llama3.1-8b Q4_K_M        # prints the file's path (built once)
     python -m benchmarks.too_big --model FILE [--limit 3.5G] [--out DIR]
 
 The single process is
@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.request
 
-from benchmarks.harness import add_out_arg, children, free_port, results_dir, write_results
+from services.testing.harness import add_out_arg, children, free_port, results_dir, write_results
 from shared.config import parse_bytes
 
 CGROUPS = "/sys/fs/cgroup/memory"
@@ -113,7 +113,7 @@ def two_stages(model: str, limit: int, logs: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a GGUF path (e.g. the 8B-shaped Q4_K_M of benchmarks.shaped_gguf)")
+    p.add_argument("--model", required=True, help="a GGUF path (e.g. the 8B-shaped Q4_K_M of services.testing.shaped_gguf)")
     p.add_argument("--limit", default="3.5G", help="each process's memory limit (less than the whole file)")
     add_out_arg(p, "too-big")
     args = p.parse_args()

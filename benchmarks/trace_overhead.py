@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import statistics
 
-from benchmarks.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_groups, running_mesh
-from shared.model_files import ModelFiles
+from services.testing.harness import Report, add_dtype_arg, add_out_arg, dtype_label, run_groups, running_mesh
+from shared.runtime.model_files import ModelFiles
 
 
 def main() -> None:

@@ -26,12 +26,12 @@ import torch
 import zmq
 import zmq.asyncio
 
-from benchmarks.harness import add_dtype_arg, dtype_label, free_port, run_groups, running_mesh
-from shared.device import resolve_dtype
-from shared.mesh_keys import KeyPair, SocketKeys
-from shared.protocol import ForwardBatch, SeqEntry, decode, encode
-from shared.steps import Decode, Prefill
-from shared.transport import TransportStats, Zap, curve_receiver, curve_sender, recv_frames
+from services.testing.harness import add_dtype_arg, dtype_label, free_port, run_groups, running_mesh
+from shared.batch.steps import Decode, Prefill
+from shared.models.device import resolve_dtype
+from shared.wire.mesh_keys import KeyPair, SocketKeys
+from shared.wire.protocol import ForwardBatch, SeqEntry, decode, encode
+from shared.wire.transport import TransportStats, Zap, curve_receiver, curve_sender, recv_frames
 
 SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
 
@@ -135,7 +135,7 @@ def curve_table(repeat: int, dtype: torch.dtype) -> None:
 
 def mesh_tokens(rounds: int, dtype: str | None) -> None:
     """Decode tokens/s of a 2-stage mesh, CURVE against plaintext, alternating so drift hits both alike."""
-    from shared.model_files import ModelFiles
+    from shared.runtime.model_files import ModelFiles
 
     prompt = ModelFiles.open("smollm2").tokenizer.encode("The history of the printing press begins")
     shapes = {"1 stream": (1, 1), "4x8 in flight": (4, 8)}

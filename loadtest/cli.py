@@ -89,7 +89,7 @@ def _numbers(text: str, flag: str) -> list[float]:
 
 
 def cmd_bench(args) -> int:
-    from shared.model_files import ModelFiles
+    from shared.runtime.model_files import ModelFiles
 
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise StagemeshError("--num-prompts, --input-len and --output-len must be positive")

@@ -1,7 +1,9 @@
 """The serving knobs, each written once: a frozen dataclass per process role, every field with its default, its help
-and (through `knob`) how its command-line flag reads. `services/cli_args.py` generates the flags of `stage`,
+and (through `knob`) how its command-line flag reads. `services/process/args.py` generates the flags of `stage`,
 `gateway` and `up` from these fields (vLLM's EngineArgs idea), so a default or a help text lives only here.
 
+- LoadConfig: how a model's layers are loaded and run (dtype, weights' kernels, memory budget, kernel plans,
+  batch invariance, compiled decode): `stage`, `generate`, `up` (which forwards it to its stages).
 - StageConfig: what one stage holds (KV capacity, slot lease, threads).
 - SchedulerConfig: how the gateway batches, admits and recovers (services/gateway/scheduler.py, pipeline.py).
 - GatewayConfig (services/gateway/config.py): the gateway's HTTP edge and request defaults.
@@ -24,15 +26,17 @@ GATEWAY_PORT = 8000  # the gateway's HTTP port unless told otherwise (`up --port
 
 
 def knob(default: Any, help: str, *, unit: str | None = None, unset: str | None = None, flag: str | None = None,
-         repeatable: bool = False, parse: Any = None, metavar: str | None = None) -> Any:
+         repeatable: bool = False, parse: Any = None, metavar: str | None = None, choices: tuple[str, ...] = (),
+         const: str | None = None) -> Any:
     """A config field that is a command-line flag.
 
     help: what it does, without its default (the flag's help appends it). unit: "seconds" or "bytes" (how the
     default is shown; "bytes" flags take 64M-style sizes). unset: what a None default means ("the number of
     stages"). flag: its flag when not derived from the name. repeatable: a tuple field given by repeating the flag.
-    parse: the argparse type (default: the field's own type)."""
+    parse: the argparse type (default: the field's own type). choices: the values it takes. const: the value of
+    the flag given alone (`--compile-decode` means on)."""
     meta = {"help": help, "unit": unit, "unset": unset, "flag": flag, "repeatable": repeatable, "parse": parse,
-            "metavar": metavar}
+            "metavar": metavar, "choices": choices, "const": const}
     if repeatable:
         return field(default=tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -64,6 +68,11 @@ def check(config: Any, name: str, ok: bool, must: str) -> None:
         raise StagemeshError(f"{flag_for(config, name)} must be {must}, got {getattr(config, name)!r}")
 
 
+def check_choice(config: Any, name: str, choices: tuple[str, ...], none_ok: bool = False) -> None:
+    value = getattr(config, name)
+    check(config, name, (value is None and none_ok) or value in choices, "one of " + ", ".join(choices))
+
+
 def check_int(config: Any, name: str, low: int, none_ok: bool = False) -> None:
     value = getattr(config, name)
     if value is None and none_ok:
@@ -88,6 +97,71 @@ def parse_bytes(text: str) -> int:
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"{text!r} is not a size; give a positive number of bytes with an optional unit, e.g. 4G or 512M")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # compute dtypes (shared.models.device.DTYPES: their torch dtypes)
+WEIGHT_MODES = ("auto", "lean", "bf16", "f32")  # the matmul kernels a model's weights run on (shared.models.linear)
+COMPILE_MODES = ("auto", "on", "off")  # when the decode graphs compile: in the background, before ready, never
+COMPILE_DECODE_ENV = "STAGEMESH_COMPILE_DECODE"  # the serving commands' --compile-decode default, when set
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How a model's layers are loaded and run (`stage`, `generate`, `perplexity`; `up` forwards it to every stage it
+    starts). The defaults are a one-off command's: the serving commands default --compile-decode to auto
+    (serving_defaults)."""
+
+    dtype: str | None = knob(None, "compute dtype", choices=DTYPE_NAMES,
+                             unset="float32 where the integer-dot kernels run, else bfloat16 where the CPU/GPU "
+                                   "multiplies it natively, else float32")
+    weights: str | None = knob(None, "matmul kernels: auto (every quantized type decodes from a kernel of about its "
+                                     "stored size -- int4, two int4 planes, int8 rows -- and prefills from a dense "
+                                     "copy, prepacked bf16 or f32 as timed at load, where --memory-budget holds it), "
+                                     "lean (the quantized kernels only: memory about the file's share, slower "
+                                     "prefill), bf16, f32 (exact reference)", choices=WEIGHT_MODES,
+                               unset="f32 when --dtype float32 is given, else auto")
+    memory_budget: int | None = knob(None, "bytes a stage's weights and KV cache may take, e.g. 4G: auto keeps its "
+                                           "dense prefill copy only where it fits", unit="bytes", parse=parse_bytes,
+                                     unset="80% of the memory available at load, shared by the stages `up` starts")
+    kernel_plan: str | None = knob(None, "the kernel plans file: which kernels this machine measured fastest for each "
+                                         "shape, read where it has them, measured and written where not (stages given "
+                                         "one file pick the same kernels); off measures at every load",
+                                   metavar="FILE|off",
+                                   unset="$STAGEMESH_KERNEL_PLANS, else ~/.cache/stagemesh/kernel-plans.json")
+    batch_invariant: bool = knob(False, "each sequence's numbers independent of what else is in its micro-batch "
+                                        "(fixed kernels and reduction order): greedy output reproducible under any "
+                                        "load; costs speed at large batches")
+    compile_decode: str = knob("off", "the decode steps under torch.compile (faster per token; compiling takes "
+                                      "minutes at the first start, seconds from inductor's cache after): auto compiles "
+                                      "in the background while the stage already serves eagerly, where the model and "
+                                      "weights allow it; on (the flag alone) compiles before the stage is ready and "
+                                      "refuses what it does not cover (e.g. --batch-invariant); off never",
+                               choices=COMPILE_MODES, const="on")
+
+    def __post_init__(self):
+        check_choice(self, "dtype", DTYPE_NAMES, none_ok=True)
+        check_choice(self, "weights", WEIGHT_MODES, none_ok=True)
+        check_int(self, "memory_budget", 1, none_ok=True)
+        check(self, "kernel_plan", self.kernel_plan is None or (isinstance(self.kernel_plan, str) and self.kernel_plan),
+              "a file path or off")
+        check(self, "batch_invariant", isinstance(self.batch_invariant, bool), "on or off")
+        check_choice(self, "compile_decode", COMPILE_MODES)
+
+    @property
+    def weights_mode(self) -> str | None:
+        """The weights mode to load with: --weights; else auto when --dtype is left to its default (a CPU without
+        native bf16 computes in float32 by default and still serves with the fast kernels); else None, which
+        resolve_weights turns into f32 for an explicit --dtype float32 (the exact reference) and auto otherwise."""
+        return self.weights or (None if self.dtype else "auto")
+
+
+def serving_defaults(environ: dict[str, str]) -> dict[str, Any]:
+    """LoadConfig defaults of a serving command (stage, up): compile in the background unless
+    $STAGEMESH_COMPILE_DECODE says otherwise (a one-off generate would spend its run compiling)."""
+    mode = environ.get(COMPILE_DECODE_ENV, "auto")
+    if mode not in COMPILE_MODES:
+        raise StagemeshError(f"{COMPILE_DECODE_ENV}={mode!r} must be one of {', '.join(COMPILE_MODES)}")
+    return {"compile_decode": mode}
 
 
 @dataclass(frozen=True)
@@ -162,5 +236,6 @@ class SchedulerConfig:
         check_int(self, "max_replays", 0)
 
 
+LOAD_DEFAULTS = LoadConfig()
 STAGE_DEFAULTS = StageConfig()
 SCHEDULER_DEFAULTS = SchedulerConfig()

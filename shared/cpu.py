@@ -1,4 +1,4 @@
-"""The CPU's feature flags, read once: what the kernels (shared.kernels.qdot) and the dtype default (shared.device)
+"""The CPU's feature flags, read once: what the kernels (shared.kernels.qdot) and the dtype default (shared.models.device)
 decide by."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from shared.model_files import ModelFiles
+from shared.runtime.model_files import ModelFiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
@@ -30,7 +30,7 @@ def smollm2() -> ModelFiles:
 @pytest.fixture(scope="session")
 @uses_llama_cpp
 def llama_ref(smollm2):
-    from benchmarks.tiny_gguf import llama_cpp_model
+    from services.testing.tiny_gguf import llama_cpp_model
 
     return llama_cpp_model(smollm2.loader.path, n_ctx=256)
 
@@ -143,7 +143,7 @@ subprocess.Popen = _GuardedPopen  # subprocess.run, asyncio's subprocesses and o
 # Most tests only send requests to a gateway: those ask the `up` fixture for one and share it with every other test,
 # in any module, that asks for the same setup (stages, dtype, flags, API key). A test that disturbs its gateway (kills
 # or stops a stage, drains it, needs the process environment at start-up or counters no other test moved) starts a
-# private one with benchmarks.harness.start_up instead and stops it itself.
+# private one with services.testing.harness.start_up instead and stops it itself.
 
 LIVE_UPS = 2  # shared ups kept running at once (each holds its stages' weights and KV, 1-2 GB): asking for one more
 # stops the one asked for least recently, so a module may use at most this many setups at a time
@@ -157,7 +157,7 @@ def up(tmp_path_factory):
     first time the session asks for that setup and ready; later asks get the same one back, checked to be still
     serving (a test that left it dead or not ready fails the next user with a message saying so). All are stopped
     at the session's end."""
-    from benchmarks.harness import RunningGateway, start_up
+    from services.testing.harness import RunningGateway, start_up
 
     running: dict[tuple, RunningGateway] = {}  # setup -> its gateway, least recently asked for first
 

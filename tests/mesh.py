@@ -1,11 +1,11 @@
 """Test utility: drive groups of sequences through a running mesh with the one generation driver
-(shared.generation.drive over a PipelineClient); each group is one micro-batch per step."""
+(shared.runtime.generation.drive over a PipelineClient); each group is one micro-batch per step."""
 
 from __future__ import annotations
 
-from shared.generation import SequenceState, run_group_on_mesh
-from shared.pipeline_client import PipelineClient
-from shared.sampling import SamplingParams
+from shared.batch.sampling import SamplingParams
+from shared.runtime.generation import SequenceState, run_group_on_mesh
+from shared.wire.pipeline_client import PipelineClient
 
 
 async def generate_group(client: PipelineClient, prompts: dict[str, list[int]], max_tokens: int,

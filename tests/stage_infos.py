@@ -3,7 +3,7 @@ pipeline of a model with fingerprint FP), so a pure test names only the fields i
 
 from __future__ import annotations
 
-from shared.stage_info import StageInfo
+from shared.wire.stage_info import StageInfo
 
 FP = "abc123"
 

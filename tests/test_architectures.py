@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
-from shared.chat_template import ChatTemplate
+from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.errors import GgufError, UnsupportedArchitecture
-from shared.generation import window_logits
-from shared.gguf_loader import GgufLoader
-from shared.layers import LayerRange, split_at
+from shared.files.gguf_loader import GgufLoader
+from shared.files.layers import LayerRange, split_at
 from shared.models import ModelConfig, TransformerModel
-from shared.runtime import LocalPipeline
+from shared.runtime.generation import window_logits
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.text.chat_template import ChatTemplate
 from tests.test_tiny_models import IDS, ROPE_CASES
 
 ARCHS = ["llama", "qwen2", "qwen3", "starcoder2", "phi3", "phi2", "qwen3moe", "mistral3", "gemma", "gemma2", "gemma3"]
@@ -52,9 +52,9 @@ def test_every_architecture_decodes_compiled_with_the_eager_steps_numbers(tiny, 
     (DirectCall), with exactly the numbers of the same graph called through dynamo."""
     from torch._dynamo.utils import counters
 
+    from shared.batch.steps import Decode, Prefill
     from shared.models.compiled_decode import DirectCall
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
 
     path, spec = tiny
     loader = GgufLoader(path)
@@ -98,9 +98,9 @@ def test_matrices_kept_dense_run_inside_the_compiled_graphs(tmp_path):
     frames apart, ran out of cache entries and the stage decoded eagerly for good (the real Gemma 3 Q4_K_M did)."""
     from torch._dynamo.utils import counters
 
+    from shared.batch.steps import Decode, Prefill
     from shared.models.linear import dense_dtype
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
 
     # float32 matrices under weights auto: every matmul is oneDNN's prepacked GEMM here (bf16 where the CPU has it)
     loader = GgufLoader(write_tiny_gguf(str(tmp_path / "tiny.gguf"), dataclasses.replace(_spec("llama"), layers=10)))
@@ -136,10 +136,10 @@ def test_sliding_layers_decode_batches_on_the_kernel_and_the_batched_graph(tmp_p
     """gemma3's sliding layers (window 8) in decode batches: qdot's attention kernel reads each sequence's window of its
     own context, so a sequence decoded in a batch of 3 gives its numbers alone bit for bit, and torch's masked SDPA's
     to rounding; compiled, the batch runs the batched graph (where the kernel runs: an AVX2 CPU) with eager's logits."""
+    from shared.batch.steps import Decode, Prefill
     from shared.kernels import qdot
     from shared.models.attention import KernelDecode
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
 
     # Q4_0 matrices, weights auto: on an AVX2 CPU the integer-dot matmuls, whose rows never depend on the batch
     loader = GgufLoader(write_tiny_gguf(str(tmp_path / "tiny.gguf"), dataclasses.replace(_spec("gemma3"), quant="Q4_0")))
@@ -261,8 +261,8 @@ def test_end_of_turn_ends_generation_as_in_llama_cpp(tmp_path):
     set has it (the same set of ids, checked over a whole vocabulary)."""
     import llama_cpp
 
-    from benchmarks.tiny_gguf import llama_cpp_vocab, write_vocab_gguf
-    from shared.tokenizer import GgufTokenizer
+    from services.testing.tiny_gguf import llama_cpp_vocab, write_vocab_gguf
+    from shared.text.tokenizer import GgufTokenizer
 
     path = write_vocab_gguf(str(tmp_path / "gemma-vocab.gguf"), model="llama", bos="<s>", eos="</s>",
                             control_tokens=("<start_of_turn>", "<end_of_turn>"), chat_template=GEMMA2_TEMPLATE)
@@ -316,9 +316,9 @@ def test_unknown_rope_scaling_is_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize("arch", ["starcoder2", "phi3", "phi2", "qwen3moe", "mistral3", "gemma2", "gemma3"])
 async def test_two_stage_mesh_generates_what_one_process_does(arch, tmp_path):
     """Real stage processes on loopback (float32): greedy tokens through 2 stages == one local process."""
-    from services.launch import start_mesh
-    from shared.generation import generate_tokens
-    from shared.sampling import SamplingParams
+    from services.process.launch import start_mesh
+    from shared.batch.sampling import SamplingParams
+    from shared.runtime.generation import generate_tokens
     from tests.mesh import generate_group
 
     path = write_tiny_gguf(str(tmp_path / f"{arch}.gguf"), _spec(arch))

@@ -4,10 +4,10 @@ sequences (other lengths, other KV slots, more tokens than auto's int4/bf16 cros
 import pytest
 import torch
 
+from shared.batch.steps import Decode, Prefill
 from shared.models.linear import INT4_MAX_TOKENS
-from shared.protocol import SeqEntry
-from shared.runtime import LocalPipeline
-from shared.steps import Decode, Prefill
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.wire.protocol import SeqEntry
 
 DECODE_STEPS = 4
 NEIGHBOURS = 13  # > INT4_MAX_TOKENS decodes in one micro-batch: the default auto mode would switch kernels here

@@ -1,5 +1,5 @@
 """Every benchmark script imports (a renamed helper must not leave a benchmark that no longer runs) and answers
---help without starting anything; the scripts share one harness (benchmarks/harness.py) instead of borrowing each
+--help without starting anything; the scripts share one harness (services/testing/harness.py) instead of borrowing each
 other's functions, and neither they nor the product import tests/ (nor the product benchmarks/)."""
 
 import ast
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import benchmarks
-from benchmarks import harness
+from services.testing import harness
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
@@ -47,18 +47,19 @@ SCRIPTS = [m for m in MODULES if is_script(m)]
 
 def test_there_are_benchmarks():
     assert {"compare_llamacpp", "memory", "overlap", "trace_overhead", "batching"} <= set(SCRIPTS)
-    assert "harness" in MODULES and not is_script("harness")
+    helpers = [m for m in MODULES if not is_script(m)]
+    assert not helpers, f"benchmarks/ holds scripts only; move the helpers {helpers} into services/testing/"
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_benchmarks_borrow_from_no_script_and_not_from_tests(name):
     imports = imported_modules(ROOT / "benchmarks" / f"{name}.py")
     tests = sorted(m for m in imports if m == "tests" or m.startswith("tests."))
-    assert not tests, f"benchmarks/{name}.py imports {tests}: move what it needs into benchmarks/harness.py"
+    assert not tests, f"benchmarks/{name}.py imports {tests}: move what it needs into services/testing/harness.py"
     scripts = sorted(m for m in imports if m.startswith("benchmarks.") and m.split(".")[1] in SCRIPTS
                      and m.split(".")[1] != name)
     assert not scripts, (f"benchmarks/{name}.py imports from the benchmark script(s) {scripts}: move what they "
-                         "share into benchmarks/harness.py")
+                         "share into services/testing/harness.py")
 
 
 def test_the_product_imports_neither_benchmarks_nor_tests():

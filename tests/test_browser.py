@@ -15,7 +15,7 @@ import tempfile
 import aiohttp
 import pytest
 
-from benchmarks.harness import free_port
+from services.testing.harness import free_port
 from tests.conftest import starts_processes
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

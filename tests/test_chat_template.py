@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from shared.chat_template import BUILTIN_TEMPLATES, ChatTemplate, detect_template
 from shared.errors import ChatTemplateError
-from shared.model_files import ModelFiles
+from shared.runtime.model_files import ModelFiles
+from shared.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, detect_template
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -129,7 +129,7 @@ def test_a_family_is_detected_by_all_of_its_turn_markers(markers, family):
 
 
 def test_a_model_without_a_template_is_refused_with_what_to_do_and_no_path(tmp_path):
-    from benchmarks.tiny_gguf import write_vocab_gguf
+    from services.testing.tiny_gguf import write_vocab_gguf
 
     path = write_vocab_gguf(str(tmp_path / "plain.gguf"), model="llama")  # SentencePiece, no turn markers
     files = ModelFiles.open(path)

@@ -99,14 +99,15 @@ def test_weights_mode_follows_the_dtype_flag(flags, expected):
 
     import torch
 
-    from services.cli_args import add_model_args, weights_from_args
-    from shared.device import resolve_dtype
+    from services.process.args import add_model_args, config_from_args
+    from shared.config import LoadConfig
+    from shared.models.device import resolve_dtype
     from shared.models.transformer import resolve_weights
 
     p = argparse.ArgumentParser()
     add_model_args(p)
-    args = p.parse_args(flags)
-    assert resolve_weights(weights_from_args(args), resolve_dtype(args.dtype, torch.device("cpu"))) == expected
+    load = config_from_args(LoadConfig, p.parse_args(flags))
+    assert resolve_weights(load.weights_mode, resolve_dtype(load.dtype, torch.device("cpu"))) == expected
 
 
 @pytest.mark.processes
@@ -124,7 +125,8 @@ def test_inspect_reports_the_serving_default():
 def test_compile_decode_mode_follows_command_env_and_flag(monkeypatch, serving, env, flags, expected):
     import argparse
 
-    from services.cli_args import COMPILE_DECODE_ENV, add_model_args, model_flags
+    from services.process.args import add_model_args, config_argv, config_from_args
+    from shared.config import COMPILE_DECODE_ENV, LoadConfig
 
     if env is None:
         monkeypatch.delenv(COMPILE_DECODE_ENV, raising=False)
@@ -134,13 +136,14 @@ def test_compile_decode_mode_follows_command_env_and_flag(monkeypatch, serving, 
     add_model_args(p, serving=serving)
     args = p.parse_args(flags)
     assert args.compile_decode == expected
-    assert model_flags(args)[-2:] == ["--compile-decode", expected]  # what `up` hands its stages
+    assert config_argv(config_from_args(LoadConfig, args))[-2:] == ["--compile-decode", expected]  # what `up` hands its stages
 
 
 def test_a_bad_compile_decode_default_is_a_clear_error(monkeypatch):
     import argparse
 
-    from services.cli_args import COMPILE_DECODE_ENV, add_model_args
+    from services.process.args import add_model_args
+    from shared.config import COMPILE_DECODE_ENV
     from shared.errors import StagemeshError
 
     monkeypatch.setenv(COMPILE_DECODE_ENV, "sometimes")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from benchmarks.harness import children
+from services.testing.harness import children
 from shared.kernels import qdot
 
 pytestmark = pytest.mark.processes  # every test here starts a real up

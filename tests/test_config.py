@@ -6,28 +6,37 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from dataclasses import fields
 
 import pytest
 
-from benchmarks.k8s_render import find, render
-from services.cli import build_parser
-from services.cli_args import config_argv, config_from_args
+from services.cli.main import build_parser
+from services.cli.up import STAGE_FLAGS
 from services.gateway.config import GatewayConfig
-from services.up import STAGE_FLAGS
-from shared.config import GATEWAY_PORT, SchedulerConfig, StageConfig, flag_of
+from services.process.args import config_argv, config_from_args
+from services.testing.k8s_render import find, render
+from shared.config import GATEWAY_PORT, LoadConfig, SchedulerConfig, StageConfig, flag_of, serving_defaults
 from shared.errors import StagemeshError
 from tests.conftest import ROOT
 
 # command -> (the least it parses with, {config class: the fields it takes (None: all)}, what the command fills in)
 COMMANDS = {
     "stage": (["stage", "--listen", "tcp://127.0.0.1:5551", "--next", "tcp://127.0.0.1:5552"],
-              {StageConfig: None}),
+              {StageConfig: None, LoadConfig: None}),
     "gateway": (["gateway", "--stages", "http://a:8101"], {SchedulerConfig: None, GatewayConfig: None}),
-    "up": (["up"], {StageConfig: STAGE_FLAGS, SchedulerConfig: None, GatewayConfig: None}),
+    "up": (["up"], {StageConfig: STAGE_FLAGS, SchedulerConfig: None, GatewayConfig: None, LoadConfig: None}),
+    "generate": (["generate", "--prompt", "hi"], {LoadConfig: None}),
 }
 SET_BY_COMMAND = {GatewayConfig: {"model_id": "smollm2"}}
+SERVING = ("stage", "up")  # their LoadConfig defaults are serving_defaults' (compile in the background)
+
+
+def command_defaults(command: str, cls) -> dict:
+    """The values a command's defaults give a config beyond the class's own."""
+    serving = serving_defaults(os.environ) if cls is LoadConfig and command in SERVING else {}
+    return {**SET_BY_COMMAND.get(cls, {}), **serving}
 
 
 def subparser(command: str) -> argparse.ArgumentParser:
@@ -52,13 +61,13 @@ def test_every_field_has_exactly_one_flag_whose_default_is_the_fields(command):
             setting = [a for a in parser._actions if a.dest == f.name]
             assert len(setting) == 1 and setting[0].option_strings == [flag_of(f)], (command, f.name, setting)
         built = config_from_args(cls, args, **SET_BY_COMMAND.get(cls, {}))
-        assert built == cls(**SET_BY_COMMAND.get(cls, {})), (command, cls.__name__)
+        assert built == cls(**command_defaults(command, cls)), (command, cls.__name__)
     taken = [flag_of(f) for cls, only in classes.items() for f in flagged(cls, only)]
     assert len(taken) == len(set(taken)), f"two fields of {command} share a flag"
 
 
 def test_every_field_either_has_a_flag_or_says_who_sets_it():
-    for cls in (StageConfig, SchedulerConfig, GatewayConfig):
+    for cls in (StageConfig, SchedulerConfig, GatewayConfig, LoadConfig):
         for f in fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
             if flag_of(f) is None:
@@ -72,6 +81,19 @@ def test_up_passes_its_stage_flags_on_to_each_stage():
     assert (up.kv_slots, up.max_seq_len) == (5, 64)
     stage_argv = COMMANDS["stage"][0] + config_argv(up, STAGE_FLAGS)
     assert config_from_args(StageConfig, build_parser().parse_args(stage_argv)) == given
+
+
+def test_up_passes_every_load_setting_on_to_each_stage():
+    """Every LoadConfig field away from its default: `up` parses it, forwards it (config_argv), a stage parses the
+    same config back."""
+    given = LoadConfig(dtype="bfloat16", weights="lean", memory_budget=3 << 30, kernel_plan="/tmp/plans.json",
+                       batch_invariant=True, compile_decode="on")
+    assert all(getattr(given, f.name) != f.default for f in fields(LoadConfig))  # none left at its default
+    up = config_from_args(LoadConfig, build_parser().parse_args(["up", *config_argv(given)]))
+    assert up == given
+    stage_argv = COMMANDS["stage"][0] + config_argv(up)
+    assert config_from_args(LoadConfig, build_parser().parse_args(stage_argv)) == given
+    assert config_argv(LoadConfig()) == ["--compile-decode", "off"]  # unset fields are the stage's own defaults
 
 
 def test_flags_reach_the_config():
@@ -106,6 +128,10 @@ BAD = [
     (GatewayConfig, "drain_timeout_s", -1.0, "-1"),
     (GatewayConfig, "keepalive_timeout_s", 0.0, "0"),
     (GatewayConfig, "trace_budget", 0, "lots"),
+    (LoadConfig, "dtype", "float8", "float8"),
+    (LoadConfig, "weights", "dense", "dense"),
+    (LoadConfig, "memory_budget", 0, "0"),
+    (LoadConfig, "compile_decode", "sometimes", "sometimes"),
 ]
 
 
@@ -114,13 +140,13 @@ def test_a_bad_value_is_refused_naming_the_flag(cls, name, value, text, capsys):
     flag = flag_of(next(f for f in fields(cls) if f.name == name))
     with pytest.raises(StagemeshError, match=re.escape(flag)):
         cls(**{**SET_BY_COMMAND.get(cls, {}), name: value})
-    command = "stage" if cls is StageConfig else "gateway"
+    command = "stage" if cls in (StageConfig, LoadConfig) else "gateway"
     with pytest.raises(SystemExit):
         build_parser().parse_args([*COMMANDS[command][0], flag, text])
     assert f"argument {flag}:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("cls", [StageConfig, SchedulerConfig, GatewayConfig])
+@pytest.mark.parametrize("cls", [StageConfig, SchedulerConfig, GatewayConfig, LoadConfig])
 def test_a_value_of_the_wrong_type_is_refused_naming_the_flag(cls):
     """Every flagged field is checked, not only the ones with a range: a value of no sensible type names the flag."""
     for f in flagged(cls, None):

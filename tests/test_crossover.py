@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from shared.device import cpu_has_fast_bf16
 from shared.kernels.plans import KernelPlans
 from shared.models.crossover import CANDIDATES, crossover, measure_int4_crossover
+from shared.models.device import cpu_has_fast_bf16
 from shared.models.linear import SwitchedLinear
-from shared.runtime import StageRuntime
+from shared.runtime.stage_runtime import StageRuntime
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,7 @@ import pytest
 import torch
 import zmq
 
-from benchmarks.harness import children, free_port, scrape_metric, start_up
-from services.launch import (
+from services.process.launch import (
     LocalMesh,
     StageProcess,
     free_ports,
@@ -26,11 +25,12 @@ from services.launch import (
     start_mesh,
     wait_ready,
 )
+from services.testing.harness import children, free_port, scrape_metric, start_up
+from shared.batch.steps import Decode, Prefill
 from shared.errors import StagemeshError
-from shared.mesh_keys import KeySet, ephemeral_key_set, sweep_orphan_key_sets, write_key_set
-from shared.pipeline_client import PipelineError
-from shared.protocol import ForwardBatch, SeqEntry, encode
-from shared.steps import Decode, Prefill
+from shared.wire.mesh_keys import KeySet, ephemeral_key_set, sweep_orphan_key_sets, write_key_set
+from shared.wire.pipeline_client import PipelineError
+from shared.wire.protocol import ForwardBatch, SeqEntry, encode
 from tests.conftest import stagemesh_cmd, starts_processes
 from tests.delay_proxy import DelayProxy, ProxyThread
 from tests.mesh import generate_group

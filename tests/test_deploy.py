@@ -8,10 +8,10 @@ import sys
 import pytest
 import yaml
 
-from benchmarks.k8s_render import config, container_args, find, render, secret_mount
-from services.cli import build_parser
+from services.cli.main import build_parser
 from services.gateway.main import pipeline_specs
-from shared.mesh_keys import KeySet, write_key_set
+from services.testing.k8s_render import config, container_args, find, render, secret_mount
+from shared.wire.mesh_keys import KeySet, write_key_set
 from tests.conftest import ROOT
 
 BIN = f"{sys.prefix}/bin"

@@ -19,7 +19,7 @@ from services.gateway.events import EventLog, RequestRegistry
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import DoneEvent, TokenEvent
 from services.gateway.replicas import Replica, Replicas
-from shared.model_files import ModelFiles
+from shared.runtime.model_files import ModelFiles
 from tests.test_scheduler import Harness, tiny_path  # noqa: F401  (tiny_path: the fixture, used by name)
 
 TOKENS = 12

@@ -8,8 +8,8 @@ import signal
 import aiohttp
 import pytest
 
-from benchmarks.harness import start_up
 from loadtest.client import sse_events
+from services.testing.harness import start_up
 
 pytestmark = pytest.mark.processes  # every test here starts a real up
 

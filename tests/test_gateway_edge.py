@@ -15,9 +15,9 @@ import time
 import aiohttp
 import pytest
 
-from benchmarks.harness import start_up
 from loadtest.client import StreamEndedEarly, sse_events
-from services.launch import LocalMesh, StageProcess
+from services.process.launch import LocalMesh, StageProcess
+from services.testing.harness import start_up
 from tests.conftest import stagemesh_cmd
 
 KEY = "k3y-for-tests"

@@ -6,8 +6,8 @@ import json
 import aiohttp
 import pytest
 
-from benchmarks.harness import scrape_metric
 from loadtest.client import sse_events
+from services.testing.harness import scrape_metric
 
 PROMPTS = [f"Count from 1 to {n}:" for n in range(3, 19)]  # 16 prompts of different lengths
 LENGTHS = [8 + 2 * i for i in range(16)]  # and different output lengths
@@ -168,6 +168,6 @@ def gateway_stage_counter(gw, i) -> float:
 
 
 def gateway_tokenize(text):
-    from shared.model_files import ModelFiles
+    from shared.runtime.model_files import ModelFiles
 
     return ModelFiles.open("smollm2").tokenizer.encode(text)

@@ -16,10 +16,10 @@ from services.gateway.tools import (
     forced_call_schema,
     tool_messages,
 )
-from shared.generation import SequenceState
-from shared.grammar import GrammarError, json_schema_grammar
-from shared.model_files import ModelFiles
-from shared.sampling import SamplingParams, sample
+from shared.batch.sampling import SamplingParams, sample
+from shared.runtime.generation import SequenceState
+from shared.runtime.model_files import ModelFiles
+from shared.text.grammar import GrammarError, json_schema_grammar
 
 ORDER = {"type": "object", "properties": {
     "customer": {"type": "string", "maxLength": 12},
@@ -59,7 +59,7 @@ def test_random_logits_under_a_schema_always_give_valid_json(files, seed):
     assert set(obj) == set(ORDER["properties"]) and obj["size"] in ("S", "M", "L")
     assert isinstance(obj["count"], int) and 1 <= obj["count"] <= 99 and isinstance(obj["price"], (int, float))
     assert len(obj["customer"]) <= 12 and len(obj["tags"]) <= 3 and all(len(t) <= 8 for t in obj["tags"])
-    assert text.startswith('{"customer": "')  # the separators models saw in training (shared.grammar.JSON_STYLE)
+    assert text.startswith('{"customer": "')  # the separators models saw in training (shared.text.grammar.JSON_STYLE)
 
 
 def test_without_the_mask_random_logits_give_no_json(files):

@@ -11,12 +11,12 @@ import pytest
 import torch
 import zmq
 
-from services.launch import start_mesh
-from shared.generation import generate_tokens
-from shared.mesh_keys import KeySet
-from shared.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
-from shared.runtime import LocalPipeline
-from shared.sampling import SamplingParams
+from services.process.launch import start_mesh
+from shared.batch.sampling import SamplingParams
+from shared.runtime.generation import generate_tokens
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.wire.mesh_keys import KeySet
+from shared.wire.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
 from tests.conftest import starts_processes
 from tests.mesh import generate_group
 

@@ -14,8 +14,8 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.k8s_render import find, render
 from services.gateway.metrics import POOL_METRICS, watch_replicas
+from services.testing.k8s_render import find, render
 from tests.test_replicas import replicas
 
 BIN = f"{sys.prefix}/bin"

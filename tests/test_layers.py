@@ -1,7 +1,7 @@
 import pytest
 
 from shared.errors import LayerRangeError
-from shared.layers import (
+from shared.files.layers import (
     LayerRange,
     StagePosition,
     balanced_split,

@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize
 
-from shared.gguf_loader import RawTensor
+from shared.files.gguf_loader import RawTensor
 from shared.models.linear import (
     INT4_MAX_TOKENS,
     LEAN_INT8_TYPES,
@@ -193,8 +193,8 @@ def test_auto_holds_the_bytes_its_plan_counts(qtype):
 def test_one_fast_bf16_probe_decides_the_default_dtype_the_dense_kernel_and_prepacking():
     """bf16 activations only where the CPU multiplies bf16 natively and the integer-dot kernels (float32 in and out)
     do not run."""
-    from shared.device import cpu_has_fast_bf16, default_dtype_name
     from shared.kernels import qdot
+    from shared.models.device import cpu_has_fast_bf16, default_dtype_name
     from shared.models.linear import dense_dtype
 
     fast = cpu_has_fast_bf16()

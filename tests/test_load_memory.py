@@ -1,5 +1,5 @@
 """Loading at size: a piece's memory is its weights. Each tensor is copied out of the file's map when its weight is
-built and dropped after (shared.gguf_loader.PieceTensors), the map's pages are given back, a vocabulary-sized lm_head
+built and dropped after (shared.files.gguf_loader.PieceTensors), the map's pages are given back, a vocabulary-sized lm_head
 becomes int8 rows a chunk at a time, and the heap's freed pages go back to the OS. Measured in a fresh process on a
 llama.cpp-quantized Q4_K_M file with a real 128k vocabulary (Llama 3.2's shape, narrow)."""
 
@@ -12,15 +12,15 @@ import sys
 
 import pytest
 
-from benchmarks.shaped_gguf import SHAPES, write_shaped_f16
-from benchmarks.tiny_gguf import quantize_preset
+from services.testing.shaped_gguf import SHAPES, write_shaped_f16
+from services.testing.tiny_gguf import quantize_preset
 from tests.conftest import uses_llama_cpp
 
 MIB = 2**20
 
 PROBE = r"""
 import json, sys, torch
-from shared.gguf_loader import GgufLoader
+from shared.files.gguf_loader import GgufLoader
 from shared.models import TransformerModel
 
 def status():
@@ -94,7 +94,7 @@ def test_a_piece_that_cannot_fit_its_cgroup_is_refused_before_loading(q4_k_m):
     try:
         # what a process that has imported torch and opened the file holds there, then a limit with room for that and
         # about half of the ~0.16 GiB of weights
-        base = subprocess.run([sys.executable, "-c", join + "import torch, sys\nfrom shared.gguf_loader import GgufLoader\n"
+        base = subprocess.run([sys.executable, "-c", join + "import torch, sys\nfrom shared.files.gguf_loader import GgufLoader\n"
                                "from shared.models.memory import cgroup_room\nGgufLoader(sys.argv[1])\n"
                                "print(4 * 2**30 - cgroup_room())", q4_k_m], capture_output=True, text=True, timeout=300)
         assert base.returncode == 0, base.stderr[-1500:]

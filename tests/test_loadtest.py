@@ -11,7 +11,7 @@ import time
 import pytest
 from aiohttp import web
 
-from benchmarks.harness import free_port
+from services.testing.harness import free_port
 
 BENCH = [sys.executable, "-m", "services.cli", "bench"]
 

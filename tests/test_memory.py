@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from shared.config import parse_bytes
-from shared.kv_cache import KVCache
-from shared.layers import LayerRange
+from shared.files.layers import LayerRange
 from shared.models import TransformerModel, memory
+from shared.models.kv_cache import KVCache
 from shared.models.linear import SwitchedLinear
 from shared.models.memory import plan_prefill_copy
 

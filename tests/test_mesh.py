@@ -7,12 +7,12 @@ import subprocess
 import pytest
 import pytest_asyncio
 
-from services.launch import start_mesh
-from shared.generation import SequenceState, run_group_on_mesh
-from shared.pipeline_client import PipelineError
-from shared.protocol import ForwardBatch, SeqEntry
-from shared.sampling import SamplingParams
-from shared.steps import Prefill
+from services.process.launch import start_mesh
+from shared.batch.sampling import SamplingParams
+from shared.batch.steps import Prefill
+from shared.runtime.generation import SequenceState, run_group_on_mesh
+from shared.wire.pipeline_client import PipelineError
+from shared.wire.protocol import ForwardBatch, SeqEntry
 from tests.conftest import stagemesh_cmd, starts_processes
 from tests.mesh import generate_group
 

@@ -13,8 +13,8 @@ import time
 import aiohttp
 import pytest
 
-from benchmarks.harness import start_up
 from loadtest.client import send_sse
+from services.testing.harness import start_up
 from tests.conftest import stagemesh_cmd, starts_processes
 from tests.stage_infos import make_info
 from tests.test_browser import DevTools, chromium, page_ws_url  # noqa: F401  (chromium is a fixture)
@@ -183,8 +183,8 @@ def test_the_snapshot_carries_the_stage_kv_fields_and_status_shows_them():
     them."""
     from rich.console import Console
 
+    from services.cli.status import render
     from services.gateway.mesh_view import MeshView
-    from services.status import render
 
     view = MeshView(gateway=None)
     info = make_info(clock_s=1.0, kv_slots=8, kv_slots_used=3, kv_max_seq_len=256, kv_slots_cached=2,

@@ -15,7 +15,7 @@ import yaml
 from services.gateway.metrics import GatewayMetrics
 from services.stage.metrics import stage_registry
 from services.stage.stats import StageStats
-from shared.kv_cache import KVCache
+from shared.models.kv_cache import KVCache
 from tests.conftest import ROOT
 
 COMPONENT = os.path.join(ROOT, "k8s", "components", "monitoring")

@@ -1,6 +1,6 @@
 """Multi-host rehearsal: the gateway and each stage in its own network namespace, joined by veth pairs and a
 bridge, started with exactly the command lines the Kubernetes manifests give them (rendered with kustomize), their
-DNS names resolved per namespace, and a delay relay on every hop (benchmarks/netns.py). Runs where `ip netns` is
+DNS names resolved per namespace, and a delay relay on every hop (services/testing/netns.py). Runs where `ip netns` is
 permitted (root)."""
 
 import asyncio
@@ -11,10 +11,10 @@ import time
 import aiohttp
 import pytest
 
-from benchmarks.k8s_render import config, container_args, render
-from benchmarks.netns import namespaces, netns_permitted, start_pods
 from loadtest.client import sse_events
-from shared.mesh_keys import write_key_set
+from services.testing.k8s_render import config, container_args, render
+from services.testing.netns import namespaces, netns_permitted, start_pods
+from shared.wire.mesh_keys import write_key_set
 from tests.conftest import starts_processes
 
 SUBNET = "10.77.0"
@@ -25,7 +25,7 @@ BRIDGE = "br-smtest"
 
 
 def _namespaces_or_skip(*args):
-    """benchmarks.netns.namespaces, skipped (and said so) where namespaces cannot be made here."""
+    """services.testing.netns.namespaces, skipped (and said so) where namespaces cannot be made here."""
     reason = netns_permitted()
     if reason:
         print(f"\nSKIPPED multi-host rehearsal: {reason}")

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.tiny_gguf import llama_cpp_logits
-from shared.device import resolve_dtype
-from shared.generation import split_windows, window_logits
-from shared.layers import LayerRange, split_at
+from services.testing.tiny_gguf import llama_cpp_logits
+from shared.files.layers import LayerRange, split_at
 from shared.models import TransformerModel
-from shared.runtime import LocalPipeline
+from shared.models.device import resolve_dtype
+from shared.runtime.generation import split_windows, window_logits
+from shared.runtime.stage_runtime import LocalPipeline
 
 pytestmark = pytest.mark.slow  # minutes of llama.cpp comparisons: not in the fast tier
 
@@ -95,8 +95,8 @@ def test_middle_stage_holds_a_third_of_the_weights(smollm2):
 
 def test_chunked_prefill_and_batched_decode_match_one_pass(smollm2, windows):
     """Prefill in chunks, then decode sequences of different lengths together: the logits equal a single pass."""
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, chunk_prompt
+    from shared.batch.steps import Decode, chunk_prompt
+    from shared.wire.protocol import SeqEntry
 
     pipeline = LocalPipeline.load(smollm2.loader, [LayerRange(0, 12), LayerRange(12, 30)], torch.float32, kv_slots=3)
     full = {n: window_logits(pipeline, windows[1][:n]) for n in (40, 70, 100)}
@@ -133,8 +133,8 @@ def batched_attention(request, monkeypatch):
 def test_batched_decode_reads_the_cache_in_place_around_idle_slots(smollm2, windows, batched_attention):
     """Decode batches whose KV slots have gaps (a released sequence, a sequence sitting a step out) and come in any
     order: each row still equals its single-pass logits (float32)."""
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.batch.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
 
     pipeline = LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=5)
     lengths = {"a": 30, "gone": 12, "b": 45, "idle": 20, "c": 60}
@@ -153,8 +153,8 @@ def test_batched_decode_reads_the_cache_in_place_around_idle_slots(smollm2, wind
 
 def decode_logits(pipeline, ids: list[int], seq_id: str = "decode") -> torch.Tensor:
     """Teacher-forced logits of ids[:-1] one token per step: a 1-token prefill, then a decode step per token."""
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.batch.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
 
     rows = [pipeline.run([SeqEntry(seq_id, Prefill(1, 0, 1, True))], torch.tensor(ids[:1]))]
     for t in range(1, len(ids) - 1):
@@ -172,10 +172,10 @@ COMPILE_GATE = threading.Event()
 def test_batched_decode_attends_per_run_of_slots_when_the_batch_lies_far_apart(smollm2, windows, batched_attention):
     """Sequences in slots 0, 1 and 8 (kept prefixes or idle sequences between them): the batch attends as two windows,
     slots 0-1 and slot 8, not one window over the six between, and each row still equals its single-pass logits."""
-    from shared.kv_cache import BatchLayout
+    from shared.batch.steps import Decode, Prefill
     from shared.models.attention import DecodeWindow, SplitDecode
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.models.kv_cache import BatchLayout
+    from shared.wire.protocol import SeqEntry
 
     pipeline = LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=10)  # the 10th: window_logits
     names = [f"s{i}" for i in range(9)]
@@ -203,10 +203,10 @@ def test_with_the_kernel_a_batched_decode_row_is_the_sequence_decoded_alone(smol
     the batch, so with the integer-dot matmuls (row by row too) a row equals that sequence's step alone, bit for bit,
     at contexts across the kernel's 256-position chunks; and it predicts what torch's SDPA over windows of slots
     predicts (the logits differ a little: the matmuls' 8-bit rounding of the activations amplifies the last bits)."""
+    from shared.batch.steps import Decode, Prefill
     from shared.kernels import qdot
     from shared.models.attention import KernelDecode
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
 
     if not qdot.usable():
         pytest.skip(f"the decode-attention kernel does not run here: {qdot.why_not()}")
@@ -273,8 +273,8 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
     """--compile-decode auto: the pipeline serves at once; until every graph is compiled its decode steps are the eager
     step's, bit for bit, although the warm-up runs the graphs on the same KV tensors (in their scratch row, which no
     sequence holds); then the steps run compiled."""
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.batch.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
 
     piece = compiled_pipeline.pieces[0]
     compiled = piece.compiled
@@ -354,9 +354,9 @@ def test_compiled_decode_runs_decode_batches_on_one_batched_graph(smollm2, windo
     on qdot.cpp's kernel: each sequence reads its own context in place, so no shape depends on the contexts), where
     the kernel covers every layer (float32 on an AVX2 CPU); elsewhere they decode eagerly, bit for bit the eager
     pipeline's. Compiled, they predict what the eager step predicts (fused kernels round at other points)."""
+    from shared.batch.steps import Decode, Prefill
     from shared.kernels import qdot
-    from shared.protocol import SeqEntry
-    from shared.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
 
     eager = eager_twin(smollm2)
     compiled = wait_compiled(compiled_pipeline)
@@ -395,9 +395,9 @@ def test_compiled_decode_runs_decode_batches_on_one_batched_graph(smollm2, windo
 
 def test_compiled_decode_leaves_long_contexts_and_large_batches_to_the_eager_step(smollm2, compiled_pipeline):
     """A context the one-sequence graph does not serve, or a batch larger than the batched graph's: eager."""
-    from shared.kv_cache import BatchLayout
+    from shared.batch.steps import Decode, Prefill
     from shared.models.compiled_decode import CompiledDecode
-    from shared.steps import Decode, Prefill
+    from shared.models.kv_cache import BatchLayout
 
     compiled = wait_compiled(compiled_pipeline)
     piece = compiled_pipeline.pieces[0]

@@ -193,7 +193,7 @@ def test_logit_bias_reaches_the_last_stage(client):
     kw = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     plain = client.completions.create(**kw).choices[0]
     first = client.completions.create(**{**kw, "max_tokens": 1}).choices[0].text
-    from shared.model_files import ModelFiles
+    from shared.runtime.model_files import ModelFiles
 
     banned = ModelFiles.open("smollm2").tokenizer.encode(first)[0]
     biased = client.completions.create(**kw, logit_bias={str(banned): -100}).choices[0]
@@ -490,7 +490,7 @@ def test_a_grammar_that_fails_mid_answer_is_the_requests_fault_not_a_retry(smoll
     from services.gateway.request import Request
     from services.gateway.scheduler import Scheduler
     from shared.config import SchedulerConfig
-    from shared.grammar import json_schema_grammar
+    from shared.text.grammar import json_schema_grammar
 
     grammar = smollm2.grammars.matcher(json_schema_grammar({"type": "object"}))
     req = Request(seq_id="g", prompt_ids=[1, 2], max_tokens=8, grammar=grammar)
@@ -498,7 +498,7 @@ def test_a_grammar_that_fails_mid_answer_is_the_requests_fault_not_a_retry(smoll
     s.submit(req, 0.0)
     (batch,) = s.plan(0.0).batches
     off_grammar = smollm2.tokenizer.encode("x")[0]  # a JSON object cannot begin with it
-    from shared.protocol import BatchResult
+    from shared.wire.protocol import BatchResult
 
     update = s.on_result(batch.mb_id, BatchResult(batch.mb_id, ["g"], [off_grammar], [None]), None, 0.0)
     (_, out), = update.outputs

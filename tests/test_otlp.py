@@ -1,5 +1,5 @@
 """Optional distributed tracing (--otlp-endpoint): the wire field, its validation, the flag's edge checks, and a
-real `stagemesh up --stages 2` exporting to an OTLP/HTTP receiver run here (benchmarks/otlp_receiver.py)."""
+real `stagemesh up --stages 2` exporting to an OTLP/HTTP receiver run here (services/testing/otlp_receiver.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import msgpack
 import pytest
 import torch
 
-from benchmarks.harness import start_up
-from benchmarks.otlp_receiver import OtlpReceiver
-from services.cli import main as cli_main
+from services.cli.main import main as cli_main
+from services.testing.harness import start_up
+from services.testing.otlp_receiver import OtlpReceiver
+from shared.batch.steps import Decode, Prefill
 from shared.errors import StagemeshError
-from shared.otlp import INSTALL_HINT, OtlpTracer, otlp_endpoint, require_sdk
-from shared.protocol import ForwardBatch, ProtocolError, SeqEntry, decode, encode
-from shared.steps import Decode, Prefill
+from shared.observe.otlp import INSTALL_HINT, OtlpTracer, otlp_endpoint, require_sdk
+from shared.wire.protocol import ForwardBatch, ProtocolError, SeqEntry, decode, encode
 
 TP_A = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 TP_B = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

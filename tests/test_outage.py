@@ -21,12 +21,12 @@ import pytest
 import torch
 import zmq
 
-from benchmarks.harness import RunningGateway
 from loadtest.client import sse_events
-from services.launch import LocalMesh, free_ports, start_mesh, wait_ready
-from shared.mesh_keys import KeySet, write_key_set
-from shared.protocol import BatchError, BatchResult, ForwardBatch, ReleaseSeqs, SeqEntry, encode
-from shared.steps import Decode, Prefill
+from services.process.launch import LocalMesh, free_ports, start_mesh, wait_ready
+from services.testing.harness import RunningGateway
+from shared.batch.steps import Decode, Prefill
+from shared.wire.mesh_keys import KeySet, write_key_set
+from shared.wire.protocol import BatchError, BatchResult, ForwardBatch, ReleaseSeqs, SeqEntry, encode
 from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_curve import push
 
@@ -142,7 +142,7 @@ def clean(outage):
 
 
 def stage_metric(stage, name: str, **labels: str) -> float:
-    from benchmarks.harness import scrape_metric
+    from services.testing.harness import scrape_metric
 
     with urllib.request.urlopen(f"{stage.url}/metrics", timeout=5) as r:
         value = scrape_metric(r.read().decode(), name, labels or None)

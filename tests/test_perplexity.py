@@ -10,9 +10,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from benchmarks.tiny_gguf import llama_cpp_logits, llama_cpp_model
+from services.testing.tiny_gguf import llama_cpp_logits, llama_cpp_model
 from shared.errors import StagemeshError
-from shared.generation import perplexity_chunks
+from shared.runtime.generation import perplexity_chunks
 from tests import test_real_files
 from tests.conftest import stagemesh_cmd
 

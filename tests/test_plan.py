@@ -1,15 +1,15 @@
 """`stagemesh plan`: the split over hosts, the memory refusal, the one-versus-two-host figures and their monotonicity
-(shared/plan.py), and the command's edge (services/plan_cli.py)."""
+(shared/runtime/plan.py), and the command's edge (services/cli/plan.py)."""
 
 import json
 import subprocess
 
 import pytest
 
-from services.plan_cli import Measured, build_hosts, measure_here, parse_host
+from services.cli.plan import Measured, build_hosts, measure_here, parse_host
 from shared.errors import StagemeshError
-from shared.layers import split_at
-from shared.plan import (
+from shared.files.layers import split_at
+from shared.runtime.plan import (
     GATEWAY_MS,
     HOP_MS,
     RUNTIME_BYTES,

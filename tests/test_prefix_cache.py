@@ -1,5 +1,5 @@
 """The prefix cache: the gateway's index (services/gateway/prefix_cache.py), the stages' kept slots
-(shared/kv_cache.py) and the scheduler between them -- a hit computes only the rest of the prompt and gives the
+(shared/models/kv_cache.py) and the scheduler between them -- a hit computes only the rest of the prompt and gives the
 tokens a full prefill gives; room, misses and a lost pipeline fall back to computing, never to other numbers.
 
 The scheduler tests drive the real scheduler over test_scheduler's Harness (micro-batches computed for real on a
@@ -10,16 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.gateway.prefix_cache import BLOCK_TOKENS, PrefixIndex
 from services.gateway.request import Request
-from shared import kv_cache
+from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
+from shared.batch.sampling import SamplingParams
+from shared.batch.steps import Prefill
 from shared.errors import KVCacheFull, PrefixMiss
-from shared.generation import generate_tokens
-from shared.kv_cache import KVCache
-from shared.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, decode, encode
-from shared.sampling import SamplingParams
-from shared.steps import Prefill
+from shared.models import kv_cache
+from shared.models.kv_cache import KVCache
+from shared.runtime.generation import generate_tokens
+from shared.wire.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, decode, encode
 from tests.test_scheduler import Harness
 
 

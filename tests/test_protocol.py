@@ -5,8 +5,10 @@ import msgpack
 import pytest
 import torch
 
-from shared import protocol
-from shared.protocol import (
+from shared.batch.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from shared.batch.steps import Decode
+from shared.wire import protocol
+from shared.wire.protocol import (
     PROTOCOL_VERSION,
     SAMPLING_MEMO_SIZE,
     BatchResult,
@@ -16,8 +18,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from shared.steps import Decode
 
 
 def _result_header(**over) -> dict:

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from shared.errors import CapabilityMissing
-from shared.gguf_loader import RawTensor
+from shared.files.gguf_loader import RawTensor
 from shared.kernels import qdot
 from shared.models.linear import QdotLinear, dequantize, stored_kernel, unpack_levels
 

@@ -3,14 +3,14 @@ path: a 20-token prefill (dense kernels) and 1-token decode steps (int4, one pla
 lean kernels of every type (two int4 planes, int8 rows) are held to llama.cpp in tests/test_real_files.py.
 
 Files come from the `gguf` package's quantizers where it has them, else from llama.cpp's own quantizer
-(benchmarks.tiny_gguf.llama_quantize). Hidden 256 and ffn 512: every row fits the 256-element superblocks of the K and
+(services.testing.tiny_gguf.llama_quantize). Hidden 256 and ffn 512: every row fits the 256-element superblocks of the K and
 IQ types, so none falls back to another type."""
 
 import numpy as np
 import pytest
 import torch
 
-from benchmarks.tiny_gguf import (
+from services.testing.tiny_gguf import (
     LLAMA_QUANTIZED_TYPES,
     TinySpec,
     llama_cpp_logits,
@@ -18,10 +18,10 @@ from benchmarks.tiny_gguf import (
     llama_quantize,
     write_tiny_gguf,
 )
-from shared.generation import window_logits
-from shared.gguf_loader import GgufLoader
+from shared.files.gguf_loader import GgufLoader
 from shared.models.linear import INT4_PAIR_TYPES, INT4_TYPES, qdot_takes
-from shared.runtime import LocalPipeline
+from shared.runtime.generation import window_logits
+from shared.runtime.stage_runtime import LocalPipeline
 from tests.test_tiny_models import IDS, _decode_logits
 
 SPEC = TinySpec(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, weight_scale=0.04)

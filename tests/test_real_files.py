@@ -1,7 +1,7 @@
 """Files as model hubs ship them, each against llama.cpp on the same file: llama.cpp's own quantizer presets (a
 per-tensor mix of types; K-quant fallbacks where a row is not a multiple of 256) on tiny files of every architecture,
 SmolLM2 requantized to the common presets, and the real Gemma 3 270M Q4_K_M file. The quantized files are built
-once into benchmarks.tiny_gguf.QUANT_CACHE; a preset llama.cpp refuses for a file is skipped with its reason."""
+once into services.testing.tiny_gguf.QUANT_CACHE; a preset llama.cpp refuses for a file is skipped with its reason."""
 
 import math
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.tiny_gguf import (
+from services.testing.tiny_gguf import (
     PRESETS,
     PresetRefused,
     TinySpec,
@@ -18,11 +18,11 @@ from benchmarks.tiny_gguf import (
     quantize_preset,
     write_tiny_gguf,
 )
-from shared.generation import split_windows, window_logits
-from shared.gguf_loader import GgufLoader
-from shared.layers import split_at
-from shared.model_files import ModelFiles
-from shared.runtime import LocalPipeline
+from shared.files.gguf_loader import GgufLoader
+from shared.files.layers import split_at
+from shared.runtime.generation import split_windows, window_logits
+from shared.runtime.model_files import ModelFiles
+from shared.runtime.stage_runtime import LocalPipeline
 from tests.test_architectures import ARCHS, _spec
 from tests.test_tiny_models import IDS, _decode_logits
 
@@ -216,10 +216,10 @@ def test_the_compiled_decode_step_covers_q8_0_blocks(smollm2):
     OneSequenceDecode attention over the context) through run_layers run as Python, as inductor traces it, give the
     eager decode step's logits, bit for bit with float32 activations (compiled, fused kernels round elsewhere), with
     the attention eager decode uses on this CPU (qdot's kernel on AVX2, else SDPA)."""
+    from shared.batch.steps import Decode, Prefill
     from shared.models.compiled_decode import CompiledDecode, why_not_compilable
-    from shared.protocol import SeqEntry
-    from shared.runtime import StageRuntime
-    from shared.steps import Decode, Prefill
+    from shared.runtime.stage_runtime import StageRuntime
+    from shared.wire.protocol import SeqEntry
 
     loader = GgufLoader(_preset(smollm2.loader.path, "Q8_0"))
     runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=2, max_seq_len=128, weights="lean")

@@ -14,15 +14,15 @@ import subprocess
 import aiohttp
 import pytest
 
-from benchmarks.harness import start_up
+from services.cli.status import not_ready_reason, render
 from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.prefix_cache import BLOCK_TOKENS
 from services.gateway.replicas import BALANCE_ABS, Replica, Replicas
 from services.gateway.request import Request
-from services.status import not_ready_reason, render
-from shared.sampling import SamplingParams
+from services.testing.harness import start_up
+from shared.batch.sampling import SamplingParams
 from tests.conftest import stagemesh_cmd, starts_processes
 from tests.stage_infos import make_info
 from tests.test_failover import stream

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared import sampling
-from shared.sampling import DRAW_BLOCK, LogitInputs, SamplingParams, sample
+from shared.batch import sampling
+from shared.batch.sampling import DRAW_BLOCK, LogitInputs, SamplingParams, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
 N = 20000

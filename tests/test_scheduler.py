@@ -16,22 +16,22 @@ import aiohttp
 import pytest
 import torch
 
-from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import DoneEvent, OutputProcessor, TokenEvent
 from services.gateway.pipeline import Pipeline
 from services.gateway.request import Request, RequestOutput
 from services.gateway.scheduler import MicroBatch, QueueFull, Scheduler
+from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
+from shared.batch.sampling import SamplingParams
+from shared.batch.steps import Decode
 from shared.config import SchedulerConfig
 from shared.errors import KVCacheFull, UnknownSequence
-from shared.generation import SequenceState, generate_tokens, run_local
-from shared.gguf_loader import GgufLoader
-from shared.pipeline_client import PipelineError
-from shared.protocol import BatchError, BatchResult, ForwardBatch
-from shared.runtime import LocalPipeline
-from shared.sampling import SamplingParams
-from shared.steps import Decode
+from shared.files.gguf_loader import GgufLoader
+from shared.runtime.generation import SequenceState, generate_tokens, run_local
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.wire.pipeline_client import PipelineError
+from shared.wire.protocol import BatchError, BatchResult, ForwardBatch
 from tests.stage_infos import make_info
 
 CONTEXT = 512

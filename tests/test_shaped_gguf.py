@@ -1,4 +1,4 @@
-"""The model-shaped stand-ins (benchmarks/shaped_gguf.py): their sizes are the real models' (the parameter counts the
+"""The model-shaped stand-ins (services/testing/shaped_gguf.py): their sizes are the real models' (the parameter counts the
 model cards publish), and a miniature written by the same code -- real vocabulary size with its UNUSED padding, Llama
 3.1 rope factors, Qwen2 biases -- gives llama.cpp's logits and tokens, as F16 and after llama.cpp's own Q4_K_M
 quantizer. The full-size files are built only by the benchmarks (minutes, gigabytes)."""
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.shaped_gguf import SHAPES, llama3_rope_factors, write_shaped_f16
-from benchmarks.tiny_gguf import llama_cpp_logits, llama_cpp_model
-from shared.generation import window_logits
-from shared.gguf_loader import GgufLoader
-from shared.runtime import LocalPipeline
-from shared.tokenizer import GgufTokenizer
+from services.testing.shaped_gguf import SHAPES, llama3_rope_factors, write_shaped_f16
+from services.testing.tiny_gguf import llama_cpp_logits, llama_cpp_model
+from shared.files.gguf_loader import GgufLoader
+from shared.runtime.generation import window_logits
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.text.tokenizer import GgufTokenizer
 from tests.test_tiny_models import IDS
 
 
@@ -61,7 +61,7 @@ def test_a_miniature_gives_llama_cpps_logits(miniature):
 
 @pytest.mark.reference
 def test_a_miniature_quantized_by_llama_cpp_gives_its_logits(miniature, tmp_path):
-    from benchmarks.tiny_gguf import quantize_preset
+    from services.testing.tiny_gguf import quantize_preset
 
     q4km = quantize_preset(miniature, "Q4_K_M")
     assert "Q4_K" in {GgufLoader(q4km).tensor_type(n) for n in GgufLoader(q4km).tensor_names}

@@ -14,18 +14,18 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.stage.http import WORKER, make_app
 from services.stage.io import StageIO
 from services.stage.stats import HOP_BUCKETS, StageStats, Timings, size_class
 from services.stage.worker import StageIdentity, StageWorker
-from shared.gguf_loader import GgufLoader
-from shared.layers import LayerRange
-from shared.protocol import BatchResult, ForwardBatch, ReleaseDone, SeqEntry
-from shared.runtime import StageRuntime
-from shared.stage_info import StageInfo
-from shared.steps import Decode, Prefill
-from shared.transport import ZmqTransport
+from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
+from shared.batch.steps import Decode, Prefill
+from shared.files.gguf_loader import GgufLoader
+from shared.files.layers import LayerRange
+from shared.runtime.stage_runtime import StageRuntime
+from shared.wire.protocol import BatchResult, ForwardBatch, ReleaseDone, SeqEntry
+from shared.wire.stage_info import StageInfo
+from shared.wire.transport import ZmqTransport
 
 _ports = itertools.count()
 

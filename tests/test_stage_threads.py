@@ -10,15 +10,15 @@ import itertools
 import pytest
 import torch
 
-from benchmarks.tiny_gguf import TinySpec, write_tiny_gguf
 from services.stage.io import StageIO
 from services.stage.worker import StageIdentity, StageWorker
-from shared.gguf_loader import GgufLoader
-from shared.layers import LayerRange
-from shared.protocol import BatchResult, ForwardBatch, SeqEntry
-from shared.runtime import StageRuntime
-from shared.steps import Decode, Prefill
-from shared.transport import ZmqTransport
+from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
+from shared.batch.steps import Decode, Prefill
+from shared.files.gguf_loader import GgufLoader
+from shared.files.layers import LayerRange
+from shared.runtime.stage_runtime import StageRuntime
+from shared.wire.protocol import BatchResult, ForwardBatch, SeqEntry
+from shared.wire.transport import ZmqTransport
 
 _ports = itertools.count()
 
@@ -96,7 +96,7 @@ async def test_releasing_and_keeping_prefixes_run_on_the_compute_thread(tiny_pat
     import asyncio
     import threading
 
-    from shared.protocol import ReleaseDone, ReleaseSeqs
+    from shared.wire.protocol import ReleaseDone, ReleaseSeqs
 
     loader = GgufLoader(tiny_path)
     runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=4, max_seq_len=64)
@@ -181,7 +181,7 @@ shutting down stops the wait at once."""
     import threading
     import time
 
-    from shared.transport import HIGH_WATER_MARK
+    from shared.wire.transport import HIGH_WATER_MARK
 
     n = next(_ports)
     transport = ZmqTransport(f"inproc://drop-stage-{n}", f"inproc://drop-nobody-{n}", accept=(ForwardBatch,), keys=None)

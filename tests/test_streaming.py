@@ -1,6 +1,6 @@
 import pytest
 
-from shared.streaming import TextStream
+from shared.text.streaming import TextStream
 
 
 def stream_all(tok, text, stop):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.tiny_gguf import (
+from services.testing.tiny_gguf import (
     GGMLQuantizationType,
     TinySpec,
     llama_cpp_logits,
@@ -15,13 +15,13 @@ from benchmarks.tiny_gguf import (
     q8_1_bytes,
     write_tiny_gguf,
 )
+from shared.batch.steps import Decode, Prefill
 from shared.errors import GgufError, UnsupportedArchitecture, UnsupportedTensorType
-from shared.generation import window_logits
-from shared.gguf_loader import GgufLoader
+from shared.files.gguf_loader import GgufLoader
 from shared.models.linear import INT4_PAIR_TYPES, INT4_TYPES, qdot_takes
-from shared.protocol import SeqEntry
-from shared.runtime import LocalPipeline
-from shared.steps import Decode, Prefill
+from shared.runtime.generation import window_logits
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.wire.protocol import SeqEntry
 from tests.conftest import stagemesh_cmd
 
 IDS = [504, 3458, 282, 4649, 314, 7042, 30, 378, 2358, 16, 28, 99, 1234, 77, 5, 902, 44, 12000, 3, 8]
@@ -260,7 +260,7 @@ def test_loader_reads_the_header_as_the_gguf_package_does(smollm2, tmp_path):
     real SmolLM2 file and on a file of many tensor types."""
     from gguf import GGUFReader
 
-    from shared.gguf_loader import _PlainArrayReader
+    from shared.files.gguf_loader import _PlainArrayReader
 
     mixed = write_tiny_gguf(str(tmp_path / "mixed.gguf"), TinySpec(),
                             {"blk.0.attn_q.weight": (q8_1_bytes(64, 64), GGMLQuantizationType.Q8_1)})
@@ -273,10 +273,10 @@ def test_loader_reads_the_header_as_the_gguf_package_does(smollm2, tmp_path):
 
 
 def test_tiny_files_are_written_as_the_gguf_package_writes_them(tmp_path, monkeypatch):
-    """benchmarks.tiny_gguf packs metadata arrays in one go: the file is byte for byte the library writer's."""
+    """services.testing.tiny_gguf packs metadata arrays in one go: the file is byte for byte the library writer's."""
     import gguf
 
-    import benchmarks.tiny_gguf as tiny
+    import services.testing.tiny_gguf as tiny
 
     write_tiny_gguf(str(tmp_path / "fast.gguf"))
     monkeypatch.setattr(tiny, "_Writer", gguf.GGUFWriter)

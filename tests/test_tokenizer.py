@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.tokenizer import IncrementalDetokenizer
+from shared.text.tokenizer import IncrementalDetokenizer
 
 STRINGS = [
     "Hello world", "Hello, world!", "The quick brown fox jumps over the lazy dog.", "a", " ", "  ", "\n", "\n\n\n",

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from shared.layers import balanced_split, split_at
-from shared.runtime import LocalPipeline
-from shared.trace import (
+from shared.files.layers import balanced_split, split_at
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.runtime.trace import (
     LAYER_OUTPUT,
     STAGE_TRANSFER,
     CaptureHook,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from benchmarks.harness import free_port
-from services.up import decode_notes, ready_banner
+from services.cli.up import decode_notes, ready_banner
+from services.testing.harness import free_port
 from tests.conftest import ROOT, stagemesh_cmd
 
 FAST_S = 10.0  # the whole command, interpreter start and imports included (~4.5 s of imports on a slow 2-core VM);

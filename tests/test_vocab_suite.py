@@ -18,8 +18,8 @@ import os
 import pytest
 
 from shared.errors import GgufError
-from shared.gguf_loader import GgufLoader
-from shared.tokenizer import GgufTokenizer, IncrementalDetokenizer
+from shared.files.gguf_loader import GgufLoader
+from shared.text.tokenizer import GgufTokenizer, IncrementalDetokenizer
 
 pytestmark = pytest.mark.reference  # llama.cpp's own suite, from its sources (make fetch-vocab-suite), and its binding
 
@@ -107,7 +107,7 @@ def test_incremental_detokenizer_streams_every_case_without_replacement_characte
 
 @pytest.mark.parametrize("name", WITHOUT_CASES)
 def test_vocabularies_without_cases_match_llama_cpp_python_on_every_suite_input(name):
-    from benchmarks.tiny_gguf import llama_cpp_vocab
+    from services.testing.tiny_gguf import llama_cpp_vocab
 
     tok, ref = tokenizer(name), llama_cpp_vocab(_path(name))
     inputs = sorted({s for other in WITH_CASES for s, _ in cases(other)})

@@ -35,9 +35,9 @@ from services.gateway.replicas import Replica, Replicas
 from services.gateway.schemas import RequestError
 from services.gateway.ws import stream_ws
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
-from shared.log_throttle import OneLineThrottleFilter, throttled
-from shared.model_files import ModelFiles
-from shared.otlp import OtlpTracer
+from shared.observe.log_throttle import OneLineThrottleFilter, throttled
+from shared.observe.otlp import OtlpTracer
+from shared.runtime.model_files import ModelFiles
 
 log = logging.getLogger("stagemesh.gateway")
 

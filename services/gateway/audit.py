@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from services.gateway.prefix_cache import AUDIT_TOP, PrefixAudit, PrefixStats
 from services.gateway.request import Request, RequestOutput, new_seq_id
-from shared.sampling import SamplingParams
-from shared.stage_info import StageInfo
+from shared.batch.sampling import SamplingParams
+from shared.wire.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 

@@ -1,4 +1,4 @@
-"""The gateway's configuration, its defaults and edge limits: plain values, no aiohttp, so `services/cli_args.py`
+"""The gateway's configuration, its defaults and edge limits: plain values, no aiohttp, so `services/process/args.py`
 builds its flags from GatewayConfig's fields (and `stagemesh trace` finds the API key's variable) without importing
 the app. Field conventions (knob, flag names, validation naming the flag) are shared/config.py's."""
 

@@ -29,8 +29,8 @@ from services.gateway.scheduler import QueueFull
 from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
 from services.gateway.tools import forced_call_schema, tool_messages
 from shared.errors import ChatTemplateError
-from shared.grammar import GrammarError, json_schema_grammar
-from shared.model_files import ModelFiles
+from shared.runtime.model_files import ModelFiles
+from shared.text.grammar import GrammarError, json_schema_grammar
 
 log = logging.getLogger("stagemesh.gateway")
 RESUME_GRACE_S = 120.0  # a resumable request with no reader ends after this long (cancelled, its slots freed)

@@ -29,9 +29,9 @@ from services.gateway.scheduler import (
     Update,
 )
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
-from shared.log_throttle import throttled
-from shared.otlp import OtlpTracer
-from shared.protocol import BatchResult, ForwardBatch
+from shared.observe.log_throttle import throttled
+from shared.observe.otlp import OtlpTracer
+from shared.wire.protocol import BatchResult, ForwardBatch
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.cli_args import (
+from services.gateway.app import make_app, serve_until_signal
+from services.gateway.config import API_KEY_ENV, GatewayConfig
+from services.gateway.pipeline import Pipeline
+from services.process.args import (
     add_config_args,
     add_model_args,
     add_otlp_args,
@@ -17,15 +20,12 @@ from services.cli_args import (
     otlp_from_args,
     parse_host_port,
 )
-from services.gateway.app import make_app, serve_until_signal
-from services.gateway.config import API_KEY_ENV, GatewayConfig
-from services.gateway.pipeline import Pipeline
-from services.keys_cli import add_security_args, key_set_from_args
+from services.process.keys import add_security_args, key_set_from_args
 from shared.config import GATEWAY_PORT, SchedulerConfig
 from shared.errors import StagemeshError
-from shared.model_files import ModelFiles
-from shared.otlp import OtlpTracer
-from shared.transport import check_address
+from shared.observe.otlp import OtlpTracer
+from shared.runtime.model_files import ModelFiles
+from shared.wire.transport import check_address
 
 log = logging.getLogger("stagemesh.gateway")
 

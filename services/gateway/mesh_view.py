@@ -21,7 +21,7 @@ from aiohttp import web
 
 from services.gateway.core import Gateway
 from services.gateway.replicas import Replica
-from shared.stage_info import StageInfo
+from shared.wire.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.gateway.mesh")
 

@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.gateway.prefix_cache import PrefixStats
-from shared.protocol import REJECT_REASONS
-from shared.transport import TransportStats
+from shared.wire.protocol import REJECT_REASONS
+from shared.wire.transport import TransportStats
 
 REJECT_STATUSES = ("400", "401", "403", "404", "408", "413", "429", "500", "503")
 OUTCOMES = ("stop", "length", "cancelled", "timeout", "error")

@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar, Union
 
 from services.gateway.request import Request, RequestOutput
-from shared.sampling import TopLogprobs
-from shared.streaming import TextStream
-from shared.tokenizer import GgufTokenizer
-from shared.trace import HookCapture, TraceRecorder
+from shared.batch.sampling import TopLogprobs
+from shared.runtime.trace import HookCapture, TraceRecorder
+from shared.text.streaming import TextStream
+from shared.text.tokenizer import GgufTokenizer
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ import aiohttp
 
 from shared.config import SCHEDULER_DEFAULTS
 from shared.errors import LayerRangeError
-from shared.layers import LayerRange, check_cover
-from shared.log_throttle import throttled
-from shared.mesh_keys import SocketKeys
-from shared.pipeline_client import PipelineClient
-from shared.stage_info import InfoError, StageInfo
+from shared.files.layers import LayerRange, check_cover
+from shared.observe.log_throttle import throttled
+from shared.wire.mesh_keys import SocketKeys
+from shared.wire.pipeline_client import PipelineClient
+from shared.wire.stage_info import InfoError, StageInfo
 
 log = logging.getLogger("stagemesh.gateway.pipeline")
 

@@ -21,7 +21,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from shared.sampling import TopLogprobs
+from shared.batch.sampling import TopLogprobs
 
 BLOCK_TOKENS = 16  # the unit of reuse: a prefix is reused in whole blocks (vLLM's default block size)
 

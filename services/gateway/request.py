@@ -1,7 +1,7 @@
 """One generation request as the gateway tracks it (Request), and what the scheduler reports for it
 (RequestOutput).
 
-A Request is a SequenceState (shared/generation.py: its tokens and how many of them the pipeline holds) plus what
+A Request is a SequenceState (shared/runtime/generation.py: its tokens and how many of them the pipeline holds) plus what
 the gateway adds, by concern: where and how it is scheduled (deadline, replica, replays, the scheduler's
 bookkeeping of its micro-batch in flight), its timings (RequestTimes), its activation captures when traced
 (TraceCapture) and its distributed-tracing span (RequestSpan). The scheduler's policy writes only the first two; the
@@ -19,8 +19,8 @@ from typing import Any
 
 from services.gateway.prefix_cache import PrefixAudit
 from services.gateway.speculation import DraftBudget
-from shared.generation import SequenceState
-from shared.sampling import TopLogprobs
+from shared.batch.sampling import TopLogprobs
+from shared.runtime.generation import SequenceState
 
 CAPTURE_OVERHEAD_BYTES = 256  # what one capture costs the trace budget besides its data: its summary and names
 
@@ -77,7 +77,7 @@ class TraceCapture:
 
 @dataclass
 class RequestSpan:
-    """Its stagemesh.request span (distributed tracing on; shared.otlp), which travels with it between replicas."""
+    """Its stagemesh.request span (distributed tracing on; shared.observe.otlp), which travels with it between replicas."""
 
     span: Any
     traceparent: str  # that span's W3C traceparent, carried on each of its micro-batch entries

@@ -7,7 +7,7 @@ outputs (tokens accepted, ends, errors, requeues). The rest of its methods (subm
 around it and feeds the metrics and spans from those return values. Turning outputs into text is the output
 processor's job (services/gateway/output.py), as in vLLM v1.
 
-Each request is a SequenceState (shared/generation.py): `computed` tokens of prompt + output have KV in the
+Each request is a SequenceState (shared/runtime/generation.py): `computed` tokens of prompt + output have KV in the
 pipeline, and its next step is a prefill chunk or one decode. A request sits in at most one micro-batch in flight
 (its next input is the token that micro-batch will sample). Running requests are spread across K micro-batches so
 every stage has work while the others compute; decodes go first, so a long prompt delays them by at most one
@@ -26,8 +26,8 @@ from services.gateway.request import Request, RequestOutput
 from services.gateway.speculation import predicted_draft
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
-from shared.pipeline_client import PipelineError
-from shared.protocol import BatchResult, SeqEntry
+from shared.wire.pipeline_client import PipelineError
+from shared.wire.protocol import BatchResult, SeqEntry
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 

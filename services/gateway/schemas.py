@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from shared.batch.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 128

@@ -1,4 +1,4 @@
-"""Drafts for a sequence's next decode step, verified in that step (several positions a step: shared/steps.py,
+"""Drafts for a sequence's next decode step, verified in that step (several positions a step: shared/batch/steps.py,
 SequenceState.take). One source so far: the client's own `prediction` (OpenAI's Predicted Outputs: the text it
 expects, e.g. the file being edited). The draft is what the prediction says comes next after the newest output
 tokens; a wrong draft costs only the rows it added to one pass, never a different token."""

@@ -103,7 +103,7 @@ class ArgumentsDelta:
 ToolEvent = Union[ContentDelta, CallStarted, ArgumentsDelta]
 
 
-# The forced answer's opening, exactly as the grammar writes it (shared.grammar.JSON_STYLE separators).
+# The forced answer's opening, exactly as the grammar writes it (shared.text.grammar.JSON_STYLE separators).
 _FORCED_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
 
 

@@ -12,7 +12,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from services.gateway.core import GATEWAY, Gateway
 from services.gateway.events import RequestHandle
 from services.gateway.schemas import RequestError, parse_json_text
-from shared.log_throttle import throttled
+from shared.observe.log_throttle import throttled
 
 log = logging.getLogger("stagemesh.gateway.ws")
 

@@ -20,8 +20,8 @@ import asyncio
 import logging
 import queue
 
-from shared.protocol import Message
-from shared.transport import ZmqTransport
+from shared.wire.protocol import Message
+from shared.wire.transport import ZmqTransport
 
 log = logging.getLogger("stagemesh.stage.io")
 

@@ -7,34 +7,34 @@ import contextlib
 import logging
 import os
 import signal
+from dataclasses import dataclass
 
 import torch
 from aiohttp import web
 
-from services.cli_args import (
+from services.process.args import (
     add_config_args,
     add_model_args,
     add_otlp_args,
     config_from_args,
     otlp_from_args,
     parse_host_port,
-    weights_from_args,
 )
-from services.keys_cli import add_security_args, key_set_from_args
+from services.process.keys import add_security_args, key_set_from_args
 from services.stage.http import LOAD_ERROR, WORKER, make_app
 from services.stage.io import StageIO
 from services.stage.worker import StageIdentity, StageWorker, compute_executor
-from shared.config import StageConfig
-from shared.device import default_device, resolve_dtype
+from shared.config import LoadConfig, StageConfig
 from shared.errors import StagemeshError
-from shared.layers import LayerRange, balanced_split, parse_layer_range
-from shared.mesh_keys import SocketKeys
-from shared.model_files import ModelFiles
+from shared.files.layers import LayerRange, balanced_split, parse_layer_range
 from shared.models import ModelConfig
-from shared.otlp import OtlpTracer
-from shared.protocol import BatchError, ForwardBatch, ReleaseSeqs
-from shared.runtime import StageRuntime
-from shared.transport import ZmqTransport, check_address
+from shared.models.device import default_device, resolve_dtype
+from shared.observe.otlp import OtlpTracer
+from shared.runtime.model_files import ModelFiles
+from shared.runtime.stage_runtime import StageRuntime
+from shared.wire.mesh_keys import SocketKeys
+from shared.wire.protocol import BatchError, ForwardBatch, ReleaseSeqs
+from shared.wire.transport import ZmqTransport, check_address
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -90,17 +90,35 @@ def resolve_next(args, layers: LayerRange, num_layers: int) -> str:
     return check_address(args.next, "--next")
 
 
+@dataclass(frozen=True)
+class StagePlace:
+    """Where a stage sits and how it talks (its command's own flags, resolved and checked)."""
+
+    listen: str  # the ZeroMQ address its PULL binds
+    next: str  # the next stage's (or the gateway's result) address, {next} filled in
+    http_host: str
+    http_port: int
+    index: int | None  # its index in the pipeline (None: given by --layers alone)
+    prefetch: bool  # receive the next input while computing (off: the benchmark's baseline)
+    tracing: bool  # answer trace requests (off: the benchmark's bypass)
+    exit_with_parent: int | None  # the launcher's pid, whose end stops this stage
+    otlp_endpoint: str | None  # the OTLP/HTTP traces URL (None: tracing export off)
+
+
 def cmd_stage(args) -> int:
     check_address(args.listen, "--listen")
     host, port = parse_host_port(args.http, "--http")
     config = config_from_args(StageConfig, args)
-    args.otlp_endpoint = otlp_from_args(args)  # validated before anything loads
+    load = config_from_args(LoadConfig, args)
+    otlp_endpoint = otlp_from_args(args)  # validated before anything loads
     torch.set_num_threads(config.threads or os.cpu_count() or 1)
     files = ModelFiles.open(args.model)  # validates the file before anything binds
     layers = stage_layers(args, files.config)
-    args.next = resolve_next(args, layers, files.config.num_layers)
+    place = StagePlace(args.listen, resolve_next(args, layers, files.config.num_layers), host, port, args.stage_index,
+                       prefetch=not args.no_prefetch, tracing=not args.no_trace,
+                       exit_with_parent=args.exit_with_parent, otlp_endpoint=otlp_endpoint)
     keys = stage_keys(args, layers, files.config.num_layers)
-    asyncio.run(serve(files, layers, args, config, host, port, keys))
+    asyncio.run(serve(files, layers, place, config, load, keys))
     return 0
 
 
@@ -116,48 +134,49 @@ def stage_keys(args, layers: LayerRange, num_layers: int) -> SocketKeys | None:
     return key_set.for_stage(args.stage_index, last=layers.stop == num_layers)
 
 
-async def serve(files: ModelFiles, layers: LayerRange, args, config: StageConfig, host: str, port: int,
+async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config: StageConfig, load: LoadConfig,
                 keys: SocketKeys | None) -> None:
     app = make_app()
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("stage %s: http on %s:%d, loading weights", layers, host, port)
+    await web.TCPSite(runner, place.http_host, place.http_port).start()
+    log.info("stage %s: http on %s:%d, loading weights", layers, place.http_host, place.http_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watchdog = asyncio.create_task(_exit_with_parent(args.exit_with_parent, stop)) if args.exit_with_parent else None
+    watchdog = (asyncio.create_task(_exit_with_parent(place.exit_with_parent, stop))
+                if place.exit_with_parent else None)
     device = default_device()
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(load.dtype, device)
     compute_thread = compute_executor()  # load on the thread that will compute (one OpenMP team)
     threads = config.threads or os.cpu_count() or 1
     threads = (threads, config.threads_alone or threads)  # with others in flight, alone in the pipeline
     try:
         runtime = await loop.run_in_executor(
             compute_thread, lambda: StageRuntime.load(files.loader, layers, dtype, device, config.kv_slots, config.max_seq_len,
-                                            weights=weights_from_args(args), batch_invariant=args.batch_invariant,
-                                            compile_decode=args.compile_decode,
-                                            memory_budget=args.memory_budget, thread_counts=threads,
+                                            weights=load.weights_mode, batch_invariant=load.batch_invariant,
+                                            compile_decode=load.compile_decode,
+                                            memory_budget=load.memory_budget, thread_counts=threads,
                                             prefix_slots=config.prefix_slots, prefix_memory=config.prefix_cache_memory))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))
         await runner.cleanup()
         raise
     position = runtime.model.position
-    transport = ZmqTransport(args.listen, args.next, accept=(ForwardBatch, ReleaseSeqs, BatchError), keys=keys)
-    io = StageIO(transport, prefetch=not args.no_prefetch)
+    transport = ZmqTransport(place.listen, place.next, accept=(ForwardBatch, ReleaseSeqs, BatchError), keys=keys)
+    io = StageIO(transport, prefetch=place.prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
-                             position, str(dtype).removeprefix("torch."), listen=args.listen, index=args.stage_index)
+                             position, str(dtype).removeprefix("torch."), listen=place.listen, index=place.index)
     otlp = None
-    if args.otlp_endpoint is not None:
-        which = f"{layers.start}-{layers.stop}" if args.stage_index is None else str(args.stage_index)
-        otlp = OtlpTracer(args.otlp_endpoint, f"stagemesh-stage-{which}",
+    if place.otlp_endpoint is not None:
+        which = f"{layers.start}-{layers.stop}" if place.index is None else str(place.index)
+        otlp = OtlpTracer(place.otlp_endpoint, f"stagemesh-stage-{which}",
                           {"service.instance.id": identity.incarnation, "stagemesh.stage.layers": str(layers)})
-    worker = StageWorker(runtime, io, identity, tracing=not args.no_trace, slot_lease_s=config.slot_lease_s,
+    worker = StageWorker(runtime, io, identity, tracing=place.tracing, slot_lease_s=config.slot_lease_s,
                          compute_thread=compute_thread, otlp=otlp, threads=threads)
     app[WORKER] = worker
-    log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, args.listen, args.next,
+    log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, place.listen, place.next,
              identity.incarnation, f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT")
     task = asyncio.create_task(worker.run())
     await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

@@ -9,8 +9,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from services.stage.stats import StageStats, Timings
-from shared.kv_cache import KVCache
-from shared.protocol import REJECT_REASONS
+from shared.models.kv_cache import KVCache
+from shared.wire.protocol import REJECT_REASONS
 
 
 def _buckets(t: Timings) -> list[tuple[str, int]]:

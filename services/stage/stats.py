@@ -10,7 +10,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from shared.transport import TransportStats
+from shared.wire.transport import TransportStats
 
 # Micro-batch sizes (tokens) grouped into a few classes, so compute time per size is one bounded label.
 SIZE_CLASSES = ((1, "1"), (8, "2-8"), (32, "9-32"), (128, "33-128"), (512, "129-512"))

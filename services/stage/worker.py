@@ -19,13 +19,16 @@ import torch
 from services.stage.io import STOP, StageIO
 from services.stage.metrics import stage_registry
 from services.stage.stats import StageStats
+from shared.batch.sampling import sample
 from shared.config import STAGE_DEFAULTS
 from shared.errors import BadBatch, StagemeshError
+from shared.files.layers import LayerRange, StagePosition
 from shared.kernels import plans, qdot
-from shared.layers import LayerRange, StagePosition
-from shared.log_throttle import throttled
-from shared.otlp import OtlpTracer, trace_id_of
-from shared.protocol import (
+from shared.observe.log_throttle import throttled
+from shared.observe.otlp import OtlpTracer, trace_id_of
+from shared.runtime.stage_runtime import StageRuntime
+from shared.runtime.trace import CaptureHook
+from shared.wire.protocol import (
     BatchError,
     BatchResult,
     ForwardBatch,
@@ -34,10 +37,7 @@ from shared.protocol import (
     ReleaseSeqs,
     sampling_rows,
 )
-from shared.runtime import StageRuntime
-from shared.sampling import sample
-from shared.stage_info import StageInfo
-from shared.trace import CaptureHook
+from shared.wire.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.stage")
 

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.kernels import qdot
-from shared.kv_cache import BatchLayout
 from shared.models.config import ModelConfig
+from shared.models.kv_cache import BatchLayout
 
 if TYPE_CHECKING:
     from shared.models.transformer import TransformerModel

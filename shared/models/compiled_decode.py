@@ -54,13 +54,12 @@ import types
 import torch
 
 from shared.errors import CapabilityMissing
-from shared.kv_cache import BatchLayout, KVCache
 from shared.models import linear, transformer
 from shared.models.attention import BatchDecode, OneSequenceDecode
+from shared.models.kv_cache import BatchLayout, KVCache
 
 log = logging.getLogger("stagemesh.compiled_decode")
 
-COMPILE_MODES = ("auto", "on", "off")  # when the graphs compile: in the background, before ready, never
 # CompiledDecodes of this process whose warm-up is running. No compiled step runs while it is non-empty: forward sets
 # dynamo's stance, which is process-wide, and would make a compilation in another thread fail as a "recompile".
 _compiling: set[int] = set()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.errors import GgufError, UnsupportedArchitecture
-from shared.gguf_loader import GgufLoader
+from shared.files.gguf_loader import GgufLoader
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class ModelConfig:
     @property
     def head_cost_in_layers(self) -> float:
         """The last stage's extra work (norm + lm_head + sampling) in blocks, for planning a split of equal compute
-        (shared.layers.balanced_split).
+        (shared.files.layers.balanced_split).
         Weights alone say vocab*hidden/layer_weights (8.0 for SmolLM2), but a block also pays attention and
         per-layer overhead the head does not: measured on SmolLM2 (bf16, CPU, decode batch 8) the head costs
         4.4 blocks, hence the factor."""

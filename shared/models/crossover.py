@@ -29,8 +29,8 @@ from collections.abc import Callable
 import torch
 
 from shared.config import SCHEDULER_DEFAULTS
-from shared.device import cpu_has_fast_bf16
 from shared.kernels.plans import PLANS_ENV, kernel_plan, timing_alone  # noqa: F401 (PLANS_ENV: the tests set it)
+from shared.models.device import cpu_has_fast_bf16
 from shared.models.linear import DenseLinear, SwitchedLinear
 
 CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending

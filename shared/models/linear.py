@@ -51,12 +51,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.device import cpu_has_fast_bf16
+from shared.config import WEIGHT_MODES
 from shared.errors import CapabilityMissing, GgufError
-from shared.gguf_loader import RawTensor
+from shared.files.gguf_loader import RawTensor
 from shared.kernels import qdot
+from shared.models.device import cpu_has_fast_bf16
 
-WEIGHT_MODES = ("auto", "lean", "bf16", "f32")
 GROUP = 32  # ggml's block of 4-bit types (Q4_K: a 256-superblock of 8 such groups)
 # auto switches from the quantized kernel to its prefill kernel at this many tokens in a micro-batch until a piece's
 # load measures the crossover (shared.models.crossover); benchmarks/kernels.py prints the curve it comes from.

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from shared.errors import CapabilityMissing, GgufError
-from shared.gguf_loader import GgufLoader, RawTensor
-from shared.kv_cache import BatchLayout, KVCache, position_bytes
-from shared.layers import LayerRange
+from shared.files.gguf_loader import GgufLoader, RawTensor
+from shared.files.layers import LayerRange
 from shared.models.attention import Attention, Scores, choose_attention
 from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
+from shared.models.kv_cache import BatchLayout, KVCache, position_bytes
 from shared.models.linear import (
     WEIGHT_MODES,
     Int4Linear,

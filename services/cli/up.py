@@ -1,0 +1,347 @@
+"""`stagemesh up`: a gateway and N stage processes on loopback, one command, clean shutdown on Ctrl-C/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import errno
+import json
+import logging
+import os
+import shlex
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+from aiohttp import web
+
+from services.gateway.app import serve_until_signal
+from services.gateway.config import GatewayConfig
+from services.gateway.core import GATEWAY
+from services.gateway.main import PipelineSpec, build_app, gateway_config_from_args
+from services.process.args import (
+    add_config_args,
+    add_model_args,
+    add_otlp_args,
+    config_argv,
+    config_from_args,
+    otlp_from_args,
+)
+from services.process.keys import add_security_args
+from services.process.launch import LocalMesh, start_mesh
+from shared.config import GATEWAY_PORT, LoadConfig, SchedulerConfig, StageConfig
+from shared.errors import StagemeshError
+from shared.files.model_registry import resolve_model
+from shared.models.memory import PREFIX_FRACTION, available_bytes, default_budget
+from shared.text.chat_template import template_source
+
+STAGE_FLAGS = ("kv_slots", "max_seq_len", "prefix_slots", "prefix_cache_memory")  # the StageConfig fields `up` takes and passes on to every stage it starts
+# (and threads_alone, which it defaults to the cores of one replica)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="start a gateway and N stages on this machine",
+                       description="Start N stage processes on loopback and a gateway in front of them.")
+    add_model_args(p, serving=True)
+    p.add_argument("--stages", type=int, default=2, help="number of stage processes per pipeline (default 2)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="pipelines of --stages stages each, behind the one gateway (default 1): requests are routed "
+                        "by prefix cache, session and load, and move to another pipeline when one loses a stage")
+    p.add_argument("--port", type=_port, default=GATEWAY_PORT, help=f"gateway HTTP port (default {GATEWAY_PORT})")
+    p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
+    add_config_args(p, StageConfig, only=STAGE_FLAGS + ("threads_alone",))
+    p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
+    add_config_args(p, SchedulerConfig)
+    add_config_args(p, GatewayConfig)
+    add_otlp_args(p)
+    add_security_args(p, up=True)  # up makes ephemeral keys itself; only --insecure-plaintext is offered
+    p.set_defaults(func=cmd_up)
+    p.error = _one_line_error(p.prog)  # a bad flag: one line, not argparse's page of usage
+
+
+def _one_line_error(prog: str):
+    def error(message: str):
+        print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+    return error
+
+
+def log_dir_from_args(given: str | None) -> str:
+    """The directory stage logs go to, created and writable, or a one-line StagemeshError that says what to fix."""
+    if given is None:
+        return tempfile.mkdtemp(prefix="stagemesh-")
+    try:
+        os.makedirs(given, exist_ok=True)
+    except OSError as e:
+        raise StagemeshError(f"--log-dir {given!r} cannot be created: {e.strerror}; pass a writable directory") from None
+    if not os.access(given, os.W_OK | os.X_OK):
+        raise StagemeshError(f"--log-dir {given!r} is not writable; pass a writable directory")
+    return given
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1-65535)")
+    return port
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise a one-line StagemeshError when the gateway could not listen on host:port, before any stage starts: a
+    taken port found only after the stages load would cost the user their load time. The bind mirrors aiohttp's
+    (SO_REUSEADDR), so a port in TIME_WAIT passes and one a server listens on does not."""
+    try:
+        addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StagemeshError(f"--host {host!r} does not resolve ({e.strerror}); pass an address such as 127.0.0.1") from None
+    for family, kind, proto, _, addr in addrs:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                raise StagemeshError(_bind_problem(host, port, e)) from None
+
+
+def _bind_problem(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} is already in use on {host}; stop what is listening there or pass --port with a free port"
+    if e.errno == errno.EACCES:
+        return f"not allowed to listen on port {port} on {host}; pass --port 1024 or above"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host} is not an address of this machine; pass 127.0.0.1 or 0.0.0.0"
+    return f"cannot listen on {host}:{port}: {e.strerror}"
+
+
+def check_model(name: str) -> str:
+    """The model file `name` resolves to, checked to be a GGUF before any stage starts; else a one-line error."""
+    path = resolve_model(name)  # ModelNotFound names the alias's package or the missing path
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise StagemeshError(f"model file {path} cannot be read: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise StagemeshError(f"model file {path} is not a GGUF file (it does not start with the GGUF magic)")
+    return path
+
+
+def model_layers(path: str) -> int:
+    """The model's layer count from its GGUF header alone (read before any stage starts: nothing is loaded)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+    except (KeyError, IndexError, ValueError, OSError) as e:
+        raise StagemeshError(f"model file {path}: its header names no layer count ({type(e).__name__})") from None
+
+
+GATEWAY_LOG = "gateway.log"  # in --log-dir: the gateway's log lines (the access log among them)
+
+
+def log_to_file(log_dir: str, verbose: bool) -> str:
+    """The terminal is for people: the gateway's log lines go to GATEWAY_LOG in log_dir, and only warnings and errors
+    also to the terminal (every line with -v). Returns the file's path."""
+    root = logging.getLogger()
+    if not verbose:
+        for handler in root.handlers:
+            handler.setLevel(logging.WARNING)
+    path = os.path.join(log_dir, GATEWAY_LOG)
+    to_file = logging.FileHandler(path, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root.addHandler(to_file)
+    return path
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def cmd_up(args) -> int:
+    # Everything a user can get wrong is checked here, in a second, before any stage loads a model.
+    if args.stages < 1:
+        raise StagemeshError(f"--stages {args.stages} must be at least 1")
+    if args.replicas < 1:
+        raise StagemeshError(f"--replicas {args.replicas} must be at least 1")
+    otlp_url = otlp_from_args(args)  # the stages export to the same collector
+    stage = config_from_args(StageConfig, args)
+    load = config_from_args(LoadConfig, args)
+    # one host: every stage `up` starts (each replica's) shares its default memory budget and cached-prefix bound,
+    # each fixed once here, before any stage takes memory
+    stages_on_host = args.stages * args.replicas
+    if load.memory_budget is None:
+        load = dataclasses.replace(load, memory_budget=default_budget(stages_on_host))
+    if stage.prefix_cache_memory is None:
+        stage = dataclasses.replace(stage, prefix_cache_memory=max(1, int(
+            available_bytes() * PREFIX_FRACTION / stages_on_host)))
+    config_from_args(SchedulerConfig, args)  # the gateway's flags, checked now (build_app builds them again)
+    gateway = gateway_config_from_args(args, args.model)
+    if gateway.chat_template is not None:
+        template_source(gateway.chat_template)  # a name that is neither built in nor a file, refused now
+    log_dir = log_dir_from_args(args.log_dir)
+    check_port_free(args.host, args.port)
+    log_to_file(log_dir, getattr(args, "verbose", False))
+    model_path = check_model(args.model)
+    layers = model_layers(model_path)
+    if args.stages > layers:
+        raise StagemeshError(f"--stages {args.stages}: {os.path.basename(model_path)} has {layers} layers, so at most "
+                             f"{layers} stages (each holds at least one layer)")
+    many = f"{args.replicas} pipelines of " if args.replicas > 1 else ""
+    _say(f"starting {many}{args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
+         f"(logs in {log_dir}) ...")
+    meshes: list[LocalMesh] = []
+    try:
+        for r in range(args.replicas):
+            # replicas share the first one's ephemeral key set (0700 temporary directory, deleted when it stops):
+            # the gateway holds one set of keys for every pipeline
+            keys_dir = meshes[0].keys_dir if meshes else None
+            if args.replicas > 1:
+                os.makedirs(os.path.join(log_dir, f"p{r}"), exist_ok=True)
+            meshes.append(start_mesh(
+                args.model, args.stages, log_dir=log_dir if args.replicas == 1 else os.path.join(log_dir, f"p{r}"),
+                avoid_ports=frozenset({args.port}), keys_dir=keys_dir,
+                threads=max(1, (os.cpu_count() or 1) // (args.stages * args.replicas)),
+                # alone in its pipeline, a micro-batch may use its replica's cores (the other replicas may be busy)
+                threads_alone=stage.threads_alone or max(1, (os.cpu_count() or 1) // args.replicas),
+                extra=config_argv(load) + config_argv(stage, STAGE_FLAGS)
+                + (["--otlp-endpoint", otlp_url] if otlp_url else []),
+                insecure_plaintext=args.insecure_plaintext,
+                progress=lambda line, r=r: _say(f"  {f'p{r} ' if args.replicas > 1 else ''}{line}")))
+        args.keys = meshes[0].keys_dir
+        app = build_app(args.model, [PipelineSpec(m.stage_urls, m.result_listen, m.first_stage) for m in meshes], args)
+        asyncio.run(_serve(app, args.host, args.port, meshes))
+    except OSError as e:  # the port was taken between check_port_free and the gateway's bind
+        if e.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            raise StagemeshError(_bind_problem(args.host, args.port, e)) from None
+        raise
+    finally:
+        _say("stopping stages ...")
+        for mesh in reversed(meshes):  # the first owns the key set: it goes last
+            mesh.stop()
+    return 0
+
+
+def ready_banner(host: str, port: int, stages: int, model: str, replicas: int = 1, chat: bool = True) -> str:
+    """What `up` prints once the gateway is ready: where to go, a request to paste (a completion when the model has
+    no chat template, which chat requests need), and how to run `stagemesh`."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard listens on loopback too
+    url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}"
+    if chat:
+        route, body = "chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hello!"}]}
+    else:
+        route, body = "completions", {"model": model, "prompt": "Once upon a time"}
+    body = json.dumps({**body, "max_tokens": 32})
+    return "\n".join([
+        f"stagemesh is up ({f'{replicas} pipelines of ' if replicas > 1 else ''}{stages} stage{'s' if stages > 1 else ''}"
+        f", pid {os.getpid()}; Ctrl-C to stop)",
+        f"  chat page  {url}/",
+        f"  API        {url}/v1   (OpenAI-compatible)",
+        f"  try        curl -s {url}/v1/{route} -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+        f"  CLI        {_cli_hint('' if url == f'http://127.0.0.1:{GATEWAY_PORT}' else url)}",
+    ])
+
+
+def _cli_hint(url: str = "") -> str:
+    """How to run `stagemesh status` from the user's shell (for a gateway at `url`, "" for the default one): plain
+    `stagemesh` when PATH already finds this one, else the path of the script beside this interpreter (a venv's
+    bin/) and how to activate that venv."""
+    here = os.path.join(os.path.dirname(sys.executable), "stagemesh")
+    found = shutil.which("stagemesh")
+    status = f"status {url}".rstrip()
+    if found and os.path.realpath(found) == os.path.realpath(here):
+        return f"stagemesh {status}   (stagemesh --help for every command)"
+    shown = os.path.relpath(here) if not os.path.relpath(here).startswith("..") else here
+    activate = os.path.join(os.path.dirname(shown), "activate")
+    return f"{shown} {status}   (or `source {activate}`, then `stagemesh --help`)"
+
+
+def decode_notes(previous: dict[int, str], entries: dict[int, dict]) -> list[str]:
+    """Lines announcing each stage's change of decode mode since `previous` (stage -> state, updated in place), from
+    the stages' compiled_decode entries (StageInfo.compiled_decode, stage -> entry): compiling in the background,
+    switched to the compiled step, failed (decoding eagerly, with the reason), off (with the reason)."""
+    lines = []
+    for i, entry in sorted(entries.items()):
+        state = entry.get("state")
+        if state == previous.get(i) or state is None:
+            continue
+        previous[i] = state
+        if state == "compiling":
+            lines.append(f"stage {i}: decode runs eagerly while its compiled step builds in the background "
+                         "(minutes the first time on a small CPU, seconds from inductor's cache)")
+        elif state == "ready":
+            batched = entry.get("batched") or {}
+            took = sum((entry.get("compile_seconds") or {}).values())
+            took += sum((batched.get("compile_seconds") or {}).values())
+            if batched.get("sizes") and batched.get("reason") is None:
+                lo, hi = batched["sizes"]
+                what = f"the compiled steps, one sequence and batches of {lo}-{hi}"
+            else:
+                what = "the compiled step" + (f" (batches decode eagerly: {batched['reason']})" if batched.get("reason")
+                                              else "")
+            lines.append(f"stage {i}: decode switched to {what}" + (f" (compiled in {took:.0f} s)" if took else ""))
+        elif state == "failed":
+            lines.append(f"stage {i}: the compiled decode step failed, decoding stays eager: {entry.get('error')}")
+        elif state == "off":
+            lines.append(f"stage {i}: decode runs eagerly ({entry.get('reason') or 'compiled decode off'})")
+    return lines
+
+
+async def _supervise(meshes: list[LocalMesh]) -> None:
+    """Restart a stage process that exits, and announce each stage's decode mode as it changes."""
+    states: list[dict[int, str]] = [{} for _ in meshes]
+    watching, last_poll = True, 0.0
+    while True:
+        await asyncio.sleep(1.0)
+        for r, mesh in enumerate(meshes):
+            name = f"pipeline p{r} " if len(meshes) > 1 else ""
+            for i in mesh.restart_dead():
+                print(f"{name}stage {i} exited; restarted it (the gateway replays what it was serving"
+                      f"{' on another pipeline' if len(meshes) > 1 else ''})", flush=True)
+                states[r].pop(i, None)
+                watching = True
+        if watching and time.monotonic() - last_poll >= 2.0:
+            last_poll = time.monotonic()
+            watching = False
+            for r, mesh in enumerate(meshes):
+                infos = await asyncio.to_thread(_compiled_decode, mesh)
+                for line in decode_notes(states[r], infos):
+                    _say(f"p{r} {line}" if len(meshes) > 1 else line)
+                watching |= (len(states[r]) < len(mesh.stages) or "compiling" in states[r].values()
+                             or "pending" in states[r].values())
+
+
+def _compiled_decode(mesh: LocalMesh) -> dict[int, dict]:
+    """Each reachable stage's compiled_decode entry of its /info (a stage that does not answer is left out and asked
+    again next time)."""
+    infos = {}
+    for s in mesh.stages:
+        try:
+            infos[s.index] = s.info().compiled_decode
+        except (OSError, ValueError):  # InfoError is a ValueError
+            pass
+    return infos
+
+
+async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalMesh]) -> None:
+    """Serve until SIGINT/SIGTERM; the gateway drains (serve_until_signal) before cmd_up stops the stages, so no
+    stage is stopped with a micro-batch of a live request in hand."""
+
+    async def started() -> None:
+        replicas = app[GATEWAY].replicas
+        while len(replicas.ready) < len(replicas.all):
+            await asyncio.sleep(0.2)
+        gw = app[GATEWAY]
+        _say(ready_banner(host, port, len(meshes[0].stages), gw.config.model_id, len(meshes),
+                          chat=gw.files.chat_template is not None))
+        await _supervise(meshes)
+
+    await serve_until_signal(app, host, port, started)

@@ -1,0 +1,246 @@
+"""Start stage processes on loopback and wait until they are ready: what `stagemesh up` runs (the tests and the
+benchmarks start meshes with it too; their own helpers, e.g. a whole `up` as a subprocess, are in
+services/testing/harness.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.errors import StagemeshError
+from shared.wire.mesh_keys import KeySet, ephemeral_key_set
+from shared.wire.pipeline_client import PipelineClient
+from shared.wire.stage_info import StageInfo
+
+# Stages on one host that use every core for a micro-batch alone in the pipeline (--threads-alone) take turns with
+# the cores: stage 0 computes a token, then stage 1. libgomp's threads spin ~300,000 rounds before they sleep (its
+# default), so a stage that has just finished kept spinning on the cores its neighbour then computed on (one stream
+# over 2 stages on 2 cores: 32 ms a token against 23-25 ms with 1,000-3,000 rounds; 0, a sleep at every parallel
+# region, was 45 ms; docs/performance.md). Set for the stages `start_mesh` starts with both thread counts, unless the
+# caller's environment already says how OpenMP threads wait.
+SHARED_HOST_SPINCOUNT = "3000"
+WAIT_POLICY_SET = frozenset({"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"})
+
+
+def free_ports(n: int, avoid: frozenset[int] = frozenset()) -> list[int]:
+    """n distinct free ports, none in `avoid`: every socket stays bound until all are chosen, so none is handed
+    out twice."""
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] in avoid:
+                s.close()
+                continue
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class StageProcess:
+    index: int
+    listen: str
+    http: str
+    proc: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+    log_path: str | None = None  # stdout+stderr of this stage, every incarnation appended (None: discarded)
+    env: dict[str, str] = field(default_factory=dict)  # set in its environment, over this process's
+
+    def spawn(self, mode: str = "a") -> subprocess.Popen:
+        """Start this stage's command, its output appended to log_path (truncated first when mode is "w")."""
+        env = {**os.environ, **self.env}
+        if self.log_path is None:
+            return subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        with open(self.log_path, mode) as out:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http}"
+
+    def info(self) -> StageInfo:
+        """Its /info (StageInfo.from_json raises InfoError if it is not one)."""
+        with urllib.request.urlopen(f"{self.url}/info", timeout=5) as r:
+            return StageInfo.from_json(json.loads(r.read()))
+
+
+@dataclass
+class LocalMesh:
+    stages: list[StageProcess]
+    result_listen: str  # where the last stage sends; the client binds it
+    keys_dir: str | None = None  # the mesh's CURVE key set (None: plaintext)
+    owns_keys: bool = False  # ephemeral keys made by start_mesh, deleted by stop()
+
+    def client(self, enter_at: int = 0) -> PipelineClient:
+        """A client with the gateway's keys that sends into stage `enter_at` (a later stage: as its upstream peer,
+        which only a holder of the whole key set can be) and receives the last stage's results."""
+        keys = KeySet(self.keys_dir).for_gateway(enter_at) if self.keys_dir else None
+        return PipelineClient(self.stages[enter_at].listen, self.result_listen, keys=keys)
+
+    @property
+    def first_stage(self) -> str:
+        return self.stages[0].listen
+
+    @property
+    def stage_urls(self) -> list[str]:
+        return [s.url for s in self.stages]
+
+    def restart_dead(self) -> list[int]:
+        """Start again, with the same command and ports, every stage process that has exited (what a
+        StatefulSet does for a pod). Returns the indices restarted."""
+        restarted = []
+        for s in self.stages:
+            if s.proc.poll() is not None:
+                s.proc = s.spawn("a")
+                restarted.append(s.index)
+        return restarted
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for s in self.stages:
+            if s.proc.poll() is None:
+                s.proc.terminate()
+        deadline = time.monotonic() + timeout
+        for s in self.stages:
+            try:
+                s.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait()
+        if self.owns_keys and self.keys_dir:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
+
+
+def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop: str, http: str,
+                  dtype: str | None, threads: int | None, extra: list[str], keys_dir: str | None = None) -> list[str]:
+    """The stage's command line: CURVE with keys_dir, else --insecure-plaintext; it exits when this process dies."""
+    cmd = [sys.executable, "-m", "services.cli", "stage", "--model", model, "--stage-index", str(index),
+           "--num-stages", str(num_stages), "--listen", listen, "--next", next_hop, "--http", http,
+           "--exit-with-parent", str(os.getpid())]
+    cmd += ["--keys", keys_dir] if keys_dir else ["--insecure-plaintext"]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    return cmd + list(extra)
+
+
+def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: int | None = None,
+               threads_alone: int | None = None, extra: list[str] | None = None, result_listen: str | None = None,
+               log_dir: str | None = None,
+               ready_timeout: float = 180.0, avoid_ports: frozenset[int] = frozenset(), keys_dir: str | None = None,
+               insecure_plaintext: bool = False, progress: Callable[[str], None] | None = None) -> LocalMesh:
+    """Start num_stages stage processes on loopback and wait until every one is ready. Their sockets use CURVE with
+    the key set in keys_dir, or with ephemeral keys made here (a private 0700 temporary directory, deleted by
+    stop()); plaintext only with insecure_plaintext. Each stage exits when this process dies. `progress` (e.g.
+    print) hears one line as each stage becomes ready, and one every PROGRESS_EVERY_S while any is loading.
+    threads: each stage's torch threads (default: the cores divided among the stages); threads_alone: for a
+    micro-batch alone in the pipeline (default: every core, as the stages share this host)."""
+    owns_keys = False
+    if insecure_plaintext:
+        keys_dir = None
+    elif keys_dir is None:
+        keys_dir, owns_keys = ephemeral_key_set(num_stages), True
+    threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
+    # a micro-batch alone in the pipeline (the other stages idle) may use every core, its stage's share otherwise
+    threads_alone = threads_alone or (os.cpu_count() or 1)
+    alone = ["--threads-alone", str(threads_alone)] if threads_alone != threads else []
+    env = {"GOMP_SPINCOUNT": SHARED_HOST_SPINCOUNT} if alone and not WAIT_POLICY_SET.intersection(os.environ) else {}
+    ports = free_ports(2 * num_stages + 1, avoid_ports)
+    listens = [f"tcp://127.0.0.1:{p}" for p in ports[:num_stages]]
+    result_listen = result_listen or f"tcp://127.0.0.1:{ports[-1]}"
+    stages = []
+    for i in range(num_stages):
+        http = f"127.0.0.1:{ports[num_stages + i]}"
+        next_hop = listens[i + 1] if i + 1 < num_stages else result_listen
+        cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, alone + (extra or []),
+                            keys_dir)
+        stage = StageProcess(i, listens[i], http, None, cmd, os.path.join(log_dir, f"stage{i}.log") if log_dir else None,
+                             env)
+        stage.proc = stage.spawn("w")
+        stages.append(stage)
+    mesh = LocalMesh(stages, result_listen, keys_dir, owns_keys)
+    try:
+        wait_ready([s.url for s in stages], ready_timeout, procs=[s.proc for s in stages],
+                   log_paths=[s.log_path for s in stages], progress=progress)
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
+PROGRESS_EVERY_S = 15.0  # how often wait_ready says which stages are still loading
+
+
+def wait_ready(urls: list[str], timeout: float, procs: list[subprocess.Popen] | None = None,
+               log_paths: list[str | None] | None = None, progress: Callable[[str], None] | None = None) -> None:
+    """Wait until every stage answers /ready with 200. A stage process that exits first raises a StagemeshError that
+    names the stage and quotes the last line of its log (its own one-line error, e.g. an unreadable model file)."""
+    start = time.monotonic()
+    deadline, next_note = start + timeout, start + PROGRESS_EVERY_S
+    pending = dict(enumerate(urls))
+    while pending:
+        for i, p in enumerate(procs or []):
+            if p.poll() is not None:
+                last = _last_line(log_paths[i] if log_paths and i < len(log_paths) else None)
+                who = f"stage {i}" if log_paths else f"the stage at {urls[i]}"  # log_paths: urls is the whole mesh
+                raise StagemeshError(f"{who} exited with code {p.returncode} before it was ready"
+                                     + (f": {last}" if last else ""))
+        for i, url in list(pending.items()):
+            if _is_ready(url):
+                del pending[i]
+                if progress:
+                    progress(f"stage {i} loaded{_layers_note(url)} in {time.monotonic() - start:.0f} s")
+        if not pending:
+            return
+        now = time.monotonic()
+        if now > deadline:
+            raise StagemeshError(f"{', '.join(pending.values())} not ready after {timeout:.0f} s")
+        if progress and now >= next_note:
+            waiting = ", ".join(str(i) for i in pending)
+            progress(f"still loading stage{'s' if len(pending) > 1 else ''} {waiting} ({now - start:.0f} s) ...")
+            next_note = now + PROGRESS_EVERY_S
+        time.sleep(0.2)
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _layers_note(url: str) -> str:
+    """" (layers a:b)" from the stage's /info, or "" when it cannot be read (the note is for people, not a check)."""
+    try:
+        with urllib.request.urlopen(f"{url}/info", timeout=2) as r:
+            start, stop = StageInfo.from_json(json.loads(r.read())).layers
+        return f" (layers {start}:{stop})"
+    except (OSError, ValueError):  # InfoError is a ValueError
+        return ""
+
+
+def _last_line(path: str | None) -> str:
+    """The last non-empty line of a log file ("" when there is none)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""

@@ -1,0 +1,1 @@
+"""Fixtures the tests and the benchmarks both use: tiny and model-shaped GGUF files, a mesh or an `up` started as processes, network namespaces, an OTLP receiver, rendered k8s manifests. Nothing in the product imports this package."""

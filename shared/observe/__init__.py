@@ -1,0 +1,1 @@
+"""Observability helpers: OTLP tracing export and throttled logging."""

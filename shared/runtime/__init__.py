@@ -1,0 +1,1 @@
+"""The runtime on top of the model: a stage's StageRuntime and the in-process LocalPipeline (stage_runtime), the generation driver (generation), layer traces (trace), mesh planning (plan) and a model file's non-weight parts (model_files)."""

@@ -1,0 +1,202 @@
+"""StageRuntime: one model piece plus the KV cache it owns; runs micro-batches. LocalPipeline chains pieces
+in one process, handing each other only the hidden state (the code path a stage runs)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from shared.batch.steps import Decode
+from shared.config import COMPILE_MODES, STAGE_DEFAULTS
+from shared.errors import BadBatch, CapabilityMissing, MissingActivation
+from shared.files.gguf_loader import GgufLoader
+from shared.files.layers import LayerRange
+from shared.models import LayerHook, TransformerModel
+from shared.models.attention import KernelDecode
+from shared.models.compiled_decode import CompiledDecode, why_not_compilable
+from shared.models.crossover import apply_measured_crossover
+from shared.models.kv_cache import BatchLayout, KVCache, position_bytes
+from shared.models.memory import default_budget, default_prefix_bytes
+from shared.wire.protocol import SeqEntry
+
+log = logging.getLogger("stagemesh.runtime")
+
+
+class StageRuntime:
+    """Runs micro-batches through one TransformerModel piece and owns its KV cache: a sequence's KV
+    slot is allocated exactly once (its first prefill chunk) and freed by release()."""
+
+    def __init__(self, model: TransformerModel, kv: KVCache, compiled: CompiledDecode | None = None,
+                 eager_reason: str = "--compile-decode off"):
+        self.model = model
+        self.kv = kv
+        self.compiled = compiled  # one-sequence decode steps under torch.compile (--compile-decode), else None
+        self.eager_reason = eager_reason  # why there is no compiled step (when compiled is None)
+
+    @classmethod
+    def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
+             kv_slots: int = STAGE_DEFAULTS.kv_slots, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
+             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
+             memory_budget: int | None = None, thread_counts: tuple[int, ...] | None = None, prefix_slots: int = 0,
+             prefix_memory: int | None = None) -> StageRuntime:
+        """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
+        batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel);
+        memory_budget: bytes for the piece's weights and KV cache (None: shared.models.memory's default);
+        compile_decode: a COMPILE_MODES entry (shared.config): "on" compiles the one-sequence decode
+        step before returning (refusing a piece it does not cover), "auto" starts compiling it in the background
+        where it covers the piece, "off" never; thread_counts: the torch thread counts its decode steps run with
+        (a compiled step has graphs for each; None: the count it compiles with); prefix_slots: KV rows for cached
+        prefixes beside the kv_slots of live sequences, whose K/V prefix_memory bounds (bytes; None:
+        shared.models.memory.default_prefix_bytes). The bound is apart from memory_budget: kept prefixes are given
+        up for room, so they never decide whether the weights fit."""
+        if compile_decode not in COMPILE_MODES:
+            raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
+        model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant,
+                                           memory_budget=memory_budget, kv_slots=kv_slots, max_seq_len=max_seq_len)
+        apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
+        max_seq_len = min(max_seq_len, model.config.context_length)
+        c = model.config  # one KV row: every position of one sequence
+        row_bytes = max_seq_len * position_bytes(len(model.layers), c.num_kv_heads, c.head_dim, model.dtype)
+        if prefix_memory is None:  # kept prefixes also use the rows live sequences leave free
+            prefix_memory = default_prefix_bytes((kv_slots + prefix_slots) * row_bytes)
+        if torch.device(device).type != "cpu":  # rows take their memory at once there (KVCache._zeros): only as many
+            prefix_slots = min(prefix_slots, prefix_memory // row_bytes)  # as the bound holds
+        reason = "--compile-decode off" if compile_decode == "off" else why_not_compilable(model)
+        if compile_decode == "on" and reason is not None:
+            raise CapabilityMissing(f"--compile-decode cannot compile layers {model.layers}: {reason}; "
+                                    "drop --compile-decode to decode eagerly")
+        if reason is not None:
+            if compile_decode == "auto":
+                log.info("layers %s decode eagerly: %s", model.layers, reason)
+            return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device, prefix_slots=prefix_slots,
+                                                 prefix_bytes=prefix_memory), eager_reason=reason)
+        kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True,  # the warm-up writes the scratch row
+                                prefix_slots=prefix_slots, prefix_bytes=prefix_memory)
+        compiled = CompiledDecode(model, kv, thread_counts=thread_counts)
+        if compile_decode == "on":
+            compiled.warm_up()
+        else:
+            compiled.warm_up_in_background()
+        return cls(model, kv, compiled)
+
+    def compiled_decode_info(self) -> dict:
+        """What /info reports of the compiled decode step: CompiledDecode.info(), or why decode is eager."""
+        if self.compiled is None:
+            return {"state": "off", "reason": self.eager_reason}
+        return self.compiled.info()
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    # ---- sequence lifecycle ------------------------------------------------------------------------------
+
+    def init_pipeline_request(self, seq_id: Hashable) -> int:
+        return self.kv.allocate(seq_id)
+
+    def release(self, seq_id: Hashable) -> bool:
+        return self.kv.release(seq_id)
+
+    def keep(self, seq_id: Hashable) -> bool:
+        """The finished sequence's K/V stays, as a cached prefix (KVCache.keep)."""
+        return self.kv.keep(seq_id)
+
+    # ---- compute -------------------------------------------------------------------------------------------
+
+    def run(self, work: Sequence[SeqEntry], *, token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+            all_logits: bool = False, hook: LayerHook | None = None) -> torch.Tensor:
+        """Run one micro-batch. The first piece takes token_ids [N]; the others hidden [N, D] (never substituted).
+        Returns hidden [N, D] float32, or on the last piece logits [M, V] for the rows that sample a token (the last
+        row of a final prefill chunk, every row of a decode step; InferenceStep.samples) -- every row when
+        all_logits."""
+        model = self.model
+        n = sum(w.step.num_tokens for w in work)
+        if model.has_embedding:
+            if token_ids is None or token_ids.numel() != n:
+                got = "none" if token_ids is None else token_ids.numel()
+                raise BadBatch(f"layers {model.layers} (first stage) needs token ids, {n} of them; got {got}")
+        elif hidden is None:
+            raise MissingActivation(f"layers {model.layers} ({model.position.value} stage) received a micro-batch without "
+                                    "its input activation; a non-first stage never embeds tokens itself")
+        elif tuple(hidden.shape) != (n, model.config.hidden_size):
+            raise BadBatch(f"activation shape {tuple(hidden.shape)} does not match {n} tokens x hidden "
+                                 f"{model.config.hidden_size}")
+        fresh = []
+        try:
+            for w in work:
+                if w.step.starts_sequence:
+                    self.init_pipeline_request(w.seq_id)
+                    fresh.append(w.seq_id)
+                    if w.step.attach is not None:  # a first chunk starting from a cached prefix
+                        self.kv.attach(w.seq_id, w.step.attach, w.step.start_position)
+            slots = [self.kv.slot(w.seq_id) for w in work]
+            # several positions of one sequence in a decode micro-batch: as that many one-token rows where the decode
+            # attention reads each row's own slot and context (KernelDecode), so a verified draft's numbers are those
+            # of one-token steps; the batch-invariant mode's rowwise attention already computes them so
+            as_rows = any(w.step.num_tokens > 1 for w in work) and all(isinstance(w.step, Decode) for w in work) \
+                and not model.batch_invariant and KernelDecode.applies(model, self.device)
+            layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device, as_rows)
+            self.kv.wrote(layout)
+        except Exception:
+            for seq_id in fresh:
+                self.release(seq_id)
+            raise
+        with torch.inference_mode():
+            x = model.embed(token_ids.to(self.device)) if model.has_embedding else hidden.to(self.device, torch.float32)
+            compiled = self.compiled.forward(x, layout) if self.compiled is not None and hook is None else None
+            x = compiled if compiled is not None else model.forward(x, layout, self.kv, hook)
+            if not model.has_lm_head:
+                return x
+            if not all_logits and not as_rows:  # each step's last `samples` rows (one, or every row of a decode)
+                rows = [r for w, o, ln in zip(work, layout.offsets, layout.lengths)
+                        for r in range(o + ln - w.step.samples, o + ln)]
+                x = x[torch.tensor(rows, device=x.device, dtype=torch.long)]  # (as rows: every row samples)
+            return model.lm_head(x)
+
+
+class LocalPipeline:
+    """Several StageRuntimes in one process; each hands the next only its hidden state."""
+
+    def __init__(self, pieces: list[StageRuntime]):
+        self.pieces = pieces
+
+    @classmethod
+    def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
+             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
+             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
+             memory_budget: int | None = None, prefix_slots: int = 0, prefix_memory: int | None = None) -> LocalPipeline:
+        """memory_budget: per piece (each piece is a stage's share); None: the default, split over the pieces.
+        prefix_slots, prefix_memory: each piece's rows for cached prefixes and their bound (StageRuntime.load)."""
+        ranges = ranges or [None]
+        if memory_budget is None:
+            memory_budget = default_budget(len(ranges))
+        return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len, weights=weights,
+                                      batch_invariant=batch_invariant, compile_decode=compile_decode,
+                                      memory_budget=memory_budget, prefix_slots=prefix_slots,
+                                      prefix_memory=prefix_memory) for r in ranges])
+
+    @property
+    def max_seq_len(self) -> int:
+        return min(p.kv.max_seq_len for p in self.pieces)
+
+    def run(self, work: Sequence[SeqEntry], token_ids: torch.Tensor, all_logits: bool = False,
+            hooks: Sequence[LayerHook | None] | None = None) -> torch.Tensor:
+        """hooks: one LayerHook (or None) per piece."""
+        out = token_ids
+        for i, piece in enumerate(self.pieces):
+            hook = hooks[i] if hooks else None
+            if i == 0:
+                out = piece.run(work, token_ids=out, all_logits=all_logits, hook=hook)
+            else:
+                out = piece.run(work, hidden=out, all_logits=all_logits, hook=hook)
+        return out
+
+    def release(self, seq_id: Hashable) -> None:
+        for piece in self.pieces:
+            piece.release(seq_id)
+
+    def keep(self, seq_id: Hashable) -> None:
+        for piece in self.pieces:
+            piece.keep(seq_id)

@@ -1,0 +1,1 @@
+"""Text: the tokenizer, chat templates, grammars (constrained decoding) and streamed text."""

@@ -1,0 +1,116 @@
+"""PipelineClient: pushes micro-batches into stage 0 and matches the last stage's results by micro-batch id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+
+import zmq.asyncio
+
+from shared.errors import StagemeshError
+from shared.observe.log_throttle import throttled
+from shared.wire.mesh_keys import SocketKeys
+from shared.wire.protocol import BatchError, BatchResult, ForwardBatch, ReleaseDone, ReleaseSeqs
+from shared.wire.transport import ZmqTransport
+
+log = logging.getLogger("stagemesh.client")
+
+
+class PipelineError(StagemeshError):
+    """A stage failed a micro-batch; `code` is the stage's machine-readable error code (shared.errors)."""
+
+    def __init__(self, error: BatchError):
+        super().__init__(f"{error.stage}: {error.message}")
+        self.error = error
+        self.code = error.code
+
+
+class PipelineClient:
+    """One pipeline seen from the gateway: first stage's input address, and our bound result address. `keys`:
+    the gateway's CURVE keys (KeySet.for_gateway), or None for plaintext -- always said explicitly."""
+
+    def __init__(self, first_stage: str, result_listen: str, *, keys: SocketKeys | None,
+                 ctx: zmq.asyncio.Context | None = None):
+        self.transport = ZmqTransport(result_listen, first_stage, accept=(BatchResult, BatchError, ReleaseDone),
+                                      keys=keys, ctx=ctx)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._mb_ids = itertools.count(1)
+        self.releases_acknowledged = 0  # sequences the last stage confirmed released
+        self.unexpected = 0  # results and errors for micro-batches not in flight, dropped
+        self.on_unexpected: Callable[[], None] | None = None  # called for each (the gateway counts them)
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="pipeline-results"),
+                       asyncio.create_task(self.transport.watch_handshakes(), name="pipeline-handshakes")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(StagemeshError("pipeline client closed"))
+        self.transport.close()
+
+    def next_mb_id(self) -> int:
+        return next(self._mb_ids)
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches sent and not yet answered."""
+        return len(self._pending)
+
+    async def submit(self, batch: ForwardBatch) -> asyncio.Future:
+        """Send a micro-batch; the returned future resolves to its BatchResult (or raises PipelineError)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[batch.mb_id] = fut
+        try:
+            await self.transport.send(batch)
+        except Exception:
+            self._pending.pop(batch.mb_id, None)
+            raise
+        return fut
+
+    async def forward(self, batch: ForwardBatch) -> BatchResult:
+        return await (await self.submit(batch))
+
+    def abandon(self, mb_id: int) -> None:
+        """Stop waiting for a micro-batch (e.g. after a stage died); a late result is ignored."""
+        fut = self._pending.pop(mb_id, None)
+        if fut and not fut.done():
+            fut.cancel()
+
+    async def release(self, seq_ids: list[str], keep: list[str] = ()) -> None:
+        """Free these sequences' KV slots on every stage (fire and forget; the ack is counted); `keep`: finished
+        sequences whose slots stay, as cached prefixes."""
+        if seq_ids or keep:
+            await self.transport.send(ReleaseSeqs(list(seq_ids), keep=list(keep)))
+
+    async def release_all(self) -> None:
+        """Free every KV slot the stages hold (reconcile): only for a client that owns no sequence yet, e.g. a
+        gateway at start, taking back what a gateway before it (SIGKILLed, say) left behind."""
+        await self.transport.send(ReleaseSeqs([], everything=True))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            msg = await self.transport.receive()
+            if isinstance(msg, ReleaseDone):
+                self.releases_acknowledged += len(msg.seq_ids)
+                continue
+            fut = self._pending.pop(msg.mb_id, None)
+            if fut is None or fut.done():  # abandoned after a failover, or never ours: never acted on
+                self.unexpected += 1
+                if self.on_unexpected is not None:
+                    self.on_unexpected()
+                throttled(log, logging.INFO, "unexpected", "dropped a %s for micro-batch %s, which is not in flight "
+                          "(abandoned after a failover, or forged)", type(msg).__name__, msg.mb_id)
+                continue
+            if isinstance(msg, BatchError):
+                fut.set_exception(PipelineError(msg))
+            else:
+                fut.set_result(msg)

@@ -1,0 +1,501 @@
+"""Wire format between gateway and stages: a ZMQ multipart message.
+
+frame 0: msgpack header {"v": version, "kind": ..., kind-specific fields, "tensors": [{name, dtype, shape, frame}]}
+frame 1..: one raw buffer per tensor, sent and received without copies (bf16 included: it travels as raw bytes).
+
+Every field is validated before use; a bad message raises ProtocolError with a counted `reason`. Never pickle.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgpack
+import torch
+
+from shared.batch.sampling import MAX_TOP_LOGPROBS, WIRE_FIELDS, LogitInputs, SamplingParams, TopLogprobs
+from shared.batch.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
+from shared.errors import ERROR_CODES, BadBatch
+
+PROTOCOL_VERSION = 5  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
+# 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields, the
+# result's top alternatives ("top"); 5: decode steps of several positions ("n"), the result's per-sequence "counts"
+MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
+MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
+MAX_SEQS_PER_BATCH = 4096
+MAX_TOKENS_PER_BATCH = 1 << 16
+MAX_SEQ_ID_LEN = 128
+MAX_IN_FLIGHT = 1 << 16  # a forward header's "inflight" (micro-batches in flight in the pipeline)
+# W3C trace context (https://www.w3.org/TR/trace-context/#traceparent-header), version 00: trace id, span id (neither
+# all zeros), flags. Present in a header only when the gateway runs with --otlp-endpoint (shared.observe.otlp).
+TRACEPARENT_LEN = 55
+TRACEPARENT_RE = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+
+# The only dtypes that may cross the wire (name -> torch dtype).
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+    "int32": torch.int32,
+}
+_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+
+CAPTURE_KEYS = frozenset({"stage", "layer", "point", "position", "shape", "summary", "data"})  # shared.runtime.trace.HookCapture
+
+REJECT_REASONS = ("msgpack", "oversize", "version", "kind", "schema", "dtype", "shape", "length", "frames",
+                  "auth", "handshake")  # auth: a CURVE handshake with a key other than the upstream peer's; handshake:
+# one that failed before that (another server key, plaintext against CURVE) -- both in shared.wire.transport
+
+# torch.frombuffer warns on read-only buffers; received frames are only ever read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class ProtocolError(Exception):
+    """A received message refused before use; `reason` (one of REJECT_REASONS) is the label it is counted under."""
+
+    def __init__(self, reason: str, message: str):
+        if reason not in REJECT_REASONS:  # a caller's bug, not a peer's: checked under python -O too
+            raise ValueError(f"reject reason {reason!r} is not one of {', '.join(REJECT_REASONS)}")
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+# ---- messages -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SeqEntry:
+    """One sequence's work in a micro-batch, carried through every stage (the last one samples); also what a
+    StageRuntime runs (it reads seq_id and step), so the wire and the runtime share one type."""
+
+    seq_id: str
+    step: InferenceStep
+    sampling: SamplingParams = SamplingParams()
+    traceparent: str | None = None  # W3C traceparent of this sequence's request span (None: tracing off)
+    logit_inputs: LogitInputs | None = None  # penalties' history and grammar mask for this step's sample
+
+    @property
+    def sample_positions(self) -> list[int]:
+        """The positions the sampled tokens will occupy (the step's `samples` last rows' next positions)."""
+        end = self.step.start_position + self.step.num_tokens
+        return list(range(end - self.step.samples + 1, end + 1))
+
+
+def sampling_rows(entries: list[SeqEntry]) -> tuple[list[SeqEntry], list[int], list[SamplingParams], list[int],
+                                                   list[LogitInputs | None]]:
+    """What the last stage samples for a micro-batch, one row per sampled token in batch order: (the entries that
+    sample, each one's count of rows, then per row its params, position and logit inputs). A step of several rows
+    carries no logit inputs (a grammar mask or a penalties' history holds for one position only)."""
+    producing = [e for e in entries if e.step.samples]
+    counts, params, positions, inputs = [], [], [], []
+    for e in producing:
+        n = e.step.samples
+        if n > 1 and e.logit_inputs is not None and not e.logit_inputs.empty:
+            raise BadBatch(f"sequence {e.seq_id!r}: a {n}-token decode step cannot carry a grammar mask or penalties' "
+                           "history (they hold for one position); send one-token steps for it")
+        counts.append(n)
+        params += [e.sampling] * n
+        positions += e.sample_positions
+        inputs += [e.logit_inputs] * n
+    return producing, counts, params, positions, inputs
+
+
+@dataclass
+class ForwardBatch:
+    mb_id: int
+    seqs: list[SeqEntry]
+    tokens: torch.Tensor | None = None  # [N] int64, into the first stage
+    hidden: torch.Tensor | None = None  # [N, D], between stages
+    trace: dict | None = None  # on-demand capture request (None: off)
+    captures: list = field(default_factory=list)  # accumulated captures travelling to the client
+    hop_s: float | None = None  # set on receipt: receive time - the sender's send time (header "sent", wall clock)
+    traceparent: str | None = None  # W3C traceparent of the gateway's span for this micro-batch (None: tracing off)
+    received: float | None = None  # set on receipt: wall-clock time.time() of decoding
+    # micro-batches the gateway had in flight in this pipeline when it sent this one, this one included: 1 means the
+    # other stages are idle, so a stage sharing a host with them may use their cores too (StageConfig.threads_alone)
+    in_flight: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.step.num_tokens for s in self.seqs)
+
+
+@dataclass
+class ReleaseSeqs:
+    seq_ids: list[str]
+    everything: bool = False  # also release every other sequence the stage holds (a gateway starting afresh)
+    keep: list[str] = field(default_factory=list)  # finished sequences whose slots stay, as cached prefixes (no lease)
+
+
+Sample = tuple[int, "float | None", "TopLogprobs | None"]  # one sampled token: (id, logprob, top alternatives)
+
+
+@dataclass
+class BatchResult:
+    """Last stage -> client: the sampled tokens of each sequence that produced any (in batch order), counts[i] of
+    them for seq_ids[i] (1 each unless a step carried several positions); tokens, logprobs and top are flat, one
+    entry per sampled token."""
+
+    mb_id: int
+    seq_ids: list[str]
+    tokens: list[int]
+    logprobs: list[float | None]
+    captures: list = field(default_factory=list)
+    hop_s: float | None = None  # set on receipt, as ForwardBatch.hop_s
+    top: list[TopLogprobs | None] = field(default_factory=list)  # per token: its top_logprobs alternatives
+    counts: list[int] = field(default_factory=list)  # per sequence: its sampled tokens ([] = one each)
+
+    def __post_init__(self):
+        self.top = self.top or [None] * len(self.tokens)
+        self.counts = self.counts or [1] * len(self.seq_ids)
+
+    def by_sequence(self) -> dict[str, list[Sample]]:
+        """seq_id -> its sampled tokens in position order."""
+        out, i = {}, 0
+        for seq_id, n in zip(self.seq_ids, self.counts):
+            out[seq_id] = list(zip(self.tokens[i:i + n], self.logprobs[i:i + n], self.top[i:i + n]))
+            i += n
+        return out
+
+
+@dataclass
+class BatchError:
+    """A micro-batch failed on `stage`. `code` (one of shared.errors.ERROR_CODES) says what kind of failure it was,
+    so the receiver never interprets the human-readable message."""
+
+    mb_id: int
+    stage: str
+    code: str
+    message: str
+    seq_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReleaseDone:
+    seq_ids: list[str]
+
+
+Message = Union[ForwardBatch, ReleaseSeqs, BatchResult, BatchError, ReleaseDone]
+
+
+# ---- encoding -------------------------------------------------------------------------------------------------
+
+def _step_to_wire(step: InferenceStep) -> dict:
+    if isinstance(step, Prefill):
+        wire = {"t": "prefill", "n": step.chunk_tokens, "start": step.chunk_start_position,
+                "total": step.total_prompt_tokens, "final": step.is_final_chunk}
+        if step.attach is not None:
+            wire["attach"] = step.attach
+        return wire
+    wire = {"t": "decode", "pos": step.current_position}
+    if step.num_tokens != 1:
+        wire["n"] = step.num_tokens
+    return wire
+
+
+def _seq_to_wire(s: SeqEntry) -> dict:
+    d = {"id": s.seq_id, "step": _step_to_wire(s.step), "sampling": s.sampling.to_wire()}
+    if s.traceparent is not None:
+        d["tp"] = s.traceparent
+    if s.logit_inputs is not None and not s.logit_inputs.empty:
+        d["li"] = s.logit_inputs.to_wire()
+    return d
+
+
+def _tensor_frame(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor, shared with the tensor (no copy)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def encode(msg: Message) -> list:
+    """Message -> ZMQ frames: [header, *tensor buffers]. Send with copy=False."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    if isinstance(msg, ForwardBatch):
+        header: dict[str, Any] = {
+            "kind": "forward", "mb": msg.mb_id,
+            "seqs": [_seq_to_wire(s) for s in msg.seqs],
+        }
+        if msg.traceparent is not None:
+            header["tp"] = msg.traceparent
+        if msg.in_flight != 1:
+            header["inflight"] = msg.in_flight
+        if msg.trace is not None:
+            header["trace"] = msg.trace
+            header["captures"] = msg.captures
+        for name in ("tokens", "hidden"):
+            t = getattr(msg, name)
+            if t is not None:
+                tensors.append((name, t))
+    elif isinstance(msg, ReleaseSeqs):
+        header = {"kind": "release", "seq_ids": list(msg.seq_ids)}
+        if msg.everything:
+            header["all"] = True
+        if msg.keep:
+            header["keep"] = list(msg.keep)
+    elif isinstance(msg, ReleaseDone):
+        header = {"kind": "released", "seq_ids": list(msg.seq_ids)}
+    elif isinstance(msg, BatchResult):
+        header = {"kind": "result", "mb": msg.mb_id, "seq_ids": msg.seq_ids, "tokens": msg.tokens,
+                  "logprobs": msg.logprobs, "captures": msg.captures}
+        if any(t is not None for t in msg.top):  # only when some sequence asked for alternatives
+            header["top"] = msg.top  # [[id, logprob], ...] or null per token
+        if any(n != 1 for n in msg.counts):  # only when some step sampled several positions
+            header["counts"] = msg.counts
+    elif isinstance(msg, BatchError):
+        header = {"kind": "error", "mb": msg.mb_id, "stage": msg.stage, "code": msg.code, "message": msg.message,
+                  "seq_ids": msg.seq_ids}
+    else:
+        raise TypeError(f"cannot encode {type(msg).__name__}")
+    header["v"] = PROTOCOL_VERSION
+    if isinstance(msg, (ForwardBatch, BatchResult)):
+        header["sent"] = time.time()  # the receiver's hop latency; exact on one host, clock skew across hosts
+    frames: list = [None]
+    descs = []
+    for name, t in tensors:
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"tensor {name} has dtype {t.dtype}, not allowed on the wire")
+        descs.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "frame": len(frames)})
+        frames.append(_tensor_frame(t))
+    header["tensors"] = descs
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+# ---- decoding (validation first) ---------------------------------------------------------------------------
+
+def _buffer(frame) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def _need(cond: bool, reason: str, message: str | Callable[[], str]) -> None:
+    """Raise ProtocolError(reason, message) unless cond; a message that formats values comes as a lambda, formatted
+    only when it is raised (decode runs for every micro-batch at every hop)."""
+    if not cond:
+        raise ProtocolError(reason, message() if callable(message) else message)
+
+
+def _int(d: dict, key: str, lo: int = 0, hi: int = 2**62) -> int:
+    v = d.get(key)
+    _need(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, "schema",
+          lambda: f"field {key!r} must be an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _str_list(d: dict, key: str) -> list[str]:
+    v = d.get(key)
+    _need(isinstance(v, list) and len(v) <= MAX_SEQS_PER_BATCH
+          and all(isinstance(s, str) and 0 < len(s) <= MAX_SEQ_ID_LEN for s in v), "schema",
+          lambda: f"field {key!r} must be a list of sequence ids (strings of 1..{MAX_SEQ_ID_LEN} chars)")
+    return v
+
+
+def _step_from_wire(d: Any) -> InferenceStep:
+    _need(isinstance(d, dict), "schema", "step must be a map")
+    try:
+        if d.get("t") == "prefill":
+            final = d.get("final")
+            _need(isinstance(final, bool), "schema", "prefill.final must be a boolean")
+            attach = d.get("attach")
+            _need(attach is None or (isinstance(attach, str) and 0 < len(attach) <= MAX_SEQ_ID_LEN), "schema",
+                  lambda: f"prefill.attach must be a sequence id (a string of 1..{MAX_SEQ_ID_LEN} chars)")
+            return Prefill(_int(d, "n", 1, MAX_TOKENS_PER_BATCH), _int(d, "start"), _int(d, "total", 1), final, attach)
+        if d.get("t") == "decode":
+            return Decode(_int(d, "pos", 1), _int(d, "n", 1, MAX_DECODE_TOKENS) if "n" in d else 1)
+    except ValueError as e:
+        raise ProtocolError("schema", f"invalid step: {e}") from None
+    raise ProtocolError("schema", f"step type {d.get('t')!r} is neither 'prefill' nor 'decode'")
+
+
+# Validated sampling parameters by their wire form: a sequence carries the same ones at every step and hop, and
+# building them (SamplingParams' checks) was a tenth of decoding a one-sequence micro-batch. Keyed by each value's
+# type too (1, 1.0 and True are equal keys otherwise); a form with a list (logit_bias) is built every time. Bounded:
+# emptied when full, so a peer sending ever new values costs only the rebuilds.
+_SAMPLING_MEMO: dict[tuple, SamplingParams] = {}
+SAMPLING_MEMO_SIZE = 4096
+
+
+def _sampling_from_wire(d: Any) -> SamplingParams:
+    _need(isinstance(d, dict) and WIRE_FIELDS.issuperset(d), "schema",
+          lambda: f"sampling must be a map with keys from {sorted(WIRE_FIELDS)}")
+    key = tuple((k, type(v), v) for k, v in d.items())
+    try:
+        return _SAMPLING_MEMO[key]
+    except TypeError:  # an unhashable value (a list): not memoized
+        key = None
+    except KeyError:
+        pass
+    try:
+        params = SamplingParams(**d)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError("schema", f"invalid sampling parameters: {e}") from None
+    if key is not None:
+        if len(_SAMPLING_MEMO) >= SAMPLING_MEMO_SIZE:
+            _SAMPLING_MEMO.clear()
+        _SAMPLING_MEMO[key] = params
+    return params
+
+
+def _logit_inputs_from_wire(s: dict) -> LogitInputs | None:
+    if "li" not in s:
+        return None
+    try:
+        return LogitInputs.from_wire(s["li"])
+    except (TypeError, ValueError) as e:
+        raise ProtocolError("schema", f"invalid logit inputs: {e}") from None
+
+
+def _top(header: dict, n: int) -> list[TopLogprobs | None]:
+    """The result's optional "top": per token null or up to MAX_TOP_LOGPROBS [token id, logprob] pairs."""
+    if "top" not in header:
+        return [None] * n
+    top = header["top"]
+    _need(isinstance(top, list) and len(top) == n and all(
+        t is None or (isinstance(t, list) and len(t) <= MAX_TOP_LOGPROBS and all(
+            isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
+            and isinstance(pair[1], float) for pair in t)) for t in top), "schema",
+          lambda: f"result top must be one entry per token: null or at most {MAX_TOP_LOGPROBS} [token id, logprob] pairs")
+    return [t if t is None else [(i, lp) for i, lp in t] for t in top]
+
+
+def _captures(header: dict) -> list:
+    caps = header.get("captures", [])
+    _need(isinstance(caps, list) and all(isinstance(c, dict) and set(c) == CAPTURE_KEYS for c in caps), "schema",
+          lambda: f"captures must be a list of maps with keys {sorted(CAPTURE_KEYS)}")
+    return caps
+
+
+def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
+    descs = header.get("tensors")
+    _need(isinstance(descs, list), "schema", "field 'tensors' must be a list")
+    _need(len(frames) == 1 + len(descs), "frames",
+          lambda: f"{len(frames) - 1} data frames for {len(descs)} tensor descriptors")
+    out: dict[str, torch.Tensor] = {}
+    used: set[int] = set()
+    total = 0
+    for d in descs:
+        name, tensor = _tensor(d, frames, used, out)
+        total += tensor.nbytes
+        _need(total <= MAX_TENSOR_BYTES, "oversize", lambda: f"tensors exceed {MAX_TENSOR_BYTES} bytes")
+        out[name] = tensor
+    return out
+
+
+def _tensor(d: Any, frames: list, used: set[int], seen: dict) -> tuple[str, torch.Tensor]:
+    """One tensor descriptor of the header -> (its name, the tensor over its frame's bytes); marks its frame used."""
+    _need(isinstance(d, dict) and isinstance(d.get("name"), str), "schema", "tensor descriptor needs a name")
+    name = d["name"]
+    _need(name in ("tokens", "hidden") and name not in seen, "schema", lambda: f"unexpected or repeated tensor {name!r}")
+    dtype = d.get("dtype")
+    _need(dtype in WIRE_DTYPES, "dtype", lambda: f"tensor {name} dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+    shape = d.get("shape")
+    _need(type(shape) is list and 1 <= len(shape) <= 4  # type(s) is int: no bool, no int subclass
+          and all(type(s) is int and 0 <= s <= MAX_TENSOR_BYTES for s in shape),
+          "shape", lambda: f"tensor {name} shape {shape!r} must be 1..4 non-negative integers")
+    index = d.get("frame")
+    _need(isinstance(index, int) and 1 <= index < len(frames) and index not in used, "frames",
+          lambda: f"tensor {name} frame index {index!r} is out of range or reused")
+    used.add(index)
+    dt = WIRE_DTYPES[dtype]
+    nbytes = math.prod(shape) * dt.itemsize
+    buf = _buffer(frames[index])
+    _need(nbytes == buf.nbytes, "length",
+          lambda: f"tensor {name}: shape {shape} x {dtype} is {nbytes} bytes, frame has {buf.nbytes}")
+    return name, torch.frombuffer(buf, dtype=dt).view(*shape) if nbytes else torch.empty(shape, dtype=dt)
+
+
+def _hop_s(header: dict, now: float | None = None) -> float | None:
+    """Seconds from the sender's stamp on the header to `now` (default: time.time()); absent stamp gives None."""
+    sent = header.get("sent")
+    if sent is None:
+        return None
+    _need(isinstance(sent, float) and math.isfinite(sent), "schema", "field 'sent' must be a finite float")
+    return (time.time() if now is None else now) - sent
+
+
+def _traceparent(d: dict) -> str | None:
+    """The optional "tp" field of a map: None when absent, else a W3C traceparent (version 00, lowercase hex)."""
+    tp = d.get("tp")
+    if tp is None:
+        return None
+    _need(isinstance(tp, str) and len(tp) == TRACEPARENT_LEN and TRACEPARENT_RE.fullmatch(tp) is not None, "schema",
+          "field 'tp' must be a W3C traceparent 00-<32 hex trace id>-<16 hex span id>-<2 hex flags>")
+    return tp
+
+
+def decode(frames: list) -> Message:
+    """ZMQ frames (bytes or zmq.Frame) -> Message. Raises ProtocolError naming the reason and the field."""
+    _need(len(frames) >= 1, "frames", "empty message")
+    raw = _buffer(frames[0])
+    _need(raw.nbytes <= MAX_HEADER_BYTES, "oversize", lambda: f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
+                                 max_str_len=MAX_HEADER_BYTES,
+                                 max_bin_len=MAX_HEADER_BYTES, max_array_len=1 << 17, max_map_len=1 << 12,
+                                 max_ext_len=0)
+    except (ValueError, msgpack.UnpackException, UnicodeDecodeError, RecursionError) as e:  # ExtraData, FormatError, StackError...
+        raise ProtocolError("msgpack", f"header is not valid msgpack ({type(e).__name__})") from None
+    _need(isinstance(header, dict), "msgpack", "header is not a map")
+    _need(header.get("v") == PROTOCOL_VERSION, "version", lambda: f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}")
+    kind = header.get("kind")
+    if kind == "forward":
+        seqs_raw = header.get("seqs")
+        _need(isinstance(seqs_raw, list) and 0 < len(seqs_raw) <= MAX_SEQS_PER_BATCH, "schema",
+              lambda: f"field 'seqs' must be a list of 1..{MAX_SEQS_PER_BATCH} sequences")
+        seqs = []
+        for s in seqs_raw:
+            _need(isinstance(s, dict), "schema", "each sequence must be a map")
+            sid = s.get("id")
+            _need(isinstance(sid, str) and 0 < len(sid) <= MAX_SEQ_ID_LEN, "schema", "sequence id must be a short string")
+            seqs.append(SeqEntry(sid, _step_from_wire(s.get("step")), _sampling_from_wire(s.get("sampling", {})),
+                                 _traceparent(s), _logit_inputs_from_wire(s)))
+        _need(len({s.seq_id for s in seqs}) == len(seqs), "schema", "a sequence appears twice in one micro-batch")
+        tensors = _tensors(header, frames)
+        batch = ForwardBatch(_int(header, "mb"), seqs, tensors.get("tokens"), tensors.get("hidden"),
+                             in_flight=_int(header, "inflight", 1, MAX_IN_FLIGHT) if "inflight" in header else 1)
+        n = batch.num_tokens
+        _need(n <= MAX_TOKENS_PER_BATCH, "oversize", lambda: f"{n} tokens exceed {MAX_TOKENS_PER_BATCH} per micro-batch")
+        if batch.tokens is not None:
+            _need(batch.tokens.dtype == torch.int64 and tuple(batch.tokens.shape) == (n,), "shape",
+                  lambda: f"tokens must be int64 [{n}], got {batch.tokens.dtype} {list(batch.tokens.shape)}")
+        if batch.hidden is not None:
+            _need(batch.hidden.dim() == 2 and batch.hidden.shape[0] == n and batch.hidden.dtype.is_floating_point,
+                  "shape", lambda: f"hidden must be floating [{n}, D], got {batch.hidden.dtype} {list(batch.hidden.shape)}")
+        if "trace" in header:
+            _need(isinstance(header["trace"], dict), "schema", "trace must be a map")
+            batch.trace, batch.captures = header["trace"], _captures(header)
+        batch.traceparent = _traceparent(header)
+        batch.received = time.time()
+        batch.hop_s = _hop_s(header, batch.received)
+        return batch
+    if kind in ("release", "released"):
+        ids = _str_list(header, "seq_ids")
+        if kind == "released":
+            return ReleaseDone(ids)
+        everything = header.get("all", False)
+        _need(isinstance(everything, bool), "schema", "field 'all' must be a boolean")
+        return ReleaseSeqs(ids, everything, _str_list(header, "keep") if "keep" in header else [])
+    if kind == "result":
+        ids = _str_list(header, "seq_ids")
+        counts = header.get("counts", [1] * len(ids))
+        _need(isinstance(counts, list) and len(counts) == len(ids)
+              and all(type(n) is int and 1 <= n <= MAX_DECODE_TOKENS for n in counts), "schema",
+              lambda: f"result counts must be one integer in 1..{MAX_DECODE_TOKENS} per sequence")
+        toks, lps = header.get("tokens"), header.get("logprobs")
+        _need(isinstance(toks, list) and all(type(t) is int for t in toks) and len(toks) == sum(counts), "schema",
+              "result tokens must be one integer per sampled token (counts, one per sequence if absent)")
+        _need(isinstance(lps, list) and len(lps) == len(toks), "schema", "result logprobs must be one entry per token")
+        return BatchResult(_int(header, "mb"), ids, toks, lps, _captures(header), _hop_s(header),
+                           _top(header, len(toks)), counts)
+    if kind == "error":
+        msg = header.get("message")
+        _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")
+        _need(header.get("code") in ERROR_CODES, "schema", lambda: f"error code must be one of {sorted(ERROR_CODES)}")
+        return BatchError(_int(header, "mb"), header["stage"], header["code"], msg, _str_list(header, "seq_ids"))
+    raise ProtocolError("kind", f"message kind {kind!r} is not one of forward, release, released, result, error")

@@ -1,0 +1,147 @@
+"""StageInfo: what a stage says of itself on GET /info, as one type -- built by the stage (services/stage/worker.py),
+sent as a flat JSON object, parsed and validated once by whoever polls it (the gateway's Pipeline, `up`, the
+benchmarks). Nothing reads /info by key anywhere else.
+
+A field that is also a Prometheus metric of the stage has the metric's name without the `stagemesh_stage_` prefix
+(kv_slots_used is stagemesh_stage_kv_slots_used; a histogram's sum and count are its _sum and _count samples), so one
+quantity has one name in /info, in /metrics and in the gateway's mesh view. Counters are cumulative since the process
+started, on its monotonic clock `clock_s`, so a poller takes exact rates between two polls."""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import asdict, dataclass, fields
+
+MAX_RECENT_MB = 1024  # micro-batch ids a stage lists as recently received and sent
+
+
+class InfoError(ValueError):
+    """A stage's /info does not have the shape of a StageInfo: which field, and what it should be."""
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    # who it is
+    model: str
+    fingerprint: str  # the model file's fingerprint: every stage of a pipeline serves the same one
+    layers: tuple[int, int]  # [start, stop) of the model's layers
+    num_layers: int  # the model's, all stages together
+    position: str  # first | middle | last | only (shared.files.layers.StagePosition)
+    incarnation: str  # new each time the process starts: a new one means its K/V is gone
+    listen: str  # the ZeroMQ address it receives micro-batches on
+    device: str
+    dtype: str  # activations
+    weights_mode: str  # shared.models.linear.WEIGHT_MODES
+    batch_invariant: bool
+    threads: int  # torch threads per micro-batch with others in flight ...
+    threads_alone: int  # ... and alone in the pipeline (--threads-alone)
+    prefetch: bool
+    weights: dict  # what each matmul runs as, bytes, the memory budget's decision (StageWorker._weights_info)
+    compiled_decode: dict  # shared.models.compiled_decode.CompiledDecode.info(), or {"state": "off", "reason"}
+    kernel_plans: dict  # the plans file and how many plans were read from it, measured (shared.kernels.plans)
+    keys: dict | None  # its sockets' CURVE public keys (None: plaintext)
+    # its KV cache
+    kv_slots: int  # rows for live sequences
+    kv_slots_used: int
+    kv_slots_cached: int  # rows kept as cached prefixes
+    kv_prefix_slots: int  # rows for cached prefixes beside kv_slots
+    kv_max_seq_len: int
+    kv_slot_lease_s: float
+    kv_prefix_memory_bytes: int  # the bound on cached prefixes' K/V (the gateway evicts by it)
+    kv_cached_bytes: int
+    kv_position_bytes: int  # K/V bytes of one position, all its layers
+    kv_resident_bytes: int  # committed by positions written (page by page)
+    kv_reserved_bytes: int  # what every row could take
+    kv_shared_bytes: int  # read from a cached prefix's pages rather than copies
+    slots_reclaimed: int  # slots whose lease expired
+    prefixes_evicted: int
+    # counters
+    clock_s: float
+    microbatches: int
+    busy_seconds: float
+    waiting_for_input_seconds: float
+    sending_seconds: float
+    hop_latency_seconds_sum: float
+    hop_latency_seconds_count: int
+    dropped_messages: int
+    rejected_messages: dict[str, int]  # by reason (shared.wire.protocol.REJECT_REASONS)
+    handshakes_failed: dict[str, int]  # by direction: in, out
+    recent_mb_in: tuple[int, ...]  # the latest micro-batch ids received ...
+    recent_mb_out: tuple[int, ...]  # ... and handed on (where a stalled one stopped: stalled_hop)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object) -> StageInfo:
+        """Validate a decoded /info body; InfoError names the first field that is missing or wrong."""
+        if not isinstance(data, dict):
+            raise InfoError(f"a JSON {type(data).__name__}, not an object")
+        values = {}
+        for f in fields(cls):
+            if f.name not in data:
+                raise InfoError(f"field {f.name!r} is missing (a stage of another stagemesh version?)")
+            values[f.name] = _check(f.name, _HINTS[f.name], data[f.name])
+        if not values["layers"][0] < values["layers"][1] <= values["num_layers"]:
+            raise InfoError(f"field 'layers' must be [start, stop) within {values['num_layers']} layers, "
+                            f"got {list(values['layers'])}")
+        if values["kv_slots"] < 1 or values["kv_max_seq_len"] < 1:
+            raise InfoError("fields 'kv_slots' and 'kv_max_seq_len' must be at least 1")
+        return cls(**values)
+
+    @property
+    def prefix_positions(self) -> int | None:
+        """Positions its cached prefixes may hold (None: it states no bound)."""
+        if self.kv_prefix_memory_bytes < 1 or self.kv_position_bytes < 1:
+            return None
+        return self.kv_prefix_memory_bytes // self.kv_position_bytes
+
+
+_HINTS = typing.get_type_hints(StageInfo)
+_MAX_INT = 1 << 62
+
+
+def _check(name: str, hint, value):
+    """value as the field's type wants it (lists become tuples), or InfoError."""
+    def bad(want: str):
+        return InfoError(f"field {name!r} must be {want}, got {str(value)[:60]!r}")
+
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if hint is int:
+        if type(value) is not int or not 0 <= value < _MAX_INT:
+            raise bad("a non-negative integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise bad("a non-negative number")
+        return float(value)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:  # tuple[int, int] or tuple[int, ...]
+        if not isinstance(value, list) or len(value) > MAX_RECENT_MB \
+                or (args[-1] is not Ellipsis and len(value) != len(args)):
+            raise bad(f"a list of {'integers' if args[-1] is Ellipsis else f'{len(args)} integers'}")
+        return tuple(_check(name, int, v) for v in value)
+    if origin is dict:  # dict[str, int]: counts by label
+        if not isinstance(value, dict):
+            raise bad("an object of counts")
+        return {str(k): _check(name, int, v) for k, v in value.items()}
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise bad("an object")
+        return value
+    if origin in (types.UnionType, typing.Union):  # dict | None
+        if value is None:
+            return None
+        if not isinstance(value, dict) or not all(isinstance(v, (str, type(None))) for v in value.values()):
+            raise bad("null or an object of public keys")
+        return value
+    raise TypeError(f"StageInfo field {name!r}: no check for {hint!r}")

@@ -1,0 +1,337 @@
+"""ZeroMQ transport: every receiver binds a PULL, every sender connects a PUSH. Frames go out with copy=False
+and come in as zmq.Frame buffers viewed as tensors. Malformed input is counted and dropped here, at the edge.
+
+With keys (shared.wire.mesh_keys.SocketKeys) both sockets use CURVE: the PULL is a CURVE server that a ZAP handler lets
+only its one upstream peer's key into, the PUSH a CURVE client of the next hop's key. A connection with any other key
+never completes its handshake, so nothing it sends is ever received. Without keys (--insecure-plaintext) the
+sockets are plaintext and open to anyone who can reach them."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import threading
+import time
+
+import zmq
+import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
+
+from shared.errors import StagemeshError
+from shared.observe.log_throttle import throttled
+from shared.wire.mesh_keys import SocketKeys
+from shared.wire.protocol import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, Message, ProtocolError, decode, encode
+
+log = logging.getLogger("stagemesh.transport")
+
+HIGH_WATER_MARK = 64  # messages queued per socket before a send waits
+SEND_PATIENCE_S = 30.0  # how long send_from_thread waits on a full queue before it drops the message
+# socket monitor events of a failed ZMTP/CURVE handshake: a peer with another key set, a plaintext peer, an impostor
+HANDSHAKE_FAILURES = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+                      zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth"}
+
+
+def check_address(addr: str, flag: str) -> str:
+    if not (addr.startswith("tcp://") or addr.startswith("ipc://") or addr.startswith("inproc://")):
+        raise StagemeshError(f"{flag} {addr!r} must be a ZeroMQ address such as tcp://127.0.0.1:5551 or ipc:///tmp/stage0")
+    return addr
+
+
+def _bind_with_retry(sock: zmq.Socket, addr: str, patience_s: float = 3.0) -> None:
+    """Bind, waiting briefly if a socket that just closed has not released the address yet (ZMQ closes
+    asynchronously); a port held by someone else still fails with a clear error."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE:
+                raise StagemeshError(f"cannot bind {addr}: {e}") from None
+            if time.monotonic() > deadline:
+                raise StagemeshError(f"cannot bind {addr}: address already in use; choose another port") from None
+            time.sleep(0.05)
+
+
+class TransportStats:
+    """What one transport counts (bytes, time spent sending, rejects by reason, failed handshakes): written only by
+    the transport, part of its owner's ledger (a stage's StageStats, the gateway's result-port collector)."""
+
+    def __init__(self):
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.sending_seconds = 0.0  # encoding and handing messages to the next hop (a full queue makes it wait)
+        self.dropped = 0  # messages send_from_thread gave up on: the next hop's queue stayed full (SEND_PATIENCE_S)
+        self.rejected: dict[str, int] = {}
+        # failed handshakes per socket: "out" (our PUSH dialling the next hop: the peer there holds another key
+        # set) is evidence about the mesh; "in" (anyone who can reach our port) is only counted
+        self.handshakes_failed = {"in": 0, "out": 0}
+
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+
+class _OnePeer:
+    """ZAP credentials for one receiving socket: exactly one client key is let in; every refusal is counted."""
+
+    def __init__(self, key: bytes, name: str, stats: TransportStats):
+        self.key, self.name, self.stats = key, name, stats
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key == self.key:
+            return True
+        self.stats.reject("auth")
+        throttled(log, logging.WARNING, "denied:auth", "refused a CURVE connection with key %s on %s: only %s's key "
+                  "is accepted there", client_key.decode(errors="replace")[:8] + "...", domain, self.name)
+        return False
+
+
+class Zap:
+    """The ZAP handler of one ZeroMQ context (libzmq asks inproc://zeromq.zap.01 of the socket's own context), run
+    in a thread so it answers whatever event loop the sockets live on. Each CURVE receiver gets its own domain."""
+
+    _lock = threading.Lock()
+    _by_context: dict[zmq.Context, Zap] = {}
+    _domains = itertools.count(1)
+
+    def __init__(self, ctx: zmq.Context):
+        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("stagemesh.zap"))
+        self.auth.start()
+
+    @classmethod
+    def add(cls, ctx: zmq.Context, peer: _OnePeer) -> str:
+        with cls._lock:
+            zap = cls._by_context.get(ctx)
+            if zap is None:
+                zap = cls._by_context[ctx] = Zap(ctx)
+            domain = f"stagemesh-{next(cls._domains)}"
+            zap.auth.configure_curve_callback(domain, peer)
+            return domain
+
+    @classmethod
+    def remove(cls, ctx: zmq.Context, domain: str) -> None:
+        """Forget a domain. The handler itself stays for the context's next receiver (its inproc endpoint is not
+        free again at once after a stop); stop() it before terminating a context of your own."""
+        with cls._lock:
+            zap = cls._by_context.get(ctx)
+            if zap is not None:
+                zap.auth.credentials_providers.pop(domain, None)
+
+    @classmethod
+    def stop(cls, ctx: zmq.Context) -> None:
+        with cls._lock:
+            zap = cls._by_context.pop(ctx, None)
+            if zap is not None:
+                zap.auth.stop()
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for ctx in list(cls._by_context):
+            cls.stop(ctx)
+
+
+atexit.register(Zap.stop_all)  # a context with a live handler would hang the interpreter's exit
+
+
+async def recv_frames(sock: zmq.asyncio.Socket) -> list:
+    """The next multipart message, as zmq.Frames. pyzmq's asyncio socket can be woken with POLLIN and then find
+    nothing to read (seen under CURVE: the readiness event of a handshake); nothing was consumed, so wait again."""
+    while True:
+        try:
+            return await sock.recv_multipart(copy=False)
+        except zmq.Again:
+            continue
+
+
+def curve_receiver(ctx: zmq.Context, sock: zmq.Socket, keys: SocketKeys, stats: TransportStats) -> str:
+    """Make `sock` (of `ctx`, not yet bound) a CURVE server that lets in only keys.accept; returns its ZAP domain (for
+    Zap.remove when the socket closes)."""
+    domain = Zap.add(ctx, _OnePeer(keys.accept, keys.accept_name, stats))  # answering before any connect
+    sock.zap_domain = domain.encode()
+    sock.curve_server = True
+    sock.curve_publickey = keys.receive.public
+    sock.curve_secretkey = keys.receive.secret
+    return domain
+
+
+def curve_sender(sock: zmq.Socket, keys: SocketKeys, where: str) -> None:
+    """Make `sock` (not yet connected) a CURVE client of the next hop's key."""
+    if keys.next_server is None:
+        raise StagemeshError(f"no public key for the next hop {where}; pass the mesh's --keys DIR")
+    sock.curve_serverkey = keys.next_server
+    sock.curve_publickey = keys.send.public
+    sock.curve_secretkey = keys.send.secret
+
+
+class ZmqTransport:
+    """An inbound PULL (bound) and an outbound PUSH (connected); `receive` returns only validated messages of the
+    kinds this socket accepts. `keys` is required: SocketKeys for CURVE, or None for plaintext (callers say which)."""
+
+    def __init__(self, listen: str, next_hop: str | None, accept: tuple[type, ...], *, keys: SocketKeys | None,
+                 ctx: zmq.asyncio.Context | None = None):
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.stats = TransportStats()
+        self.accept = accept
+        self.keys = keys
+        self._domain: str | None = None
+        self.inbound = self.ctx.socket(zmq.PULL)
+        self.inbound.setsockopt(zmq.MAXMSGSIZE, MAX_TENSOR_BYTES + MAX_HEADER_BYTES)
+        self.inbound.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        self.inbound.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            self._domain = curve_receiver(self.ctx, self.inbound, keys, self.stats)
+        _bind_with_retry(self.inbound, check_address(listen, "--listen"))
+        self.outbound = None
+        # synchronous views of the same libzmq sockets, for receive_nowait and send_from_thread
+        self._inbound_sync: zmq.Socket | None = None
+        self._outbound_sync: zmq.Socket | None = None
+        self._stop_waiting = False
+        if next_hop:
+            self.outbound = self.ctx.socket(zmq.PUSH)
+            self.outbound.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+            self.outbound.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                curve_sender(self.outbound, keys, next_hop)
+            self.outbound.connect(check_address(next_hop, "--next"))
+
+    async def watch_handshakes(self) -> None:
+        """Count failed handshakes on both sockets (socket monitor events) until cancelled: without this a hop whose
+        peer holds another key set is a silent black hole. An inbound failure that ZAP did not cause (ZAP counts its
+        own refusals as "auth") is also a rejected message with reason "handshake"."""
+        watched = [(d, sock) for d, sock in (("in", self.inbound), ("out", self.outbound)) if sock is not None]
+        monitors = [(d, sock.get_monitor_socket(sum(HANDSHAKE_FAILURES))) for d, sock in watched]
+        try:
+            await asyncio.gather(*(self._count_failures(d, mon) for d, mon in monitors))
+        finally:
+            for (_, sock), (_, mon) in zip(watched, monitors):
+                if not sock.closed:
+                    sock.disable_monitor()
+                mon.close(0)
+
+    async def _count_failures(self, direction: str, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except zmq.Again:
+                continue
+            kind = HANDSHAKE_FAILURES.get(event["event"])
+            if kind is None:
+                continue
+            self.stats.handshakes_failed[direction] += 1
+            if direction == "in" and kind != "auth":
+                self.stats.reject("handshake")
+            where = event["endpoint"].decode(errors="replace")
+            throttled(log, logging.WARNING, f"handshake:{direction}", "%s handshake failed (%s) %s %s: the peer holds "
+                      "another key set, or is not part of this mesh", "CURVE" if self.keys else "ZMTP", kind,
+                      "dialling" if direction == "out" else "on", where)
+
+    async def receive(self) -> Message:
+        """The next valid message; malformed ones are counted under their reason and dropped."""
+        while True:
+            msg = self._validated(await recv_frames(self.inbound))
+            if msg is not None:
+                return msg
+
+    @property
+    def inbound_fd(self) -> int:
+        """The file descriptor that becomes readable when inbound may hold messages (edge-triggered: a watcher of it
+        calls receive_nowait until it returns None)."""
+        return self.inbound.FD
+
+    def receive_nowait(self) -> Message | None:
+        """The next valid message already waiting, or None; never waits. For a caller that watches inbound_fd on its
+        event loop itself (a stage: one reader callback drains every waiting message, with no future per message),
+        and never together with receive()."""
+        if self._inbound_sync is None:
+            self._inbound_sync = zmq.Socket.shadow(self.inbound.underlying)
+        while True:
+            try:
+                frames = self._inbound_sync.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            msg = self._validated(frames)
+            if msg is not None:
+                return msg
+
+    def _validated(self, frames: list) -> Message | None:
+        """The message in frames if it is well-formed and of a kind this socket accepts; else counted under its
+        reason, logged (throttled) and None."""
+        size = sum(len(f) for f in frames)
+        self.stats.bytes_in += size
+        try:
+            msg = decode(frames)
+            if not isinstance(msg, self.accept):
+                raise ProtocolError("kind", f"{type(msg).__name__} is not accepted on this socket")
+            return msg
+        except ProtocolError as e:
+            self.stats.reject(e.reason)
+            throttled(log, logging.WARNING, f"dropped:{e.reason}", "dropped a message of %d bytes in %d frames: %s",
+                      size, len(frames), e)
+            return None
+
+    async def send(self, msg: Message) -> None:
+        if self.outbound is None:
+            raise StagemeshError("this transport has no next hop to send to")
+        t0 = time.perf_counter()
+        try:
+            frames = encode(msg)
+            await self.outbound.send_multipart(frames, copy=False)
+            self._count_sent(frames)
+        finally:
+            self.stats.sending_seconds += time.perf_counter() - t0
+
+    def send_from_thread(self, msg: Message, patience_s: float = SEND_PATIENCE_S) -> bool:
+        """Send from a plain thread that is this transport's only sender (a stage's compute thread: it sends each
+        output the moment it is computed, with no hand-off to the event loop). ZeroMQ's queue to the next hop takes
+        the message at once unless HIGH_WATER_MARK messages wait there; then this waits up to patience_s and drops
+        it (returns False, logged): the next hop has been gone that long, and the gateway's failover replays."""
+        if self.outbound is None:
+            raise StagemeshError("this transport has no next hop to send to")
+        if self._outbound_sync is None:  # the same libzmq socket, driven synchronously (never also from the loop)
+            self._outbound_sync = zmq.Socket.shadow(self.outbound.underlying)
+        t0 = time.perf_counter()
+        try:
+            frames = encode(msg)
+            try:
+                self._outbound_sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if not self._wait_to_send(patience_s):
+                    self.stats.dropped += 1
+                    throttled(log, logging.WARNING, "send:full", "dropped a %s: the next hop took nothing for %g s "
+                              "(%d messages queued)", type(msg).__name__, patience_s, HIGH_WATER_MARK)
+                    return False
+                self._outbound_sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._count_sent(frames)
+            return True
+        finally:
+            self.stats.sending_seconds += time.perf_counter() - t0
+
+    def _count_sent(self, frames: list) -> None:
+        self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+
+    def _wait_to_send(self, patience_s: float) -> bool:
+        """Wait until the outbound queue takes a message (True), at most patience_s, and no longer than until
+        stop_waiting() is called."""
+        deadline = time.monotonic() + patience_s
+        while not self._stop_waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._outbound_sync.poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLOUT):
+                return True
+        return False
+
+    def stop_waiting(self) -> None:
+        """A send waiting on a full queue (send_from_thread) gives up within 0.1 s: the owner is shutting down."""
+        self._stop_waiting = True
+
+    def close(self) -> None:
+        self.inbound.close(0)
+        if self.outbound is not None:
+            self.outbound.close(0)
+        if self._domain is not None:
+            Zap.remove(self.ctx, self._domain)
+            self._domain = None
