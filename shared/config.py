@@ -88,6 +88,13 @@ def check_seconds(config: Any, name: str, low: float, strict: bool) -> None:
           f"{'>' if strict else '>='} {low:g} seconds")
 
 
+def check_address(addr: str, flag: str) -> str:
+    """A ZeroMQ address as a flag gives it (--listen, --next, --result-listen), or a StagemeshError naming the flag."""
+    if not (addr.startswith("tcp://") or addr.startswith("ipc://") or addr.startswith("inproc://")):
+        raise StagemeshError(f"{flag} {addr!r} must be a ZeroMQ address such as tcp://127.0.0.1:5551 or ipc:///tmp/stage0")
+    return addr
+
+
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 

@@ -12,8 +12,8 @@ from dataclasses import fields
 
 import pytest
 
+from services.cli.flags import STAGE_FLAGS
 from services.cli.main import build_parser
-from services.cli.up import STAGE_FLAGS
 from services.gateway.config import GatewayConfig
 from services.process.args import config_argv, config_from_args
 from services.testing.k8s_render import find, render
@@ -170,3 +170,38 @@ def test_one_gateway_port():
     assert build_parser().parse_args(["up"]).port == GATEWAY_PORT
     pod = find(render("cpu"), "Deployment", "stagemesh-gateway")["spec"]["template"]["spec"]
     assert {"name": "http", "containerPort": GATEWAY_PORT} in pod["containers"][0]["ports"]
+
+
+_RUN_CLI = """
+import sys
+from services.cli.main import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print("torch loaded" if "torch" in sys.modules else "torch not loaded", code)
+"""
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["--help"], 0),
+    (["up", "--help"], 0),
+    (["stage", "--help"], 0),
+    (["up", "--stage", "3"], 2),  # no abbreviation: --stage is not --stages
+    (["up", "--stages", "0"], 2),
+    (["up", "--model", "/no/such/model.gguf"], 2),
+    (["up", "--memory-budget", "lots"], 2),
+    (["stage", "--listen", "localhost:5551", "--next", "tcp://127.0.0.1:5552"], 2),
+    (["stage", "--listen", "tcp://127.0.0.1:5551", "--next", "tcp://127.0.0.1:5552", "--model", "/no/such.gguf"], 2),
+    (["generate", "--model", "/no/such/model.gguf", "--prompt", "hi"], 2),
+])
+def test_help_and_mistakes_are_answered_before_torch_loads(argv, code):
+    """A command's flags are declared without importing what runs it, and what a user can get wrong is checked
+    before torch loads: --help and a mistake are answered in well under a second, not after seconds of imports."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RUN_CLI, *argv], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.splitlines()[-1] == f"torch not loaded {code}", (out.stdout[-500:], out.stderr[-1000:])
+    if code:
+        assert "error" in out.stderr, out.stderr

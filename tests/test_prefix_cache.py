@@ -493,7 +493,7 @@ async def test_the_audit_catches_a_cached_prefix_whose_kv_went_wrong(tiny_path, 
 def test_the_audit_rate_is_a_share():
     import argparse
 
-    from services.gateway.main import register
+    from services.gateway.flags import register
 
     root = argparse.ArgumentParser()
     register(root.add_subparsers())

@@ -9,7 +9,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from services.process.args import add_model_args, add_sampling_args, config_from_args, sampling_from_args
+from services.process.args import config_from_args, sampling_from_args
 from shared.config import LoadConfig
 from shared.errors import StagemeshError
 from shared.files.layers import parse_split
@@ -20,41 +20,6 @@ from shared.runtime.generation import GenerationTimings, generate_tokens, perple
 from shared.runtime.model_files import ModelFiles
 from shared.runtime.stage_runtime import LocalPipeline
 from shared.text.tokenizer import IncrementalDetokenizer
-
-
-def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate text in one process", description="Stream generated text to stdout.")
-    add_model_args(p)
-    p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message via the chat template")
-    add_sampling_args(p)
-    p.add_argument("--split", default=None, help="run the layers as range-limited pieces split at these layers, e.g. 7,19")
-    p.add_argument("--json", action="store_true", help='print {"token_ids", "text", "timings"} instead of streaming')
-    p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("perplexity", help="perplexity of a text file",
-                       description="Perplexity as llama.cpp's llama-perplexity computes it: the text is cut into "
-                                   "consecutive chunks of --context tokens (at least 2 chunks; a shorter tail is "
-                                   "dropped), each chunk starts with BOS when the model asks for BOS (it replaces the "
-                                   "chunk's first token), and the second half of each chunk is scored given the "
-                                   "tokens before it; perplexity = exp(mean NLL over all scored tokens).")
-    add_model_args(p)
-    p.add_argument("--file", required=True, help="UTF-8 text file")
-    p.add_argument("--context", type=int, default=256, help="chunk length in tokens (default 256)")
-    p.add_argument("--split", default=None, help="layer split points, e.g. 7,19 (must not change the result)")
-    p.add_argument("--json", action="store_true", help='print {"perplexity", "nll_mean", "scored_tokens", "chunks"}')
-    p.set_defaults(func=cmd_perplexity)
-
-    p = sub.add_parser("tokenize", help="print token ids of a text")
-    add_model_args(p, dtype=False)
-    p.add_argument("--special", action="store_true", help="parse special-token text such as <|im_start|>")
-    p.add_argument("text", help="the text to tokenize")
-    p.add_argument("--json", action="store_true", help='print {"ids": [...]}')
-    p.set_defaults(func=cmd_tokenize)
-
-    p = sub.add_parser("inspect", help="describe a GGUF model")
-    add_model_args(p, dtype=False)
-    p.set_defaults(func=cmd_inspect)
 
 
 def _pipeline(files: ModelFiles, args, kv_slots: int = 1) -> LocalPipeline:

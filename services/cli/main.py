@@ -19,14 +19,13 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cli import local
-
+    """Every command's flags, from modules that import nothing heavy: each command's own module is imported when it
+    runs (services.process.args.later)."""
     parser = CommandParser(prog="stagemesh", description="Serve a GGUF model as a mesh of pipeline stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
-    local.register(sub)
-    for module in ("services.stage.main", "services.gateway.main", "services.cli.up", "services.process.keys",
-                   "services.cli.trace", "services.cli.status", "services.cli.plan", "loadtest.cli"):
+    for module in ("services.cli.flags", "services.stage.flags", "services.gateway.flags", "services.process.keys",
+                   "services.cli.status", "loadtest.cli"):
         importlib.import_module(module).register(sub)
     return parser
 

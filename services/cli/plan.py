@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from services.cli.flags import HOST_FORM
 from shared.batch.steps import Decode, Prefill
 from shared.config import parse_bytes
 from shared.errors import StagemeshError
 from shared.files.layers import LayerRange
-from shared.models.device import DTYPES, default_device, resolve_dtype
+from shared.models.device import default_device, resolve_dtype
 from shared.runtime.model_files import ModelFiles
 from shared.runtime.plan import STAGE_HANDOFF_MS, Host, ModelFacts, Plan, Workload, gib, plan
 from shared.runtime.stage_runtime import StageRuntime
@@ -27,38 +28,11 @@ from shared.wire.protocol import SeqEntry
 
 # a --host key -> how its value parses, for the keys that are Host fields (mem and cores are read apart)
 _HOST_KEYS = {"ms_per_layer": float, "head_ms": float, "rtt_ms": float, "gbit": float, "overhead_ms": float}
-HOST_FORM = "NAME:mem=8G[,cores=4,ms_per_layer=1.2,head_ms=5,overhead_ms=0.5,rtt_ms=1,gbit=1]"
 MEASURE_LAYERS = 4  # the longer piece timed (the shorter has one layer): ms per layer is their difference
 MEASURE_STEPS = 12  # timed decode steps of each piece (median), after 2 untimed
 IDLE_GAP_S = 0.003  # before each timed step: a stage at one stream waits for its next input (a hop, or the other
-# stages' turn) and computes on a core gone cold meanwhile, ~0.4 ms slower than back to back (docs/performance.md)
-
-
-def register(sub) -> None:
-    p = sub.add_parser("plan", help="plan a split over hosts and predict its tok/s before buying them",
-                       description="From a model file and the hosts that would serve it (memory, measured ms per "
-                                   "layer, link to the next host), the split that keeps the slowest stage fastest "
-                                   "within each host's memory, each stage's memory, and the tok/s predicted at one "
-                                   "and --streams streams, against the first host alone. A host without ms_per_layer "
-                                   "is measured on this machine (eager decode steps of a few layers, with its cores "
-                                   "as threads).")
-    p.add_argument("--model", default="smollm2", help="alias (smollm2, gemma3-270m) or path to a .gguf file")
-    p.add_argument("--host", action="append", default=[], metavar="SPEC", dest="hosts",
-                   help=f"a host in pipeline order, repeatable: {HOST_FORM}. mem: memory for its stage; ms_per_layer: "
-                        "one layer's decode step there (default: measured here with `cores` threads); rtt_ms, gbit: "
-                        "the link to the next host (the last host's: back to the first, where the gateway runs; "
-                        "default loopback)")
-    p.add_argument("--streams", type=int, default=16, help="streams decoding at once for the N-stream figure and the "
-                                                           "KV memory (default 16)")
-    p.add_argument("--context", type=int, default=2048, help="tokens of KV each stream may hold (default 2048)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="the stages' compute and KV dtype (default: this machine's, as a stage picks it: float32 "
-                        "where the integer-dot kernels run, else bfloat16 where the CPU has it natively)")
-    p.add_argument("--batch-factor", type=float, default=None, metavar="F",
-                   help="a decode step of --streams sequences over a step of one, as measured on the hosts (default: "
-                        "measured here)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=cmd_plan)
+# stages' turn) and computes on a core gone cold meanwhile, slower than back to back (a cold core:
+# docs/performance.md#one-stream-over-several-stages)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,5 @@
-"""`stagemesh trace`: pin where a deployment diverges from a reference, layer by layer and step by step.
-
-REF and TARGET are each either an in-process run -- `local`, `local:bfloat16`, `local:float32@10,20` (dtype and
-split points) -- or the URL of a running gateway started with --allow-trace (`http://127.0.0.1:8000`), traced through
-a real request."""
+"""`stagemesh trace`: pin where a deployment diverges from a reference, layer by layer and step by step (its flags,
+and what REF and TARGET can be: services/cli/flags.py)."""
 
 from __future__ import annotations
 
@@ -16,29 +13,12 @@ from rich.console import Console
 from rich.table import Table
 
 from services.gateway.config import API_KEY_ENV
-from services.process.args import add_model_args
 from shared.errors import StagemeshError
 from shared.files.layers import parse_split
 from shared.models.device import DTYPES
 from shared.runtime.model_files import ModelFiles
 from shared.runtime.stage_runtime import LocalPipeline
 from shared.runtime.trace import TraceRecorder, TraceResult, compare_captures, trace_local
-
-
-def register(sub) -> None:
-    p = sub.add_parser("trace", help="compare two runs layer by layer", description=__doc__)
-    add_model_args(p, dtype=False)
-    p.add_argument("--baseline", default="local:float32", help="local[:DTYPE][@SPLIT] or a gateway URL (default local:float32)")
-    p.add_argument("--target", required=True, help="local[:DTYPE][@SPLIT] or a gateway URL")
-    p.add_argument("--prompt", required=True, help="prompt text (plain completion, greedy)")
-    p.add_argument("--steps", type=int, default=4, help="decode steps to trace after the prefill (default 4)")
-    p.add_argument("--threshold", type=float, default=1e-3, help="max abs diff that counts as a divergence")
-    p.add_argument("--json", action="store_true", help="print the TraceResult as JSON")
-    p.add_argument("--all", action="store_true", help="show every layer, not only steps with a difference")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of local runs; float32 is bit-identical only at equal thread counts "
-                        "(BLAS reduction order), so match the target's stages (their /info says)")
-    p.set_defaults(func=cmd_trace)
 
 
 def run_spec(spec: str, files: ModelFiles, prompt: str, steps: int) -> TraceRecorder:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import errno
@@ -15,59 +14,25 @@ import socket
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-from aiohttp import web
-
-from services.gateway.app import serve_until_signal
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GATEWAY
-from services.gateway.main import PipelineSpec, build_app, gateway_config_from_args
+from services.cli.flags import STAGE_FLAGS
+from services.gateway.flags import gateway_config_from_args
 from services.process.args import (
-    add_config_args,
-    add_model_args,
-    add_otlp_args,
     config_argv,
     config_from_args,
     otlp_from_args,
 )
-from services.process.keys import add_security_args
-from services.process.launch import LocalMesh, start_mesh
 from shared.config import GATEWAY_PORT, LoadConfig, SchedulerConfig, StageConfig
 from shared.errors import StagemeshError
 from shared.files.model_registry import resolve_model
 from shared.models.memory import PREFIX_FRACTION, available_bytes, default_budget
 from shared.text.chat_template import template_source
 
-STAGE_FLAGS = ("kv_slots", "max_seq_len", "prefix_slots", "prefix_cache_memory")  # the StageConfig fields `up` takes and passes on to every stage it starts
-# (and threads_alone, which it defaults to the cores of one replica)
+if TYPE_CHECKING:
+    from aiohttp import web
 
-
-def register(sub) -> None:
-    p = sub.add_parser("up", help="start a gateway and N stages on this machine",
-                       description="Start N stage processes on loopback and a gateway in front of them.")
-    add_model_args(p, serving=True)
-    p.add_argument("--stages", type=int, default=2, help="number of stage processes per pipeline (default 2)")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="pipelines of --stages stages each, behind the one gateway (default 1): requests are routed "
-                        "by prefix cache, session and load, and move to another pipeline when one loses a stage")
-    p.add_argument("--port", type=_port, default=GATEWAY_PORT, help=f"gateway HTTP port (default {GATEWAY_PORT})")
-    p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
-    add_config_args(p, StageConfig, only=STAGE_FLAGS + ("threads_alone",))
-    p.add_argument("--log-dir", default=None, help="where stage logs go (default: a temporary directory)")
-    add_config_args(p, SchedulerConfig)
-    add_config_args(p, GatewayConfig)
-    add_otlp_args(p)
-    add_security_args(p, up=True)  # up makes ephemeral keys itself; only --insecure-plaintext is offered
-    p.set_defaults(func=cmd_up)
-    p.error = _one_line_error(p.prog)  # a bad flag: one line, not argparse's page of usage
-
-
-def _one_line_error(prog: str):
-    def error(message: str):
-        print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-    return error
+    from services.process.launch import LocalMesh
 
 
 def log_dir_from_args(given: str | None) -> str:
@@ -81,16 +46,6 @@ def log_dir_from_args(given: str | None) -> str:
     if not os.access(given, os.W_OK | os.X_OK):
         raise StagemeshError(f"--log-dir {given!r} is not writable; pass a writable directory")
     return given
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (1-65535)")
-    return port
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -198,6 +153,10 @@ def cmd_up(args) -> int:
     many = f"{args.replicas} pipelines of " if args.replicas > 1 else ""
     _say(f"starting {many}{args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
          f"(logs in {log_dir}) ...")
+    # everything above is checked before torch loads; what serves is imported now
+    from services.gateway.main import PipelineSpec, build_app
+    from services.process.launch import start_mesh
+
     meshes: list[LocalMesh] = []
     try:
         for r in range(args.replicas):
@@ -334,6 +293,8 @@ def _compiled_decode(mesh: LocalMesh) -> dict[int, dict]:
 async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalMesh]) -> None:
     """Serve until SIGINT/SIGTERM; the gateway drains (serve_until_signal) before cmd_up stops the stages, so no
     stage is stopped with a micro-batch of a live request in hand."""
+    from services.gateway.app import serve_until_signal
+    from services.gateway.core import GATEWAY
 
     async def started() -> None:
         replicas = app[GATEWAY].replicas

@@ -5,13 +5,29 @@ defaults and help live only on the fields (shared/config.py, services/gateway/co
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from dataclasses import MISSING, Field, fields
 
-from shared.batch.sampling import SamplingParams
 from shared.config import LoadConfig, flag_of, serving_defaults
 from shared.errors import StagemeshError
 from shared.observe.otlp import otlp_endpoint, require_sdk
+
+
+def later(target: str, check=None):
+    """The command function "module:function", imported when the command runs: a command's flags are declared
+    without importing what runs it (torch, aiohttp), so `--help` and a flag's error come at once. check(args), a
+    light function, runs first: what a user can get wrong (addresses, ports, the model's file) is refused before
+    torch loads."""
+    module, name = target.split(":")
+
+    def run(args):
+        if check is not None:
+            check(args)
+        return getattr(importlib.import_module(module), name)(args)
+
+    run.target = target
+    return run
 
 
 def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, serving: bool = False) -> None:
@@ -30,7 +46,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
 
 
-def sampling_from_args(args) -> SamplingParams:
+def sampling_from_args(args):
+    """The SamplingParams of --temperature, --top-k, --top-p and --seed."""
+    from shared.batch.sampling import (
+        SamplingParams,  # torch: imported when a command runs, not to parse its flags
+    )
+
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     except ValueError as e:

@@ -22,10 +22,11 @@ from shared.wire.stage_info import StageInfo
 
 # Stages on one host that use every core for a micro-batch alone in the pipeline (--threads-alone) take turns with
 # the cores: stage 0 computes a token, then stage 1. libgomp's threads spin ~300,000 rounds before they sleep (its
-# default), so a stage that has just finished kept spinning on the cores its neighbour then computed on (one stream
-# over 2 stages on 2 cores: 32 ms a token against 23-25 ms with 1,000-3,000 rounds; 0, a sleep at every parallel
-# region, was 45 ms; docs/performance.md). Set for the stages `start_mesh` starts with both thread counts, unless the
-# caller's environment already says how OpenMP threads wait.
+# default), so a stage that has just finished kept spinning on the cores its neighbour then computed on; 0, a sleep
+# at every parallel region, is slower still. A few thousand rounds was fastest for one stream over 2 stages on 2
+# cores (benchmarks.critical_path --stages 2 under each GOMP_SPINCOUNT; the sweep is in
+# docs/performance.md#one-stream-over-several-stages). Set for the stages `start_mesh` starts with both thread
+# counts, unless the caller's environment already says how OpenMP threads wait.
 SHARED_HOST_SPINCOUNT = "3000"
 WAIT_POLICY_SET = frozenset({"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"})
 

@@ -13,18 +13,15 @@ import torch
 from aiohttp import web
 
 from services.process.args import (
-    add_config_args,
-    add_model_args,
-    add_otlp_args,
     config_from_args,
     otlp_from_args,
     parse_host_port,
 )
-from services.process.keys import add_security_args, key_set_from_args
+from services.process.keys import key_set_from_args
 from services.stage.http import LOAD_ERROR, WORKER, make_app
 from services.stage.io import StageIO
 from services.stage.worker import StageIdentity, StageWorker, compute_executor
-from shared.config import LoadConfig, StageConfig
+from shared.config import LoadConfig, StageConfig, check_address
 from shared.errors import StagemeshError
 from shared.files.layers import LayerRange, balanced_split, parse_layer_range
 from shared.models import ModelConfig
@@ -34,36 +31,9 @@ from shared.runtime.model_files import ModelFiles
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.mesh_keys import SocketKeys
 from shared.wire.protocol import BatchError, ForwardBatch, ReleaseSeqs
-from shared.wire.transport import ZmqTransport, check_address
+from shared.wire.transport import ZmqTransport
 
 log = logging.getLogger("stagemesh.stage")
-
-
-def register(sub) -> None:
-    p = sub.add_parser("stage", help="serve one layer range as a pipeline stage",
-                       description="Receive activations on --listen, compute this stage's layers, send to --next.")
-    add_model_args(p, serving=True)
-    p.add_argument("--layers", help="layer range START:STOP served by this stage, e.g. 0:15 (with --keys, also give "
-                                    "--stage-index: which stage's keys are this one's)")
-    p.add_argument("--stage-index", type=int,
-                   help="this stage's index (with --num-stages and no --layers: a split of equal compute, the lm_head "
-                        "counted)")
-    p.add_argument("--num-stages", type=int, help="number of stages in the pipeline (with --stage-index)")
-    p.add_argument("--listen", required=True, help="ZeroMQ address to bind for input, e.g. tcp://127.0.0.1:5551")
-    p.add_argument("--next", required=True,
-                   help="ZeroMQ address of the next stage (may contain {next}: this stage's index + 1, as in a "
-                        "StatefulSet's DNS names), or the gateway's result address")
-    p.add_argument("--last-next", default=None,
-                   help="where the last stage sends results, overriding --next (lets every stage share one command)")
-    p.add_argument("--http", default="127.0.0.1:8101", help="HOST:PORT for health, readiness, info and metrics")
-    add_config_args(p, StageConfig)  # --kv-slots, --max-seq-len, --slot-lease, --threads
-    p.add_argument("--no-prefetch", action="store_true", help="receive, compute and send one after another (baseline)")
-    p.add_argument("--no-trace", action="store_true", help="ignore trace requests entirely (the benchmark's bypass)")
-    p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
-                   help="stop when process PID (the launcher, e.g. `stagemesh up`) is no longer this one's parent")
-    add_otlp_args(p)
-    add_security_args(p)
-    p.set_defaults(func=cmd_stage)
 
 
 def stage_layers(args, config: ModelConfig) -> LayerRange:

@@ -40,8 +40,8 @@ class TinySpec:
 
 
 class _Writer(GGUFWriter):
-    """gguf's GGUFWriter, packing a metadata array in one go rather than element by element (the library took ~1.2 s
-    a file for the copied vocabulary; every test that builds a tiny model paid it). The same bytes
+    """gguf's GGUFWriter, packing a metadata array in one go rather than element by element (the library took over a
+    second a file for the copied vocabulary; every test that builds a tiny model paid it). The same bytes
     (tests/test_tiny_models.py compares them with the library's writer)."""
 
     def _pack_val(self, val, vtype, add_vtype: bool, sub_type=None) -> bytes:

@@ -191,7 +191,7 @@ def _top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
 
 # One sampled token is a handful of whole-vocabulary passes (49,152 logits for SmolLM2), each a few tens of µs when
 # vectorized, so every pass here is: torch's exp, numpy's compares, argmax and sums (torch's argmax and boolean
-# compares are scalar loops at this size, ~50 µs each). Only what can be in the support is ever sorted:
+# compares are scalar loops at this size, several times slower). Only what can be in the support is ever sorted:
 # CANDIDATE_FLOORS are probabilities relative to the most likely token's; the tokens at least that likely are found
 # with one compare, and when they hold the k tokens (top-k) or top_p of the mass (top-p) only they are sorted, else
 # the next, lower floor; past the last, the whole row. Exact: every token outside the candidates is less likely than
@@ -229,7 +229,7 @@ def tempered(logits: torch.Tensor, params: list[SamplingParams]) -> list[np.ndar
     row. Either way a row's numbers depend on that row alone, never on what else is sampled with it."""
     if not params:
         return []
-    # imported here: the gateway imports this module, and importing shared.models' package takes ~0.15 s
+    # imported here: the gateway imports this module and should not pay for importing shared.models' package at start
     from shared.kernels import qdot
 
     if qdot.usable():

@@ -50,10 +50,10 @@ def supported_tensor_types() -> list[str]:
 class _PlainArrayReader(GGUFReader):
     """gguf's GGUFReader with its header read faster, the same fields and tensors (tests/test_tiny_models.py compares
     them with the library's own reader). The library parses an array element by element through np.memmap slices;
-    a vocabulary's ~100k strings and scores took it 2.2 s on SmolLM2 and 10 s on Gemma 3's 262k tokens, on every
-    process start. Here:
+    a vocabulary's strings and scores took it seconds, more the larger the vocabulary (Gemma 3's 262k tokens), on
+    every process start. Here:
 
-    - reads go through a plain ndarray view of the memory map (np.memmap's slicing hooks were ~2/3 of the time);
+    - reads go through a plain ndarray view of the memory map (np.memmap's slicing hooks were most of the time);
     - an array of numbers is one part holding all of them (the library: a part per element), which contents()
       reads the same way;
     - an array of strings is a part per string's bytes, cut in one loop (the library also keeps each length as a
@@ -104,7 +104,8 @@ class _PlainArrayReader(GGUFReader):
 def _parse(path: str, identity: tuple[int, ...]) -> tuple[GGUFReader, dict[str, ReaderTensor], MappingProxyType]:
     """The header of the file at `path` as it is now (`identity`: its inode, size and mtime, so a rewritten file is
     parsed again): the reader, its tensors by name, its metadata. Cached per process because the gguf package parses
-    a 49k-token vocabulary string by string (~1 s for SmolLM2) and one process often opens a file more than once."""
+    a 49k-token vocabulary string by string (of the order of a second) and one process often opens a file more than
+    once."""
     try:
         reader = _PlainArrayReader(path, "r")
     except Exception as e:  # the gguf package raises bare ValueError/IndexError/struct errors from deep inside

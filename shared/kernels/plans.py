@@ -14,8 +14,6 @@ import platform
 import tempfile
 from collections.abc import Callable
 
-import torch
-
 
 @contextlib.contextmanager
 def timing_alone():
@@ -44,6 +42,8 @@ def default_plans_path() -> str | None:
 @functools.cache
 def machine_id() -> str:
     """What the timings depend on besides the shapes: the CPU, torch's version and the thread count."""
+    import torch  # here: choosing a plans file (the CLI, before a command's checks) must not load torch
+
     cpu = platform.processor()
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:

@@ -2,17 +2,18 @@
 32), for CPUs whose best torch path is AVX2, and AVX512 ones where they measure faster than torch's int4 (why_not).
 
 On such CPUs torch's int4 kernel widens every weight to float32 and multiplies in floats, and there is no native bf16:
-one SmolLM2 decode step's matmuls took 19 ms, llama.cpp's whole token 13-18 ms. llama.cpp quantizes the activations to
+one SmolLM2 decode step's matmuls took longer than llama.cpp's whole token. llama.cpp quantizes the activations to
 8 bits per block of 32 and multiplies integers (AVX2's maddubs: 32 products per instruction); qdot.cpp does the same,
 as torch ops (`torch.ops.stagemesh_qdot.q4_1 / q8_0 / q6_16 / q5_0 / q5_1`, q6_16 Q6_K's 6-bit levels with a scale per 16), which
 torch.compile's decode graphs call like any other op, over blocks of 8 rows interleaved (interleave: one maddubs
-multiplies 8 rows at once, their sums side by side in one register). Same matrices: ~8 ms; and faster than the dense
-float32 kernel at every micro-batch size (2 threads, SmolLM2's layers: 0.57x its time at 16 rows, 0.84x at 512), so
-weights mode auto keeps no dense copy of them. Numerically it is llama.cpp's own scheme for these types (the
-activations' 8-bit rounding, fp16 block scales), with the distance from an exact product that llama.cpp's own run of
-a quantized file has (for Q4_K and Q6_K llama.cpp rounds the activations per 256; Q6_K's q6_16 per 16).
+multiplies 8 rows at once, their sums side by side in one register). Same matrices: well under half int4's time; and
+faster than the dense float32 kernel at every micro-batch size, so weights mode auto keeps no dense copy of them
+(docs/models.md#what-each-type-runs-as---weights has the figures; benchmarks/decode_step.py measures the step).
+Numerically it is llama.cpp's own scheme for these types (the activations' 8-bit rounding, fp16 block scales), with
+the distance from an exact product that llama.cpp's own run of a quantized file has (for Q4_K and Q6_K llama.cpp
+rounds the activations per 256; Q6_K's q6_16 per 16).
 
-The ops are compiled from qdot.cpp once per machine (c++, ~10 s) into ~/.cache/stagemesh/kernels/ (where that is not
+The ops are compiled from qdot.cpp once per machine (c++, seconds) into ~/.cache/stagemesh/kernels/ (where that is not
 writable, the temporary directory's stagemesh-kernels/) under a name that hashes the source, torch's version and the
 flags, and loaded from there afterwards. `why_not()` says whether they run here and, if not, why (no AVX2 + FMA +
 F16C; an AVX512 CPU where torch's int4 kernel measured faster; no C++ compiler; STAGEMESH_QDOT=off);
@@ -128,7 +129,7 @@ def load() -> str | None:
     path = _library_path()
     try:
         if not os.path.exists(path):
-            log.info("building the integer-dot kernels (once per machine, ~10 s) into %s", path)
+            log.info("building the integer-dot kernels (once per machine, a few seconds) into %s", path)
             build(path)
         torch.ops.load_library(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -163,8 +164,9 @@ def why_not() -> str | None:
     """None where the weights' blocks run on these kernels: the ops load, on a CPU whose torch kernels are AVX2, or
     AVX512 where they measured faster than torch's int4 kernel at one token (ONE_TOKEN_PROBE, once per machine, kept
     in the kernel plans file). They had been kept to AVX2 on the belief that AVX512's bf16 int4 is faster; on an AMD
-    Zen 4 they took 0.31x its time for an 8192 x 2048 Q4_K matrix, and 0.46x int8 rows' time for a 128k-row Q6_K
-    lm_head. STAGEMESH_QDOT=on takes them without measuring. Otherwise why not (a stage's /info shows it)."""
+    Zen 4 they beat both int4 on a Q4_K matrix and int8 rows on a Q6_K lm_head, so the probe decides, not the ISA
+    (docs/models.md#what-each-type-runs-as---weights). STAGEMESH_QDOT=on takes them without measuring. Otherwise why
+    not (a stage's /info shows it)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2" and not capability.startswith("AVX512"):
         return f"torch's kernels here are {capability}"

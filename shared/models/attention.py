@@ -136,11 +136,12 @@ class OneSequenceDecode:
     dynamic), so one graph serves every position of every slot: `keys` is [C], and `slot_marker` is [slot + 2] (never
     read; + 2: dynamo treats sizes 0 and 1 as constants). With the slot a size, attention reads the slot's K/V as a
     slice of the cache, in place; indexed by a tensor they were gathered, a copy of the whole context per layer and
-    step (the step took 14.4 ms at 1,536 positions with it, 11.9 without). Where the integer-dot kernels load
-    (`kernel`, an AVX2 CPU), a float32 layer without a soft cap attends with qdot.cpp's decode_attention, which reads
-    each key and value row once (torch's SDPA read the cache at ~9 GB/s at one token: half the step at 1,024
+    step, a cost that grows with the context. Where the integer-dot kernels load (`kernel`, an AVX2 CPU), a float32
+    layer without a soft cap attends with qdot.cpp's decode_attention, which reads each key and value row once
+    (torch's SDPA read the cache slowly at one token: about half the step at a thousand
     positions), on a sliding layer only its window's. Elsewhere SDPA attends to all C keys, sliding-window layers
-    hiding the keys before their window with an additive mask."""
+    hiding the keys before their window with an additive mask. benchmarks/decode_step.py --compile --context N
+    measures the step at a given context."""
 
     token_slots: torch.Tensor  # [1] int64: the row the step's K/V is written to
     positions: torch.Tensor  # [1] int64

@@ -11,7 +11,7 @@ eager against compiled), all but one:
   attention reads the slot's first C cached positions, in place; sliding layers mask the keys before their window),
   so one graph serves every slot and every position from 1 to the cache's length - 2 (CompiledDecode.contexts).
   Graphs per context bucket, as before, made a step at a short context attend to the whole bucket, and decoded
-  eagerly, at about 1.7x the time, past the largest;
+  eagerly, much slower, past the largest;
 - the KV cache is one tensor per layer (KVCache) and the step writes it with index_put on that tensor. Handing the
   graph a view of a larger cache tensor instead made inductor copy the whole cache back every step;
 - one sequence (B = 1; the step is memory- and overhead-bound) in one graph; decode micro-batches of 2..kv_slots
@@ -19,20 +19,23 @@ eager against compiled), all but one:
   attention.BatchDecode on qdot.cpp's kernel, which reads each sequence's own context in place, so no shape depends
   on the slots or contexts). The batched graph needs the kernel on every layer (float32 on an AVX2 CPU; no
   attention soft cap, no experts) and stops below the batch size where a SwitchedLinear changes kernel; other batches
-  decode eagerly. On the 2-core AVX2 VM a step of 2 sequences took 14.0 ms eagerly and 6.6 compiled, of 16 36.5 and
-  29.7 (benchmarks/decode_step.py; docs/performance.md). A mixture-of-experts block's experts run eagerly between
-  the one-sequence graphs.
+  decode eagerly. The batched graph saves about the same time a step at every batch size: half the step of 2
+  sequences, a small part of one of 16 or more (benchmarks/decode_step.py --compile measures it;
+  docs/performance.md#compiled-decode has the figures). A mixture-of-experts block's experts run eagerly between the
+  one-sequence graphs.
 - each graph input costs a call a few µs (dynamo's guard, the wrapper's handling), so the model keeps its per-layer
   weights stacked where the layers share a shape (linear.stack_layers, TransformerModel.layer_norms): a step reads
   ten-odd weight tensors instead of ten per layer (benchmarks/decode_step.py; docs/performance.md has the figures).
 - a graph is then called without dynamo (DirectCall): dynamo's frame still fetched every argument (the KV cache is
-  two tensors a layer) and cost ~0.3 ms of a 15-layer step on the 2-core AVX2 VM. After compiling, two calls through
-  dynamo show which argument is which input; later steps hand the graph those arguments straight. A graph that
-  broke in several (experts), or whose arguments do not map, keeps being called through dynamo.
+  two tensors a layer) and cost about a tenth of a piece's step (docs/performance.md#compiled-decode). After
+  compiling, two calls through dynamo show which argument is which input; later steps hand the graph those arguments
+  straight. A graph that broke in several (experts), or whose arguments do not map, keeps being called through
+  dynamo.
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
 batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile
-(COMPILE_MODES, `--compile-decode`; both graphs at every thread count, ~35 and ~45 s from a cold cache on 2 cores):
+(COMPILE_MODES, `--compile-decode`; both graphs at every thread count, each tens of seconds from a cold cache on 2
+cores: benchmarks/decode_step.py --compile reports it, docs/performance.md#compiled-decode has the figures):
 
 - auto (a stage's default): in a background thread once the stage has loaded. The stage is ready at once and decodes
   eagerly until every graph is compiled, then switches; a piece the step does not cover, or a failed compilation
@@ -79,8 +82,8 @@ def mark_graph_breaks() -> None:
     """Wrap what runs eagerly between the step's graphs in torch.compiler.disable: a mixture-of-experts block's
     experts (TransformerModel._moe: which run is data). (A oneDNN-prepacked matrix, which inductor does not lower,
     runs inside the graph as an op of its own: linear.prepacked_mm.) Done here, once, before the first graph is
-    traced, not as a decorator where it is defined: the decorator imports torch._dynamo (~1.7 s), which every process
-    importing the models would then pay -- the gateway, every CLI command, every stage that never compiles."""
+    traced, not as a decorator where it is defined: the decorator imports torch._dynamo (over a second), which every
+    process importing the models would then pay -- the gateway, every CLI command, every stage that never compiles."""
     transformer.TransformerModel._moe = torch.compiler.disable(transformer.TransformerModel._moe,
                                                                reason="which experts run is data")
 
@@ -457,8 +460,8 @@ class CompiledDecode:
         """One serving-time call of a compiled graph; None (and self.<broken> set: eager from then on) where it would
         have recompiled."""
         try:
-            # Only the guards that tell the graphs apart (the thread count) run: the full set cost ~0.6 ms a step on
-            # the 2-core AVX2 VM (it checks every weight tensor the step reads). What they would check is fixed here:
+            # Only the guards that tell the graphs apart (the thread count) run: the full set checks every weight
+            # tensor the step reads, a sizeable share of a small model's step. What they would check is fixed here:
             # the model's weights and KV cache are the same tensors at every call, _inputs / _batch_inputs build the
             # rest the same way, and forward holds the sizes and dtype of what varies.
             with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):

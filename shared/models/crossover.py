@@ -36,8 +36,9 @@ from shared.models.linear import DenseLinear, SwitchedLinear
 CANDIDATES = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts tried, ascending
 REPEAT = 5  # the prefill probe: fastest of REPEAT timings per kernel (noise on a shared machine only ever adds time)
 # The crossover is timed over this many distinct blocks, fastest of CROSSOVER_REPEAT (their weights no longer fit in a
-# core's cache, and each timing is long enough to average out a VM's jitter): on the 2-core VM, at 1 thread, 4 blocks
-# x 5 gave 24 / 12 / 16 in three runs, 8 x 3 gave 24 five times in 0.5-0.7 s (the whole model: int4 and f32 tie at 24).
+# core's cache, and each timing is long enough to average out a VM's jitter): on the 2-core VM fewer blocks gave a
+# different crossover from run to run, these the whole model's every time (benchmarks/kernels.py times the whole
+# model), in under a second.
 CROSSOVER_BLOCKS = 8
 CROSSOVER_REPEAT = 3
 PREFILL_PROBE_MAX = 2048  # the prefill kernels are timed on a matrix of the model's MLP shape, capped at this per side
@@ -56,8 +57,8 @@ def _best_ms(fn, repeat: int) -> float:
 def measure_prefill_dtype(out_features: int, in_features: int, rows: int = SCHEDULER_DEFAULTS.prefill_chunk,
                           repeat: int = REPEAT) -> torch.dtype:
     """bfloat16 or float32: whichever oneDNN-prepacked GEMM multiplies a prefill chunk (`rows` x in_features) by a
-    random [out_features, in_features] matrix faster here (interleaved, each kernel's fastest of `repeat`; ~0.1 s,
-    once per process and shape). float32 where oneDNN has no native bf16 (it would be emulated)."""
+    random [out_features, in_features] matrix faster here (interleaved, each kernel's fastest of `repeat`; a fraction
+    of a second, once per process and shape). float32 where oneDNN has no native bf16 (it would be emulated)."""
     if not cpu_has_fast_bf16():
         return torch.float32
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))

@@ -28,8 +28,8 @@ def default_device() -> torch.device:
 def default_dtype_name(device: torch.device | None = None) -> str:
     """The activations' and KV cache's dtype when none is asked for. On a CPU: float32 where the integer-dot kernels
     run (they take float32 activations and return float32, as the decode-attention kernel and the batched compiled
-    decode step do: a bf16 model pays two casts a matrix and runs its steps eagerly; the 1B-shaped Q4_K_M decoded
-    ~8 % faster at 1 and 16 sequences in float32 on a Zen 4, docs/performance.md), else bf16 where the CPU multiplies
+    decode step do: a bf16 model pays two casts a matrix and runs its steps eagerly; float32 decoded faster at 1 and
+    16 sequences even on a CPU with native bf16, docs/performance.md#model-sizes), else bf16 where the CPU multiplies
     it natively, else float32."""
     device = device or default_device()
     if device.type == "cuda":

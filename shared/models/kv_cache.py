@@ -566,7 +566,7 @@ class BatchLayout:
             if st + n > max_seq_len:
                 raise BadBatch(f"sequence reaches position {st + n}, past this stage's max_seq_len {max_seq_len}")
         decode_only = all(n == 1 for n in lengths)
-        if decode_only:  # every step of a stream: two small tensors straight from the lists (~0.3 ms less a call)
+        if decode_only:  # every step of a stream: two small tensors straight from the lists, no cat / arange
             positions, token_slots = torch.tensor(starts, dtype=torch.long), torch.tensor(list(slots), dtype=torch.long)
         else:
             positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)])

@@ -462,7 +462,8 @@ class DenseLinear:
         if self.prepacked:
             if torch.compiler.is_compiling():  # a graph cannot take the opaque weight: the op finds it by its handle
                 return torch.ops.stagemesh_dense.prepacked_mm(x, self.handle, self.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")  # eagerly: ~23 µs less
+            # eagerly, oneDNN's own op: a cheaper call than the custom op prepacked_mm
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return F.linear(x, self.weight)
 
     @property
@@ -630,7 +631,7 @@ def make_linear(raws: list[RawTensor], mode: str, device: torch.device | str = "
       matrix (prefill_dtype, bf16 or float32, prepacked; None: dense_dtype()) takes micro-batches from the
       crossover on wherever int4 runs below it. Where the integer-dot kernels take every part (qdot_takes), they run
       every size and no dense copy is kept: on an AVX2 CPU they outrun the prepacked float32 kernel at every size
-      (SmolLM2's layers, 2 threads: 0.57x its time at 16 rows, 0.84x at 512).
+      (docs/models.md#what-each-type-runs-as---weights).
 
     batch_invariant: a row's result must not depend on how many rows a call has: auto never switches kernels
     (lean; the quantized kernels' per-row results were checked equal for any M), dense kernels run on fixed blocks

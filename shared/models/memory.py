@@ -17,10 +17,12 @@ import ctypes
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.errors import DoesNotFit
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_FRACTION = 0.8  # of MemAvailable at load, for all the stages of one host together
 PREFIX_FRACTION = 0.25  # of MemAvailable at load: a stage's cached prefixes by default (--prefix-cache-memory)
@@ -102,8 +104,9 @@ def available_bytes() -> int:
 
 def return_freed_memory() -> None:
     """Give the heap's freed pages back to the OS (glibc's malloc_trim). Loading frees the copies it built weights
-    from, matrix by matrix; below malloc's mmap threshold those come from the heap, which keeps them (a 1.2B-parameter
-    piece's resident set stayed ~1.3 GiB above its weights). Nothing where the C library has no malloc_trim."""
+    from, matrix by matrix; below malloc's mmap threshold those come from the heap, which keeps them (a 1B-class
+    piece's resident set stayed over a gigabyte above its weights; benchmarks.memory measures a stage's memory
+    against its weights, docs/performance.md#model-sizes). Nothing where the C library has no malloc_trim."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -155,6 +158,8 @@ def plan_prefill_copy(budget: int, lean_bytes: int, kv_bytes: int, auto_bytes: C
     """lean_bytes: the piece's weights in lean form; auto_bytes(dtype): in auto form with a prefill copy in dtype;
     fastest: the prefill kernel measured fastest here. Tries fastest, then bf16 (half of f32's bytes), then gives
     the copy up (lean)."""
+    import torch  # here, not at the top: `up` reads this module's budgets before anything loads torch
+
     for dtype in dict.fromkeys((fastest, torch.bfloat16)):
         need = auto_bytes(dtype) + kv_bytes
         if need <= budget:

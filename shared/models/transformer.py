@@ -430,7 +430,8 @@ class TransformerModel:
     def rope_tables(self, positions: torch.Tensor, context: int) -> Ropes:
         """cos / sin [N, rope_dim/2] float32 at `positions`: (every layer's, the sliding layers' own or None). Read
         from tables of positions 0 .. context - 1 computed once (the numbers rope_cos_sin gives at each: a step then
-        indexes rather than computes them, ~0.1 ms a step and piece at one token)."""
+        indexes rather than computes them, a cost every one-token step of every piece would pay;
+        benchmarks/decode_step.py measures the step)."""
         if positions.numel() and int(positions.max()) >= context:
             return self._rope_at(positions, context)
         index = positions.to(torch.long)

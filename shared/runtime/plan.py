@@ -26,18 +26,20 @@ from shared.models import ModelConfig
 
 GiB = 2**30
 # A stage process's memory beyond its weights and KV: the interpreter, torch and its kernel library, ZeroMQ, the
-# HTTP probe server, allocator slack. Measured 0.23 GiB anonymous memory beyond the weights in each of 2 stages of the
-# Llama 3.2 1B-shaped Q4_K_M, eager decode (benchmarks/results/2026-11-28-sizes-memory-llama3.2-1b; 0.65 GiB before
-# loading dropped its copies); the allowance leaves room for the compiled decode graphs.
+# HTTP probe server, allocator slack. The allowance is set above what benchmarks.memory measures beyond the weights
+# with eager decode (benchmarks/results/2026-11-28-sizes-memory-llama3.2-1b; docs/performance.md#model-sizes), so
+# that it leaves room for the compiled decode graphs.
 RUNTIME_BYTES = int(0.4 * GiB)
 # One hop's software cost beyond the link (ZeroMQ send, stagemesh's codec both ends, the receiver's wake-up): the
-# loopback figure of docs/performance.md (benchmarks.critical_path: 1.06 ms outside compute with 2 hops, 1.44 with 3).
+# loopback cost per hop from benchmarks.critical_path's time outside compute with 2 hops (1 stage) and 3 (2 stages)
+# (docs/performance.md#one-stream-over-several-stages).
 HOP_MS = 0.4
 # The gateway's turnaround per step: taking the result, scheduling and sending the next micro-batch, streaming the
 # token (the same measurement: what is outside compute less the hops).
 GATEWAY_MS = 0.3
-# A stage's fixed cost per step beyond its layers: the hand-off to its compute thread and back (0.2-0.25 ms,
-# docs/performance.md), and a piece's own fixed cost (positions, KV layout; measured by `plan`, else ~0.3 ms).
+# A stage's fixed cost per step beyond its layers: the hand-off to its compute thread and back
+# (docs/performance.md#one-stream-over-several-stages), and a piece's own fixed cost (positions, KV layout), which
+# `plan` measures; the constant is the default where it does not.
 STAGE_HANDOFF_MS = 0.2
 STAGE_OVERHEAD_MS = STAGE_HANDOFF_MS + 0.3
 # The residual stream is float32 between stages (StageRuntime.run returns hidden [N, D] float32, sent as is), and

@@ -20,6 +20,7 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
+from shared.config import check_address
 from shared.errors import StagemeshError
 from shared.observe.log_throttle import throttled
 from shared.wire.mesh_keys import SocketKeys
@@ -32,12 +33,6 @@ SEND_PATIENCE_S = 30.0  # how long send_from_thread waits on a full queue before
 # socket monitor events of a failed ZMTP/CURVE handshake: a peer with another key set, a plaintext peer, an impostor
 HANDSHAKE_FAILURES = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
                       zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth"}
-
-
-def check_address(addr: str, flag: str) -> str:
-    if not (addr.startswith("tcp://") or addr.startswith("ipc://") or addr.startswith("inproc://")):
-        raise StagemeshError(f"{flag} {addr!r} must be a ZeroMQ address such as tcp://127.0.0.1:5551 or ipc:///tmp/stage0")
-    return addr
 
 
 def _bind_with_retry(sock: zmq.Socket, addr: str, patience_s: float = 3.0) -> None:
