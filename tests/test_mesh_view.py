@@ -196,3 +196,34 @@ def test_the_snapshot_carries_the_stage_kv_fields_and_status_shows_them():
     console = Console(record=True, width=200)
     console.print(render({"ready": True, "stages": [st], "gateway": {}, "pipelines": []}))
     assert "3/8 (2 cached, 12 of 4096 MiB, 300 MiB shared)" in console.export_text()
+
+
+def test_status_fits_80_columns_and_keeps_every_figure():
+    """`stagemesh status` in an 80-column terminal: no line wider, no cell cut; the addresses and cached prefixes
+    go on lines of their own, in words."""
+    from rich.console import Console
+
+    from services.cli.status import render
+    from services.gateway.mesh_view import MeshView
+
+    view = MeshView(gateway=None)
+    infos = [make_info(clock_s=1.0, kv_slots=32, kv_slots_used=17, kv_max_seq_len=2048, kv_slots_cached=19,
+                       kv_cached_bytes=169 * 2**20, kv_prefix_memory_bytes=4896 * 2**20, kv_shared_bytes=18 * 2**20,
+                       layers=(15 * i, 15 * i + 15)) for i in range(2)]
+    view._take_polls("p0", infos)
+    stages = [view._stage("p0", i, f"http://127.0.0.1:4123{i}", replaying=0) for i in range(2)]
+    for st in stages:
+        st.update(listen="tcp://127.0.0.1:41299", busy_fraction=0.734, compute_ms=12.34, hop_next_ms=0.456)
+    snap = {"ready": True, "stages": stages, "pipelines": [],
+            "gateway": {"queue": 3, "running": 17, "inflight": 2, "max_inflight": 2, "tokens_per_s": 271.5,
+                        "ttft_ms": 812.0, "failovers": 0, "replayed_sequences": 0,
+                        "prefix_cache": {"prefixes": 19, "cached_tokens": 4096, "hits": 40, "lookups": 64,
+                                         "hit_rate": 0.625, "reused_tokens": 30000, "evicted": 2, "misses": 24}}}
+    console = Console(record=True, width=80)
+    console.print(render(snap, console.width))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for needed in ("0:15", "15:30", "73.4%", "12.3 ms", "0.46 ms", "17/32", "271.5 tok/s", "TTFT 812 ms",
+                   "stage 1: http://127.0.0.1:41231 · tcp://127.0.0.1:41299\n  cached prefixes: 19 cached, 169 of "
+                   "4896 MiB, 18 MiB shared", "hits 40/64 (62%)", "\nready"):
+        assert needed in text, (needed, text)

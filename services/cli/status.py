@@ -98,47 +98,70 @@ def _fmt(x, unit: str = "", digits: int = 1) -> str:
     return "–" if x is None else f"{x:.{digits}f}{unit}"
 
 
-def render(snap: dict):
-    """A rich renderable: the stages table and the gateway line."""
+WIDE = 120  # columns from which the stages table has the addresses and the cached prefixes in cells of their own
+
+
+def _kv_cached(s: dict) -> str:
+    """A stage's cached prefixes in words: '2 cached, 12 of 4096 MiB, 300 MiB shared' ('' when none)."""
+    if not s.get("kv_slots_cached"):
+        return ""
+    text = f"{s['kv_slots_cached']} cached"
+    if s.get("kv_cached_bytes") is not None and s.get("kv_prefix_memory_bytes"):  # their K/V, of the bound
+        text += f", {s['kv_cached_bytes'] / 2**20:.0f} of {s['kv_prefix_memory_bytes'] / 2**20:.0f} MiB"
+    if s.get("kv_shared_bytes"):  # K/V slots read from those prefixes' pages rather than copies
+        text += f", {s['kv_shared_bytes'] / 2**20:.0f} MiB shared"
+    return text
+
+
+def render(snap: dict, width: int = WIDE):
+    """A rich renderable for a console `width` columns wide: the stages table and the gateway's lines. Below WIDE
+    columns the table keeps the figures (80 columns fit) and each stage's addresses and cached prefixes go on lines
+    of their own under it."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     colors = {"ready": "green", "replaying": "yellow", "lost": "red", "unknown": "red"}
     pipelines = snap.get("pipelines") or []
-    many = len(pipelines) > 1
+    many, wide = len(pipelines) > 1, width >= WIDE
     t = Table(title="stagemesh pipeline (stages left to right = top to bottom)", title_justify="left")
-    for col in (*(("pipeline",) if many else ()), "stage", "layers", "address", "state", "busy", "compute/mb", "hop→next", "KV slots", "restarts"):
-        t.add_column(col, justify="right" if col in ("busy", "compute/mb", "hop→next", "KV slots", "restarts") else "left")
+    columns = ["stage", "layers", *(("address",) if wide else ()), "state", "busy", "compute/mb", "hop→next",
+               "KV slots", "restarts"]
+    for col in columns:
+        t.add_column(col, justify="left" if col in ("stage", "layers", "address", "state") else "right",
+                     no_wrap=not wide)
+    notes = []
     for s in snap.get("stages", []):
+        name = (f"{s['pipeline']}/{s['index']}" if many and s.get("pipeline") else str(s["index"]))
         layers = f"{s['layers'][0]}:{s['layers'][1]}" if s.get("layers") else "–"
         busy = None if s.get("busy_fraction") is None else 100 * s["busy_fraction"]
         kv = f"{s['kv_slots_used']}/{s['kv_slots']}" if s.get("kv_slots") is not None else "–"
-        if s.get("kv_slots_cached"):
-            kv += f" ({s['kv_slots_cached']} cached"
-            if s.get("kv_cached_bytes") is not None and s.get("kv_prefix_memory_bytes"):  # their K/V, of the bound
-                kv += f", {s['kv_cached_bytes'] / 2**20:.0f} of {s['kv_prefix_memory_bytes'] / 2**20:.0f} MiB"
-            if s.get("kv_shared_bytes"):  # K/V slots read from those prefixes' pages rather than copies
-                kv += f", {s['kv_shared_bytes'] / 2**20:.0f} MiB shared"
-            kv += ")"
+        cached = _kv_cached(s)
+        if wide and cached:
+            kv += f" ({cached})"
         addr = s["url"] + (f"\n{s['listen']}" if s.get("listen") else "")
-        t.add_row(*((s.get("pipeline", ""),) if many else ()), str(s["index"]), layers, addr, Text(s["state"], style=colors.get(s["state"], "")), _fmt(busy, "%"),
-                  _fmt(s.get("compute_ms"), " ms"), _fmt(s.get("hop_next_ms"), " ms", 2), kv, str(s.get("restarts", 0)))
+        if not wide:
+            notes.append(f"stage {name}: {s['url']}" + (f" · {s['listen']}" if s.get("listen") else "")
+                         + (f"\n  cached prefixes: {cached}" if cached else ""))
+        t.add_row(name, layers, *((addr,) if wide else ()), Text(s["state"], style=colors.get(s["state"], "")),
+                  _fmt(busy, "%"), _fmt(s.get("compute_ms"), " ms"), _fmt(s.get("hop_next_ms"), " ms", 2), kv,
+                  str(s.get("restarts", 0)))
     g = snap.get("gateway", {})
-    line = (f"gateway: queue {g.get('queue')} · running {g.get('running')} · in flight {g.get('inflight')}/"
-            f"{g.get('max_inflight')} · {_fmt(g.get('tokens_per_s'), ' tok/s')} · TTFT {_fmt(g.get('ttft_ms'), ' ms', 0)}"
-            f" · failovers {g.get('failovers')} · replayed {g.get('replayed_sequences')}")
+    lines = [f"gateway: queue {g.get('queue')} · running {g.get('running')} · in flight {g.get('inflight')}/"
+             f"{g.get('max_inflight')} · {_fmt(g.get('tokens_per_s'), ' tok/s')}",
+             f"  TTFT {_fmt(g.get('ttft_ms'), ' ms', 0)} · failovers {g.get('failovers')} · replayed "
+             f"{g.get('replayed_sequences')}"]
     pc = g.get("prefix_cache")
     if pc:
         rate = "–" if pc.get("hit_rate") is None else f"{100 * pc['hit_rate']:.0f}%"
-        line += (f"\nprefix cache: {pc['prefixes']} prefixes, {pc['cached_tokens']} tokens · hits {pc['hits']}/"
-                 f"{pc['lookups']} ({rate}) · {pc['reused_tokens']} prompt tokens reused · evicted {pc['evicted']}"
-                 f" · misses {pc['misses']}")
-        if pc.get("audits"):
-            line += f" · audited {pc['audits']}, {pc['audit_mismatches']} mismatched"
+        lines += [f"prefix cache: {pc['prefixes']} prefixes, {pc['cached_tokens']} tokens · hits {pc['hits']}/"
+                  f"{pc['lookups']} ({rate}) · misses {pc['misses']}",
+                  f"  {pc['reused_tokens']} prompt tokens reused · evicted {pc['evicted']}"
+                  + (f" · audited {pc['audits']}, {pc['audit_mismatches']} mismatched" if pc.get("audits") else "")]
     reason = not_ready_reason(snap)
     verdict = Text("ready", style="bold green") if reason is None else Text(f"NOT READY: {reason}", style="bold red")
-    return Group(*((_pipelines_table(pipelines),) if many else ()), t, Text(line), verdict)
+    return Group(*((_pipelines_table(pipelines),) if many else ()), t, *(Text(n) for n in notes), Text("\n".join(lines)),
+                 verdict)
 
 
 def cmd_status(args) -> int:
@@ -158,7 +181,7 @@ def _status(args, console) -> int:
         if args.json:
             print(json.dumps(snap))
         else:
-            console.print(render(snap))
+            console.print(render(snap, console.width))
         reason = not_ready_reason(snap)
         if reason is not None:
             print(f"stagemesh status: not ready: {reason}", file=sys.stderr)
@@ -180,7 +203,7 @@ def _status(args, console) -> int:
             while True:
                 try:
                     snap = fetch(args.url)
-                    live.update(render(snap), refresh=True)
+                    live.update(render(snap, console.width), refresh=True)
                 except StagemeshError as e:
                     snap = {}
                     from rich.text import Text

