@@ -56,6 +56,11 @@ def test_a_containers_memory_limit_bounds_what_counts_as_available(tmp_path, mon
     assert memory.cgroup_room() == 24 * MIB and memory.available_bytes() == 24 * MIB
     assert memory.default_prefix_bytes(2**40) == 6 * MIB  # a quarter of the room, not of the host
     assert memory.default_budget(2) == int(24 * MIB * memory.DEFAULT_FRACTION / 2)
+    cgroup(str(4 * 2**30), 2**30)  # a 4 GiB pod using 1: up's 2 stages share 3 GiB less their own runtimes
+    room = 3 * 2**30 - 2 * memory.STAGE_RUNTIME_BYTES
+    assert memory.stage_shares(2) == (int(room * memory.DEFAULT_FRACTION / 2), int(room * memory.PREFIX_FRACTION / 2))
+    cgroup(str(64 * MIB), 40 * MIB)  # less than the stages' runtimes: the least budget, never 0 (a valid flag)
+    assert memory.stage_shares(2) == (1, 1)
     cgroup(str(64 * MIB), 80 * MIB)  # over its limit already (reclaimable cache counts in usage)
     assert memory.available_bytes() == 0 and memory.default_prefix_bytes(2**40) == 1
 

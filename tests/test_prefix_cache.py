@@ -154,6 +154,40 @@ def test_prefix_rows_keep_prefixes_while_every_live_slot_is_in_use():
     assert kv.allocate("z") == 0 and kv.kept_slots == 2
 
 
+def test_a_sequence_that_would_pass_the_live_bound_is_refused_while_running_ones_go_on():
+    """live_bytes: a micro-batch that starts a sequence past the live sequences' K/V bound is refused (kv_full: the
+    gateway waits and sends it again); one that only continues running sequences always runs. Kept prefixes count
+    against their own bound, not this one."""
+    from shared.batch.steps import Decode, Prefill
+    from shared.models.kv_cache import BatchLayout
+
+    kv = KVCache(num_layers=1, num_slots=3, max_seq_len=64, num_kv_heads=1, head_dim=4, dtype=torch.float32,
+                 prefix_slots=1)
+    kv.live_bytes = 40 * kv.position_bytes
+
+    def chunk(name: str, start: int, n: int, first: bool) -> BatchLayout:
+        if first:
+            kv.allocate(name)
+        step = Prefill(n, start, start + n, True) if n > 1 else Decode(start)
+        layout = BatchLayout.build([kv.slot(name)], [step], kv.max_seq_len, kv.device)
+        kv.check_room(layout, starting=first)
+        kv.wrote(layout)
+        return layout
+
+    chunk("kept", 0, 30, first=True)
+    assert kv.keep("kept")  # its 30 positions are the prefixes' bound's, not the live ones'
+    chunk("a", 0, 30, first=True)
+    assert kv.live_resident_bytes == 30 * kv.position_bytes
+    with pytest.raises(KVCacheFull, match="past the 0 MiB this stage's --memory-budget leaves them"):
+        chunk("b", 0, 11, first=True)  # 30 + 11 > 40
+    kv.release("b")
+    for pos in range(30, 45):  # a running sequence grows past the bound: never refused
+        chunk("a", pos, 1, first=False)
+    assert kv.live_resident_bytes == 45 * kv.position_bytes
+    kv.release("a")
+    chunk("b", 0, 40, first=True)  # room again once a running one ended
+
+
 def test_kept_prefixes_stay_under_their_memory_bound_least_recently_used_given_up_first():
     kv = KVCache(num_layers=1, num_slots=2, max_seq_len=64, num_kv_heads=1, head_dim=4, dtype=torch.float32,
                  prefix_slots=4, prefix_bytes=1000)

@@ -387,6 +387,24 @@ def test_a_finished_request_frees_its_slot_for_the_next_plan():
     assert [shape(m) for m in plan.batches] == [[("b", "Prefill", 5)]]
 
 
+def test_running_requests_hold_their_kv_positions_and_the_rest_wait_for_room():
+    """live_positions: a running request holds its prompt and every token it may generate; a request that would
+    pass the bound waits in the queue (slots free or not) until one ends; alone, one always runs."""
+    s = policy(kv_slots=8)
+    s.live_positions = 300
+    a, b, c = (request(n, prompt_len=100, max_tokens=50) for n in "abc")  # 150 positions each
+    for r in (a, b, c):
+        s.submit(r, now=0.0)
+    assert set(s.running) == {"a", "b"} and list(s.waiting) == [c] and s.held_positions == 300
+    s.finish(a, "stop")
+    assert s.plan(now=0.0).admitted == [c] and set(s.running) == {"b", "c"}
+    big = policy(kv_slots=8)
+    big.live_positions = 100
+    alone = request("alone", prompt_len=90, max_tokens=50)  # past the bound, and nothing else runs
+    assert big.submit(alone, now=0.0).admitted == [alone]
+    assert big.submit(request("next", prompt_len=5, max_tokens=5), now=0.0).admitted == []
+
+
 def test_a_submit_over_the_queue_bound_is_refused_and_leaves_no_trace():
     s = policy(kv_slots=1, max_queue=1)
     s.submit(request("a"), now=0.0)

@@ -26,7 +26,7 @@ from services.process.args import (
 from shared.config import GATEWAY_PORT, LoadConfig, SchedulerConfig, StageConfig
 from shared.errors import StagemeshError
 from shared.files.model_registry import resolve_model
-from shared.models.memory import PREFIX_FRACTION, available_bytes, default_budget
+from shared.models.memory import stage_shares
 from shared.text.chat_template import template_source
 
 if TYPE_CHECKING:
@@ -133,11 +133,11 @@ def cmd_up(args) -> int:
     # one host: every stage `up` starts (each replica's) shares its default memory budget and cached-prefix bound,
     # each fixed once here, before any stage takes memory
     stages_on_host = args.stages * args.replicas
+    budget, prefix_bound = stage_shares(stages_on_host)
     if load.memory_budget is None:
-        load = dataclasses.replace(load, memory_budget=default_budget(stages_on_host))
+        load = dataclasses.replace(load, memory_budget=budget)
     if stage.prefix_cache_memory is None:
-        stage = dataclasses.replace(stage, prefix_cache_memory=max(1, int(
-            available_bytes() * PREFIX_FRACTION / stages_on_host)))
+        stage = dataclasses.replace(stage, prefix_cache_memory=prefix_bound)
     config_from_args(SchedulerConfig, args)  # the gateway's flags, checked now (build_app builds them again)
     gateway = gateway_config_from_args(args, args.model)
     if gateway.chat_template is not None:

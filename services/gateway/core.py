@@ -139,11 +139,20 @@ class Gateway:
         if len(ids) >= context:
             raise RequestError(f"the prompt has {len(ids)} tokens; this deployment's context is {context} tokens",
                                "messages" if spec.messages is not None else "prompt", code="context_length_exceeded")
-        # no max_tokens: until a stop or the context is full (OpenAI's meaning), within the operator's cap if set
-        max_tokens = spec.max_tokens or min(self.config.default_max_tokens or context, context - len(ids))
+        # no max_tokens: until a stop or the context is full (OpenAI's meaning), within the operator's cap if set,
+        # and within the K/V memory the stages give one request
+        room = min(context, self.replicas.live_positions or context)
+        if len(ids) >= room:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the stages' K/V memory holds {room} positions for "
+                               "one request (their --memory-budget); shorten it", param, code="kv_memory_exceeded")
+        max_tokens = spec.max_tokens or min(self.config.default_max_tokens or context, room - len(ids))
         if len(ids) + max_tokens > context:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                                f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
+        if len(ids) + max_tokens > room:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more K/V memory than "
+                               f"the stages hold for one request ({room} positions, their --memory-budget); lower "
+                               "max_tokens", "max_tokens", code="kv_memory_exceeded")
         timeout = spec.timeout_s or self.config.request_timeout_s
         prediction = None
         if spec.prediction is not None:  # tokenized as the output will be: without BOS

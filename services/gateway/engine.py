@@ -48,7 +48,8 @@ class Engine:
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
         self.scheduler = Scheduler(max_inflight, config, kv_slots=pipeline.kv_slots, kv_rows=pipeline.kv_rows,
-                                   prefix_positions=pipeline.prefix_positions)
+                                   prefix_positions=pipeline.prefix_positions,
+                                   live_positions=pipeline.live_positions)
         prefix = self.scheduler.prefix
         # --prefix-cache-audit: a client of this engine, submitting its twins as any caller does (None: off)
         self.auditor = PrefixAuditor(config.prefix_cache_audit, self._submit_twin, lambda: prefix.stats) \
@@ -176,11 +177,12 @@ class Engine:
         self._update_gauges()
 
     def _follow_pipeline(self) -> None:
-        """Keep the policy's view of the pipeline's /info current: its KV slots and rows, the bound on cached
-        prefixes, and the audit's tolerance."""
+        """Keep the policy's view of the pipeline's /info current: its KV slots and rows, the bounds on cached
+        prefixes and on running requests' K/V, and the audit's tolerance."""
         self.scheduler.kv_slots = self.pipeline.kv_slots
         self.scheduler.kv_rows = self.pipeline.kv_rows
         self.scheduler.prefix_positions = self.pipeline.prefix_positions
+        self.scheduler.live_positions = self.pipeline.live_positions
         if self.auditor is not None:
             self.auditor.tolerance = audit_tolerance(self.pipeline.stages)
 

@@ -164,6 +164,13 @@ class Pipeline:
         bounds = [i.prefix_positions for i in self.stages]
         return None if None in bounds else min(bounds, default=None)
 
+    @property
+    def live_positions(self) -> int | None:
+        """The positions running sequences may hold of their own on every stage: the least of each stage's bound
+        (StageInfo.live_positions; None when no stage states one)."""
+        bounds = [b for i in self.stages if (b := i.live_positions) is not None]
+        return min(bounds, default=None)
+
     def _cache_identity(self) -> str:
         """What a cached prefix's K/V depends on besides its tokens: the model, and each stage's layers, dtype,
         weights mode and incarnation (a restarted stage keeps nothing). The prefix index roots its hashes here."""

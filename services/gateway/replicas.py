@@ -109,6 +109,11 @@ class Replicas:
         return min((r.pipeline.max_seq_len for r in self.all if r.pipeline.max_seq_len), default=0)
 
     @property
+    def live_positions(self) -> int | None:
+        """The positions one request may hold on every replica's stages (the smallest bound; None: no bound)."""
+        return min((p for r in self.all if (p := r.pipeline.live_positions) is not None), default=None)
+
+    @property
     def idle(self) -> bool:
         return all(r.scheduler.idle for r in self.all)
 

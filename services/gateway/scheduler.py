@@ -87,17 +87,22 @@ class Plan(Update):
 class Scheduler:
     """The policy of one pipeline. `kv_slots` (each stage's, the most requests running at once), `kv_rows` (each
     stage's KV rows: running requests and kept prefixes together), `prefix_positions` (the positions kept prefixes
-    may hold on every stage; None: no bound) follow the pipeline's /info: the engine keeps
-    them current."""
+    may hold on every stage; None: no bound), `live_positions` (the positions running requests may hold of their own
+    on every stage; None: no bound) follow the pipeline's /info: the engine keeps them current.
+
+    A running request holds positions for its prompt and all of its max_tokens (kv_positions) from admission to its
+    end, so the running ones' K/V never grows past live_positions: requests wait for room in the queue instead of a
+    stage being killed for memory."""
 
     def __init__(self, max_inflight: int, config: SchedulerConfig = SCHEDULER_DEFAULTS, kv_slots: int = 1,
-                 kv_rows: int | None = None, prefix_positions: int | None = None):
+                 kv_rows: int | None = None, prefix_positions: int | None = None, live_positions: int | None = None):
         self.max_inflight = max_inflight
         self.config = config
         self.max_replays = config.max_replays
         self.kv_slots = kv_slots
         self.kv_rows = kv_rows or kv_slots
         self.prefix_positions = prefix_positions
+        self.live_positions = live_positions
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.inflight: dict[int, MicroBatch] = {}  # micro-batch id -> the micro-batch, oldest first
@@ -121,6 +126,16 @@ class Scheduler:
     def idle(self) -> bool:
         """No request is running or waiting."""
         return not self.running and not self.waiting
+
+    @staticmethod
+    def kv_positions(req: Request) -> int:
+        """The positions a running request may come to hold: its prompt and every token it may generate."""
+        return len(req.prompt_ids) + req.max_tokens
+
+    @property
+    def held_positions(self) -> int:
+        """The positions the running requests hold (kv_positions of each)."""
+        return sum(self.kv_positions(r) for r in self.running.values())
 
     def open_requests(self) -> list[Request]:
         return [*self.running.values(), *self.waiting]
@@ -287,8 +302,13 @@ class Scheduler:
                 limit = min(limit, self.kv_cap)
             else:
                 self.kv_cap = None  # probe again: leased or foreign slots may have been freed
+        held = self.held_positions
         while self.waiting and len(self.running) < limit:
             req, hit = self.waiting[0], None
+            need = self.kv_positions(req)
+            if self.live_positions is not None and self.running and held + need > self.live_positions:
+                break  # waits for room (alone it always runs: a stage holds one whole row for it)
+            held += need
             if self.prefix is not None:
                 if req.computed == 0 and not req.traced and not req.replays and not req.no_cache:
                     hit = self.prefix.lookup(req.all_ids, req.cache_tenant)

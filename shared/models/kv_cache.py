@@ -319,12 +319,17 @@ class KVCache:
     sequence finds no free row, the least recently used kept one is given up. Both are counted in `evicted`; the
     gateway, which applies the same bounds to its index, learns of any other loss from a prefix_miss.
 
+    live_bytes: the K/V the live sequences may take of their own (the stage's memory budget less its weights and the
+    kept prefixes' bound; None: no bound). The gateway admits requests by it (StageInfo.live_positions); a
+    micro-batch that starts a sequence past it is refused here with kv_full (check_room), so a gateway that does not
+    know of it (another one, a stale view) is held back before the OS kills the stage for memory.
+
     On a CPU (Linux), the tensors' memory is SharedPages': a sequence that attaches a kept prefix maps its row's
     whole pages onto the prefix's, and the byte counts below count such a page once (shared_bytes: the rest)."""
 
     def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", scratch: bool = False, prefix_slots: int = 0,
-                 prefix_bytes: int | None = None):
+                 prefix_bytes: int | None = None, live_bytes: int | None = None):
         rows = num_slots + prefix_slots
         self.scratch_slot = rows if scratch else None
         shape = (rows + int(scratch), num_kv_heads, max_seq_len, head_dim)
@@ -344,6 +349,7 @@ class KVCache:
         self.num_slots = num_slots  # live sequences at once
         self.prefix_slots = prefix_slots  # rows beyond those, for cached prefixes
         self.prefix_bytes = prefix_bytes  # K/V the kept prefixes may hold (None: as much as their rows take)
+        self.live_bytes = live_bytes  # K/V the live sequences may take of their own (None: as much as their rows take)
         self.max_seq_len = max_seq_len
         self._free: list[int] = list(range(rows))  # a min-heap: the lowest free slot is handed out first, so
         # live sequences stay packed at the bottom and batched decode can read them as one slice (DecodeWindow; where
@@ -389,6 +395,25 @@ class KVCache:
         """K/V memory the kept prefixes take (bounded by prefix_bytes)."""
         slots = [self._slot_of.get(seq_id) for seq_id in list(self._kept)]
         return sum(self._own_positions(slot) for slot in slots if slot is not None) * self.position_bytes
+
+    @property
+    def live_resident_bytes(self) -> int:
+        """K/V memory the live sequences (not the kept prefixes) take of their own."""
+        return max(0, self.resident_bytes - self.kept_bytes)
+
+    def check_room(self, layout: BatchLayout, starting: bool) -> None:
+        """Refuse (KVCacheFull) a micro-batch that starts a sequence when the positions it writes would take the live
+        sequences' own K/V past live_bytes. One that only continues running sequences always runs: they were admitted
+        within the bound, and refusing them would leave nothing to finish and free memory."""
+        if self.live_bytes is None or not starting:
+            return
+        growth = sum(max(0, start + n - self.filled[slot]) for slot, start, n in
+                     zip(layout.slots, layout.starts, layout.lengths) if slot < len(self.filled))
+        need = self.live_resident_bytes + growth * self.position_bytes
+        if need > self.live_bytes:
+            raise KVCacheFull(f"the live sequences' K/V would take {need / 2**20:.0f} MiB, past the "
+                              f"{self.live_bytes / 2**20:.0f} MiB this stage's --memory-budget leaves them beside its "
+                              "weights and --prefix-cache-memory; the gateway holds new requests until some finish")
 
     def allocate(self, seq_id: Hashable) -> int:
         if seq_id in self._slot_of:

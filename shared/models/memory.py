@@ -8,7 +8,9 @@ between fitting and not for the users a pipeline exists for. So auto is kept onl
     auto's weights + KV cache <= budget   (its prefill copy in the measured prefill dtype, else bf16; else lean)
 
 The budget is per stage (--memory-budget); by default DEFAULT_FRACTION of the memory available when the piece loads
-(within the container's memory limit, where there is one), divided by the stages `up` starts on the host.
+(within the container's memory limit, where there is one), divided by the stages `up` starts on the host, after each
+stage process's own runtime (stage_shares). Within it: the weights, the cached prefixes' K/V (their bound,
+--prefix-cache-memory), and the live sequences' K/V (the rest: KVCache.live_bytes, by which the gateway admits).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ if TYPE_CHECKING:
 
 DEFAULT_FRACTION = 0.8  # of MemAvailable at load, for all the stages of one host together
 PREFIX_FRACTION = 0.25  # of MemAvailable at load: a stage's cached prefixes by default (--prefix-cache-memory)
+# A stage process's memory beyond its weights and KV: the interpreter, torch and its kernel library, ZeroMQ, the
+# HTTP probe server, allocator slack. The allowance is set above what benchmarks.memory measures beyond the weights
+# with eager decode (benchmarks/results/2026-11-28-sizes-memory-llama3.2-1b; docs/performance.md#model-sizes), so
+# that it leaves room for the compiled decode graphs.
+STAGE_RUNTIME_BYTES = int(0.4 * 2**30)
 def cgroup_memory_files() -> list[tuple[str, str]]:
     """(limit, usage) files of this process's memory cgroup and of each cgroup above it, innermost first: v2, then v1.
     In a container /proc/meminfo shows the host's memory, while the cgroup's limit (a Kubernetes pod's
@@ -133,6 +140,16 @@ def check_fits(what: str, need: int) -> None:
 
 def default_budget(stages_on_host: int = 1) -> int:
     return int(available_bytes() * DEFAULT_FRACTION / max(1, stages_on_host))
+
+
+def stage_shares(stages_on_host: int) -> tuple[int, int]:
+    """(memory budget, cached-prefix bound) of each of the stages `up` is about to start on this host: the memory
+    available now less each stage process's own runtime (STAGE_RUNTIME_BYTES, not taken yet), shared among them;
+    DEFAULT_FRACTION of it for weights and K/V, PREFIX_FRACTION of it (within those) for cached prefixes. Together
+    the stages commit no more than the host has, whatever the traffic."""
+    n = max(1, stages_on_host)
+    room = max(0, available_bytes() - n * STAGE_RUNTIME_BYTES)
+    return max(1, int(room * DEFAULT_FRACTION / n)), max(1, int(room * PREFIX_FRACTION / n))
 
 
 def default_prefix_bytes(rows_bytes: int) -> int:

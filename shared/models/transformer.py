@@ -402,10 +402,11 @@ class TransformerModel:
         return out
 
     def new_kv_cache(self, num_slots: int, max_seq_len: int, device: torch.device | str = "cpu",
-                     scratch: bool = False, prefix_slots: int = 0, prefix_bytes: int | None = None) -> KVCache:
+                     scratch: bool = False, prefix_slots: int = 0, prefix_bytes: int | None = None,
+                     live_bytes: int | None = None) -> KVCache:
         c = self.config
         return KVCache(len(self.layers), num_slots, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, device, scratch,
-                       prefix_slots, prefix_bytes)
+                       prefix_slots, prefix_bytes, live_bytes)
 
     # ---- compute -----------------------------------------------------------------------------------------
 

@@ -23,13 +23,10 @@ from shared.errors import StagemeshError
 from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange, StagePosition
 from shared.models import ModelConfig
+from shared.models.memory import STAGE_RUNTIME_BYTES
 
 GiB = 2**30
-# A stage process's memory beyond its weights and KV: the interpreter, torch and its kernel library, ZeroMQ, the
-# HTTP probe server, allocator slack. The allowance is set above what benchmarks.memory measures beyond the weights
-# with eager decode (benchmarks/results/2026-11-28-sizes-memory-llama3.2-1b; docs/performance.md#model-sizes), so
-# that it leaves room for the compiled decode graphs.
-RUNTIME_BYTES = int(0.4 * GiB)
+RUNTIME_BYTES = STAGE_RUNTIME_BYTES  # a stage process's memory beyond its weights and KV (shared.models.memory)
 # One hop's software cost beyond the link (ZeroMQ send, stagemesh's codec both ends, the receiver's wake-up): the
 # loopback cost per hop from benchmarks.critical_path's time outside compute with 2 hops (1 stage) and 3 (2 stages)
 # (docs/performance.md#one-stream-over-several-stages).

@@ -63,6 +63,11 @@ class StageRuntime:
             prefix_memory = default_prefix_bytes((kv_slots + prefix_slots) * row_bytes)
         if torch.device(device).type != "cpu":  # rows take their memory at once there (KVCache._zeros): only as many
             prefix_slots = min(prefix_slots, prefix_memory // row_bytes)  # as the bound holds
+        # the live sequences' own K/V: what the budget leaves beside the weights and the kept prefixes' bound, and
+        # never less than one whole row (one sequence of the full context always runs)
+        live_bytes = None
+        if model.memory is not None:
+            live_bytes = max(row_bytes, model.memory.budget - model.weight_bytes() - prefix_memory)
         reason = "--compile-decode off" if compile_decode == "off" else why_not_compilable(model)
         if compile_decode == "on" and reason is not None:
             raise CapabilityMissing(f"--compile-decode cannot compile layers {model.layers}: {reason}; "
@@ -71,9 +76,10 @@ class StageRuntime:
             if compile_decode == "auto":
                 log.info("layers %s decode eagerly: %s", model.layers, reason)
             return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device, prefix_slots=prefix_slots,
-                                                 prefix_bytes=prefix_memory), eager_reason=reason)
+                                                 prefix_bytes=prefix_memory, live_bytes=live_bytes),
+                       eager_reason=reason)
         kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True,  # the warm-up writes the scratch row
-                                prefix_slots=prefix_slots, prefix_bytes=prefix_memory)
+                                prefix_slots=prefix_slots, prefix_bytes=prefix_memory, live_bytes=live_bytes)
         compiled = CompiledDecode(model, kv, thread_counts=thread_counts)
         if compile_decode == "on":
             compiled.warm_up()
@@ -138,6 +144,7 @@ class StageRuntime:
             as_rows = any(w.step.num_tokens > 1 for w in work) and all(isinstance(w.step, Decode) for w in work) \
                 and not model.batch_invariant and KernelDecode.applies(model, self.device)
             layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device, as_rows)
+            self.kv.check_room(layout, starting=bool(fresh))
             self.kv.wrote(layout)
         except Exception:
             for seq_id in fresh:

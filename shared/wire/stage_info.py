@@ -50,6 +50,7 @@ class StageInfo:
     kv_max_seq_len: int
     kv_slot_lease_s: float
     kv_prefix_memory_bytes: int  # the bound on cached prefixes' K/V (the gateway evicts by it)
+    kv_live_memory_bytes: int  # the bound on live sequences' own K/V (the gateway admits by it; 0: none)
     kv_cached_bytes: int
     kv_position_bytes: int  # K/V bytes of one position, all its layers
     kv_resident_bytes: int  # committed by positions written (page by page)
@@ -97,6 +98,13 @@ class StageInfo:
         if self.kv_prefix_memory_bytes < 1 or self.kv_position_bytes < 1:
             return None
         return self.kv_prefix_memory_bytes // self.kv_position_bytes
+
+    @property
+    def live_positions(self) -> int | None:
+        """Positions its live sequences may hold of their own (None: it states no bound)."""
+        if self.kv_live_memory_bytes < 1 or self.kv_position_bytes < 1:
+            return None
+        return self.kv_live_memory_bytes // self.kv_position_bytes
 
 
 _HINTS = typing.get_type_hints(StageInfo)
