@@ -179,8 +179,8 @@ function drawList() {
               button("del", "×", "delete this conversation", () => deleteChat(c.id)));
     return li;
   }));
-  $("conv-note").textContent = q && !shown.length ? "no conversation matches" : $("conv-note").dataset.keep || "";
-  delete $("conv-note").dataset.keep;
+  const note = $("conv-note"), none = "no conversation matches";
+  if (q && !shown.length) note.textContent = none; else if (note.textContent === none) note.textContent = "";
 }
 
 // ---- export and import: JSON files, checked before anything is kept -------------------------------------------
