@@ -397,9 +397,10 @@ function dropOldest(retry) {
 const ready = () => Boolean(conv && ws && ws.readyState === 1);
 
 // What "auto" max tokens sends: AUTO_MAX_TOKENS, or less when the context has less room left (the room is at most
-// context - conv.used, the last turn's prompt + answer: the next prompt holds them).
+// context - conv.used, the last turn's prompt + answer: the next prompt holds them). Where the prompt leaves less
+// room than that, the gateway refuses max_tokens and the page asks again without it: all the room there is.
 function autoMaxTokens() {
-  return context && conv.used ? Math.max(1, Math.min(AUTO_MAX_TOKENS, context - conv.used)) : AUTO_MAX_TOKENS;
+  return context ? Math.max(1, Math.min(AUTO_MAX_TOKENS, context - ((conv && conv.used) || 0))) : AUTO_MAX_TOKENS;
 }
 
 function request() {
@@ -467,7 +468,7 @@ function onEvent(ev) {
   } else if (ev.type === "error") {
     const c = current;
     if (c.frame) cancelAnimationFrame(c.frame);
-    if (ev.code === "context_length_exceeded" && ev.param === "max_tokens" && !settings.max_tokens && !c.uncapped) {
+    if (ev.param === "max_tokens" && !settings.max_tokens && !c.uncapped) {
       c.uncapped = true; ws.send(JSON.stringify(request())); return;  // less room than the auto cap: all there is
     }
     finish(); stats.textContent = "";
