@@ -1,6 +1,8 @@
 """A real browser (Debian's headless Chromium, driven over the DevTools protocol) uses the chat page of a real
 `stagemesh up` in API key mode with a small context: the key asked once, markdown, the context limit, reload,
-settings, phone width. Screenshots go to tests/output/browser/ (committed, to be looked at)."""
+settings, phone width; code highlighting, copy, edit, regenerate and continue with the versions they keep, dark
+mode, rename, search, export and import of conversations. Screenshots go to tests/output/browser/ (committed, to
+be looked at)."""
 
 import asyncio
 import base64
@@ -159,8 +161,12 @@ async def test_static_files_and_csp(gateway):
         assert "script-src 'self'" in csp and "unsafe" not in csp
         assert "<script>" not in page and "<style>" not in page  # nothing inline: the policy allows none
         js = ("text/javascript", "application/javascript")  # both are JavaScript MIME types to a browser
+        css = ("text/css",)
         for path, ctypes in [("/static/vendor/marked-15.0.12.min.js", js), ("/static/vendor/purify-3.2.6.min.js", js),
-                             ("/static/chat.js", js), ("/static/mesh.js", js), ("/static/chat.css", ("text/css",))]:
+                             ("/static/vendor/highlight-11.11.1.min.js", js),
+                             ("/static/vendor/hljs-github-11.11.1.min.css", css),
+                             ("/static/vendor/hljs-github-dark-11.11.1.min.css", css),
+                             ("/static/chat.js", js), ("/static/mesh.js", js), ("/static/chat.css", css)]:
             assert f'"{path}"' in page
             async with s.get(gateway.url + path) as r:
                 assert r.status == 200 and r.headers["Content-Type"].split(";")[0] in ctypes, (path, r.headers)
@@ -243,7 +249,15 @@ async def test_key_asked_once_markdown_renders_and_reload_keeps_conversation_and
             await wait_js(dt, "document.getElementById('mesh-verdict').textContent === 'ready' && "
                               "!!document.getElementById('stage-1')", 30, "the mesh view in API key mode")
             stage = await dt.js("document.getElementById('stage-1').textContent")  # its prefix rows' K/V, of the bound
-            assert re.search(r"cached prefixes\d+ · \d+ of [1-9]\d* MiB", stage), stage
+            assert re.search(r"cached prefixes\d+ prefix(es)? · [\d,]+ MiB of [1-9][\d,]* MiB KV", stage), stage
+            assert re.search(r"KV slots\d+ of \d+ in use", stage), stage
+            # the charts have axes: 0 to the window's largest value, from the oldest point to now
+            await wait_js(dt, "/^−\\d+ (s|min)$/.test(document.querySelector('#chart-tokens_per_s .x-start')"
+                              ".textContent)", 10, "two points of the charts' history")
+            axes = await dt.js("[...document.querySelectorAll('#chart-running .y-axis span, #chart-running .x-axis "
+                               "span')].map((e) => e.textContent)")
+            assert len(axes) == 5 and axes[1] == "0" and axes[3:] == ["time", "now"], axes
+            assert re.fullmatch(r"−\d+ (s|min)", axes[2]) and float(axes[0].replace(",", "")) >= 0, axes
             assert not csp_violations(dt), csp_violations(dt)
 
 
@@ -330,5 +344,206 @@ async def test_phone_width_has_no_horizontal_scroll(gateway, chromium):
                                "document.body.appendChild(d); return d.innerHTML; })()")
             await asyncio.sleep(0.3)
             assert "<strong>bold</strong>" in html and "onerror" not in html and "<script" not in html, html
-            assert re.search(r"<pre>.*<code[^>]*>x = 1", html, re.S), html  # a fence is a code block, always
+            # a fence is a code block, always (its text highlighted: in token spans)
+            assert re.search(r"<pre><code[^>]*>x = 1", re.sub(r"</?span[^>]*>", "", html), re.S), html
             assert await dt.js("window.pwned === undefined")
+
+
+def sent_generates(dt: DevTools) -> list[dict]:
+    """The `generate` messages the page sent on its websocket, oldest first (needs Network.enable)."""
+    frames = [json.loads(e["params"]["response"]["payloadData"]) for e in dt.events
+              if e["method"] == "Network.webSocketFrameSent"]
+    return [f for f in frames if f.get("type") == "generate"]
+
+
+async def wait_answer(dt: DevTools, what: str, timeout: float = 240) -> None:
+    await wait_js(dt, "!document.getElementById('stop').disabled", 10, f"{what} to start")
+    await wait_js(dt, "document.getElementById('stop').disabled", timeout, f"{what} to end")
+
+
+async def click(dt: DevTools, selector: str) -> None:
+    assert await dt.js(f"(() => {{ const b = document.querySelector({json.dumps(selector)}); "
+                       "if (!b || b.disabled) return false; b.click(); return true; })()"), f"no enabled {selector}"
+
+
+async def choose_file(dt: DevTools, path: str) -> None:
+    """Pick a file in the page's import dialog, as a user's choice does (input and change events)."""
+    node = await dt.call("Runtime.evaluate", expression="document.getElementById('import-file')")
+    await dt.call("DOM.setFileInputFiles", files=[path], objectId=node["result"]["objectId"])
+
+
+SHOWN_TEXT = "[...document.querySelectorAll('#log .msg .body')].map((e) => e.textContent)"
+BODY_BG = "getComputedStyle(document.body).backgroundColor"
+KEYWORD_COLOUR = "getComputedStyle(document.querySelector('#log code .hljs-keyword')).color"
+
+
+async def test_versions_copy_dark_mode_export_and_import(gateway, chromium, tmp_path):
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
+            dt = DevTools(ws)
+            await dt.call("Network.enable")  # the websocket frames the page sends are recorded in dt.events
+            await open_chat(dt, gateway.url)
+
+            # the sampler settings say what a request sends, and what the API would use without them
+            await dt.js("document.getElementById('open-settings').click(); true")
+            assert await dt.js("document.getElementById('hint-temperature').textContent") == \
+                "page default 0.7 (the API's: 1)"
+            assert await dt.js("document.getElementById('hint-max-tokens').textContent") == \
+                "auto: 1,024, or what the context has left"
+            auto = min(1024, CONTEXT)  # a new conversation: the whole context is left
+            assert await dt.js("document.getElementById('set-effective').textContent") == \
+                f"Each request sends: temperature 0.7 · top-p 0.95 · max tokens {auto} (auto)"
+            await dt.js("document.getElementById('set-max-tokens').value = '40';"
+                        "document.getElementById('set-max-tokens').dispatchEvent(new Event('input')); true")
+            assert (await dt.js("document.getElementById('set-effective').textContent")).endswith("max tokens 40")
+            await dt.js("document.getElementById('open-settings').click(); true")  # closed unsaved: auto stays
+            # "auto" sends the cap; the prompt leaves less room in this small context, so the page asks again
+            # without it (up to the end of the context)
+            seen = await send(dt, "Say hi.")
+            assert seen and seen[-1].strip()
+            first, retried = sent_generates(dt)[-2:]
+            assert (first["temperature"], first["top_p"], first["max_tokens"]) == (0.7, 0.95, auto), first
+            assert "max_tokens" not in retried and retried["messages"] == first["messages"], retried
+
+            # an answer cut at max_tokens can be continued: the same answer grows
+            await dt.js("document.getElementById('new-chat').click(); true")
+            await save_settings(dt, temperature=0, max_tokens=8)
+            story = "Write a long story about a dragon who learns to bake bread."
+            await send(dt, story)
+            assert "token limit" in await dt.js("document.getElementById('stats').textContent")
+            cut = await dt.js("conv.messages[1].content")
+            await click(dt, ".msg.assistant .continue")
+            await wait_answer(dt, "the continued answer")
+            assert sent_generates(dt)[-1].get("continue_final_message") is True
+            assert sent_generates(dt)[-1]["messages"][-1] == {"role": "assistant", "content": cut}
+            grown = await dt.js("conv.messages")
+            assert len(grown) == 2 and grown[1]["content"].startswith(cut) and len(grown[1]["content"]) > len(cut), grown
+
+            # regenerate: a second answer; the first stays as version 1 of 2
+            await save_settings(dt, temperature=0, max_tokens=30)
+            await click(dt, ".msg.assistant .regenerate")
+            await wait_answer(dt, "the regenerated answer")
+            second = await dt.js("conv.messages[1].content")
+            assert second != grown[1]["content"] and await dt.js("conv.messages.length") == 2
+            assert await dt.js("document.querySelector('.msg.assistant .branch-label').textContent") == "2/2"
+            await click(dt, ".msg.assistant .prev-branch")
+            assert await dt.js("[conv.messages[1].content, document.querySelector('.msg.assistant .branch-label')"
+                               ".textContent]") == [grown[1]["content"], "1/2"]
+            shown_first = await dt.js(SHOWN_TEXT)
+            await click(dt, ".msg.assistant .next-branch")
+            assert await dt.js("conv.messages[1].content") == second and await dt.js(SHOWN_TEXT) != shown_first
+
+            # Copy under a message puts that message's text on the clipboard
+            await dt.call("Browser.grantPermissions", permissions=["clipboardReadWrite", "clipboardSanitizedWrite"])
+            await click(dt, ".msg.assistant .copy-msg")
+            await wait_js(dt, "document.querySelector('.msg.assistant .copy-msg').textContent === 'Copied'", 5, "copy")
+            assert await dt.js("navigator.clipboard.readText()") == second
+
+            # edit the question: it is sent again from there, with a new answer; the old question and its two
+            # answers stay reachable as version 1
+            await click(dt, ".msg.user .edit")
+            await dt.js("document.querySelector('.edit-box').value = 'Name three colours.'; true")
+            await click(dt, ".save-edit")
+            await wait_answer(dt, "the answer to the edited question")
+            assert sent_generates(dt)[-1]["messages"] == [{"role": "user", "content": "Name three colours."}]
+            now = await dt.js("conv.messages")
+            assert [m["role"] for m in now] == ["user", "assistant"] and now[1]["content"].strip(), now
+            assert now[0]["content"] == "Name three colours." and now[1]["content"] not in (second, grown[1]["content"])
+            assert await dt.js("document.querySelector('.msg.user .branch-label').textContent") == "2/2"
+            await screenshot(dt, "chat-versions.png")
+            await click(dt, ".msg.user .prev-branch")
+            assert await dt.js("[conv.messages[0].content, conv.messages[1].content]") == [story, second]
+            assert await dt.js("document.querySelector('.msg.assistant .branch-label').textContent") == "2/2"
+
+            # rename and search the conversation list
+            await click(dt, "#conversations li.active .rename")
+            await dt.js("document.querySelector('#conversations input.rename').value = 'Dragon bakery'; true")
+            await dt.call("Input.dispatchKeyEvent", type="keyDown", key="Enter", code="Enter", windowsVirtualKeyCode=13)
+            titles = "[...document.querySelectorAll('#conversations .title')].map((e) => e.textContent)"
+            assert await dt.js(titles) == ["Dragon bakery", "Say hi."]
+            search = ("((q) => { const s = document.getElementById('search'); s.value = q;"
+                      "s.dispatchEvent(new Event('input')); return " + titles + "; })")
+            assert await dt.js(search + "('BREAD')") == ["Dragon bakery"]  # the text of a kept version counts too
+            assert await dt.js(search + "('no such words')") == []
+            assert await dt.js("document.getElementById('conv-note').textContent") == "no conversation matches"
+            assert await dt.js(search + "('')") == ["Dragon bakery", "Say hi."]
+
+            # export all: a JSON file holding both conversations, versions included
+            downloads = tmp_path / "downloads"
+            downloads.mkdir()
+            await dt.call("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(downloads))
+            await click(dt, "#export-all")
+            for _ in range(100):
+                files = [f for f in downloads.iterdir() if f.suffix == ".json"]
+                if files:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(files) == 1, list(downloads.iterdir())
+            exported = json.loads(files[0].read_text())
+            stored = await dt.js("JSON.parse(localStorage.getItem('stagemesh.conversations'))")
+            assert exported["kind"] == "stagemesh.conversations" and len(exported["conversations"]) == 2
+            assert [(c["id"], c["title"], c["messages"]) for c in exported["conversations"]] == \
+                [(c["id"], c["title"], c["messages"]) for c in stored]
+            assert exported["conversations"][0]["messages"][0]["alts"][1][0]["content"] == "Name three colours."
+
+            # import: a bad file changes nothing and says why; the export brings both conversations back
+            bad = tmp_path / "bad.json"
+            for text, why in [("not json", "not JSON"), ('{"kind": "stagemesh.conversations", "conversations": '
+                                                         '[{"id": "x", "messages": [{"role": "robot", "content": 1}]}]}',
+                                                         "conversation 1 of the file is malformed")]:
+                bad.write_text(text)
+                await choose_file(dt, str(bad))
+                note = await wait_js(dt, "document.getElementById('conv-note').textContent", 5, "the import's note")
+                assert note.startswith("Import failed, nothing changed") and why in note, note
+                assert await dt.js("JSON.parse(localStorage.getItem('stagemesh.conversations')).length") == 2
+                await dt.js("document.getElementById('conv-note').textContent = ''; true")
+            await click(dt, "#conversations li:not(.active) .del")
+            await click(dt, "#conversations li.active .del")
+            assert await dt.js(titles) == []
+            await choose_file(dt, str(files[0]))
+            await wait_js(dt, "document.getElementById('conv-note').textContent === 'imported 2 conversations'", 5,
+                          "the import")
+            back = await dt.js("JSON.parse(localStorage.getItem('stagemesh.conversations'))")
+            assert [(c["id"], c["title"], c["messages"]) for c in back] == \
+                [(c["id"], c["title"], c["messages"]) for c in stored]
+            await choose_file(dt, str(files[0]))  # again: nothing doubled
+            await wait_js(dt, "document.getElementById('conv-note').textContent.includes('2 already here')", 5,
+                          "the second import")
+            assert await dt.js(titles) == ["Dragon bakery", "Say hi."]
+
+            # code is highlighted (tokens in spans), and a code block's text stays text: no markup gets through
+            code_chat = tmp_path / "code.json"
+            hostile = '<img src=x onerror="window.pwned=1">'
+            code_chat.write_text(json.dumps([{"id": "code1", "title": "Code", "updated": 4e12, "messages": [
+                {"role": "user", "content": "Add two numbers in Python; and show an img tag."},
+                {"role": "assistant", "content": "```python\ndef add(a, b):\n    return a + b\n```\n\n"
+                                                 f"```html\n{hostile}\n```"}]}]))
+            await choose_file(dt, str(code_chat))
+            await wait_js(dt, "document.getElementById('conv-note').textContent === 'imported 1 conversation'", 5,
+                          "the code import")
+            await dt.js("document.querySelector('#conversations li[data-id=code1] .title').click(); true")
+            assert await dt.js("document.querySelector('#log code .hljs-keyword').textContent") == "def"
+            assert await dt.js("document.querySelector('#log code').textContent") == "def add(a, b):\n    return a + b\n"
+            assert await dt.js("document.querySelectorAll('#log code')[1].textContent") == hostile + "\n"
+            assert await dt.js("document.querySelectorAll('#log img').length") == 0
+            await asyncio.sleep(0.2)
+            assert await dt.js("window.pwned === undefined")
+
+            # dark mode follows the system; a choice in the settings overrides it and is kept
+            light_bg, light_kw = await dt.js(f"[{BODY_BG}, {KEYWORD_COLOUR}]")
+            assert light_bg == "rgb(247, 248, 250)", light_bg
+            await dt.call("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme", "value": "dark"}])
+            await wait_js(dt, f"{BODY_BG} === 'rgb(11, 15, 23)'", 5, "the dark theme")
+            assert await dt.js(KEYWORD_COLOUR) not in (light_kw, None)  # the code's dark colours too
+            await screenshot(dt, "dark.png")
+            choose_theme = ("((v) => { const t = document.getElementById('set-theme'); t.value = v;"
+                            "t.dispatchEvent(new Event('change')); return getComputedStyle(document.body)"
+                            ".backgroundColor; })")
+            assert await dt.js(choose_theme + "('light')") == light_bg
+            await dt.call("Page.reload")
+            await wait_js(dt, "document.readyState === 'complete' && "
+                              "document.getElementById('status').textContent === 'connected'", 30, "reconnect")
+            assert await dt.js(f"[{BODY_BG}, {KEYWORD_COLOUR}]") == [light_bg, light_kw]  # kept, the system dark
+            assert await dt.js(choose_theme + "('auto')") == "rgb(11, 15, 23)"
+            assert await dt.js("localStorage.getItem('stagemesh.theme')") is None
+            assert not csp_violations(dt), csp_violations(dt)

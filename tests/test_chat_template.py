@@ -156,3 +156,20 @@ def test_gemma3_270m_chats_with_its_familys_template():
     assert text.endswith("<start_of_turn>model\n")
     turn = files.tokenizer.control["<start_of_turn>"]
     assert ids.count(turn) == 4  # the markers are control tokens, not text
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_TEMPLATES))
+def test_continuing_the_final_message_is_the_generation_prompt_followed_by_its_text(name):
+    """continue_final_message (the page's Continue): the prompt stops right after the partial answer, exactly where
+    the model would have stood had it generated that text itself; a template that ends elsewhere is refused."""
+    from shared.runtime.model_files import _cut_after_final_content
+
+    tpl = ChatTemplate(BUILTIN_TEMPLATES[name], bos_token="<s>", eos_token="</s>")
+    asked = [{"role": "user", "content": "Count to ten."}]
+    partial = {"role": "assistant", "content": "One, two, three,"}
+    segments = tpl.render_segments([*asked, partial], add_generation_prompt=False)
+    continued = "".join(text for text, _ in _cut_after_final_content(segments, partial["content"]))
+    assert continued == tpl.render([dict(m) for m in asked], add_generation_prompt=True) + partial["content"]
+    assert continued != "".join(text for text, _ in segments)  # the end of the turn was cut
+    with pytest.raises(ChatTemplateError, match="cannot be continued"):
+        _cut_after_final_content(segments, "text the prompt does not end with")

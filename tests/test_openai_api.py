@@ -632,3 +632,17 @@ def test_a_cache_scope_must_be_a_short_string(field):
     assert refused({**CHAT, field: 7}, chat=True).param == field
     assert refused({**CHAT, field: "x" * 257}, chat=True).param == field
     assert parse_generation({**CHAT, field: "t1"}, True, 8192, VOCAB).cache_tenant == f"{field}:t1"
+
+
+def test_continue_final_message_needs_an_assistant_message_with_text_last():
+    asked = [{"role": "user", "content": "Count to ten."}]
+    spec = parse_generation({"messages": [*asked, {"role": "assistant", "content": "One, two,"}],
+                             "continue_final_message": True}, True, 8192, VOCAB)
+    assert spec.continue_final
+    assert not parse_generation({"messages": asked}, True, 8192, VOCAB).continue_final
+    for messages in (asked, [*asked, {"role": "assistant", "content": " "}]):
+        with pytest.raises(RequestError, match="continues the last message") as e:
+            parse_generation({"messages": messages, "continue_final_message": True}, True, 8192, VOCAB)
+        assert e.value.param == "continue_final_message"
+    with pytest.raises(RequestError, match="continue_final_message"):  # a chat field: completions have no messages
+        parse_generation({"prompt": "One, two,", "continue_final_message": True}, False, 8192, VOCAB)

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from aiohttp import WSCloseCode, web
 
@@ -121,7 +122,8 @@ class Gateway:
                                f"(at most {cap} characters here); shorten it", param, code="context_length_exceeded")
         try:
             if spec.messages is not None:
-                ids = await self.lanes.run(chars, self.files.chat_prompt_ids, tool_messages(spec.messages, spec.tools))
+                render = partial(self.files.chat_prompt_ids, continue_final=spec.continue_final)
+                ids = await self.lanes.run(chars, render, tool_messages(spec.messages, spec.tools))
             else:
                 ids = await self.lanes.run(chars, self.files.tokenizer.encode, spec.prompt)
         except ChatTemplateError as e:

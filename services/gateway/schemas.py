@@ -79,6 +79,7 @@ class GenerationSpec:
     json_schema: dict | None = None  # response_format json_object / json_schema: the output is constrained to it
     tools: list[dict] | None = None  # validated {"type": "function", "function": {name, description, parameters}}
     tool_choice: str | dict = "none"  # none | auto | required | {"type": "function", "function": {"name": ...}}
+    continue_final: bool = False  # vLLM's continue_final_message: the last (assistant) message goes on
 
     @property
     def forced_tool(self) -> bool:
@@ -221,7 +222,7 @@ READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k",
                          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
                          "response_format", "resumable", "cache_salt", "prompt_cache_key", "user", "prediction"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "parallel_tool_calls"})
+                         "parallel_tool_calls", "continue_final_message"})
 COMPLETION_FIELDS = frozenset({"prompt"})
 # Accepted and ignored: none of them can change the tokens generated (bookkeeping for the caller's own records, or
 # options of features this server refuses when they would take effect). Value: the JSON types accepted.
@@ -474,6 +475,15 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     spec.resumable = _bool(body, "resumable")
     spec.cache_tenant = _cache_tenant(body)
     spec.prediction = _prediction(body)
+    if chat and _bool(body, "continue_final_message"):
+        last = spec.messages[-1]
+        if last["role"] != "assistant" or not last["content"].strip() or "tool_calls" in last:
+            raise RequestError("'continue_final_message' continues the last message: it must be an assistant message "
+                               "with text (and no tool calls)", "continue_final_message")
+        if body.get("tools") is not None:
+            raise RequestError("'continue_final_message' does not go with 'tools'", "continue_final_message",
+                               code="unsupported_parameter")
+        spec.continue_final = True
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):

@@ -40,8 +40,11 @@ class WsSession:
                 task.cancel()
                 self.gw.leave(handle)
 
-    async def error(self, rid: str | None, code: str, message: str) -> None:
-        await self.ws.send_json({"type": "error", "id": rid, "code": code, "message": message})
+    async def error(self, rid: str | None, code: str, message: str, param: str | None = None) -> None:
+        event = {"type": "error", "id": rid, "code": code, "message": message}
+        if param is not None:  # the request field at fault, as in the HTTP API's error body
+            event["param"] = param
+        await self.ws.send_json(event)
 
     async def on_message(self, text: str) -> None:
         """One client message. Whatever it holds, the socket and the client's other streams on it live on: a bad
@@ -94,7 +97,7 @@ class WsSession:
             handle = await self.gw.start(body, chat="messages" in body)
         except RequestError as e:
             self.gw.metrics.rejected.labels(str(e.status)).inc()
-            return await self.error(rid, e.code, e.message)
+            return await self.error(rid, e.code, e.message, e.param)
         self.active[rid] = (handle, asyncio.create_task(self.pump(rid, handle)))
 
     async def resume(self, rid: str, data: dict) -> None:

@@ -75,9 +75,11 @@ class ModelFiles:
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
         return ChatTemplate(src, bos_token=bos, eos_token=eos)
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], continue_final: bool = False) -> list[int]:
         """Render messages through the model's template and tokenize. Only the template's own markup becomes
-        control tokens; every string from the messages is plain text, whatever it spells (issue 11)."""
+        control tokens; every string from the messages is plain text, whatever it spells (issue 11).
+        continue_final: the prompt ends inside the final (assistant) message, just after its content, so that the
+        answer goes on with it (vLLM's continue_final_message) instead of opening a new turn."""
         from shared.errors import ChatTemplateError
 
         if self.chat_template is None:
@@ -85,8 +87,23 @@ class ModelFiles:
                                     "by its turn markers: start it with --chat-template NAME|FILE (built-in: "
                                     f"{', '.join(BUILTIN_TEMPLATES)}), or send a plain prompt to /v1/completions")
         tok = self.tokenizer
-        segments = self.chat_template.render_segments(messages, add_generation_prompt=True, markup=tok.control_texts)
+        segments = self.chat_template.render_segments(messages, add_generation_prompt=not continue_final,
+                                                      markup=tok.control_texts)
+        if continue_final:
+            segments = _cut_after_final_content(segments, messages[-1]["content"])
         bos = self.chat_template.bos_token
         # templates that write BOS themselves
         already_has_bos = bool(bos) and bool(segments) and not segments[0][1] and segments[0][0].startswith(bos)
         return tok.encode_segments(segments, add_bos=False if already_has_bos else None)
+
+
+def _cut_after_final_content(segments: list[tuple[str, bool]], content: str) -> list[tuple[str, bool]]:
+    """The prompt's pieces up to the end of the last message's content: what the template writes after it (the end
+    of the turn) is left out. The last piece from the client must end with that content (templates may trim it)."""
+    from shared.errors import ChatTemplateError
+
+    last = max((i for i, (_, from_client) in enumerate(segments) if from_client), default=None)
+    if last is None or not content.strip() or not segments[last][0].rstrip().endswith(content.strip()):
+        raise ChatTemplateError("this model's chat template does not end the prompt with the final message's text, "
+                                "so that message cannot be continued; leave continue_final_message out")
+    return segments[:last + 1]

@@ -22,7 +22,7 @@ function bar(fraction) {
 
 function hop(ms, title) {
   const h = el("div", "hop"); h.title = title;
-  h.append(el("div", "", fmt(ms, 2, " ms")), el("div", "arrow", "→"));
+  h.append(el("div", "", fmt(ms, 2, " ms")), el("div", "arrow", "→"), el("div", "", "hop"));
   return h;
 }
 
@@ -34,20 +34,30 @@ function stageNode(s) {
     n.appendChild(el("div", "error", s.error || "no answer"));
   } else {
     n.appendChild(row("layers", s.layers ? s.layers[0] + ":" + s.layers[1] + " (" + s.position + ")" : "–"));
-    n.appendChild(row("busy (10 s)", fmt(s.busy_fraction === null ? null : 100 * s.busy_fraction, 0, "%")));
+    n.appendChild(row("busy (last 10 s)", fmt(s.busy_fraction === null ? null : 100 * s.busy_fraction, 0, "%")));
     n.appendChild(bar(s.busy_fraction));
-    n.appendChild(row("compute / micro-batch", fmt(s.compute_ms, 1, " ms")));
-    n.appendChild(row("KV slots", s.kv_slots === undefined ? "–" : s.kv_slots_used + " / " + s.kv_slots));
+    n.appendChild(row("compute per micro-batch", fmt(s.compute_ms, 1, " ms")));
+    n.appendChild(row("KV slots", s.kv_slots === undefined ? "–" : s.kv_slots_used + " of " + s.kv_slots + " in use"));
     n.appendChild(bar(s.kv_slots ? s.kv_slots_used / s.kv_slots : 0));
-    if (typeof s.kv_slots_cached === "number") {  // the prefix cache's rows, and their K/V of the stage's bound
-      const mib = (b) => (b / 1048576).toFixed(0);
-      n.appendChild(row("cached prefixes", s.kv_slots_cached + (s.kv_prefix_memory_bytes
-        ? " · " + mib(s.kv_cached_bytes || 0) + " of " + mib(s.kv_prefix_memory_bytes) + " MiB" : "")
-        + (s.kv_shared_bytes ? " · " + mib(s.kv_shared_bytes) + " MiB shared" : "")));
-    }
+    if (typeof s.kv_slots_cached === "number") n.appendChild(cachedRow(s));
   }
   n.appendChild(row("restarts", String(s.restarts)));
   return n;
+}
+
+const count = (n) => n.toLocaleString("en-US");
+
+// the prefix cache's rows on this stage, their K/V of the stage's bound (--prefix-cache-memory), and the K/V that
+// running sequences read from those rows' pages instead of copies
+function cachedRow(s) {
+  const mib = (b) => count(Math.round(b / 1048576)) + " MiB";
+  const parts = [count(s.kv_slots_cached) + (s.kv_slots_cached === 1 ? " prefix" : " prefixes")];
+  if (s.kv_prefix_memory_bytes) parts.push(mib(s.kv_cached_bytes || 0) + " of " + mib(s.kv_prefix_memory_bytes) + " KV");
+  if (s.kv_shared_bytes) parts.push(mib(s.kv_shared_bytes) + " shared");
+  const r = row("cached prefixes", parts.join(" · "));
+  r.title = "cached prefixes: how many, their K/V of the stage's prefix-cache memory, and the K/V running sequences " +
+            "read from their pages instead of copies";
+  return r;
 }
 
 function sparkline(values, w, h) {
@@ -130,12 +140,20 @@ function drawStats(snap, g) {
                      stat("gw-replaying", "replaying", String(g.replaying)), stat("gw-failovers", "failovers", String(g.failovers)),
                      stat("gw-replayed", "replayed sequences", String(g.replayed_sequences)),
                      stat("gw-tokens", "generated tokens", String(g.generated_tokens)));
-  const charts = document.getElementById("charts");
+  const charts = document.getElementById("charts"), times = snap.series.t || [];
+  const span = times.length > 1 ? times[times.length - 1] - times[0] : 0;
+  const ago = span >= 90 ? "−" + Math.round(span / 60) + " min" : "−" + Math.round(span) + " s";
   charts.replaceChildren(...CHARTS.map(([key, name, digits]) => {
     const c = el("div", "chart"); c.id = "chart-" + key;
     const values = snap.series[key] || [], lastv = values.length ? values[values.length - 1] : null;
+    const nums = values.filter((v) => v !== null), top = nums.length ? Math.max(...nums) : 0;
     const label = el("div", "label"); label.append(el("span", "", name), el("b", "", fmt(lastv, digits)));
-    c.append(label, sparkline(values, 200, 60));
+    // axes: the value from 0 (bottom) to the window's largest (top), time from the oldest point to now
+    const plot = el("div", "plot"), y = el("div", "y-axis"), x = el("div", "x-axis");
+    y.append(el("span", "y-max", top >= 100 ? count(Math.round(top)) : String(+top.toFixed(1))), el("span", "y-min", "0"));
+    x.append(el("span", "x-start", span ? ago : ""), el("span", "x-name", "time"), el("span", "x-end", "now"));
+    plot.append(y, sparkline(values, 200, 60), x);
+    c.append(label, plot);
     return c;
   }));
 }
