@@ -33,7 +33,9 @@ eager against compiled), all but one:
   dynamo.
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
-batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile
+batch-invariant mode never compiles. The one-sequence step is a saved AOTInductor package where one applies
+(aoti_decode: loaded in seconds on later starts, built and saved the first time; torch.compile where it fails or does
+not apply); inductor's on-disk cache makes the torch.compile graphs' later starts fast. When the graphs compile
 (COMPILE_MODES, `--compile-decode`; both graphs at every thread count, each tens of seconds from a cold cache on 2
 cores: benchmarks/decode_step.py --compile reports it, docs/performance.md#compiled-decode has the figures):
 
