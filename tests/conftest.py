@@ -14,6 +14,10 @@ DATA = os.path.join(ROOT, "tests", "data")
 # serving default (auto) each would spend a minute of both cores compiling in the background. The compiled step is
 # tested where it is the point: tests/test_numerics.py (in process) and tests/test_compiled_mesh.py (real stages).
 os.environ["STAGEMESH_COMPILE_DECODE"] = "off"
+# Nor do they read or write saved compiled decode steps (AOTInductor packages, by default under ~/.cache/stagemesh):
+# where a stage compiles, its one-sequence step is torch.compile's, as the tests of it expect. tests/test_aoti_decode.py
+# builds and loads packages in folders of its own.
+os.environ["STAGEMESH_AOTI_CACHE"] = "off"
 
 
 def uses_llama_cpp(fixture_fn):

@@ -107,5 +107,11 @@ def test_decode_notes_announce_each_change_once():
                          "compile_seconds": {}}}
     assert decode_notes({}, {0: alone}) == ["stage 0: decode switched to the compiled step (batches decode eagerly: "
                                             "layers with an attention soft cap attend with SDPA) (compiled in 30 s)"]
+    # the one-sequence step from a saved package runs while the batched graph still compiles: announced apart
+    loaded = {"state": "compiling", "one_sequence": {"path": "aoti-loaded", "ready": True, "seconds": {"2": 1.5}}}
+    notes = decode_notes({0: "compiling"}, {0: loaded})
+    assert notes == ["stage 0: decoding one stream at full speed: compiled step loaded from cache in 1.5 s (several "
+                     "streams at once still run slower until their step compiles)"]
+    assert decode_notes({0: "compiling, one sequence ready"}, {0: loaded}) == []
     failed = {"state": "failed", "error": "no C++ compiler"}
     assert "no C++ compiler" in decode_notes(states, {1: failed})[0]

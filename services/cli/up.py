@@ -230,16 +230,27 @@ def decode_notes(previous: dict[int, str], entries: dict[int, dict]) -> list[str
     lines = []
     for i, entry in sorted(entries.items()):
         state = entry.get("state")
+        one = entry.get("one_sequence") or {}
+        packaged = str(one.get("path") or "").startswith("aoti")
+        if state == "compiling" and packaged and one.get("ready"):
+            state = "compiling, one sequence ready"  # its saved package runs while the batched graph compiles
         if state == previous.get(i) or state is None:
             continue
         previous[i] = state
         if state == "compiling":
-            lines.append(f"stage {i}: decode runs eagerly while its compiled step builds in the background "
-                         "(minutes the first time on a small CPU, seconds from inductor's cache)")
+            lines.append(f"stage {i}: decode runs slower while its compiled step builds in the background "
+                         "(a minute or more the first time on a small CPU, then saved: seconds on later starts)")
+        elif state == "compiling, one sequence ready":
+            took = sum((one.get("seconds") or {}).values())
+            how = "loaded from cache" if one["path"] == "aoti-loaded" else "built and saved for later starts"
+            lines.append(f"stage {i}: decoding one stream at full speed: compiled step {how} in {took:.1f} s "
+                         "(several streams at once still run slower until their step compiles)")
         elif state == "ready":
             batched = entry.get("batched") or {}
             took = sum((entry.get("compile_seconds") or {}).values())
             took += sum((batched.get("compile_seconds") or {}).values())
+            if packaged:  # the one-sequence step's package: loaded or built
+                took += sum((one.get("seconds") or {}).values())
             if batched.get("sizes") and batched.get("reason") is None:
                 lo, hi = batched["sizes"]
                 what = f"the compiled steps, one sequence and batches of {lo}-{hi}"
@@ -274,7 +285,8 @@ async def _supervise(meshes: list[LocalMesh]) -> None:
                 infos = await asyncio.to_thread(_compiled_decode, mesh)
                 for line in decode_notes(states[r], infos):
                     _say(f"p{r} {line}" if len(meshes) > 1 else line)
-                watching |= (len(states[r]) < len(mesh.stages) or "compiling" in states[r].values()
+                watching |= (len(states[r]) < len(mesh.stages)
+                             or any(v.startswith("compiling") for v in states[r].values())
                              or "pending" in states[r].values())
 
 

@@ -33,7 +33,9 @@ eager against compiled), all but one:
   dynamo.
 
 Compiled and eager steps agree to bf16 rounding (fused kernels round at other points), not bit for bit, so the
-batch-invariant mode never compiles. inductor's on-disk cache makes later starts fast. When the graphs compile
+batch-invariant mode never compiles. The one-sequence step is a saved AOTInductor package where one applies
+(aoti_decode: loaded in seconds on later starts, built and saved the first time; torch.compile where it fails or does
+not apply); inductor's on-disk cache makes the torch.compile graphs' later starts fast. When the graphs compile
 (COMPILE_MODES, `--compile-decode`; both graphs at every thread count, each tens of seconds from a cold cache on 2
 cores: benchmarks/decode_step.py --compile reports it, docs/performance.md#compiled-decode has the figures):
 
@@ -50,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 import types
@@ -57,7 +60,7 @@ import types
 import torch
 
 from shared.errors import CapabilityMissing
-from shared.models import linear, transformer
+from shared.models import aoti_decode, linear, transformer
 from shared.models.attention import BatchDecode, OneSequenceDecode
 from shared.models.kv_cache import BatchLayout, KVCache
 
@@ -202,7 +205,8 @@ class CompiledDecode:
     """The compiled decode steps of one TransformerModel piece over its KVCache: one sequence's graph, the context
     length dynamic, and the batched graph (where it applies), the batch size dynamic."""
 
-    def __init__(self, model, kv: KVCache, thread_counts: tuple[int, ...] | None = None):
+    def __init__(self, model, kv: KVCache, thread_counts: tuple[int, ...] | None = None, *,
+                 fingerprint: str | None = None, package_dir: str | None = None):
         if kv.scratch_slot is None:
             raise ValueError("the compiled decode step warms up in a KV scratch row: new_kv_cache(..., scratch=True)")
         if kv.max_seq_len < 4:
@@ -235,6 +239,18 @@ class CompiledDecode:
         # by the compiling thread only; forward reads it and runs nothing compiled before "ready".
         self.state = "pending"
         self.error: str | None = None
+        # The one-sequence step as a saved AOTInductor package (aoti_decode), by thread count, where it applies:
+        # package_dir (aoti_decode.cache_dir()) and the model file's fingerprint given, and aoti_decode.why_not_packaged
+        # None. It is loaded (or built, then saved) first, and runs as soon as it passed its check against the eager
+        # step, whatever the torch.compile graphs' progress; where it fails the one-sequence graph is torch.compile's.
+        self._packaged: dict[int, aoti_decode.PackagedStep] = {}
+        self.package_dir = package_dir
+        self.fingerprint = fingerprint
+        self.package_reason = ("no package folder ($STAGEMESH_AOTI_CACHE off)" if package_dir is None
+                               else "no model fingerprint" if fingerprint is None
+                               else aoti_decode.why_not_packaged(model))
+        self.one_path: str | None = None  # "aoti-loaded" | "aoti-compiled" | "torch.compile", once the step runs
+        self.one_seconds: dict[int, float] = {}  # thread count -> seconds to the one-sequence step (load or build)
         self.broken = False  # set when a serving-time call would have recompiled: eager from then on
         self.steps = 0  # decode steps run compiled
         # The batched step: decode micro-batches of B = batch_sizes[0]..[1] sequences through a second copy of
@@ -335,17 +351,27 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile the graph at every thread count, one call each in the KV cache's scratch row (no sequence ever holds
-        it); compile_seconds records each count's. Raises CapabilityMissing when inductor fails (state "failed").
-        Leaves this thread's torch thread count as it found it."""
+        """Make the steps at every thread count: first the one-sequence step's package where one applies (loaded,
+        else built and saved; it runs as soon as it passes its check), then with torch.compile the one-sequence graph
+        where there is no package and the batched graph, one call each in the KV cache's scratch row (no sequence ever
+        holds it); compile_seconds records each count's. Raises CapabilityMissing when inductor fails (state
+        "failed"). Leaves this thread's torch thread count as it found it."""
         self.state = "compiling"
-        _compiling.add(id(self))
         own = torch.get_num_threads()
         pos = (self.contexts[0] + self.contexts[1]) // 2 - 1  # inside the dynamic range, at neither end
         try:
+            if self.package_reason is None:
+                for threads in self.thread_counts:
+                    torch.set_num_threads(threads)
+                    self._package_one(threads)
+            _compiling.add(id(self))
             for threads in self.thread_counts:
                 t = time.perf_counter()
                 torch.set_num_threads(threads)
+                if threads in self._packaged:
+                    if self._batched is not None:
+                        self._warm_up_batched(threads, pos)
+                    continue
                 hidden = torch.zeros(1, self.model.config.hidden_size)
                 made = len(self._graphs["one"])
                 try:  # no duck sizing: the context and the slot are two sizes even where they are equal when traced
@@ -358,6 +384,8 @@ class CompiledDecode:
                     raise CapabilityMissing(f"--compile-decode: {self.error}; drop --compile-decode to decode "
                                             "eagerly") from None
                 self.compile_seconds[threads] = round(time.perf_counter() - t, 1)
+                self.one_seconds[threads] = self.compile_seconds[threads]
+                self.one_path = "torch.compile"
                 log.info("compiled the decode step for contexts %d..%d with %d threads in %.1f s", *self.contexts,
                          threads, self.compile_seconds[threads])
                 self._bind("one", threads, made, self._one_probes(pos), self._compiled)
@@ -367,6 +395,37 @@ class CompiledDecode:
         finally:
             torch.set_num_threads(own)
             _compiling.discard(id(self))
+
+    def _package_one(self, threads: int) -> None:
+        """The one-sequence step at this thread count from its AOTInductor package: loaded from the cache, else
+        built and saved (aoti_decode.load_or_build), checked against the eager step; from then on forward runs it.
+        Any failure is logged in a line and leaves the step to torch.compile."""
+        t = time.perf_counter()
+        try:
+            key = aoti_decode.package_key(self.model, self.kv, threads, self.fingerprint)
+            if not os.path.exists(aoti_decode.package_path(self.package_dir, key)):
+                log.info("decoding runs slower until the compiled decode step is built (a one-time build of about a "
+                         "minute on 2 cores, saved for later starts in %s)", self.package_dir)
+                _compiling.add(id(self))  # export and inductor trace while torch.compile graphs would run
+            try:
+                step = aoti_decode.load_or_build(self.package_dir, self.model, self.kv, threads, self.fingerprint)
+            finally:
+                _compiling.discard(id(self))
+        except Exception as e:
+            why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            self.package_reason = f"{type(e).__name__}: {why}"
+            log.warning("the saved compiled decode step is unavailable (%s); compiling it with torch.compile instead",
+                        self.package_reason)
+            return
+        self.one_seconds[threads] = round(time.perf_counter() - t, 1)
+        self._packaged[threads] = step
+        self.one_path = step.how
+        if step.how == "aoti-loaded":
+            log.info("decoding at full speed: compiled step loaded from cache in %.1f s (%d threads)",
+                     self.one_seconds[threads], threads)
+        else:
+            log.info("decoding at full speed: compiled step built in %.1f s and saved for later starts (%d threads)",
+                     self.one_seconds[threads], threads)
 
     def _warm_up_batched(self, threads: int, pos: int) -> None:
         """Compile the batched graph at this thread count: one call of B sequences, all in the scratch row at
@@ -410,7 +469,15 @@ class CompiledDecode:
         """What a stage's /info reports: the compile state (and error), the context lengths the graph serves, each
         thread count's compile seconds, the steps run compiled so far, and whether a serving-time call fell back to
         eager for good."""
+        one_ready = all(n in self._packaged for n in self.thread_counts) or self.state == "ready"
         return {"state": self.state, "error": self.error, "threads": list(self.thread_counts),
+                # the one-sequence step: which path runs it ("aoti-loaded": a saved package, "aoti-compiled": a package
+                # built by this process, "torch.compile"), whether it runs at every thread count, the seconds each took,
+                # and why there is no package where there is none
+                "one_sequence": {"path": self.one_path, "ready": one_ready,
+                                 "seconds": {str(n): s for n, s in self.one_seconds.items()},
+                                 "package_reason": self.package_reason,
+                                 "packages": sorted({p.path for p in self._packaged.values()})},
                 "contexts": list(self.contexts),
                 "compile_seconds": {str(n): s for n, s in self.compile_seconds.items()}, "steps": self.steps,
                 # the graphs called without dynamo ("one" / "batched" and the thread count), and why one is not
@@ -427,9 +494,17 @@ class CompiledDecode:
         `contexts`; B outside `batch_sizes` or no batched graph; a thread count it was not compiled for): run eager
         then. Never compiles: a call that would (a guard that fails on an input nobody foresaw) runs eager instead,
         from then on, and is logged."""
-        if self.state != "ready" or _compiling or not layout.decode_only:
+        if not layout.decode_only or torch.get_num_threads() not in self.thread_counts:
             return None
-        if torch.get_num_threads() not in self.thread_counts:
+        if len(layout.slots) == 1 and self._packaged:  # a package runs without dynamo: whatever else compiles
+            packaged = self._packaged.get(torch.get_num_threads())
+            pos = layout.starts[0]
+            if packaged is not None and self.covers(pos + 1) and hidden.dtype == torch.float32 \
+                    and tuple(hidden.shape) == (1, self.model.config.hidden_size):
+                out = packaged(hidden, layout, pos)
+                self.steps += 1
+                return out
+        if self.state != "ready" or _compiling:
             return None
         b = len(layout.slots)
         if hidden.dtype != torch.float32 or tuple(hidden.shape) != (b, self.model.config.hidden_size):

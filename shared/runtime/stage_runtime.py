@@ -14,6 +14,7 @@ from shared.errors import BadBatch, CapabilityMissing, MissingActivation
 from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
+from shared.models.aoti_decode import cache_dir as package_cache_dir
 from shared.models.attention import KernelDecode
 from shared.models.compiled_decode import CompiledDecode, why_not_compilable
 from shared.models.crossover import apply_measured_crossover
@@ -80,7 +81,10 @@ class StageRuntime:
                        eager_reason=reason)
         kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True,  # the warm-up writes the scratch row
                                 prefix_slots=prefix_slots, prefix_bytes=prefix_memory, live_bytes=live_bytes)
-        compiled = CompiledDecode(model, kv, thread_counts=thread_counts)
+        # the one-sequence step: a saved AOTInductor package where one applies ($STAGEMESH_AOTI_CACHE), keyed by
+        # the model file among the rest
+        compiled = CompiledDecode(model, kv, thread_counts=thread_counts, fingerprint=loader.fingerprint,
+                                  package_dir=package_cache_dir())
         if compile_decode == "on":
             compiled.warm_up()
         else:
