@@ -1,5 +1,5 @@
 """One sequence's decode step as a saved AOTInductor package: built once per model, split and machine, loaded in
-seconds on every later start (issue 53 item 8; benchmarks/aoti_trial.py; docs/performance.md#compiled-decode).
+seconds on every later start (benchmarks/aoti_trial.py; docs/performance.md#compiled-decode).
 
 What is exported is the model's own TransformerModel.run_layers with a OneSequenceDecode, as CompiledDecode compiles
 it: torch.export with the context length and the slot dynamic keeps the K/V writes as index_put_ on the cache inputs,
