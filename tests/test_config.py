@@ -189,6 +189,7 @@ print("torch loaded" if "torch" in sys.modules else "torch not loaded", code)
     (["stage", "--help"], 0),
     (["up", "--stage", "3"], 2),  # no abbreviation: --stage is not --stages
     (["up", "--stages", "0"], 2),
+    (["up", "--stages", "40"], 2),  # more stages than the model has layers: read from its header alone
     (["up", "--model", "/no/such/model.gguf"], 2),
     (["up", "--memory-budget", "lots"], 2),
     (["stage", "--listen", "localhost:5551", "--next", "tcp://127.0.0.1:5552"], 2),

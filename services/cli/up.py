@@ -25,6 +25,7 @@ from services.process.args import (
 )
 from shared.config import GATEWAY_PORT, LoadConfig, SchedulerConfig, StageConfig
 from shared.errors import StagemeshError
+from shared.files.gguf_header import layer_count
 from shared.files.model_registry import resolve_model
 from shared.models.memory import stage_shares
 from shared.text.chat_template import template_source
@@ -90,14 +91,10 @@ def check_model(name: str) -> str:
 
 def model_layers(path: str) -> int:
     """The model's layer count from its GGUF header alone (read before any stage starts: nothing is loaded)."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)
-        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-        return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
-    except (KeyError, IndexError, ValueError, OSError) as e:
-        raise StagemeshError(f"model file {path}: its header names no layer count ({type(e).__name__})") from None
+        return layer_count(path)
+    except OSError as e:
+        raise StagemeshError(f"model file {path}: {e.strerror or e}") from None
 
 
 GATEWAY_LOG = "gateway.log"  # in --log-dir: the gateway's log lines (the access log among them)
