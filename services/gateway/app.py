@@ -1,6 +1,6 @@
 """The gateway's aiohttp application, composed: the error middleware (host, origin, API key, content type), probes,
 metrics, the chat page, the routes and the app factory. The request lifecycle (Gateway) lives in core.py, the OpenAI
-handlers in openai_api.py, the websocket in ws.py, the mesh view in mesh_view.py."""
+handlers in openai_api.py and responses_api.py, the websocket in ws.py, the mesh view in mesh_view.py."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ from services.gateway.metrics import (
 from services.gateway.openai_api import chat_completions, completions, models, resume_stream
 from services.gateway.pipeline import Pipeline
 from services.gateway.replicas import Replica, Replicas
+from services.gateway.response_store import MemoryResponseStore
+from services.gateway.responses_api import (
+    RESPONSES,
+    cancel_response,
+    create_response,
+    delete_response,
+    get_response,
+)
 from services.gateway.schemas import RequestError
 from services.gateway.ws import stream_ws
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
@@ -56,8 +64,8 @@ def _key_matches(given: str, key: str) -> bool:
 
 
 WS_PATH = "/v1/stream"
-JSON_POSTS = ("/v1/chat/completions", "/v1/completions")
-CORS_METHODS = "GET, POST, OPTIONS"
+JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type"
 HTTP_LOG = "stagemesh.gateway.http"  # aiohttp's per-connection logger: one line per reason per interval
 
@@ -268,6 +276,11 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/streams/{id}", resume_stream)
+    app[RESPONSES] = MemoryResponseStore(config.stored_responses, config.stored_responses_ttl_s)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{id}", get_response)
+    app.router.add_delete("/v1/responses/{id}", delete_response)
+    app.router.add_post("/v1/responses/{id}/cancel", cancel_response)
     app.router.add_get("/v1/stream", stream_ws)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

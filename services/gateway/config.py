@@ -70,6 +70,10 @@ class GatewayConfig:
                                          metavar="NAME", unset="--model's alias, or the file's name without .gguf")
     trace_budget: int = knob(64 << 20, "activation bytes one traced request may collect (e.g. 16M); beyond it the "
                                        "trace stops and says so", unit="bytes", parse=parse_bytes)
+    stored_responses: int = knob(1024, "/v1/responses keeps at most N ended responses (the most recently ended; "
+                                       "running ones always), in memory", metavar="N")
+    stored_responses_ttl_s: float = knob(600.0, "/v1/responses forgets an ended response this long after it ended",
+                                         unit="seconds")
 
     def __post_init__(self):
         for name, normal in (("allow_origins", _origin), ("allow_hosts", _host)):
@@ -89,5 +93,7 @@ class GatewayConfig:
         check_seconds(self, "drain_timeout_s", 0, strict=False)
         check_seconds(self, "keepalive_timeout_s", 0, strict=True)
         check_int(self, "trace_budget", 1)
+        check_int(self, "stored_responses", 0)
+        check_seconds(self, "stored_responses_ttl_s", 0, strict=False)
         if self.metrics_require_key and not self.api_key:
             raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")

@@ -21,7 +21,7 @@ from services.gateway.schemas import GenerationSpec, RequestError, parse_json_te
 from services.gateway.tools import CallStarted, ContentDelta, ToolCallParser, ToolEvent
 
 
-async def _json_body(request: web.Request) -> dict:
+async def json_body(request: web.Request) -> dict:
     """The body as a JSON object, read within BODY_READ_TIMEOUT_S (a trickled body is cut with 408)."""
     try:
         raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
@@ -134,7 +134,7 @@ def finish_with_calls(reason: str) -> str:
     return "tool_calls" if reason == "stop" else reason
 
 
-def _tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
+def tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
     return ToolCallParser(forced=spec.forced_tool) if spec.tools is not None else None
 
 
@@ -143,13 +143,13 @@ def _tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
 ERROR_STATUS = {"grammar_failed": 400, "timeout": 504}
 
 
-def _error_status(ev: ErrorEvent) -> RequestError:
+def error_status(ev: ErrorEvent) -> RequestError:
     return RequestError(ev.message, status=ERROR_STATUS.get(ev.code, 503), code=ev.code)
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    handle = await gw.start(await _json_body(request), chat, request.headers.get(SESSION_HEADER))
+    handle = await gw.start(await json_body(request), chat, request.headers.get(SESSION_HEADER))
     spec = handle.spec
     shape = OpenAIShape(handle.seq, chat, gw.config.model_id, spec, handle.created)
     try:
@@ -161,9 +161,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 if isinstance(ev, TokenEvent):
                     tokens.append(ev)
                 elif isinstance(ev, ErrorEvent):
-                    raise _error_status(ev)
+                    raise error_status(ev)
                 else:
-                    return web.json_response(shape.response(tokens, ev, _tool_parser(spec)))
+                    return web.json_response(shape.response(tokens, ev, tool_parser(spec)))
         raise AssertionError("the event stream ended without done or error")
     finally:
         gw.leave(handle)  # no-op when finished; frees KV slots when the client went away
@@ -184,7 +184,7 @@ async def _stream_sse(request, gw, handle: RequestHandle, shape: OpenAIShape, st
 
     if shape.chat:
         await send(shape.chunk({"role": "assistant", "content": ""}), 0)
-    tools = _tool_parser(spec)
+    tools = tool_parser(spec)
     async with contextlib.aclosing(gw.events(handle)) as events:
         async for offset, ev in events:
             for chunk in _chunks(shape, spec, tools, ev):

@@ -34,7 +34,7 @@ class RequestError(Exception):
 def parse_json_text(text: str) -> Any:
     """JSON text -> value, or RequestError for anything Python's parser cannot turn into a request: syntax errors,
     nesting deep enough to exhaust the recursion limit, integers longer than Python's 4,300-digit conversion cap.
-    (Lone surrogates parse; `_text` refuses them where strings are used.)"""
+    (Lone surrogates parse; `unicode_text` refuses them where strings are used.)"""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -47,7 +47,7 @@ def parse_json_text(text: str) -> Any:
                            "send numbers of at most a few digits", code="invalid_json") from None
 
 
-def _text(value: str, param: str) -> str:
+def unicode_text(value: str, param: str) -> str:
     """A client string that must become UTF-8 (prompt, content, stop): lone surrogates such as "\\ud800" are
     valid JSON but no text, and would fail deep inside the tokenizer."""
     try:
@@ -105,7 +105,7 @@ def _integer(body: dict, key: str, lo: int, hi: int, default: int | None) -> int
     return v
 
 
-def _bool(body: dict, key: str, default: bool = False) -> bool:
+def bool_field(body: dict, key: str, default: bool = False) -> bool:
     v = body.get(key, default)
     if v is None:
         return default
@@ -123,20 +123,20 @@ def _stop(body: dict) -> list[str]:
             not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in items):
         raise RequestError(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings "
                            f"of at most {MAX_STOP_LEN} characters", "stop")
-    return [_text(s, "stop") for s in items]
+    return [unicode_text(s, "stop") for s in items]
 
 
 def _content(msg: dict, i: int) -> str:
     c = msg.get("content")
     if isinstance(c, str):
-        return _text(c, f"messages[{i}].content")
+        return unicode_text(c, f"messages[{i}].content")
     if isinstance(c, list):  # OpenAI content parts: only text is supported
         texts = []
         for part in c:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise RequestError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}", f"messages[{i}].content")
             texts.append(part["text"])
-        return _text("".join(texts), f"messages[{i}].content")
+        return unicode_text("".join(texts), f"messages[{i}].content")
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
@@ -169,8 +169,8 @@ def _tool_calls(value: Any, i: int) -> list[dict]:
         if not isinstance(args, dict):
             raise RequestError(f"{param}[{k}].function.arguments must be a JSON object's text, got "
                                f"{fn['arguments'][:80]!r}", param)
-        calls.append({"id": _text(c["id"], param), "type": "function",
-                      "function": {"name": _text(fn["name"], param), "arguments": _text(fn["arguments"], param)}})
+        calls.append({"id": unicode_text(c["id"], param), "type": "function",
+                      "function": {"name": unicode_text(fn["name"], param), "arguments": unicode_text(fn["arguments"], param)}})
     return calls
 
 
@@ -208,7 +208,7 @@ def parse_messages(value: Any) -> list[dict]:
             if not isinstance(m.get("tool_call_id"), str):
                 raise RequestError(f"messages[{i}] (a tool result) needs 'tool_call_id': the id of the call it answers",
                                    f"messages[{i}].tool_call_id")
-            msg["tool_call_id"] = _text(m["tool_call_id"], f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = unicode_text(m["tool_call_id"], f"messages[{i}].tool_call_id")
         out.append(msg)
     if sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in out) > MAX_PROMPT_CHARS:
         raise RequestError(f"messages exceed {MAX_PROMPT_CHARS} characters", "messages")
@@ -252,21 +252,29 @@ def check_fields(body: dict, chat: bool) -> None:
     own, other = (CHAT_FIELDS, COMPLETION_FIELDS) if chat else (COMPLETION_FIELDS, CHAT_FIELDS)
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     for key, v in body.items():
-        if v is None or key in READ_FIELDS or key in own:
+        if v is not None and key not in READ_FIELDS and key not in own and key in other:
+            raise RequestError(f"'{key}' belongs to the other endpoint than {endpoint}; "
+                               f"use {'messages' if not chat else 'prompt'} here", key, code="unknown_parameter")
+    check_field_tables(body, READ_FIELDS | own, IGNORED_FIELDS, NOT_YET_FIELDS)
+
+
+def check_field_tables(body: dict, read: frozenset[str], ignored: dict[str, tuple[type, ...]],
+                       not_yet: dict[str, tuple[Any, str, str]]) -> None:
+    """Every field of `body` is one an endpoint reads, accepts and ignores (its type checked), or knows but has not
+    implemented yet (accepted only at its neutral value); anything else is a 400 naming it. Null is left out."""
+    for key, v in body.items():
+        if v is None or key in read:
             continue
-        if key in IGNORED_FIELDS:
-            if not isinstance(v, IGNORED_FIELDS[key]) or (isinstance(v, bool) and bool not in IGNORED_FIELDS[key]):
+        if key in ignored:
+            if not isinstance(v, ignored[key]) or (isinstance(v, bool) and bool not in ignored[key]):
                 kinds = " or ".join({str: "a string", dict: "an object", bool: "true or false"}[t]
-                                    for t in IGNORED_FIELDS[key])
+                                    for t in ignored[key])
                 raise RequestError(f"'{key}' must be {kinds}, got {v!r}", key)
-        elif key in NOT_YET_FIELDS:
-            neutral, as_written, what = NOT_YET_FIELDS[key]
+        elif key in not_yet:
+            neutral, as_written, what = not_yet[key]
             if not neutral(v):
                 raise RequestError(f"'{key}' ({what}) is not supported by this server yet; leave it out or send "
                                    f"{as_written}", key, code="unsupported_parameter")
-        elif key in other:
-            raise RequestError(f"'{key}' belongs to the other endpoint than {endpoint}; "
-                               f"use {'messages' if not chat else 'prompt'} here", key, code="unknown_parameter")
         else:
             raise RequestError(f"Unrecognized request argument supplied: '{key}' (the parameters this server reads "
                                "are listed in docs/openai.md)", key, code="unknown_parameter")
@@ -380,7 +388,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, str | dict]:
                                f"tools[{k}].function.parameters")
         entry = {"name": name, "parameters": params}
         if desc:
-            entry["description"] = _text(desc, f"tools[{k}].function.description")
+            entry["description"] = unicode_text(desc, f"tools[{k}].function.description")
         out.append({"type": "function", "function": entry})
     if choice is None:
         choice = "auto"
@@ -393,7 +401,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, str | dict]:
     elif choice not in ("none", "auto", "required"):
         raise RequestError("'tool_choice' must be none, auto, required or {'type': 'function', 'function': "
                            "{'name': ...}}", "tool_choice")
-    _bool(body, "parallel_tool_calls", True)
+    bool_field(body, "parallel_tool_calls", True)
     return out, choice
 
 
@@ -433,7 +441,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
             raise RequestError("'prompt' must be a non-empty string", "prompt")
         if len(prompt) > MAX_PROMPT_CHARS:
             raise RequestError(f"'prompt' exceeds {MAX_PROMPT_CHARS} characters", "prompt")
-        spec.prompt = _text(prompt, "prompt")
+        spec.prompt = unicode_text(prompt, "prompt")
     if body.get("n") is not None and body["n"] != 1:
         raise RequestError(f"'n' must be 1 here (one choice per request), got {body['n']!r}; send n parallel "
                            "requests instead", "n", code="unsupported_parameter")
@@ -469,13 +477,13 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
         )
     except ValueError as e:
         raise RequestError(str(e)) from None
-    spec.stream = _bool(body, "stream")
-    spec.ignore_eos = _bool(body, "ignore_eos")
-    spec.trace = _bool(body, "trace")
-    spec.resumable = _bool(body, "resumable")
+    spec.stream = bool_field(body, "stream")
+    spec.ignore_eos = bool_field(body, "ignore_eos")
+    spec.trace = bool_field(body, "trace")
+    spec.resumable = bool_field(body, "resumable")
     spec.cache_tenant = _cache_tenant(body)
     spec.prediction = _prediction(body)
-    if chat and _bool(body, "continue_final_message"):
+    if chat and bool_field(body, "continue_final_message"):
         last = spec.messages[-1]
         if last["role"] != "assistant" or not last["content"].strip() or "tool_calls" in last:
             raise RequestError("'continue_final_message' continues the last message: it must be an assistant message "
@@ -488,7 +496,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     if opts is not None:
         if not isinstance(opts, dict):
             raise RequestError("'stream_options' must be an object", "stream_options")
-        spec.include_usage = _bool(opts, "include_usage")
+        spec.include_usage = bool_field(opts, "include_usage")
     spec.timeout_s = _number(body, "timeout", 0.1, 3600.0, None)
     spec.json_schema = _response_format(body)
     if chat:

@@ -1,0 +1,474 @@
+"""OpenAI's Responses API (issue 57, item 2): `POST /v1/responses` translated onto the chat path, its stream events
+numbered by sequence_number, stored responses read back, resumed `starting_after` N, cancelled, deleted and chained
+by `previous_response_id`. The request validator, the store and the event shape alone, then the real `openai` SDK
+against one real `stagemesh up` (1 stage, SmolLM2), the setup tests/test_openai_api.py shares."""
+
+import asyncio
+import json
+import time
+import uuid
+
+import aiohttp
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from services.gateway.events import KEEP_ENDED, EventLog, RequestHandle
+from services.gateway.output import DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.request import Request
+from services.gateway.response_store import MemoryResponseStore, StoredResponse
+from services.gateway.responses_api import ResponseShape, parse_request
+from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
+
+CAP = 6  # the gateway's --default-max-tokens, as in tests/test_openai_api.py: the same shared up
+VOCAB = 49152  # SmolLM2's
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                         "additionalProperties": False}}]
+CALL_WEATHER = {"type": "function", "name": "get_weather"}
+
+
+def no_previous(pid: str) -> list[dict]:
+    raise AssertionError(f"asked for {pid}")
+
+
+def refused(body: dict, previous=no_previous) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        parse_request(body, previous)
+    assert e.value.status == 400
+    return e.value
+
+
+# ---- the request, validated at the edge and translated to a chat request (no processes) -----------------------
+
+def test_input_items_become_the_chat_conversation_the_answer_continues():
+    prior = [{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Sure."}]
+    req = parse_request({
+        "model": "m", "instructions": "Be brief.", "previous_response_id": "resp_1", "input": [
+            {"role": "developer", "content": "Use metric units."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                                            {"type": "input_text", "text": "in Paris?"}]},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}',
+             "id": "fc_1", "status": "completed"},
+            {"type": "function_call_output", "call_id": "call_1", "output": '{"temp_c": 21}'}],
+        "tools": TOOLS, "max_output_tokens": 9, "text": {"format": {"type": "json_object"}}, "tool_choice": "none",
+    }, lambda pid: prior if pid == "resp_1" else no_previous(pid))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert req.messages == [*prior, {"role": "system", "content": "Use metric units."},
+                            {"role": "user", "content": "Weather in Paris?"},
+                            {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}]
+    assert req.chat_body["messages"] == [{"role": "system", "content": "Be brief."}, *req.messages]
+    assert req.origins == ["instructions", "previous_response_id", "previous_response_id", "input[0]", "input[1]",
+                           "input[2]", "input[4]"]
+    assert (req.chat_body["max_tokens"], req.chat_body["response_format"]) == (9, {"type": "json_object"})
+    assert req.chat_body["tools"] == [{"type": "function", "function": {k: TOOLS[0][k] for k in
+                                                                        ("name", "description", "parameters")}}]
+    assert req.store and not req.background and not req.stream
+    spec = parse_generation(req.chat_body, True, 8192, VOCAB)  # the chat path takes it as it is
+    assert spec.max_tokens == 9 and spec.tools is None  # tool_choice none: the tools stay out of the prompt
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": [1]}, "input[0]"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": "x", "name": "me"}]}, "input[0].name"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}], "tools": TOOLS},
+     "input[0].name"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
+    ({"input": "hi", "instructions": ["x"]}, "instructions"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [{**TOOLS[0], "function": {}}]}, "tools[0].function"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
+    ({"input": "hi", "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, "text.format.name"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": 3}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"verbosity": "high"}}, "text.verbosity"),
+    ({"input": "hi", "background": True, "store": False}, "background"),
+    ({"input": "hi", "stream": "yes"}, "stream"),
+    ({"input": "hi", "metadata": {"k": 1}}, "metadata"),
+    ({"input": "hi", "previous_response_id": 7}, "previous_response_id"),
+])
+def test_bad_input_is_a_400_naming_the_field(body, param):
+    assert refused(body).param == param
+
+
+@pytest.mark.parametrize("body,param,word", [
+    ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
+    ({"tools": [{**TOOLS[0], "name": "bad name"}]}, "tools[0].name", "tools[0].name"),
+    ({"text": {"format": {"type": "json_schema", "name": "loop", "schema": {"$ref": "#"}}}}, "text.format.schema",
+     "'text.format.schema'"),
+    ({"tools": TOOLS, "tool_choice": "auto", "text": {"format": {"type": "json_object"}}}, "text.format",
+     "'text.format'"),
+])
+def test_the_chat_paths_refusals_name_this_endpoints_fields(body, param, word):
+    req = parse_request({"input": "hi", **body}, no_previous)
+    with pytest.raises(RequestError) as e:
+        parse_generation(req.chat_body, True, 8192, VOCAB)
+    renamed = req.renamed(e.value)
+    assert renamed.param == param and word in renamed.message and "function" not in renamed.param
+
+
+def test_a_message_refused_by_the_chat_path_is_named_by_its_input_item():
+    req = parse_request({"instructions": "x", "input": [{"role": "user", "content": "a"},
+                                                        {"role": "user", "content": "b"}]}, no_previous)
+    err = req.renamed(RequestError("messages[2].content holds an unpaired surrogate", "messages[2].content"))
+    assert err.param == "input[1].content" and err.message.startswith("input[1].content")
+    assert req.renamed(RequestError("the prompt is too long", "messages")).param == "input"
+
+
+# ---- the store's bounds (no processes) ---------------------------------------------------------------------------
+
+def stored(rid: str, ended_s_ago: float | None) -> StoredResponse:
+    """A response that ended `ended_s_ago` seconds ago (settled), or None: one still running (its log open)."""
+    record = StoredResponse(rid, 0, {}, [])
+    if ended_s_ago is None:
+        record.handle = RequestHandle(Request(seq_id=rid.removeprefix("resp_"), prompt_ids=[1]), GenerationSpec(),
+                                      processor=None)
+    else:
+        record.final, record.ended_at = {"id": rid}, time.monotonic() - ended_s_ago
+    return record
+
+
+def test_the_store_keeps_running_responses_and_the_newest_ended_within_its_age():
+    store = MemoryResponseStore(max_count=3, ttl_s=60)
+    for rid, ago in (("resp_old", 30), ("resp_run1", None), ("resp_mid", 20), ("resp_run2", None), ("resp_new", 10)):
+        store.save(stored(rid, ago))
+    # 5 records, 3 allowed: the two oldest ended ones go; running ones are never dropped
+    assert [rid for rid in ("resp_old", "resp_run1", "resp_mid", "resp_run2", "resp_new") if store.get(rid)] == \
+        ["resp_run1", "resp_run2", "resp_new"]
+    store.save(stored("resp_stale", 61))
+    assert store.get("resp_stale") is None and len(store) == 3  # past its age
+    assert store.delete("resp_new") and not store.delete("resp_new") and store.get("resp_new") is None
+
+
+# ---- the stream events, made from a request's event log (no processes) ---------------------------------------------
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def shape_of(log: EventLog, spec: GenerationSpec, background: bool = False) -> tuple[list[dict], dict]:
+    shape = ResponseShape(StoredResponse("resp_abc", 1, {"model": "m"}, [], background), spec)
+    events = shape.start()
+    for ev in log.events:
+        events += shape.push(ev)
+    return events, shape.response()
+
+
+def test_every_reading_of_a_log_makes_the_same_numbered_events():
+    log = EventLog()
+    for i, text in enumerate(["Hel", "", "lo"]):
+        log.append(TokenEvent(i, text, i, None))
+    log.append(DoneEvent("length", USAGE, {}))
+    events, response = shape_of(log, GenerationSpec())
+    assert (events, response) == shape_of(log, GenerationSpec())  # ids and numbers come from the response, not chance
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    assert (response["status"], response["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    (message,) = response["output"]
+    assert message["content"][0]["text"] == "Hello" and message["status"] == "incomplete"
+    assert response["usage"]["input_tokens"] == 7 and response["usage"]["output_tokens"] == 3
+    background, _ = shape_of(log, GenerationSpec(), background=True)
+    assert background[0]["response"]["status"] == "queued"
+
+
+def test_a_forced_call_streams_its_arguments_and_a_failure_ends_the_stream_failed():
+    spec = GenerationSpec(tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    log = EventLog()
+    for i, text in enumerate(['{"name": "get_weather", "arguments": ', '{"city": ', '"Paris"}', "}"]):
+        log.append(TokenEvent(i, text, i, None))
+    log.append(DoneEvent("stop", USAGE, {}))
+    events, response = shape_of(log, spec)
+    kinds = [e["type"] for e in events]
+    assert kinds[2] == "response.output_item.added" and kinds[-3:] == [
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    (call,) = response["output"]
+    assert json.loads(deltas) == json.loads(call["arguments"]) == {"city": "Paris"}
+    assert (call["type"], call["name"], call["call_id"], call["status"]) == \
+        ("function_call", "get_weather", "call_abc_0", "completed")
+    failing = EventLog()
+    failing.append(TokenEvent(0, "Hi", 0, None))
+    failing.append(ErrorEvent("timeout", "the request exceeded its deadline"))
+    events, response = shape_of(failing, GenerationSpec())
+    assert events[-1]["type"] == "response.failed" and response["error"]["code"] == "timeout"
+    assert response["output"][0]["content"][0]["text"] == "Hi"
+
+
+# ---- through the real SDK, against a real gateway and stage ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gateway(up):
+    return up("--default-max-tokens", str(CAP))
+
+
+@pytest.fixture
+def client(gateway):
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+def scope() -> str:
+    """A prefix-cache scope of its own: the request prefills in full, and reports cached tokens only of its own."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+def test_create_answers_as_chat_completions_does_for_the_same_conversation(client):
+    ask = "Name three colours."
+    r = client.responses.create(model="smollm2", instructions="Answer briefly.", input=ask, max_output_tokens=12,
+                                temperature=0, prompt_cache_key=scope())
+    c = client.chat.completions.create(model="smollm2", messages=[{"role": "system", "content": "Answer briefly."},
+                                                                  {"role": "user", "content": ask}],
+                                       max_tokens=12, temperature=0, prompt_cache_key=scope())
+    assert r.output_text and r.output_text == c.choices[0].message.content  # greedy: the same tokens
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "smollm2"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if c.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()  # stored (store defaults to true)
+
+
+def test_a_stream_sends_the_sdks_events_in_order_with_consecutive_sequence_numbers(client):
+    ask = {"model": "smollm2", "input": "Say hello in one word.", "max_output_tokens": 40, "temperature": 0}
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_response()  # raises unless response.completed came
+    kinds = [e.type for e in events]
+    n = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * n, "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", "response.completed"] and n > 1
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text == events[-4].text and final.status == "completed"
+    raw = list(client.responses.create(**ask, stream=True))  # the same request, streamed without the helper
+    assert [e.type for e in raw] == kinds and "".join(e.delta for e in raw if e.type.endswith("text.delta")) == text
+    assert client.responses.create(**ask).output_text == text
+
+
+def test_a_function_call_round_trip_by_previous_response_id_and_by_items(client):
+    ask = "What is the weather in Paris?"
+    r1 = client.responses.create(model="smollm2", input=ask, tools=TOOLS, tool_choice=CALL_WEATHER, temperature=0,
+                                 max_output_tokens=40)
+    (call,) = r1.output
+    assert (call.type, call.name, r1.status) == ("function_call", "get_weather", "completed")
+    assert set(json.loads(call.arguments)) == {"city"}
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"temp_c": 21})}
+    chained = client.responses.create(model="smollm2", previous_response_id=r1.id, input=[result], tools=TOOLS,
+                                      temperature=0, max_output_tokens=CAP)
+    # the SDK's own loop: the earlier input, the response's output items as they came, the call's result
+    by_items = client.responses.create(model="smollm2", input=[{"role": "user", "content": ask}, *r1.output, result],
+                                       tools=TOOLS, temperature=0, max_output_tokens=CAP)
+    assert chained.output[0].type == "message" and chained.output_text == by_items.output_text
+    assert chained.usage.input_tokens == by_items.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
+    with pytest.raises(openai.BadRequestError) as e:  # a result for a call nobody made
+        client.responses.create(model="smollm2", previous_response_id=r1.id, tools=TOOLS, max_output_tokens=2,
+                                input=[{**result, "call_id": "call_nobody_made"}])
+    assert e.value.param == "input[0].call_id"
+
+
+def test_a_streamed_call_sends_its_arguments_as_they_are_generated(client):
+    with client.responses.stream(model="smollm2", input="Weather in Rome?", tools=TOOLS, tool_choice="required",
+                                 temperature=0, max_output_tokens=40) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (call,) = final.output
+    assert len(deltas) > 1 and "".join(deltas) == events[-3].arguments == call.arguments
+    assert "city" in json.loads(call.arguments)
+
+
+class Fruit(BaseModel):
+    name: str = Field(max_length=20)
+    colour: str = Field(pattern="^(red|green|yellow)$")
+
+
+def test_text_format_json_schema_gives_json_that_follows_it(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "colour": {"enum": ["red", "green", "yellow"]}},
+              "required": ["name", "colour"], "additionalProperties": False}
+    ask = {"model": "smollm2", "input": "Describe one fruit.", "max_output_tokens": 60, "temperature": 0}
+    r = client.responses.create(**ask, text={"format": {"type": "json_schema", "name": "fruit", "schema": schema,
+                                                        "strict": True}})
+    obj = json.loads(r.output_text)
+    assert set(obj) == {"name", "colour"} and obj["colour"] in ("red", "green", "yellow")
+    assert r.text.format.type == "json_schema" and r.text.format.name == "fruit"
+    with pytest.raises(ValueError):  # the same request's free text is no JSON: the format did the work
+        json.loads(client.responses.create(**ask).output_text)
+    parsed = client.responses.parse(**ask, text_format=Fruit).output_parsed
+    assert isinstance(parsed, Fruit) and parsed.colour in ("red", "green", "yellow")
+    assert isinstance(json.loads(client.responses.create(**ask, text={"format": {"type": "json_object"}}).output_text),
+                      dict)
+
+
+def test_previous_response_id_continues_the_conversation_from_the_prefix_cache(client):
+    system = "You are a careful assistant who answers in plain English. " * 6
+    key = scope()
+    r1 = client.responses.create(model="smollm2", instructions=system, input="Name a colour of the sky.",
+                                 max_output_tokens=12, temperature=0, prompt_cache_key=key)
+    r2 = client.responses.create(model="smollm2", instructions=system, previous_response_id=r1.id,
+                                 input="And at night?", max_output_tokens=4, temperature=0, prompt_cache_key=key)
+    assert r1.usage.input_tokens_details.cached_tokens == 0 and r2.previous_response_id == r1.id
+    cached = r2.usage.input_tokens_details.cached_tokens
+    assert r1.usage.input_tokens - 16 < cached < r2.usage.input_tokens  # the first turn's prompt, in 16-token blocks
+    chat = client.chat.completions.create(  # the conversation the chain stands for, sent whole
+        model="smollm2", max_tokens=4, temperature=0, prompt_cache_key=scope(),
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Name a colour of the sky."},
+                  {"role": "assistant", "content": r1.output_text}, {"role": "user", "content": "And at night?"}])
+    assert chat.usage.prompt_tokens == r2.usage.input_tokens and chat.choices[0].message.content == r2.output_text
+
+
+def test_a_background_response_is_retrieved_and_resumed_after_any_sequence_number(client):
+    ask = {"model": "smollm2", "input": "Tell me a long story about a river.", "max_output_tokens": 48,
+           "temperature": 0}
+    r = client.responses.create(**ask, background=True, prompt_cache_key=scope())
+    assert (r.status, r.background, r.output) == ("queued", True, [])
+    first = []
+    with client.responses.retrieve(r.id, stream=True) as stream:  # read a few events, then drop the connection
+        for ev in stream:
+            first.append(ev)
+            if len(first) == 6:
+                break
+    n = first[-1].sequence_number
+    rest = list(client.responses.retrieve(r.id, stream=True, starting_after=n))
+    whole = list(client.responses.retrieve(r.id, stream=True))  # later, from the start
+    dump = [e.model_dump() for e in whole]
+    assert [e.sequence_number for e in whole] == list(range(len(whole))) and whole[-1].type == "response.incomplete"
+    assert [e.model_dump() for e in first] == dump[:n + 1] and [e.model_dump() for e in rest] == dump[n + 1:]
+    final = client.responses.retrieve(r.id)
+    assert final.model_dump() == whole[-1].response.model_dump() and final.usage.output_tokens == 48
+    assert final.output_text == "".join(e.delta for e in whole if e.type == "response.output_text.delta")
+    assert final.output_text == client.responses.create(**ask, prompt_cache_key=scope()).output_text  # as if in front
+    assert list(client.responses.retrieve(r.id, stream=True, starting_after=len(whole) - 1)) == []  # nothing after
+    (past,) = list(client.responses.retrieve(r.id, stream=True, starting_after=len(whole) + 5))
+    assert past.type == "error" and past.code == "cursor_out_of_range" and str(len(whole) - 1) in past.message
+
+
+def wait_ended(client, rid: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while (r := client.responses.retrieve(rid)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{rid} still {r.status}"
+        time.sleep(0.2)
+    return r
+
+
+def test_a_background_stream_outlives_its_connection_and_a_foreground_one_does_not(client):
+    ask = {"model": "smollm2", "input": "Count from 1 to 300, separated by commas.", "temperature": 0}
+    ids = {}
+    for background in (True, False):
+        stream = client.responses.create(**ask, background=background, stream=True, max_output_tokens=120)
+        for ev in stream:
+            if ev.type == "response.created":
+                ids[background] = ev.response.id
+            if ev.type == "response.output_text.delta":
+                break
+        stream.close()  # the connection drops mid-answer
+    detached, foreground = (wait_ended(client, ids[b]) for b in (True, False))
+    assert detached.status == "incomplete" and detached.usage.output_tokens == 120  # ran to its max_output_tokens
+    assert foreground.status == "cancelled" and foreground.usage.output_tokens < 120
+
+
+def test_cancel_ends_a_background_response_and_only_one(client):
+    r = client.responses.create(model="smollm2", input="Count from 1 to 500, separated by commas.", background=True,
+                                max_output_tokens=400, temperature=0)
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 400
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    last = list(client.responses.retrieve(r.id, stream=True))[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled"
+    foreground = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(foreground.id)
+    assert e.value.code == "not_cancellable"
+
+
+def test_delete_forgets_a_response_and_store_false_never_keeps_one(client):
+    r = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="smollm2", input="Hi", previous_response_id=r.id, max_output_tokens=2)
+    assert e.value.param == "previous_response_id"
+    unstored = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2, store=False)
+    assert unstored.status in ("completed", "incomplete") and unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_the_sdks_bad_requests_are_400s_naming_the_field(client, gateway):
+    cases = [({"temperature": 3}, "temperature"), ({"max_output_tokens": 0}, "max_output_tokens"),
+             ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+             ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+             ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#"}}}},
+              "text.format.schema"),
+             ({"extra_body": {"frobnicate": 1}}, "frobnicate"), ({"background": True, "store": False}, "background"),
+             ({"previous_response_id": "resp_never"}, "previous_response_id")]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**{"model": "smollm2", "input": "Hi", **kwargs})
+        assert e.value.param == param and e.value.status_code == 400, kwargs
+    r = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2, metadata={"k": "v"})
+    assert r.metadata == {"k": "v"}  # still serving; accepted fields echo
+
+
+async def test_raw_http_errors_are_openai_shaped_never_a_500(gateway):
+    async with aiohttp.ClientSession() as s:
+        for body in (b"{nope", b"[1]", json.dumps({"input": [[]]}).encode(), json.dumps({"input": "\ud800"}).encode()):
+            async with s.post(gateway.url + "/v1/responses", data=body,
+                              headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error", body
+        async with s.post(gateway.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 1}) as r:
+            rid = (await r.json())["id"]
+        async with s.get(f"{gateway.url}/v1/responses/{rid}?stream=true&starting_after=x") as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "starting_after"
+        async with s.get(f"{gateway.url}/v1/responses/resp_{'0' * 16}") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "response_not_found"
+        async with s.get(f"{gateway.url}/v1/responses/{rid}?stream=true", headers={"Last-Event-ID": "1"}) as r:
+            lines = (await r.text()).split("\n")  # an EventSource reconnecting: after the event id it last had
+        assert "id: 2" in lines and "id: 1" not in lines and "event: response.output_item.added" in lines
+
+
+async def test_a_stream_whose_log_is_no_longer_kept_says_so_and_the_response_stays(gateway):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gateway.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}) as r:
+            response = await r.json()
+
+        async def tiny(i: int) -> None:  # ended requests push the oldest ended logs out (the gateway keeps KEEP_ENDED)
+            async with s.post(gateway.url + "/v1/completions", json={"prompt": f"{i}", "max_tokens": 1}) as r:
+                assert r.status == 200
+
+        for start in range(0, KEEP_ENDED + 1, 32):
+            await asyncio.gather(*(tiny(i) for i in range(start, min(start + 32, KEEP_ENDED + 1))))
+        async with s.get(f"{gateway.url}/v1/responses/{response['id']}?stream=true&starting_after=3") as r:
+            text = await r.text()
+        async with s.get(f"{gateway.url}/v1/responses/{response['id']}") as r:
+            assert await r.json() == response  # the object is kept longer than its events
+    (event,) = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
+    assert event["type"] == "error" and event["code"] == "stream_expired" and "no longer kept" in event["message"]
+    assert "\nid:" not in text  # not an event of the response: a reconnecting client keeps its cursor
