@@ -11,16 +11,23 @@ import uuid
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel, Field
 
-from services.gateway.events import KEEP_ENDED, EventLog, RequestHandle
+from services.gateway.core import GATEWAY
+from services.gateway.events import EventLog, RequestHandle, RequestRegistry
 from services.gateway.output import DoneEvent, ErrorEvent, TokenEvent
 from services.gateway.request import Request
 from services.gateway.response_store import MemoryResponseStore, StoredResponse
-from services.gateway.responses_api import ResponseShape, parse_request
+from services.gateway.responses_api import ResponseShape, add_responses_api, parse_request
 from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
+from tests.test_events import FrontEnd
+from tests.test_openai_api import CAP, client, gateway  # noqa: F401  (fixtures: the same shared up)
+from tests.test_scheduler import tiny_path  # noqa: F401  (a fixture)
 
-CAP = 6  # the gateway's --default-max-tokens, as in tests/test_openai_api.py: the same shared up
+# ruff: noqa: F811  (the fixtures imported above are used by name, as test arguments)
+
 VOCAB = 49152  # SmolLM2's
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -215,16 +222,6 @@ def test_a_forced_call_streams_its_arguments_and_a_failure_ends_the_stream_faile
 
 # ---- through the real SDK, against a real gateway and stage ------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gateway(up):
-    return up("--default-max-tokens", str(CAP))
-
-
-@pytest.fixture
-def client(gateway):
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-
-
 def scope() -> str:
     """A prefix-cache scope of its own: the request prefills in full, and reports cached tokens only of its own."""
     return f"t-{uuid.uuid4().hex[:12]}"
@@ -310,7 +307,7 @@ def test_text_format_json_schema_gives_json_that_follows_it(client):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "colour": {"enum": ["red", "green", "yellow"]}},
               "required": ["name", "colour"], "additionalProperties": False}
-    ask = {"model": "smollm2", "input": "Describe one fruit.", "max_output_tokens": 60, "temperature": 0}
+    ask = {"model": "smollm2", "input": "Describe one fruit.", "max_output_tokens": 30, "temperature": 0}
     r = client.responses.create(**ask, text={"format": {"type": "json_schema", "name": "fruit", "schema": schema,
                                                         "strict": True}})
     obj = json.loads(r.output_text)
@@ -342,7 +339,7 @@ def test_previous_response_id_continues_the_conversation_from_the_prefix_cache(c
 
 
 def test_a_background_response_is_retrieved_and_resumed_after_any_sequence_number(client):
-    ask = {"model": "smollm2", "input": "Tell me a long story about a river.", "max_output_tokens": 48,
+    ask = {"model": "smollm2", "input": "Tell me a long story about a river.", "max_output_tokens": 24,
            "temperature": 0}
     r = client.responses.create(**ask, background=True, prompt_cache_key=scope())
     assert (r.status, r.background, r.output) == ("queued", True, [])
@@ -350,7 +347,7 @@ def test_a_background_response_is_retrieved_and_resumed_after_any_sequence_numbe
     with client.responses.retrieve(r.id, stream=True) as stream:  # read a few events, then drop the connection
         for ev in stream:
             first.append(ev)
-            if len(first) == 6:
+            if len(first) == 5:
                 break
     n = first[-1].sequence_number
     rest = list(client.responses.retrieve(r.id, stream=True, starting_after=n))
@@ -359,7 +356,7 @@ def test_a_background_response_is_retrieved_and_resumed_after_any_sequence_numbe
     assert [e.sequence_number for e in whole] == list(range(len(whole))) and whole[-1].type == "response.incomplete"
     assert [e.model_dump() for e in first] == dump[:n + 1] and [e.model_dump() for e in rest] == dump[n + 1:]
     final = client.responses.retrieve(r.id)
-    assert final.model_dump() == whole[-1].response.model_dump() and final.usage.output_tokens == 48
+    assert final.model_dump() == whole[-1].response.model_dump() and final.usage.output_tokens == 24
     assert final.output_text == "".join(e.delta for e in whole if e.type == "response.output_text.delta")
     assert final.output_text == client.responses.create(**ask, prompt_cache_key=scope()).output_text  # as if in front
     assert list(client.responses.retrieve(r.id, stream=True, starting_after=len(whole) - 1)) == []  # nothing after
@@ -379,7 +376,7 @@ def test_a_background_stream_outlives_its_connection_and_a_foreground_one_does_n
     ask = {"model": "smollm2", "input": "Count from 1 to 300, separated by commas.", "temperature": 0}
     ids = {}
     for background in (True, False):
-        stream = client.responses.create(**ask, background=background, stream=True, max_output_tokens=120)
+        stream = client.responses.create(**ask, background=background, stream=True, max_output_tokens=32)
         for ev in stream:
             if ev.type == "response.created":
                 ids[background] = ev.response.id
@@ -387,8 +384,8 @@ def test_a_background_stream_outlives_its_connection_and_a_foreground_one_does_n
                 break
         stream.close()  # the connection drops mid-answer
     detached, foreground = (wait_ended(client, ids[b]) for b in (True, False))
-    assert detached.status == "incomplete" and detached.usage.output_tokens == 120  # ran to its max_output_tokens
-    assert foreground.status == "cancelled" and foreground.usage.output_tokens < 120
+    assert detached.status == "incomplete" and detached.usage.output_tokens == 32  # ran to its max_output_tokens
+    assert foreground.status == "cancelled" and foreground.usage.output_tokens < 32
 
 
 def test_cancel_ends_a_background_response_and_only_one(client):
@@ -454,21 +451,31 @@ async def test_raw_http_errors_are_openai_shaped_never_a_500(gateway):
         assert "id: 2" in lines and "id: 1" not in lines and "event: response.output_item.added" in lines
 
 
-async def test_a_stream_whose_log_is_no_longer_kept_says_so_and_the_response_stays(gateway):
-    async with aiohttp.ClientSession() as s:
-        async with s.post(gateway.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}) as r:
-            response = await r.json()
-
-        async def tiny(i: int) -> None:  # ended requests push the oldest ended logs out (the gateway keeps KEEP_ENDED)
-            async with s.post(gateway.url + "/v1/completions", json={"prompt": f"{i}", "max_tokens": 1}) as r:
-                assert r.status == 200
-
-        for start in range(0, KEEP_ENDED + 1, 32):
-            await asyncio.gather(*(tiny(i) for i in range(start, min(start + 32, KEEP_ENDED + 1))))
-        async with s.get(f"{gateway.url}/v1/responses/{response['id']}?stream=true&starting_after=3") as r:
-            text = await r.text()
-        async with s.get(f"{gateway.url}/v1/responses/{response['id']}") as r:
-            assert await r.json() == response  # the object is kept longer than its events
+async def test_a_stream_whose_log_is_no_longer_kept_says_so_and_the_response_stays(tiny_path):
+    """In process: the real Gateway and engine computing on a tiny GGUF (tests/test_events.py's FrontEnd), keeping no
+    ended request's log, and the Responses API's routes over real HTTP on loopback."""
+    fe = FrontEnd(tiny_path)
+    fe.gw.requests = RequestRegistry(keep_ended=0)  # an ended request's events are forgotten at once
+    app = web.Application()
+    app[GATEWAY] = fe.gw
+    add_responses_api(app, MemoryResponseStore(max_count=8, ttl_s=60))
+    async with TestClient(TestServer(app)) as http:
+        posting = asyncio.create_task(http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3}))
+        deadline = time.monotonic() + 60
+        while not posting.done():  # the engine computes what it sends, the handler runs in between
+            assert time.monotonic() < deadline, "the response did not end"
+            await fe.h.step()
+            if fe.h.client.sent:
+                fe.h.client.deliver()
+            await asyncio.sleep(0.001)
+        r = await posting
+        assert r.status == 200
+        response = await r.json()
+        assert response["status"] in ("completed", "incomplete") and response["usage"]["output_tokens"] >= 1
+        r = await http.get(f"/v1/responses/{response['id']}?stream=true&starting_after=3")
+        text = await r.text()
+        r = await http.get(f"/v1/responses/{response['id']}")
+        assert await r.json() == response  # the object is kept longer than its events
     (event,) = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
     assert event["type"] == "error" and event["code"] == "stream_expired" and "no longer kept" in event["message"]
     assert "\nid:" not in text  # not an event of the response: a reconnecting client keeps its cursor

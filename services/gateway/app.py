@@ -33,13 +33,7 @@ from services.gateway.openai_api import chat_completions, completions, models, r
 from services.gateway.pipeline import Pipeline
 from services.gateway.replicas import Replica, Replicas
 from services.gateway.response_store import MemoryResponseStore
-from services.gateway.responses_api import (
-    RESPONSES,
-    cancel_response,
-    create_response,
-    delete_response,
-    get_response,
-)
+from services.gateway.responses_api import add_responses_api
 from services.gateway.schemas import RequestError
 from services.gateway.ws import stream_ws
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
@@ -276,11 +270,7 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/streams/{id}", resume_stream)
-    app[RESPONSES] = MemoryResponseStore(config.stored_responses, config.stored_responses_ttl_s)
-    app.router.add_post("/v1/responses", create_response)
-    app.router.add_get("/v1/responses/{id}", get_response)
-    app.router.add_delete("/v1/responses/{id}", delete_response)
-    app.router.add_post("/v1/responses/{id}/cancel", cancel_response)
+    add_responses_api(app, MemoryResponseStore(config.stored_responses, config.stored_responses_ttl_s))
     app.router.add_get("/v1/stream", stream_ws)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

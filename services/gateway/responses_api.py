@@ -423,7 +423,7 @@ class ResponseShape:
         assert isinstance(ev, DoneEvent)
         out = self._tool_events(self.parser.finish()) if self.parser else []
         status = FINISH_STATUS.get(ev.finish_reason, "incomplete")
-        if not self.output:  # an answer with neither text nor a call still has its (empty) message
+        if not self.output and status == "completed":  # an answer that ended by itself has its message, if empty
             out += self._open_message()
         out += self._close("completed" if status == "completed" else "incomplete")
         self.status, self.usage = status, responses_usage(ev.usage)
@@ -668,3 +668,12 @@ async def delete_response(request: web.Request) -> web.Response:
         gw.replicas.cancel(record.handle.seq)
     store.delete(record.id)
     return web.json_response({"id": record.id, "object": "response.deleted", "deleted": True})
+
+
+def add_responses_api(app: web.Application, store: ResponseStore) -> None:
+    """The Responses API's routes on `app` (whose GATEWAY they serve), its responses kept in `store`."""
+    app[RESPONSES] = store
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{id}", get_response)
+    app.router.add_delete("/v1/responses/{id}", delete_response)
+    app.router.add_post("/v1/responses/{id}/cancel", cancel_response)
