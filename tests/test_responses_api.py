@@ -98,6 +98,7 @@ def test_input_items_become_the_chat_conversation_the_answer_continues():
     ({"input": "hi", "instructions": ["x"]}, "instructions"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "hi", "tools": [{**TOOLS[0], "function": {}}]}, "tools[0].function"),
+    ({"input": "hi", "tools": [{**TOOLS[0], "name": "bad name"}]}, "tools[0].name"),
     ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
     ({"input": "hi", "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
@@ -113,9 +114,38 @@ def test_bad_input_is_a_400_naming_the_field(body, param):
     assert refused(body).param == param
 
 
+ODD_VALUES = [None, True, 0, -1, 1.5, "", "x", [], ["x"], [[]], [None], {}, {"type": ["x"]}, {"a": []}, "\ud800"]
+ITEM = {"type": "message", "role": "user", "content": "hi"}
+
+
+def test_no_value_in_any_field_is_anything_but_accepted_or_a_400():
+    """Every top-level field, every field of an input item, of a content part, of a tool, of text.format: each odd
+    value either parses or is a RequestError -- never another exception (a 500)."""
+    from services.gateway.responses_api import READ_FIELDS
+
+    bodies = [{"input": "hi", key: v} for key in READ_FIELDS for v in ODD_VALUES]
+    bodies += [{"input": [{**ITEM, key: v}]} for key in ("type", "role", "content", "id") for v in ODD_VALUES]
+    bodies += [{"input": [{**ITEM, "content": [{"type": "input_text", "text": "a", key: v}]}]}
+               for key in ("type", "text", "annotations") for v in ODD_VALUES]
+    bodies += [{"input": [{"type": kind, "call_id": "c", "name": "get_weather", "arguments": "{}", "output": "o",
+                           key: v}]} for kind in ("function_call", "function_call_output")
+               for key in ("call_id", "name", "arguments", "output") for v in ODD_VALUES]
+    bodies += [{"input": "hi", "tools": [{**TOOLS[0], key: v}]} for key in ("type", "name", "parameters")
+               for v in ODD_VALUES]
+    bodies += [{"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": v}} for v in ODD_VALUES]
+    bodies += [{"input": "hi", "text": {"format": {"type": "json_schema", "name": "n", "schema": {}, key: v}}}
+               for key in ("type", "name", "schema", "strict") for v in ODD_VALUES]
+    for body in bodies:
+        try:
+            req = parse_request(body, lambda pid: [])
+            parse_generation(req.chat_body, True, 8192, VOCAB)
+        except RequestError as e:
+            assert e.status == 400 and (e.param is None or isinstance(e.param, str)), body
+
+
 @pytest.mark.parametrize("body,param,word", [
     ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
-    ({"tools": [{**TOOLS[0], "name": "bad name"}]}, "tools[0].name", "tools[0].name"),
+    ({"tools": [{**TOOLS[0], "parameters": {"type": "array"}}]}, "tools[0].parameters", "tools[0].parameters"),
     ({"text": {"format": {"type": "json_schema", "name": "loop", "schema": {"$ref": "#"}}}}, "text.format.schema",
      "'text.format.schema'"),
     ({"tools": TOOLS, "tool_choice": "auto", "text": {"format": {"type": "json_object"}}}, "text.format",

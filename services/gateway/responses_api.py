@@ -37,6 +37,7 @@ from services.gateway.response_store import ResponseStore, StoredResponse
 from services.gateway.schemas import (
     MAX_MESSAGES,
     MAX_TOOLS,
+    TOOL_NAME,
     GenerationSpec,
     RequestError,
     bool_field,
@@ -213,7 +214,7 @@ def _conversation(value: Any, prior: list[dict], tool_names: list[str] | None) -
         if not isinstance(item, dict):
             raise RequestError(f"{p} must be an input item: a message, a function_call or a function_call_output", p)
         kind = item.get("type") or ("message" if "role" in item else None)
-        if kind not in ITEM_KEYS:
+        if not isinstance(kind, str) or kind not in ITEM_KEYS:
             code = "unsupported_parameter" if isinstance(kind, str) else "invalid_request"
             raise RequestError(f"{p}.type is {kind!r}: this server reads message, function_call and "
                                "function_call_output items", f"{p}.type", code=code)
@@ -223,7 +224,7 @@ def _conversation(value: Any, prior: list[dict], tool_names: list[str] | None) -
                                    f"{', '.join(sorted(ITEM_KEYS[kind]))}", f"{p}.{key}", code="unknown_parameter")
         if kind == "message":
             role = item.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise RequestError(f"{p}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{p}.role")
             kinds = ("output_text", "input_text") if role == "assistant" else ("input_text",)
             out.append({"role": ROLES[role], "content": _text_parts(item.get("content"), f"{p}.content", kinds)})
@@ -275,6 +276,9 @@ def _tools(value: Any) -> tuple[list[dict] | None, list[dict]]:
             if key not in TOOL_KEYS and v is not None:
                 raise RequestError(f"Unrecognized tool field supplied: {p}.{key}; a function tool has "
                                    f"{', '.join(sorted(TOOL_KEYS))}", f"{p}.{key}", code="unknown_parameter")
+        if not (isinstance(t.get("name"), str) and TOOL_NAME.fullmatch(t["name"])):
+            raise RequestError(f"{p}.name must be a name of 1-64 letters, digits, _ or -, got {t.get('name')!r}",
+                               f"{p}.name")
         chat.append({"type": "function", "function": {key: t[key] for key in ("name", "description", "parameters",
                                                                                  "strict") if t.get(key) is not None}})
         echo.append({"type": "function", "name": t.get("name"), "description": t.get("description"),
