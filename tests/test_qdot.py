@@ -81,14 +81,18 @@ def test_the_product_is_llama_cpps_to_float32_rounding(qtype, rows, cols):
         np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", TYPES + ("Q4_K", "Q6_K"))
 def test_a_rows_result_depends_neither_on_its_batch_nor_on_the_thread_count(qtype):
     """The batch-invariant mode's requirement: row i of an M-row call equals the row alone, bit for bit, for every M
-    (the kernel tiles rows by 4) and whether one thread or two split the weight's rows."""
-    w = QdotLinear(_raw(qtype, 64, 128, seed=3))
-    x = torch.randn(13, 128)
-    alone = torch.cat([w(x[i:i + 1]) for i in range(13)])
-    for m in range(1, 14):
+    (the kernel tiles rows by 8, 4 and 1 to 3, and takes 2 groups of 8 weight rows at once in 512-bit registers
+    where it can, group by group where it cannot: 7 groups here, the last alone) and whether one thread or two
+    split the weight's rows."""
+    raw = {"Q4_K": _q4_k_raw, "Q6_K": _q6_k_raw}[qtype](56, 256, seed=3) if qtype in ("Q4_K", "Q6_K") else \
+        _raw(qtype, 56, 256, seed=3)
+    w = QdotLinear(raw)
+    x = torch.randn(21, 256)
+    alone = torch.cat([w(x[i:i + 1]) for i in range(21)])
+    for m in range(1, 22):
         assert torch.equal(w(x[:m]), alone[:m]), m
     threads = torch.get_num_threads()
     try:
