@@ -64,7 +64,7 @@ class GatewayConfig:
                                     "an operator's debugging tool; `stagemesh trace` needs it)")
     chat_template: str | None = knob(
         None, "render chat requests with this template: a built-in name (chatml, gemma, llama3, phi3, mistral) or "
-              "a Jinja file", metavar="NAME|FILE",
+              "a Jinja file; none: serve text completion only (a base model)", metavar="NAME|FILE|none",
         unset="the model file's own; for a file without one, its family's (by its turn markers)")
     served_model_name: str | None = knob(None, "the model's name in the API (/v1/models, each response's model)",
                                          metavar="NAME", unset="--model's alias, or the file's name without .gguf")

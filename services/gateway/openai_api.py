@@ -251,5 +251,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
+    # capabilities (as Ollama names them): "chat" only where a chat template renders messages (the page then
+    # completes text instead); max_model_len (vLLM's field): the context every stage holds
+    capabilities = ["completion"] + (["chat"] if gw.files.chat_template is not None else [])
     return web.json_response({"object": "list", "data": [{"id": gw.config.model_id, "object": "model", "created": 0,
-                                                          "owned_by": "stagemesh"}]})
+                                                          "owned_by": "stagemesh", "capabilities": capabilities,
+                                                          "max_model_len": gw.replicas.max_seq_len or None}]})
