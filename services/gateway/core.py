@@ -5,6 +5,7 @@ from here; app.py composes them into the aiohttp application."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -16,6 +17,7 @@ from functools import partial
 from aiohttp import WSCloseCode, web
 
 from services.gateway.config import (
+    BODY_READ_TIMEOUT_S,
     FLUSH_AFTER_DRAIN_S,
     MAX_BIG_PROMPTS_WAITING,
     SMALL_PROMPT_CHARS,
@@ -23,12 +25,19 @@ from services.gateway.config import (
 )
 from services.gateway.events import RequestHandle, RequestRegistry
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.output import END_EVENTS, ClientEvent, OutputProcessor
+from services.gateway.output import (
+    END_EVENTS,
+    ClientEvent,
+    DoneEvent,
+    ErrorEvent,
+    OutputProcessor,
+    TokenEvent,
+)
 from services.gateway.replicas import Replicas
 from services.gateway.request import Request, RequestOutput, TraceCapture, new_seq_id
 from services.gateway.scheduler import QueueFull
-from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
-from services.gateway.tools import forced_call_schema, tool_messages
+from services.gateway.schemas import GenerationSpec, RequestError, parse_generation, parse_json_text
+from services.gateway.tools import ToolCallParser, forced_call_schema, tool_messages
 from shared.errors import ChatTemplateError
 from shared.runtime.model_files import ModelFiles
 from shared.text.grammar import GrammarError, json_schema_grammar
@@ -36,6 +45,38 @@ from shared.text.grammar import GrammarError, json_schema_grammar
 log = logging.getLogger("stagemesh.gateway")
 RESUME_GRACE_S = 120.0  # a resumable request with no reader ends after this long (cancelled, its slots freed)
 access_log = logging.getLogger("stagemesh.gateway.access")  # one line per generation request, when it ends
+
+
+async def json_body(request: web.Request) -> dict:
+    """The body as a JSON object, read within BODY_READ_TIMEOUT_S (a trickled body is cut with 408)."""
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s", status=408,
+                           code="body_timeout") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the body is not valid UTF-8 (byte {e.start})") from None
+    body = parse_json_text(text)
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+# the status of a request that failed while generating: its own fault (a 4xx, not to be retried as it is), its
+# deadline, or the server's (503, retried after a second)
+ERROR_STATUS = {"grammar_failed": 400, "timeout": 504}
+
+
+def error_status(ev: ErrorEvent) -> RequestError:
+    """A request's error event as the HTTP error a client gets (whole answers; a stream sends it as an event)."""
+    return RequestError(ev.message, status=ERROR_STATUS.get(ev.code, 503), code=ev.code)
+
+
+def tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
+    """The parser that reads tool calls out of a request's text, when it has tools."""
+    return ToolCallParser(forced=spec.forced_tool) if spec.tools is not None else None
 
 
 class TokenizeLanes:
@@ -115,19 +156,7 @@ class Gateway:
             raise RequestError(f"the pipeline is not ready: {self.replicas.problem}", status=503, code="not_ready")
         context = self.replicas.max_seq_len
         param = "messages" if spec.messages is not None else "prompt"
-        chars = sum(len(m["content"]) for m in spec.messages) if spec.messages is not None else len(spec.prompt)
-        cap = self.char_cap(context)
-        if chars > cap:  # refused before any tokenizing: cannot fit, whatever its tokens
-            raise RequestError(f"the prompt has {chars} characters, more than {context} tokens can hold "
-                               f"(at most {cap} characters here); shorten it", param, code="context_length_exceeded")
-        try:
-            if spec.messages is not None:
-                render = partial(self.files.chat_prompt_ids, continue_final=spec.continue_final)
-                ids = await self.lanes.run(chars, render, tool_messages(spec.messages, spec.tools))
-            else:
-                ids = await self.lanes.run(chars, self.files.tokenizer.encode, spec.prompt)
-        except ChatTemplateError as e:
-            raise RequestError(str(e), "messages") from None
+        ids = await self.prompt_ids(spec, context)
         grammar = None
         schema = forced_call_schema(spec.tools, spec.tool_choice) if spec.forced_tool else spec.json_schema
         if schema is not None:  # compiled off the loop (the first one also builds llguidance's vocabulary)
@@ -164,6 +193,31 @@ class Gateway:
                        stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
                        deadline=time.perf_counter() + timeout, grammar=grammar,
                        capture=TraceCapture(self.config.trace_budget) if spec.trace else None)
+
+    async def prompt_ids(self, spec: GenerationSpec, context: int) -> list[int]:
+        """The prompt's token ids: the messages rendered by the chat template (tools, calls and results written in
+        as tools.py says), or the prompt text, tokenized off the loop. A prompt longer in characters than `context`
+        tokens can hold is refused before any tokenizing."""
+        param = "messages" if spec.messages is not None else "prompt"
+        chars = sum(len(m["content"]) for m in spec.messages) if spec.messages is not None else len(spec.prompt)
+        cap = self.char_cap(context)
+        if chars > cap:  # refused before any tokenizing: cannot fit, whatever its tokens
+            raise RequestError(f"the prompt has {chars} characters, more than {context} tokens can hold "
+                               f"(at most {cap} characters here); shorten it", param, code="context_length_exceeded")
+        try:
+            if spec.messages is not None:
+                render = partial(self.files.chat_prompt_ids, continue_final=spec.continue_final)
+                return await self.lanes.run(chars, render, tool_messages(spec.messages, spec.tools))
+            return await self.lanes.run(chars, self.files.tokenizer.encode, spec.prompt)
+        except ChatTemplateError as e:
+            raise RequestError(str(e), "messages") from None
+
+    async def count_prompt(self, body: dict) -> int:
+        """The tokens a chat request's prompt would have (its messages and tools through the chat template, as
+        `start` renders them), without running it."""
+        context = self.replicas.max_seq_len or 1 << 20
+        spec = parse_generation(body, True, context, self.files.tokenizer.vocab_size)
+        return len(await self.prompt_ids(spec, context))
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.files.tokenizer.encode(text, add_bos=False)
@@ -222,6 +276,19 @@ class Gateway:
         finally:
             self.open_streams -= 1
             handle.readers -= 1
+
+    async def collect(self, handle: RequestHandle) -> tuple[list[TokenEvent], DoneEvent]:
+        """A whole answer: its token events and its done event; its error event raises as the HTTP error."""
+        tokens = []
+        async with contextlib.aclosing(self.events(handle)) as events:
+            async for _, ev in events:
+                if isinstance(ev, TokenEvent):
+                    tokens.append(ev)
+                elif isinstance(ev, ErrorEvent):
+                    raise error_status(ev)
+                else:
+                    return tokens, ev
+        raise AssertionError("the event stream ended without done or error")
 
     def leave(self, handle: RequestHandle) -> None:
         """A reader is done (its client went away, or its handler returned): end the request unless it outlives its
