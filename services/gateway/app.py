@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.gateway.anthropic_api import MESSAGES_PATH, count_message_tokens, create_message
 from services.gateway.config import API_KEY_ENV, GatewayConfig
 from services.gateway.core import GATEWAY, Gateway
+from services.gateway.durable import FLUSH_S, RequestStore
 from services.gateway.engine import Engine
 from services.gateway.mesh_view import add_mesh_view
 from services.gateway.metrics import (
@@ -234,11 +235,24 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(os.path.join(STATIC, "index.html"), headers={"Content-Security-Policy": PAGE_CSP})
 
 
+async def _flush_log(store: RequestStore) -> None:
+    """The durable request log's writes, batched every FLUSH_S (a crash loses at most that much, regenerated)."""
+    while True:
+        await asyncio.sleep(FLUSH_S)
+        try:
+            store.flush()
+        except Exception:  # a full disk must not stop the serving: the log says so, requests go on
+            log.exception("the request log could not be written")
+
+
 async def _background(app: web.Application):
     gw = app[GATEWAY]
     replicas = gw.replicas.all
     await asyncio.gather(*(r.pipeline.start() for r in replicas))
     tasks = [asyncio.create_task(r.engine.run(), name=f"scheduler-{r.name}") for r in replicas]
+    if gw.store is not None:
+        tasks += [asyncio.create_task(_flush_log(gw.store), name="request-log"),
+                  asyncio.create_task(gw.readopt(), name="readopt")]
     yield
     gw.replicas.shutdown()  # a no-op after Gateway.drain, which ends requests while connections are still open
     for task in tasks:
@@ -248,6 +262,8 @@ async def _background(app: web.Application):
     for r in replicas:
         await r.pipeline.close()
     gw.lanes.close()
+    if gw.store is not None:
+        gw.store.close()
     otlp = replicas[0].engine.otlp  # one tracer for every engine
     if otlp is not None:
         await asyncio.sleep(0)  # let the closed client's futures end their micro-batch spans first
@@ -255,7 +271,8 @@ async def _background(app: web.Application):
 
 
 def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: GatewayConfig, max_inflight: int,
-             scheduling: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None) -> web.Application:
+             scheduling: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
+             store: RequestStore | None = None) -> web.Application:
     """`pipelines`: one, or several replicas of the same model (each gets its own scheduler and prefix index).
     max_inflight: micro-batches in flight per pipeline (scheduling.max_inflight, or the number of stages)."""
     pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
@@ -269,7 +286,7 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
         watch_prefix_cache(metrics_, indexes)
     watch_replicas(metrics_, replicas)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
-    app[GATEWAY] = Gateway(files, replicas, metrics_, config)
+    app[GATEWAY] = Gateway(files, replicas, metrics_, config, store=store)
     app.cleanup_ctx.append(_background)
     app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -23,6 +24,7 @@ from services.gateway.config import (
     SMALL_PROMPT_CHARS,
     GatewayConfig,
 )
+from services.gateway.durable import RequestStore
 from services.gateway.events import RequestHandle, RequestRegistry
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import (
@@ -132,10 +134,15 @@ class Gateway:
     open_streams: int = 0  # readers following an event log (Gateway.events) not yet ended
     websockets: set = field(default_factory=set)  # open web.WebSocketResponse objects, closed after a drain
     _char_cap: tuple[int, int] | None = None  # (context, cap) cache for prompt_char_cap
+    store: RequestStore | None = None  # the durable request log (services/gateway/durable.py); None: --state-dir off
+    durable: dict[str, int] = field(default_factory=dict)  # logged requests' ids -> output tokens logged so far
+    keep_logged: bool = False  # set as a drain ends what still runs: those stay logged for the next gateway
 
     def __post_init__(self):
         for replica in self.replicas.all:  # every engine reports its requests' outputs here, once each
             replica.engine.on_output = self.deliver
+        if self.store is not None:
+            self.epoch = self.store.epoch  # event ids stay valid across restarts on this state directory
 
     def char_cap(self, context: int) -> int:
         if self._char_cap is None or self._char_cap[0] != context:
@@ -239,12 +246,57 @@ class Gateway:
                                cancel_on_leave=cancel_on_leave and not spec.resumable)
         self.requests.add(handle)
         user = body.get("user")
+        route = session or (user if isinstance(user, str) and user else None)
         try:
-            self.submit(seq, session or (user if isinstance(user, str) and user else None))
+            self.submit(seq, route)
         except RequestError:
             self.requests.open.pop(handle.id, None)  # refused: it never existed
             raise
+        if spec.resumable and self.store is not None and seq.grammar is None:  # (a grammar's state is not logged)
+            self.store.add(handle.id, body, chat, route, seq.params.seed or 0)
+            self.durable[handle.id] = 0
         return handle
+
+    async def readopt(self) -> int:
+        """Take back the requests a previous gateway on this state directory left unfinished (durable.py): each
+        with its id, seed and tokens so far, its event log rebuilt to the same offsets, its prompt + tokens
+        prefilled again once the pipeline is ready. Returns how many."""
+        stored = self.store.unfinished() if self.store is not None else []
+        if not stored:
+            return 0
+        while not self.replicas.ready:
+            await asyncio.sleep(0.05)
+        adopted = 0
+        for s in stored:
+            try:
+                spec = parse_generation(s.body, s.chat, self.replicas.max_seq_len or 1 << 20,
+                                        self.files.tokenizer.vocab_size)
+                seq = await self.prepare(spec)
+            except RequestError as e:
+                log.warning("request %s from the request log cannot run again: %s", s.id, e.message)
+                self.store.end(s.id)
+                continue
+            seq.seq_id = s.id
+            if not seq.params.greedy:
+                seq.params = dataclasses.replace(seq.params, seed=s.seed)
+            handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
+                                   cancel_on_leave=False, created=int(s.created))
+            for token, logprob, top in s.outputs[:max(0, seq.max_tokens - 1)]:
+                alternatives = [tuple(t) for t in top] if top is not None else None
+                for ev in handle.processor.process(RequestOutput(token, logprob, alternatives)):
+                    handle.log.append(ev)
+                seq.output_ids.append(token)
+                seq.logprobs.append(logprob)
+                seq.top_logprobs.append(alternatives)
+            seq._generated.update(seq.output_ids)  # the penalties' history
+            seq.prefill_target = len(seq.all_ids)
+            self.requests.add(handle)
+            self.durable[s.id] = len(seq.output_ids)
+            self.submit(seq, s.session)
+            asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._cancel_if_unread, handle)
+            adopted += 1
+        log.info("re-adopted %d unfinished requests from the request log", adopted)
+        return adopted
 
     def deliver(self, seq: Request, out: RequestOutput) -> None:
         """What an engine reports for one request, made into client events once and appended to its log. A stop
@@ -256,12 +308,18 @@ class Gateway:
             return
         proc = handle.processor
         already_stopped = proc.stop_string_hit
+        logged = self.durable.get(seq.seq_id)
+        if logged is not None and out.token is not None and out.finish_reason is None:
+            self.store.output(seq.seq_id, logged, out.token, out.logprob, out.top_logprobs)
+            self.durable[seq.seq_id] = logged + 1
         for ev in proc.process(out):
             if isinstance(ev, END_EVENTS):
                 _log_access(seq)  # logged before any reader sees the end
             handle.log.append(ev)
         if handle.log.ended:
             self.requests.mark_ended(handle)
+            if self.durable.pop(seq.seq_id, None) is not None and not self.keep_logged:
+                self.store.end(seq.seq_id)
         elif proc.stop_string_hit and not already_stopped:
             self.replicas.finish(seq, "stop")
 
@@ -312,6 +370,7 @@ class Gateway:
         deadline = loop.time() + grace_s
         while not self.replicas.idle and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        self.keep_logged = True  # what is ended now goes on under the next gateway on this state directory
         ended = self.replicas.shutdown(f"the gateway is shutting down: this request was still running when the "
                                         f"{grace_s:g} s drain period ended; retry it")
         if ended:
