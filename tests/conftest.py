@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ os.environ["STAGEMESH_COMPILE_DECODE"] = "off"
 # where a stage compiles, its one-sequence step is torch.compile's, as the tests of it expect. tests/test_aoti_decode.py
 # builds and loads packages in folders of its own.
 os.environ["STAGEMESH_AOTI_CACHE"] = "off"
+# The gateways' durable request logs (default: the user's data directory, one per port) go to a folder of the run's
+# own, not the home directory of whoever runs the suite.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="stagemesh-test-data-")
 
 
 def uses_llama_cpp(fixture_fn):

@@ -305,6 +305,40 @@ async def drop_oldest(dt: DevTools) -> None:
         await send(dt, "And one more fact, please.")
 
 
+async def test_a_model_without_a_chat_template_completes_text_on_the_page(up, chromium):
+    """A gateway that serves no chat template (`--chat-template none`, as a base model's file has none): /v1/models
+    lists no "chat", and the page says it completes text, sends the conversation as one prompt and shows the
+    continuation (a chat request there would be refused, and the page would show that error instead)."""
+    plain = up("--chat-template", "none", "--max-seq-len", str(CONTEXT))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(plain.url + "/v1/models") as r:
+            assert (await r.json())["data"][0]["capabilities"] == ["completion"]
+        async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
+            dt = DevTools(ws)
+            await open_chat(dt, plain.url)
+            await wait_js(dt, "!document.getElementById('mode-note').hidden", 10, "the completion notice")
+            assert "no chat template" in await dt.js("document.getElementById('mode-note').textContent")
+            assert "start of a text" in await dt.js("document.getElementById('prompt').placeholder")
+            await save_settings(dt, temperature=0, max_tokens=12)
+            seen = await send(dt, "Once upon a time, in a small village by the sea,")
+            assert seen and seen[-1].strip(), seen
+            assert not await dt.js("!!document.querySelector('.msg.error')"), await dt.js(
+                "document.querySelector('.msg.error').textContent")
+            first = await dt.js("conv.messages[1].content")
+            # the next turn continues the whole text: what was written, the model's words, and the new words
+            seen = await send(dt, " The end.")
+            assert seen and seen[-1].strip() and await dt.js("conv.messages.length") == 4
+            assert await dt.js("conv.messages[1].content") == first
+            await screenshot(dt, "completion-mode.png")
+            # chat is not the default here, and choosing it is sent as chat: the gateway refuses it, visibly
+            await save_settings(dt, mode="chat")
+            assert await dt.js("document.getElementById('mode-note').hidden")
+            await dt.js("document.getElementById('prompt').value = 'Hello?'; document.getElementById('send').click(); true")
+            error = await wait_js(dt, "document.querySelector('.msg.error') && "
+                                      "document.querySelector('.msg.error').textContent", 30, "chat to be refused")
+            assert "no chat template" in error and "/root" not in error, error
+
+
 async def test_phone_width_has_no_horizontal_scroll(gateway, chromium):
     async with aiohttp.ClientSession() as s:
         async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:

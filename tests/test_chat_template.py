@@ -144,6 +144,13 @@ def test_a_model_without_a_template_is_refused_with_what_to_do_and_no_path(tmp_p
         [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a|b|"
     with pytest.raises(ChatTemplateError, match="neither a built-in template .*chatml.* nor a file"):
         ModelFiles.open(path, "no-such-template")
+    # --chat-template none: a file's own template set aside (a base model's, or a wrong one): completion only
+    templated = write_vocab_gguf(str(tmp_path / "templated.gguf"), model="llama", chat_template="{{ messages[0].content }}")
+    assert ModelFiles.open(templated).chat_template is not None
+    plain = ModelFiles.open(templated, "none")
+    assert plain.chat_template is None and plain.chat_template_origin.startswith("none")
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        plain.chat_prompt_ids([{"role": "user", "content": "Hi"}])
 
 
 @pytest.mark.reference  # the real Gemma 3 270M file comes with the reference packages (make install-reference)

@@ -36,6 +36,7 @@ async def test_openai_sdk_streams_a_chat_completion_with_usage(gateway):
     client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused")
     models = await client.models.list()
     assert [m.id for m in models.data] == ["smollm2"]
+    assert models.data[0].capabilities == ["completion", "chat"] and models.data[0].max_model_len > 0
     stream = await client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=16, temperature=0,
         stream=True, stream_options={"include_usage": True})

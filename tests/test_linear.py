@@ -8,6 +8,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize
 
 from shared.files.gguf_loader import RawTensor
+from shared.models import linear
 from shared.models.linear import (
     INT4_MAX_TOKENS,
     LEAN_INT8_TYPES,
@@ -79,7 +80,7 @@ def test_stored_kernel_runs_the_files_numbers(qtype):
     raw, ref = _raw(qtype, seed=1)
     w = stored_kernel(raw)
     expected = {"Q4_0": _blocks_kernel("Q4_0"), "Q4_1": _blocks_kernel("Q4_1"), "Q4_K": _blocks_kernel("Q4_K"),
-                "Q8_0": _blocks_kernel("Q8_0"), "Q5_0": _blocks_kernel("Q5_0"), "Q5_1": _blocks_kernel("Q5_1"), "Q5_K": Int4Linear,
+                "Q8_0": _blocks_kernel("Q8_0"), "Q5_0": _blocks_kernel("Q5_0"), "Q5_1": _blocks_kernel("Q5_1"), "Q5_K": _blocks_kernel("Q5_K"),
                 "Q6_K": _blocks_kernel("Q6_K"), "F16": DenseLinear}.get(qtype, Int8Linear)
     assert isinstance(w, expected), w.kind
     if isinstance(w, Int4Linear):  # the levels the kernel packs reproduce the file exactly
@@ -95,12 +96,12 @@ def test_stored_kernel_runs_the_files_numbers(qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_lean_kernel_is_the_smallest_within_the_types_own_error(qtype):
-    """lean holds 5- and 6-bit types as int8 rows (1 byte a weight, not two int4 planes' 1.25), but Q5_0 / Q5_1 / Q6_K
-    on the integer-dot kernels as their own blocks (0.69 / 0.75 / 0.875): the result stays within the int8 bound
+    """lean holds 5- and 6-bit types as int8 rows (1 byte a weight, not two int4 planes' 1.25), but Q5_0 / Q5_1 / Q5_K /
+    Q6_K on the integer-dot kernels as their own blocks (0.69 / 0.75 / 0.75 / 0.875): the result stays within the int8 bound
     of the exact product, and its bytes are what lean_nbytes plans with and less than stored's where it differs."""
     raw, ref = _raw(qtype, seed=2)
     w = lean_kernel(raw)
-    own_blocks = qtype in ("Q4_1", "Q8_0") or (qtype in ("Q5_0", "Q5_1", "Q6_K") and qdot_takes(qtype))
+    own_blocks = qtype in ("Q4_1", "Q8_0") or (qtype in ("Q5_0", "Q5_1", "Q5_K", "Q6_K") and qdot_takes(qtype))
     assert qtype in LEAN_INT8_TYPES or own_blocks
     assert isinstance(w, _blocks_kernel(qtype) if own_blocks else Int8Linear), w.kind
     x = torch.randn(5, COLS)
@@ -126,14 +127,17 @@ def dense_kind() -> str:
     return make_linear([_raw("F16")[0]], "auto").kind
 
 
-def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not():
-    raw, _ = _raw("Q5_K")  # two int4 planes on every CPU (lean: int8 rows)
-    auto, lean = make_linear([raw], "auto"), make_linear([raw], "lean")
+def test_auto_switches_kernel_by_tokens_and_lean_mode_does_not(monkeypatch):
+    raw, _ = _raw("Q5_K")  # two int4 planes where the integer-dot kernels do not run (lean: int8 rows)
+    with monkeypatch.context() as patched:  # a CPU where they do not (an AVX512 one where torch's int4 is faster)
+        patched.setattr(linear, "qdot_takes", lambda ggml_type: False)
+        auto, lean = make_linear([raw], "auto"), make_linear([raw], "lean")
+        invariant = make_linear([raw], "auto", batch_invariant=True)
     assert isinstance(auto, SwitchedLinear) and isinstance(lean, Int8Linear)
     x = torch.randn(INT4_MAX_TOKENS, COLS)
     small, large = x[:INT4_MAX_TOKENS - 1], x
     assert torch.equal(auto(small), auto.small(small)) and torch.equal(auto(large), auto.large(large))
-    assert isinstance(make_linear([raw], "auto", batch_invariant=True), Int4Linear)
+    assert isinstance(invariant, Int4Linear)
     # the integer-dot kernels outrun the dense one at every size: where they run, auto keeps no dense copy
     q4_1 = make_linear([_raw("Q4_1")[0]], "auto")
     assert isinstance(q4_1, QdotLinear if qdot_takes("Q4_1") else SwitchedLinear), q4_1.kind

@@ -485,7 +485,7 @@ def test_tool_parameters_must_describe_an_object_and_the_history_must_hold_toget
 def test_a_grammar_that_fails_mid_answer_is_the_requests_fault_not_a_retry(smollm2):
     """The output left its grammar (llguidance refused a token its own mask allowed, e.g. past one of its limits):
     the request ends with code grammar_failed and a 400, not a 503 inviting the same request again."""
-    from services.gateway.openai_api import error_status
+    from services.gateway.core import error_status
     from services.gateway.output import ErrorEvent, OutputProcessor
     from services.gateway.request import Request
     from services.gateway.scheduler import Scheduler

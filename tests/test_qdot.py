@@ -81,14 +81,18 @@ def test_the_product_is_llama_cpps_to_float32_rounding(qtype, rows, cols):
         np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", TYPES + ("Q4_K", "Q5_K", "Q6_K"))
 def test_a_rows_result_depends_neither_on_its_batch_nor_on_the_thread_count(qtype):
     """The batch-invariant mode's requirement: row i of an M-row call equals the row alone, bit for bit, for every M
-    (the kernel tiles rows by 4) and whether one thread or two split the weight's rows."""
-    w = QdotLinear(_raw(qtype, 64, 128, seed=3))
-    x = torch.randn(13, 128)
-    alone = torch.cat([w(x[i:i + 1]) for i in range(13)])
-    for m in range(1, 14):
+    (the kernel tiles rows by 8, 4 and 1 to 3, and takes 2 groups of 8 weight rows at once in 512-bit registers
+    where it can, group by group where it cannot: 7 groups here, the last alone) and whether one thread or two
+    split the weight's rows."""
+    raw = {"Q4_K": _q4_k_raw, "Q5_K": _q5_k_raw, "Q6_K": _q6_k_raw}[qtype](56, 256, seed=3) if "_K" in qtype else \
+        _raw(qtype, 56, 256, seed=3)
+    w = QdotLinear(raw)
+    x = torch.randn(21, 256)
+    alone = torch.cat([w(x[i:i + 1]) for i in range(21)])
+    for m in range(1, 22):
         assert torch.equal(w(x[:m]), alone[:m]), m
     threads = torch.get_num_threads()
     try:
@@ -131,6 +135,36 @@ def test_q5_0_and_q5_1_keep_their_size_and_q4_k_runs_as_q4_1_blocks():
     exact = (x.double() @ dequantize(raw).double().T).numpy()
     np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
     assert np.abs(got - exact).max() > 0  # (the activations' 8-bit rounding, at least)
+
+
+def _q5_k_raw(rows: int, cols: int, seed: int = 0) -> RawTensor:
+    """A Q5_K matrix of random superblocks (176 bytes: d, dmin, 12 of 6-bit scales and mins, 32 of fifth bits, 128
+    of nibbles): any bits are valid, with d and dmin a weight's usual sizes."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (rows, cols // 256, 176), dtype=torch.uint8, generator=g)
+    b[..., 0:2] = (torch.rand(rows, cols // 256, 1, generator=g) * 1e-3 + 1e-4).half().view(torch.uint8)
+    b[..., 2:4] = (torch.rand(rows, cols // 256, 1, generator=g) * 1e-3).half().view(torch.uint8)
+    return RawTensor("w", "Q5_K", (rows, cols), b.view(rows, -1))
+
+
+def test_q5_k_runs_as_q5_1_blocks():
+    """Q5_K's superblocks become q5_1 blocks, one per group of 32, {d*sc, -dmin*mn} rounded to fp16, its 5-bit
+    levels (fifth bits included) untouched: 0.75 bytes a weight (the file's 0.69), and the product is llama.cpp's
+    sum of per-block terms with those scales; a lost fifth bit or a swapped half would be far off."""
+    raw = _q5_k_raw(43, 512, seed=5)  # 43 rows: the last group of 8 padded
+    w = QdotLinear(raw)
+    assert w.kind == "q5_k-dot-q8" and w.nbytes == 48 * 16 * 24
+    levels, scale, low = unpack_levels(raw)
+    assert int(levels.max()) == 31  # the fifth bits are there to lose
+    for m in (1, 5, 12):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        x[0, :32] = 0.0
+        got = w(x).double().numpy()
+        want = _llama_cpp_product_of(x.numpy(), levels.numpy(), scale.half().float().numpy(),
+                                     low.half().float().numpy())
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+        exact = (x.double() @ dequantize(raw).double().T).numpy()
+        np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
 
 
 def _q6_k_raw(rows: int, cols: int, seed: int = 0) -> RawTensor:
@@ -283,14 +317,14 @@ def test_a_sliding_layer_reads_only_its_window(window):
 
 
 def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monkeypatch):
-    """stored_kernel picks them for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 exactly where qdot.usable() says so; STAGEMESH_QDOT=off turns
+    """stored_kernel picks them for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q5_K exactly where qdot.usable() says so; STAGEMESH_QDOT=off turns
     them off (a new process: load() and usable() are decided once)."""
     for qtype in TYPES:
         assert isinstance(stored_kernel(_raw(qtype, 32, 64)), QdotLinear) == qdot.usable()
     q5_k = torch.randint(0, 256, (32, 176), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     q5_k[:, 0:4] = torch.full((32, 2), 1e-3).half().view(torch.uint8)
     q5_k_raw = RawTensor("w", "Q5_K", (32, 256), q5_k)
-    assert not isinstance(stored_kernel(q5_k_raw), QdotLinear)  # no integer-dot form of its per-32 offsets
+    assert isinstance(stored_kernel(q5_k_raw), QdotLinear) == qdot.usable()  # as q5_1 blocks
     monkeypatch.setenv(qdot.ENV, "off")
     qdot.load.cache_clear()
     try:

@@ -26,7 +26,7 @@ from shared.runtime.stage_runtime import LocalPipeline
 from tests.test_architectures import ARCHS, _spec
 from tests.test_tiny_models import IDS, _decode_logits
 
-pytestmark = pytest.mark.slow  # minutes of llama.cpp comparisons: not in the fast tier
+pytestmark = [pytest.mark.slow, pytest.mark.reference]  # minutes of llama.cpp comparisons: not in the fast tier
 
 TOLERANCE = 1e-2  # max |diff| / logit range on the default path, as for the single-type files of test_quant_types
 # the tiny gemma2's soft caps (1 on attention scores, 5 on logits: small so that they bite) amplify the bf16 path's

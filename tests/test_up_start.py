@@ -71,8 +71,10 @@ def test_bad_model_exits_at_once(tmp_path, model, words):
     (["--stages", "40"], "30 layers, so at most 30 stages"),  # SmolLM2: refused before 40 processes start
     (["--stage", "3"], "unrecognized arguments: --stage 3"),  # never taken as --stages by abbreviation
     (["--chat-template", "nope"], "--chat-template 'nope' is neither a built-in template"),
+    (["--split", "12,9"], "must be strictly increasing"),
+    (["--split", "10,20", "--stages", "2"], "makes 3 stages, not --stages 2"),
 ], ids=["port-range", "stages-type", "stages-zero", "dtype", "trace-budget", "stall-timeout", "origin", "stages-past-layers",
-        "abbreviation", "chat-template"])
+        "abbreviation", "chat-template", "split-order", "split-stages"])
 def test_bad_flag_is_one_line(tmp_path, flags, word):
     rc, err, took = run_up("--port", str(free_port()), *flags, log_dir=str(tmp_path))  # the last --port wins
     assert_fast_one_line(rc, err, took, str(tmp_path), word)

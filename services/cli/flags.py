@@ -5,6 +5,7 @@ runs, so `--help` and a flag's error come before torch loads."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from services.gateway.config import GatewayConfig
@@ -35,6 +36,7 @@ def register(sub) -> None:
     register_up(sub)
     register_trace(sub)
     register_plan(sub)
+    register_rebalance(sub)
 
 
 def register_local(sub) -> None:
@@ -76,7 +78,12 @@ def register_up(sub) -> None:
     p = sub.add_parser("up", help="start a gateway and N stages on this machine",
                        description="Start N stage processes on loopback and a gateway in front of them.")
     add_model_args(p, serving=True)
-    p.add_argument("--stages", type=int, default=2, help="number of stage processes per pipeline (default 2)")
+    p.add_argument("--stages", type=int, default=None, help="number of stage processes per pipeline (default 2, or "
+                                                            "what --split makes)")
+    p.add_argument("--split", default=None, metavar="B1,B2,...",
+                   help="fixed layer boundaries, e.g. 7,19: the stages serve 0:7, 7:19 and 19:end (as `generate "
+                        "--split`; `stagemesh rebalance --dry-run` proposes one from measurement). Default: equal "
+                        "compute per stage, the lm_head counted")
     p.add_argument("--replicas", type=int, default=1,
                    help="pipelines of --stages stages each, behind the one gateway (default 1): requests are routed "
                         "by prefix cache, session and load, and move to another pipeline when one loses a stage")
@@ -124,6 +131,23 @@ def register_trace(sub) -> None:
                    help="torch threads of local runs; float32 is bit-identical only at equal thread counts "
                         "(BLAS reduction order), so match the target's stages (their /info says)")
     p.set_defaults(func=later("services.cli.trace:cmd_trace"))
+
+
+def register_rebalance(sub) -> None:
+    p = sub.add_parser("rebalance", help="measure each stage of a running mesh and propose a balanced split",
+                       description="Each stage's busy time per micro-batch over --window seconds of a mesh at work "
+                                   "(every micro-batch passes every stage), its time per layer, the split that "
+                                   "balances them (as `plan` splits hosts) and the gain predicted for it. Applying "
+                                   "it live is not built yet: it prints the `up --split` to start the mesh with.")
+    p.add_argument("url", nargs="?", default=os.environ.get("STAGEMESH_URL", f"http://127.0.0.1:{GATEWAY_PORT}"),
+                   help=f"the gateway (default $STAGEMESH_URL or http://127.0.0.1:{GATEWAY_PORT})")
+    p.add_argument("--dry-run", action="store_true", help="print the measurement and the proposal (required for now)")
+    p.add_argument("--model", default="smollm2", help="the alias or .gguf the stages serve (its layer count and head)")
+    p.add_argument("--window", type=float, default=10.0, help="seconds to measure over (default 10)")
+    p.add_argument("--streams", type=int, default=16, help="streams the predicted gain is for (default 16)")
+    p.add_argument("--pipeline", type=int, default=0, help="which pipeline of --replicas (default 0)")
+    p.add_argument("--json", action="store_true", help="print the proposal as JSON")
+    p.set_defaults(func=later("services.cli.rebalance:cmd_rebalance", check=check_model))
 
 
 def register_plan(sub) -> None:

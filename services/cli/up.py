@@ -26,6 +26,7 @@ from services.process.args import (
 from shared.config import GATEWAY_PORT, LoadConfig, SchedulerConfig, StageConfig
 from shared.errors import StagemeshError
 from shared.files.gguf_header import layer_count
+from shared.files.layers import parse_split
 from shared.files.model_registry import resolve_model
 from shared.models.memory import stage_shares
 from shared.text.chat_template import template_source
@@ -120,6 +121,8 @@ def _say(line: str) -> None:
 
 def cmd_up(args) -> int:
     # Everything a user can get wrong is checked here, in a second, before any stage loads a model.
+    if args.stages is None:
+        args.stages = 2 if args.split is None else len([p for p in args.split.split(",") if p.strip()]) + 1
     if args.stages < 1:
         raise StagemeshError(f"--stages {args.stages} must be at least 1")
     if args.replicas < 1:
@@ -147,6 +150,12 @@ def cmd_up(args) -> int:
     if args.stages > layers:
         raise StagemeshError(f"--stages {args.stages}: {os.path.basename(model_path)} has {layers} layers, so at most "
                              f"{layers} stages (each holds at least one layer)")
+    ranges = None
+    if args.split is not None:
+        ranges = [str(r) for r in parse_split(args.split, layers)]
+        if len(ranges) != args.stages:
+            raise StagemeshError(f"--split {args.split} makes {len(ranges)} stages, not --stages {args.stages}: "
+                                 "leave --stages out (the split decides it)")
     many = f"{args.replicas} pipelines of " if args.replicas > 1 else ""
     _say(f"starting {many}{args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
          f"(logs in {log_dir}) ...")
@@ -170,7 +179,7 @@ def cmd_up(args) -> int:
                 threads_alone=stage.threads_alone or max(1, (os.cpu_count() or 1) // args.replicas),
                 extra=config_argv(load) + config_argv(stage, STAGE_FLAGS)
                 + (["--otlp-endpoint", otlp_url] if otlp_url else []),
-                insecure_plaintext=args.insecure_plaintext,
+                insecure_plaintext=args.insecure_plaintext, layers=ranges,
                 progress=lambda line, r=r: _say(f"  {f'p{r} ' if args.replicas > 1 else ''}{line}")))
         args.keys = meshes[0].keys_dir
         app = build_app(args.model, [PipelineSpec(m.stage_urls, m.result_listen, m.first_stage) for m in meshes], args)

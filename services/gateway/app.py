@@ -1,6 +1,7 @@
 """The gateway's aiohttp application, composed: the error middleware (host, origin, API key, content type), probes,
 metrics, the chat page, the routes and the app factory. The request lifecycle (Gateway) lives in core.py, the OpenAI
-handlers in openai_api.py and responses_api.py, the websocket in ws.py, the mesh view in mesh_view.py."""
+handlers in openai_api.py and responses_api.py, the Anthropic Messages handlers in anthropic_api.py, the
+websocket in ws.py, the mesh view in mesh_view.py."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.gateway.anthropic_api import MESSAGES_PATH, count_message_tokens, create_message
 from services.gateway.config import API_KEY_ENV, GatewayConfig
 from services.gateway.core import GATEWAY, Gateway
+from services.gateway.durable import FLUSH_S, RequestStore
 from services.gateway.engine import Engine
 from services.gateway.mesh_view import add_mesh_view
 from services.gateway.metrics import (
@@ -47,8 +50,10 @@ STATIC = os.path.join(os.path.dirname(__file__), "static")
 MAX_BODY_BYTES = 1 << 20
 
 
-def _error(e: RequestError, headers: dict | None = None) -> web.Response:
-    return web.json_response(e.openai_body(), status=e.status, headers=headers)
+def _error(request: web.Request, e: RequestError, headers: dict | None = None) -> web.Response:
+    """The error in the shape of the API asked: Anthropic's under /v1/messages, OpenAI's everywhere else."""
+    anthropic = request.path == MESSAGES_PATH or request.path.startswith(MESSAGES_PATH + "/")
+    return web.json_response(e.anthropic_body() if anthropic else e.openai_body(), status=e.status, headers=headers)
 
 
 def _key_matches(given: str, key: str) -> bool:
@@ -58,9 +63,10 @@ def _key_matches(given: str, key: str) -> bool:
 
 
 WS_PATH = "/v1/stream"
-JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", MESSAGES_PATH,
+              MESSAGES_PATH + "/count_tokens")
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
-CORS_HEADERS = "Authorization, Content-Type"
+CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version"
 HTTP_LOG = "stagemesh.gateway.http"  # aiohttp's per-connection logger: one line per reason per interval
 
 
@@ -123,10 +129,12 @@ def _check_key(request: web.Request) -> None:
         given = f"Bearer {request.query.get('api_key', '')}"
     # RFC 7235: the scheme is case-insensitive ("bearer" is "Bearer"), then one or more spaces, then the token
     scheme, _, token = given.strip().partition(" ")
-    if not (_key_matches(scheme.lower(), "bearer") & _key_matches(token.strip(), cfg.api_key)):
+    bearer = _key_matches(scheme.lower(), "bearer") & _key_matches(token.strip(), cfg.api_key)
+    x_api_key = request.headers.get("x-api-key")  # Anthropic's header (its SDK and agents send it), on every route
+    if not (bearer | (x_api_key is not None and _key_matches(x_api_key, cfg.api_key))):
         hint = " (or ?api_key= on the websocket and the mesh stream)" if request.path in QUERY_KEY_PATHS else ""
-        raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>'{hint} ({API_KEY_ENV})",
-                           status=401, code="invalid_api_key")
+        raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'{hint} "
+                           f"({API_KEY_ENV})", status=401, code="invalid_api_key")
 
 
 def _check_content_type(request: web.Request) -> None:
@@ -162,7 +170,7 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     """Host (DNS rebinding), origin policy, API key and content type, then the handler. Every error leaves in
-    OpenAI's shape with a message that says what to fix; an unexpected exception becomes a 500 in that shape, logged
+    OpenAI's shape (Anthropic's under /v1/messages) with a message that says what to fix; an unexpected exception becomes a 500 in that shape, logged
     (throttled). The origin policy trusts Host for the gateway's own origin only because it was checked first."""
     try:
         _check_host(request)
@@ -178,21 +186,23 @@ async def errors_middleware(request: web.Request, handler):
         return await handler(request)
     except RequestError as e:
         request.app[GATEWAY].metrics.rejected.labels(str(e.status)).inc()
-        return _error(e, {"Retry-After": "1"} if e.status in (429, 503) else None)
+        return _error(request, e, {"Retry-After": "1"} if e.status in (429, 503) else None)
     except web.HTTPRequestEntityTooLarge:
-        return _error(RequestError(f"request body exceeds {MAX_BODY_BYTES} bytes", status=413, code="body_too_large"))
+        return _error(request, RequestError(f"request body exceeds {MAX_BODY_BYTES} bytes", status=413,
+                                            code="body_too_large"))
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return _error(RequestError(f"{e.reason}: {request.method} {request.path}", status=e.status, code="http_error"))
+        return _error(request, RequestError(f"{e.reason}: {request.method} {request.path}", status=e.status,
+                                            code="http_error"))
     except (ConnectionError, asyncio.CancelledError):
         raise  # the client went away: nobody to answer
     except Exception as e:
         throttled(log, logging.ERROR, f"500:{type(e).__name__}", "internal error on %s %s: %s: %s", request.method,
                   request.path, type(e).__name__, e, exc_info=e)
         request.app[GATEWAY].metrics.rejected.labels("500").inc()
-        return _error(RequestError(f"internal error ({type(e).__name__}); the gateway logged it", status=500,
-                                   code="internal_error"))
+        return _error(request, RequestError(f"internal error ({type(e).__name__}); the gateway logged it",
+                                            status=500, code="internal_error"))
 
 
 # ---- probes, metrics, page -------------------------------------------------------------------------------------------
@@ -228,11 +238,24 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(os.path.join(STATIC, "index.html"), headers={"Content-Security-Policy": PAGE_CSP})
 
 
+async def _flush_log(store: RequestStore) -> None:
+    """The durable request log's writes, batched every FLUSH_S (a crash loses at most that much, regenerated)."""
+    while True:
+        await asyncio.sleep(FLUSH_S)
+        try:
+            store.flush()
+        except Exception:  # a full disk must not stop the serving: the log says so, requests go on
+            log.exception("the request log could not be written")
+
+
 async def _background(app: web.Application):
     gw = app[GATEWAY]
     replicas = gw.replicas.all
     await asyncio.gather(*(r.pipeline.start() for r in replicas))
     tasks = [asyncio.create_task(r.engine.run(), name=f"scheduler-{r.name}") for r in replicas]
+    if gw.store is not None:
+        tasks += [asyncio.create_task(_flush_log(gw.store), name="request-log"),
+                  asyncio.create_task(gw.readopt(), name="readopt")]
     yield
     gw.replicas.shutdown()  # a no-op after Gateway.drain, which ends requests while connections are still open
     for task in tasks:
@@ -242,6 +265,8 @@ async def _background(app: web.Application):
     for r in replicas:
         await r.pipeline.close()
     gw.lanes.close()
+    if gw.store is not None:
+        gw.store.close()
     otlp = replicas[0].engine.otlp  # one tracer for every engine
     if otlp is not None:
         await asyncio.sleep(0)  # let the closed client's futures end their micro-batch spans first
@@ -249,7 +274,8 @@ async def _background(app: web.Application):
 
 
 def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: GatewayConfig, max_inflight: int,
-             scheduling: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None) -> web.Application:
+             scheduling: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
+             store: RequestStore | None = None) -> web.Application:
     """`pipelines`: one, or several replicas of the same model (each gets its own scheduler and prefix index).
     max_inflight: micro-batches in flight per pipeline (scheduling.max_inflight, or the number of stages)."""
     pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
@@ -263,12 +289,14 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
         watch_prefix_cache(metrics_, indexes)
     watch_replicas(metrics_, replicas)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
-    app[GATEWAY] = Gateway(files, replicas, metrics_, config)
+    app[GATEWAY] = Gateway(files, replicas, metrics_, config, store=store)
     app.cleanup_ctx.append(_background)
     app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post(MESSAGES_PATH, create_message)  # Anthropic's Messages API (docs/messages.md)
+    app.router.add_post(MESSAGES_PATH + "/count_tokens", count_message_tokens)
     app.router.add_get("/v1/streams/{id}", resume_stream)
     add_responses_api(app, MemoryResponseStore(config.stored_responses, config.stored_responses_ttl_s))
     app.router.add_get("/v1/stream", stream_ws)

@@ -64,8 +64,11 @@ class GatewayConfig:
                                     "an operator's debugging tool; `stagemesh trace` needs it)")
     chat_template: str | None = knob(
         None, "render chat requests with this template: a built-in name (chatml, gemma, llama3, phi3, mistral) or "
-              "a Jinja file", metavar="NAME|FILE",
+              "a Jinja file; none: serve text completion only (a base model)", metavar="NAME|FILE|none",
         unset="the model file's own; for a file without one, its family's (by its turn markers)")
+    state_dir: str | None = knob(None, "where resumable requests are logged, so that a restarted gateway takes them "
+                                       "back and their clients read on (SQLite); off: keep no log", metavar="DIR|off",
+                                 unset="$XDG_DATA_HOME/stagemesh/gateway-PORT (~/.local/share/...)")
     served_model_name: str | None = knob(None, "the model's name in the API (/v1/models, each response's model)",
                                          metavar="NAME", unset="--model's alias, or the file's name without .gguf")
     trace_budget: int = knob(64 << 20, "activation bytes one traced request may collect (e.g. 16M); beyond it the "
@@ -85,7 +88,7 @@ class GatewayConfig:
                 check(self, name, False, "a list of strings")
         for name in ("metrics_require_key", "allow_trace"):
             check(self, name, isinstance(getattr(self, name), bool), "given or left out (a switch)")
-        for name in ("chat_template", "served_model_name"):
+        for name in ("chat_template", "served_model_name", "state_dir"):
             value = getattr(self, name)
             check(self, name, value is None or (isinstance(value, str) and bool(value.strip())), "a non-empty name")
         check_int(self, "default_max_tokens", 1, none_ok=True)

@@ -5,6 +5,8 @@ from here; app.py composes them into the aiohttp application."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -16,19 +18,28 @@ from functools import partial
 from aiohttp import WSCloseCode, web
 
 from services.gateway.config import (
+    BODY_READ_TIMEOUT_S,
     FLUSH_AFTER_DRAIN_S,
     MAX_BIG_PROMPTS_WAITING,
     SMALL_PROMPT_CHARS,
     GatewayConfig,
 )
+from services.gateway.durable import RequestStore
 from services.gateway.events import RequestHandle, RequestRegistry
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.output import END_EVENTS, ClientEvent, OutputProcessor
+from services.gateway.output import (
+    END_EVENTS,
+    ClientEvent,
+    DoneEvent,
+    ErrorEvent,
+    OutputProcessor,
+    TokenEvent,
+)
 from services.gateway.replicas import Replicas
 from services.gateway.request import Request, RequestOutput, TraceCapture, new_seq_id
 from services.gateway.scheduler import QueueFull
-from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
-from services.gateway.tools import forced_call_schema, tool_messages
+from services.gateway.schemas import GenerationSpec, RequestError, parse_generation, parse_json_text
+from services.gateway.tools import ToolCallParser, forced_call_schema, tool_messages
 from shared.errors import ChatTemplateError
 from shared.runtime.model_files import ModelFiles
 from shared.text.grammar import GrammarError, json_schema_grammar
@@ -36,6 +47,38 @@ from shared.text.grammar import GrammarError, json_schema_grammar
 log = logging.getLogger("stagemesh.gateway")
 RESUME_GRACE_S = 120.0  # a resumable request with no reader ends after this long (cancelled, its slots freed)
 access_log = logging.getLogger("stagemesh.gateway.access")  # one line per generation request, when it ends
+
+
+async def json_body(request: web.Request) -> dict:
+    """The body as a JSON object, read within BODY_READ_TIMEOUT_S (a trickled body is cut with 408)."""
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s", status=408,
+                           code="body_timeout") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the body is not valid UTF-8 (byte {e.start})") from None
+    body = parse_json_text(text)
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+# the status of a request that failed while generating: its own fault (a 4xx, not to be retried as it is), its
+# deadline, or the server's (503, retried after a second)
+ERROR_STATUS = {"grammar_failed": 400, "timeout": 504}
+
+
+def error_status(ev: ErrorEvent) -> RequestError:
+    """A request's error event as the HTTP error a client gets (whole answers; a stream sends it as an event)."""
+    return RequestError(ev.message, status=ERROR_STATUS.get(ev.code, 503), code=ev.code)
+
+
+def tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
+    """The parser that reads tool calls out of a request's text, when it has tools."""
+    return ToolCallParser(forced=spec.forced_tool) if spec.tools is not None else None
 
 
 class TokenizeLanes:
@@ -91,10 +134,15 @@ class Gateway:
     open_streams: int = 0  # readers following an event log (Gateway.events) not yet ended
     websockets: set = field(default_factory=set)  # open web.WebSocketResponse objects, closed after a drain
     _char_cap: tuple[int, int] | None = None  # (context, cap) cache for prompt_char_cap
+    store: RequestStore | None = None  # the durable request log (services/gateway/durable.py); None: --state-dir off
+    durable: dict[str, int] = field(default_factory=dict)  # logged requests' ids -> output tokens logged so far
+    keep_logged: bool = False  # set as a drain ends what still runs: those stay logged for the next gateway
 
     def __post_init__(self):
         for replica in self.replicas.all:  # every engine reports its requests' outputs here, once each
             replica.engine.on_output = self.deliver
+        if self.store is not None:
+            self.epoch = self.store.epoch  # event ids stay valid across restarts on this state directory
 
     def char_cap(self, context: int) -> int:
         if self._char_cap is None or self._char_cap[0] != context:
@@ -115,19 +163,7 @@ class Gateway:
             raise RequestError(f"the pipeline is not ready: {self.replicas.problem}", status=503, code="not_ready")
         context = self.replicas.max_seq_len
         param = "messages" if spec.messages is not None else "prompt"
-        chars = sum(len(m["content"]) for m in spec.messages) if spec.messages is not None else len(spec.prompt)
-        cap = self.char_cap(context)
-        if chars > cap:  # refused before any tokenizing: cannot fit, whatever its tokens
-            raise RequestError(f"the prompt has {chars} characters, more than {context} tokens can hold "
-                               f"(at most {cap} characters here); shorten it", param, code="context_length_exceeded")
-        try:
-            if spec.messages is not None:
-                render = partial(self.files.chat_prompt_ids, continue_final=spec.continue_final)
-                ids = await self.lanes.run(chars, render, tool_messages(spec.messages, spec.tools))
-            else:
-                ids = await self.lanes.run(chars, self.files.tokenizer.encode, spec.prompt)
-        except ChatTemplateError as e:
-            raise RequestError(str(e), "messages") from None
+        ids = await self.prompt_ids(spec, context)
         grammar = None
         schema = forced_call_schema(spec.tools, spec.tool_choice) if spec.forced_tool else spec.json_schema
         if schema is not None:  # compiled off the loop (the first one also builds llguidance's vocabulary)
@@ -165,6 +201,31 @@ class Gateway:
                        deadline=time.perf_counter() + timeout, grammar=grammar,
                        capture=TraceCapture(self.config.trace_budget) if spec.trace else None)
 
+    async def prompt_ids(self, spec: GenerationSpec, context: int) -> list[int]:
+        """The prompt's token ids: the messages rendered by the chat template (tools, calls and results written in
+        as tools.py says), or the prompt text, tokenized off the loop. A prompt longer in characters than `context`
+        tokens can hold is refused before any tokenizing."""
+        param = "messages" if spec.messages is not None else "prompt"
+        chars = sum(len(m["content"]) for m in spec.messages) if spec.messages is not None else len(spec.prompt)
+        cap = self.char_cap(context)
+        if chars > cap:  # refused before any tokenizing: cannot fit, whatever its tokens
+            raise RequestError(f"the prompt has {chars} characters, more than {context} tokens can hold "
+                               f"(at most {cap} characters here); shorten it", param, code="context_length_exceeded")
+        try:
+            if spec.messages is not None:
+                render = partial(self.files.chat_prompt_ids, continue_final=spec.continue_final)
+                return await self.lanes.run(chars, render, tool_messages(spec.messages, spec.tools))
+            return await self.lanes.run(chars, self.files.tokenizer.encode, spec.prompt)
+        except ChatTemplateError as e:
+            raise RequestError(str(e), "messages") from None
+
+    async def count_prompt(self, body: dict) -> int:
+        """The tokens a chat request's prompt would have (its messages and tools through the chat template, as
+        `start` renders them), without running it."""
+        context = self.replicas.max_seq_len or 1 << 20
+        spec = parse_generation(body, True, context, self.files.tokenizer.vocab_size)
+        return len(await self.prompt_ids(spec, context))
+
     def _encode_plain(self, text: str) -> list[int]:
         return self.files.tokenizer.encode(text, add_bos=False)
 
@@ -185,12 +246,57 @@ class Gateway:
                                cancel_on_leave=cancel_on_leave and not spec.resumable)
         self.requests.add(handle)
         user = body.get("user")
+        route = session or (user if isinstance(user, str) and user else None)
         try:
-            self.submit(seq, session or (user if isinstance(user, str) and user else None))
+            self.submit(seq, route)
         except RequestError:
             self.requests.open.pop(handle.id, None)  # refused: it never existed
             raise
+        if spec.resumable and self.store is not None and seq.grammar is None:  # (a grammar's state is not logged)
+            self.store.add(handle.id, body, chat, route, seq.params.seed or 0)
+            self.durable[handle.id] = 0
         return handle
+
+    async def readopt(self) -> int:
+        """Take back the requests a previous gateway on this state directory left unfinished (durable.py): each
+        with its id, seed and tokens so far, its event log rebuilt to the same offsets, its prompt + tokens
+        prefilled again once the pipeline is ready. Returns how many."""
+        stored = self.store.unfinished() if self.store is not None else []
+        if not stored:
+            return 0
+        while not self.replicas.ready:
+            await asyncio.sleep(0.05)
+        adopted = 0
+        for s in stored:
+            try:
+                spec = parse_generation(s.body, s.chat, self.replicas.max_seq_len or 1 << 20,
+                                        self.files.tokenizer.vocab_size)
+                seq = await self.prepare(spec)
+            except RequestError as e:
+                log.warning("request %s from the request log cannot run again: %s", s.id, e.message)
+                self.store.end(s.id)
+                continue
+            seq.seq_id = s.id
+            if not seq.params.greedy:
+                seq.params = dataclasses.replace(seq.params, seed=s.seed)
+            handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
+                                   cancel_on_leave=False, created=int(s.created))
+            for token, logprob, top in s.outputs[:max(0, seq.max_tokens - 1)]:
+                alternatives = [tuple(t) for t in top] if top is not None else None
+                for ev in handle.processor.process(RequestOutput(token, logprob, alternatives)):
+                    handle.log.append(ev)
+                seq.output_ids.append(token)
+                seq.logprobs.append(logprob)
+                seq.top_logprobs.append(alternatives)
+            seq._generated.update(seq.output_ids)  # the penalties' history
+            seq.prefill_target = len(seq.all_ids)
+            self.requests.add(handle)
+            self.durable[s.id] = len(seq.output_ids)
+            self.submit(seq, s.session)
+            asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._cancel_if_unread, handle)
+            adopted += 1
+        log.info("re-adopted %d unfinished requests from the request log", adopted)
+        return adopted
 
     def deliver(self, seq: Request, out: RequestOutput) -> None:
         """What an engine reports for one request, made into client events once and appended to its log. A stop
@@ -202,12 +308,18 @@ class Gateway:
             return
         proc = handle.processor
         already_stopped = proc.stop_string_hit
+        logged = self.durable.get(seq.seq_id)
+        if logged is not None and out.token is not None and out.finish_reason is None:
+            self.store.output(seq.seq_id, logged, out.token, out.logprob, out.top_logprobs)
+            self.durable[seq.seq_id] = logged + 1
         for ev in proc.process(out):
             if isinstance(ev, END_EVENTS):
                 _log_access(seq)  # logged before any reader sees the end
             handle.log.append(ev)
         if handle.log.ended:
             self.requests.mark_ended(handle)
+            if self.durable.pop(seq.seq_id, None) is not None and not self.keep_logged:
+                self.store.end(seq.seq_id)
         elif proc.stop_string_hit and not already_stopped:
             self.replicas.finish(seq, "stop")
 
@@ -222,6 +334,19 @@ class Gateway:
         finally:
             self.open_streams -= 1
             handle.readers -= 1
+
+    async def collect(self, handle: RequestHandle) -> tuple[list[TokenEvent], DoneEvent]:
+        """A whole answer: its token events and its done event; its error event raises as the HTTP error."""
+        tokens = []
+        async with contextlib.aclosing(self.events(handle)) as events:
+            async for _, ev in events:
+                if isinstance(ev, TokenEvent):
+                    tokens.append(ev)
+                elif isinstance(ev, ErrorEvent):
+                    raise error_status(ev)
+                else:
+                    return tokens, ev
+        raise AssertionError("the event stream ended without done or error")
 
     def leave(self, handle: RequestHandle) -> None:
         """A reader is done (its client went away, or its handler returned): end the request unless it outlives its
@@ -245,6 +370,7 @@ class Gateway:
         deadline = loop.time() + grace_s
         while not self.replicas.idle and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        self.keep_logged = True  # what is ended now goes on under the next gateway on this state directory
         ended = self.replicas.shutdown(f"the gateway is shutting down: this request was still running when the "
                                         f"{grace_s:g} s drain period ended; retry it")
         if ended:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from services.gateway.app import make_app, serve_until_signal
+from services.gateway.durable import RequestStore, default_state_dir
 from services.gateway.flags import gateway_config_from_args
 from services.gateway.pipeline import Pipeline
 from services.process.args import (
@@ -67,7 +68,10 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
     inflight = scheduling.max_inflight or len(specs[0].stage_urls)
     otlp_url = otlp_from_args(args)
     otlp = OtlpTracer(otlp_url, "stagemesh-gateway") if otlp_url else None
-    return make_app(files, pipelines, config, inflight, scheduling, otlp)
+    store = None
+    if config.state_dir != "off":
+        store = RequestStore(config.state_dir or default_state_dir(args.port))
+    return make_app(files, pipelines, config, inflight, scheduling, otlp, store)
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:

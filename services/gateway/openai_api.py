@@ -3,7 +3,6 @@ They shape the output processor's events into OpenAI's chunk and response object
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -11,31 +10,13 @@ import time
 
 from aiohttp import web
 
-from services.gateway.config import BODY_READ_TIMEOUT_S
-from services.gateway.core import GATEWAY
+from services.gateway.core import GATEWAY, json_body, tool_parser
 from services.gateway.events import RequestHandle
 from services.gateway.output import DoneEvent, ErrorEvent, TokenEvent
 from services.gateway.replicas import SESSION_HEADER
 from services.gateway.request import Request
-from services.gateway.schemas import GenerationSpec, RequestError, parse_json_text
+from services.gateway.schemas import GenerationSpec, RequestError
 from services.gateway.tools import CallStarted, ContentDelta, ToolCallParser, ToolEvent
-
-
-async def json_body(request: web.Request) -> dict:
-    """The body as a JSON object, read within BODY_READ_TIMEOUT_S (a trickled body is cut with 408)."""
-    try:
-        raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
-    except TimeoutError:
-        raise RequestError(f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s", status=408,
-                           code="body_timeout") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RequestError(f"the body is not valid UTF-8 (byte {e.start})") from None
-    body = parse_json_text(text)
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    return body
 
 
 def _chat_token(text: str, logprob: float) -> dict:
@@ -134,19 +115,6 @@ def finish_with_calls(reason: str) -> str:
     return "tool_calls" if reason == "stop" else reason
 
 
-def tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
-    return ToolCallParser(forced=spec.forced_tool) if spec.tools is not None else None
-
-
-# the status of a request that failed while generating: its own fault (a 4xx, not to be retried as it is), its
-# deadline, or the server's (503, retried after a second)
-ERROR_STATUS = {"grammar_failed": 400, "timeout": 504}
-
-
-def error_status(ev: ErrorEvent) -> RequestError:
-    return RequestError(ev.message, status=ERROR_STATUS.get(ev.code, 503), code=ev.code)
-
-
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     handle = await gw.start(await json_body(request), chat, request.headers.get(SESSION_HEADER))
@@ -155,16 +123,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         if spec.stream:
             return await _stream_sse(request, gw, handle, shape)
-        tokens = []
-        async with contextlib.aclosing(gw.events(handle)) as events:
-            async for _, ev in events:
-                if isinstance(ev, TokenEvent):
-                    tokens.append(ev)
-                elif isinstance(ev, ErrorEvent):
-                    raise error_status(ev)
-                else:
-                    return web.json_response(shape.response(tokens, ev, tool_parser(spec)))
-        raise AssertionError("the event stream ended without done or error")
+        tokens, done = await gw.collect(handle)
+        return web.json_response(shape.response(tokens, done, tool_parser(spec)))
     finally:
         gw.leave(handle)  # no-op when finished; frees KV slots when the client went away
 
@@ -251,5 +211,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
+    # capabilities (as Ollama names them): "chat" only where a chat template renders messages (the page then
+    # completes text instead); max_model_len (vLLM's field): the context every stage holds
+    capabilities = ["completion"] + (["chat"] if gw.files.chat_template is not None else [])
     return web.json_response({"object": "list", "data": [{"id": gw.config.model_id, "object": "model", "created": 0,
-                                                          "owned_by": "stagemesh"}]})
+                                                          "owned_by": "stagemesh", "capabilities": capabilities,
+                                                          "max_model_len": gw.replicas.max_seq_len or None}]})

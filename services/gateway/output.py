@@ -7,7 +7,7 @@ the client's id for the stream) and the OpenAI handlers turn them into chunks. T
   {"type": "token", "index", "text", "token_id", "logprob"}    text may be "" while text is held back
     with logprobs also "token_text" (the token's own text), with top_logprobs k also "top_logprobs":
     [{"token_id", "text", "logprob"}] x k, most likely first
-  {"type": "done", "finish_reason", "usage", "timings"[, "trace"]}
+  {"type": "done", "finish_reason", "usage", "timings"[, "stop_string"][, "trace"]}
   {"type": "error", "code", "message"}
 """
 
@@ -48,18 +48,21 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class DoneEvent:
-    """The answer ended: why, its usage and timings (and its trace, when it asked for one)."""
+    """The answer ended: why, its usage and timings (the stop string that ended it, if one did; its trace, when it
+    asked for one)."""
 
     finish_reason: str
     usage: dict
     timings: dict
     trace: dict | None = None
+    stop_string: str | None = None
     type: ClassVar[str] = "done"
 
     def to_json(self) -> dict:
-        out = {"type": self.type, **{k: v for k, v in asdict(self).items() if k != "trace"}}
-        if self.trace is not None:
-            out["trace"] = self.trace
+        out = {"type": self.type, **{k: v for k, v in asdict(self).items() if k not in ("trace", "stop_string")}}
+        for key in ("stop_string", "trace"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
@@ -149,4 +152,4 @@ class OutputProcessor:
             trace = TraceRecorder(captures, seq.output_ids, len(seq.prompt_ids)).to_json(seq.prompt_ids)
             # over its budget: the captures stop at some step; say so rather than look like a complete trace
             trace["truncated"] = seq.capture.truncated
-        return DoneEvent(reason, usage, timings(seq), trace)
+        return DoneEvent(reason, usage, timings(seq), trace, self.stream.stop_string)

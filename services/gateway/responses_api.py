@@ -28,9 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.core import GATEWAY, Gateway
+from services.gateway.core import GATEWAY, Gateway, json_body, tool_parser
 from services.gateway.events import KEEP_ENDED, KEEP_ENDED_S, RequestHandle
-from services.gateway.openai_api import error_status, json_body, tool_parser
 from services.gateway.output import ClientEvent, DoneEvent, ErrorEvent, TokenEvent
 from services.gateway.replicas import SESSION_HEADER
 from services.gateway.response_store import ResponseStore, StoredResponse
@@ -591,12 +590,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         shape = ResponseShape(record, handle.spec)
         if req.background:  # queued; read it back by its id
             return web.json_response(shape.response())
-        shape.start()
-        async with contextlib.aclosing(gw.events(handle)) as events:
-            async for _, ev in events:
-                if isinstance(ev, ErrorEvent):
-                    raise error_status(ev)
-                shape.push(ev)
+        tokens, done = await gw.collect(handle)  # an error event raises as the HTTP error
+        shape.replay([*tokens, done])
         return web.json_response(shape.response())
     finally:
         if not req.background:  # a background response runs on without readers: only cancel or its deadline end it

@@ -30,6 +30,13 @@ class RequestError(Exception):
                     self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        """The error in the Anthropic Messages API's shape (its types by status; 503 is its "overloaded")."""
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}.get(
+                    self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
 
 def parse_json_text(text: str) -> Any:
     """JSON text -> value, or RequestError for anything Python's parser cannot turn into a request: syntax errors,

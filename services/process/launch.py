@@ -124,11 +124,15 @@ class LocalMesh:
 
 
 def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop: str, http: str,
-                  dtype: str | None, threads: int | None, extra: list[str], keys_dir: str | None = None) -> list[str]:
-    """The stage's command line: CURVE with keys_dir, else --insecure-plaintext; it exits when this process dies."""
+                  dtype: str | None, threads: int | None, extra: list[str], keys_dir: str | None = None,
+                  layers: str | None = None) -> list[str]:
+    """The stage's command line: CURVE with keys_dir, else --insecure-plaintext; it exits when this process dies.
+    layers: its range START:STOP (None: the equal-compute split of --num-stages)."""
     cmd = [sys.executable, "-m", "services.cli", "stage", "--model", model, "--stage-index", str(index),
            "--num-stages", str(num_stages), "--listen", listen, "--next", next_hop, "--http", http,
            "--exit-with-parent", str(os.getpid())]
+    if layers:
+        cmd += ["--layers", layers]
     cmd += ["--keys", keys_dir] if keys_dir else ["--insecure-plaintext"]
     if dtype:
         cmd += ["--dtype", dtype]
@@ -141,13 +145,17 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
                threads_alone: int | None = None, extra: list[str] | None = None, result_listen: str | None = None,
                log_dir: str | None = None,
                ready_timeout: float = 180.0, avoid_ports: frozenset[int] = frozenset(), keys_dir: str | None = None,
-               insecure_plaintext: bool = False, progress: Callable[[str], None] | None = None) -> LocalMesh:
+               insecure_plaintext: bool = False, progress: Callable[[str], None] | None = None,
+               layers: list[str] | None = None) -> LocalMesh:
     """Start num_stages stage processes on loopback and wait until every one is ready. Their sockets use CURVE with
     the key set in keys_dir, or with ephemeral keys made here (a private 0700 temporary directory, deleted by
     stop()); plaintext only with insecure_plaintext. Each stage exits when this process dies. `progress` (e.g.
     print) hears one line as each stage becomes ready, and one every PROGRESS_EVERY_S while any is loading.
     threads: each stage's torch threads (default: the cores divided among the stages); threads_alone: for a
-    micro-batch alone in the pipeline (default: every core, as the stages share this host)."""
+    micro-batch alone in the pipeline (default: every core, as the stages share this host). layers: each stage's
+    range START:STOP, in order (None: the equal-compute split)."""
+    if layers is not None and len(layers) != num_stages:
+        raise ValueError(f"{len(layers)} layer ranges for {num_stages} stages")
     owns_keys = False
     if insecure_plaintext:
         keys_dir = None
@@ -166,7 +174,7 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
         http = f"127.0.0.1:{ports[num_stages + i]}"
         next_hop = listens[i + 1] if i + 1 < num_stages else result_listen
         cmd = stage_command(model, i, num_stages, listens[i], next_hop, http, dtype, threads, alone + (extra or []),
-                            keys_dir)
+                            keys_dir, layers[i] if layers else None)
         stage = StageProcess(i, listens[i], http, None, cmd, os.path.join(log_dir, f"stage{i}.log") if log_dir else None,
                              env)
         stage.proc = stage.spawn("w")

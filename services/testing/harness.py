@@ -196,10 +196,11 @@ class RunningGateway:
             self.proc.kill()
 
 
-def start_up(stages: int, dtype: str | None, log_dir: str, *extra: str, timeout: float = 240) -> RunningGateway:
-    """`stagemesh up --stages N` as a subprocess on a free port; returns once /ready answers 200. dtype None: up's
-    default (and with it weights auto)."""
-    port = free_port()
+def start_up(stages: int, dtype: str | None, log_dir: str, *extra: str, timeout: float = 240,
+             port: int | None = None) -> RunningGateway:
+    """`stagemesh up --stages N` as a subprocess on `port` (default: a free one); returns once /ready answers 200.
+    dtype None: up's default (and with it weights auto)."""
+    port = port or free_port()
     log_path = os.path.join(log_dir, f"up-{stages}.log")
     out = open(log_path, "w")
     cmd = [sys.executable, "-m", "services.cli", "up", "--stages", str(stages), *(["--dtype", dtype] if dtype else []),

@@ -60,7 +60,7 @@ constexpr int64_t group_bytes(Layout layout) {  // 8 rows' blocks of 32, interle
 }
 
 // x [M, K] quantized per block of 32: q [M, K] int8, d and s [M, K/32] float (fp16-rounded), sum [M, K/32] the
-// levels' sum; for q6_16 weights per half block (16), d [M, K/16] and no s or sum
+// levels' sum; for q6_16 weights per half block (16), d and sum [M, K/16] and no s
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
@@ -116,7 +116,7 @@ template <bool HALVES>
 Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
   const int64_t blocks = M * (K / QK);
   Q8Rows out{std::vector<int8_t>(M * K), std::vector<float>(HALVES ? 2 * blocks : blocks),
-             std::vector<float>(HALVES ? 0 : blocks), std::vector<int32_t>(HALVES ? 0 : blocks)};
+             std::vector<float>(HALVES ? 0 : blocks), std::vector<int32_t>(HALVES ? 2 * blocks : blocks)};
   const __m256 sign = _mm256_set1_ps(-0.0f);
   // a prefill's many rows over the threads; a decode step's few blocks inline (under the grain)
   at::parallel_for(0, blocks, 512, [&](int64_t first, int64_t last) {
@@ -140,7 +140,15 @@ Q8Rows quantize_rows(const float *x, int64_t M, int64_t K) {
       __m256i q[4];
       for (int j = 0; j < 4; j++)
         q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), id[j / 2]), nearest));
-      if constexpr (!HALVES) {
+      if constexpr (HALVES) {
+        for (int h = 0; h < 2; h++) {
+          __m256i sum = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+          __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
+          s4 = _mm_hadd_epi32(s4, s4);
+          s4 = _mm_hadd_epi32(s4, s4);
+          out.sum[2 * i + h] = _mm_cvtsi128_si32(s4);
+        }
+      } else {
         __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
         __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
         s4 = _mm_hadd_epi32(s4, s4);
@@ -316,6 +324,128 @@ inline void group_tile(const uint8_t *group, int64_t nb, const Q8Rows &x, int64_
   }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Two adjacent groups (16 weight rows) against MT activation rows in 512-bit registers: lanes 0..7 are group g's rows,
+// 8..15 group g + 1's. One broadcast of 4 activation bytes and one vpdpbusd serve 16 rows where group_tile's serve 8,
+// and the float work per output is the same instructions on twice the lanes: each output element takes exactly
+// group_tile's integers and float operations in group_tile's order, so the two give the same bits (a row's result
+// does not depend on which path its group took). AVX512 has no vpsignb: signed levels are offset to unsigned ones
+// (q6_16: q, not q - 32; q8_0: q + 128) and the offset times the activations' sum is subtracted, the same integers.
+inline __m512i load_pair(const uint8_t *a, const uint8_t *b) {  // 32 bytes of each group
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b)), 1);
+}
+inline __m512 halves_pair(const uint8_t *a, const uint8_t *b) {  // 8 fp16 of each group -> 16 floats
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i *>(b)), 1));
+}
+inline __m512 int8s_pair(const uint8_t *a, const uint8_t *b) {  // 8 int8 scales of each group -> 16 floats
+  const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(a)),
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both));
+}
+template <int bit, int width = 1>
+inline __m512i bits_to_4_512(__m512i bits) {  // bits_to_4 on 512 bits
+  const __m512i kept = _mm512_set1_epi8(static_cast<char>(((1 << width) - 1) << 4));
+  if constexpr (bit <= 4) return _mm512_and_si512(_mm512_slli_epi16(bits, 4 - bit), kept);
+  else return _mm512_and_si512(_mm512_srli_epi16(bits, bit - 4), kept);
+}
+inline __m512i bcast4(const int8_t *p) { return _mm512_set1_epi32(load_i32(p)); }
+
+template <int j, int MT>
+inline void q6_chunk_pair(const uint8_t *n0, const uint8_t *n1, __m512i high0, __m512i high1,
+                          const int8_t *const *xq, __m512i (*sum)[MT]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i packed = load_pair(n0 + 32 * j, n1 + 32 * j);
+  const __m512i lo = _mm512_or_si512(_mm512_and_si512(packed, low), bits_to_4_512<2 * j, 2>(high0));
+  const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
+                                     bits_to_4_512<2 * j, 2>(high1));
+  for (int t = 0; t < MT; t++) {
+    sum[0][t] = _mm512_dpbusd_epi32(sum[0][t], lo, bcast4(xq[t] + 4 * j));
+    sum[1][t] = _mm512_dpbusd_epi32(sum[1][t], hi, bcast4(xq[t] + 16 + 4 * j));
+  }
+}
+
+template <int MT, Layout L>
+inline void pair_tile(const uint8_t *group0, const uint8_t *group1, int64_t nb, const Q8Rows &x, int64_t m0,
+                      int64_t K, float *y, int64_t N, int64_t n0, bool prefetch) {
+  static_assert(L == Q4_1 || L == Q6_16 || L == Q8_0, "pair_tile: q4_1, q6_16 and q8_0 only");
+  constexpr int64_t bytes = group_bytes(L);
+  __m512 acc[MT];
+  for (int t = 0; t < MT; t++) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t *b0 = group0 + b * bytes, *b1 = group1 + b * bytes;
+    if (prefetch)
+      for (int64_t ahead = 0; ahead < bytes; ahead += 64) {
+        _mm_prefetch(reinterpret_cast<const char *>(b0 + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(b1 + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+      }
+    const int8_t *xq[MT];
+    for (int t = 0; t < MT; t++) xq[t] = x.q.data() + (m0 + t) * K + b * QK;
+    if constexpr (L == Q6_16) {
+      const __m512 d = halves_pair(b0, b1);
+      const __m512 dw[2] = {_mm512_mul_ps(d, int8s_pair(b0 + 16, b1 + 16)),
+                            _mm512_mul_ps(d, int8s_pair(b0 + 24, b1 + 24))};
+      const __m512i high0 = load_pair(b0 + 32 + 128, b1 + 32 + 128);
+      const __m512i high1 = load_pair(b0 + 32 + 160, b1 + 32 + 160);
+      __m512i sum[2][MT];
+      for (int t = 0; t < MT; t++) sum[0][t] = sum[1][t] = _mm512_setzero_si512();
+      q6_chunk_pair<0, MT>(b0 + 32, b1 + 32, high0, high1, xq, sum);
+      q6_chunk_pair<1, MT>(b0 + 32, b1 + 32, high0, high1, xq, sum);
+      q6_chunk_pair<2, MT>(b0 + 32, b1 + 32, high0, high1, xq, sum);
+      q6_chunk_pair<3, MT>(b0 + 32, b1 + 32, high0, high1, xq, sum);
+      for (int half = 0; half < 2; half++)
+        for (int t = 0; t < MT; t++) {
+          const int64_t xh = ((m0 + t) * nb + b) * 2 + half;
+          const __m512i dot = _mm512_sub_epi32(sum[half][t], _mm512_set1_epi32(32 * x.sum[xh]));
+          acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw[half], _mm512_set1_ps(x.d[xh])), _mm512_cvtepi32_ps(dot), acc[t]);
+        }
+      continue;
+    }
+    const __m512 dw = halves_pair(b0, b1);
+    __m512i dot[MT];
+    for (int t = 0; t < MT; t++) dot[t] = _mm512_setzero_si512();
+    if constexpr (L == Q4_1) {
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      for (int j = 0; j < 4; j++) {
+        const __m512i packed = load_pair(b0 + 32 + 32 * j, b1 + 32 + 32 * j);
+        const __m512i lo = _mm512_and_si512(packed, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        for (int t = 0; t < MT; t++) {
+          dot[t] = _mm512_dpbusd_epi32(dot[t], lo, bcast4(xq[t] + 4 * j));
+          dot[t] = _mm512_dpbusd_epi32(dot[t], hi, bcast4(xq[t] + 16 + 4 * j));
+        }
+      }
+    } else {  // Q8_0: q + 128 unsigned, less 128 x the block's sum
+      const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int j = 0; j < 8; j++) {
+        const __m512i w = _mm512_xor_si512(load_pair(b0 + 16 + 32 * j, b1 + 16 + 32 * j), offset);
+        for (int t = 0; t < MT; t++) dot[t] = _mm512_dpbusd_epi32(dot[t], w, bcast4(xq[t] + 4 * j));
+      }
+      for (int t = 0; t < MT; t++)
+        dot[t] = _mm512_sub_epi32(dot[t], _mm512_set1_epi32(128 * x.sum[(m0 + t) * nb + b]));
+    }
+    for (int t = 0; t < MT; t++) {
+      const int64_t xb = (m0 + t) * nb + b;
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(x.d[xb])), _mm512_cvtepi32_ps(dot[t]), acc[t]);
+      if constexpr (L == Q4_1) acc[t] = _mm512_fmadd_ps(halves_pair(b0 + 16, b1 + 16), _mm512_set1_ps(x.s[xb]), acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; t++) {
+    float *out = y + (m0 + t) * N + n0;
+    if (n0 + 16 <= N) {
+      _mm512_storeu_ps(out, acc[t]);
+    } else {  // the second group's padding rows are dropped
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc[t]);
+      std::memcpy(out, lanes, sizeof(float) * (N - n0));
+    }
+  }
+}
+#define STAGEMESH_PAIR_TILES 1
+#endif
+
 template <Layout L>
 at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
   constexpr int64_t bytes = group_bytes(L);
@@ -340,7 +470,28 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
   at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
     for (int64_t m_chunk = 0; m_chunk < M; m_chunk += ROWS) {
       const int64_t m_end = std::min(M, m_chunk + ROWS);
-      for (int64_t g = begin; g < end; g++) {
+      int64_t g = begin;
+#ifdef STAGEMESH_PAIR_TILES
+      if constexpr (L == Q4_1 || L == Q6_16 || L == Q8_0) {
+        for (; g + 2 <= end; g += 2) {
+          const uint8_t *g0 = w + g * nb * bytes, *g1 = g0 + nb * bytes;
+          int64_t m = m_chunk;
+          for (; m + 8 <= m_end; m += 8) pair_tile<8, L>(g0, g1, nb, q, m, K, out, N, 8 * g, m == 0);
+          for (; m + 4 <= m_end; m += 4) pair_tile<4, L>(g0, g1, nb, q, m, K, out, N, 8 * g, m == 0);
+          // the last 1 to 3 rows group by group: with so few rows the pair measured slower (the same bits)
+          for (int64_t h = 0; h < 2; h++) {
+            const uint8_t *group = h ? g1 : g0;
+            switch (m_end - m) {
+              case 3: group_tile<3, L>(group, nb, q, m, K, out, N, 8 * (g + h), m == 0); break;
+              case 2: group_tile<2, L>(group, nb, q, m, K, out, N, 8 * (g + h), m == 0); break;
+              case 1: group_tile<1, L>(group, nb, q, m, K, out, N, 8 * (g + h), m == 0); break;
+              default: break;
+            }
+          }
+        }
+      }
+#endif
+      for (; g < end; g++) {
         const uint8_t *group = w + g * nb * bytes;
         int64_t m = m_chunk;
 #ifdef __AVX512VL__  // 32 vector registers: 8 rows' accumulators and partial sums stay in them

@@ -15,7 +15,8 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
 
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
 (QdotLinear) wherever the table says int4, Q5_0 / Q5_1 in both modes (their own blocks, smaller than int8 rows), and
-Q4_K in auto (rewritten to Q4_1 blocks) and Q6_K in both (q6_16 blocks, 0.875 bytes a weight): the file's numbers,
+Q4_K and Q5_K in both (rewritten to Q4_1 / Q5_1 blocks, their scales rounded to fp16) and Q6_K in both (q6_16 blocks,
+0.875 bytes a weight): the file's numbers,
 multiplied as llama.cpp does (shared.kernels.qdot). They
 outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
@@ -65,12 +66,12 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # a nibble x scale + low per group of 32:
 INT4_PAIR_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # up to 8 bits x scale + low per group of 32: two int4 planes
 FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
 # The types QdotLinear takes where the integer-dot kernels run (qdot.usable()), and the op each runs on.
-# QdotLinear rewrites three: Q4_K runs as Q4_1 blocks {d*sc, -dmin*mn} per group of 32 (the two rounded to fp16 once,
+# QdotLinear rewrites four: Q4_K runs as Q4_1 blocks {d*sc, -dmin*mn} per group of 32 (the two rounded to fp16 once,
 # as llama.cpp rounds Q8_1's; int4 rounds them to bf16); Q6_K as q6_16 blocks {d, the two int8 scales, its 6-bit
 # levels} per group of 32 (its own numbers, 7 bits a weight); Q5_0 and Q5_1 as their own bytes, the fifth bits after
 # the nibbles.
 QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_1",
-              "Q6_K": "q6_16"}
+              "Q5_K": "q5_1", "Q6_K": "q6_16"}
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
 # (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
 _PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
@@ -337,7 +338,7 @@ def _row_slices(raw: RawTensor) -> Iterator[tuple[slice, RawTensor]]:
 def _op_blocks(raw: RawTensor) -> torch.Tensor:
     """raw's blocks in its qdot op's layout [N, K/32, BLOCK_BYTES]: Q4_0's with their offset spelled out ({d, qs} ->
     {d, -8d, qs}, Q4_1's), Q4_1's and Q8_0's as stored, the rest rewritten (_rewritten_blocks)."""
-    if raw.ggml_type in ("Q5_0", "Q5_1", "Q4_K", "Q6_K"):
+    if raw.ggml_type in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
         return _rewritten_blocks(raw)
     n, k = raw.shape
     data = raw.data.reshape(n, k // GROUP, _BLOCK[raw.ggml_type][0])
@@ -351,7 +352,9 @@ def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
     """Q5_0 / Q5_1 -> their q5_0 / q5_1 blocks [N, K/32, 22 / 24]: the same bytes, the 4 of fifth bits moved after
     the 16 of nibbles (qdot.interleave then spreads them for the kernel). Q4_K -> Q4_1 blocks
     [N, K/32, 20]: for each group of 32 of a superblock, {d*sc, -dmin*mn, its nibbles}, the scale and offset rounded
-    to fp16 (a relative error under 2^-11 of the group's scale; llama.cpp rounds its Q8_1 activations' the same way).
+    to fp16 (a relative error under 2^-11 of the group's scale; llama.cpp rounds its Q8_1 activations' the same way);
+    Q5_K -> q5_1 blocks [N, K/32, 24] the same way, its fifth bits after the nibbles (0.75 bytes a weight, the file's
+    0.69).
     Q6_K -> q6_16 blocks [N, K/32, 28]: {its superblock's fp16 d, the int8 scales of elements 0..15 and 16..31, the
     levels' low nibbles as Q4_1's, their high 2 bits: bits 2j, 2j + 1 of byte 4h + b are element 16h + 4j + b's}, the
     same numbers."""
@@ -376,9 +379,13 @@ def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
     q = q.view(n, k // GROUP, GROUP)
     d, m = scale.to(torch.float16), low.to(torch.float16)
     if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
-        raise GgufError(f"{raw.name}: a Q4_K scale or offset past fp16's range; load it with --weights lean")
-    nibbles = q[..., :16] | (q[..., 16:] << 4)  # Q4_1's order: elements 0..15 low, 16..31 high
-    return torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)
+        raise GgufError(f"{raw.name}: a {raw.ggml_type} scale or offset past fp16's range; load it with --weights f32")
+    nibbles = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)  # Q4_1's order: elements 0..15 low, 16..31 high
+    blocks = [d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles]
+    if raw.ggml_type == "Q5_K":  # q5_1's 4 bytes of fifth bits: bit i of the little-endian 32 is element i's
+        fifth = ((q >> 4) & 1).view(n, k // GROUP, 4, 8) << torch.arange(8, dtype=torch.uint8)
+        blocks.append(fifth.sum(-1, dtype=torch.uint8))
+    return torch.cat(blocks, dim=-1)
 
 
 def qdot_takes(ggml_type: str) -> bool:

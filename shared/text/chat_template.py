@@ -345,16 +345,22 @@ def detect_template(control_texts) -> str | None:
     return next((name for name, markers in FAMILY_MARKERS if have.issuperset(markers)), None)
 
 
-def template_source(choice: str) -> tuple[str, str]:
-    """--chat-template's value -> (the template's source, how to name it): a built-in name, or a file of at most
-    MAX_TEMPLATE_FILE_BYTES. ChatTemplateError says which names exist."""
+NO_TEMPLATE = "none"  # --chat-template none: a text-completion model (a base model, or a file whose template is wrong)
+
+
+def template_source(choice: str) -> tuple[str | None, str]:
+    """--chat-template's value -> (the template's source, how to name it): a built-in name, a file of at most
+    MAX_TEMPLATE_FILE_BYTES, or NO_TEMPLATE (None: chat requests are refused, completions served). ChatTemplateError
+    says which names exist."""
+    if choice == NO_TEMPLATE:
+        return None, "none (--chat-template none: text completion only)"
     if choice in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[choice], f"built-in {choice}"
     import os
 
     if not os.path.isfile(choice):
         raise ChatTemplateError(f"--chat-template {choice!r} is neither a built-in template "
-                                f"({', '.join(BUILTIN_TEMPLATES)}) nor a file")
+                                f"({', '.join(BUILTIN_TEMPLATES)}), {NO_TEMPLATE!r} nor a file")
     if os.path.getsize(choice) > MAX_TEMPLATE_FILE_BYTES:
         raise ChatTemplateError(f"--chat-template {choice}: larger than {MAX_TEMPLATE_FILE_BYTES} bytes")
     try:

@@ -24,12 +24,13 @@ class TextStream:
         self.held = ""  # decoded but not yet shown: could begin a stop string
         self.shown: list[str] = []
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text (the earliest one found)
 
     def _emit(self, new_text: str, final: bool) -> StreamStep:
         buf = self.held + new_text
-        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut, first = min(((i, s) for s in self.stop if (i := buf.find(s)) >= 0), default=(-1, None))
         if cut >= 0:
-            self.held, self.stopped = "", True
+            self.held, self.stopped, self.stop_string = "", True, first
             return self._show(buf[:cut], True)
         keep = 0 if final else self._longest_stop_prefix_suffix(buf)
         self.held = buf[len(buf) - keep:] if keep else ""

@@ -11,7 +11,11 @@ const MAX_CONVERSATIONS = 50;
 const HINT = "Enter sends · Shift+Enter starts a new line";
 // The page's sampler defaults (the API's own, for a request that leaves a field out: temperature 1, top-p 1, no
 // max_tokens = until the context is full). Settings show both; what a request sends is what the settings show.
-const DEFAULTS = {system: "", temperature: 0.7, top_p: 0.95, max_tokens: null};  // max_tokens null: "auto"
+const DEFAULTS = {system: "", temperature: 0.7, top_p: 0.95, max_tokens: null, mode: "auto"};  // max_tokens null: "auto"
+// mode: "chat" sends the conversation as messages (the model's chat template renders them); "complete" sends its
+// text as one prompt and the model continues it (a base model, or one with no chat template); "auto": chat where
+// /v1/models lists the "chat" capability, else complete.
+const MODES = ["auto", "chat", "complete"];
 const API_DEFAULTS = {temperature: 1, top_p: 1};
 const AUTO_MAX_TOKENS = 1024;  // "auto": at most this, or what is left of the context if less; "Continue" goes on
 const EXPORT_KIND = "stagemesh.conversations";
@@ -28,6 +32,7 @@ function validSettings(v) {
   if (ok && typeof v.temperature === "number" && v.temperature >= 0 && v.temperature <= 2) s.temperature = v.temperature;
   if (ok && typeof v.top_p === "number" && v.top_p > 0 && v.top_p <= 1) s.top_p = v.top_p;
   if (ok && Number.isInteger(v.max_tokens) && v.max_tokens >= 1) s.max_tokens = v.max_tokens;
+  if (ok && MODES.includes(v.mode)) s.mode = v.mode;
   return s;
 }
 // A message: {role, content, cut?, alts?, alt?}. `alts` are the branches at this place of the conversation: each a
@@ -49,6 +54,8 @@ let settings = validSettings(load(STORE.settings, {}));
 let conversations = (Array.isArray(load(STORE.convs, [])) ? load(STORE.convs, []) : []).filter(validConversation);  // newest first
 let conv = null;              // {id, title, messages: [{role, content, ...}], updated, used}
 let ws = null, current = null, counter = 0, retryMs = 1000, context = null, keyWanted = false;
+let modelChats = true;        // /v1/models lists "chat": the model has a chat template
+const completing = () => settings.mode === "complete" || (settings.mode === "auto" && !modelChats);
 
 // ---- theme: the system's (prefers-color-scheme) unless the settings pick one ------------------------------------
 const darkQuery = matchMedia("(prefers-color-scheme: dark)");
@@ -404,12 +411,14 @@ function autoMaxTokens() {
 }
 
 function request() {
-  const messages = (settings.system ? [{role: "system", content: settings.system}, ...conv.messages] : conv.messages)
-    .map((m) => ({role: m.role, content: m.content}));
-  const r = {type: "generate", id: current.id, messages, temperature: settings.temperature, top_p: settings.top_p};
+  const sampling = {type: "generate", id: current.id, temperature: settings.temperature, top_p: settings.top_p};
+  // completing: the conversation is one text (what was written and what the model added, in order), continued
+  const r = completing() ? {...sampling, prompt: conv.messages.map((m) => m.content).join("")} : {...sampling,
+    messages: (settings.system ? [{role: "system", content: settings.system}, ...conv.messages] : conv.messages)
+      .map((m) => ({role: m.role, content: m.content}))};
   if (settings.max_tokens) r.max_tokens = settings.max_tokens;
   else if (!current.uncapped) r.max_tokens = autoMaxTokens();
-  if (current.cont) r.continue_final_message = true;  // the answer's last message goes on instead of a new turn
+  if (current.cont && !completing()) r.continue_final_message = true;  // the answer goes on instead of a new turn
   return r;
 }
 
@@ -513,10 +522,21 @@ $("toggle-sidebar").addEventListener("click", (e) => { e.stopPropagation(); $("a
 document.querySelector("main").addEventListener("click", () => $("app").classList.remove("show-sidebar"));
 
 // ---- settings -------------------------------------------------------------------------------------------------
+// The page says which way it sends: a model without a chat template continues text, and the box asks for that.
+function drawMode() {
+  const plain = completing();
+  $("mode-note").hidden = !plain;
+  $("mode-note").textContent = !plain ? "" : modelChats ? "Text completion (settings): the model continues your text."
+    : "This model has no chat template: the page completes text. Write the start of something and the model continues it.";
+  promptBox.placeholder = plain ? "Write the start of a text…" : "Ask something…";
+}
+
 function drawSettings() {
   $("set-system").value = settings.system; $("set-temperature").value = settings.temperature;
   $("set-top-p").value = settings.top_p; $("set-max-tokens").value = settings.max_tokens || "";
   $("set-theme").value = localStorage.getItem(STORE.theme) || "auto";
+  $("set-mode").value = settings.mode;
+  $("hint-mode").textContent = `auto: ${modelChats ? "chat (the model has a chat template)" : "complete (the model has no chat template)"}`;
   $("hint-temperature").textContent = `page default ${DEFAULTS.temperature} (the API's: ${API_DEFAULTS.temperature})`;
   $("hint-top-p").textContent = `page default ${DEFAULTS.top_p} (the API's: ${API_DEFAULTS.top_p})`;
   $("hint-max-tokens").textContent = `auto: ${AUTO_MAX_TOKENS.toLocaleString("en-US")}, or what the context has left`;
@@ -541,13 +561,14 @@ $("settings").addEventListener("submit", (e) => {
   e.preventDefault();
   const num = (id) => $(id).value === "" ? null : Number($(id).value);
   const next = {system: $("set-system").value.trim(), temperature: num("set-temperature") ?? DEFAULTS.temperature,
-                top_p: num("set-top-p") ?? DEFAULTS.top_p, max_tokens: num("set-max-tokens")};
+                top_p: num("set-top-p") ?? DEFAULTS.top_p, max_tokens: num("set-max-tokens"), mode: $("set-mode").value};
   const bad = !(next.temperature >= 0 && next.temperature <= 2) ? "temperature must be 0..2"
     : !(next.top_p > 0 && next.top_p <= 1) ? "top-p must be in (0, 1]"
     : next.max_tokens !== null && !(Number.isInteger(next.max_tokens) && next.max_tokens >= 1) ? "max tokens must be a whole number >= 1, or empty for auto"
     : null;
   if (bad) { $("settings-note").textContent = bad; return; }
   settings = next; save(STORE.settings, settings); $("settings-note").textContent = "saved"; $("settings").hidden = true;
+  drawMode();
 });
 
 // ---- the gateway: API key, model name, context, websocket -----------------------------------------------------
@@ -573,7 +594,11 @@ function askKey(message) {
 async function fetchInfo() {
   const r = await fetch("/v1/models", {headers: authHeaders()});
   if (r.status === 401) { askKey(apiKey() ? "that key was refused" : ""); return false; }
-  if (r.ok) { const m = await r.json(); $("model").textContent = m.data && m.data[0] ? m.data[0].id : ""; }
+  if (r.ok) {
+    const m = await r.json(), model = m.data && m.data[0];
+    modelChats = !(model && Array.isArray(model.capabilities) && !model.capabilities.includes("chat"));
+    $("model").textContent = model ? model.id : ""; drawMode();
+  }
   const mesh = await fetch("/v1/mesh", {headers: authHeaders()});
   if (mesh.ok) {
     const lens = (await mesh.json()).stages.map((s) => s.kv_max_seq_len).filter((n) => Number.isInteger(n));

@@ -1,0 +1,128 @@
+"""`stagemesh rebalance [URL] --dry-run [--window 10] [--streams 16] [--json]`: each stage's measured time per layer
+on a mesh at work, the split that balances it, and the gain predicted for it.
+
+The measurement: every micro-batch passes every stage, so over one window each stage's busy seconds per micro-batch
+(its /info counters, through the gateway's /v1/mesh) is the same work's time there. A stage's time per layer is that
+over its layers (the last stage's lm_head counted as the model's head_cost_in_layers blocks). The proposal is
+shared/runtime/plan.py's split for hosts of those speeds (the slowest stage fastest, then the shortest cycle), and its
+prediction the same model of time for the split running now and the one proposed.
+
+Applying a split to a running mesh (moving layers and their K/V live) is not built yet: the command prints the
+`up --split` that starts the mesh with it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+from services.cli.status import fetch
+from shared.errors import StagemeshError
+from shared.files.gguf_loader import GgufLoader
+from shared.files.layers import LayerRange
+from shared.files.model_registry import resolve_model
+from shared.runtime.plan import Host, ModelFacts, Workload, plan, predict
+
+UNBOUNDED = 1 << 62  # memory: the stages' own budgets are not in /v1/mesh; the split is by time alone
+MIN_MICROBATCHES = 8  # a window with fewer is no measurement
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage's share of the window: its layers and busy milliseconds per micro-batch."""
+
+    layers: LayerRange
+    ms_per_microbatch: float
+
+
+def measure(url: str, window_s: float, pipeline: int = 0) -> list[StageTime]:
+    """Two /v1/mesh snapshots window_s apart: each stage's Δbusy / Δmicro-batches. StagemeshError when a stage is
+    not answering, moved, or too few micro-batches passed (the mesh must be at work)."""
+    def stages(snap: dict) -> list[dict]:
+        pipes = snap.get("pipelines") or []
+        if pipeline >= len(pipes):
+            raise StagemeshError(f"the gateway at {url} has {len(pipes)} pipelines, no pipeline {pipeline}")
+        out = pipes[pipeline]["stages"]
+        lost = [s["index"] for s in out if s.get("layers") is None or s.get("busy_seconds") is None]
+        if lost:
+            raise StagemeshError(f"stage {lost[0]} is not answering (status shows why); rebalance measures a mesh "
+                                 "whose stages all run")
+        return out
+
+    first = stages(fetch(url))
+    time.sleep(window_s)
+    last = stages(fetch(url))
+    result = []
+    for a, b in zip(first, last):
+        if a["layers"] != b["layers"] or a.get("incarnation") != b.get("incarnation"):
+            raise StagemeshError(f"stage {a['index']} restarted or changed its layers during the window; run again")
+        passed = b["microbatches"] - a["microbatches"]
+        if passed < MIN_MICROBATCHES:
+            raise StagemeshError(f"only {passed} micro-batches passed stage {a['index']} in {window_s:g} s: rebalance "
+                                 "measures a mesh at work -- send it traffic (e.g. `stagemesh bench`) meanwhile, or "
+                                 "give a longer --window")
+        busy = b["busy_seconds"] - a["busy_seconds"]
+        result.append(StageTime(LayerRange(*a["layers"]), 1e3 * busy / passed))
+    return result
+
+
+def hosts_from(model: ModelFacts, times: list[StageTime]) -> list[Host]:
+    """Each stage's host with the ms per layer its window measured (the last one's head in layer units)."""
+    hosts = []
+    for i, t in enumerate(times):
+        blocks = len(t.layers) + (model.head_cost_in_layers if t.layers.stop == model.num_layers else 0.0)
+        hosts.append(Host(f"stage {i}", UNBOUNDED, max(t.ms_per_microbatch / blocks, 1e-6), overhead_ms=0.0))
+    return hosts
+
+
+def proposal(model: ModelFacts, times: list[StageTime], streams: int) -> dict:
+    """The measured speeds, the split proposed and the predicted gain (JSON-able)."""
+    hosts = hosts_from(model, times)
+    work = Workload(streams=streams)
+    now = predict(model, hosts, [t.layers for t in times], work)
+    best = plan(model, hosts, work)
+    if max(best.stage_ms) >= max(now.stage_ms):  # no better split: keep the one running
+        best = now
+    return {
+        "stages": [{"stage": i, "layers": str(t.layers), "ms_per_microbatch": round(t.ms_per_microbatch, 3),
+                    "ms_per_layer": round(h.ms_per_layer, 4), "proposed_layers": str(r),
+                    "predicted_ms_now": round(a, 3), "predicted_ms_proposed": round(b, 3)}
+                   for i, (t, h, r, a, b) in enumerate(zip(times, hosts, best.ranges, now.stage_ms, best.stage_ms))],
+        "split_now": ",".join(str(t.layers.stop) for t in times[:-1]),
+        "split_proposed": ",".join(str(r.stop) for r in best.ranges[:-1]),
+        "slowest_stage_ms_now": round(max(now.stage_ms), 3), "slowest_stage_ms_proposed": round(max(best.stage_ms), 3),
+        "predicted_gain": round(max(now.stage_ms) / max(best.stage_ms), 3),
+        "streams": streams,
+    }
+
+
+def cmd_rebalance(args) -> int:
+    if not args.dry_run:
+        raise StagemeshError("applying a split to a running mesh is not built yet: run `stagemesh rebalance "
+                             "--dry-run` for the proposal, and start the mesh with the `up --split` it prints")
+    model = ModelFacts.from_gguf(GgufLoader(resolve_model(args.model)), kv_itemsize=4)
+    times = measure(args.url, args.window, args.pipeline)
+    if times[-1].layers.stop != model.num_layers:
+        raise StagemeshError(f"the stages serve {times[-1].layers.stop} layers and --model {args.model} has "
+                             f"{model.num_layers}: give the --model the mesh serves")
+    if len(times) < 2:
+        raise StagemeshError("one stage holds every layer: there is no split to balance")
+    result = proposal(model, times, args.streams)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    out = sys.stdout
+    out.write(f"measured over {args.window:g} s (busy time per micro-batch, every micro-batch passes every stage)\n")
+    out.write(f"{'stage':<7}{'layers':<9}{'ms/batch':>10}{'ms/layer':>10}  {'proposed':<9}{'pred. ms':>10}\n")
+    for s in result["stages"]:
+        out.write(f"{s['stage']:<7}{s['layers']:<9}{s['ms_per_microbatch']:>10.2f}{s['ms_per_layer']:>10.3f}  "
+                  f"{s['proposed_layers']:<9}{s['predicted_ms_proposed']:>10.2f}\n")
+    if result["split_proposed"] == result["split_now"]:
+        out.write(f"the split running ({result['split_now']}) is already the balanced one\n")
+    else:
+        out.write(f"proposed split {result['split_proposed']} (now {result['split_now']}): the slowest stage "
+                  f"{result['slowest_stage_ms_now']:.2f} -> {result['slowest_stage_ms_proposed']:.2f} ms a "
+                  f"micro-batch, {result['predicted_gain']:.2f}x the throughput at {args.streams} streams\n")
+        out.write(f"to apply it, start the mesh with: stagemesh up --split {result['split_proposed']}\n")
+    return 0

@@ -1,0 +1,72 @@
+"""`stagemesh rebalance --dry-run` and `up --split`: each stage's measured time per layer on a mesh at work, and the
+split that balances it (shared/runtime/plan.py's), predicted and proposed."""
+
+import json
+import subprocess
+import threading
+
+import openai
+import pytest
+
+from services.cli.rebalance import StageTime, proposal
+from shared.files.gguf_loader import GgufLoader
+from shared.files.layers import LayerRange
+from shared.files.model_registry import resolve_model
+from shared.runtime.plan import ModelFacts
+from tests.conftest import stagemesh_cmd
+
+
+@pytest.fixture(scope="module")
+def smollm2_facts() -> ModelFacts:
+    return ModelFacts.from_gguf(GgufLoader(resolve_model("smollm2")), kv_itemsize=4)
+
+
+def test_a_slower_stage_is_given_fewer_layers(smollm2_facts):
+    """Equal speeds with 20 of 30 layers on stage 0: the proposal moves layers to stage 1, the slowest stage gets
+    faster by the predicted gain. Stage 1 four times slower a layer: it keeps fewer layers than at equal speed."""
+    even = proposal(smollm2_facts, [StageTime(LayerRange(0, 20), 20.0),
+                                    StageTime(LayerRange(20, 30), 10.0 + smollm2_facts.head_cost_in_layers)], 16)
+    cut = int(even["split_proposed"])
+    assert even["split_now"] == "20" and 12 <= cut < 20, even
+    assert even["predicted_gain"] > 1.1 and even["slowest_stage_ms_proposed"] < even["slowest_stage_ms_now"]
+    assert [s["ms_per_layer"] for s in even["stages"]] == [pytest.approx(1.0), pytest.approx(1.0)]
+    slow = proposal(smollm2_facts, [StageTime(LayerRange(0, cut), float(cut)),
+                                    StageTime(LayerRange(cut, 30), 4 * (30 - cut + smollm2_facts.head_cost_in_layers))],
+                    16)
+    assert int(slow["split_proposed"]) > cut + 5, slow  # the slow stage's layers move to the fast one
+    balanced = proposal(smollm2_facts, [StageTime(LayerRange(0, 18), 18.0),
+                                        StageTime(LayerRange(18, 30), 12.0 + smollm2_facts.head_cost_in_layers)], 16)
+    assert balanced["predicted_gain"] >= 1.0
+
+
+def _traffic(url: str, stop: threading.Event) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+    def one(i: int) -> None:
+        while not stop.is_set():
+            client.completions.create(model="smollm2", prompt=f"Story {i}: once upon a time", max_tokens=24,
+                                      temperature=0.7, extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+
+
+def test_rebalance_measures_an_uneven_split_and_proposes_a_balanced_one(up):
+    """`up --split 22` on SmolLM2's 30 layers: stage 0 serves 0:22 (its /info); with traffic running, `rebalance
+    --dry-run` measures both stages (same host: about the same time per layer) and moves the boundary down."""
+    gw = up("--split", "22", stages=2)
+    assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 22], [22, 30]]
+    stop = threading.Event()
+    _traffic(gw.url, stop)
+    try:
+        done = subprocess.run(stagemesh_cmd("rebalance", gw.url, "--dry-run", "--json", "--window", "6"),
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        stop.set()
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["split_now"] == "22" and int(result["split_proposed"]) < 22, result
+    assert result["predicted_gain"] > 1.05, result
+    refused = subprocess.run(stagemesh_cmd("rebalance", gw.url), capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--dry-run" in refused.stderr and "up --split" in refused.stderr
