@@ -70,7 +70,14 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
     otlp = OtlpTracer(otlp_url, "stagemesh-gateway") if otlp_url else None
     store = None
     if config.state_dir != "off":
-        store = RequestStore(config.state_dir or default_state_dir(args.port))
+        port = args.port if hasattr(args, "port") else parse_host_port(args.listen, "--listen")[1]  # up / gateway
+        try:
+            store = RequestStore(config.state_dir or default_state_dir(port))
+        except StagemeshError as e:
+            if config.state_dir:  # asked for: its problem is the user's to fix
+                raise
+            # the default place cannot be used (a read-only root file system, a second gateway on this port's dir)
+            log.warning("no durable request log: %s", e)
     return make_app(files, pipelines, config, inflight, scheduling, otlp, store)
 
 
