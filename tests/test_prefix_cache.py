@@ -7,10 +7,13 @@ tiny GGUF, in this process); tests/test_openai_api.py checks the same through a 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from services.gateway.prefix_cache import BLOCK_TOKENS, PrefixIndex
+from services.gateway.audit import AUDIT_TOLERANCE_F32, AUDIT_TOLERANCE_ROUNDED, audit_tolerance
+from services.gateway.prefix_cache import BLOCK_TOKENS, AuditTolerance, PrefixAudit, PrefixIndex
 from services.gateway.request import Request
 from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.sampling import SamplingParams
@@ -20,6 +23,7 @@ from shared.models import kv_cache
 from shared.models.kv_cache import KVCache
 from shared.runtime.generation import generate_tokens
 from shared.wire.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, decode, encode
+from tests.stage_infos import make_info
 from tests.test_scheduler import Harness
 
 
@@ -522,6 +526,39 @@ async def test_the_audit_catches_a_cached_prefix_whose_kv_went_wrong(tiny_path, 
     stats = h.scheduler.prefix.stats
     assert (stats.audits, stats.audit_mismatches) == (1, 1)
     assert any("disagree" in r.message and again.seq_id in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("stages,tolerance", [
+    ([{"batch_invariant": True}, {"batch_invariant": True}], AuditTolerance(0.0)),
+    ([{"weights_mode": "f32"}], AUDIT_TOLERANCE_F32),
+    ([{"weights_mode": "f32"}, {"weights_mode": "auto"}], AUDIT_TOLERANCE_ROUNDED),  # one stage rounds: all may
+    ([{"weights_mode": "auto"}], AUDIT_TOLERANCE_ROUNDED),  # the integer-dot kernels' 8-bit activations
+    ([{"dtype": "bfloat16", "weights_mode": "f32"}], AUDIT_TOLERANCE_ROUNDED),
+    ([{"batch_invariant": True, "weights_mode": "f32"}, {"weights_mode": "f32"}], AUDIT_TOLERANCE_F32),  # not all invariant
+])
+def test_the_audit_tolerance_follows_what_the_stages_promise(stages, tolerance):
+    assert audit_tolerance([make_info(**s) for s in stages]) == tolerance
+
+
+def audit_of(tolerance: AuditTolerance, cached: list[tuple[int, float]], full: list[tuple[int, float]]) -> PrefixAudit:
+    audit = PrefixAudit("r", 32, tolerance, "c", "f")
+    audit.results = {"c": (32, cached), "f": (0, full)}
+    return audit
+
+
+def test_rounded_stages_compare_probabilities_exact_ones_logprobs():
+    """Rounded activations move an unlikely alternative's logprob far and its probability little: within the rounded
+    tolerance; a likely token's probability moved as far is a mismatch. Batch-invariant stages: any bit is one."""
+    full = [(5, -0.05), (9, -3.5), (2, -7.0)]
+    tail_moved = [(5, -0.05), (9, -3.5), (2, -8.2)]  # p 0.0009 -> 0.0003
+    top_moved = [(5, -0.3), (9, -1.5), (2, -7.0)]  # p 0.95 -> 0.74
+    assert audit_of(AUDIT_TOLERANCE_ROUNDED, tail_moved, full).compare()[0]
+    assert not audit_of(AUDIT_TOLERANCE_ROUNDED, top_moved, full).compare()[0]
+    assert not audit_of(AUDIT_TOLERANCE_F32, tail_moved, full).compare()[0]
+    nudged = [(5, -0.05), (9, -3.5), (2, math.nextafter(-7.0, 0))]
+    assert audit_of(AUDIT_TOLERANCE_F32, nudged, full).compare()[0]
+    agree, diff, how = audit_of(AuditTolerance(0.0), nudged, full).compare()
+    assert not agree and 0 < diff < 1e-9 and "tolerance 0 of logprobs" in how
 
 
 def test_the_audit_rate_is_a_share():

@@ -100,7 +100,8 @@ class Harness:
         self.client = RecordingClient(local)
         self.pipeline = Pipeline(["http://unused"], "tcp://unused", "fp", 2)
         kv = local.pieces[0].kv  # what the stage's /info says of it
-        self.pipeline.infos = [make_info(kv_slots=kv_slots, kv_max_seq_len=CONTEXT, kv_prefix_slots=prefix_slots,
+        self.pipeline.infos = [make_info(weights_mode=local.pieces[0].model.weights, kv_slots=kv_slots,
+                                         kv_max_seq_len=CONTEXT, kv_prefix_slots=prefix_slots,
                                          kv_prefix_memory_bytes=kv.prefix_bytes, kv_position_bytes=kv.position_bytes)]
         self.pipeline.problem, self.pipeline.client = None, self.client
         self.engine = Engine(self.pipeline, GatewayMetrics(), max_inflight,

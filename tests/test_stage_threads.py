@@ -28,9 +28,14 @@ def tiny_path(tmp_path_factory) -> str:
     return write_tiny_gguf(str(tmp_path_factory.mktemp("threads") / "tiny.gguf"), TinySpec(arch="llama"))
 
 
-def test_a_micro_batch_alone_in_the_pipeline_uses_the_alone_thread_count(tiny_path):
+@pytest.mark.parametrize("batch_invariant,expected", [(False, [1, 2, 1, 2]), (True, [1, 1, 1, 1])],
+                         ids=["default", "batch-invariant"])
+def test_a_micro_batch_alone_in_the_pipeline_uses_the_alone_thread_count(tiny_path, batch_invariant, expected):
+    """Threads (1, 2): the first count beside other micro-batches in flight, the second alone in the pipeline -- except
+    on a batch-invariant stage, which never switches: torch's kernels (its attention) sum in another order on another
+    thread count, and its numbers must not depend on what else is in flight. /info says what it uses."""
     loader = GgufLoader(tiny_path)
-    runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=2, max_seq_len=64)
+    runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=2, max_seq_len=64, batch_invariant=batch_invariant)
     n = next(_ports)
     io = StageIO(ZmqTransport(f"inproc://threads-{n}", f"inproc://threads-out-{n}", accept=(ForwardBatch,), keys=None))
     layers = runtime.model.config.num_layers
@@ -49,9 +54,9 @@ def test_a_micro_batch_alone_in_the_pipeline_uses_the_alone_thread_count(tiny_pa
         for k, in_flight in enumerate((1, 2, 1)):
             used.append(compute(ForwardBatch(2 + k, [SeqEntry("a", Decode(5 + k))], tokens=torch.tensor([7]),
                                              in_flight=in_flight)))
-        assert used == [1, 2, 1, 2]
+        assert used == expected
         info = worker.info()
-        assert (info.threads, info.threads_alone) == (1, 2)
+        assert (info.threads, info.threads_alone) == (1, max(expected))
     finally:
         worker.compute_thread.shutdown()
         io.transport.close()

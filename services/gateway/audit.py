@@ -9,25 +9,31 @@ import logging
 import random
 from collections.abc import Callable
 
-from services.gateway.prefix_cache import AUDIT_TOP, PrefixAudit, PrefixStats
+from services.gateway.prefix_cache import AUDIT_TOP, AuditTolerance, PrefixAudit, PrefixStats
 from services.gateway.request import Request, RequestOutput, new_seq_id
 from shared.batch.sampling import SamplingParams
 from shared.wire.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
-AUDIT_TOLERANCE_F32 = 1e-3  # logprob differences a recompute may show on float32 stages (other chunking, rounding)
-AUDIT_TOLERANCE_BF16 = 0.1  # ... on bfloat16 ones
+# How far a recompute may move the top alternatives where the stages do not promise the very same numbers (another
+# chunking, another batch, another thread count sum in another order); measured on SmolLM2, 600-1,400-token prompts:
+AUDIT_TOLERANCE_F32 = AuditTolerance(1e-3)  # float32 activations on f32 weights, rounded only as float32 sums are:
+# logprobs moved by up to 1e-5
+AUDIT_TOLERANCE_ROUNDED = AuditTolerance(0.1, probabilities=True)  # kernels that round activations -- to 8 bits (the
+# integer-dot kernels), to bfloat16 -- or bfloat16 / float16 stages: probabilities moved by up to 0.04 (logprobs of
+# unlikely alternatives by up to 1.15)
 AUDIT_DEADLINE_S = 600.0  # a twin still queued after this long ends with "timeout" (the audit counts as skipped)
 
 
-def audit_tolerance(stages: list[StageInfo]) -> float:
-    """How far a recompute may move the logprobs, from the stages' /info: not at all on batch-invariant stages,
-    float32's rounding on float32 ones, bfloat16's otherwise."""
+def audit_tolerance(stages: list[StageInfo]) -> AuditTolerance:
+    """How far a recompute may move the top alternatives, from the stages' /info: not at all on batch-invariant
+    stages, float32's rounding of logprobs on float32 stages with f32 weights, rounded activations' of probabilities
+    otherwise."""
     if stages and all(i.batch_invariant for i in stages):
-        return 0.0
-    return AUDIT_TOLERANCE_BF16 if any(i.dtype in ("bfloat16", "float16") for i in stages) \
-        else AUDIT_TOLERANCE_F32
+        return AuditTolerance(0.0)
+    exact = all(i.dtype == "float32" and i.weights_mode == "f32" for i in stages)
+    return AUDIT_TOLERANCE_F32 if exact else AUDIT_TOLERANCE_ROUNDED
 
 
 class PrefixAuditor:

@@ -204,32 +204,53 @@ class PrefixIndex:
 AUDIT_TOP = 5  # the most likely next tokens whose log-probabilities the audit compares
 
 
+@dataclass(frozen=True)
+class AuditTolerance:
+    """How far a recompute may move the top alternatives: their logprobs, or (`probabilities`) their probabilities --
+    for stages that round activations, which move an unlikely alternative's logprob far (8-bit activations: by 1.15
+    at p ~ 0.002) and its probability little. 0: the very same logprobs."""
+
+    value: float
+    probabilities: bool = False
+
+    def difference(self, a: dict[int, float], b: dict[int, float]) -> float:
+        """The largest difference between the tokens a and b share (token -> logprob); inf when they share none."""
+        of = math.exp if self.probabilities else float
+        return max((abs(of(a[t]) - of(b[t])) for t in a.keys() & b.keys()), default=math.inf)
+
+    def __str__(self) -> str:
+        return f"{self.value:g} of {'probabilities' if self.probabilities else 'logprobs'}"
+
+
 @dataclass(eq=False)
 class PrefixAudit:
     """One cache hit checked live, as `stagemesh trace` checks a deployment: two one-token twins of the request's
     prompt, greedy with the top AUDIT_TOP logprobs -- `cached` starts from a cached prefix like the request, `full`
     computes everything -- and the last stage's outputs compared. A stage whose kept K/V went wrong (a bug, a
-    bit-flip, a slot reused too early) makes the two differ; nothing else should, within `tolerance` (the stages'
-    rounding: 0 for batch-invariant stages)."""
+    bit-flip, a slot reused too early) makes the two differ; nothing else should, beyond the stages' rounding
+    (`tolerance`: services.gateway.audit.audit_tolerance; 0 for batch-invariant stages)."""
 
     request_id: str
     prefix_tokens: int  # what the request's hit reused
-    tolerance: float
+    tolerance: AuditTolerance
     cached_id: str = ""
     full_id: str = ""
     results: dict[str, tuple[int, TopLogprobs | None]] = field(default_factory=dict)  # twin id -> (cached tokens, top)
 
     def compare(self) -> tuple[bool, float, str] | None:
-        """(the outputs agree, the largest logprob difference, a line saying how) once both twins answered; None
-        when they cannot be compared (one failed, or the cached twin found no prefix to start from)."""
+        """(the outputs agree, the largest difference, a line saying how) once both twins answered; None when they
+        cannot be compared (one failed, or the cached twin found no prefix to start from)."""
         (cached_tokens, a), (_, b) = self.results[self.cached_id], self.results[self.full_id]
         if not a or not b or cached_tokens == 0:
             return None
         la, lb = dict(a), dict(b)
-        common = la.keys() & lb.keys()
-        diff = max((abs(la[t] - lb[t]) for t in common), default=math.inf)
-        # each side's top token among the other's alternatives, every shared logprob within tolerance: a near-tie
-        # that rounding turned the other way agrees, a different distribution does not
-        agree = a[0][0] in lb and b[0][0] in la and diff <= self.tolerance
+        diff = self.tolerance.difference(la, lb)
+        if self.tolerance.value == 0:
+            agree = la == lb  # the very same alternatives and logprobs
+        else:
+            # each side's top token among the other's alternatives, every shared one within tolerance: a near-tie
+            # that rounding turned the other way agrees, a different distribution does not
+            agree = a[0][0] in lb and b[0][0] in la and diff <= self.tolerance.value
+        what = "probabilities" if self.tolerance.probabilities else "logprobs"
         return agree, diff, (f"from {cached_tokens} cached tokens the top token is {a[0][0]}, recomputed {b[0][0]}; "
-                             f"top-{len(a)} logprobs differ by up to {diff:.3g} (tolerance {self.tolerance:g})")
+                             f"top-{len(a)} {what} differ by up to {diff:.3g} (tolerance {self.tolerance})")

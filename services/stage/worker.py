@@ -77,11 +77,18 @@ class StageWorker:
     vanished gateway cannot hold slots forever; a live sequence is touched at every step). 0 disables.
     `otlp`: export a stagemesh.stage.compute span per traced micro-batch (None: distributed tracing off).
     `threads`: (shared, alone) torch threads for a micro-batch that shares the pipeline with others in flight, and
-    for one alone in it (StageConfig.threads_alone); None leaves torch's thread count as it is."""
+    for one alone in it (StageConfig.threads_alone); None leaves torch's thread count as it is. A batch-invariant
+    stage computes every micro-batch with the shared count: torch's kernels (its attention) sum in another order on
+    another thread count, so a row computed alone in the pipeline would differ from the same row computed beside
+    others -- a cached prefix from its recompute, a client's answer from the same prompt's under other load."""
 
     def __init__(self, runtime: StageRuntime, io: StageIO, identity: StageIdentity, tracing: bool = True,
                  slot_lease_s: float = STAGE_DEFAULTS.slot_lease_s, compute_thread: ThreadPoolExecutor | None = None,
                  otlp: OtlpTracer | None = None, threads: tuple[int, int] | None = None):
+        if threads is not None and runtime.model.batch_invariant and threads[1] != threads[0]:
+            log.info("batch-invariant: every micro-batch computes with %d threads (not %d alone in the pipeline: "
+                     "another thread count sums in another order)", threads[0], threads[1])
+            threads = (threads[0], threads[0])
         self.threads = threads
         self.tracing = tracing
         self.otlp = otlp
