@@ -27,6 +27,7 @@ from services.testing.k8s_render import config, container_args, render
 from services.testing.netns import namespaces, netns_permitted, shape_links, start_pods
 from shared.files.model_registry import resolve_model
 from shared.wire.mesh_keys import write_key_set
+from shared.wire.stage_info import StageInfo
 
 SUBNET = "10.79.0"
 HOSTS = {"gw": 10, "s0": 11, "s1": 12}
@@ -48,9 +49,9 @@ def commands(model: str, log_dir: str) -> dict[str, list[str]]:
     return out
 
 
-def stage_info(i: int) -> dict:
+def stage_info(i: int) -> StageInfo:
     with urllib.request.urlopen(f"http://{SUBNET}.{HOSTS[f's{i}']}:8101/info", timeout=10) as r:
-        return json.loads(r.read())
+        return StageInfo.from_json(json.loads(r.read()))
 
 
 def stage0_bytes_out() -> float:
