@@ -109,6 +109,7 @@ def parse_bytes(text: str) -> int:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # compute dtypes (shared.models.device.DTYPES: their torch dtypes)
 WEIGHT_MODES = ("auto", "lean", "bf16", "f32")  # the matmul kernels a model's weights run on (shared.models.linear)
 COMPILE_MODES = ("auto", "on", "off")  # when the decode graphs compile: in the background, before ready, never
+SPECULATION_MODES = ("auto", "off")  # the gateway's n-gram drafts (services/gateway/speculation.py)
 COMPILE_DECODE_ENV = "STAGEMESH_COMPILE_DECODE"  # the serving commands' --compile-decode default, when set
 
 
@@ -229,6 +230,10 @@ class SchedulerConfig:
     failover_timeout_s: float = knob(120.0, "a pipeline not ready again after this long ends the requests it holds "
                                             "with an error naming the unreachable stage", unit="seconds")
     max_replays: int = knob(3, "times one request may be replayed after stage losses before it ends with an error")
+    speculation: str = knob("auto", "n-gram drafts verified in each decode step while the load is light (a "
+                                    "request's own context and a pool of recent answers; several tokens a pass "
+                                    "where they stand, the same tokens either way): auto, or off (a request's "
+                                    "`prediction` still drafts)", choices=SPECULATION_MODES)
 
     def __post_init__(self):
         check_int(self, "max_inflight", 1, none_ok=True)
@@ -241,6 +246,7 @@ class SchedulerConfig:
         check_seconds(self, "stall_timeout_s", 0, strict=True)
         check_seconds(self, "failover_timeout_s", 0, strict=True)
         check_int(self, "max_replays", 0)
+        check_choice(self, "speculation", SPECULATION_MODES)
 
 
 LOAD_DEFAULTS = LoadConfig()

@@ -226,8 +226,10 @@ async def test_cancel_while_waiting_and_while_in_flight(tiny_path):
     assert h.engine.metrics.registry.get_sample_value("stagemesh_gateway_requests_total", {"outcome": "cancelled"}) == 2
 
 
-async def test_replay_after_a_lost_pipeline_continues_the_same_tokens(tiny_path):
-    h = Harness(tiny_path, kv_slots=2, max_inflight=1)
+@pytest.mark.parametrize("speculation", ["off", "auto"])
+async def test_replay_after_a_lost_pipeline_continues_the_same_tokens(tiny_path, speculation):
+    """auto: the tiny model repeats itself, so n-gram drafts stand and the lost micro-batch carries one."""
+    h = Harness(tiny_path, kv_slots=2, max_inflight=1, speculation=speculation)
     seq = h.seq(prompt_len=6, max_tokens=12)
     expected = list(generate_tokens(h.client.local, seq.prompt_ids, SamplingParams(), 12))
     h.engine.submit(seq)
@@ -236,12 +238,16 @@ async def test_replay_after_a_lost_pipeline_continues_the_same_tokens(tiny_path)
         h.client.deliver()
     await h.step()  # the sixth micro-batch is in flight when the pipeline is lost
     in_flight = next(iter(h.client.sent))
+    assert (h.client.sent[in_flight][0].num_tokens > 1) == (speculation == "auto")  # a decode and its draft
+    so_far = len(seq.output_ids)
+    assert so_far == 5 if speculation == "off" else so_far > 5  # drafts that stood: more than one token a step
     h.pipeline.mark_lost("test: stage restarted")
     await h.step()
     assert h.client.abandoned == [in_flight]
     assert seq.replays == 1 and h.client.released[-1] == [seq.seq_id]  # survivors' slots freed before replaying
     replay = h.client.order[-1]
-    assert replay.seqs[0].step.start_position == 0 and replay.num_tokens == 6 + 5  # prompt + the 5 tokens so far
+    # prompt + the tokens so far (a draft in flight is forgotten: the replay's prefill counts every token it feeds)
+    assert replay.seqs[0].step.start_position == 0 and replay.num_tokens == 6 + so_far and not seq.verifying
     await h.deliver_all()
     assert seq.output_ids == expected and seq.finish_reason == "length"
 

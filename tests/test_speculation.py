@@ -1,14 +1,25 @@
-"""Drafts from the client's prediction (services/gateway/speculation.py), verified through the pipeline: where they
-come from, how long they grow, and -- through a real gateway -- that they change the speed of an answer, never its
-tokens."""
+"""Drafts (services/gateway/speculation.py) from the client's prediction, the request's own context and the shared
+n-gram pool, verified through the pipeline: where they come from, how long they grow, when the load policy allows
+them, and -- through real gateways -- that they change the speed of an answer, never its tokens."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
+from services.gateway.request import Request
 from services.gateway.schemas import RequestError, parse_generation
-from services.gateway.speculation import MAX_DRAFT_TOKENS, SKIP_STEPS, DraftBudget, predicted_draft
+from services.gateway.speculation import (
+    MAX_DRAFT_TOKENS,
+    SKIP_STEPS,
+    SOURCES,
+    ContextIndex,
+    DraftBudget,
+    NgramPool,
+    Speculator,
+    predicted_draft,
+)
+from shared.batch.sampling import SamplingParams
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
@@ -40,6 +51,66 @@ def test_the_draft_length_follows_how_the_last_drafts_fared():
         size = budget.next_size()
         budget.update(size, size)
     assert budget.next_size() == MAX_DRAFT_TOKENS
+
+
+def test_the_context_drafts_what_followed_the_longest_recent_suffix():
+    index = ContextIndex()
+    ids = [5, 1, 2, 3, 9, 9, 2, 3, 7, 8, 1, 2, 3]
+    assert index.draft(ids, 2) == [9, 9]  # (1, 2, 3) before (2, 3): the longest suffix found wins
+    ids += [4, 2, 3]  # the sequence grows: only the new tokens are indexed
+    assert index.draft(ids, 3) == [4, 2, 3]  # (2, 3): its most recent earlier occurrence, with what followed it
+    assert index.draft(ids + [6], 3) == []  # (3, 6) and (2, 3, 6) occur nowhere before
+    assert ContextIndex().draft([256, 1, 0, 7, 1, 0], 2) == [7, 1]  # whole tokens only, never bytes across two
+
+
+def test_the_pool_is_bounded_and_drafts_what_it_recorded():
+    pool = NgramPool(n=3, bits=8)
+    pool.add([10, 11, 12, 13, 14, 15], 0)
+    assert pool.draft([99, 10, 11, 12], 5) == [13, 14, 15]  # each token what followed the 3 before it, chained
+    assert pool.draft([10, 11, 12], 5, salt=1) == []  # another tenant's hashes: nothing of this one's
+    pool.add([10, 11, 12, 20], 3)  # a later answer: the n-gram's newest follower replaces the old one
+    assert pool.draft([10, 11, 12], 1) == [20]
+    before = pool.used
+    pool.add(list(range(1000, 6000)), 0)  # far more n-grams than entries
+    assert len(pool.table) == len(pool) == 256 and before < pool.used <= 256  # constant memory
+    assert pool.draft([5996, 5997, 5998], 1) == [5999]  # the newest n-gram is there (older ones may be overwritten)
+
+
+def request(prompt, **kw) -> Request:
+    return Request(seq_id="r", prompt_ids=list(prompt), params=SamplingParams(temperature=0), **kw)
+
+
+def test_what_drafts_and_when():
+    """n-gram drafts: with --speculation auto, for a request that did not opt out, while the load allows; a
+    prediction drafts either way; `rows` bounds every draft."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    auto, off = Speculator("auto"), Speculator("off")
+    assert auto.draft(request(prompt), 16, ngrams=True) == [4, 5, 6, 7, 8, 1]  # DRAFT_TOKENS of the context
+    assert auto.draft(request(prompt), 2, ngrams=True) == [4, 5]
+    assert auto.draft(request(prompt), 16, ngrams=False) == []  # the load: too many sequences running
+    assert auto.draft(request(prompt, speculation=False), 16, ngrams=True) == []  # the request opted out
+    assert off.draft(request(prompt), 16, ngrams=True) == [] and off.pool is None
+    predicted = request(prompt, prediction_ids=[40, 41, 42], output_ids=[40])
+    assert off.draft(predicted, 16, ngrams=False) == [41, 42] and predicted.drafts.source == "prediction"
+    # an answer recorded in the pool drafts itself for a later request of the same tenant, not for another's
+    first = request([50, 51], output_ids=list(range(60, 80)))
+    auto.verified(first, decoded=True, drafted=0, stood=0)
+    assert auto.draft(request([50, 51, *range(60, 68)]), 16, ngrams=True) == list(range(68, 74))
+    assert auto.draft(request([50, 51, *range(60, 68)], cache_tenant="cache_salt:x"), 16, ngrams=True) == []
+
+
+def test_what_stood_is_counted_and_sizes_the_next_draft():
+    spec = Speculator("auto")
+    req = request([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
+    draft = spec.draft(req, 16, ngrams=True)
+    req.output_ids = [4, 5, 9]  # two of the draft stood
+    spec.verified(req, decoded=True, drafted=len(draft), stood=2)
+    assert req.drafts.budget.size == 3 and req.drafts.source is None
+    s = spec.stats
+    assert (s.drafted["context"], s.accepted["context"], s.verify_steps["context"]) == (len(draft), 2, 1)
+    assert sum(s.drafted[k] for k in SOURCES if k != "context") == 0
+    assert (s.decode_steps, s.decode_tokens, s.tokens_per_pass) == (1, 3, 3.0) and s.hit_rate == 2 / len(draft)
+    assert spec.pool.used == 3  # the pool took the n-grams its new tokens end
 
 
 @pytest.mark.parametrize("value", ["text", {"type": "content"}, {"type": "text", "content": "x"},

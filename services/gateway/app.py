@@ -30,6 +30,7 @@ from services.gateway.metrics import (
     summed_transport,
     watch_prefix_cache,
     watch_replicas,
+    watch_speculation,
     watch_transport,
 )
 from services.gateway.openai_api import chat_completions, completions, models, resume_stream
@@ -38,6 +39,7 @@ from services.gateway.replicas import Replica, Replicas
 from services.gateway.response_store import MemoryResponseStore
 from services.gateway.responses_api import add_responses_api
 from services.gateway.schemas import RequestError
+from services.gateway.speculation import Speculator
 from services.gateway.ws import stream_ws
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.observe.log_throttle import OneLineThrottleFilter, throttled
@@ -281,8 +283,10 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
     metrics_ = GatewayMetrics()
     watch_transport(metrics_, summed_transport(pipelines))
+    speculator = Speculator(scheduling.speculation)  # one n-gram pool for every pipeline
+    watch_speculation(metrics_, speculator)
     replicas = Replicas([Replica(f"p{i}", p, Engine(p, metrics_, max_inflight=max_inflight, config=scheduling,
-                                                      otlp=otlp))
+                                                      otlp=otlp, speculator=speculator))
                          for i, p in enumerate(pipelines)], metrics_)
     indexes = [r.scheduler.prefix for r in replicas.all if r.scheduler.prefix is not None]
     if indexes:

@@ -196,7 +196,7 @@ class Gateway:
         if spec.prediction is not None:  # tokenized as the output will be: without BOS
             prediction = await self.lanes.run(len(spec.prediction), self._encode_plain, spec.prediction)
         return Request(seq_id=new_seq_id(), prompt_ids=ids, params=spec.sampling.with_seed(), max_tokens=max_tokens,
-                       cache_tenant=spec.cache_tenant, prediction_ids=prediction,
+                       cache_tenant=spec.cache_tenant, prediction_ids=prediction, speculation=spec.speculation,
                        stop_ids=frozenset() if spec.ignore_eos else self.files.tokenizer.eos_ids,
                        deadline=time.perf_counter() + timeout, grammar=grammar,
                        capture=TraceCapture(self.config.trace_budget) if spec.trace else None)

@@ -28,6 +28,7 @@ from services.gateway.scheduler import (
     Scheduler,
     Update,
 )
+from services.gateway.speculation import Speculator
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.observe.log_throttle import throttled
 from shared.observe.otlp import OtlpTracer
@@ -43,13 +44,14 @@ class Engine:
     one; run() is its task."""
 
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
-                 config: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None):
+                 config: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
+                 speculator: Speculator | None = None):
         self.pipeline = pipeline
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
         self.scheduler = Scheduler(max_inflight, config, kv_slots=pipeline.kv_slots, kv_rows=pipeline.kv_rows,
                                    prefix_positions=pipeline.prefix_positions,
-                                   live_positions=pipeline.live_positions)
+                                   live_positions=pipeline.live_positions, speculator=speculator)
         prefix = self.scheduler.prefix
         # --prefix-cache-audit: a client of this engine, submitting its twins as any caller does (None: off)
         self.auditor = PrefixAuditor(config.prefix_cache_audit, self._submit_twin, lambda: prefix.stats) \

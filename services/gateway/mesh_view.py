@@ -129,6 +129,7 @@ class MeshView:
             "failovers": int(values.get("stagemesh_gateway_pipeline_failovers_total", 0)),
             "replayed_sequences": int(values.get("stagemesh_gateway_replayed_sequences_total", 0)),
             "prefix_cache": _sum_prefix([p["prefix_cache"] for p in pipelines]),
+            "speculation": replicas[0].scheduler.speculator.info(),  # one speculator serves every pipeline
         }
         gw.metrics.pipeline_ready.set(1 if ready else 0)
         result_hop = _ms(_rate(self.gauges, "hop_sum", "hop_count", self.window_s))

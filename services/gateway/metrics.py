@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.gateway.prefix_cache import PrefixStats
+from services.gateway.speculation import SOURCES, Speculator
 from shared.wire.protocol import REJECT_REASONS
 from shared.wire.transport import TransportStats
 
@@ -135,6 +136,52 @@ class _PrefixCacheCollector:
 
 def watch_prefix_cache(metrics: GatewayMetrics, indexes: list) -> None:
     metrics.registry.register(_PrefixCacheCollector(indexes))
+
+
+class _SpeculationCollector:
+    """What drafting did (services/gateway/speculation.py, SpeculationStats), read at scrape time: drafted and
+    accepted tokens and verifying steps by source, every decode step and the tokens they produced (tokens per pass),
+    the hit rate, the time spent drafting and the n-gram pool's fill."""
+
+    def __init__(self, speculator: Speculator):
+        self.speculator = speculator
+
+    def collect(self):
+        s = self.speculator.stats
+        by_source = {
+            "drafted": CounterMetricFamily("stagemesh_gateway_speculation_drafted_tokens", "Drafted tokens verified in "
+                                           "decode steps, by source (prediction, context, pool)", labels=["source"]),
+            "accepted": CounterMetricFamily("stagemesh_gateway_speculation_accepted_tokens", "Drafted tokens that "
+                                            "stood (each a token a pass produced beyond its one), by source",
+                                            labels=["source"]),
+            "verify_steps": CounterMetricFamily("stagemesh_gateway_speculation_verify_steps", "Sequences' decode "
+                                                "steps that verified a draft, by source", labels=["source"]),
+        }
+        for key, family in by_source.items():
+            for source in SOURCES:
+                family.add_metric([source], getattr(s, key)[source])
+            yield family
+        yield CounterMetricFamily("stagemesh_gateway_speculation_decode_steps", "Sequences' decode steps (one a "
+                                  "sequence a pass), with or without a draft", value=s.decode_steps)
+        yield CounterMetricFamily("stagemesh_gateway_speculation_decode_tokens", "Tokens those decode steps produced "
+                                  "(one each, and the drafted ones that stood)", value=s.decode_tokens)
+        yield CounterMetricFamily("stagemesh_gateway_speculation_draft_seconds", "Time the gateway spent making "
+                                  "drafts", value=s.draft_seconds)
+        yield GaugeMetricFamily("stagemesh_gateway_speculation_tokens_per_pass", "Tokens a sequence's decode step "
+                                "produced on average since the start (1 without speculation)",
+                                value=s.tokens_per_pass or 0.0)
+        yield GaugeMetricFamily("stagemesh_gateway_speculation_hit_ratio", "Drafted tokens that stood, of all "
+                                "drafted, since the start", value=s.hit_rate or 0.0)
+        pool = self.speculator.pool
+        yield GaugeMetricFamily("stagemesh_gateway_speculation_pool_used_entries", "Entries of the n-gram pool "
+                                "ever written (of stagemesh_gateway_speculation_pool_entries)",
+                                value=pool.used if pool is not None else 0)
+        yield GaugeMetricFamily("stagemesh_gateway_speculation_pool_entries", "The n-gram pool's fixed size (0: "
+                                "--speculation off)", value=len(pool) if pool is not None else 0)
+
+
+def watch_speculation(metrics: GatewayMetrics, speculator: Speculator) -> None:
+    metrics.registry.register(_SpeculationCollector(speculator))
 
 
 class _ReplicaCollector:

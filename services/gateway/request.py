@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.prefix_cache import PrefixAudit
-from services.gateway.speculation import DraftBudget
+from services.gateway.speculation import RequestDrafts
 from shared.batch.sampling import TopLogprobs
 from shared.runtime.generation import SequenceState
 
@@ -96,7 +96,8 @@ class Request(SequenceState):
     cached_tokens: int = 0  # prompt tokens a cached prefix supplied (usage.prompt_tokens_details.cached_tokens)
     cache_tenant: str = ""  # whose cached prefixes it may use and add to ("": the shared tenant; PrefixIndex.chain)
     prediction_ids: list[int] | None = None  # the output the client expects, tokenized: drafts (speculation.py)
-    draft_budget: DraftBudget = field(default_factory=DraftBudget)  # its next draft's length, from its last ones
+    speculation: bool = True  # n-gram drafts may serve it (the client's "speculation": false opts out)
+    drafts: RequestDrafts = field(default_factory=RequestDrafts)  # its drafting state: budget, context index, ...
     audit: PrefixAudit | None = None  # set on the gateway's own twins that check a cache hit (no client reads them)
     admitted: bool = False  # admitted once (a re-admission after a kv_full is not a new admission)
     no_cache: bool = False  # admitted without a prefix-cache lookup (the audit's recomputing twin)

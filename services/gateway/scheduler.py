@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from services.gateway.prefix_cache import PrefixIndex
 from services.gateway.request import Request, RequestOutput
-from services.gateway.speculation import predicted_draft
+from services.gateway.speculation import DRAFT_ROWS, NGRAM_MAX_RUNNING, Speculator
+from shared.batch.steps import Decode
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.wire.pipeline_client import PipelineError
@@ -95,7 +96,8 @@ class Scheduler:
     stage being killed for memory."""
 
     def __init__(self, max_inflight: int, config: SchedulerConfig = SCHEDULER_DEFAULTS, kv_slots: int = 1,
-                 kv_rows: int | None = None, prefix_positions: int | None = None, live_positions: int | None = None):
+                 kv_rows: int | None = None, prefix_positions: int | None = None, live_positions: int | None = None,
+                 speculator: Speculator | None = None):
         self.max_inflight = max_inflight
         self.config = config
         self.max_replays = config.max_replays
@@ -108,6 +110,8 @@ class Scheduler:
         self.inflight: dict[int, MicroBatch] = {}  # micro-batch id -> the micro-batch, oldest first
         self.max_inflight_seen = 0
         self.prefix = PrefixIndex() if config.prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
+        # drafts for decode steps (services/gateway/speculation.py), shared with the other pipelines' schedulers
+        self.speculator = speculator if speculator is not None else Speculator(config.speculation)
         self.kv_cap: int | None = None  # after a kv_full: admit no more than this many running requests ...
         self.kv_cap_until = 0.0  # ... until this time (or until one of them finishes)
         self._release: list[str] = []  # sequences to free on every stage with the next plan
@@ -340,6 +344,11 @@ class Scheduler:
         prefills = [r for r in ready if r.prefilling]
         entries, tokens, reqs, budget = [], [], [], self.config.token_budget
         traced = None
+        # draft rows: what DRAFT_ROWS leaves beside this micro-batch's decodes, and none beside a prompt chunk (a
+        # decode's drafts are verified as one-token rows only in a micro-batch of decodes: exactly one-token steps)
+        decoding = min(len(decodes), per_batch)
+        rows = DRAFT_ROWS - decoding if decoding == per_batch or not prefills else 0
+        ngrams = len(self.running) <= NGRAM_MAX_RUNNING
         for r in decodes + prefills:
             if len(reqs) >= per_batch or budget <= 0:
                 break
@@ -347,8 +356,8 @@ class Scheduler:
                 if traced is not None:
                     continue
                 traced = r
-            if r.prediction_ids and not r.prefilling and (size := r.draft_budget.next_size()):
-                r.draft = predicted_draft(r.prediction_ids, r.output_ids, size)
+            if rows > 0 and not r.prefilling:
+                rows -= len(self.speculator.draft(r, rows, ngrams))
             entry, toks = r.next_step(min(self.config.prefill_chunk, budget))
             r.feeding = len(toks)
             r.starting = entry.step.starts_sequence
@@ -384,7 +393,7 @@ class Scheduler:
             return self._prefix_miss(reqs, error)
         update = Update()
         sampled = result.by_sequence() if result else {}
-        for r in reqs:
+        for r, entry in zip(reqs, batch.entries if batch is not None else ()):
             fed, r.feeding, r.starting = r.feeding, 0, False
             if r.done:
                 continue
@@ -402,7 +411,7 @@ class Scheduler:
                                                         "grammar_failed" if grammar_failed else None)))
                 if reason is not None:
                     self._retire(r, reason)
-            r.draft_budget.update(drafted, r.drafts_accepted - stood_before)
+            self.speculator.verified(r, isinstance(entry.step, Decode), drafted, r.drafts_accepted - stood_before)
         return update
 
     def _prefix_miss(self, reqs: list[Request], error: PipelineError) -> Update:

@@ -82,6 +82,7 @@ class GenerationSpec:
     resumable: bool = False  # keeps generating when its connection drops; GET /v1/streams/{id} reads it again
     cache_tenant: str = ""  # whose cached prefixes it may use (cache_salt, prompt_cache_key or user; "": shared)
     prediction: str | None = None  # the output the client expects (OpenAI's Predicted Outputs): drafts to verify
+    speculation: bool = True  # false: no n-gram drafts for it (the gateway's --speculation auto otherwise decides)
     timeout_s: float | None = None
     json_schema: dict | None = None  # response_format json_object / json_schema: the output is constrained to it
     tools: list[dict] | None = None  # validated {"type": "function", "function": {name, description, parameters}}
@@ -227,7 +228,8 @@ def parse_messages(value: Any) -> list[dict]:
 READ_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                          "stream_options", "logprobs", "n", "ignore_eos", "trace", "timeout", "min_p",
                          "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                         "response_format", "resumable", "cache_salt", "prompt_cache_key", "user", "prediction"})
+                         "response_format", "resumable", "cache_salt", "prompt_cache_key", "user", "prediction",
+                         "speculation"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "continue_final_message"})
 COMPLETION_FIELDS = frozenset({"prompt"})
@@ -490,6 +492,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     spec.resumable = bool_field(body, "resumable")
     spec.cache_tenant = _cache_tenant(body)
     spec.prediction = _prediction(body)
+    spec.speculation = bool_field(body, "speculation", True)
     if chat and bool_field(body, "continue_final_message"):
         last = spec.messages[-1]
         if last["role"] != "assistant" or not last["content"].strip() or "tool_calls" in last:

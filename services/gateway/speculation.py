@@ -1,17 +1,47 @@
 """Drafts for a sequence's next decode step, verified in that step (several positions a step: shared/batch/steps.py,
-SequenceState.take). One source so far: the client's own `prediction` (OpenAI's Predicted Outputs: the text it
-expects, e.g. the file being edited). The draft is what the prediction says comes next after the newest output
-tokens; a wrong draft costs only the rows it added to one pass, never a different token."""
+SequenceState.take). A wrong draft costs only the rows it added to one pass, never a different token.
+
+Where a draft comes from (Speculator.draft), first found first:
+- the client's own `prediction` (OpenAI's Predicted Outputs: the text it expects, e.g. the file being edited): what
+  the prediction says comes next after the newest output tokens (predicted_draft);
+- without one, n-grams (`--speculation auto`, and the request did not send `"speculation": false`):
+  - its own context (prompt lookup): the tokens that followed the longest recent suffix of prompt + output found
+    earlier in them (ContextIndex);
+  - the shared pool (llama.cpp's ngram-mod): a fixed table from a rolling hash of POOL_NGRAM tokens to the token that
+    last followed them, written from every request's accepted output, so an answer another request already gave
+    drafts itself (NgramPool). Hashes are keyed by the request's cache tenant, as prefixes are: a tenant's speed never
+    tells what another one generated.
+
+When (the load policy): a decode's draft rows compete with the other sequences of its micro-batch, so drafts go only
+where the rows are nearly free: a micro-batch's rows (each decode's newest token and its drafted ones) stay within
+DRAFT_ROWS, and none share a micro-batch with a prompt chunk; n-gram drafts, which stand less often than a prediction,
+only while the pipeline runs at most NGRAM_MAX_RUNNING sequences. How long (DraftBudget, per request): drafts that do
+not stand shrink the next and pause drafting."""
 
 from __future__ import annotations
 
+import hashlib
+import time
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shared.config import SPECULATION_MODES
+
+if TYPE_CHECKING:  # the request carries what is here; this module stays below it
+    from services.gateway.request import Request
 
 DRAFT_TOKENS = 6  # tokens a first draft proposes (a step then verifies DRAFT_TOKENS + 1 positions)
 MAX_DRAFT_TOKENS = 12  # ... and a draft at most, after drafts that all stood
 SKIP_STEPS = 8  # after a draft of one token that did not stand: steps without drafting before trying again
 MATCH_TOKENS = 3  # the longest output suffix looked up in the prediction (down to 1)
+CONTEXT_MATCH = (4, 2)  # the longest and shortest suffix of a request's tokens looked up earlier in them
+POOL_NGRAM = 8  # tokens the pool's hash covers (the n of llama.cpp's ngram-mod)
+POOL_BITS = 20  # the pool holds 2**POOL_BITS entries (4 MiB), whatever the traffic
+DRAFT_ROWS = 16  # a micro-batch's rows with drafts at most: decodes' newest tokens and the drafted ones
+NGRAM_MAX_RUNNING = 4  # n-gram drafts only while the pipeline runs at most this many sequences
+SOURCES = ("prediction", "context", "pool")
 
 
 def predicted_draft(prediction: Sequence[int], output: Sequence[int], size: int = DRAFT_TOKENS) -> list[int]:
@@ -28,6 +58,104 @@ def predicted_draft(prediction: Sequence[int], output: Sequence[int], size: int 
                 if follow:
                     return follow
     return []
+
+
+class ContextIndex:
+    """One sequence's tokens as int32 bytes, extended as it grows, searched from the end by bytes.rfind (C speed, a
+    few µs at thousands of tokens, 4 bytes a token)."""
+
+    def __init__(self):
+        self._bytes = bytearray()
+        self._tokens = 0
+
+    def draft(self, ids: Sequence[int], size: int) -> list[int]:
+        """The `size` tokens (fewer at the end) that followed the most recent earlier occurrence of the longest
+        suffix of `ids` (CONTEXT_MATCH tokens, down to its shortest) that has a token after it; [] when none occurs.
+        `ids` only ever grows between calls (a sequence's prompt + output)."""
+        if len(ids) > self._tokens:
+            self._bytes += array("i", ids[self._tokens:]).tobytes()
+            self._tokens = len(ids)
+        longest, shortest = CONTEXT_MATCH
+        for n in range(min(longest, len(ids) - 1), shortest - 1, -1):
+            tail = self._bytes[-4 * n:]
+            end = 4 * (len(ids) - 1)  # an occurrence ends before the newest token: at least one token follows it
+            at = self._bytes.rfind(tail, 0, end)
+            while at > 0 and at % 4:  # a match across token boundaries: look further back
+                at = self._bytes.rfind(tail, 0, at + 4 * n - 1)
+            if at >= 0 and at % 4 == 0:
+                start = at // 4 + n
+                return list(ids[start:start + size])
+        return []
+
+
+_MASK = (1 << 64) - 1
+_BASE = 6364136223846793005  # llama.cpp's ngram-mod multiplier
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of hash * _MIX index the table
+
+
+def tenant_salt(tenant: str) -> int:
+    """A cache tenant's key for the pool's hashes (the shared tenant "" included)."""
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
+
+
+class NgramPool:
+    """llama.cpp's ngram-mod: a rolling hash of `n` tokens (keyed by a salt) -> the token that last followed them, in
+    a table of 2**bits entries. Constant memory: a new n-gram overwrites whatever shared its entry (no key is kept,
+    so a collision drafts a wrong token, which costs a row and never an output token)."""
+
+    def __init__(self, n: int = POOL_NGRAM, bits: int = POOL_BITS):
+        self.n = n
+        self.bits = bits
+        self.table = array("i", [-1]) * (1 << bits)
+        self.used = 0  # entries ever written
+        self._top = _BASE ** (n - 1) & _MASK  # what the window's oldest token weighs in the hash
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def _hash(self, window: Sequence[int]) -> int:
+        h = 0
+        for t in window:
+            h = (h * _BASE + t + 1) & _MASK
+        return h
+
+    def _roll(self, h: int, oldest: int, newest: int) -> int:
+        return ((h - (oldest + 1) * self._top) * _BASE + newest + 1) & _MASK
+
+    def _index(self, h: int, salt: int) -> int:
+        return (((h ^ salt) * _MIX) & _MASK) >> (64 - self.bits)
+
+    def add(self, ids: Sequence[int], start: int, salt: int = 0) -> None:
+        """Record, for every token ids[j] with j >= start (and j >= n), that it followed ids[j - n:j]."""
+        n, table = self.n, self.table
+        start = max(start, n)
+        if start >= len(ids):
+            return
+        h = self._hash(ids[start - n:start])
+        for j in range(start, len(ids)):
+            i = self._index(h, salt)
+            if table[i] < 0:
+                self.used += 1
+            table[i] = ids[j]
+            h = self._roll(h, ids[j - n], ids[j])
+
+    def draft(self, ids: Sequence[int], size: int, salt: int = 0) -> list[int]:
+        """Up to `size` tokens, each what followed the n tokens before it (the last n of ids, then the drafted ones
+        join them); stops at the first n-gram the table has no token for."""
+        n = self.n
+        if len(ids) < n or size <= 0:
+            return []
+        window = list(ids[-n:])
+        h = self._hash(window)
+        out: list[int] = []
+        while len(out) < size:
+            t = self.table[self._index(h, salt)]
+            if t < 0:
+                break
+            out.append(t)
+            h = self._roll(h, window[len(out) - 1], t)
+            window.append(t)
+        return out
 
 
 @dataclass
@@ -57,3 +185,116 @@ class DraftBudget:
             self.size = drafted // 2
             if self.size == 0:
                 self.size, self.skip = 1, SKIP_STEPS
+
+
+@dataclass
+class RequestDrafts:
+    """One request's drafting state: its budget, its context index (made at its first n-gram draft), the source of
+    its draft in flight, and how much of its output the pool has seen."""
+
+    budget: DraftBudget = field(default_factory=DraftBudget)
+    context: ContextIndex | None = None
+    salt: int | None = None  # its tenant's pool key (tenant_salt), once needed
+    source: str | None = None  # where the draft of its step in flight came from
+    pooled: int = 0  # tokens of prompt + output whose n-grams the pool has taken (from its prompt's end on)
+
+
+@dataclass
+class SpeculationStats:
+    """What drafting did, by source (SOURCES): summed over every request and replica; /metrics and the mesh view."""
+
+    drafted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))  # drafted tokens verified
+    accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))  # ... that stood
+    verify_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))  # decode steps with a draft
+    decode_steps: int = 0  # every sequence's decode steps (one a sequence a pass), with a draft or without
+    decode_tokens: int = 0  # the tokens they produced: one each, and the drafted ones that stood
+    draft_seconds: float = 0.0  # time spent making drafts (the gateway's CPU, on its event loop)
+
+    @property
+    def tokens_per_pass(self) -> float | None:
+        """Tokens one sequence's decode step produced on average: 1 without speculation."""
+        return self.decode_tokens / self.decode_steps if self.decode_steps else None
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Drafted tokens that stood, of those verified."""
+        drafted = sum(self.drafted.values())
+        return sum(self.accepted.values()) / drafted if drafted else None
+
+    def info(self) -> dict:
+        rate, per_pass = self.hit_rate, self.tokens_per_pass
+        return {"drafted": sum(self.drafted.values()), "accepted": sum(self.accepted.values()),
+                "hit_rate": None if rate is None else round(rate, 4),
+                "tokens_per_pass": None if per_pass is None else round(per_pass, 4),
+                "decode_steps": self.decode_steps, "draft_ms": round(self.draft_seconds * 1e3, 3),
+                "by_source": {s: {"drafted": self.drafted[s], "accepted": self.accepted[s],
+                                  "steps": self.verify_steps[s]} for s in SOURCES}}
+
+
+class Speculator:
+    """The gateway's drafter, shared by every pipeline's scheduler (one pool for all): `draft` proposes a request's
+    next draft, `verified` learns from what stood. mode: --speculation (off: predictions only)."""
+
+    def __init__(self, mode: str = "auto", pool: NgramPool | None = None):
+        if mode not in SPECULATION_MODES:
+            raise ValueError(f"speculation mode {mode!r}: one of {', '.join(SPECULATION_MODES)}")
+        self.mode = mode
+        self.pool = pool if pool is not None or mode == "off" else NgramPool()
+        self.stats = SpeculationStats()
+
+    def ngrams_for(self, req: Request) -> bool:
+        """Whether n-gram drafts may serve this request at all: on, not opted out, no prediction of its own, and
+        a step whose draws can be verified in rows (no grammar or penalties: they need one position a step)."""
+        return self.pool is not None and req.speculation and req.prediction_ids is None and req.audit is None \
+            and not req.traced and req.grammar is None and not req.params.penalized
+
+    def draft(self, req: Request, rows: int, ngrams: bool) -> list[int]:
+        """The draft for the request's next decode step, at most `rows` tokens long; `ngrams`: the load allows n-gram
+        drafts now. Sets req.draft and returns it."""
+        drafts, t0 = req.drafts, time.perf_counter()
+        draft, source = [], None
+        size = min(rows, drafts.budget.size)
+        if size > 0 and (req.prediction_ids or (ngrams and self.ngrams_for(req))) and drafts.budget.next_size():
+            if req.prediction_ids:
+                draft, source = predicted_draft(req.prediction_ids, req.output_ids, size), "prediction"
+            else:
+                ids = req.all_ids
+                if drafts.context is None:
+                    drafts.context = ContextIndex()
+                draft, source = drafts.context.draft(ids, size), "context"
+                if not draft:
+                    draft, source = self.pool.draft(ids, size, self._salt(req)), "pool"
+        drafts.source = source if draft else None
+        req.draft = draft
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return draft
+
+    def verified(self, req: Request, decoded: bool, drafted: int, stood: int) -> None:
+        """The request's step came back: `decoded` (a decode step, not a prompt chunk) with `drafted` drafted tokens,
+        `stood` of them standing. Sizes its next draft, counts, and gives its new tokens' n-grams to the pool."""
+        s = self.stats
+        if decoded:
+            s.decode_steps += 1
+            s.decode_tokens += 1 + stood
+        source, req.drafts.source = req.drafts.source, None
+        if drafted and source is not None:
+            req.drafts.budget.update(drafted, stood)
+            s.drafted[source] += drafted
+            s.accepted[source] += stood
+            s.verify_steps[source] += 1
+        if self.pool is not None and req.speculation and req.audit is None and req.output_ids:
+            ids = req.all_ids
+            start = max(req.drafts.pooled, len(req.prompt_ids))
+            self.pool.add(ids, start, self._salt(req))
+            req.drafts.pooled = len(ids)
+
+    def _salt(self, req: Request) -> int:
+        if req.drafts.salt is None:
+            req.drafts.salt = tenant_salt(req.cache_tenant)
+        return req.drafts.salt
+
+    def info(self) -> dict:
+        """The mesh view's: mode, what drafting did, and the pool's fill."""
+        return {"mode": self.mode, **self.stats.info(),
+                "pool_used": None if self.pool is None else self.pool.used,
+                "pool_entries": None if self.pool is None else len(self.pool)}

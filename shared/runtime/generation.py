@@ -159,6 +159,7 @@ class SequenceState:
         self.computed = 0
         self.attach = None
         self.prefill_target = len(self.all_ids)
+        self.verifying, self.draft = (), []  # a draft in flight died with that step: the replay prefills instead
 
 
 Propose = Callable[[SequenceState], Sequence[int]]  # a drafter: tokens that may follow a sequence's newest one
