@@ -19,7 +19,7 @@ FLAGS = ("--batch-invariant",)
 
 
 def _body(i: int, resumable: bool) -> dict:
-    return {"messages": [{"role": "user", "content": f"Tell me a story about the number {i + 3}."}], "max_tokens": 32,
+    return {"messages": [{"role": "user", "content": f"Tell me a story about the number {i + 3}."}], "max_tokens": 160,
             "seed": 100 + i, "temperature": 0.9, "ignore_eos": True, "stream": True, "resumable": resumable,
             "cache_salt": f"run-{resumable}-{i}"}
 
@@ -61,7 +61,7 @@ async def test_a_killed_gateway_restarted_on_its_state_dir_resumes_every_stream(
                     assert r.status == 200
                     return await _sse(r, limit=6 + 2 * i)  # each connection drops at its own point
             seen = await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
-        time.sleep(0.5)  # the request log's batched writes (FLUSH_S) reach the disk, and generation goes on
+        time.sleep(0.3)  # the request log's batched writes (FLUSH_S) reach the disk; generation goes on (160 tokens)
     finally:
         os.kill(gw.proc.pid, signal.SIGKILL)  # no drain: the gateway and (with it) its stages die at once
         gw.proc.wait(10)
