@@ -10,7 +10,7 @@ scope, carries nothing from one request to the next). Prints each workload's tok
 drafts, the drafted tokens that stood and the tokens one decode pass produced (the gateway's speculation counters
 around each request), and whether the answers were the same.
 
-    python -m benchmarks.prediction --stages 2 --rounds 1
+    python -m benchmarks.prediction --stages 2 --rounds 1 [--speculation on]
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of the edits (each of the 3 edits per round)")
     p.add_argument("--questions", type=int, default=6, help="distinct chat questions (each asked once a kind)")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--speculation", default="auto", choices=("auto", "on"),
+                   help="the gateway's --speculation for the drafting kinds (default auto)")
     add_out_arg(p, "prediction")
     args = p.parse_args()
     report = Report("prediction", args.out)
@@ -97,7 +99,7 @@ def main() -> None:
         questions = json.load(f)[:args.questions]
     results = {}
     for stages in (int(s) for s in args.stages.split(",")):
-        with running_up(stages) as gw:
+        with running_up(stages, "--speculation", args.speculation) as gw:
             for system, text in EDITS:  # warm-up: the prompt path, the steps' first calls at each row count
                 msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
                 for kind in KINDS["edit"]:
@@ -113,15 +115,18 @@ def main() -> None:
                 for kind in KINDS["chat"]:
                     chat[kind].append(ask(gw.url, [{"role": "user", "content": q}], args.max_tokens, kind,
                                           f"chat-{kind}"))
-            results[stages] = {"edit": summary(edit), "chat": summary(chat)}
-            for name, r in results[stages].items():
+            results[stages] = {"edit": summary(edit), "chat": summary(chat), "speculation": args.speculation,
+                               "pass_ms": json.loads(gw.get("/v1/mesh")[1])["gateway"]["speculation"]["pass_ms"]}
+            for name in KINDS:
+                r = results[stages][name]
                 off = r["tokens_per_s"]["off"]
                 parts = [f"{kind} {r['tokens_per_s'][kind]:.1f} tok/s ({r['ratio'][kind]:.2f}x, median of pairs "
                          f"{r['median_pair_ratio'][kind]:.2f}x; {r['stood'][kind]:.0f} of {r['drafted'][kind]:.0f} "
                          f"drafted tokens stood, {r['tokens_per_pass'][kind]:.2f} tokens a pass; the same answers: "
                          f"{r['same_text'][kind]})" for kind in KINDS[name] if kind != "off"]
-                report.say(f"{stages} stage{'s' if stages > 1 else ''}, {name}: no drafts {off:.1f} tok/s; "
-                           + "; ".join(parts))
+                report.say(f"{stages} stage{'s' if stages > 1 else ''}, --speculation {args.speculation}, {name}: no "
+                           f"drafts {off:.1f} tok/s; " + "; ".join(parts))
+            report.say(f"measured ms of a decode pass by its rows: {results[stages]['pass_ms']}")
     report.write(results)
 
 

@@ -17,14 +17,15 @@ where the rows are nearly free: a micro-batch's rows (each decode's newest token
 DRAFT_ROWS, and none share a micro-batch with a prompt chunk; n-gram drafts, which stand less often than a prediction,
 only while the pipeline runs at most NGRAM_MAX_RUNNING sequences. How long: drafts that do not stand shrink the next
 and pause drafting (DraftBudget, per request), and a draft is cut to the length that gives the most tokens a second
-by this mesh's measured cost of a pass of that many rows (PassCosts) and the request's measured acceptance -- to
-nothing where no length beats a pass without one."""
+by this mesh's measured cost of a pass of that many rows (PassCosts) and the request's measured acceptance (its first draft goes whole, to
+measure it) -- to nothing where no length beats a pass without one."""
 
 from __future__ import annotations
 
 import hashlib
 import time
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -44,7 +45,7 @@ POOL_BITS = 20  # the pool holds 2**POOL_BITS entries (4 MiB), whatever the traf
 DRAFT_ROWS = 16  # a micro-batch's rows with drafts at most: decodes' newest tokens and the drafted ones
 NGRAM_MAX_RUNNING = 4  # n-gram drafts only while the pipeline runs at most this many sequences
 SOURCES = ("prediction", "context", "pool")
-COST_WEIGHT = 0.2  # how much one pass's time moves the measured cost of its row count (an exponential average)
+COST_WINDOW = 16  # the latest passes of a row count whose fastest is its cost (others' load only ever adds time)
 EXPLORE_EVERY = 32  # drafts the costs refused in a row before one goes anyway, so the costs of more rows are measured
 #                     again (a host that was busy once does not turn drafting off for good)
 
@@ -199,33 +200,34 @@ class PassCosts:
     drafting knows whether its rows pay here."""
 
     def __init__(self):
-        self.seconds: dict[int, float] = {}  # rows -> exponential average of their passes' seconds
-        self._seen: set[int] = set()  # row counts passed once: the first pass of a shape warms kernels up, not kept
+        self._passes: dict[int, deque[float]] = {}  # rows -> the seconds of its latest COST_WINDOW passes
 
     def observe(self, rows: int, seconds: float) -> None:
-        if rows not in self._seen:
-            self._seen.add(rows)
-            return
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+        self._passes.setdefault(rows, deque(maxlen=COST_WINDOW)).append(seconds)
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        """rows -> the cost of a pass of that many rows: the fastest of its latest passes (a first pass that warmed
+        kernels up, or one that shared the host with other work, took longer than the pass itself does)."""
+        return {rows: min(times) for rows, times in self._passes.items()}
 
     def ratio(self, rows: int, base: int) -> float | None:
         """A pass of `rows` rows over one of `base` rows (rows >= base), from the measured row counts nearest to each
         (linear between two measured ones, the largest measured's own beyond it); None before the base's nearest and
         one count above it are measured (drafting then explores)."""
-        below = [r for r in self.seconds if r <= base]
-        above = [r for r in self.seconds if r > base]
-        if not below or not above:
+        seconds = self.seconds
+        if not any(r <= base for r in seconds) or not any(r > base for r in seconds):
             return None
-        return self._at(rows) / self._at(base)
+        return _interpolate(seconds, rows) / _interpolate(seconds, base)
 
-    def _at(self, rows: int) -> float:
-        known = sorted(self.seconds)
-        lo = max((r for r in known if r <= rows), default=known[0])
-        hi = min((r for r in known if r >= rows), default=known[-1])
-        if lo == hi:
-            return self.seconds[lo]
-        return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo)
+
+def _interpolate(seconds: dict[int, float], rows: int) -> float:
+    known = sorted(seconds)
+    lo = max((r for r in known if r <= rows), default=known[0])
+    hi = min((r for r in known if r >= rows), default=known[-1])
+    if lo == hi:
+        return seconds[lo]
+    return seconds[lo] + (seconds[hi] - seconds[lo]) * (rows - lo) / (hi - lo)
 
 
 def worth_drafting(size: int, p: float, costs: PassCosts, base: int) -> int:
@@ -296,7 +298,9 @@ class SpeculationStats:
 
 class Speculator:
     """The gateway's drafter, shared by every pipeline's scheduler (one pool for all): `draft` proposes a request's
-    next draft, `verified` learns from what stood. mode: --speculation (off: predictions only)."""
+    next draft, `verified` learns from what stood. mode: --speculation -- auto (the load and the measured costs
+    decide), on (n-gram drafts at any load and whatever their rows cost: to measure what drafts do, and to test
+    them), off (predictions only)."""
 
     def __init__(self, mode: str = "auto", pool: NgramPool | None = None):
         if mode not in SPECULATION_MODES:
@@ -319,6 +323,7 @@ class Speculator:
         drafts, t0 = req.drafts, time.perf_counter()
         draft, source = [], None
         size = min(rows, drafts.budget.size)
+        ngrams = ngrams or self.mode == "on"
         if size > 0 and (req.prediction_ids or (ngrams and self.ngrams_for(req))) and drafts.budget.next_size():
             if req.prediction_ids:
                 draft, source = predicted_draft(req.prediction_ids, req.output_ids, size), "prediction"
@@ -329,7 +334,8 @@ class Speculator:
                 draft, source = drafts.context.draft(ids, size), "context"
                 if not draft:
                     draft, source = self.pool.draft(ids, size, self._salt(req)), "pool"
-            if draft:  # as long as pays on this mesh
+            if draft and self.mode == "auto" and (drafts.stood or drafts.missed):  # as long as pays on this mesh (a request's first draft
+                # goes whole: it measures how well this request's drafts stand)
                 keep = worth_drafting(len(draft), drafts.acceptance, self.costs, batch_rows)
                 self._refused = 0 if keep or self._refused + 1 >= EXPLORE_EVERY else self._refused + 1
                 draft = draft[:keep or (len(draft) if self._refused == 0 else 0)]
