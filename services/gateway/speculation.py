@@ -4,7 +4,7 @@ SequenceState.take). A wrong draft costs only the rows it added to one pass, nev
 Where a draft comes from (Speculator.draft), first found first:
 - the client's own `prediction` (OpenAI's Predicted Outputs: the text it expects, e.g. the file being edited): what
   the prediction says comes next after the newest output tokens (predicted_draft);
-- without one, n-grams (`--speculation auto`, and the request did not send `"speculation": false`):
+- without one, n-grams (`--speculation auto` or `on`, and the request did not send `"speculation": false`):
   - its own context (prompt lookup): the tokens that followed the longest recent suffix of prompt + output found
     earlier in them (ContextIndex);
   - the shared pool (llama.cpp's ngram-mod): a fixed table from a rolling hash of POOL_NGRAM tokens to the token that
@@ -17,8 +17,9 @@ where the rows are nearly free: a micro-batch's rows (each decode's newest token
 DRAFT_ROWS, and none share a micro-batch with a prompt chunk; n-gram drafts, which stand less often than a prediction,
 only while the pipeline runs at most NGRAM_MAX_RUNNING sequences. How long: drafts that do not stand shrink the next
 and pause drafting (DraftBudget, per request), and a draft is cut to the length that gives the most tokens a second
-by this mesh's measured cost of a pass of that many rows (PassCosts) and the request's measured acceptance (its first draft goes whole, to
-measure it) -- to nothing where no length beats a pass without one."""
+by this mesh's measured cost of a pass of that many rows (PassCosts) and the request's measured acceptance (its
+first draft goes whole, to measure it) -- to nothing where no length beats a pass without one. `--speculation on`
+skips the load limit and the costs (to measure what drafts do, and to test them)."""
 
 from __future__ import annotations
 
