@@ -109,7 +109,7 @@ def parse_bytes(text: str) -> int:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # compute dtypes (shared.models.device.DTYPES: their torch dtypes)
 WEIGHT_MODES = ("auto", "lean", "bf16", "f32")  # the matmul kernels a model's weights run on (shared.models.linear)
 COMPILE_MODES = ("auto", "on", "off")  # when the decode graphs compile: in the background, before ready, never
-SPECULATION_MODES = ("auto", "off")  # the gateway's n-gram drafts (services/gateway/speculation.py)
+SPECULATION_MODES = ("auto", "on", "off")  # the gateway's n-gram drafts (services/gateway/speculation.py)
 COMPILE_DECODE_ENV = "STAGEMESH_COMPILE_DECODE"  # the serving commands' --compile-decode default, when set
 
 
@@ -230,10 +230,11 @@ class SchedulerConfig:
     failover_timeout_s: float = knob(120.0, "a pipeline not ready again after this long ends the requests it holds "
                                             "with an error naming the unreachable stage", unit="seconds")
     max_replays: int = knob(3, "times one request may be replayed after stage losses before it ends with an error")
-    speculation: str = knob("auto", "n-gram drafts verified in each decode step while the load is light (a "
-                                    "request's own context and a pool of recent answers; several tokens a pass "
-                                    "where they stand, the same tokens either way): auto, or off (a request's "
-                                    "`prediction` still drafts)", choices=SPECULATION_MODES)
+    speculation: str = knob("auto", "n-gram drafts verified in each decode step (a request's own context and a "
+                                    "pool of recent answers; several tokens a pass where they stand, the same "
+                                    "tokens either way): auto (while few sequences run, as long as the measured "
+                                    "cost of their rows pays), on (at any load and cost: to measure or test them), "
+                                    "off (a request's `prediction` still drafts)", choices=SPECULATION_MODES)
 
     def __post_init__(self):
         check_int(self, "max_inflight", 1, none_ok=True)

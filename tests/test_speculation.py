@@ -4,20 +4,27 @@ them, and -- through real gateways -- that they change the speed of an answer, n
 
 from __future__ import annotations
 
+import json
+import time
+
 import openai
 import pytest
 
 from services.gateway.request import Request
 from services.gateway.schemas import RequestError, parse_generation
 from services.gateway.speculation import (
+    COST_WINDOW,
+    EXPLORE_EVERY,
     MAX_DRAFT_TOKENS,
     SKIP_STEPS,
     SOURCES,
     ContextIndex,
     DraftBudget,
     NgramPool,
+    PassCosts,
     Speculator,
     predicted_draft,
+    worth_drafting,
 )
 from shared.batch.sampling import SamplingParams
 
@@ -76,6 +83,40 @@ def test_the_pool_is_bounded_and_drafts_what_it_recorded():
     assert pool.draft([5996, 5997, 5998], 1) == [5999]  # the newest n-gram is there (older ones may be overwritten)
 
 
+def test_a_draft_is_as_long_as_pays_by_the_measured_cost_of_its_rows():
+    costs = PassCosts()
+    assert worth_drafting(6, 0.3, costs, 1) == 6  # nothing measured yet: try, and measure
+    for rows, seconds in ((1, 0.5), (7, 0.9), (1, 0.010), (7, 0.013), (7, 0.030)):  # warm-up, a busy host: slower
+        costs.observe(rows, seconds)
+    assert costs.seconds == {1: 0.010, 7: 0.013}  # the fastest of each: rows nearly free here, 0.5 ms each
+    assert worth_drafting(6, 0.9, costs, 1) == 6
+    assert worth_drafting(6, 0.3, costs, 1) == 2  # a third drafted token would stand too rarely to pay its row
+    for _ in range(COST_WINDOW):
+        costs.observe(7, 0.040)  # only the latest passes count: the host (or the kernels) changed
+    assert costs.seconds[7] == 0.040
+    costs = PassCosts()
+    for rows, seconds in ((1, 0.010), (2, 0.016), (7, 0.020)):  # a second row costs 6 ms, later ones 0.8 ms each
+        costs.observe(rows, seconds)
+    assert worth_drafting(6, 0.3, costs, 1) == 0  # 1.3 tokens for 1.6x the time: no draft beats none
+    assert worth_drafting(6, 0.5, costs, 1) == 3  # 1.875 tokens for 1.76x
+    assert worth_drafting(6, 0.95, costs, 1) == 6
+    spec = Speculator("auto")  # where the costs refuse every draft, one in EXPLORE_EVERY still goes (and is timed)
+    spec.costs = costs
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    first = request(prompt)
+    assert len(spec.draft(first, 16, ngrams=True)) == 6  # a request's first draft goes whole: it measures its drafts
+    missing = request(prompt)
+    missing.drafts.missed = 10  # none of its drafts stood so far
+    sizes = []
+    for _ in range(2 * EXPLORE_EVERY):
+        sizes.append(len(spec.draft(missing, 16, ngrams=True)))
+        missing.drafts.budget = DraftBudget()  # (as if it had not missed: only the costs decide here)
+    assert sizes.count(0) == 2 * EXPLORE_EVERY - 2 and sizes[EXPLORE_EVERY - 1] == sizes[-1] == 6
+    forced = Speculator("on")  # --speculation on: whatever the costs
+    forced.costs = costs
+    assert len(forced.draft(missing, 16, ngrams=True)) == 6
+
+
 def request(prompt, **kw) -> Request:
     return Request(seq_id="r", prompt_ids=list(prompt), params=SamplingParams(temperature=0), **kw)
 
@@ -88,6 +129,7 @@ def test_what_drafts_and_when():
     assert auto.draft(request(prompt), 16, ngrams=True) == [4, 5, 6, 7, 8, 1]  # DRAFT_TOKENS of the context
     assert auto.draft(request(prompt), 2, ngrams=True) == [4, 5]
     assert auto.draft(request(prompt), 16, ngrams=False) == []  # the load: too many sequences running
+    assert len(Speculator("on").draft(request(prompt), 16, ngrams=False)) == 6  # on: at any load
     assert auto.draft(request(prompt, speculation=False), 16, ngrams=True) == []  # the request opted out
     assert off.draft(request(prompt), 16, ngrams=True) == [] and off.pool is None
     predicted = request(prompt, prediction_ids=[40, 41, 42], output_ids=[40])
@@ -106,11 +148,29 @@ def test_what_stood_is_counted_and_sizes_the_next_draft():
     req.output_ids = [4, 5, 9]  # two of the draft stood
     spec.verified(req, decoded=True, drafted=len(draft), stood=2)
     assert req.drafts.budget.size == 3 and req.drafts.source is None
+    assert req.drafts.acceptance == (2 + 1) / (2 + 1 + 2)  # two stood, one draft missed
     s = spec.stats
     assert (s.drafted["context"], s.accepted["context"], s.verify_steps["context"]) == (len(draft), 2, 1)
     assert sum(s.drafted[k] for k in SOURCES if k != "context") == 0
     assert (s.decode_steps, s.decode_tokens, s.tokens_per_pass) == (1, 3, 3.0) and s.hit_rate == 2 / len(draft)
     assert spec.pool.used == 3  # the pool took the n-grams its new tokens end
+
+
+def test_status_shows_what_drafting_did():
+    from rich.console import Console
+
+    from services.cli.status import render
+
+    spec = Speculator("auto")
+    req = request([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
+    draft = spec.draft(req, 16, ngrams=True)
+    req.output_ids = draft[:4]
+    spec.verified(req, decoded=True, drafted=len(draft), stood=3)
+    console = Console(record=True, width=80)
+    console.print(render({"ready": True, "stages": [], "pipelines": [], "gateway": {"speculation": spec.info()}}, 80))
+    text = console.export_text()
+    assert "speculation auto: 3/6 drafted tokens stood (50%)" in text and "4.00 tokens a pass" in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
 
 
 @pytest.mark.parametrize("value", ["text", {"type": "content"}, {"type": "text", "content": "x"},
@@ -134,9 +194,75 @@ TEXT = ("The river flows through the old town, past the mill and the church, and
         "warm outlet of the bakery.")
 
 
-@pytest.fixture(scope="module")
+REPEAT = [{"role": "system", "content": "Repeat the user's text word for word."}, {"role": "user", "content": TEXT}]
+
+
+@pytest.fixture
 def gateway(up):
-    return up()
+    """--speculation on: n-gram drafts whatever this busy host's measured costs say (auto may rightly find that rows
+    do not pay here, and draft little). Asked again by each test: the shared ups keep the recently asked ones."""
+    return up("--speculation", "on", stages=2, dtype="float32")
+
+
+def drafting(gw) -> dict[str, float]:
+    """The gateway's drafting counters now: n-gram drafted and accepted tokens (context and pool), prediction ones,
+    and every decode step of a sequence."""
+    def total(name: str, sources: tuple[str, ...]) -> float:
+        return sum(gw.metric(f"stagemesh_gateway_speculation_{name}_tokens_total", source=s) for s in sources)
+
+    return {"drafted": total("drafted", ("context", "pool")), "accepted": total("accepted", ("context", "pool")),
+            "predicted": total("drafted", ("prediction",)),
+            "steps": gw.metric("stagemesh_gateway_speculation_decode_steps_total")}
+
+
+def answer(gw, salt: str, speculation: bool = True, **kw) -> tuple[str, dict[str, float]]:
+    """One chat completion of REPEAT (in a cache scope of its own: every answer prefills in full, as a cached
+    prefix's remainder runs other kernels) and how the drafting counters moved during it."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    before = drafting(gw)
+    out = client.chat.completions.create(model="smollm2", messages=REPEAT, max_tokens=60,
+                                         extra_body={"cache_salt": salt, "speculation": speculation}, **kw)
+    after = drafting(gw)
+    return out.choices[0].message.content, {k: after[k] - before[k] for k in after}
+
+
+@pytest.mark.parametrize("setup", ["float32", "batch-invariant"])
+def test_ngram_drafts_change_how_fast_not_what(up, gateway, setup):
+    """Greedy: the same answer with n-gram drafts as with the request's opt-out ("speculation": false), in fewer
+    decode steps, where drafts of the text it repeats stood; the opted-out one drafted nothing."""
+    gw = gateway if setup == "float32" else up("--batch-invariant", "--speculation", "on", dtype="float32")
+    plain, off = answer(gw, f"off-{setup}", speculation=False, temperature=0)
+    drafted, on = answer(gw, f"on-{setup}", temperature=0)
+    assert drafted == plain
+    assert off["drafted"] == 0 and off["steps"] > 0
+    assert on["accepted"] > 0 and on["steps"] < off["steps"]
+    deadline = time.monotonic() + 10
+    while True:  # the mesh view (and `stagemesh status`): a snapshot a second, so one after that answer comes
+        seen = json.loads(gw.get("/v1/mesh")[1])["gateway"]["speculation"]
+        if seen["accepted"] >= on["accepted"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert seen["mode"] == "on" and seen["drafted"] >= seen["accepted"] >= on["accepted"]
+    assert seen["tokens_per_pass"] > 1
+
+
+def test_seeded_samples_are_the_same_with_drafts(gateway):
+    """Temperature 0.7, one seed: each position's draw is seeded by its position, so a drafted token stands exactly
+    where that draw gives it, and the answer is the one without drafts."""
+    plain, off = answer(gateway, "sampled-off", speculation=False, temperature=0.7, seed=11)
+    drafted, on = answer(gateway, "sampled-on", temperature=0.7, seed=11)
+    assert drafted == plain and off["drafted"] == 0 and on["accepted"] > 0, (drafted, on, off)
+
+
+def test_speculation_off_drafts_no_ngrams_but_a_prediction_still_drafts(up, gateway):
+    """--speculation off: the same greedy answer as with n-gram drafts, none drafted; a client's prediction is its
+    own request and still drafts."""
+    expected, _ = answer(gateway, "expected", temperature=0)
+    off = up("--speculation", "off", stages=2, dtype="float32")
+    text, moved = answer(off, "off", temperature=0)
+    assert text == expected and moved["drafted"] == 0 and moved["steps"] > 0
+    _, predicted = answer(off, "predicted", temperature=0, prediction={"type": "content", "content": TEXT})
+    assert predicted["predicted"] > 0 and predicted["drafted"] == 0
 
 
 def test_a_prediction_changes_how_fast_not_what(gateway):

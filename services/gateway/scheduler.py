@@ -49,6 +49,7 @@ class MicroBatch:
     tokens: list[int]
     traced: Request | None  # the one request whose rows the stages capture (at most one per micro-batch)
     planned_at: float  # perf_counter time: in flight from then (the engine sends it at once)
+    alone: bool = False  # nothing else was in flight when it was planned
 
     @property
     def num_tokens(self) -> int:
@@ -357,7 +358,7 @@ class Scheduler:
                     continue
                 traced = r
             if rows > 0 and not r.prefilling:
-                rows -= len(self.speculator.draft(r, rows, ngrams))
+                rows -= len(self.speculator.draft(r, rows, ngrams, DRAFT_ROWS - rows))
             entry, toks = r.next_step(min(self.config.prefill_chunk, budget))
             r.feeding = len(toks)
             r.starting = entry.step.starts_sequence
@@ -370,7 +371,8 @@ class Scheduler:
             entries.append(entry)
             tokens.extend(toks)
             reqs.append(r)
-        return MicroBatch(next(self._mb_ids), reqs, entries, tokens, traced, now) if reqs else None
+        return MicroBatch(next(self._mb_ids), reqs, entries, tokens, traced, now, alone=not self.inflight) \
+            if reqs else None
 
     # ---- what came back ---------------------------------------------------------------------------------------
 
@@ -392,6 +394,10 @@ class Scheduler:
         if code == PrefixMiss.code:
             return self._prefix_miss(reqs, error)
         update = Update()
+        if result is not None and batch is not None and batch.alone and not self.inflight \
+                and all(isinstance(e.step, Decode) for e in batch.entries):
+            # alone in the pipeline from its send to now (results come back in order): its round trip is its pass
+            self.speculator.costs.observe(batch.num_tokens, now - batch.planned_at)
         sampled = result.by_sequence() if result else {}
         for r, entry in zip(reqs, batch.entries if batch is not None else ()):
             fed, r.feeding, r.starting = r.feeding, 0, False

@@ -4,7 +4,7 @@ SequenceState.take). A wrong draft costs only the rows it added to one pass, nev
 Where a draft comes from (Speculator.draft), first found first:
 - the client's own `prediction` (OpenAI's Predicted Outputs: the text it expects, e.g. the file being edited): what
   the prediction says comes next after the newest output tokens (predicted_draft);
-- without one, n-grams (`--speculation auto`, and the request did not send `"speculation": false`):
+- without one, n-grams (`--speculation auto` or `on`, and the request did not send `"speculation": false`):
   - its own context (prompt lookup): the tokens that followed the longest recent suffix of prompt + output found
     earlier in them (ContextIndex);
   - the shared pool (llama.cpp's ngram-mod): a fixed table from a rolling hash of POOL_NGRAM tokens to the token that
@@ -15,14 +15,18 @@ Where a draft comes from (Speculator.draft), first found first:
 When (the load policy): a decode's draft rows compete with the other sequences of its micro-batch, so drafts go only
 where the rows are nearly free: a micro-batch's rows (each decode's newest token and its drafted ones) stay within
 DRAFT_ROWS, and none share a micro-batch with a prompt chunk; n-gram drafts, which stand less often than a prediction,
-only while the pipeline runs at most NGRAM_MAX_RUNNING sequences. How long (DraftBudget, per request): drafts that do
-not stand shrink the next and pause drafting."""
+only while the pipeline runs at most NGRAM_MAX_RUNNING sequences. How long: drafts that do not stand shrink the next
+and pause drafting (DraftBudget, per request), and a draft is cut to the length that gives the most tokens a second
+by this mesh's measured cost of a pass of that many rows (PassCosts) and the request's measured acceptance (its
+first draft goes whole, to measure it) -- to nothing where no length beats a pass without one. `--speculation on`
+skips the load limit and the costs (to measure what drafts do, and to test them)."""
 
 from __future__ import annotations
 
 import hashlib
 import time
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -42,6 +46,9 @@ POOL_BITS = 20  # the pool holds 2**POOL_BITS entries (4 MiB), whatever the traf
 DRAFT_ROWS = 16  # a micro-batch's rows with drafts at most: decodes' newest tokens and the drafted ones
 NGRAM_MAX_RUNNING = 4  # n-gram drafts only while the pipeline runs at most this many sequences
 SOURCES = ("prediction", "context", "pool")
+COST_WINDOW = 16  # the latest passes of a row count whose fastest is its cost (others' load only ever adds time)
+EXPLORE_EVERY = 32  # drafts the costs refused in a row before one goes anyway, so the costs of more rows are measured
+#                     again (a host that was busy once does not turn drafting off for good)
 
 
 def predicted_draft(prediction: Sequence[int], output: Sequence[int], size: int = DRAFT_TOKENS) -> list[int]:
@@ -187,6 +194,58 @@ class DraftBudget:
                 self.size, self.skip = 1, SKIP_STEPS
 
 
+class PassCosts:
+    """The measured seconds of a decode pass through the whole pipeline, by its rows: micro-batches of decodes only,
+    each alone in the pipeline (sent with nothing else in flight and back before anything else was sent), so its
+    round trip is its pass. What a row costs depends on the kernels, the hops and the host; measuring it is how
+    drafting knows whether its rows pay here."""
+
+    def __init__(self):
+        self._passes: dict[int, deque[float]] = {}  # rows -> the seconds of its latest COST_WINDOW passes
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._passes.setdefault(rows, deque(maxlen=COST_WINDOW)).append(seconds)
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        """rows -> the cost of a pass of that many rows: the fastest of its latest passes (a first pass that warmed
+        kernels up, or one that shared the host with other work, took longer than the pass itself does)."""
+        return {rows: min(times) for rows, times in self._passes.items()}
+
+    def ratio(self, rows: int, base: int) -> float | None:
+        """A pass of `rows` rows over one of `base` rows (rows >= base), from the measured row counts nearest to each
+        (linear between two measured ones, the largest measured's own beyond it); None before the base's nearest and
+        one count above it are measured (drafting then explores)."""
+        seconds = self.seconds
+        if not any(r <= base for r in seconds) or not any(r > base for r in seconds):
+            return None
+        return _interpolate(seconds, rows) / _interpolate(seconds, base)
+
+
+def _interpolate(seconds: dict[int, float], rows: int) -> float:
+    known = sorted(seconds)
+    lo = max((r for r in known if r <= rows), default=known[0])
+    hi = min((r for r in known if r >= rows), default=known[-1])
+    if lo == hi:
+        return seconds[lo]
+    return seconds[lo] + (seconds[hi] - seconds[lo]) * (rows - lo) / (hi - lo)
+
+
+def worth_drafting(size: int, p: float, costs: PassCosts, base: int) -> int:
+    """The draft length up to `size` giving the most tokens a second when each drafted token stands with
+    probability p (and only while all before it stood): k drafted tokens give (1 - p^(k+1)) / (1 - p) tokens for a
+    pass of base + k rows; 0 when no length beats the pass without a draft. Unmeasured costs: `size` (explore)."""
+    best, best_rate = 0, 1.0
+    for k in range(1, size + 1):
+        ratio = costs.ratio(base + k, base)
+        if ratio is None:
+            return size
+        tokens = k + 1 if p >= 1 else (1 - p ** (k + 1)) / (1 - p)
+        if tokens / ratio > best_rate:
+            best, best_rate = k, tokens / ratio
+    return best
+
+
 @dataclass
 class RequestDrafts:
     """One request's drafting state: its budget, its context index (made at its first n-gram draft), the source of
@@ -197,6 +256,13 @@ class RequestDrafts:
     salt: int | None = None  # its tenant's pool key (tenant_salt), once needed
     source: str | None = None  # where the draft of its step in flight came from
     pooled: int = 0  # tokens of prompt + output whose n-grams the pool has taken (from its prompt's end on)
+    stood: int = 0  # its drafted tokens that stood ...
+    missed: int = 0  # ... and its drafts that ended at a token that did not
+
+    @property
+    def acceptance(self) -> float:
+        """The chance its next drafted token stands, from its own drafts (one stood and one missed assumed first)."""
+        return (self.stood + 1) / (self.stood + self.missed + 2)
 
 
 @dataclass
@@ -233,7 +299,9 @@ class SpeculationStats:
 
 class Speculator:
     """The gateway's drafter, shared by every pipeline's scheduler (one pool for all): `draft` proposes a request's
-    next draft, `verified` learns from what stood. mode: --speculation (off: predictions only)."""
+    next draft, `verified` learns from what stood. mode: --speculation -- auto (the load and the measured costs
+    decide), on (n-gram drafts at any load and whatever their rows cost: to measure what drafts do, and to test
+    them), off (predictions only)."""
 
     def __init__(self, mode: str = "auto", pool: NgramPool | None = None):
         if mode not in SPECULATION_MODES:
@@ -241,6 +309,8 @@ class Speculator:
         self.mode = mode
         self.pool = pool if pool is not None or mode == "off" else NgramPool()
         self.stats = SpeculationStats()
+        self.costs = PassCosts()
+        self._refused = 0  # drafts the measured costs cut to nothing since one last went (EXPLORE_EVERY)
 
     def ngrams_for(self, req: Request) -> bool:
         """Whether n-gram drafts may serve this request at all: on, not opted out, no prediction of its own, and
@@ -248,12 +318,13 @@ class Speculator:
         return self.pool is not None and req.speculation and req.prediction_ids is None and req.audit is None \
             and not req.traced and req.grammar is None and not req.params.penalized
 
-    def draft(self, req: Request, rows: int, ngrams: bool) -> list[int]:
-        """The draft for the request's next decode step, at most `rows` tokens long; `ngrams`: the load allows n-gram
-        drafts now. Sets req.draft and returns it."""
+    def draft(self, req: Request, rows: int, ngrams: bool, batch_rows: int = 1) -> list[int]:
+        """The draft for the request's next decode step, at most `rows` tokens long, in a micro-batch of batch_rows
+        rows without it; `ngrams`: the load allows n-gram drafts now. Sets req.draft and returns it."""
         drafts, t0 = req.drafts, time.perf_counter()
         draft, source = [], None
         size = min(rows, drafts.budget.size)
+        ngrams = ngrams or self.mode == "on"
         if size > 0 and (req.prediction_ids or (ngrams and self.ngrams_for(req))) and drafts.budget.next_size():
             if req.prediction_ids:
                 draft, source = predicted_draft(req.prediction_ids, req.output_ids, size), "prediction"
@@ -264,6 +335,11 @@ class Speculator:
                 draft, source = drafts.context.draft(ids, size), "context"
                 if not draft:
                     draft, source = self.pool.draft(ids, size, self._salt(req)), "pool"
+            if draft and self.mode == "auto" and (drafts.stood or drafts.missed):  # as long as pays on this mesh (a request's first draft
+                # goes whole: it measures how well this request's drafts stand)
+                keep = worth_drafting(len(draft), drafts.acceptance, self.costs, batch_rows)
+                self._refused = 0 if keep or self._refused + 1 >= EXPLORE_EVERY else self._refused + 1
+                draft = draft[:keep or (len(draft) if self._refused == 0 else 0)]
         drafts.source = source if draft else None
         req.draft = draft
         self.stats.draft_seconds += time.perf_counter() - t0
@@ -279,6 +355,8 @@ class Speculator:
         source, req.drafts.source = req.drafts.source, None
         if drafted and source is not None:
             req.drafts.budget.update(drafted, stood)
+            req.drafts.stood += stood
+            req.drafts.missed += stood < drafted
             s.drafted[source] += drafted
             s.accepted[source] += stood
             s.verify_steps[source] += 1
@@ -296,5 +374,6 @@ class Speculator:
     def info(self) -> dict:
         """The mesh view's: mode, what drafting did, and the pool's fill."""
         return {"mode": self.mode, **self.stats.info(),
+                "pass_ms": {rows: round(t * 1e3, 3) for rows, t in sorted(self.costs.seconds.items())},
                 "pool_used": None if self.pool is None else self.pool.used,
                 "pool_entries": None if self.pool is None else len(self.pool)}
