@@ -32,10 +32,13 @@ def body(i: int, max_tokens: int, resumable: bool, salt: str) -> dict:
             "temperature": 0.9, "ignore_eos": True, "stream": True, "resumable": resumable, "cache_salt": salt}
 
 
-async def read_sse(resp, events: list) -> None:
-    """Append (event id, data) to `events` as they come, until [DONE] or the connection ends."""
+async def read_sse(resp, events: list, first: list | None = None) -> None:
+    """Append (event id, data) to `events` as they come, until [DONE] or the connection ends; `first` gets the
+    time.monotonic() of the first one."""
     current = None
     async for raw in resp.content:
+        if first is not None and not first and raw.startswith(b"data: "):
+            first.append(time.monotonic())
         line = raw.decode().rstrip("\n")
         if line.startswith("id: "):
             current = line[4:]
@@ -97,19 +100,9 @@ async def kill_and_resume(args, state: str, port: int, logs: str) -> dict:
                     if r.status != 200:
                         rest[i].append((None, {"error": await r.text()}))
                         return
-                    current = None
-                    async for raw in r.content:
-                        line = raw.decode().rstrip("\n")
-                        if line.startswith("id: "):
-                            current = line[4:]
-                        elif line.startswith("data: "):
-                            if firsts[i] is None:
-                                firsts[i] = time.monotonic() - ready
-                            data = line[6:]
-                            rest[i].append((current, data if data == "[DONE]" else json.loads(data)))
-                            current = None
-                            if data == "[DONE]":
-                                return
+                    first: list[float] = []
+                    await read_sse(r, rest[i], first)
+                    firsts[i] = first[0] - ready if first else None
             await asyncio.gather(*(resume(i) for i in range(args.streams)))
             ref = [[] for _ in range(args.streams)]
             await asyncio.gather(*(stream(s, again.url, body(i, args.max_tokens, False, f"u-{i}"), ref[i])
