@@ -61,6 +61,8 @@ def strategies(seqs, layout: BatchLayout, how: Scores, dtype: torch.dtype):
     config = SimpleNamespace(num_heads=H, num_kv_heads=KVH, sliding_window=how.window)
     yield "ChunkAttention", ChunkAttention(layout, rowwise=False)
     yield "ChunkAttention rowwise (batch-invariant)", ChunkAttention(layout, rowwise=True)
+    if qdot.usable() and dtype == torch.float32:  # soft-capped layers: its per-row SDPA
+        yield "ChunkAttention rowwise on the kernel", ChunkAttention(layout, rowwise=True, kernel=True)
     if not layout.decode_only:
         return
     yield "SplitDecode / DecodeWindow", SplitDecode.of(layout, config, dtype)
@@ -115,12 +117,38 @@ def test_the_eager_choice_follows_the_table(dtype, invariant):
     model = SimpleNamespace(config=config, dtype=dtype, batch_invariant=invariant)
     decodes = BatchLayout.build([0, 1], [Decode(5), Decode(9)], MAX_SEQ)
     chunk = BatchLayout.build([0, 1], [Prefill(4, 0, 4, True), Decode(9)], MAX_SEQ)
+    kernel = dtype == torch.float32 and qdot.usable()
     got = choose_attention(model, chunk)
-    assert isinstance(got, ChunkAttention) and got.rowwise == invariant
+    assert isinstance(got, ChunkAttention) and got.rowwise == invariant and got.kernel == (invariant and kernel)
     got = choose_attention(model, decodes)
     if invariant:
-        assert isinstance(got, ChunkAttention) and got.rowwise
+        assert isinstance(got, ChunkAttention) and got.rowwise and got.kernel == kernel
     elif dtype == torch.float32 and qdot.usable():
         assert isinstance(got, KernelDecode)
     else:
         assert isinstance(got, (DecodeWindow, SplitDecode))
+
+
+@pytest.mark.skipif(not qdot.usable(), reason="the batch-invariant kernel path needs qdot.cpp (an AVX2 CPU)")
+@pytest.mark.parametrize("layer", ["plain", "sliding window 16"])
+def test_batch_invariant_rows_on_the_kernel_do_not_depend_on_how_a_prompt_is_cut(layer):
+    """The batch-invariant mode's kernel path: a prompt's rows prefilled in one chunk, in two uneven chunks beside
+    another sequence's chunk, and token by token as decodes give the same bits, row for row."""
+    how, n = LAYERS[layer], 61
+    gen = torch.Generator().manual_seed(n)
+    k_cache, v_cache = (torch.randn(SLOTS, KVH, MAX_SEQ, HD, generator=gen) for _ in range(2))
+    q = torch.randn(n, H, HD, generator=gen)
+
+    def run(seqs, rows):  # the attention of `rows` (q's rows, in layout order) for steps `seqs`
+        layout = BatchLayout.build([s for s, _ in seqs], [st for _, st in seqs], MAX_SEQ)
+        return ChunkAttention(layout, rowwise=True, kernel=True).attend(rows, k_cache, v_cache, how)
+
+    whole = run([(2, Prefill(n, 0, n, True))], q)
+    other = torch.randn(9, H, HD, generator=gen)
+    cut = 23
+    first = run([(7, Prefill(9, 0, 20, False)), (2, Prefill(cut, 0, n, False))], torch.cat([other, q[:cut]]))[9:]
+    rest = run([(2, Prefill(n - cut, cut, n, True)), (5, Decode(40))], torch.cat([q[cut:], other[:1]]))[:n - cut]
+    one_by_one = torch.cat([run([(2, Decode(t) if t else Prefill(1, 0, n, False))], q[t:t + 1]) for t in range(n)])
+    assert torch.equal(whole, torch.cat([first, rest]))
+    assert torch.equal(whole, one_by_one)
+    assert not torch.equal(whole[:-1], whole[1:])  # rows differ: the comparison sees the rows' order

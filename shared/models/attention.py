@@ -12,7 +12,9 @@ step; the compiled steps (shared.models.compiled_decode) build their own, by the
                                                                              DecodeWindow       slots per run of them
   prefill chunks, k-token steps  any                                         ChunkAttention     causal over each
                                                                                                 sequence's own positions
-  any step                       --batch-invariant                           ChunkAttention     row by row: every row as
+  any step                       --batch-invariant, float32 where the        ChunkAttention     every row on the decode
+                                 qdot kernels load                           (rowwise, kernel)  kernel, in one call
+  any step                       --batch-invariant, elsewhere                ChunkAttention     row by row: every row as
                                                                              (rowwise)          a decode computes it
   compiled, one sequence         --compile-decode                            OneSequenceDecode  sizes carried by tensor
                                                                                                 lengths: one graph
@@ -90,13 +92,24 @@ class LaidOut:
 @dataclass
 class ChunkAttention(LaidOut):
     """Each sequence's chunk attends causally to its own cached positions (sequence_attention); in
-    the batch-invariant mode row by row (rowwise_attention), so every row computes as a decode step would."""
+    the batch-invariant mode row by row, so every row computes as a decode step would: where the decode kernel
+    applies (`kernel`: float32, qdot.cpp loads), every row of the step in one call of it -- row t of a chunk is
+    a decode at position start + t, whose numbers never depend on the other rows -- and elsewhere (or on a
+    soft-capped layer) one SDPA call per row (rowwise_attention), which made a long prompt cost one OpenMP
+    region per token and layer."""
 
     layout: BatchLayout
     rowwise: bool
+    kernel: bool = False  # rowwise rows on qdot.decode_attention_batch (float32 activations, the kernels load)
+
+    @functools.cached_property
+    def contexts(self) -> torch.Tensor:
+        return self.layout.positions + 1  # [N] int64: row t attends to its sequence's positions 0..position
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor:
         layout = self.layout
+        if self.rowwise and self.kernel and not how.softcap:
+            return kernel_attention(q, k_cache, v_cache, self.token_slots, self.contexts, how)
         one = self.rowwise_attention if self.rowwise else self.sequence_attention
         return torch.cat([one(q[o:o + ln], slot, start, ln, k_cache, v_cache, how)
                           for slot, start, ln, o in zip(layout.slots, layout.starts, layout.lengths, layout.offsets)])
@@ -378,4 +391,5 @@ def choose_attention(model: TransformerModel, layout: BatchLayout) -> Attention:
         if KernelDecode.applies(model, layout.positions.device):
             return KernelDecode(layout, model.config, model.dtype)
         return SplitDecode.of(layout, model.config, model.dtype)
-    return ChunkAttention(layout, model.batch_invariant)
+    return ChunkAttention(layout, model.batch_invariant,
+                          kernel=model.batch_invariant and KernelDecode.applies(model, layout.positions.device))
