@@ -1,17 +1,22 @@
 """A gateway killed (SIGKILL) with resumable streams running, started again on the same state directory: it takes
 the requests back (services/gateway/durable.py), and each client, reconnecting with its Last-Event-ID, reads on to
-the same text an undisturbed run gives -- no gap, no duplicate event."""
+the same text an undisturbed run gives -- no gap, no duplicate event. Killed with its stages (`up`), the requests are
+prefilled again; killed alone, they go on in place from the K/V the stages kept."""
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
 import time
 
 import aiohttp
 import pytest
 
 from services.gateway.durable import RequestStore
-from services.testing.harness import free_port, start_up
+from services.process.launch import start_mesh
+from services.testing.harness import RunningGateway, free_port, start_up, wait_http
+from tests.conftest import stagemesh_cmd
 from tests.test_openai_api import _sse, _text
 
 STREAMS = 4
@@ -84,15 +89,84 @@ async def test_a_killed_gateway_restarted_on_its_state_dir_resumes_every_stream(
                 async with s.post(restarted.url + "/v1/chat/completions", json=_body(i, False)) as r:
                     return await _sse(r)
             undisturbed = await asyncio.gather(*(whole(i) for i in range(STREAMS)))
-        for i, ((events, _), first) in enumerate(zip(resumed, seen)):
-            offsets = [int(eid.split(":")[1]) for eid, _ in first + events if eid]  # (chunks of one event share it)
-            assert offsets == sorted(offsets) and offsets[len(first)] == offsets[len(first) - 1] + 1, (i, offsets)
-            assert {eid.split(":")[0] for eid, _ in first + events if eid} == {first[0][0].split(":")[0]}  # one epoch
-            assert events[-1][1] == "[DONE]"
-            assert _text(first + events) == _text(undisturbed[i]) and _text(undisturbed[i]), i
+        _check_resumed(seen, [e for e, _ in resumed], undisturbed)
         waits = sorted(w for _, w in resumed)
         assert waits[len(waits) // 2] < 30, waits  # (the benchmark measures it; here: it came, not a timeout)
         assert "re-adopted 4 unfinished requests" in open(restarted.log_path).read() or any(
             "re-adopted" in open(os.path.join(logs[1], f)).read() for f in os.listdir(logs[1]))
     finally:
         restarted.stop()
+
+
+def _chunks(events: list) -> list[tuple[int, str]]:
+    """(event offset, the chunk's choices) as read: one event may send several chunks or none."""
+    return [(int(eid.split(":")[1]), json.dumps(d.get("choices"), sort_keys=True)) for eid, d in events
+            if eid and isinstance(d, dict)]
+
+
+def _check_resumed(seen: list[list], resumed: list[list], undisturbed: list[list]) -> None:
+    """Each stream read before the kill plus after it is the undisturbed run's, chunk by chunk at the same offsets
+    (no gap, no duplicate), in one epoch, to [DONE]."""
+    for i, (first, events) in enumerate(zip(seen, resumed)):
+        assert {eid.split(":")[0] for eid, _ in first + events if eid} == {first[0][0].split(":")[0]}  # one epoch
+        assert events[-1][1] == "[DONE]"
+        assert _text(first + events) == _text(undisturbed[i]) and _text(undisturbed[i]), i
+        assert _chunks(first + events) == _chunks(undisturbed[i]), i
+
+
+@pytest.mark.processes
+async def test_a_gateway_killed_alone_goes_on_in_place_from_the_kv_its_stages_kept(tmp_path):
+    """The stages outlive the gateway: the new one spares the logged sequences' slots and decodes on from them -- no
+    prefill again, no failover -- to the undisturbed text."""
+    state, port = str(tmp_path / "state"), free_port()
+    mesh = start_mesh("smollm2", 2, log_dir=str(tmp_path), extra=["--batch-invariant"])
+
+    def gateway(n: int) -> RunningGateway:
+        log = str(tmp_path / f"gateway-{n}.log")
+        with open(log, "w") as out:
+            proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
+                                                  "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
+                                                  "--keys", mesh.keys_dir, "--state-dir", state),
+                                    stdout=out, stderr=subprocess.STDOUT)
+        gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log)
+        wait_http(gw.url + "/ready")
+        return gw
+
+    try:
+        gw = gateway(1)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def first_part(i: int) -> list:
+                    async with s.post(gw.url + "/v1/chat/completions", json=_body(i, True)) as r:
+                        assert r.status == 200
+                        return await _sse(r, limit=5 + 3 * i)
+                seen = await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
+            time.sleep(0.3)  # the log's batched writes reach the disk; the streams go on (160 tokens)
+        finally:
+            os.kill(gw.proc.pid, signal.SIGKILL)
+            gw.proc.wait(10)
+        again = gateway(2)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def rest(i: int) -> list:
+                    async with s.get(f"{again.url}/v1/streams/{seen[i][0][1]['id']}",
+                                     headers={"Last-Event-ID": seen[i][-1][0]}) as r:
+                        assert r.status == 200, await r.text()
+                        return await _sse(r)
+                resumed = await asyncio.gather(*(rest(i) for i in range(STREAMS)))
+
+                async def whole(i: int) -> list:
+                    async with s.post(again.url + "/v1/chat/completions", json=_body(i, False)) as r:
+                        return await _sse(r)
+                undisturbed = await asyncio.gather(*(whole(i) for i in range(STREAMS)))
+            _check_resumed(seen, resumed, undisturbed)
+            # nothing was replayed: a sequence the stages did not hold would have cost a failover (unknown_sequence),
+            # one prefilled again a refusal (its id already holds a slot)
+            assert again.metric("stagemesh_gateway_pipeline_failovers_total") == 0
+            assert again.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+            log = "".join(open(os.path.join(tmp_path, f)).read() for f in os.listdir(tmp_path) if f.endswith(".log"))
+            assert f"re-adopts {STREAMS} where they are" in log
+        finally:
+            again.stop()
+    finally:
+        mesh.stop()

@@ -143,3 +143,15 @@ def test_a_decode_of_no_or_too_many_positions_is_refused(step):
     with pytest.raises(ProtocolError, match="'n'") as e:
         decode([msgpack.packb(header, use_bin_type=True)])
     assert e.value.reason == "schema"
+
+
+def test_a_release_of_all_carries_what_it_spares_and_spares_nothing_alone():
+    """A restarted gateway's release of everything but the sequences it re-adopts in place (Gateway.readopt)."""
+    msg = protocol.ReleaseSeqs([], everything=True, spare=["a", "b"])
+    assert decode(encode(msg)) == msg
+    header = {"v": protocol.PROTOCOL_VERSION, "kind": "release", "seq_ids": [], "spare": ["a"], "tensors": []}
+    # (spare without all: meaningless, refused)
+    with pytest.raises(ProtocolError, match="spare"):
+        decode([msgpack.packb(header, use_bin_type=True)])
+    with pytest.raises(ProtocolError, match="spare"):
+        decode([msgpack.packb({**header, "all": True, "spare": ["x" * 10_000]}, use_bin_type=True)])

@@ -141,8 +141,11 @@ class Gateway:
     def __post_init__(self):
         for replica in self.replicas.all:  # every engine reports its requests' outputs here, once each
             replica.engine.on_output = self.deliver
+        self._unfinished = self.store.unfinished() if self.store is not None else []  # what readopt() takes back
         if self.store is not None:
             self.epoch = self.store.epoch  # event ids stay valid across restarts on this state directory
+            for replica in self.replicas.all:  # their K/V stays on stages that still hold it (read on in place)
+                replica.pipeline.spare = {s.id for s in self._unfinished if s.outputs}
 
     def char_cap(self, context: int) -> int:
         if self._char_cap is None or self._char_cap[0] != context:
@@ -259,9 +262,12 @@ class Gateway:
 
     async def readopt(self) -> int:
         """Take back the requests a previous gateway on this state directory left unfinished (durable.py): each
-        with its id, seed and tokens so far, its event log rebuilt to the same offsets, its prompt + tokens
-        prefilled again once the pipeline is ready. Returns how many."""
-        stored = self.store.unfinished() if self.store is not None else []
+        with its id, seed and tokens so far, its event log rebuilt to the same offsets. Where it has produced
+        tokens it goes on in place: the stages that outlived the gateway kept its K/V (the pipeline's first release
+        spared it) for every position but the newest token's, so its next step is the decode of that token; a
+        stage that lost it (it restarted too) answers unknown_sequence, and the engine replays it in full from its
+        tokens, as after a failover. One that produced nothing prefills its prompt again. Returns how many."""
+        stored, self._unfinished = self._unfinished, []
         if not stored:
             return 0
         while not self.replicas.ready:
@@ -289,7 +295,11 @@ class Gateway:
                 seq.logprobs.append(logprob)
                 seq.top_logprobs.append(alternatives)
             seq._generated.update(seq.output_ids)  # the penalties' history
-            seq.prefill_target = len(seq.all_ids)
+            # positions [0, len - 1) are on the stages (or the replay prefills them): decode the newest token next;
+            # with no output yet, prefill the prompt
+            seq.prefill_target = seq.computed = len(seq.all_ids) - 1 if seq.output_ids else 0
+            if not seq.output_ids:
+                seq.prefill_target = len(seq.all_ids)
             self.requests.add(handle)
             self.durable[s.id] = len(seq.output_ids)
             self.submit(seq, s.session)

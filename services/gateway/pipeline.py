@@ -131,6 +131,7 @@ class Pipeline:
         self.on_unexpected_result: Callable[[], None] | None = None  # handed to the client (the gateway counts)
         self.stall_s = stall_s
         self.name = ""  # its replica name when the gateway serves several (services/gateway/replicas.py): logs say it
+        self.spare: set[str] = set()  # sequences the first release_all leaves live: the gateway re-adopts them in place
         # (why, monotonic time it holds until, the stages' incarnations then) after a micro-batch was lost
         self._stall: tuple[str, float, list[str]] | None = None
 
@@ -281,7 +282,9 @@ class Pipeline:
                                          keys=self.keys)
             self.client.on_unexpected = self.on_unexpected_result
             await self.client.start()
-            await self.client.release_all()  # we own no sequence yet: take back what an earlier gateway left
+            # we own no sequence yet: take back what an earlier gateway left, but what we re-adopt (once)
+            spare, self.spare = self.spare, set()
+            await self.client.release_all(sorted(spare))
 
     def _first_stage_address(self) -> str:
         """The first stage's ZMQ address from its /info, with a wildcard host replaced by the host we reach it at."""

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zmq.asyncio
 
@@ -91,10 +91,11 @@ class PipelineClient:
         if seq_ids or keep:
             await self.transport.send(ReleaseSeqs(list(seq_ids), keep=list(keep)))
 
-    async def release_all(self) -> None:
+    async def release_all(self, spare: Sequence[str] = ()) -> None:
         """Free every KV slot the stages hold (reconcile): only for a client that owns no sequence yet, e.g. a
-        gateway at start, taking back what a gateway before it (SIGKILLed, say) left behind."""
-        await self.transport.send(ReleaseSeqs([], everything=True))
+        gateway at start, taking back what a gateway before it (SIGKILLed, say) left behind -- except `spare`,
+        the sequences it re-adopts where they are."""
+        await self.transport.send(ReleaseSeqs([], everything=True, spare=list(spare)))
 
     async def _receive_loop(self) -> None:
         while True:

@@ -128,6 +128,8 @@ class ReleaseSeqs:
     seq_ids: list[str]
     everything: bool = False  # also release every other sequence the stage holds (a gateway starting afresh)
     keep: list[str] = field(default_factory=list)  # finished sequences whose slots stay, as cached prefixes (no lease)
+    spare: list[str] = field(default_factory=list)  # with everything: sequences that stay live (a restarted gateway
+    # re-adopts them where they are, services/gateway/core.py Gateway.readopt)
 
 
 Sample = tuple[int, "float | None", "TopLogprobs | None"]  # one sampled token: (id, logprob, top alternatives)
@@ -239,6 +241,8 @@ def encode(msg: Message) -> list:
             header["all"] = True
         if msg.keep:
             header["keep"] = list(msg.keep)
+        if msg.spare:
+            header["spare"] = list(msg.spare)
     elif isinstance(msg, ReleaseDone):
         header = {"kind": "released", "seq_ids": list(msg.seq_ids)}
     elif isinstance(msg, BatchResult):
@@ -480,7 +484,9 @@ def decode(frames: list) -> Message:
             return ReleaseDone(ids)
         everything = header.get("all", False)
         _need(isinstance(everything, bool), "schema", "field 'all' must be a boolean")
-        return ReleaseSeqs(ids, everything, _str_list(header, "keep") if "keep" in header else [])
+        spare = _str_list(header, "spare") if "spare" in header else []
+        _need(everything or not spare, "schema", "field 'spare' goes only with 'all' (what a release of all keeps)")
+        return ReleaseSeqs(ids, everything, _str_list(header, "keep") if "keep" in header else [], spare)
     if kind == "result":
         ids = _str_list(header, "seq_ids")
         counts = header.get("counts", [1] * len(ids))
