@@ -4,11 +4,13 @@ them, and -- through real gateways -- that they change the speed of an answer, n
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
 import openai
 import pytest
+import torch
 
 from services.gateway.request import Request
 from services.gateway.schemas import RequestError, parse_generation
@@ -26,7 +28,13 @@ from services.gateway.speculation import (
     predicted_draft,
     worth_drafting,
 )
+from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.sampling import SamplingParams
+from shared.batch.steps import Prefill
+from shared.files.gguf_loader import GgufLoader
+from shared.runtime.generation import SequenceState, drive, run_local
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.wire.protocol import SeqEntry
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
@@ -285,3 +293,66 @@ def test_a_prediction_changes_how_fast_not_what(gateway):
                                             stream=True, prediction={"type": "content", "content": TEXT},
                                             extra_body={"cache_salt": "streamed"})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == plain.choices[0].message.content
+
+
+def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """The chi-square goodness-of-fit p-value of counts against expected counts (len - 1 degrees of freedom)."""
+    x = float(((observed - expected) ** 2 / expected).sum())
+    return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2), torch.tensor(x / 2)))
+
+
+def test_sampled_tokens_verified_in_a_drafted_pass_keep_the_models_distribution(tmp_path):
+    """Temperature 3 over the top 8: 1,536 seeded sequences of 3 tokens on a tiny model, each drafting the greedy
+    token after its first (drive, as the gateway's steps). Where the draft stood, the third token was sampled in the
+    same pass as the second, from the drafted row; its rank among the model's top 8 at that prefix must follow the
+    model's probabilities there (chi-square over the runs' summed expectations). The control: taking the draft
+    itself as the second token (what a verifier that trusted drafts would emit) fails the same test."""
+    temperature, k, groups, group = 3.0, 8, 24, 64
+    pipe = LocalPipeline.load(GgufLoader(write_tiny_gguf(str(tmp_path / "tiny.gguf"), TinySpec(arch="llama"))), None,
+                              torch.float32, kv_slots=group + 1, max_seq_len=64)
+    names = itertools.count()
+
+    def top(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's top k token ids after `tokens` and their probabilities as the sampler draws them."""
+        sid = f"ref{next(names)}"
+        logits = pipe.run([SeqEntry(sid, Prefill(len(tokens), 0, len(tokens), True), SamplingParams())],
+                          torch.tensor(tokens))[-1]
+        pipe.release(sid)
+        best = logits.topk(k)
+        return best.indices, torch.softmax(best.values / temperature, -1)
+
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(12)]
+    first_draft: dict[str, int] = {}
+
+    def propose(s: SequenceState) -> list[int]:
+        draft = int(top(s.all_ids)[0][0])
+        first_draft.setdefault(s.seq_id, draft)
+        return [draft]
+
+    observed, expected = torch.zeros(k), torch.zeros(k)
+    control_observed, control_expected = torch.zeros(k), torch.zeros(k)
+    for g in range(groups):
+        states = [SequenceState(f"s{g}-{i}", list(prompt), SamplingParams(temperature=temperature, top_k=k,
+                                                                          seed=1000 * g + i), 3) for i in range(group)]
+        loop = drive(states, 64, propose)
+        try:
+            entries, tokens = next(loop)
+            while True:
+                entries, tokens = loop.send(run_local(pipe, entries, tokens))
+        except StopIteration:
+            pass
+        for s in states:
+            pipe.release(s.seq_id)
+            t0, t1, t2 = s.output_ids
+            ids, probs = top(prompt + [t0])
+            control_observed[int((ids == first_draft[s.seq_id]).nonzero()[0])] += 1
+            control_expected += probs
+            if first_draft[s.seq_id] != t1:
+                continue  # the draft fell: the third token came from a pass of its own
+            ids, probs = top(prompt + [t0, t1])
+            observed[int((ids == t2).nonzero()[0])] += 1
+            expected += probs
+    drafted = int(observed.sum())
+    assert 0.5 * groups * group < drafted < groups * group  # most drafts stood, not all: both ways were taken
+    assert _chi_square_p(observed, expected) > 1e-3, (observed, expected)
+    assert _chi_square_p(control_observed, control_expected) < 1e-6, (control_observed, control_expected)
