@@ -5,6 +5,7 @@ on any CPU with AVX2, whether or not this CPU's stages pick them (qdot.usable())
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
@@ -371,3 +372,37 @@ def test_temper_is_each_rows_exponential_whatever_the_batch_and_the_threads():
         torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="one float32 inverse temperature per row"):
         qdot.temper(logits, inv_t[:3])
+
+
+def test_rms_norm_is_torchs_within_rounding_and_each_rows_own():
+    """qdot.rms_norm (the eager step's norm): torch's rms_norm within float32 rounding, for widths that are and are
+    not a multiple of 8, over any leading dims; a row's numbers the same alone as in any batch, on 1 or 2 threads."""
+    g = torch.Generator().manual_seed(5)
+    for shape, eps in (((40, 576), 1e-5), ((3, 9, 64), 1e-6), ((2, 13), 1e-6)):
+        x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+        got = qdot.rms_norm(x, w, eps)
+        torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), w, eps), rtol=2e-6, atol=2e-6)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for lo, hi in ((0, 40), (7, 8), (3, 35)):
+                assert torch.equal(qdot.rms_norm(x := torch.randn(40, 576, generator=torch.Generator().manual_seed(6)),
+                                                 w := torch.ones(576), 1e-5)[lo:hi], qdot.rms_norm(x[lo:hi], w, 1e-5))
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous float32"):
+        qdot.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+
+
+def test_write_kv_writes_what_indexed_assignment_writes_and_refuses_rows_outside_the_cache():
+    g = torch.Generator().manual_seed(8)
+    k_cache, v_cache = torch.randn(4, 3, 20, 16, generator=g), torch.randn(4, 3, 20, 16, generator=g)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    slots, positions = torch.tensor([1, 3, 1, 0]), torch.tensor([0, 5, 19, 7])
+    k, v = torch.randn(4, 3, 16, generator=g), torch.randn(4, 3, 16, generator=g)
+    qdot.write_kv(k_cache, v_cache, slots, positions, k, v)
+    want_k[slots, :, positions], want_v[slots, :, positions] = k, v
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match=r"row 0 \(slot 4, position 0\) is outside"):
+        qdot.write_kv(k_cache, v_cache, torch.tensor([4]), torch.tensor([0]), k[:1], v[:1])

@@ -282,6 +282,19 @@ def temper(logits: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
     return torch.ops.stagemesh_qdot.temper(logits.contiguous(), inv_t)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (qdot.cpp): x [..., D] contiguous float32, weight [D] float32 -> [..., D], in one pass;
+    a row's numbers never depend on the other rows. The eager step's norm (transformer.rms_norm)."""
+    return torch.ops.stagemesh_qdot.rms_norm(x, weight, eps)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_cache[slots[n], :, positions[n]] = k[n] and the same for v, in place, in one call (qdot.cpp): caches
+    [rows, KVH, max_seq, hd] contiguous float32, slots / positions [N] int64, k / v [N, KVH, hd] float32."""
+    torch.ops.stagemesh_qdot.write_kv(k_cache, v_cache, slots, positions, k, v)
+
+
 def build_now() -> None:
     """`make install`: build the kernels at install time, so that no stage waits for them."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -71,6 +71,7 @@ class Attention(Protocol):
 
     token_slots: torch.Tensor  # [N] int64: each token's KV slot
     positions: torch.Tensor  # [N] int64: each token's position
+    traced: bool  # a compiled step's (OneSequenceDecode, BatchDecode): the step around it is traced, not run
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores) -> torch.Tensor: ...
 
@@ -79,6 +80,7 @@ class LaidOut:
     """An attention whose tokens' KV slots and positions are its BatchLayout's (a dataclass field `layout`)."""
 
     layout: BatchLayout
+    traced = False  # an eager step's
 
     @property
     def token_slots(self) -> torch.Tensor:
@@ -163,6 +165,7 @@ class OneSequenceDecode:
     sliding_mask: torch.Tensor | None  # [1, 1, 1, C] 0 / -inf in the activation dtype (None: no key lies out of window)
     kernel: bool = False  # qdot.decode_attention where it applies (a constant of the graph)
 
+    traced = True  # the compiled step's
     SLOT_OFFSET = 2  # slot_marker's length less the slot
 
     @classmethod
@@ -220,6 +223,8 @@ class DecodeWindow:
     positions: torch.Tensor  # [B] int64
     sliding_mask: torch.Tensor | None = None  # the same for sliding-window layers; None: as mask (no key out of window)
 
+    traced = False  # an eager step's
+
     @classmethod
     def over(cls, slots: list[int], positions: torch.Tensor, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow:
         """The window of one decode token per slot: slots [B], positions [B] int64."""
@@ -274,6 +279,8 @@ class SplitDecode:
     token_slots: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64
     parts: list[tuple[torch.Tensor, DecodeWindow]]  # the batch's rows of a run ([b] int64) and the run's window
+
+    traced = False  # an eager step's
 
     @classmethod
     def of(cls, layout: BatchLayout, c: ModelConfig, dtype: torch.dtype) -> DecodeWindow | SplitDecode:
@@ -362,6 +369,8 @@ class BatchDecode:
     token_slots: torch.Tensor  # [B] int64: each sequence's KV row
     positions: torch.Tensor  # [B] int64
     contexts: torch.Tensor  # [B] int64: positions + 1, the cached positions each attends to
+
+    traced = True  # the compiled step's
 
     @classmethod
     def at(cls, slots: list[int], positions: torch.Tensor) -> BatchDecode:

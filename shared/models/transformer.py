@@ -24,6 +24,7 @@ from tqdm import tqdm
 from shared.errors import CapabilityMissing, GgufError
 from shared.files.gguf_loader import GgufLoader, RawTensor
 from shared.files.layers import LayerRange
+from shared.kernels import qdot
 from shared.models.attention import Attention, Scores, choose_attention
 from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
@@ -79,18 +80,25 @@ BLOCK_TENSORS = {
 }
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None,
+             kernel: bool = False) -> torch.Tensor:
     """Over the last dim, computed in float32 (weight float32); the result cast once to `dtype` (the next matmul's
-    input) if given."""
-    out = F.rms_norm(x.float(), weight.shape, weight, eps)
+    input) if given. kernel (an eager step where qdot.cpp loads, float32 activations: TransformerModel.run_layers):
+    in qdot.cpp's one-pass kernel, where torch's took six ops a row; a traced step keeps torch's, which inductor
+    fuses with its neighbours."""
+    if kernel and x.dtype == torch.float32 and x.is_contiguous():
+        out = qdot.rms_norm(x, weight, eps)
+    else:
+        out = F.rms_norm(x.float(), weight.shape, weight, eps)
     return out if dtype is None else out.to(dtype)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-         dtype: torch.dtype | None = None) -> torch.Tensor:
-    """RMSNorm (bias None) or LayerNorm with bias (starcoder2), over the last dim, in float32; cast as rms_norm."""
+         dtype: torch.dtype | None = None, kernel: bool = False) -> torch.Tensor:
+    """RMSNorm (bias None) or LayerNorm with bias (starcoder2), over the last dim, in float32; cast and `kernel` as
+    rms_norm's."""
     if bias is None:
-        return rms_norm(x, weight, eps, dtype)
+        return rms_norm(x, weight, eps, dtype, kernel)
     out = F.layer_norm(x.float(), weight.shape, weight, bias, eps)
     return out if dtype is None else out.to(dtype)
 
@@ -222,6 +230,9 @@ class TransformerModel:
         self.output_bias = output_bias  # [V] or None
         self.weights = weights
         self.batch_invariant = batch_invariant
+        # an eager step's norms and K/V writes on qdot.cpp (float32 activations on a CPU where it loads; run_layers)
+        self.eager_kernels = (dtype == torch.float32 and bool(blocks) and blocks[0].attn_norm.device.type == "cpu"
+                              and qdot.usable())
         self._sources = sources or {}  # our weight name -> the GGUF tensors it was built from
         self.memory: PieceMemory | None = None  # set by from_gguf
         self.layer_norms: dict[str, torch.Tensor] = {}  # attn_norm / ffn_norm of every layer, [L, D] (_stack_layers)
@@ -473,24 +484,30 @@ class TransformerModel:
         sequence's decode step (attention a OneSequenceDecode, static shapes but the context length)."""
         c = self.config
         scores = {False: Scores(c.attn_scale, c.attn_softcap), True: Scores(c.attn_scale, c.attn_softcap, c.sliding_window)}
+        # qdot.cpp's norm and K/V writes, eagerly; a compiled step's trace (attention.traced) keeps torch's ops, for
+        # inductor to fuse (torch.compiler.is_compiling() would not do: it is true in every thread while one compiles)
+        kernel = self.eager_kernels and not attention.traced
         for local, block in enumerate(self.blocks):
             layer = self.layers.start + local
             if hook is not None:
                 hidden = hook.on_layer_input(layer, hidden)
             # float32 residual stream + the block's outputs (bf16 or float32; the add promotes, no extra copy)
-            x = norm(hidden, self._layer_norm("attn_norm", local, block), block.attn_norm_b, c.norm_eps, self.dtype)
+            x = norm(hidden, self._layer_norm("attn_norm", local, block), block.attn_norm_b, c.norm_eps, self.dtype,
+                     kernel)
             sliding = c.is_sliding(layer)
             cos, sin = ropes[1] if sliding else ropes[0]
-            attn = self._attention(block, x, cos, sin, attention, k_layers[local], v_layers[local], scores[sliding])
+            attn = self._attention(block, x, cos, sin, attention, k_layers[local], v_layers[local], scores[sliding],
+                                   kernel)
             if block.post_attn_norm is not None:  # gemma2/3: each branch's output is normed before its add
-                attn = rms_norm(attn, block.post_attn_norm, c.norm_eps)
+                attn = rms_norm(attn, block.post_attn_norm, c.norm_eps, kernel=kernel)
             if c.traits.parallel:  # phi2: attention and MLP both read x (the block has no ffn_norm)
                 hidden = hidden + (attn + self._mlp(block, x))
             else:
                 h = hidden + attn
                 ffn_norm = self._layer_norm("ffn_norm", local, block)
-                mlp = self._mlp(block, norm(h, ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype))
-                hidden = h + (mlp if block.post_ffn_norm is None else rms_norm(mlp, block.post_ffn_norm, c.norm_eps))
+                mlp = self._mlp(block, norm(h, ffn_norm, block.ffn_norm_b, c.norm_eps, self.dtype, kernel))
+                hidden = h + (mlp if block.post_ffn_norm is None else rms_norm(mlp, block.post_ffn_norm, c.norm_eps,
+                                                                                kernel=kernel))
             if hook is not None:
                 hidden = hook.on_layer_output(layer, hidden)
         return hidden
@@ -531,7 +548,7 @@ class TransformerModel:
         return out
 
     def _attention(self, b: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores()) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, how: Scores = Scores(), kernel: bool = False) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
         qkv = b.qkv(x)  # [N, q_size + 2 kv_size]
@@ -547,9 +564,13 @@ class TransformerModel:
             q = apply_rope(rms_norm(q, b.q_norm, c.norm_eps), cos, sin, style).to(self.dtype)
             k = apply_rope(rms_norm(k.view(n, c.num_kv_heads, c.head_dim), b.k_norm, c.norm_eps), cos, sin, style)
             k = k.to(self.dtype)
-        # k_cache / v_cache: [slots, KVH, max_seq, hd]; write this micro-batch's keys/values first.
-        k_cache[attention.token_slots, :, attention.positions] = k
-        v_cache[attention.token_slots, :, attention.positions] = v
+        # k_cache / v_cache: [slots, KVH, max_seq, hd]; write this micro-batch's keys/values first (eagerly, where
+        # qdot.cpp loads, both in one call)
+        if kernel:
+            qdot.write_kv(k_cache, v_cache, attention.token_slots, attention.positions, k, v)
+        else:
+            k_cache[attention.token_slots, :, attention.positions] = k
+            v_cache[attention.token_slots, :, attention.positions] = v
         out = attention.attend(q, k_cache, v_cache, how)  # [N, H, hd]
         out = b.wo(out.reshape(n, c.q_size))  # [N, D]
         return out if b.wo_bias is None else out.float() + b.wo_bias
