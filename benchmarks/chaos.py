@@ -14,13 +14,20 @@ Then three targeted faults (issue 31), each on the same `up`:
   it with the wrong keys (a rotation that reached one host first); the gateway must report not ready, naming that
   stage, within seconds of the stage answering; with the keys back it must serve again.
 
+And, on a mesh of its own (issue 55: this wave's features under faults), survive: seeded resumable streams (the
+durable request log) with n-gram drafts on (--speculation on), under --batch-invariant always; a stage is SIGKILLed
+a third of the way in (restarted; the gateway replays), the gateway itself two thirds of the way in (started again on
+its state directory; it re-adopts the requests), and every client resumes by its Last-Event-ID: every text must
+equal its undisturbed run, chunk by chunk.
+
     python -m benchmarks.chaos [--stages 2] [--duration 180] [--kill-every 20] [--max-tokens 48] [--dtype D]
-        [--batch-invariant] [--scenarios kills,leavers,two-deaths,wrong-keys] [--out results.json]"""
+        [--batch-invariant] [--scenarios kills,leavers,two-deaths,wrong-keys,survive] [--out results.json]"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,10 +40,18 @@ from collections.abc import Callable
 import aiohttp
 
 from loadtest.client import send_sse
-from services.testing.harness import RunningGateway, add_dtype_arg, children, dtype_label, running_up
+from services.testing.harness import (
+    RunningGateway,
+    add_dtype_arg,
+    children,
+    dtype_label,
+    free_port,
+    running_up,
+)
+from services.testing.resumable import Deployment, Events, body, compare, resume, stream, undisturbed
 from shared.wire.mesh_keys import write_key_set
 
-SCENARIOS = ("kills", "leavers", "two-deaths", "wrong-keys")
+SCENARIOS = ("kills", "leavers", "two-deaths", "wrong-keys", "survive")
 
 STREAMS = 16
 PROMPTS = [f"Write a few sentences about topic number {i}: " + t for i, t in enumerate(
@@ -209,6 +224,42 @@ async def wrong_keys(gw: RunningGateway, stages: int) -> dict:
             "problem": problem, "ready_again_s": round(back_s, 2), "ok": named_s < 10}
 
 
+async def survive(stages: int, streams: int, max_tokens: int) -> dict:
+    """The survive scenario (the module's docstring), on a mesh and gateway of its own."""
+    work = tempfile.mkdtemp(prefix="stagemesh-chaos-survive-")
+    dep = Deployment("gateway", stages, os.path.join(work, "state"), work, free_port(),
+                     gateway_flags=["--speculation", "on"])
+    try:
+        await asyncio.to_thread(dep.start)
+        ref = await undisturbed(dep.gw.url, streams, max_tokens)
+        seen: list[Events] = [[] for _ in range(streams)]
+
+        async def read(fraction: float) -> None:
+            while sum(len(e) for e in seen) < streams * max_tokens * fraction:
+                await asyncio.sleep(0.05)
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+            tasks = [asyncio.create_task(stream(s, dep.gw.url, body(i, max_tokens, True, f"c-{i}"), seen[i]))
+                     for i in range(streams)]
+            await read(1 / 3)
+            await asyncio.to_thread(dep.kill_stage, stages - 1)
+            print(f"  survive: SIGKILLed stage {stages - 1} after {sum(map(len, seen))} events", flush=True)
+            await read(2 / 3)
+            failovers = _metric(dep.gw, "stagemesh_gateway_pipeline_failovers_total")
+            drafted = sum(dep.gw.metric("stagemesh_gateway_speculation_drafted_tokens_total", source=source)
+                          for source in ("context", "pool"))
+            await asyncio.to_thread(dep.kill)
+            print(f"  survive: SIGKILLed the gateway after {sum(map(len, seen))} events", flush=True)
+            await asyncio.gather(*tasks)
+        gw = await asyncio.to_thread(dep.start)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+            statuses = await asyncio.gather(*(resume(s, gw.url, seen[i][0][1]["id"], seen[i]) for i in range(streams)))
+        return {**compare(seen, ref), "resume_statuses": sorted(set(statuses)), "failovers_before_gateway_kill":
+                failovers, "drafted_tokens_before_gateway_kill": drafted, "max_tokens": max_tokens}
+    finally:
+        await asyncio.to_thread(dep.stop)
+
+
 def _incarnation(gw: RunningGateway, index: int) -> str | None:
     """The stage's incarnation id, or None while it does not answer."""
     try:
@@ -231,6 +282,7 @@ def main() -> None:
     ap.add_argument("--death-tokens", type=int, default=160,
                     help="max_tokens of the two-deaths streams: long enough that both deaths fall inside them")
     ap.add_argument("--death-streams", type=int, default=4, help="streams of the two-deaths scenario (default 4)")
+    ap.add_argument("--survive-streams", type=int, default=8, help="streams of the survive scenario (default 8)")
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args()
     scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
@@ -239,7 +291,15 @@ def main() -> None:
     extra = ["--batch-invariant"] if args.batch_invariant else []
     results: dict = {"stages": args.stages, "dtype": dtype_label(args.dtype), "batch_invariant": args.batch_invariant}
     logs = tempfile.mkdtemp(prefix="stagemesh-chaos-")  # kept: the stage logs of a failed run are the evidence
-    with running_up(args.stages, *extra, dtype=args.dtype, log_dir=logs) as gw:
+    if "survive" in scenarios:
+        results["survive"] = r = asyncio.run(survive(args.stages, args.survive_streams, args.death_tokens))
+        r["ok"] = r["identical"] == r["streams"] and not r["gaps_or_duplicates"] and r["resume_statuses"] == [200]
+        print(f"survive: {r['streams']} resumable streams, drafts on ({r['drafted_tokens_before_gateway_kill']:.0f} "
+              f"drafted), a stage then the gateway SIGKILLed ({r['failovers_before_gateway_kill']:.0f} failover): "
+              f"{r['identical']}/{r['streams']} with the undisturbed text, {r['gaps_or_duplicates']} with a gap or "
+              f"duplicate", flush=True)
+    with (running_up(args.stages, *extra, dtype=args.dtype, log_dir=logs) if set(scenarios) - {"survive"}
+          else contextlib.nullcontext()) as gw:
         if "kills" in scenarios:
             ref = asyncio.run(reference(gw.url, args.max_tokens))
             print(f"undisturbed run done; chaos for {args.duration:.0f} s, a SIGKILL every {args.kill_every:.0f} s",
@@ -270,7 +330,8 @@ def main() -> None:
     failed = (results.get("kills", {}).get("failed") or results.get("two_deaths", {}).get("failed")
               or (args.batch_invariant and (results.get("kills", {}).get("differs")
                                             or results.get("two_deaths", {}).get("differs")))
-              or not results.get("leavers", {}).get("ok", True) or not results.get("wrong_keys", {}).get("ok", True))
+              or not results.get("leavers", {}).get("ok", True) or not results.get("wrong_keys", {}).get("ok", True)
+              or not results.get("survive", {}).get("ok", True))
     results["passed"] = not failed
     if args.json:
         print(json.dumps(results))

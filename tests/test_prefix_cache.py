@@ -18,7 +18,7 @@ from services.gateway.request import Request
 from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.sampling import SamplingParams
 from shared.batch.steps import Prefill
-from shared.errors import KVCacheFull, PrefixMiss
+from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.models import kv_cache
 from shared.models.kv_cache import KVCache
 from shared.runtime.generation import generate_tokens
@@ -141,6 +141,21 @@ def fill(kv: KVCache, seq_id: str, n: int) -> int:
         t[slot, :, :n] = torch.randn(t[slot, :, :n].shape)
     kv.filled[slot] = n
     return slot
+
+
+def test_a_step_continues_only_a_live_sequence_that_holds_every_position_before_it():
+    """What a gateway re-adopting sequences in place relies on (Gateway.readopt): a stage answers unknown_sequence,
+    which replays the sequence, rather than continue one it finished prefilling short of the step, or one that ended
+    and is kept as a cached prefix (whose pages other sequences may share)."""
+    kv = KVCache(num_layers=1, num_slots=3, max_seq_len=64, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    slot = fill(kv, "live", 20)
+    assert kv.slot("live", 20) == slot and kv.slot("live", 0) == slot
+    with pytest.raises(UnknownSequence, match="from position 21 .it holds 20 positions"):
+        kv.slot("live", 21)
+    fill(kv, "ended", 12)
+    assert kv.keep("ended") and kv.is_kept("ended") and not kv.is_kept("live")
+    with pytest.raises(UnknownSequence, match="kept as a cached prefix"):
+        kv.slot("ended", 11)
 
 
 def test_prefix_rows_keep_prefixes_while_every_live_slot_is_in_use():

@@ -162,8 +162,9 @@ class StageWorker:
         """Runs in the compute thread: free the released sequences' slots, keep the kept ones as cached prefixes, and
         pass the release on (the last stage answers the gateway's wait with ReleaseDone)."""
         if msg.everything:
-            spare = set(msg.spare)
-            held = [seq_id for seq_id in self.runtime.kv.holders if seq_id not in spare]
+            kv = self.runtime.kv
+            spare = {seq_id for seq_id in msg.spare if not kv.is_kept(seq_id)}  # live ones: a finished one has ended
+            held = [seq_id for seq_id in kv.holders if seq_id not in spare]
             log.info("releasing %d KV slots held: a gateway started without sequences%s", len(held),
                      f" (it re-adopts {len(spare)} where they are)" if spare else "")
             for seq_id in held:

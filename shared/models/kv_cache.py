@@ -517,13 +517,21 @@ class KVCache:
         for slot, start, n in zip(layout.slots, layout.starts, layout.lengths):
             if slot < len(self.filled):
                 self.filled[slot] = max(self.filled[slot], start + n)
-    def slot(self, seq_id: Hashable) -> int:
-        """The sequence's slot; asking for it (a micro-batch computing the sequence) renews its lease."""
+
+    def slot(self, seq_id: Hashable, holding: int = 0) -> int:
+        """The live sequence's slot, which must hold its positions [0, holding) (a step continuing it from there);
+        asking for it (a micro-batch computing the sequence) renews its lease. UnknownSequence otherwise: no slot,
+        a finished sequence kept as a cached prefix, or fewer positions than the step continues from (a gateway
+        re-adopting a sequence in place that this stage never finished prefilling) -- the gateway then replays it."""
         try:
             slot = self._slot_of[seq_id]
         except KeyError:
             raise UnknownSequence(f"sequence {seq_id!r} has no KV slot on this stage: its first prefill chunk never reached it "
                                   "(or the stage restarted since, or its slot lease expired)") from None
+        if seq_id in self._kept or (slot < len(self.filled) and self.filled[slot] < holding):
+            raise UnknownSequence(f"sequence {seq_id!r} is not live on this stage from position {holding} (it holds "
+                                  f"{self.filled[slot] if slot < len(self.filled) else 0} positions"
+                                  f"{', kept as a cached prefix' if seq_id in self._kept else ''})")
         self._touched[seq_id] = time.monotonic()
         return slot
 
@@ -538,6 +546,10 @@ class KVCache:
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._slot_of
+
+    def is_kept(self, seq_id: Hashable) -> bool:
+        """A finished sequence kept as a cached prefix (not a live one)."""
+        return seq_id in self._kept
 
     @property
     def used_slots(self) -> int:

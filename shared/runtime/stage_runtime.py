@@ -141,7 +141,8 @@ class StageRuntime:
                     fresh.append(w.seq_id)
                     if w.step.attach is not None:  # a first chunk starting from a cached prefix
                         self.kv.attach(w.seq_id, w.step.attach, w.step.start_position)
-            slots = [self.kv.slot(w.seq_id) for w in work]
+            # a step continues its sequence from its start position: the slot must hold every position before it
+            slots = [self.kv.slot(w.seq_id, w.step.start_position) for w in work]
             # several positions of one sequence in a decode micro-batch: as that many one-token rows where the decode
             # attention reads each row's own slot and context (KernelDecode), so a verified draft's numbers are those
             # of one-token steps; the batch-invariant mode's rowwise attention already computes them so
