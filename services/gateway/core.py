@@ -24,7 +24,7 @@ from services.gateway.config import (
     SMALL_PROMPT_CHARS,
     GatewayConfig,
 )
-from services.gateway.durable import RequestStore
+from services.gateway.durable import RequestStore, StoredRequest
 from services.gateway.events import RequestHandle, RequestRegistry
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import (
@@ -141,7 +141,8 @@ class Gateway:
     def __post_init__(self):
         for replica in self.replicas.all:  # every engine reports its requests' outputs here, once each
             replica.engine.on_output = self.deliver
-        self._unfinished = self.store.unfinished() if self.store is not None else []  # what readopt() takes back
+        # what readopt() takes back
+        self._unfinished = self.store.unfinished(self.config.state_keep_s) if self.store is not None else []
         if self.store is not None:
             self.epoch = self.store.epoch  # event ids stay valid across restarts on this state directory
             for replica in self.replicas.all:  # their K/V stays on stages that still hold it (read on in place)
@@ -255,19 +256,25 @@ class Gateway:
         except RequestError:
             self.requests.open.pop(handle.id, None)  # refused: it never existed
             raise
-        if spec.resumable and self.store is not None and seq.grammar is None:  # (a grammar's state is not logged)
+        # (a grammar's state is not logged; past --state-max-requests the request runs unlogged)
+        if spec.resumable and self.store is not None and seq.grammar is None \
+                and len(self.durable) < self.config.state_max_requests:
             self.store.add(handle.id, body, chat, route, seq.params.seed or 0)
             self.durable[handle.id] = 0
         return handle
 
-    async def readopt(self) -> int:
+    async def readopt(self, stored: list[StoredRequest] | None = None) -> int:
         """Take back the requests a previous gateway on this state directory left unfinished (durable.py): each
-        with its id, seed and tokens so far, its event log rebuilt to the same offsets. Where it has produced
-        tokens it goes on in place: the stages that outlived the gateway kept its K/V (the pipeline's first release
-        spared it) for every position but the newest token's, so its next step is the decode of that token; a
-        stage that lost it (it restarted too) answers unknown_sequence, and the engine replays it in full from its
-        tokens, as after a failover. One that produced nothing prefills its prompt again. Returns how many."""
-        stored, self._unfinished = self._unfinished, []
+        with its id, seed and tokens so far, its event log rebuilt to the same offsets. At start (stored None: what
+        the log held then), where it has produced tokens it goes on in place: the stages that outlived the gateway
+        kept its K/V (the pipeline's first release spared it) for every position but the newest token's, so its
+        next step is the decode of that token; a stage that lost it (it restarted too) answers unknown_sequence,
+        and the engine replays it in full from its tokens, as after a failover. `stored` given (a peer's requests,
+        taken over while serving: take_over): prefilled again, prompt and tokens, as is one that produced nothing.
+        Returns how many."""
+        in_place = stored is None
+        if stored is None:
+            stored, self._unfinished = self._unfinished, []
         if not stored:
             return 0
         while not self.replicas.ready:
@@ -295,10 +302,10 @@ class Gateway:
                 seq.logprobs.append(logprob)
                 seq.top_logprobs.append(alternatives)
             seq._generated.update(seq.output_ids)  # the penalties' history
-            # positions [0, len - 1) are on the stages (or the replay prefills them): decode the newest token next;
-            # with no output yet, prefill the prompt
-            seq.prefill_target = seq.computed = len(seq.all_ids) - 1 if seq.output_ids else 0
-            if not seq.output_ids:
+            if in_place and seq.output_ids:
+                # positions [0, len - 1) are on the stages (or the replay prefills them): decode the newest token next
+                seq.prefill_target = seq.computed = len(seq.all_ids) - 1
+            else:
                 seq.prefill_target = len(seq.all_ids)
             self.requests.add(handle)
             self.durable[s.id] = len(seq.output_ids)
@@ -307,6 +314,11 @@ class Gateway:
             adopted += 1
         log.info("re-adopted %d unfinished requests from the request log", adopted)
         return adopted
+
+    async def take_over(self) -> int:
+        """A shared log's (Redis's) requests whose gateway stopped renewing its lease, taken and re-adopted here."""
+        stored = await asyncio.to_thread(self.store.unfinished, self.config.state_keep_s)
+        return await self.readopt(stored) if stored else 0
 
     def deliver(self, seq: Request, out: RequestOutput) -> None:
         """What an engine reports for one request, made into client events once and appended to its log. A stop

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from services.gateway.app import make_app, serve_until_signal
-from services.gateway.durable import RequestStore, default_state_dir
+from services.gateway.durable import default_state_dir, open_store
 from services.gateway.flags import gateway_config_from_args
 from services.gateway.pipeline import Pipeline
 from services.process.args import (
@@ -72,7 +73,7 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
     if config.state_dir != "off":
         port = args.port if hasattr(args, "port") else parse_host_port(args.listen, "--listen")[1]  # up / gateway
         try:
-            store = RequestStore(config.state_dir or default_state_dir(port))
+            store = open_store(config.state_dir or default_state_dir(port), f"{socket.gethostname()}:{port}")
         except StagemeshError as e:
             if config.state_dir:  # asked for: its problem is the user's to fix
                 raise
