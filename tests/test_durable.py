@@ -287,3 +287,46 @@ async def test_a_peer_gateway_on_the_same_redis_log_takes_over_a_dead_gateways_s
         assert f"took over {STREAMS} requests" in open(b.log_path).read()
     finally:
         b.stop()
+
+
+@pytest.mark.processes
+def test_a_background_response_survives_a_killed_gateway(tmp_path):
+    """POST /v1/responses with background: true is logged with its record; `up` SIGKILLed while it runs and started
+    again on its state directory: the response is back, running, under its id, its stream resumes after the last
+    sequence number read, and it ends with the text the same request gets undisturbed (greedy, --batch-invariant)."""
+    import openai
+
+    state, port = str(tmp_path / "state"), free_port()
+    logs = [str(tmp_path / "logs1"), str(tmp_path / "logs2")]
+    for d in logs:
+        os.makedirs(d)
+    ask = {"model": "smollm2", "input": "Tell me a long story about a river and the towns along it.",
+           "max_output_tokens": 160, "temperature": 0}
+    gw = start_up(1, None, logs[0], *FLAGS, "--state-dir", state, port=port)
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        r = client.responses.create(**ask, background=True, prompt_cache_key="bg")
+        first = []
+        with client.responses.retrieve(r.id, stream=True) as stream:
+            for ev in stream:
+                first.append(ev)
+                if len(first) == 8:
+                    break
+        time.sleep(0.3)  # the log's batched writes reach the disk; the response goes on
+    finally:
+        os.kill(gw.proc.pid, signal.SIGKILL)
+        gw.proc.wait(10)
+    assert first[-1].type == "response.output_text.delta"  # killed mid-answer
+    restarted = start_up(1, None, logs[1], *FLAGS, "--state-dir", state, port=port)
+    try:
+        client = openai.OpenAI(base_url=restarted.url + "/v1", api_key="unused", max_retries=0)
+        assert client.responses.retrieve(r.id).status in ("in_progress", "completed", "incomplete")
+        rest = list(client.responses.retrieve(r.id, stream=True, starting_after=first[-1].sequence_number))
+        assert rest and rest[0].sequence_number == first[-1].sequence_number + 1
+        assert rest[-1].type in ("response.completed", "response.incomplete")
+        text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
+        final = client.responses.retrieve(r.id)
+        assert final.output_text == text and text
+        assert text == client.responses.create(**ask, prompt_cache_key="front").output_text  # as if undisturbed
+    finally:
+        restarted.stop()

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -137,6 +137,8 @@ class Gateway:
     store: RequestStore | None = None  # the durable request log (services/gateway/durable.py); None: --state-dir off
     durable: dict[str, int] = field(default_factory=dict)  # logged requests' ids -> output tokens logged so far
     keep_logged: bool = False  # set as a drain ends what still runs: those stay logged for the next gateway
+    # a re-adopted detached request's handle and what its surface logged with it (the Responses API's record)
+    on_readopt: Callable[[RequestHandle, dict], None] | None = None
 
     def __post_init__(self):
         for replica in self.replicas.all:  # every engine reports its requests' outputs here, once each
@@ -240,10 +242,12 @@ class Gateway:
             raise RequestError(str(e), status=429, code="queue_full") from None
 
     async def start(self, body: dict, chat: bool, session: str | None = None,
-                    cancel_on_leave: bool = True) -> RequestHandle:
+                    cancel_on_leave: bool = True, detached: dict | None = None) -> RequestHandle:
         """Validate, tokenize and queue one generation request; its handle is registered before it can produce
         anything. `session` (a header) or the body's OpenAI `user` keeps a conversation on one pipeline
-        (Replicas.route). `cancel_on_leave`: see RequestHandle."""
+        (Replicas.route). `cancel_on_leave`: see RequestHandle. `detached` (a background response's record): the
+        request runs without readers until it ends, and is logged with it, so a restarted gateway takes it back
+        without waiting for a reader and gives the record back to its surface (on_readopt)."""
         spec = parse_generation(body, chat, self.replicas.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
         seq = await self.prepare(spec)
         handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
@@ -257,9 +261,10 @@ class Gateway:
             self.requests.open.pop(handle.id, None)  # refused: it never existed
             raise
         # (a grammar's state is not logged; past --state-max-requests the request runs unlogged)
-        if spec.resumable and self.store is not None and seq.grammar is None \
+        if (spec.resumable or detached is not None) and self.store is not None and seq.grammar is None \
                 and len(self.durable) < self.config.state_max_requests:
-            self.store.add(handle.id, body, chat, route, seq.params.seed or 0)
+            self.store.add(handle.id, body, chat, route, seq.params.seed or 0,
+                           {"detached": detached} if detached is not None else None)
             self.durable[handle.id] = 0
         return handle
 
@@ -310,7 +315,11 @@ class Gateway:
             self.requests.add(handle)
             self.durable[s.id] = len(seq.output_ids)
             self.submit(seq, s.session)
-            asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._cancel_if_unread, handle)
+            detached = s.extra.get("detached")
+            if detached is None:  # a resumable request: a reader comes back, or it ends
+                asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._cancel_if_unread, handle)
+            elif self.on_readopt is not None:  # a background response: its record, back where its surface keeps it
+                self.on_readopt(handle, detached)
             adopted += 1
         log.info("re-adopted %d unfinished requests from the request log", adopted)
         return adopted

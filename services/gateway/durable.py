@@ -27,7 +27,7 @@ import os
 import secrets
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
@@ -65,6 +65,7 @@ class StoredRequest:
     seed: int
     created: float
     outputs: list[tuple[int, float | None, list | None]]  # (token, logprob, top_logprobs as [[id, logprob], ...])
+    extra: dict = field(default_factory=dict)  # what its surface logged with it (a background response's record)
 
 
 class RequestStore(Protocol):
@@ -75,7 +76,8 @@ class RequestStore(Protocol):
     epoch: str
     shared: bool  # several gateways may use it at once (Redis): each takes over the others' when they stop
 
-    def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int) -> None: ...
+    def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int,
+            extra: dict | None = None) -> None: ...
 
     def output(self, request_id: str, n: int, token: int, logprob: float | None, top) -> None: ...
 
@@ -122,6 +124,8 @@ class SqliteStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        if "extra" not in [row[1] for row in self.db.execute("PRAGMA table_info(requests)")]:  # a log from before it
+            self.db.execute("ALTER TABLE requests ADD COLUMN extra TEXT")
         row = self.db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
         if row is None:
             self.epoch = secrets.token_hex(4)
@@ -132,8 +136,10 @@ class SqliteStore:
         self._outputs: list[tuple] = []
         self._ended: list[str] = []
 
-    def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int) -> None:
-        self._requests.append((request_id, json.dumps(body), int(chat), session, seed, time.time()))
+    def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int,
+            extra: dict | None = None) -> None:
+        self._requests.append((request_id, json.dumps(body), int(chat), session, seed, time.time(),
+                               json.dumps(extra) if extra else None))
 
     def output(self, request_id: str, n: int, token: int, logprob: float | None, top) -> None:
         """The n-th output token of a request (n from 0)."""
@@ -151,8 +157,8 @@ class SqliteStore:
         self._requests, self._outputs, self._ended = [], [], []
         with self.db:
             self.db.execute("BEGIN")
-            self.db.executemany("INSERT OR REPLACE INTO requests (id, body, chat, session, seed, created) "
-                                "VALUES (?, ?, ?, ?, ?, ?)", requests)
+            self.db.executemany("INSERT OR REPLACE INTO requests (id, body, chat, session, seed, created, extra) "
+                                "VALUES (?, ?, ?, ?, ?, ?, ?)", requests)
             self.db.executemany("INSERT OR REPLACE INTO outputs VALUES (?, ?, ?, ?, ?)", outputs)
             self.db.executemany("DELETE FROM outputs WHERE id = ?", [(i,) for i in ended])
             self.db.executemany("DELETE FROM requests WHERE id = ?", [(i,) for i in ended])
@@ -163,8 +169,8 @@ class SqliteStore:
                         (time.time() - keep_s,))
         self.db.execute("DELETE FROM requests WHERE created < ?", (time.time() - keep_s,))
         found = []
-        for rid, body, chat, session, seed, created in self.db.execute(
-                "SELECT id, body, chat, session, seed, created FROM requests ORDER BY created").fetchall():
+        for rid, body, chat, session, seed, created, extra in self.db.execute(
+                "SELECT id, body, chat, session, seed, created, extra FROM requests ORDER BY created").fetchall():
             outs = self.db.execute("SELECT n, token, logprob, top FROM outputs WHERE id = ? ORDER BY n",
                                    (rid,)).fetchall()
             tokens = []
@@ -172,7 +178,8 @@ class SqliteStore:
                 if n != expect:  # a gap (never written so): keep what is contiguous, the rest is generated again
                     break
                 tokens.append((token, logprob, None if top is None else json.loads(top)))
-            found.append(StoredRequest(rid, json.loads(body), bool(chat), session, seed, created, tokens))
+            found.append(StoredRequest(rid, json.loads(body), bool(chat), session, seed, created, tokens,
+                                       json.loads(extra) if extra else {}))
         return found
 
     def close(self) -> None:
@@ -240,9 +247,11 @@ class RedisStore:
     def _renew(self, client) -> None:
         client.set(self._key("owner", self.owner), "1", px=int(self.lease_s * 1000))
 
-    def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int) -> None:
+    def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int,
+            extra: dict | None = None) -> None:
         self._mine.add(request_id)
-        self._requests.append((request_id, json.dumps(body), int(chat), session or "", seed, time.time()))
+        self._requests.append((request_id, json.dumps(body), int(chat), session or "", seed, time.time(),
+                               json.dumps(extra or {})))
 
     def output(self, request_id: str, n: int, token: int, logprob: float | None, top) -> None:
         self._outputs.append((request_id, n, json.dumps([token, logprob, _top_list(top)])))
@@ -256,9 +265,9 @@ class RedisStore:
         self._requests, self._outputs, self._ended = [], [], []
         pipe = self.redis.pipeline(transaction=True)
         self._renew(pipe)
-        for rid, body, chat, session, seed, created in requests:
+        for rid, body, chat, session, seed, created, extra in requests:
             pipe.hset(self._key("req", rid), mapping={"body": body, "chat": chat, "session": session, "seed": seed,
-                                                      "created": created, "owner": self.owner})
+                                                      "created": created, "extra": extra, "owner": self.owner})
             pipe.zadd(self._key("open"), {rid: created})
         for rid, n, out in outputs:
             pipe.hset(self._key("out", rid), n, out)
@@ -291,7 +300,8 @@ class RedisStore:
                 token, logprob, top = outs[n]
                 tokens.append((token, logprob, top))
             found.append(StoredRequest(rid, json.loads(req["body"]), bool(int(req["chat"])), req["session"] or None,
-                                       int(req["seed"]), float(req["created"]), tokens))
+                                       int(req["seed"]), float(req["created"]), tokens,
+                                       json.loads(req.get("extra") or "{}")))
         return found
 
     def close(self) -> None:

@@ -575,13 +575,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     gw, store = request.app[GATEWAY], request.app[RESPONSES]
     req = parse_request(await json_body(request), lambda pid: _previous(store, pid))
-    try:
+    echo = {"model": gw.config.model_id, **req.echo}
+    try:  # a background response is logged with what its record needs, to come back after a gateway restart
         handle = await gw.start(req.chat_body, chat=True, session=request.headers.get(SESSION_HEADER),
-                                cancel_on_leave=not req.background)
+                                cancel_on_leave=not req.background,
+                                detached={"echo": echo, "messages": req.messages} if req.background else None)
     except RequestError as e:
         raise req.renamed(e) from None
-    record = StoredResponse(f"resp_{handle.id}", handle.created, {"model": gw.config.model_id, **req.echo},
-                            req.messages, req.background, handle)
+    record = StoredResponse(f"resp_{handle.id}", handle.created, echo, req.messages, req.background, handle)
     if req.store:
         store.save(record)
     try:
@@ -670,8 +671,15 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 def add_responses_api(app: web.Application, store: ResponseStore) -> None:
-    """The Responses API's routes on `app` (whose GATEWAY they serve), its responses kept in `store`."""
+    """The Responses API's routes on `app` (whose GATEWAY they serve), its responses kept in `store`. A background
+    response a restarted gateway took back from its request log (Gateway.readopt) is stored again, running."""
     app[RESPONSES] = store
+
+    def readopted(handle: RequestHandle, logged: dict) -> None:
+        store.save(StoredResponse(f"resp_{handle.id}", handle.created, logged["echo"], logged["messages"], True,
+                                  handle))
+
+    app[GATEWAY].on_readopt = readopted
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)
