@@ -65,6 +65,19 @@ def test_a_conversation_with_tools_becomes_the_chat_request_it_means():
     assert spec.stop == ["\n\n"] and spec.sampling.temperature == 0 and spec.cache_tenant == "user:u1"
 
 
+def test_consecutive_turns_of_one_role_are_one_turn_as_anthropic_combines_them():
+    b = body(messages=[{"role": "user", "content": "First part."}, {"role": "user", "content": [
+        {"type": "text", "text": "Second part."}]}, {"role": "assistant", "content": "One."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Two."}, {"type": "tool_use", "id": "toolu_2",
+                                                                            "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "18"}]},
+        {"role": "user", "content": "Thanks."}], tools=[WEATHER])
+    spec = parse_generation(translate(b, MODEL).body, True, 8192, VOCAB)
+    assert [(m["role"], m["content"]) for m in spec.messages] == [
+        ("user", "First part.\n\nSecond part."), ("assistant", "One.\n\nTwo."), ("tool", "18"), ("user", "Thanks.")]
+    assert spec.messages[1]["tool_calls"][0]["id"] == "toolu_2"
+
+
 @pytest.mark.parametrize("choice,internal", [({"type": "auto"}, "auto"), ({"type": "any"}, "required"),
                                              ({"type": "tool", "name": "add"},
                                               {"type": "function", "function": {"name": "add"}})])

@@ -269,7 +269,9 @@ def _keys(b: dict, param: str) -> None:
 def _message(m: Any, i: int, chat: list[dict], out: Translation) -> None:
     """messages[i] -> chat messages appended to `chat`: a user message's tool_result blocks each become a tool
     message and its text one user message; an assistant's text and tool_use blocks one message with tool_calls
-    (thinking blocks from earlier turns are dropped, as Anthropic drops them)."""
+    (thinking blocks from earlier turns are dropped, as Anthropic drops them). Consecutive turns of one role are one
+    turn, as Anthropic combines them (a template that wants roles to alternate would refuse two): text that follows
+    a user message, or an assistant message without tool calls, joins it."""
     param = f"messages[{i}]"
     role = m.get("role") if isinstance(m, dict) else None
     if role not in ("user", "assistant"):
@@ -285,10 +287,12 @@ def _message(m: Any, i: int, chat: list[dict], out: Translation) -> None:
     call_blocks: dict[int, str] = {}
 
     def flush_text() -> None:
-        if text:
+        if text and chat and chat[-1]["role"] == "user" and isinstance(chat[-1]["content"], list):
+            chat[-1]["content"] += [{"type": "text", "text": "\n\n"}, *text]  # the turn before, continued
+        elif text:
             out._came_from(len(chat), param, f"{param}.content")
             chat.append({"role": "user", "content": list(text)})
-            text.clear()
+        text.clear()
 
     for k, b in enumerate(blocks):
         where, kind = f"{param}.content[{k}]", b["type"]
@@ -324,6 +328,12 @@ def _message(m: Any, i: int, chat: list[dict], out: Translation) -> None:
             _not_here(b, where, f"it belongs in {other} message" if other else "text, tool_use or tool_result")
     if role == "user":
         flush_text()
+    elif text and chat and chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls") \
+            and isinstance(chat[-1]["content"], list):  # the turn before, continued (its calls, if any, come last)
+        chat[-1]["content"] += [{"type": "text", "text": "\n\n"}, *text]
+        if calls:
+            out._came_from(len(chat) - 1, param, f"{param}.content", call_blocks)
+            chat[-1]["tool_calls"] = calls
     elif text or calls:
         out._came_from(len(chat), param, f"{param}.content", call_blocks)
         msg: dict = {"role": "assistant", "content": text or None}
