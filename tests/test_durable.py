@@ -56,14 +56,15 @@ def redis_url(tmp_path_factory):
     proc.wait(10)
 
 
-def test_the_store_keeps_outputs_in_order_and_forgets_ended_requests(tmp_path):
+def test_the_store_keeps_outputs_in_order_and_ended_requests_with_their_finish_for_the_retention(tmp_path):
     store = SqliteStore(str(tmp_path))
     store.add("a", {"prompt": "x"}, False, None, 7)
     store.add("b", {"prompt": "y"}, True, "s", 8)
     for n, token in enumerate([5, 6, 7]):
         store.output("a", n, token, -0.5 * n, [(token, -0.5 * n), (1, -3.0)] if n == 1 else None)
     store.output("b", 0, 9, None, None)
-    store.end("b")
+    store.end("b", {"token": 4, "logprob": -0.25, "top": None, "finish_reason": "length", "error": None,
+                    "code": None})
     store.flush()
     epoch = store.epoch
     with pytest.raises(Exception, match="held by another running gateway"):
@@ -71,9 +72,12 @@ def test_the_store_keeps_outputs_in_order_and_forgets_ended_requests(tmp_path):
     store.close()
     again = SqliteStore(str(tmp_path))
     assert again.epoch == epoch
-    (a,) = again.unfinished()
-    assert (a.id, a.body, a.chat, a.seed) == ("a", {"prompt": "x"}, False, 7)
+    a, b = again.unfinished()
+    assert (a.id, a.body, a.chat, a.seed, a.finish) == ("a", {"prompt": "x"}, False, 7, None)
     assert a.outputs == [(5, 0.0, None), (6, -0.5, [[6, -0.5], [1, -3.0]]), (7, -1.0, None)]
+    assert (b.id, b.session, b.outputs) == ("b", "s", [(9, None, None)])
+    assert b.finish == {"token": 4, "logprob": -0.25, "top": None, "finish_reason": "length", "error": None,
+                        "code": None}
     assert again.unfinished(keep_s=-1) == []  # older than kept: dropped
     again.close()
 
@@ -107,9 +111,10 @@ def test_on_redis_a_restarted_gateway_takes_its_own_back_and_a_peer_takes_an_exp
     taken = [r.id for r in peer.unfinished()], [r.id for r in third.unfinished()]
     assert sorted(taken[0] + taken[1]) == ["a", "b"]  # each exactly once
     holder = peer if "a" in taken[0] else third
-    holder.end("a")
+    holder.end("a", {"finish_reason": "stop"})
     holder.flush()
-    assert "a" not in [r.id for r in RedisStore(url, owner="gw-d", lease_s=0.1).unfinished()]
+    ended = {r.id: r for r in RedisStore(url, owner=holder.owner).unfinished()}  # the holder, restarted
+    assert ended["a"].finish == {"finish_reason": "stop"} and len(ended["a"].outputs) == 3
     assert RedisStore(redis_url + "?prefix=t2", owner="gw-a").unfinished() == []  # another log
 
 
@@ -328,5 +333,42 @@ def test_a_background_response_survives_a_killed_gateway(tmp_path):
         final = client.responses.retrieve(r.id)
         assert final.output_text == text and text
         assert text == client.responses.create(**ask, prompt_cache_key="front").output_text  # as if undisturbed
+    finally:
+        restarted.stop()
+
+
+@pytest.mark.processes
+async def test_a_request_that_ended_just_before_the_kill_gives_its_unread_tail_after_the_restart(tmp_path):
+    """The log keeps an ended request with its finish: a client that had read only the start of an answer the
+    gateway finished just before it was killed reads the rest, to [DONE], from the restarted gateway."""
+    state, port = str(tmp_path / "state"), free_port()
+    logs = [str(tmp_path / "logs1"), str(tmp_path / "logs2")]
+    for d in logs:
+        os.makedirs(d)
+    short = {**_body(7, True), "max_tokens": 12}
+    gw = start_up(1, None, logs[0], *FLAGS, "--state-dir", state, port=port)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", json=short) as r:
+                seen = await _sse(r, limit=3)
+            deadline = time.monotonic() + 30
+            while gw.metric("stagemesh_gateway_requests_total", outcome="length") < 1:  # it ends, unread
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        time.sleep(0.3)  # its end reaches the log
+    finally:
+        os.kill(gw.proc.pid, signal.SIGKILL)
+        gw.proc.wait(10)
+    restarted = start_up(1, None, logs[1], *FLAGS, "--state-dir", state, port=port)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{restarted.url}/v1/streams/{seen[0][1]['id']}",
+                             headers={"Last-Event-ID": seen[-1][0]}) as r:
+                assert r.status == 200, await r.text()
+                rest = await _sse(r)
+            async with s.post(restarted.url + "/v1/chat/completions", json={**short, "resumable": False}) as r:
+                undisturbed = await _sse(r)
+        _check_resumed([seen], [rest], [undisturbed])
+        assert restarted.metric("stagemesh_gateway_requests_total", outcome="length") == 1  # the undisturbed one only
     finally:
         restarted.stop()

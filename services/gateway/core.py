@@ -148,7 +148,7 @@ class Gateway:
         if self.store is not None:
             self.epoch = self.store.epoch  # event ids stay valid across restarts on this state directory
             for replica in self.replicas.all:  # their K/V stays on stages that still hold it (read on in place)
-                replica.pipeline.spare = {s.id for s in self._unfinished if s.outputs}
+                replica.pipeline.spare = {s.id for s in self._unfinished if s.outputs and s.finish is None}
 
     def char_cap(self, context: int) -> int:
         if self._char_cap is None or self._char_cap[0] != context:
@@ -276,6 +276,7 @@ class Gateway:
         next step is the decode of that token; a stage that lost it (it restarted too) answers unknown_sequence,
         and the engine replays it in full from its tokens, as after a failover. `stored` given (a peer's requests,
         taken over while serving: take_over): prefilled again, prompt and tokens, as is one that produced nothing.
+        One that had ended (its finish logged) only gets its events back, ended, for a client to read its tail.
         Returns how many."""
         in_place = stored is None
         if stored is None:
@@ -292,20 +293,34 @@ class Gateway:
                 seq = await self.prepare(spec)
             except RequestError as e:
                 log.warning("request %s from the request log cannot run again: %s", s.id, e.message)
-                self.store.end(s.id)
+                if s.finish is None:
+                    self.store.end(s.id, {"finish_reason": "error", "error": e.message})
                 continue
             seq.seq_id = s.id
             if not seq.params.greedy:
                 seq.params = dataclasses.replace(seq.params, seed=s.seed)
             handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
                                    cancel_on_leave=False, created=int(s.created))
-            for token, logprob, top in s.outputs[:max(0, seq.max_tokens - 1)]:
+            detached = s.extra.get("detached")
+            outputs = s.outputs if s.finish is not None else s.outputs[:max(0, seq.max_tokens - 1)]
+            for token, logprob, top in outputs:
                 alternatives = [tuple(t) for t in top] if top is not None else None
                 for ev in handle.processor.process(RequestOutput(token, logprob, alternatives)):
                     handle.log.append(ev)
                 seq.output_ids.append(token)
                 seq.logprobs.append(logprob)
                 seq.top_logprobs.append(alternatives)
+            if s.finish is not None:  # it had ended: its last output, and its events are all back
+                f = s.finish
+                top = [tuple(t) for t in f["top"]] if f.get("top") is not None else None
+                for ev in handle.processor.process(RequestOutput(f.get("token"), f.get("logprob"), top,
+                                                                 f.get("finish_reason"), f.get("error"), f.get("code"))):
+                    handle.log.append(ev)
+                self.requests.add(handle)
+                self.requests.mark_ended(handle)
+                if detached is not None and self.on_readopt is not None:
+                    self.on_readopt(handle, detached)
+                continue
             seq._generated.update(seq.output_ids)  # the penalties' history
             if in_place and seq.output_ids:
                 # positions [0, len - 1) are on the stages (or the replay prefills them): decode the newest token next
@@ -315,7 +330,6 @@ class Gateway:
             self.requests.add(handle)
             self.durable[s.id] = len(seq.output_ids)
             self.submit(seq, s.session)
-            detached = s.extra.get("detached")
             if detached is None:  # a resumable request: a reader comes back, or it ends
                 asyncio.get_running_loop().call_later(RESUME_GRACE_S, self._cancel_if_unread, handle)
             elif self.on_readopt is not None:  # a background response: its record, back where its surface keeps it
@@ -350,7 +364,9 @@ class Gateway:
         if handle.log.ended:
             self.requests.mark_ended(handle)
             if self.durable.pop(seq.seq_id, None) is not None and not self.keep_logged:
-                self.store.end(seq.seq_id)
+                top = [[int(t), float(lp)] for t, lp in out.top_logprobs] if out.top_logprobs is not None else None
+                self.store.end(seq.seq_id, {"token": out.token, "logprob": out.logprob, "top": top,
+                                            "finish_reason": out.finish_reason, "error": out.error, "code": out.code})
         elif proc.stop_string_hit and not already_stopped:
             self.replicas.finish(seq, "stop")
 

@@ -3,6 +3,9 @@ OOM kill, a node drain) -- its request body, its sampling seed, and the tokens i
 log probabilities -- in an embedded SQLite database (--state-dir DIR, by default one per gateway port in the user's
 data directory), or in Redis (--state-dir redis://HOST:PORT/DB, several gateways sharing it: RedisStore).
 
+A request that ended stays in the log, with how it ended, for as long as an unfinished one would be taken back: a
+restarted gateway rebuilds its events, so a client that had not read its tail yet reads it after the restart.
+
 A restarted gateway re-adopts every unfinished request it finds (Gateway.readopt): the same id, the same seed, its
 tokens put back, and the prompt plus those tokens prefilled again (a prefix-cache hit where the stages kept them);
 its event log is rebuilt by feeding the same outputs through a fresh OutputProcessor, so every event has its old
@@ -39,6 +42,7 @@ FLUSH_S = 0.2  # buffered outputs are written this often (a crash loses at most 
 KEEP_S = 600.0  # an unfinished request older than this is not re-adopted (its client gave up long ago)
 LEASE_S = 5.0  # RedisStore: a gateway's requests are its own while it renews this lease (every flush)
 TAKE_OVER_S = 1.0  # RedisStore: how often a gateway looks for requests whose gateway's lease ran out
+PRUNE_S = 10.0  # how often a store drops the requests that began more than its keep_s ago
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS requests (id TEXT PRIMARY KEY, body TEXT NOT NULL, chat INTEGER NOT NULL,
@@ -66,6 +70,7 @@ class StoredRequest:
     created: float
     outputs: list[tuple[int, float | None, list | None]]  # (token, logprob, top_logprobs as [[id, logprob], ...])
     extra: dict = field(default_factory=dict)  # what its surface logged with it (a background response's record)
+    finish: dict | None = None  # an ended request's last output (finish_reason, error, code; its last token, if any)
 
 
 class RequestStore(Protocol):
@@ -81,7 +86,7 @@ class RequestStore(Protocol):
 
     def output(self, request_id: str, n: int, token: int, logprob: float | None, top) -> None: ...
 
-    def end(self, request_id: str) -> None: ...
+    def end(self, request_id: str, finish: dict) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -90,12 +95,12 @@ class RequestStore(Protocol):
     def close(self) -> None: ...
 
 
-def open_store(where: str, owner: str) -> RequestStore:
+def open_store(where: str, owner: str, keep_s: float = KEEP_S) -> RequestStore:
     """--state-dir's value: a redis:// or rediss:// URL (RedisStore; `owner`, this gateway's name in it), else a
-    directory (SqliteStore)."""
+    directory (SqliteStore). keep_s (--state-keep): how long after it began a request is kept."""
     if where.startswith(("redis://", "rediss://")):
-        return RedisStore(where, owner)
-    return SqliteStore(where)
+        return RedisStore(where, owner, keep_s=keep_s)
+    return SqliteStore(where, keep_s)
 
 
 def _top_list(top) -> list | None:
@@ -106,7 +111,8 @@ def _top_list(top) -> list | None:
 class SqliteStore:
     shared = False  # one gateway's (an exclusive lock)
 
-    def __init__(self, state_dir: str):
+    def __init__(self, state_dir: str, keep_s: float = KEEP_S):
+        self.keep_s, self._pruned = keep_s, 0.0
         try:
             os.makedirs(state_dir, mode=0o700, exist_ok=True)
             self._lock = open(os.path.join(state_dir, "lock"), "w")
@@ -124,8 +130,10 @@ class SqliteStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
-        if "extra" not in [row[1] for row in self.db.execute("PRAGMA table_info(requests)")]:  # a log from before it
-            self.db.execute("ALTER TABLE requests ADD COLUMN extra TEXT")
+        columns = [row[1] for row in self.db.execute("PRAGMA table_info(requests)")]
+        for column in ("extra", "finish"):  # a log written before them
+            if column not in columns:
+                self.db.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
         row = self.db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
         if row is None:
             self.epoch = secrets.token_hex(4)
@@ -134,7 +142,7 @@ class SqliteStore:
             self.epoch = row[0]
         self._requests: list[tuple] = []
         self._outputs: list[tuple] = []
-        self._ended: list[str] = []
+        self._ended: list[tuple[str, str]] = []  # (id, its finish as JSON)
 
     def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int,
             extra: dict | None = None) -> None:
@@ -146,31 +154,34 @@ class SqliteStore:
         top = _top_list(top)
         self._outputs.append((request_id, n, token, logprob, None if top is None else json.dumps(top)))
 
-    def end(self, request_id: str) -> None:
-        self._ended.append(request_id)
+    def end(self, request_id: str, finish: dict) -> None:
+        """The request ended with `finish` (its last output): kept, ended, for the retention window."""
+        self._ended.append((request_id, json.dumps(finish)))
 
     def flush(self) -> None:
         """Write what is buffered, in one transaction."""
-        if not (self._requests or self._outputs or self._ended):
+        if not (self._requests or self._outputs or self._ended or time.monotonic() - self._pruned > PRUNE_S):
             return
         requests, outputs, ended = self._requests, self._outputs, self._ended
         self._requests, self._outputs, self._ended = [], [], []
+        if time.monotonic() - self._pruned > PRUNE_S:  # what began more than keep_s ago goes
+            self._pruned = time.monotonic()
+            self._drop_before(time.time() - self.keep_s)
         with self.db:
             self.db.execute("BEGIN")
             self.db.executemany("INSERT OR REPLACE INTO requests (id, body, chat, session, seed, created, extra) "
                                 "VALUES (?, ?, ?, ?, ?, ?, ?)", requests)
             self.db.executemany("INSERT OR REPLACE INTO outputs VALUES (?, ?, ?, ?, ?)", outputs)
-            self.db.executemany("DELETE FROM outputs WHERE id = ?", [(i,) for i in ended])
-            self.db.executemany("DELETE FROM requests WHERE id = ?", [(i,) for i in ended])
+            self.db.executemany("UPDATE requests SET ended = 1, finish = ? WHERE id = ?", [(f, i) for i, f in ended])
 
     def unfinished(self, keep_s: float = KEEP_S) -> list[StoredRequest]:
-        """The requests a previous gateway left running, oldest first; those older than keep_s are dropped."""
-        self.db.execute("DELETE FROM outputs WHERE id IN (SELECT id FROM requests WHERE created < ?)",
-                        (time.time() - keep_s,))
-        self.db.execute("DELETE FROM requests WHERE created < ?", (time.time() - keep_s,))
+        """The requests a previous gateway left, running or ended (finish set), oldest first; those older than keep_s
+        are dropped."""
+        self._drop_before(time.time() - keep_s)
         found = []
-        for rid, body, chat, session, seed, created, extra in self.db.execute(
-                "SELECT id, body, chat, session, seed, created, extra FROM requests ORDER BY created").fetchall():
+        for rid, body, chat, session, seed, created, extra, finish in self.db.execute(
+                "SELECT id, body, chat, session, seed, created, extra, finish FROM requests ORDER BY created"
+        ).fetchall():
             outs = self.db.execute("SELECT n, token, logprob, top FROM outputs WHERE id = ? ORDER BY n",
                                    (rid,)).fetchall()
             tokens = []
@@ -179,8 +190,12 @@ class SqliteStore:
                     break
                 tokens.append((token, logprob, None if top is None else json.loads(top)))
             found.append(StoredRequest(rid, json.loads(body), bool(chat), session, seed, created, tokens,
-                                       json.loads(extra) if extra else {}))
+                                       json.loads(extra) if extra else {}, json.loads(finish) if finish else None))
         return found
+
+    def _drop_before(self, cutoff: float) -> None:
+        self.db.execute("DELETE FROM outputs WHERE id IN (SELECT id FROM requests WHERE created < ?)", (cutoff,))
+        self.db.execute("DELETE FROM requests WHERE created < ?", (cutoff,))
 
     def close(self) -> None:
         try:
@@ -212,7 +227,7 @@ class RedisStore:
 
     shared = True
 
-    def __init__(self, url: str, owner: str | None = None, lease_s: float = LEASE_S):
+    def __init__(self, url: str, owner: str | None = None, lease_s: float = LEASE_S, keep_s: float = KEEP_S):
         import redis  # the optional dependency (pip install 'stagemesh[redis]'): only where a redis:// log is asked for
 
         parts = urlsplit(url)
@@ -232,6 +247,7 @@ class RedisStore:
                                  "URL and that Redis is running, or give a directory, or --state-dir off") from None
         self._error = redis.RedisError
         self.prefix, self.lease_s, self.owner = prefix, lease_s, owner or secrets.token_hex(8)
+        self.keep_s, self._pruned = keep_s, 0.0
         self._mine: set[str] = set()  # the requests this process logged or took: never taken again
         self.redis.set(self._key("epoch"), secrets.token_hex(4), nx=True)
         self.epoch = self.redis.get(self._key("epoch")).decode()
@@ -239,7 +255,7 @@ class RedisStore:
         self._renew(self.redis)
         self._requests: list[tuple] = []
         self._outputs: list[tuple] = []
-        self._ended: list[str] = []
+        self._ended: list[tuple[str, str]] = []  # (id, its finish as JSON)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -256,13 +272,16 @@ class RedisStore:
     def output(self, request_id: str, n: int, token: int, logprob: float | None, top) -> None:
         self._outputs.append((request_id, n, json.dumps([token, logprob, _top_list(top)])))
 
-    def end(self, request_id: str) -> None:
-        self._ended.append(request_id)
+    def end(self, request_id: str, finish: dict) -> None:
+        self._ended.append((request_id, json.dumps(finish)))
 
     def flush(self) -> None:
         """Write what is buffered in one transaction, and renew this gateway's lease."""
         requests, outputs, ended = self._requests, self._outputs, self._ended
         self._requests, self._outputs, self._ended = [], [], []
+        if time.monotonic() - self._pruned > PRUNE_S:  # what began more than keep_s ago goes
+            self._pruned = time.monotonic()
+            self._drop_before(time.time() - self.keep_s)
         pipe = self.redis.pipeline(transaction=True)
         self._renew(pipe)
         for rid, body, chat, session, seed, created, extra in requests:
@@ -271,19 +290,14 @@ class RedisStore:
             pipe.zadd(self._key("open"), {rid: created})
         for rid, n, out in outputs:
             pipe.hset(self._key("out", rid), n, out)
-        for rid in ended:
-            pipe.delete(self._key("req", rid), self._key("out", rid))
-            pipe.zrem(self._key("open"), rid)
-            self._mine.discard(rid)
+        for rid, finish in ended:  # kept, ended, until keep_s after it began (unfinished drops it)
+            pipe.hset(self._key("req", rid), "finish", finish)
         pipe.execute()
 
     def unfinished(self, keep_s: float = KEEP_S) -> list[StoredRequest]:
         """The unfinished requests that gateways whose lease ran out left (taken: they are this gateway's now), oldest
         first; those older than keep_s are dropped. At start, a restarted gateway's own; while serving, a peer's."""
-        old = [i.decode() for i in self.redis.zrangebyscore(self._key("open"), "-inf", time.time() - keep_s)]
-        if old:
-            self.redis.delete(*(self._key(kind, rid) for rid in old for kind in ("req", "out")))
-            self.redis.zrem(self._key("open"), *old)
+        self._drop_before(time.time() - keep_s)
         found = []
         for raw in self.redis.zrange(self._key("open"), 0, -1):
             rid = raw.decode()
@@ -301,8 +315,16 @@ class RedisStore:
                 tokens.append((token, logprob, top))
             found.append(StoredRequest(rid, json.loads(req["body"]), bool(int(req["chat"])), req["session"] or None,
                                        int(req["seed"]), float(req["created"]), tokens,
-                                       json.loads(req.get("extra") or "{}")))
+                                       json.loads(req.get("extra") or "{}"),
+                                       json.loads(req["finish"]) if req.get("finish") else None))
         return found
+
+    def _drop_before(self, cutoff: float) -> None:
+        old = [i.decode() for i in self.redis.zrangebyscore(self._key("open"), "-inf", cutoff)]
+        if old:
+            self.redis.delete(*(self._key(kind, rid) for rid in old for kind in ("req", "out")))
+            self.redis.zrem(self._key("open"), *old)
+            self._mine.difference_update(old)
 
     def close(self) -> None:
         """Write what is buffered and give the lease up: a gateway sharing the log may take the requests at once."""
