@@ -46,6 +46,7 @@ from shared.text.grammar import GrammarError, json_schema_grammar
 
 log = logging.getLogger("stagemesh.gateway")
 RESUME_GRACE_S = 120.0  # a resumable request with no reader ends after this long (cancelled, its slots freed)
+READOPT_WAIT_S = 60.0  # a reconnecting client waits at most this long for a restarted gateway to take requests back
 access_log = logging.getLogger("stagemesh.gateway.access")  # one line per generation request, when it ends
 
 
@@ -139,12 +140,15 @@ class Gateway:
     keep_logged: bool = False  # set as a drain ends what still runs: those stay logged for the next gateway
     # a re-adopted detached request's handle and what its surface logged with it (the Responses API's record)
     on_readopt: Callable[[RequestHandle, dict], None] | None = None
+    readopted: asyncio.Event = field(default_factory=asyncio.Event)  # set once the start's readopt() has registered
 
     def __post_init__(self):
         for replica in self.replicas.all:  # every engine reports its requests' outputs here, once each
             replica.engine.on_output = self.deliver
         # what readopt() takes back
         self._unfinished = self.store.unfinished(self.config.state_keep_s) if self.store is not None else []
+        if not self._unfinished:
+            self.readopted.set()
         if self.store is not None:
             self.epoch = self.store.epoch  # event ids stay valid across restarts on this state directory
             for replica in self.replicas.all:  # their K/V stays on stages that still hold it (read on in place)
@@ -281,6 +285,13 @@ class Gateway:
         in_place = stored is None
         if stored is None:
             stored, self._unfinished = self._unfinished, []
+        try:
+            return await self._readopt(stored, in_place)
+        finally:
+            if in_place:
+                self.readopted.set()
+
+    async def _readopt(self, stored: list[StoredRequest], in_place: bool) -> int:
         if not stored:
             return 0
         while not self.replicas.ready:
@@ -337,6 +348,18 @@ class Gateway:
             adopted += 1
         log.info("re-adopted %d unfinished requests from the request log", adopted)
         return adopted
+
+    async def wait_readopted(self) -> None:
+        """Until the start's readopt() has registered what the log held (at most READOPT_WAIT_S): a client that
+        reconnects as a restarted gateway comes up must not be told its stream is unknown."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(READOPT_WAIT_S):
+                await self.readopted.wait()
+
+    async def find(self, request_id: str) -> RequestHandle | None:
+        """A request's handle by id, open or recently ended, once wait_readopted() returned."""
+        await self.wait_readopted()
+        return self.requests.get(request_id)
 
     async def take_over(self) -> int:
         """A shared log's (Redis's) requests whose gateway stopped renewing its lease, taken and re-adopted here."""

@@ -180,7 +180,7 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
     (services/gateway/events.py)."""
     gw = request.app[GATEWAY]
     rid = request.match_info["id"].removeprefix("chatcmpl-").removeprefix("cmpl-")
-    handle = gw.requests.get(rid)
+    handle = await gw.find(rid)
     if handle is None:
         raise RequestError(f"no stream {request.match_info['id']!r} here: it never ran on this gateway, or ended "
                            "too long ago to be kept", status=404, code="stream_not_found")

@@ -549,8 +549,9 @@ async def _stream(request: web.Request, gw: Gateway, record: StoredResponse, han
     return resp
 
 
-def _record(request: web.Request) -> StoredResponse:
+async def _record(request: web.Request) -> StoredResponse:
     rid = request.match_info["id"]
+    await request.app[GATEWAY].wait_readopted()  # a restarted gateway's background responses are back first
     record = request.app[RESPONSES].get(rid)
     if record is None:
         raise RequestError(f"no response {rid[:80]!r} here: it was created with store: false, deleted, forgotten "
@@ -622,7 +623,7 @@ def _query_flag(request: web.Request, key: str) -> bool:
 async def get_response(request: web.Request) -> web.StreamResponse:
     """GET /v1/responses/{id}: the response object, or with ?stream=true its events after `starting_after`."""
     gw, store = request.app[GATEWAY], request.app[RESPONSES]
-    record = _record(request)
+    record = await _record(request)
     if not _query_flag(request, "stream"):
         return web.json_response(response_object(store, record))
     after = _cursor(request)
@@ -646,7 +647,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
 async def cancel_response(request: web.Request) -> web.Response:
     """POST /v1/responses/{id}/cancel: ends a background response (its object, status cancelled, once ended)."""
     gw, store = request.app[GATEWAY], request.app[RESPONSES]
-    record = _record(request)
+    record = await _record(request)
     if not record.background:
         raise RequestError(f"only a response created with background: true can be cancelled; {record.id} was not",
                            code="not_cancellable")
@@ -663,7 +664,7 @@ async def cancel_response(request: web.Request) -> web.Response:
 async def delete_response(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{id}: forgets it (and ends it, if it still runs)."""
     gw, store = request.app[GATEWAY], request.app[RESPONSES]
-    record = _record(request)
+    record = await _record(request)
     if record.handle is not None and not record.handle.log.ended:
         gw.replicas.cancel(record.handle.seq)
     store.delete(record.id)

@@ -106,7 +106,7 @@ class WsSession:
         if rid in self.active:
             return await self.error(rid, "duplicate_id", f"a generation with id {rid!r} is already running")
         request_id, after = data.get("request_id"), data.get("after", -1)
-        handle = self.gw.requests.get(request_id) if isinstance(request_id, str) else None
+        handle = await self.gw.find(request_id) if isinstance(request_id, str) else None
         if handle is None:
             return await self.error(rid, "stream_not_found", f"no request {request_id!r} here: it never ran on this "
                                                              "gateway, or ended too long ago to be kept")
