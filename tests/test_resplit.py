@@ -5,6 +5,8 @@ by `stagemesh rebalance`."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -187,3 +189,125 @@ def test_a_sequence_whose_kv_did_not_arrive_is_released_not_computed_wrong(smoll
     assert "b" not in pipe.pieces[0].kv and "a" in pipe.pieces[0].kv
     with pytest.raises(UnknownSequence):
         pipe.run([SeqEntry("b", Decode(len(seqs["b"])), SamplingParams())], torch.tensor([tokens["b"]]))
+
+
+# ---- a real mesh, re-split mid-stream -------------------------------------------------------------------------------
+
+STREAMS = 6
+MAX_TOKENS = 64
+
+
+def _body(i: int) -> dict:
+    return {"prompt": f"Story {i}: the lighthouse keeper opened the door and", "max_tokens": MAX_TOKENS,
+            "temperature": 0.8, "seed": 1000 + i, "ignore_eos": True, "stream": True}
+
+
+async def _streams(url: str, on_token=None) -> tuple[list[str], list[float]]:
+    """STREAMS concurrent seeded streams; their texts, and each one's longest gap between tokens (s). on_token(i, n)
+    is awaited after stream i's n-th chunk."""
+    import time
+
+    import aiohttp
+
+    from loadtest.client import sse_events
+
+    async def one(s: aiohttp.ClientSession, i: int) -> tuple[str, float]:
+        text, gap, last, n = [], 0.0, None, 0
+        async with s.post(url + "/v1/completions", json=_body(i)) as r:
+            assert r.status == 200, await r.text()
+            async for chunk in sse_events(r):
+                assert "error" not in chunk, chunk
+                text += [c["text"] for c in chunk["choices"]]
+                now = time.perf_counter()
+                gap, last, n = (max(gap, now - last) if last else 0.0), now, n + 1
+                if on_token is not None:
+                    await on_token(i, n)
+            assert chunk["choices"][0]["finish_reason"] == "length", chunk
+        return "".join(text), gap
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        out = await asyncio.gather(*(one(s, i) for i in range(STREAMS)))
+    return [t for t, _ in out], [g for _, g in out]
+
+
+async def _rebalance(url: str, *args: str) -> tuple[int, str, str]:
+    from tests.conftest import stagemesh_cmd
+
+    proc = await asyncio.create_subprocess_exec(*stagemesh_cmd("rebalance", url, *args),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.processes
+async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_path):
+    """`up --split 15 --batch-invariant`, six concurrent seeded streams. Mid-stream `stagemesh rebalance --split 19`
+    moves four layers (and every live sequence's K/V of them) from stage 1 up to stage 0, then `--split 12` moves
+    seven down to stage 1: every request finishes, every text equals the undisturbed run's, no sequence was replayed
+    (the K/V moved, it was not recomputed), and /v1/mesh, the stages' /info and /metrics report the new split."""
+    import json
+
+    from services.testing.harness import start_up
+
+    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant")
+    try:
+        assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 15], [15, 30]]
+        reference, _ = await _streams(gw.url)
+        tokens = [0] * STREAMS
+        done: list[tuple[str, tuple[int, str, str], int]] = []
+
+        async def on_token(i: int, n: int) -> None:
+            tokens[i] = n
+
+        async def move() -> None:
+            """Each re-split once every stream has a few tokens more, while all are still running."""
+            for split in ("19", "12"):
+                floor = min(tokens) + 3
+                while min(tokens) < floor:
+                    await asyncio.sleep(0.05)
+                result = await _rebalance(gw.url, "--split", split, "--json")
+                done.append((split, result, min(tokens)))
+
+        mover = asyncio.create_task(move())
+        texts, gaps = await asyncio.wait_for(_streams(gw.url, on_token), 600)
+        await asyncio.wait_for(mover, 60)
+        assert [split for split, _, _ in done] == ["19", "12"], done
+        for split, (rc, out, err), least in done:
+            assert rc == 0, err
+            result = json.loads(out)
+            assert result["changed"] and result["split"] == split, result
+            assert result["moved_bytes"] > 0 and result["released"] == 0, result
+            assert 0 < least < MAX_TOKENS, f"the re-split to {split} did not happen mid-stream ({least} tokens)"
+        assert texts == reference
+        assert gw.metric("stagemesh_gateway_replayed_sequences_total") == 0  # moved, not recomputed
+        assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+        assert gw.metric("stagemesh_gateway_resplits_total", outcome="done", trigger="asked") == 2
+        assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 12], [12, 30]]
+        mesh = json.loads(gw.get("/v1/mesh")[1])["pipelines"][0]
+        assert mesh["split"] == "12" and mesh["resplits_done"] == 2, mesh
+        assert [r["split"] for r in mesh["resplits"]] == ["19", "12"]
+        print(f"worst inter-token gap across the re-splits: {max(gaps):.3f} s; pauses "
+              f"{[json.loads(r[1])['pause_s'] for _, r, _ in done]}")
+
+        # a split the mesh cannot move to is refused with the reason, and the mesh serves on as it was
+        for split, says in [("0", "strictly increasing"), ("30", "strictly increasing"), ("31", "strictly increasing"),
+                            ("10,20", "3 stages and the mesh 2"), ("ten", "comma-separated")]:
+            rc, out, err = await _rebalance(gw.url, "--split", split)
+            assert rc != 0 and says in err and "refused the re-split" in err, (split, err)
+        status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": "12", "stage": 3})
+        assert status == 400 and "unknown field" in body
+        status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": [12], "pipeline": 4})
+        assert status == 400 and "pipeline" in body
+        assert gw.metric("stagemesh_gateway_resplits_total", outcome="refused", trigger="asked") == 1  # 10,20 (the rest: parse)
+        again, _ = await _streams(gw.url)
+        assert again == reference
+        assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 12], [12, 30]]
+    finally:
+        gw.stop()
+
+
+async def _post(url: str, body: dict) -> tuple[int, str]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        return r.status, await r.text()
