@@ -84,6 +84,7 @@ class Engine:
         self.on_output: Callable[[Request, RequestOutput], None] = lambda req, out: None
         pipeline.on_unexpected_result = metrics.unexpected_results.inc
         self.paused = False  # a re-split holds new micro-batches (those in flight finish) until the route flips
+        self.resplitting = False  # a re-split is running (its prepare included, while the mesh serves on)
         self.resplits: list[dict] = []  # the last RESPLIT_HISTORY re-splits (done or not), oldest first
 
     # ---- what the handlers call -------------------------------------------------------------------------------
@@ -233,17 +234,17 @@ class Engine:
     # ---- the live re-split ----------------------------------------------------------------------------------------
 
     async def resplit(self, new: list[LayerRange], trigger: str = "asked") -> dict:
-        """Move the pipeline's stages to the split `new` at a step boundary, without failing a request: hold new
-        micro-batches, wait for those in flight, then prepare (each stage that changes loads its new range), move
-        (each live sequence's K/V of the moved layers goes to its new stage) and commit (every stage serves its new
-        range) -- each phase one Resplit round trip through the pipeline (shared/runtime/resplit.py) -- and resume.
-        Streams see one longer gap between tokens. Returns what was done (also kept in `resplits`, logged and
-        counted by outcome). ResplitError when it was not done: the split is not one the stages can move to (400),
-        a re-split is already running or the pipeline is not ready (409), a stage refused or did not answer (503:
-        the mesh keeps its split; after an unconfirmed commit the pipeline's KV state counts as lost and the running
-        requests are replayed)."""
+        """Move the pipeline's stages to the split `new` without failing a request. First, while the mesh serves on,
+        each stage whose layers change loads its new range beside the one it serves (prepare). Then at a step
+        boundary -- new micro-batches held, those in flight drained -- each live sequence's K/V of the moved layers
+        goes to its new stage (move) and every stage serves its new range (commit), and the scheduler resumes: each
+        phase one Resplit round trip through the pipeline (shared/runtime/resplit.py). Streams see one longer gap
+        between tokens, the pause. Returns what was done (also kept in `resplits`, logged and counted by outcome).
+        ResplitError when it was not done: the split is not one the stages can move to (400), a re-split is already
+        running or the pipeline is not ready (409), a stage refused or did not answer (503: the mesh keeps its split;
+        after an unconfirmed commit the pipeline's KV state counts as lost and the running requests are replayed)."""
         pipe = self.pipeline
-        if self.paused:
+        if self.resplitting:
             raise ResplitError("a re-split of this pipeline is already running; wait for it", status=409)
         if not pipe.ready:
             raise ResplitError(f"the pipeline is not ready ({pipe.problem}): a re-split moves the layers of a "
@@ -257,37 +258,50 @@ class Engine:
         record = {"split_before": boundaries(old), "split": boundaries(new), "trigger": trigger}
         if old == new:
             return {**record, "changed": False, "pause_s": 0.0}
-        self.paused = True
-        pipe.resplitting = True  # its health poll does not call the stages' passing layer ranges a broken pipeline
-        t0 = time.perf_counter()
+        self.resplitting = True
+        rid = pipe.client.next_rid()
+        pairs = ([(r.start, r.stop) for r in old], [(r.start, r.stop) for r in new])
+        t0, pause = time.perf_counter(), 0.0
         try:
-            drained = await self._drain(pipe.stall_s)
-            if not drained:
-                raise ResplitError(f"{len(self.scheduler.inflight)} micro-batches still in flight after "
-                                   f"{pipe.stall_s:g} s; the split stays {boundaries(old)}")
-            reports = await self._resplit_phases(old, new)
+            await self._phase(Resplit(rid, "prepare", *pairs), old, new)  # the mesh serves on meanwhile
+            self.paused = True
+            pipe.resplitting = True  # its health poll does not take the stages' passing ranges for a broken pipeline
+            t_pause = time.perf_counter()
+            try:
+                if not await self._drain(pipe.stall_s):
+                    await self._abort(rid, pairs)
+                    raise ResplitError(f"{len(self.scheduler.inflight)} micro-batches still in flight after "
+                                       f"{pipe.stall_s:g} s; the split stays {boundaries(old)}")
+                await self._phase(Resplit(rid, "move", *pairs), old, new)
+                reports = await self._phase(Resplit(rid, "commit", *pairs), old, new)
+            finally:
+                pipe.resplitting = False
+                self.paused = False
+                pause = time.perf_counter() - t_pause
+                self._changed()
         except ResplitError as e:
-            self._record_resplit(old, new, trigger, e.outcome, str(e), time.perf_counter() - t0)
+            self._record_resplit(old, new, trigger, e.outcome, str(e), pause, took_s=round(time.perf_counter() - t0, 3))
             raise
         finally:
-            pipe.resplitting = False
-            self.paused = False
-            pause = time.perf_counter() - t0
-            self._changed()
+            self.resplitting = False
         await pipe.check()  # the stages' /info now: the new layers, one consistent pipeline (the prefix index resets)
         got = [LayerRange(*i.layers) for i in pipe.stages]
         moved = sum(r.get("received_bytes", 0) for r in reports)
         released = sum(r.get("released", 0) for r in reports)
+        loads = [r.get("load_s", 0.0) for r in reports]
         self.metrics.resplit_pause.observe(pause)
         self.metrics.resplit_kv_bytes.inc(moved)
-        self._record_resplit(old, new, trigger, "done", None, pause, moved_bytes=moved, released=released)
-        log.warning("%s re-split %s -> %s (%s): paused %.0f ms, %.1f MiB of K/V moved, loads %s s, %d sequences "
-                    "released to replay", pipe.label, boundaries(old), boundaries(new), trigger, pause * 1e3,
-                    moved / 2**20, "/".join(f"{r.get('load_s', 0):.2f}" for r in reports), released)
+        took = time.perf_counter() - t0
+        self._record_resplit(old, new, trigger, "done", None, pause, took_s=round(took, 3), moved_bytes=moved,
+                             released=released)
+        log.warning("%s re-split %s -> %s (%s) in %.2f s: new ranges loaded in %s s while serving, then paused "
+                    "%.0f ms to move %.1f MiB of K/V; %d sequences released to replay", pipe.label, boundaries(old),
+                    boundaries(new), trigger, took, "/".join(f"{x:.2f}" for x in loads), pause * 1e3, moved / 2**20,
+                    released)
         if got != new:  # a stage that serves something else than it committed: replay rather than trust it
             pipe.mark_lost(f"after re-split to {boundaries(new)} the stages report {', '.join(map(str, got))}")
-        return {**record, "changed": True, "pause_s": round(pause, 4), "moved_bytes": moved, "released": released,
-                "stages": reports}
+        return {**record, "changed": True, "pause_s": round(pause, 4), "took_s": round(took, 3), "moved_bytes": moved,
+                "released": released, "stages": reports}
 
     async def _drain(self, timeout_s: float) -> bool:
         """Wait (at most timeout_s) until no micro-batch of this pipeline is in flight."""
@@ -298,30 +312,31 @@ class Engine:
             await asyncio.sleep(0.002)
         return True
 
-    async def _resplit_phases(self, old: list[LayerRange], new: list[LayerRange]) -> list[dict]:
-        """prepare, move, commit through the pipeline; the stages' reports. A refusal or a lost message before the
+    async def _phase(self, msg: Resplit, old: list[LayerRange], new: list[LayerRange]) -> list[dict]:
+        """One phase's round trip through the pipeline; the stages' reports. A refusal or a lost message before the
         commit aborts on every stage (ResplitError, the split unchanged); one at the commit declares the pipeline's
         KV state lost (the scheduler replays every running request)."""
-        client = self.pipeline.client
-        rid = client.next_rid()
-        pairs = ([(r.start, r.stop) for r in old], [(r.start, r.stop) for r in new])
-        for phase in ("prepare", "move", "commit"):
-            try:
-                answer = await asyncio.wait_for(client.resplit(Resplit(rid, phase, *pairs)), RESPLIT_PHASE_S[phase])
-                error = answer.error
-            except TimeoutError:
-                answer, error = None, f"the {phase} did not come back within {RESPLIT_PHASE_S[phase]:g} s"
-            if error is None:
-                continue
-            if phase == "commit":
-                self.pipeline.mark_lost(f"re-split {rid}'s commit was not confirmed: {error}")
-                raise ResplitError(f"re-split to {boundaries(new)} failed at the commit ({error}); the running "
-                                   "requests are replayed", outcome="failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(client.resplit(Resplit(rid, "abort", *pairs)), RESPLIT_PHASE_S["abort"])
-            raise ResplitError(f"re-split to {boundaries(new)} refused at the {phase}: {error}; the split stays "
-                               f"{boundaries(old)}")
-        return answer.report
+        wait = RESPLIT_PHASE_S[msg.phase]
+        try:
+            answer = await asyncio.wait_for(self.pipeline.client.resplit(msg), wait)
+            error = answer.error
+        except TimeoutError:
+            answer, error = None, f"the {msg.phase} did not come back within {wait:g} s"
+        if error is None:
+            return answer.report
+        if msg.phase == "commit":
+            self.pipeline.mark_lost(f"re-split {msg.rid}'s commit was not confirmed: {error}")
+            raise ResplitError(f"re-split to {boundaries(new)} failed at the commit ({error}); the running requests "
+                               "are replayed", outcome="failed")
+        await self._abort(msg.rid, (msg.old, msg.new))
+        raise ResplitError(f"re-split to {boundaries(new)} refused at the {msg.phase}: {error}; the split stays "
+                           f"{boundaries(old)}")
+
+    async def _abort(self, rid: int, pairs: tuple) -> None:
+        """Every stage drops what it prepared for re-split `rid` (best effort: a stage that misses it drops it at the
+        next prepare)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.pipeline.client.resplit(Resplit(rid, "abort", *pairs)), RESPLIT_PHASE_S["abort"])
 
     def _record_resplit(self, old: list[LayerRange], new: list[LayerRange], trigger: str, outcome: str,
                         error: str | None, pause_s: float = 0.0, **extra) -> None:

@@ -166,7 +166,7 @@ class MeshView:
         engine = replica.engine
         return {
             "split": None if None in layers else ",".join(str(r[1]) for r in layers[:-1]),
-            "resplitting": engine.paused, "resplits": engine.resplits[-4:],
+            "resplitting": engine.resplitting, "resplits": engine.resplits[-4:],
             "resplits_done": sum(1 for r in engine.resplits if r["outcome"] == "done"),
             "name": replica.name, "ready": pipe.ready, "state": "ready" if pipe.ready else "lost",
             "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),

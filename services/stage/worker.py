@@ -11,7 +11,7 @@ import queue
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +65,7 @@ class StageIdentity:
         return f"stage[{self.layers}]"
 
 
+LOAD_CHECK_S = 0.01  # how often the compute thread, idle, looks whether a re-split's load is done
 RECENT_MB = 64  # micro-batch ids /info lists as taken in and passed on: the gateway finds where a lost one stopped
 
 
@@ -104,6 +105,10 @@ class StageWorker:
         self.stats = StageStats(transport=io.transport.stats)  # the one ledger: /info and /metrics both read it
         self.registry = stage_registry(self.stats, lambda: self.runtime.kv, lambda: io.queue_depth)
         self.resplit = StageResplit(identity.num_layers)  # a live re-split's state (the gateway drives it)
+        # a re-split's new range loads on a thread of its own while this stage serves on (a second OpenMP team for
+        # the length of the load): (its prepare message, the load), until the compute thread passes the message on
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resplit-load")
+        self._loading: tuple[Resplit, Future] | None = None
         # every torch op of the stage runs on this one thread (see compute_executor)
         self.compute_thread = compute_thread or compute_executor()
         # the ids of the last RECENT_MB ForwardBatches this stage took in, and passed on (result or hidden state)
@@ -123,6 +128,7 @@ class StageWorker:
             if not serving.done():
                 await asyncio.wrap_future(serving)
             self.compute_thread.shutdown(wait=False, cancel_futures=True)
+            self._loader.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self) -> None:
         """The compute thread's loop: every input in arrival order, each computed (or released, or passed on) and its
@@ -130,9 +136,10 @@ class StageWorker:
         io = self.io
         while True:
             self._reclaim_expired()
+            self._finish_loading()
             t0 = time.perf_counter()
             try:
-                msg = io.inputs.get(timeout=self.lease_check_s)
+                msg = io.inputs.get(timeout=self.lease_check_s if self._loading is None else LOAD_CHECK_S)
             except queue.Empty:
                 continue  # the lease check is due
             finally:
@@ -174,11 +181,14 @@ class StageWorker:
             self.resplit.abort()
             self.io.send(msg)
             return
+        self._finish_loading(wait=True)  # a phase after a prepare still loading (the gateway waits for it first)
+        if msg.phase == "prepare":  # load beside the serving: the message passes on once it is loaded
+            runtime = self.runtime
+            self._loading = (msg, self._loader.submit(self.resplit.prepare, msg, runtime))
+            return
         report = None
         try:
-            if msg.phase == "prepare":
-                report = self.resplit.prepare(msg, self.runtime)
-            elif msg.phase == "move":
+            if msg.phase == "move":
                 for parcel in self.resplit.parcels(msg, self.runtime):
                     self.io.send(parcel)  # ahead of the Resplit, on the same link: each arrives before the commit
             elif msg.phase == "commit":
@@ -194,6 +204,23 @@ class StageWorker:
             msg.error = f"{self.identity.name}: {e if known else f'{type(e).__name__}: {e}'}"[:1000]
         if report is not None and msg.phase == "commit":
             msg.report.append(report)
+        self.io.send(msg)
+
+    def _finish_loading(self, wait: bool = False) -> None:
+        """A prepare whose load is done (or, with wait, once it is) passes on: with the stage's refusal if it
+        failed. Runs in the compute thread, between inputs."""
+        if self._loading is None or not (wait or self._loading[1].done()):
+            return
+        msg, loading = self._loading
+        self._loading = None
+        try:
+            loading.result()
+        except Exception as e:
+            self.resplit.abort()
+            known = isinstance(e, StagemeshError)
+            log.warning("re-split %d refused on %s: %s: %s", msg.rid, self.identity.name, type(e).__name__, e,
+                        exc_info=None if known else e)
+            msg.error = f"{self.identity.name}: {e if known else f'{type(e).__name__}: {e}'}"[:1000]
         self.io.send(msg)
 
     def _serve_with(self, runtime: StageRuntime) -> None:
