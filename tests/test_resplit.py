@@ -311,3 +311,84 @@ async def _post(url: str, body: dict) -> tuple[int, str]:
 
     async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
         return r.status, await r.text()
+
+
+# ---- --auto-rebalance's policy --------------------------------------------------------------------------------------
+
+def _infos(layers: list[tuple[int, int]], busy: list[float], microbatches: int, incarnation: str = "x"):
+    from types import SimpleNamespace
+    return [SimpleNamespace(layers=r, incarnation=f"{incarnation}{i}", busy_seconds=b, microbatches=microbatches)
+            for i, (r, b) in enumerate(zip(layers, busy))]
+
+
+class _Mesh:
+    """Stage counters that grow as a mesh at work: each window, every stage computes `per_mb` ms a micro-batch."""
+
+    def __init__(self, layers):
+        self.layers, self.busy, self.mb, self.t = layers, [0.0] * len(layers), 0, 0.0
+
+    def tick(self, ms_per_layer: list[float], head: float, seconds: float = 10.0, microbatches: int = 100):
+        self.t += seconds
+        self.mb += microbatches
+        for i, (a, b) in enumerate(self.layers):
+            blocks = (b - a) + (head if i == len(self.layers) - 1 else 0)
+            self.busy[i] += microbatches * blocks * ms_per_layer[i] / 1e3
+        return _infos(self.layers, self.busy, self.mb)
+
+
+@pytest.fixture(scope="module")
+def facts():
+    from shared.files.gguf_loader import GgufLoader
+    from shared.files.model_registry import resolve_model
+    from shared.runtime.plan import ModelFacts
+    return ModelFacts.from_gguf(GgufLoader(resolve_model("smollm2")), kv_itemsize=4)
+
+
+def test_auto_rebalance_moves_only_after_two_windows_agree_and_then_waits(facts):
+    """Stage 1 twice as slow a layer at 15:15: the first window only makes the proposal a candidate, the second
+    (the same proposal) returns it -- layers moving to stage 0; after the re-split nothing is proposed until two whole
+    windows of the new split agree, and a split that is about as good (gain under --rebalance-gain) is never proposed."""
+    from services.gateway.balance import Balancer
+
+    head = facts.head_cost_in_layers
+    mesh = _Mesh([(0, 15), (15, 30)])
+    b = Balancer(facts, window_s=10.0, min_gain=1.15)
+    assert b.observe(mesh.tick([1.0, 2.0], head), 8, mesh.t) is None  # the window's start
+    assert b.observe(mesh.tick([1.0, 2.0], head), 8, mesh.t) is None  # a candidate
+    split = b.observe(mesh.tick([1.0, 2.0], head), 8, mesh.t)
+    assert split is not None and split[0].stop > 15, split
+    b.resplit_ended()
+    mesh.layers = [(r.start, r.stop) for r in split]
+    slower = [b.observe(mesh.tick([1.0, 4.0], head), 8, mesh.t) for _ in range(3)]
+    assert slower[:2] == [None, None] and slower[2] is not None  # measured afresh: start, candidate, then moves
+    assert slower[2][0].stop > split[0].stop
+
+    even = Balancer(facts, window_s=10.0, min_gain=1.15)
+    mesh = _Mesh([(0, 17), (17, 30)])
+    assert all(even.observe(mesh.tick([1.0, 1.05], head), 8, mesh.t) is None for _ in range(6))
+    assert even.last_proposal is not None and even.last_proposal["predicted_gain"] < 1.15
+
+
+def test_auto_rebalance_does_not_flap_nor_measure_an_idle_or_changing_mesh(facts):
+    from services.gateway.balance import Balancer
+
+    head = facts.head_cost_in_layers
+    b = Balancer(facts, window_s=10.0, min_gain=1.15)
+    mesh = _Mesh([(0, 15), (15, 30)])
+    b.observe(mesh.tick([1.0, 2.0], head), 8, mesh.t)
+    for speeds in ([1.0, 2.0], [2.0, 1.0], [1.0, 2.0], [2.0, 1.0]):  # each window proposes the other way
+        assert b.observe(mesh.tick(speeds, head), 8, mesh.t) is None
+    idle = Balancer(facts, window_s=10.0, min_gain=1.15)
+    mesh = _Mesh([(0, 15), (15, 30)])
+    assert all(idle.observe(mesh.tick([1.0, 3.0], head, microbatches=2), 8, mesh.t) is None for _ in range(5))
+
+
+def test_a_far_proposal_is_approached_one_neighbour_step_at_a_time():
+    from services.gateway.balance import toward
+
+    old = split_at(30, [10, 20])
+    step = toward(old, split_at(30, [25, 28]), 30)
+    assert step == split_at(30, [20, 28]), step  # boundary 1 stops at stage 2's old start: no layer moves two hops
+    check_resplit(old, step, 30)
+    assert toward(old, split_at(30, [5, 15]), 30) == split_at(30, [5, 15])  # within reach: all the way
+    assert toward(old, old, 30) is None

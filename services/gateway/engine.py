@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from services.gateway.audit import PrefixAuditor, audit_tolerance
+from services.gateway.balance import Balancer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.request import Request, RequestOutput, RequestSpan
@@ -61,8 +62,9 @@ class Engine:
 
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
                  config: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, balancer: Balancer | None = None):
         self.pipeline = pipeline
+        self.balancer = balancer  # --auto-rebalance's policy (None: the split changes only when asked)
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
         self.scheduler = Scheduler(max_inflight, config, kv_slots=pipeline.kv_slots, kv_rows=pipeline.kv_rows,
@@ -85,6 +87,7 @@ class Engine:
         pipeline.on_unexpected_result = metrics.unexpected_results.inc
         self.paused = False  # a re-split holds new micro-batches (those in flight finish) until the route flips
         self.resplitting = False  # a re-split is running (its prepare included, while the mesh serves on)
+        self._rebalancing: asyncio.Task | None = None  # the re-split --auto-rebalance started
         self.resplits: list[dict] = []  # the last RESPLIT_HISTORY re-splits (done or not), oldest first
 
     # ---- what the handlers call -------------------------------------------------------------------------------
@@ -171,6 +174,8 @@ class Engine:
         if self.paused:  # a re-split: nothing new goes out until the stages serve the new split
             self._update_gauges()
             return
+        if self.balancer is not None and not self.resplitting:
+            self._maybe_rebalance()
         self._follow_pipeline()
         plan = self.scheduler.plan(now, self.pipeline.cache_identity)
         if plan.release or plan.keep:
@@ -302,6 +307,25 @@ class Engine:
             pipe.mark_lost(f"after re-split to {boundaries(new)} the stages report {', '.join(map(str, got))}")
         return {**record, "changed": True, "pause_s": round(pause, 4), "took_s": round(took, 3), "moved_bytes": moved,
                 "released": released, "stages": reports}
+
+    def _maybe_rebalance(self) -> None:
+        """Ask --auto-rebalance's policy; start the re-split it names (in a task: the loop keeps serving)."""
+        infos = self.pipeline.stages
+        if len(infos) != len(self.pipeline.infos) or len(infos) < 2:
+            return
+        split = self.balancer.observe(infos, len(self.scheduler.running), time.monotonic())
+        if split is not None:
+            self._rebalancing = asyncio.create_task(self._auto_resplit(split), name="auto-rebalance")
+
+    async def _auto_resplit(self, split: list[LayerRange]) -> None:
+        try:
+            await self.resplit(split, trigger="auto")
+        except ResplitError:
+            pass  # logged and counted by resplit; the policy measures afresh before it proposes again
+        except Exception:
+            log.exception("auto-rebalance failed")
+        finally:
+            self.balancer.resplit_ended()
 
     async def _drain(self, timeout_s: float) -> bool:
         """Wait (at most timeout_s) until no micro-batch of this pipeline is in flight."""

@@ -168,6 +168,11 @@ class MeshView:
             "split": None if None in layers else ",".join(str(r[1]) for r in layers[:-1]),
             "resplitting": engine.resplitting, "resplits": engine.resplits[-4:],
             "resplits_done": sum(1 for r in engine.resplits if r["outcome"] == "done"),
+            "auto_rebalance": None if engine.balancer is None else {
+                "window_s": engine.balancer.window_s, "min_gain": engine.balancer.min_gain,
+                "last_proposal": {k: engine.balancer.last_proposal[k] for k in ("split_now", "split_proposed",
+                                                                               "predicted_gain")}
+                if engine.balancer.last_proposal else None},
             "name": replica.name, "ready": pipe.ready, "state": "ready" if pipe.ready else "lost",
             "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
             "inflight": len(sched.inflight), "max_inflight": sched.max_inflight, "replaying": sched.replaying,
