@@ -315,9 +315,9 @@ async def _post(url: str, body: dict) -> tuple[int, str]:
 
 # ---- --auto-rebalance's policy --------------------------------------------------------------------------------------
 
-def _infos(layers: list[tuple[int, int]], busy: list[float], microbatches: int, incarnation: str = "x"):
+def _infos(layers: list[tuple[int, int]], busy: list[float], microbatches: int, clock: float):
     from types import SimpleNamespace
-    return [SimpleNamespace(layers=r, incarnation=f"{incarnation}{i}", busy_seconds=b, microbatches=microbatches)
+    return [SimpleNamespace(layers=r, incarnation=f"x{i}", busy_seconds=b, microbatches=microbatches, clock_s=clock)
             for i, (r, b) in enumerate(zip(layers, busy))]
 
 
@@ -333,7 +333,7 @@ class _Mesh:
         for i, (a, b) in enumerate(self.layers):
             blocks = (b - a) + (head if i == len(self.layers) - 1 else 0)
             self.busy[i] += microbatches * blocks * ms_per_layer[i] / 1e3
-        return _infos(self.layers, self.busy, self.mb)
+        return _infos(self.layers, self.busy, self.mb, self.t)
 
 
 @pytest.fixture(scope="module")
@@ -353,19 +353,19 @@ def test_auto_rebalance_moves_only_after_two_windows_agree_and_then_waits(facts)
     head = facts.head_cost_in_layers
     mesh = _Mesh([(0, 15), (15, 30)])
     b = Balancer(facts, window_s=10.0, min_gain=1.15)
-    assert b.observe(mesh.tick([1.0, 2.0], head), 8, mesh.t) is None  # the window's start
-    assert b.observe(mesh.tick([1.0, 2.0], head), 8, mesh.t) is None  # a candidate
-    split = b.observe(mesh.tick([1.0, 2.0], head), 8, mesh.t)
+    assert b.observe(mesh.tick([1.0, 2.0], head), 8) is None  # the window's start
+    assert b.observe(mesh.tick([1.0, 2.0], head), 8) is None  # a candidate
+    split = b.observe(mesh.tick([1.0, 2.0], head), 8)
     assert split is not None and split[0].stop > 15, split
     b.resplit_ended()
     mesh.layers = [(r.start, r.stop) for r in split]
-    slower = [b.observe(mesh.tick([1.0, 4.0], head), 8, mesh.t) for _ in range(3)]
+    slower = [b.observe(mesh.tick([1.0, 4.0], head), 8) for _ in range(3)]
     assert slower[:2] == [None, None] and slower[2] is not None  # measured afresh: start, candidate, then moves
     assert slower[2][0].stop > split[0].stop
 
     even = Balancer(facts, window_s=10.0, min_gain=1.15)
     mesh = _Mesh([(0, 17), (17, 30)])
-    assert all(even.observe(mesh.tick([1.0, 1.05], head), 8, mesh.t) is None for _ in range(6))
+    assert all(even.observe(mesh.tick([1.0, 1.05], head), 8) is None for _ in range(6))
     assert even.last_proposal is not None and even.last_proposal["predicted_gain"] < 1.15
 
 
@@ -375,12 +375,12 @@ def test_auto_rebalance_does_not_flap_nor_measure_an_idle_or_changing_mesh(facts
     head = facts.head_cost_in_layers
     b = Balancer(facts, window_s=10.0, min_gain=1.15)
     mesh = _Mesh([(0, 15), (15, 30)])
-    b.observe(mesh.tick([1.0, 2.0], head), 8, mesh.t)
+    b.observe(mesh.tick([1.0, 2.0], head), 8)
     for speeds in ([1.0, 2.0], [2.0, 1.0], [1.0, 2.0], [2.0, 1.0]):  # each window proposes the other way
-        assert b.observe(mesh.tick(speeds, head), 8, mesh.t) is None
+        assert b.observe(mesh.tick(speeds, head), 8) is None
     idle = Balancer(facts, window_s=10.0, min_gain=1.15)
     mesh = _Mesh([(0, 15), (15, 30)])
-    assert all(idle.observe(mesh.tick([1.0, 3.0], head, microbatches=2), 8, mesh.t) is None for _ in range(5))
+    assert all(idle.observe(mesh.tick([1.0, 3.0], head, microbatches=2), 8) is None for _ in range(5))
 
 
 def test_a_far_proposal_is_approached_one_neighbour_step_at_a_time():
@@ -392,3 +392,35 @@ def test_a_far_proposal_is_approached_one_neighbour_step_at_a_time():
     check_resplit(old, step, 30)
     assert toward(old, split_at(30, [5, 15]), 30) == split_at(30, [5, 15])  # within reach: all the way
     assert toward(old, old, 30) is None
+
+
+@pytest.mark.processes
+async def test_auto_rebalance_moves_a_lopsided_split_while_streams_run(tmp_path):
+    """`up --split 25 --auto-rebalance --rebalance-window 2`: stage 0 holds 25 of 30 layers, far from balanced on
+    one host. Under streams the gateway re-splits by itself (trigger "auto", counted), the boundary moves down, no
+    request fails, and the streams that ran across it have the texts the same requests give afterwards."""
+    import json
+
+    from services.testing.harness import start_up
+
+    gw = start_up(2, "float32", str(tmp_path), "--split", "25", "--batch-invariant", "--auto-rebalance",
+                  "--rebalance-window", "2")
+    try:
+        auto = 0.0
+        across = None
+        for _ in range(8):
+            before = gw.metric("stagemesh_gateway_resplits_total", outcome="done", trigger="auto")
+            texts, _ = await asyncio.wait_for(_streams(gw.url), 300)
+            auto = gw.metric("stagemesh_gateway_resplits_total", outcome="done", trigger="auto")
+            if auto > before:
+                across = texts
+                break
+        assert across is not None, f"no automatic re-split in 8 rounds of streams (log {gw.log_path})"
+        mesh = json.loads(gw.get("/v1/mesh")[1])["pipelines"][0]
+        assert int(mesh["split"]) < 25 and mesh["resplits"][-1]["trigger"] == "auto", mesh
+        assert mesh["auto_rebalance"]["window_s"] == 2.0
+        assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+        after, _ = await asyncio.wait_for(_streams(gw.url), 300)
+        assert after == across
+    finally:
+        gw.stop()

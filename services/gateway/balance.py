@@ -33,8 +33,10 @@ class Sample:
     microbatches: tuple[int, ...]
 
     @classmethod
-    def of(cls, infos: list[StageInfo], at: float) -> Sample:
-        return cls(at, tuple(tuple(i.layers) for i in infos), tuple(i.incarnation for i in infos),
+    def of(cls, infos: list[StageInfo]) -> Sample:
+        """`at`: the first stage's own clock at its poll (polls come every few seconds: the gateway's clock would
+        stretch a window over polls it did not see)."""
+        return cls(infos[0].clock_s, tuple(tuple(i.layers) for i in infos), tuple(i.incarnation for i in infos),
                    tuple(i.busy_seconds for i in infos), tuple(i.microbatches for i in infos))
 
 
@@ -66,10 +68,11 @@ class Balancer:
         self._last: tuple[str, ...] | None = None  # the split the last window proposed (a candidate), or None
         self.last_proposal: dict | None = None  # the last window's proposal (for /v1/mesh)
 
-    def observe(self, infos: list[StageInfo], running: int, now: float) -> list[LayerRange] | None:
+    def observe(self, infos: list[StageInfo], running: int) -> list[LayerRange] | None:
         """The split to move to now, or None. `infos`: the stages' last /info polls (all answering); `running`:
         requests running (the streams the gain is predicted for)."""
-        sample = Sample.of(infos, now)
+        sample = Sample.of(infos)
+        now = sample.at
         start = self._start
         if start is None or start.layers != sample.layers or start.incarnations != sample.incarnations:
             self._start, self._last = sample, None  # a new window: the split or a stage changed

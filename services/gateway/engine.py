@@ -313,7 +313,7 @@ class Engine:
         infos = self.pipeline.stages
         if len(infos) != len(self.pipeline.infos) or len(infos) < 2:
             return
-        split = self.balancer.observe(infos, len(self.scheduler.running), time.monotonic())
+        split = self.balancer.observe(infos, len(self.scheduler.running))
         if split is not None:
             self._rebalancing = asyncio.create_task(self._auto_resplit(split), name="auto-rebalance")
 
