@@ -302,6 +302,25 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
         again, _ = await _streams(gw.url)
         assert again == reference
         assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 12], [12, 30]]
+
+        # a stage that dies after the re-split comes back (up restarts it) with the range it was moved to
+        import os
+        import signal
+        import time
+        victim = gw.stage_info(1).incarnation
+        os.kill(gw.stage_pids()[1], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            try:
+                info = gw.stage_info(1)
+            except OSError:
+                continue
+            if info.incarnation != victim and gw.get("/ready")[0] == 200:
+                break
+        assert info.incarnation != victim and list(info.layers) == [12, 30], info
+        restarted, _ = await _streams(gw.url)
+        assert restarted == reference
     finally:
         gw.stop()
 

@@ -88,6 +88,7 @@ class Engine:
         self.paused = False  # a re-split holds new micro-batches (those in flight finish) until the route flips
         self.resplitting = False  # a re-split is running (its prepare included, while the mesh serves on)
         self._rebalancing: asyncio.Task | None = None  # the re-split --auto-rebalance started
+        self.committed: list[LayerRange] | None = None  # the split the last re-split committed (None: none yet)
         self.resplits: list[dict] = []  # the last RESPLIT_HISTORY re-splits (done or not), oldest first
 
     # ---- what the handlers call -------------------------------------------------------------------------------
@@ -279,6 +280,7 @@ class Engine:
                                        f"{pipe.stall_s:g} s; the split stays {boundaries(old)}")
                 await self._phase(Resplit(rid, "move", *pairs), old, new)
                 reports = await self._phase(Resplit(rid, "commit", *pairs), old, new)
+                self.committed = new  # what a stage restarted from now on must serve (`up` restarts it so)
             finally:
                 pipe.resplitting = False
                 self.paused = False
