@@ -235,6 +235,17 @@ class SchedulerConfig:
                                     "tokens either way): auto (while few sequences run, as long as the measured "
                                     "cost of their rows pays), on (at any load and cost: to measure or test them), "
                                     "off (a request's `prediction` still drafts)", choices=SPECULATION_MODES)
+    auto_rebalance: bool = knob(False, "re-split the pipeline live when its stages' measured times drift (a host "
+                                       "slows, a co-tenant appears): over each --rebalance-window the gateway "
+                                       "measures every stage's busy time per micro-batch, and when two windows in a "
+                                       "row propose the same split with at least --rebalance-gain predicted, layers "
+                                       "and their K/V move between neighbouring stages with no request failing (as "
+                                       "`stagemesh rebalance` does); off: the split changes only when asked")
+    rebalance_window_s: float = knob(30.0, "--auto-rebalance's measuring window; it waits at least two after a "
+                                           "re-split (or a refused one) before the next", unit="seconds")
+    rebalance_gain: float = knob(1.15, "--auto-rebalance moves layers only for at least this predicted speed-up of "
+                                       "the slowest stage (hysteresis: a split that is about as good stays)",
+                                 metavar="RATIO")
 
     def __post_init__(self):
         check_int(self, "max_inflight", 1, none_ok=True)
@@ -248,6 +259,10 @@ class SchedulerConfig:
         check_seconds(self, "failover_timeout_s", 0, strict=True)
         check_int(self, "max_replays", 0)
         check_choice(self, "speculation", SPECULATION_MODES)
+        check(self, "auto_rebalance", isinstance(self.auto_rebalance, bool), "on or off")
+        check_seconds(self, "rebalance_window_s", 1, strict=False)
+        check(self, "rebalance_gain", isinstance(self.rebalance_gain, (int, float)) and 1.0 <= self.rebalance_gain
+              <= 10.0, "a ratio within 1..10, e.g. 1.15 moves layers for a 15 % faster slowest stage")
 
 
 LOAD_DEFAULTS = LoadConfig()

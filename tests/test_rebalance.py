@@ -68,5 +68,10 @@ def test_rebalance_measures_an_uneven_split_and_proposes_a_balanced_one(up):
     result = json.loads(done.stdout)
     assert result["split_now"] == "22" and int(result["split_proposed"]) < 22, result
     assert result["predicted_gain"] > 1.05, result
-    refused = subprocess.run(stagemesh_cmd("rebalance", gw.url), capture_output=True, text=True, timeout=60)
-    assert refused.returncode != 0 and "--dry-run" in refused.stderr and "up --split" in refused.stderr
+    both = subprocess.run(stagemesh_cmd("rebalance", gw.url, "--dry-run", "--split", "18"), capture_output=True,
+                          text=True, timeout=60)
+    assert both.returncode != 0 and "--dry-run" in both.stderr and "--split" in both.stderr
+    empty = subprocess.run(stagemesh_cmd("rebalance", gw.url, "--split", "30"), capture_output=True, text=True,
+                           timeout=60)
+    assert empty.returncode != 0 and "refused the re-split to 30" in empty.stderr, empty.stderr
+    assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 22], [22, 30]]  # the mesh serves on as it was

@@ -137,11 +137,13 @@ def register_rebalance(sub) -> None:
     p = sub.add_parser("rebalance", help="measure each stage of a running mesh and propose a balanced split",
                        description="Each stage's busy time per micro-batch over --window seconds of a mesh at work "
                                    "(every micro-batch passes every stage), its time per layer, the split that "
-                                   "balances them (as `plan` splits hosts) and the gain predicted for it. Applying "
-                                   "it live is not built yet: it prints the `up --split` to start the mesh with.")
+                                   "balances them (as `plan` splits hosts) and the gain predicted for it; without "
+                                   "--dry-run the gateway moves the mesh to that split live (layers and their K/V "
+                                   "move between neighbouring stages at a step boundary; no request fails).")
     p.add_argument("url", nargs="?", default=os.environ.get("STAGEMESH_URL", f"http://127.0.0.1:{GATEWAY_PORT}"),
                    help=f"the gateway (default $STAGEMESH_URL or http://127.0.0.1:{GATEWAY_PORT})")
-    p.add_argument("--dry-run", action="store_true", help="print the measurement and the proposal (required for now)")
+    p.add_argument("--dry-run", action="store_true", help="print the measurement and the proposal, apply nothing")
+    p.add_argument("--split", default=None, help="apply this split (layer boundaries, e.g. 18) live without measuring")
     p.add_argument("--model", default="smollm2", help="the alias or .gguf the stages serve (its layer count and head)")
     p.add_argument("--window", type=float, default=10.0, help="seconds to measure over (default 10)")
     p.add_argument("--streams", type=int, default=16, help="streams the predicted gain is for (default 16)")

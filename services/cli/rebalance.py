@@ -1,5 +1,7 @@
-"""`stagemesh rebalance [URL] --dry-run [--window 10] [--streams 16] [--json]`: each stage's measured time per layer
-on a mesh at work, the split that balances it, and the gain predicted for it.
+"""`stagemesh rebalance [URL] [--dry-run] [--split B1,..] [--window 10] [--streams 16] [--json]`: each stage's measured
+time per layer on a mesh at work, the split that balances it, and the gain predicted for it; without --dry-run the
+gateway moves the mesh to it live (POST /v1/mesh/resplit: layers and their K/V move between neighbouring stages at a
+step boundary, no request fails). --split applies a split given by hand, without measuring.
 
 The measurement: every micro-batch passes every stage, so over one window each stage's busy seconds per micro-batch
 (its /info counters, through the gateway's /v1/mesh) is the same work's time there. A stage's time per layer is that
@@ -7,33 +9,27 @@ over its layers (the last stage's lm_head counted as the model's head_cost_in_la
 shared/runtime/plan.py's split for hosts of those speeds (the slowest stage fastest, then the shortest cycle), and its
 prediction the same model of time for the split running now and the one proposed.
 
-Applying a split to a running mesh (moving layers and their K/V live) is not built yet: the command prints the
-`up --split` that starts the mesh with it."""
+A live re-split moves layers only between neighbouring stages and leaves every stage at least one layer
+(shared.files.layers.check_resplit); a proposal further away is applied in neighbour-sized steps by running the
+command again."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from dataclasses import dataclass
+import urllib.error
+import urllib.request
 
 from services.cli.status import fetch
 from shared.errors import StagemeshError
 from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange
 from shared.files.model_registry import resolve_model
-from shared.runtime.plan import Host, ModelFacts, Workload, plan, predict
+from shared.runtime.plan import MIN_MICROBATCHES, ModelFacts, StageTime, proposal
 
-UNBOUNDED = 1 << 62  # memory: the stages' own budgets are not in /v1/mesh; the split is by time alone
-MIN_MICROBATCHES = 8  # a window with fewer is no measurement
-
-
-@dataclass(frozen=True)
-class StageTime:
-    """One stage's share of the window: its layers and busy milliseconds per micro-batch."""
-
-    layers: LayerRange
-    ms_per_microbatch: float
+__all__ = ["StageTime", "apply_split", "cmd_rebalance", "measure", "proposal"]
 
 
 def measure(url: str, window_s: float, pipeline: int = 0) -> list[StageTime]:
@@ -67,40 +63,44 @@ def measure(url: str, window_s: float, pipeline: int = 0) -> list[StageTime]:
     return result
 
 
-def hosts_from(model: ModelFacts, times: list[StageTime]) -> list[Host]:
-    """Each stage's host with the ms per layer its window measured (the last one's head in layer units)."""
-    hosts = []
-    for i, t in enumerate(times):
-        blocks = len(t.layers) + (model.head_cost_in_layers if t.layers.stop == model.num_layers else 0.0)
-        hosts.append(Host(f"stage {i}", UNBOUNDED, max(t.ms_per_microbatch / blocks, 1e-6), overhead_ms=0.0))
-    return hosts
+def apply_split(url: str, split: str, pipeline: int = 0, timeout: float = 300.0) -> dict:
+    """POST /v1/mesh/resplit: the gateway moves the pipeline to `split` live; its answer. StagemeshError naming why
+    when it does not (the gateway's message: a split it cannot move to, a stage that refused)."""
+    req = urllib.request.Request(url.rstrip("/") + "/v1/mesh/resplit", method="POST",
+                                 data=json.dumps({"split": split, "pipeline": pipeline}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    key = os.environ.get("STAGEMESH_API_KEY")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = e.read()[:2000].decode(errors="replace")
+        try:
+            message = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = body
+        raise StagemeshError(f"the gateway refused the re-split to {split} ({e.code}): {message}") from None
+    except (OSError, ValueError) as e:
+        raise StagemeshError(f"cannot reach the gateway at {url}: {e}") from None
 
 
-def proposal(model: ModelFacts, times: list[StageTime], streams: int) -> dict:
-    """The measured speeds, the split proposed and the predicted gain (JSON-able)."""
-    hosts = hosts_from(model, times)
-    work = Workload(streams=streams)
-    now = predict(model, hosts, [t.layers for t in times], work)
-    best = plan(model, hosts, work)
-    if max(best.stage_ms) >= max(now.stage_ms):  # no better split: keep the one running
-        best = now
-    return {
-        "stages": [{"stage": i, "layers": str(t.layers), "ms_per_microbatch": round(t.ms_per_microbatch, 3),
-                    "ms_per_layer": round(h.ms_per_layer, 4), "proposed_layers": str(r),
-                    "predicted_ms_now": round(a, 3), "predicted_ms_proposed": round(b, 3)}
-                   for i, (t, h, r, a, b) in enumerate(zip(times, hosts, best.ranges, now.stage_ms, best.stage_ms))],
-        "split_now": ",".join(str(t.layers.stop) for t in times[:-1]),
-        "split_proposed": ",".join(str(r.stop) for r in best.ranges[:-1]),
-        "slowest_stage_ms_now": round(max(now.stage_ms), 3), "slowest_stage_ms_proposed": round(max(best.stage_ms), 3),
-        "predicted_gain": round(max(now.stage_ms) / max(best.stage_ms), 3),
-        "streams": streams,
-    }
+def _applied(result: dict) -> str:
+    if not result.get("changed"):
+        return f"the mesh already serves split {result['split']}\n"
+    return (f"re-split {result['split_before']} -> {result['split']} live: the pipeline paused "
+            f"{1e3 * result['pause_s']:.0f} ms, {result['moved_bytes'] / 2**20:.1f} MiB of K/V moved, "
+            f"{result['released']} sequences replayed\n")
 
 
 def cmd_rebalance(args) -> int:
-    if not args.dry_run:
-        raise StagemeshError("applying a split to a running mesh is not built yet: run `stagemesh rebalance "
-                             "--dry-run` for the proposal, and start the mesh with the `up --split` it prints")
+    if args.split is not None:  # a split given by hand: apply it, no measurement
+        if args.dry_run:
+            raise StagemeshError("--split applies a split; --dry-run only proposes one: give one of them")
+        result = apply_split(args.url, args.split, args.pipeline)
+        sys.stdout.write(json.dumps(result) + "\n" if args.json else _applied(result))
+        return 0
     model = ModelFacts.from_gguf(GgufLoader(resolve_model(args.model)), kv_itemsize=4)
     times = measure(args.url, args.window, args.pipeline)
     if times[-1].layers.stop != model.num_layers:
@@ -109,6 +109,8 @@ def cmd_rebalance(args) -> int:
     if len(times) < 2:
         raise StagemeshError("one stage holds every layer: there is no split to balance")
     result = proposal(model, times, args.streams)
+    if not args.dry_run and result["split_proposed"] != result["split_now"]:
+        result["applied"] = apply_split(args.url, result["split_proposed"], args.pipeline)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -124,5 +126,9 @@ def cmd_rebalance(args) -> int:
         out.write(f"proposed split {result['split_proposed']} (now {result['split_now']}): the slowest stage "
                   f"{result['slowest_stage_ms_now']:.2f} -> {result['slowest_stage_ms_proposed']:.2f} ms a "
                   f"micro-batch, {result['predicted_gain']:.2f}x the throughput at {args.streams} streams\n")
-        out.write(f"to apply it, start the mesh with: stagemesh up --split {result['split_proposed']}\n")
+        if "applied" in result:
+            out.write(_applied(result["applied"]))
+        else:
+            out.write(f"to apply it live: stagemesh rebalance --split {result['split_proposed']} (or start the mesh "
+                      f"with: stagemesh up --split {result['split_proposed']})\n")
     return 0

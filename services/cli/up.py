@@ -14,6 +14,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.cli.flags import STAGE_FLAGS
@@ -271,14 +272,17 @@ def decode_notes(previous: dict[int, str], entries: dict[int, dict]) -> list[str
     return lines
 
 
-async def _supervise(meshes: list[LocalMesh]) -> None:
-    """Restart a stage process that exits, and announce each stage's decode mode as it changes."""
+async def _supervise(meshes: list[LocalMesh], splits: Callable[[int], list[str] | None] = lambda r: None) -> None:
+    """Restart a stage process that exits (with the layers a live re-split gave it: `splits(r)`, each stage's range
+    of pipeline r after its last re-split, None before any), and announce each stage's decode mode as it changes."""
     states: list[dict[int, str]] = [{} for _ in meshes]
     watching, last_poll = True, 0.0
     while True:
         await asyncio.sleep(1.0)
         for r, mesh in enumerate(meshes):
             name = f"pipeline p{r} " if len(meshes) > 1 else ""
+            for stage, layers in zip(mesh.stages, splits(r) or ()):
+                stage.serve_layers(layers)
             for i in mesh.restart_dead():
                 print(f"{name}stage {i} exited; restarted it (the gateway replays what it was serving"
                       f"{' on another pipeline' if len(meshes) > 1 else ''})", flush=True)
@@ -321,6 +325,10 @@ async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalM
         gw = app[GATEWAY]
         _say(ready_banner(host, port, len(meshes[0].stages), gw.config.model_id, len(meshes),
                           chat=gw.files.chat_template is not None))
-        await _supervise(meshes)
+        def splits(r: int) -> list[str] | None:
+            committed = gw.replicas.all[r].engine.committed
+            return None if committed is None else [str(rng) for rng in committed]
+
+        await _supervise(meshes, splits)
 
     await serve_until_signal(app, host, port, started)

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.anthropic_api import MESSAGES_PATH, count_message_tokens, create_message
+from services.gateway.balance import Balancer
 from services.gateway.config import API_KEY_ENV, GatewayConfig
 from services.gateway.core import GATEWAY, Gateway
 from services.gateway.durable import FLUSH_S, TAKE_OVER_S, RequestStore
@@ -45,6 +46,7 @@ from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.observe.log_throttle import OneLineThrottleFilter, throttled
 from shared.observe.otlp import OtlpTracer
 from shared.runtime.model_files import ModelFiles
+from shared.runtime.plan import ModelFacts
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -66,7 +68,7 @@ def _key_matches(given: str, key: str) -> bool:
 
 WS_PATH = "/v1/stream"
 JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", MESSAGES_PATH,
-              MESSAGES_PATH + "/count_tokens")
+              MESSAGES_PATH + "/count_tokens", "/v1/mesh/resplit")
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version"
 HTTP_LOG = "stagemesh.gateway.http"  # aiohttp's per-connection logger: one line per reason per interval
@@ -298,8 +300,13 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     watch_transport(metrics_, summed_transport(pipelines))
     speculator = Speculator(scheduling.speculation)  # one n-gram pool for every pipeline
     watch_speculation(metrics_, speculator)
+    facts = ModelFacts.from_gguf(files.loader, kv_itemsize=4) if scheduling.auto_rebalance else None
+
+    def balancer() -> Balancer | None:  # --auto-rebalance's policy, one per pipeline
+        return Balancer(facts, scheduling.rebalance_window_s, scheduling.rebalance_gain) if facts else None
+
     replicas = Replicas([Replica(f"p{i}", p, Engine(p, metrics_, max_inflight=max_inflight, config=scheduling,
-                                                      otlp=otlp, speculator=speculator))
+                                                      otlp=otlp, speculator=speculator, balancer=balancer()))
                          for i, p in enumerate(pipelines)], metrics_)
     indexes = [r.scheduler.prefix for r in replicas.all if r.scheduler.prefix is not None]
     if indexes:

@@ -10,6 +10,7 @@ finish) comes here too, so every change of state is delivered and counted the sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from services.gateway.audit import PrefixAuditor, audit_tolerance
+from services.gateway.balance import Balancer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.request import Request, RequestOutput, RequestSpan
@@ -30,13 +32,28 @@ from services.gateway.scheduler import (
 )
 from services.gateway.speculation import Speculator
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
+from shared.errors import StagemeshError
+from shared.files.layers import LayerRange, boundaries, check_resplit
 from shared.observe.log_throttle import throttled
 from shared.observe.otlp import OtlpTracer
-from shared.wire.protocol import BatchResult, ForwardBatch
+from shared.wire.protocol import BatchResult, ForwardBatch, Resplit
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
 IDLE_TICK_S = 0.25  # how often deadlines and pipeline health are checked when nothing else wakes the loop
+RESPLIT_PHASE_S = {"prepare": 120.0, "move": 60.0, "commit": 30.0, "abort": 10.0}  # each phase's round trip at most
+RESPLIT_HISTORY = 16  # re-splits /v1/mesh lists per pipeline
+
+
+class ResplitError(StagemeshError):
+    """A re-split not done; `status` is the HTTP status that says why (400: the split asked for is not one the mesh
+    can move to; 409: the pipeline is not in a state to move; 503: a stage refused or did not answer in time -- the
+    mesh serves on with the split it had, or, after a commit that was not confirmed, replays from token histories)."""
+
+    def __init__(self, message: str, status: int = 503, outcome: str = "refused"):
+        super().__init__(message)
+        self.status = status
+        self.outcome = outcome  # a RESPLIT_OUTCOMES entry (services/gateway/metrics.py)
 
 
 class Engine:
@@ -45,8 +62,9 @@ class Engine:
 
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
                  config: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, balancer: Balancer | None = None):
         self.pipeline = pipeline
+        self.balancer = balancer  # --auto-rebalance's policy (None: the split changes only when asked)
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
         self.scheduler = Scheduler(max_inflight, config, kv_slots=pipeline.kv_slots, kv_rows=pipeline.kv_rows,
@@ -67,6 +85,11 @@ class Engine:
         # where each request's outputs go, once each, in order (the gateway's front end: Gateway.deliver)
         self.on_output: Callable[[Request, RequestOutput], None] = lambda req, out: None
         pipeline.on_unexpected_result = metrics.unexpected_results.inc
+        self.paused = False  # a re-split holds new micro-batches (those in flight finish) until the route flips
+        self.resplitting = False  # a re-split is running (its prepare included, while the mesh serves on)
+        self._rebalancing: asyncio.Task | None = None  # the re-split --auto-rebalance started
+        self.committed: list[LayerRange] | None = None  # the split the last re-split committed (None: none yet)
+        self.resplits: list[dict] = []  # the last RESPLIT_HISTORY re-splits (done or not), oldest first
 
     # ---- what the handlers call -------------------------------------------------------------------------------
 
@@ -149,6 +172,11 @@ class Engine:
         if oldest is not None and now - oldest.planned_at > self.pipeline.stall_s:
             self.pipeline.mark_stalled(oldest.mb_id, now - oldest.planned_at)  # not ready, naming where; replays
             return
+        if self.paused:  # a re-split: nothing new goes out until the stages serve the new split
+            self._update_gauges()
+            return
+        if self.balancer is not None and not self.resplitting:
+            self._maybe_rebalance()
         self._follow_pipeline()
         plan = self.scheduler.plan(now, self.pipeline.cache_identity)
         if plan.release or plan.keep:
@@ -208,6 +236,144 @@ class Engine:
         reqs = self.scheduler.hand_off_candidates()
         if reqs:
             self.scheduler.handed_off(self.handoff(reqs))
+
+    # ---- the live re-split ----------------------------------------------------------------------------------------
+
+    async def resplit(self, new: list[LayerRange], trigger: str = "asked") -> dict:
+        """Move the pipeline's stages to the split `new` without failing a request. First, while the mesh serves on,
+        each stage whose layers change loads its new range beside the one it serves (prepare). Then at a step
+        boundary -- new micro-batches held, those in flight drained -- each live sequence's K/V of the moved layers
+        goes to its new stage (move) and every stage serves its new range (commit), and the scheduler resumes: each
+        phase one Resplit round trip through the pipeline (shared/runtime/resplit.py). Streams see one longer gap
+        between tokens, the pause. Returns what was done (also kept in `resplits`, logged and counted by outcome).
+        ResplitError when it was not done: the split is not one the stages can move to (400), a re-split is already
+        running or the pipeline is not ready (409), a stage refused or did not answer (503: the mesh keeps its split;
+        after an unconfirmed commit the pipeline's KV state counts as lost and the running requests are replayed)."""
+        pipe = self.pipeline
+        if self.resplitting:
+            raise ResplitError("a re-split of this pipeline is already running; wait for it", status=409)
+        if not pipe.ready:
+            raise ResplitError(f"the pipeline is not ready ({pipe.problem}): a re-split moves the layers of a "
+                               "serving mesh", status=409)
+        old = [LayerRange(*i.layers) for i in pipe.stages]
+        try:
+            check_resplit(old, new, pipe.num_layers)
+        except StagemeshError as e:
+            self._record_resplit(old, new, trigger, "refused", str(e))
+            raise ResplitError(str(e), status=400) from None
+        record = {"split_before": boundaries(old), "split": boundaries(new), "trigger": trigger}
+        if old == new:
+            return {**record, "changed": False, "pause_s": 0.0}
+        self.resplitting = True
+        rid = pipe.client.next_rid()
+        pairs = ([(r.start, r.stop) for r in old], [(r.start, r.stop) for r in new])
+        t0, pause = time.perf_counter(), 0.0
+        try:
+            await self._phase(Resplit(rid, "prepare", *pairs), old, new)  # the mesh serves on meanwhile
+            self.paused = True
+            pipe.resplitting = True  # its health poll does not take the stages' passing ranges for a broken pipeline
+            t_pause = time.perf_counter()
+            try:
+                if not await self._drain(pipe.stall_s):
+                    await self._abort(rid, pairs)
+                    raise ResplitError(f"{len(self.scheduler.inflight)} micro-batches still in flight after "
+                                       f"{pipe.stall_s:g} s; the split stays {boundaries(old)}")
+                await self._phase(Resplit(rid, "move", *pairs), old, new)
+                reports = await self._phase(Resplit(rid, "commit", *pairs), old, new)
+                self.committed = new  # what a stage restarted from now on must serve (`up` restarts it so)
+            finally:
+                pipe.resplitting = False
+                self.paused = False
+                pause = time.perf_counter() - t_pause
+                self._changed()
+        except ResplitError as e:
+            self._record_resplit(old, new, trigger, e.outcome, str(e), pause, took_s=round(time.perf_counter() - t0, 3))
+            raise
+        finally:
+            self.resplitting = False
+        await pipe.check()  # the stages' /info now: the new layers, one consistent pipeline (the prefix index resets)
+        got = [LayerRange(*i.layers) for i in pipe.stages]
+        moved = sum(r.get("received_bytes", 0) for r in reports)
+        released = sum(r.get("released", 0) for r in reports)
+        loads = [r.get("load_s", 0.0) for r in reports]
+        self.metrics.resplit_pause.observe(pause)
+        self.metrics.resplit_kv_bytes.inc(moved)
+        took = time.perf_counter() - t0
+        self._record_resplit(old, new, trigger, "done", None, pause, took_s=round(took, 3), moved_bytes=moved,
+                             released=released)
+        log.warning("%s re-split %s -> %s (%s) in %.2f s: new ranges loaded in %s s while serving, then paused "
+                    "%.0f ms to move %.1f MiB of K/V; %d sequences released to replay", pipe.label, boundaries(old),
+                    boundaries(new), trigger, took, "/".join(f"{x:.2f}" for x in loads), pause * 1e3, moved / 2**20,
+                    released)
+        if got != new:  # a stage that serves something else than it committed: replay rather than trust it
+            pipe.mark_lost(f"after re-split to {boundaries(new)} the stages report {', '.join(map(str, got))}")
+        return {**record, "changed": True, "pause_s": round(pause, 4), "took_s": round(took, 3), "moved_bytes": moved,
+                "released": released, "stages": reports}
+
+    def _maybe_rebalance(self) -> None:
+        """Ask --auto-rebalance's policy; start the re-split it names (in a task: the loop keeps serving)."""
+        infos = self.pipeline.stages
+        if len(infos) != len(self.pipeline.infos) or len(infos) < 2:
+            return
+        split = self.balancer.observe(infos, len(self.scheduler.running))
+        if split is not None:
+            self._rebalancing = asyncio.create_task(self._auto_resplit(split), name="auto-rebalance")
+
+    async def _auto_resplit(self, split: list[LayerRange]) -> None:
+        try:
+            await self.resplit(split, trigger="auto")
+        except ResplitError:
+            pass  # logged and counted by resplit; the policy measures afresh before it proposes again
+        except Exception:
+            log.exception("auto-rebalance failed")
+        finally:
+            self.balancer.resplit_ended()
+
+    async def _drain(self, timeout_s: float) -> bool:
+        """Wait (at most timeout_s) until no micro-batch of this pipeline is in flight."""
+        deadline = time.perf_counter() + timeout_s
+        while self.scheduler.inflight:
+            if time.perf_counter() > deadline:
+                return False
+            await asyncio.sleep(0.002)
+        return True
+
+    async def _phase(self, msg: Resplit, old: list[LayerRange], new: list[LayerRange]) -> list[dict]:
+        """One phase's round trip through the pipeline; the stages' reports. A refusal or a lost message before the
+        commit aborts on every stage (ResplitError, the split unchanged); one at the commit declares the pipeline's
+        KV state lost (the scheduler replays every running request)."""
+        wait = RESPLIT_PHASE_S[msg.phase]
+        try:
+            answer = await asyncio.wait_for(self.pipeline.client.resplit(msg), wait)
+            error = answer.error
+        except TimeoutError:
+            answer, error = None, f"the {msg.phase} did not come back within {wait:g} s"
+        if error is None:
+            return answer.report
+        if msg.phase == "commit":
+            self.pipeline.mark_lost(f"re-split {msg.rid}'s commit was not confirmed: {error}")
+            raise ResplitError(f"re-split to {boundaries(new)} failed at the commit ({error}); the running requests "
+                               "are replayed", outcome="failed")
+        await self._abort(msg.rid, (msg.old, msg.new))
+        raise ResplitError(f"re-split to {boundaries(new)} refused at the {msg.phase}: {error}; the split stays "
+                           f"{boundaries(old)}")
+
+    async def _abort(self, rid: int, pairs: tuple) -> None:
+        """Every stage drops what it prepared for re-split `rid` (best effort: a stage that misses it drops it at the
+        next prepare)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.pipeline.client.resplit(Resplit(rid, "abort", *pairs)), RESPLIT_PHASE_S["abort"])
+
+    def _record_resplit(self, old: list[LayerRange], new: list[LayerRange], trigger: str, outcome: str,
+                        error: str | None, pause_s: float = 0.0, **extra) -> None:
+        self.metrics.resplits.labels(outcome, trigger).inc()
+        if outcome != "done":
+            log.warning("%s re-split %s -> %s (%s) %s: %s", self.pipeline.label, boundaries(old), boundaries(new),
+                        trigger, outcome, error)
+        self.resplits.append({"time": round(time.time(), 3), "split_before": boundaries(old),
+                              "split": boundaries(new), "trigger": trigger, "outcome": outcome,
+                              "error": error, "pause_s": round(pause_s, 4), **extra})
+        del self.resplits[:-RESPLIT_HISTORY]
 
     # ---- delivery and telemetry, from what the policy returned -------------------------------------------------
 

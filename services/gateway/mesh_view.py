@@ -19,8 +19,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from services.gateway.core import Gateway
+from services.gateway.core import GATEWAY, Gateway, json_body
+from services.gateway.engine import ResplitError
 from services.gateway.replicas import Replica
+from services.gateway.schemas import RequestError
+from shared.errors import LayerRangeError
+from shared.files.layers import parse_split
 from shared.wire.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.gateway.mesh")
@@ -158,7 +162,17 @@ class MeshView:
         sched, pipe = replica.scheduler, replica.pipeline
         many = len(self.gw.replicas.all) > 1
         stages = [self._stage(replica.name, i, url, sched.replaying, many) for i, url in enumerate(pipe.stage_urls)]
+        layers = [st.get("layers") for st in stages]
+        engine = replica.engine
         return {
+            "split": None if None in layers else ",".join(str(r[1]) for r in layers[:-1]),
+            "resplitting": engine.resplitting, "resplits": engine.resplits[-4:],
+            "resplits_done": sum(1 for r in engine.resplits if r["outcome"] == "done"),
+            "auto_rebalance": None if engine.balancer is None else {
+                "window_s": engine.balancer.window_s, "min_gain": engine.balancer.min_gain,
+                "last_proposal": {k: engine.balancer.last_proposal[k] for k in ("split_now", "split_proposed",
+                                                                               "predicted_gain")}
+                if engine.balancer.last_proposal else None},
             "name": replica.name, "ready": pipe.ready, "state": "ready" if pipe.ready else "lost",
             "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
             "inflight": len(sched.inflight), "max_inflight": sched.max_inflight, "replaying": sched.replaying,
@@ -244,6 +258,37 @@ async def mesh_stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def mesh_resplit(request: web.Request) -> web.Response:
+    """POST /v1/mesh/resplit {"split": "18" | [18], "pipeline": 0}: move a serving pipeline to that split live
+    (Engine.resplit), answering what was done; a split the mesh cannot move to, or one a stage refuses, is a 4xx/503
+    error naming why, and the mesh serves on as it was."""
+    gw = request.app[GATEWAY]
+    body = await json_body(request)
+    unknown = set(body) - {"split", "pipeline"}
+    if unknown:
+        raise RequestError(f"unknown field {sorted(unknown)[0]!r}: give split (layer boundaries, e.g. \"18\") and "
+                           "optionally pipeline", param=sorted(unknown)[0])
+    pipeline = body.get("pipeline", 0)
+    replicas = gw.replicas.all
+    if type(pipeline) is not int or not 0 <= pipeline < len(replicas):
+        raise RequestError(f"pipeline must be an index within 0..{len(replicas) - 1}", param="pipeline")
+    split = body.get("split")
+    if isinstance(split, list) and len(split) < 256 and all(type(b) is int for b in split):
+        split = ",".join(map(str, split))
+    if not isinstance(split, str) or len(split) > 2048:
+        raise RequestError("split must be the layer boundaries between stages: a string such as \"18\" or "
+                           "\"10,20\", or a list of integers", param="split")
+    replica = replicas[pipeline]
+    try:
+        ranges = parse_split(split, replica.pipeline.num_layers)
+        return web.json_response(await replica.engine.resplit(ranges))
+    except LayerRangeError as e:
+        raise RequestError(f"split {split!r}: {e}", param="split", code="bad_split") from None
+    except ResplitError as e:
+        code = "bad_split" if e.status == 400 else "resplit_refused"
+        raise RequestError(str(e), param="split" if e.status == 400 else None, status=e.status, code=code) from None
+
+
 def add_mesh_view(app: web.Application, gateway: Gateway) -> None:
     """Routes and the sampler task of the mesh view (called by make_app)."""
     app[MESH_VIEW] = MeshView(gateway)
@@ -258,3 +303,4 @@ def add_mesh_view(app: web.Application, gateway: Gateway) -> None:
     app.cleanup_ctx.append(sampler)
     app.router.add_get("/v1/mesh", mesh_snapshot)
     app.router.add_get("/v1/mesh/stream", mesh_stream)
+    app.router.add_post("/v1/mesh/resplit", mesh_resplit)

@@ -12,6 +12,8 @@ from shared.wire.transport import TransportStats
 
 REJECT_STATUSES = ("400", "401", "403", "404", "408", "413", "429", "500", "503")
 OUTCOMES = ("stop", "length", "cancelled", "timeout", "error")
+RESPLIT_OUTCOMES = ("done", "refused", "failed")  # failed: a commit not confirmed, the pipeline's state declared lost
+RESPLIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300)
 HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
@@ -57,6 +59,16 @@ class GatewayMetrics:
             "stagemesh_gateway_unknown_sequence_failovers",
             "Failovers because a stage answered unknown_sequence (it restarted between health polls, or a holder of "
             "the last stage's key forged the answer)", registry=r)
+        self.resplits = Counter("stagemesh_gateway_resplits", "Live re-splits of a pipeline (layers moved between "
+                                "stages with their K/V) by outcome", ["outcome", "trigger"], registry=r)
+        for o in RESPLIT_OUTCOMES:
+            for trigger in ("asked", "auto"):
+                self.resplits.labels(o, trigger)
+        self.resplit_pause = Histogram("stagemesh_gateway_resplit_pause_seconds", "How long a re-split held the "
+                                       "pipeline's micro-batches (drain, load, K/V move, flip)",
+                                       buckets=RESPLIT_BUCKETS, registry=r)
+        self.resplit_kv_bytes = Counter("stagemesh_gateway_resplit_kv_bytes", "K/V bytes re-splits moved between "
+                                        "stages", registry=r)
         self.pipeline_ready = Gauge("stagemesh_gateway_pipeline_ready", "1 when every stage is ready and consistent",
                                     registry=r)
 

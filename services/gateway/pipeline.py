@@ -131,6 +131,7 @@ class Pipeline:
         self.on_unexpected_result: Callable[[], None] | None = None  # handed to the client (the gateway counts)
         self.stall_s = stall_s
         self.name = ""  # its replica name when the gateway serves several (services/gateway/replicas.py): logs say it
+        self.resplitting = False  # a live re-split is moving layers: the stages' ranges pass through inconsistent ones
         self.spare: set[str] = set()  # sequences the first release_all leaves live: the gateway re-adopts them in place
         # (why, monotonic time it holds until, the stages' incarnations then) after a micro-batch was lost
         self._stall: tuple[str, float, list[str]] | None = None
@@ -261,7 +262,12 @@ class Pipeline:
         return None
 
     async def check(self) -> None:
-        self.infos = list(await asyncio.gather(*(self._info(u) for u in self.stage_urls)))
+        if self.resplitting:  # Engine.resplit checks again once the stages serve the new split
+            return
+        infos = list(await asyncio.gather(*(self._info(u) for u in self.stage_urls)))
+        if self.resplitting:  # a re-split began while they were asked: what they said may be half-way
+            return
+        self.infos = infos
         self.cache_identity = self._cache_identity()  # once per poll, not per scheduler step
         problem = check_pipeline(self.infos, self.fingerprint, self.num_layers)
         if problem is None:

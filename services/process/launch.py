@@ -67,6 +67,14 @@ class StageProcess:
         with open(self.log_path, mode) as out:  # the child keeps its own copy of the descriptor
             return subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env)
 
+    def serve_layers(self, layers: str) -> None:
+        """From its next start on, the stage serves `layers` (START:STOP): the range a live re-split moved it to, so
+        that a restart after it fits its neighbours."""
+        if "--layers" in self.args:
+            self.args[self.args.index("--layers") + 1] = layers
+        else:
+            self.args += ["--layers", layers]
+
     @property
     def url(self) -> str:
         return f"http://{self.http}"

@@ -30,7 +30,7 @@ from shared.observe.otlp import OtlpTracer
 from shared.runtime.model_files import ModelFiles
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.mesh_keys import SocketKeys
-from shared.wire.protocol import BatchError, ForwardBatch, ReleaseSeqs
+from shared.wire.protocol import BatchError, ForwardBatch, KVParcel, ReleaseSeqs, Resplit
 from shared.wire.transport import ZmqTransport
 
 log = logging.getLogger("stagemesh.stage")
@@ -134,7 +134,8 @@ async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config
         await runner.cleanup()
         raise
     position = runtime.model.position
-    transport = ZmqTransport(place.listen, place.next, accept=(ForwardBatch, ReleaseSeqs, BatchError), keys=keys)
+    transport = ZmqTransport(place.listen, place.next, accept=(ForwardBatch, ReleaseSeqs, BatchError, Resplit, KVParcel),
+                              keys=keys)
     io = StageIO(transport, prefetch=place.prefetch)
     identity = StageIdentity(files.loader.model_name, files.loader.fingerprint, layers, files.config.num_layers,
                              position, str(dtype).removeprefix("torch."), listen=place.listen, index=place.index)

@@ -20,11 +20,13 @@ def _buckets(t: Timings) -> list[tuple[str, int]]:
 class StageCollector:
     """Every stage metric, from `stats` (the ledger), `kv` (its slots) and `queue_depth` (prefetched inputs)."""
 
-    def __init__(self, stats: StageStats, kv: KVCache, queue_depth: Callable[[], int]):
-        self.stats, self.kv, self.queue_depth = stats, kv, queue_depth
+    def __init__(self, stats: StageStats, kv: KVCache | Callable[[], KVCache], queue_depth: Callable[[], int]):
+        # kv: the cache, or how to find the current one (a live re-split gives the stage another)
+        self.stats, self.queue_depth = stats, queue_depth
+        self.kv = kv if callable(kv) else (lambda: kv)
 
     def collect(self):
-        s, t, kv = self.stats, self.stats.transport, self.kv
+        s, t, kv = self.stats, self.stats.transport, self.kv()
         yield CounterMetricFamily("stagemesh_stage_microbatches", "Micro-batches computed", value=s.microbatches)
         yield CounterMetricFamily("stagemesh_stage_tokens", "Tokens computed", value=s.tokens)
         yield CounterMetricFamily("stagemesh_stage_busy_seconds", "Seconds spent computing", value=s.busy_seconds)
@@ -32,6 +34,8 @@ class StageCollector:
                                   "input", value=s.waiting_seconds)
         yield CounterMetricFamily("stagemesh_stage_slots_reclaimed", "KV slots released because their lease expired "
                                   "(no micro-batch used them within --slot-lease)", value=s.reclaimed)
+        yield CounterMetricFamily("stagemesh_stage_resplits", "Live re-splits this stage committed (its layers "
+                                  "moved, or its neighbours')", value=s.resplits)
         yield CounterMetricFamily("stagemesh_stage_microbatch_errors", "Micro-batches that failed on this stage",
                                   value=s.errors)
         compute = HistogramMetricFamily("stagemesh_stage_compute_seconds", "Compute time per micro-batch, by its size "
@@ -80,7 +84,7 @@ class StageCollector:
                                 "(windowed: rate(waiting) / (rate(waiting) + rate(busy)))", value=s.bubble_ratio)
 
 
-def stage_registry(stats: StageStats, kv: KVCache, queue_depth: Callable[[], int]) -> CollectorRegistry:
+def stage_registry(stats: StageStats, kv: KVCache | Callable[[], KVCache], queue_depth: Callable[[], int]) -> CollectorRegistry:
     """The registry /metrics serves: one collector over the ledger."""
     registry = CollectorRegistry()
     registry.register(StageCollector(stats, kv, queue_depth))

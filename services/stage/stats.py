@@ -64,6 +64,7 @@ class StageStats:
     waiting_seconds: float = 0.0  # the compute loop waiting for input
     reclaimed: int = 0  # KV slots released because their lease expired
     errors: int = 0  # micro-batches that failed on this stage
+    resplits: int = 0  # live re-splits this stage committed (shared/runtime/resplit.py), its layers changed or not
 
     def computed(self, seconds: float, tokens: int) -> None:
         """One micro-batch of `tokens` tokens took `seconds` to compute."""

@@ -11,7 +11,7 @@ import queue
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -26,15 +26,18 @@ from shared.files.layers import LayerRange, StagePosition
 from shared.kernels import plans, qdot
 from shared.observe.log_throttle import throttled
 from shared.observe.otlp import OtlpTracer, trace_id_of
+from shared.runtime.resplit import StageResplit
 from shared.runtime.stage_runtime import StageRuntime
 from shared.runtime.trace import CaptureHook
 from shared.wire.protocol import (
     BatchError,
     BatchResult,
     ForwardBatch,
+    KVParcel,
     Message,
     ReleaseDone,
     ReleaseSeqs,
+    Resplit,
     sampling_rows,
 )
 from shared.wire.stage_info import StageInfo
@@ -62,6 +65,7 @@ class StageIdentity:
         return f"stage[{self.layers}]"
 
 
+LOAD_CHECK_S = 0.01  # how often the compute thread, idle, looks whether a re-split's load is done
 RECENT_MB = 64  # micro-batch ids /info lists as taken in and passed on: the gateway finds where a lost one stopped
 
 
@@ -99,7 +103,12 @@ class StageWorker:
         self.io = io
         self.identity = identity
         self.stats = StageStats(transport=io.transport.stats)  # the one ledger: /info and /metrics both read it
-        self.registry = stage_registry(self.stats, runtime.kv, lambda: io.queue_depth)
+        self.registry = stage_registry(self.stats, lambda: self.runtime.kv, lambda: io.queue_depth)
+        self.resplit = StageResplit(identity.num_layers)  # a live re-split's state (the gateway drives it)
+        # a re-split's new range loads on a thread of its own while this stage serves on (a second OpenMP team for
+        # the length of the load): (its prepare message, the load), until the compute thread passes the message on
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resplit-load")
+        self._loading: tuple[Resplit, Future] | None = None
         # every torch op of the stage runs on this one thread (see compute_executor)
         self.compute_thread = compute_thread or compute_executor()
         # the ids of the last RECENT_MB ForwardBatches this stage took in, and passed on (result or hidden state)
@@ -119,6 +128,7 @@ class StageWorker:
             if not serving.done():
                 await asyncio.wrap_future(serving)
             self.compute_thread.shutdown(wait=False, cancel_futures=True)
+            self._loader.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self) -> None:
         """The compute thread's loop: every input in arrival order, each computed (or released, or passed on) and its
@@ -126,9 +136,10 @@ class StageWorker:
         io = self.io
         while True:
             self._reclaim_expired()
+            self._finish_loading()
             t0 = time.perf_counter()
             try:
-                msg = io.inputs.get(timeout=self.lease_check_s)
+                msg = io.inputs.get(timeout=self.lease_check_s if self._loading is None else LOAD_CHECK_S)
             except queue.Empty:
                 continue  # the lease check is due
             finally:
@@ -157,6 +168,82 @@ class StageWorker:
             self._release(msg)
         elif isinstance(msg, BatchError):  # an earlier stage failed this micro-batch: pass it on to the client
             self.io.send(msg)
+        elif isinstance(msg, Resplit):
+            self._resplit(msg)
+        elif isinstance(msg, KVParcel):
+            self._take_parcel(msg)
+
+    def _resplit(self, msg: Resplit) -> None:
+        """Runs in the compute thread: this stage's part of one phase of a live re-split (shared/runtime/resplit.py),
+        then the message passes on. A stage that cannot do its part says why in the message (the first refusal
+        wins) and drops what it prepared; the gateway then aborts the re-split everywhere."""
+        if msg.error is not None and msg.phase != "abort":  # an earlier stage refused: nothing to do here
+            self.resplit.abort()
+            self.io.send(msg)
+            return
+        self._finish_loading(wait=True)  # a phase after a prepare still loading (the gateway waits for it first)
+        if msg.phase == "prepare":  # load beside the serving: the message passes on once it is loaded
+            runtime = self.runtime
+            self._loading = (msg, self._loader.submit(self.resplit.prepare, msg, runtime))
+            return
+        report = None
+        try:
+            if msg.phase == "move":
+                for parcel in self.resplit.parcels(msg, self.runtime):
+                    self.io.send(parcel)  # ahead of the Resplit, on the same link: each arrives before the commit
+            elif msg.phase == "commit":
+                runtime, report = self.resplit.commit(msg, self.runtime)
+                self._serve_with(runtime)
+            else:
+                self.resplit.abort()
+        except Exception as e:
+            self.resplit.abort()
+            known = isinstance(e, StagemeshError)
+            log.warning("re-split %d (%s) refused on %s: %s: %s", msg.rid, msg.phase, self.identity.name,
+                        type(e).__name__, e, exc_info=None if known else e)
+            msg.error = f"{self.identity.name}: {e if known else f'{type(e).__name__}: {e}'}"[:1000]
+        if report is not None and msg.phase == "commit":
+            msg.report.append(report)
+        self.io.send(msg)
+
+    def _finish_loading(self, wait: bool = False) -> None:
+        """A prepare whose load is done (or, with wait, once it is) passes on: with the stage's refusal if it
+        failed. Runs in the compute thread, between inputs."""
+        if self._loading is None or not (wait or self._loading[1].done()):
+            return
+        msg, loading = self._loading
+        self._loading = None
+        try:
+            loading.result()
+        except Exception as e:
+            self.resplit.abort()
+            known = isinstance(e, StagemeshError)
+            log.warning("re-split %d refused on %s: %s: %s", msg.rid, self.identity.name, type(e).__name__, e,
+                        exc_info=None if known else e)
+            msg.error = f"{self.identity.name}: {e if known else f'{type(e).__name__}: {e}'}"[:1000]
+        self.io.send(msg)
+
+    def _serve_with(self, runtime: StageRuntime) -> None:
+        """Serve from now on with `runtime` (a committed re-split's: the same one when this stage's layers stayed)."""
+        self.stats.resplits += 1
+        if runtime is self.runtime:
+            return
+        before = self.identity.layers
+        self.runtime = runtime
+        self.identity.layers = runtime.model.layers  # /info's layers: the gateway checks the new split there
+        self.__dict__.pop("_weights_info", None)  # the cached_property, of the old range
+        log.info("re-split: %s now serves layers %s (was %s), %d sequences' K/V in place", self.identity.name,
+                 runtime.model.layers, before, len(runtime.kv.holders))
+
+    def _take_parcel(self, parcel: KVParcel) -> None:
+        """Runs in the compute thread: K/V of a re-split's moved layers, taken if it is this stage's, else passed on
+        (one for an upstream stage travels on around the ring)."""
+        try:
+            if not self.resplit.take(parcel, self.runtime):
+                self.io.send(parcel)
+        except StagemeshError as e:
+            throttled(log, logging.WARNING, "parcel", "dropped K/V of %r in re-split %d: %s", parcel.seq_id,
+                      parcel.rid, e)
 
     def _release(self, msg: ReleaseSeqs) -> None:
         """Runs in the compute thread: free the released sequences' slots, keep the kept ones as cached prefixes, and

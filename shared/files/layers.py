@@ -120,3 +120,29 @@ def check_cover(ranges: list[LayerRange], num_layers: int) -> None:
         expected = rng.stop
     if expected != num_layers:
         raise LayerRangeError(f"layers {expected}:{num_layers} are served by no stage (the model has {num_layers})")
+
+
+def check_resplit(old: list[LayerRange], new: list[LayerRange], num_layers: int) -> None:
+    """Raise (LayerRangeError, naming what is wrong) unless `new` is a split the stages now serving `old` can move
+    to live: as many stages, both splits contiguous in pipeline order and covering every layer, every stage keeping
+    at least one layer (so none changes position: the first still embeds, the last still holds the lm_head), and
+    every layer moving at most to a neighbouring stage (its K/V travels one hop)."""
+    if len(new) != len(old):
+        raise LayerRangeError(f"the split has {len(new)} stages and the mesh {len(old)}: a re-split moves layers "
+                              f"between the stages there are (give {len(old) - 1} layer boundaries)")
+    for name, ranges in (("the mesh's split", old), ("the new split", new)):
+        edges = [r.start for r in ranges] + [num_layers]
+        if ranges[0].start != 0 or any(r.stop != e for r, e in zip(ranges, edges[1:])):
+            raise LayerRangeError(f"{name} {', '.join(map(str, ranges))} is not contiguous from 0 to {num_layers}: "
+                                  "each stage must start where the one before it stops")
+    owner_old = [i for i, r in enumerate(old) for _ in r]
+    owner_new = [i for i, r in enumerate(new) for _ in r]
+    for layer, (a, b) in enumerate(zip(owner_old, owner_new)):
+        if abs(a - b) > 1:
+            raise LayerRangeError(f"layer {layer} would move from stage {a} to stage {b}: a re-split moves layers only "
+                                  "between neighbouring stages (their K/V moves one hop); split the move into steps")
+
+
+def boundaries(ranges: list[LayerRange]) -> str:
+    """0:15, 15:30 -> "15" (the --split form of a split)."""
+    return ",".join(str(r.stop) for r in ranges[:-1])

@@ -535,6 +535,34 @@ class KVCache:
         self._touched[seq_id] = time.monotonic()
         return slot
 
+    def row_of(self, seq_id: Hashable) -> tuple[int, int]:
+        """(slot, positions written) of a sequence the cache holds, live or kept, without touching its lease."""
+        slot = self._slot_of[seq_id]
+        return slot, self.filled[slot]
+
+    def take_over(self, old: KVCache, layers: dict[int, int]) -> None:
+        """This cache, new and empty, takes every sequence `old` holds (a stage's re-split: the same rows, a new range
+        of layers): each one's slot, lease, written positions and kept-prefix standing, and the K/V of the layers
+        both caches hold (`layers`: this cache's local layer -> old's), positions [0, written). The other layers'
+        K/V the caller writes itself. Pages `old` shared between rows are copied here, each row its own."""
+        if len(self.filled) != len(old.filled) or self.max_seq_len != old.max_seq_len \
+                or self.k[0].shape[1:] != old.k[0].shape[1:] or self.k[0].dtype != old.k[0].dtype:
+            raise ValueError("a KV cache takes over another's sequences only with the same rows, context, kv heads, "
+                             "head dim and dtype")
+        if self._slot_of:
+            raise ValueError("take_over fills an empty KV cache")
+        self._free = list(old._free)
+        self._slot_of = dict(old._slot_of)
+        self._touched = dict(old._touched)
+        self._kept = OrderedDict(old._kept)
+        self.filled = list(old.filled)
+        self.evicted = old.evicted
+        for slot in self._slot_of.values():
+            n = self.filled[slot]
+            for mine, theirs in layers.items():
+                self.k[mine][slot, :, :n].copy_(old.k[theirs][slot, :, :n])
+                self.v[mine][slot, :, :n].copy_(old.v[theirs][slot, :, :n])
+
     def untouched_since(self, cutoff: float) -> list[Hashable]:
         """Sequences whose slot has not been allocated or used since monotonic time `cutoff` (expired leases; kept
         prefixes have none)."""

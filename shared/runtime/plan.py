@@ -249,3 +249,47 @@ def _why_not(model: ModelFacts, hosts: list[Host], work: Workload) -> str:
     return ("; ".join(over) + f". In all the model needs {gib(need)} on {len(hosts)} host(s), which have "
             f"{gib(sum(h.memory for h in hosts))}: add memory or a host, or plan for fewer --streams or a shorter "
             "--context")
+
+
+# ---- re-splitting a mesh at work by its measured times (`stagemesh rebalance`, the gateway's --auto-rebalance) -------
+
+UNBOUNDED = 1 << 62  # memory: the stages' own budgets are not measured here; the split is by time alone
+MIN_MICROBATCHES = 8  # a window with fewer is no measurement
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage's share of the window: its layers and busy milliseconds per micro-batch."""
+
+    layers: LayerRange
+    ms_per_microbatch: float
+
+
+def hosts_from(model: ModelFacts, times: list[StageTime]) -> list[Host]:
+    """Each stage's host with the ms per layer its window measured (the last one's head in layer units)."""
+    hosts = []
+    for i, t in enumerate(times):
+        blocks = len(t.layers) + (model.head_cost_in_layers if t.layers.stop == model.num_layers else 0.0)
+        hosts.append(Host(f"stage {i}", UNBOUNDED, max(t.ms_per_microbatch / blocks, 1e-6), overhead_ms=0.0))
+    return hosts
+
+
+def proposal(model: ModelFacts, times: list[StageTime], streams: int) -> dict:
+    """The measured speeds, the split proposed and the predicted gain (JSON-able)."""
+    hosts = hosts_from(model, times)
+    work = Workload(streams=streams)
+    now = predict(model, hosts, [t.layers for t in times], work)
+    best = plan(model, hosts, work)
+    if max(best.stage_ms) >= max(now.stage_ms):  # no better split: keep the one running
+        best = now
+    return {
+        "stages": [{"stage": i, "layers": str(t.layers), "ms_per_microbatch": round(t.ms_per_microbatch, 3),
+                    "ms_per_layer": round(h.ms_per_layer, 4), "proposed_layers": str(r),
+                    "predicted_ms_now": round(a, 3), "predicted_ms_proposed": round(b, 3)}
+                   for i, (t, h, r, a, b) in enumerate(zip(times, hosts, best.ranges, now.stage_ms, best.stage_ms))],
+        "split_now": ",".join(str(t.layers.stop) for t in times[:-1]),
+        "split_proposed": ",".join(str(r.stop) for r in best.ranges[:-1]),
+        "slowest_stage_ms_now": round(max(now.stage_ms), 3), "slowest_stage_ms_proposed": round(max(best.stage_ms), 3),
+        "predicted_gain": round(max(now.stage_ms) / max(best.stage_ms), 3),
+        "streams": streams,
+    }

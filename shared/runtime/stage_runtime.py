@@ -35,6 +35,7 @@ class StageRuntime:
         self.kv = kv
         self.compiled = compiled  # one-sequence decode steps under torch.compile (--compile-decode), else None
         self.eager_reason = eager_reason  # why there is no compiled step (when compiled is None)
+        self._spec: dict | None = None  # how load() loaded it: what reload() loads another range with
 
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -54,6 +55,10 @@ class StageRuntime:
         up for room, so they never decide whether the weights fit."""
         if compile_decode not in COMPILE_MODES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
+        spec = dict(loader=loader, dtype=dtype, device=device, kv_slots=kv_slots, max_seq_len=max_seq_len,
+                    weights=weights, batch_invariant=batch_invariant, compile_decode=compile_decode,
+                    memory_budget=memory_budget, thread_counts=thread_counts, prefix_slots=prefix_slots,
+                    prefix_memory=prefix_memory)
         model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant,
                                            memory_budget=memory_budget, kv_slots=kv_slots, max_seq_len=max_seq_len)
         apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
@@ -76,9 +81,11 @@ class StageRuntime:
         if reason is not None:
             if compile_decode == "auto":
                 log.info("layers %s decode eagerly: %s", model.layers, reason)
-            return cls(model, model.new_kv_cache(kv_slots, max_seq_len, device, prefix_slots=prefix_slots,
-                                                 prefix_bytes=prefix_memory, live_bytes=live_bytes),
-                       eager_reason=reason)
+            runtime = cls(model, model.new_kv_cache(kv_slots, max_seq_len, device, prefix_slots=prefix_slots,
+                                                    prefix_bytes=prefix_memory, live_bytes=live_bytes),
+                          eager_reason=reason)
+            runtime._spec = spec
+            return runtime
         kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True,  # the warm-up writes the scratch row
                                 prefix_slots=prefix_slots, prefix_bytes=prefix_memory, live_bytes=live_bytes)
         # the one-sequence step: a saved AOTInductor package where one applies ($STAGEMESH_AOTI_CACHE), keyed by
@@ -89,7 +96,17 @@ class StageRuntime:
             compiled.warm_up()
         else:
             compiled.warm_up_in_background()
-        return cls(model, kv, compiled)
+        runtime = cls(model, kv, compiled)
+        runtime._spec = spec
+        return runtime
+
+    def reload(self, layers: LayerRange) -> StageRuntime:
+        """A new runtime for another range of the same model, loaded as this one was (the file's own map, the same
+        dtype, weights mode, KV rows and context, budget and compiled step): a stage's side of a live re-split. Its
+        KV cache is empty (KVCache.take_over fills it)."""
+        if self._spec is None:
+            raise CapabilityMissing("this runtime was not loaded by StageRuntime.load and cannot load another range")
+        return StageRuntime.load(layers=layers, **self._spec)
 
     def compiled_decode_info(self) -> dict:
         """What /info reports of the compiled decode step: CompiledDecode.info(), or why decode is eager."""

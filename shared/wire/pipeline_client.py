@@ -13,7 +13,15 @@ import zmq.asyncio
 from shared.errors import StagemeshError
 from shared.observe.log_throttle import throttled
 from shared.wire.mesh_keys import SocketKeys
-from shared.wire.protocol import BatchError, BatchResult, ForwardBatch, ReleaseDone, ReleaseSeqs
+from shared.wire.protocol import (
+    BatchError,
+    BatchResult,
+    ForwardBatch,
+    KVParcel,
+    ReleaseDone,
+    ReleaseSeqs,
+    Resplit,
+)
 from shared.wire.transport import ZmqTransport
 
 log = logging.getLogger("stagemesh.client")
@@ -34,14 +42,17 @@ class PipelineClient:
 
     def __init__(self, first_stage: str, result_listen: str, *, keys: SocketKeys | None,
                  ctx: zmq.asyncio.Context | None = None):
-        self.transport = ZmqTransport(result_listen, first_stage, accept=(BatchResult, BatchError, ReleaseDone),
-                                      keys=keys, ctx=ctx)
+        self.transport = ZmqTransport(result_listen, first_stage,
+                                      accept=(BatchResult, BatchError, ReleaseDone, Resplit, KVParcel), keys=keys, ctx=ctx)
         self._pending: dict[int, asyncio.Future] = {}
         self._mb_ids = itertools.count(1)
         self.releases_acknowledged = 0  # sequences the last stage confirmed released
         self.unexpected = 0  # results and errors for micro-batches not in flight, dropped
         self.on_unexpected: Callable[[], None] | None = None  # called for each (the gateway counts them)
         self._tasks: list[asyncio.Task] = []
+        self._resplit: tuple[int, str, asyncio.Future] | None = None  # the re-split phase in flight: (rid, phase, answer)
+        self._rids = itertools.count(1)
+        self.parcels_relayed = 0  # re-splits' K/V parcels passed on around the ring (to an upstream stage)
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive_loop(), name="pipeline-results"),
@@ -97,11 +108,46 @@ class PipelineClient:
         the sequences it re-adopts where they are."""
         await self.transport.send(ReleaseSeqs([], everything=True, spare=list(spare)))
 
+    def next_rid(self) -> int:
+        return next(self._rids)
+
+    async def resplit(self, msg: Resplit) -> Resplit:
+        """Send one phase of a live re-split through the pipeline and wait for it to come back (every stage did its
+        part, or the message names the one that refused). Meanwhile the K/V parcels that come round to the gateway
+        (for an upstream stage) are passed on into the first stage, ahead of anything sent after them. The caller
+        bounds the wait (the phase is then lost: it aborts or declares the pipeline lost)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._resplit = (msg.rid, msg.phase, fut)
+        try:
+            await self.transport.send(msg)
+            return await fut
+        finally:
+            self._resplit = None
+
+    async def _relay(self, parcel: KVParcel) -> None:
+        if self._resplit is None or self._resplit[0] != parcel.rid:
+            throttled(log, logging.INFO, "parcel", "dropped K/V of %r for re-split %d, which is not running",
+                      parcel.seq_id, parcel.rid)
+            return
+        await self.transport.send(parcel)
+        self.parcels_relayed += 1
+
     async def _receive_loop(self) -> None:
         while True:
             msg = await self.transport.receive()
             if isinstance(msg, ReleaseDone):
                 self.releases_acknowledged += len(msg.seq_ids)
+                continue
+            if isinstance(msg, KVParcel):
+                await self._relay(msg)
+                continue
+            if isinstance(msg, Resplit):
+                want = self._resplit
+                if want is not None and (msg.rid, msg.phase) == want[:2] and not want[2].done():
+                    want[2].set_result(msg)
+                else:
+                    throttled(log, logging.INFO, "resplit", "dropped re-split %d's %s, which is not awaited",
+                              msg.rid, msg.phase)
                 continue
             fut = self._pending.pop(msg.mb_id, None)
             if fut is None or fut.done():  # abandoned after a failover, or never ours: never acted on

@@ -23,15 +23,19 @@ from shared.batch.sampling import MAX_TOP_LOGPROBS, WIRE_FIELDS, LogitInputs, Sa
 from shared.batch.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
 from shared.errors import ERROR_CODES, BadBatch
 
-PROTOCOL_VERSION = 5  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
+PROTOCOL_VERSION = 6  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
 # 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields, the
-# result's top alternatives ("top"); 5: decode steps of several positions ("n"), the result's per-sequence "counts"
+# result's top alternatives ("top"); 5: decode steps of several positions ("n"), the result's per-sequence "counts";
+# 6: the live re-split ("resplit" phases and the "kv" parcels of moved layers' K/V)
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
 MAX_TOKENS_PER_BATCH = 1 << 16
 MAX_SEQ_ID_LEN = 128
 MAX_IN_FLIGHT = 1 << 16  # a forward header's "inflight" (micro-batches in flight in the pipeline)
+MAX_STAGES = 256  # stages of one pipeline a re-split names
+MAX_LAYERS = 1 << 12  # a layer index a re-split or a K/V parcel names
+MAX_REPORT_CHARS = 1000  # a re-split's error text
 # W3C trace context (https://www.w3.org/TR/trace-context/#traceparent-header), version 00: trace id, span id (neither
 # all zeros), flags. Present in a header only when the gateway runs with --otlp-endpoint (shared.observe.otlp).
 TRACEPARENT_LEN = 55
@@ -180,7 +184,52 @@ class ReleaseDone:
     seq_ids: list[str]
 
 
-Message = Union[ForwardBatch, ReleaseSeqs, BatchResult, BatchError, ReleaseDone]
+RESPLIT_PHASES = ("prepare", "move", "commit", "abort")
+
+
+@dataclass
+class Resplit:
+    """The gateway's live re-split, one phase at a time (shared/runtime/resplit.py): it travels the pipeline like a
+    micro-batch, each stage doing its part and passing it on, and comes back to the gateway. `old`: each stage's
+    layers now, (start, stop) in pipeline order (a stage finds itself there); `new`: each one's layers after.
+    prepare: each stage whose layers change loads the new range from its own copy of the file; move: each stage
+    sends the K/V of the layers it gives away (KVParcel) ahead of this message; commit: each stage takes its new
+    layers and K/V and serves with them; abort: a stage drops what it prepared. `error`: the first stage that
+    refused, and why (the stages after it do nothing but pass it on). `report`: one map per stage that did its part
+    (numbers only, for the gateway's log)."""
+
+    rid: int
+    phase: str
+    old: list[tuple[int, int]]
+    new: list[tuple[int, int]]
+    error: str | None = None
+    report: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class KVParcel:
+    """K/V of one sequence's moved layers [start, stop), positions [0, length), on its way to stage `to` of re-split
+    `rid` (a parcel for an upstream stage travels on around the ring through the gateway). k, v: [layers, kv_heads,
+    length, head_dim] in the KV cache's dtype."""
+
+    rid: int
+    to: int
+    seq_id: str
+    start: int
+    stop: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+Message = Union[ForwardBatch, ReleaseSeqs, BatchResult, BatchError, ReleaseDone, Resplit, KVParcel]
 
 
 # ---- encoding -------------------------------------------------------------------------------------------------
@@ -255,6 +304,14 @@ def encode(msg: Message) -> list:
     elif isinstance(msg, BatchError):
         header = {"kind": "error", "mb": msg.mb_id, "stage": msg.stage, "code": msg.code, "message": msg.message,
                   "seq_ids": msg.seq_ids}
+    elif isinstance(msg, Resplit):
+        header = {"kind": "resplit", "rid": msg.rid, "phase": msg.phase, "old": [list(r) for r in msg.old],
+                  "new": [list(r) for r in msg.new], "report": msg.report}
+        if msg.error is not None:
+            header["error"] = msg.error
+    elif isinstance(msg, KVParcel):
+        header = {"kind": "kv", "rid": msg.rid, "to": msg.to, "seq": msg.seq_id, "start": msg.start, "stop": msg.stop}
+        tensors += [("k", msg.k), ("v", msg.v)]
     else:
         raise TypeError(f"cannot encode {type(msg).__name__}")
     header["v"] = PROTOCOL_VERSION
@@ -375,7 +432,7 @@ def _captures(header: dict) -> list:
     return caps
 
 
-def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
+def _tensors(header: dict, frames: list, names: tuple[str, ...] = ("tokens", "hidden")) -> dict[str, torch.Tensor]:
     descs = header.get("tensors")
     _need(isinstance(descs, list), "schema", "field 'tensors' must be a list")
     _need(len(frames) == 1 + len(descs), "frames",
@@ -384,18 +441,18 @@ def _tensors(header: dict, frames: list) -> dict[str, torch.Tensor]:
     used: set[int] = set()
     total = 0
     for d in descs:
-        name, tensor = _tensor(d, frames, used, out)
+        name, tensor = _tensor(d, frames, used, out, names)
         total += tensor.nbytes
         _need(total <= MAX_TENSOR_BYTES, "oversize", lambda: f"tensors exceed {MAX_TENSOR_BYTES} bytes")
         out[name] = tensor
     return out
 
 
-def _tensor(d: Any, frames: list, used: set[int], seen: dict) -> tuple[str, torch.Tensor]:
+def _tensor(d: Any, frames: list, used: set[int], seen: dict, names: tuple[str, ...]) -> tuple[str, torch.Tensor]:
     """One tensor descriptor of the header -> (its name, the tensor over its frame's bytes); marks its frame used."""
     _need(isinstance(d, dict) and isinstance(d.get("name"), str), "schema", "tensor descriptor needs a name")
     name = d["name"]
-    _need(name in ("tokens", "hidden") and name not in seen, "schema", lambda: f"unexpected or repeated tensor {name!r}")
+    _need(name in names and name not in seen, "schema", lambda: f"unexpected or repeated tensor {name!r}")
     dtype = d.get("dtype")
     _need(dtype in WIRE_DTYPES, "dtype", lambda: f"tensor {name} dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
     shape = d.get("shape")
@@ -504,4 +561,51 @@ def decode(frames: list) -> Message:
         _need(isinstance(msg, str) and isinstance(header.get("stage"), str), "schema", "error needs stage and message")
         _need(header.get("code") in ERROR_CODES, "schema", lambda: f"error code must be one of {sorted(ERROR_CODES)}")
         return BatchError(_int(header, "mb"), header["stage"], header["code"], msg, _str_list(header, "seq_ids"))
-    raise ProtocolError("kind", f"message kind {kind!r} is not one of forward, release, released, result, error")
+    if kind == "resplit":
+        return _resplit(header)
+    if kind == "kv":
+        return _parcel(header, frames)
+    raise ProtocolError("kind", f"message kind {kind!r} is not one of forward, release, released, result, error, "
+                                "resplit, kv")
+
+
+def _ranges(header: dict, key: str) -> list[tuple[int, int]]:
+    """A re-split's "old" / "new": 1..MAX_STAGES [start, stop] pairs of layer indices with start < stop. (Whether
+    they form a split the stages can move to is shared.files.layers.check_resplit's question, asked where the
+    model's layer count is known.)"""
+    v = header.get(key)
+    _need(isinstance(v, list) and 0 < len(v) <= MAX_STAGES and all(
+        isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] < r[1] <= MAX_LAYERS
+        for r in v), "schema", lambda: f"field {key!r} must be 1..{MAX_STAGES} [start, stop] layer ranges")
+    return [(a, b) for a, b in v]
+
+
+def _resplit(header: dict) -> Resplit:
+    phase = header.get("phase")
+    _need(phase in RESPLIT_PHASES, "schema", lambda: f"resplit phase must be one of {', '.join(RESPLIT_PHASES)}")
+    old, new = _ranges(header, "old"), _ranges(header, "new")
+    _need(len(old) == len(new), "schema", "a resplit's old and new splits must name as many stages")
+    error = header.get("error")
+    _need(error is None or (isinstance(error, str) and len(error) <= MAX_REPORT_CHARS), "schema",
+          lambda: f"resplit error must be a string of at most {MAX_REPORT_CHARS} characters")
+    report = header.get("report", [])
+    _need(isinstance(report, list) and len(report) <= MAX_STAGES and all(
+        isinstance(r, dict) and len(r) <= 16 and all(
+            isinstance(k, str) and len(k) <= 32 and type(v) in (int, float) for k, v in r.items()) for r in report),
+          "schema", lambda: f"resplit report must be at most {MAX_STAGES} maps of up to 16 numbers")
+    return Resplit(_int(header, "rid"), phase, old, new, error, report)
+
+
+def _parcel(header: dict, frames: list) -> KVParcel:
+    seq = header.get("seq")
+    _need(isinstance(seq, str) and 0 < len(seq) <= MAX_SEQ_ID_LEN, "schema", "kv parcel needs a sequence id")
+    start, stop = _int(header, "start", 0, MAX_LAYERS), _int(header, "stop", 1, MAX_LAYERS)
+    _need(start < stop, "schema", "kv parcel's layers must be start < stop")
+    tensors = _tensors(header, frames, names=("k", "v"))
+    k, v = tensors.get("k"), tensors.get("v")
+    _need(k is not None and v is not None, "schema", "kv parcel needs tensors k and v")
+    _need(k.dim() == 4 and k.shape == v.shape and k.dtype == v.dtype and k.dtype.is_floating_point
+          and k.shape[0] == stop - start, "shape",
+          lambda: f"kv parcel's k and v must both be floating [{stop - start} layers, kv_heads, length, head_dim], "
+                  f"got {k.dtype} {list(k.shape)} and {v.dtype} {list(v.shape)}")
+    return KVParcel(_int(header, "rid"), _int(header, "to", 0, MAX_STAGES - 1), seq, start, stop, k, v)

@@ -1,0 +1,173 @@
+"""Recovery from an uneven host by a live re-split (issue 58): a 2-stage `stagemesh up --auto-rebalance` under
+--streams streams; after --warm seconds one stage is throttled to --quota of its CPU (cgroup v1 cpu.cfs_quota_us),
+the gateway measures, re-splits live, and the benchmark measures the throughput before the throttle, throttled
+before the re-split, and after it settles, the time from the throttle to the re-split, the worst gap between a
+stream's tokens and the failed requests. --static SPLITS also measures those splits started static under the same
+throttle (the best of them is what the re-split should recover >= 90 % of).
+
+    python -m benchmarks.resplit --streams 16 --quota 0.5 --throttle-stage 1 [--static 12,15,18]
+
+Needs a writable cgroup v1 cpu controller (/sys/fs/cgroup/cpu): it makes one group per throttled stage and removes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import time
+import urllib.request
+
+import aiohttp
+
+from loadtest.client import sse_events
+from services.testing.harness import Report, add_out_arg, running_up
+
+CGROUP = "/sys/fs/cgroup/cpu"
+PERIOD_US = 100_000
+
+
+@contextlib.contextmanager
+def throttled(pid: int, share: float):
+    """The process `pid` (every thread) limited to `share` of the machine's cores while the block runs."""
+    if not os.access(CGROUP, os.W_OK):
+        raise SystemExit(f"{CGROUP} is not writable: run where the cgroup v1 cpu controller is (as root)")
+    path = os.path.join(CGROUP, f"stagemesh-resplit-{pid}")
+    os.makedirs(path, exist_ok=True)
+    root_procs = os.path.join(CGROUP, "cgroup.procs")
+    try:
+        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+            f.write(str(PERIOD_US))
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+            f.write(str(int(share * (os.cpu_count() or 1) * PERIOD_US)))
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        yield
+    finally:
+        with contextlib.suppress(OSError), open(root_procs, "w") as f:
+            f.write(str(pid))
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+class Load:
+    """--streams streams, each sending one completion after another until stopped; every token's time kept."""
+
+    def __init__(self, url: str, streams: int, max_tokens: int):
+        self.url, self.streams, self.max_tokens = url, streams, max_tokens
+        self.tokens: list[float] = []  # perf_counter time of every token
+        self.worst_gap: list[tuple[float, float]] = []  # (time, gap) of each request's longest gap
+        self.failed = 0
+        self.stop = asyncio.Event()
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+            await asyncio.gather(*(self._stream(s, i) for i in range(self.streams)))
+
+    async def _stream(self, s: aiohttp.ClientSession, i: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            body = {"prompt": f"Story {i}.{n}: the lighthouse keeper opened the door and", "stream": True,
+                    "max_tokens": self.max_tokens, "temperature": 0.8, "seed": i * 1000 + n, "ignore_eos": True}
+            last, gap = None, (0.0, 0.0)
+            try:
+                async with s.post(self.url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        self.failed += 1
+                        continue
+                    async for chunk in sse_events(r):
+                        if "error" in chunk:
+                            self.failed += 1
+                            break
+                        now = time.perf_counter()
+                        self.tokens.append(now)
+                        if last is not None and now - last > gap[1]:
+                            gap = (now, now - last)
+                        last = now
+            except (aiohttp.ClientError, TimeoutError):
+                self.failed += 1
+            self.worst_gap.append(gap)
+
+    def rate(self, t0: float, t1: float) -> float:
+        return sum(1 for t in self.tokens if t0 <= t < t1) / max(t1 - t0, 1e-9)
+
+
+def mesh(url: str) -> dict:
+    with urllib.request.urlopen(url + "/v1/mesh", timeout=10) as r:
+        return json.loads(r.read())["pipelines"][0]
+
+
+async def measure(url: str, pid: int, args, auto: bool) -> dict:
+    load = Load(url, args.streams, args.max_tokens)
+    runner = asyncio.create_task(load.run())
+    await asyncio.sleep(args.warm)
+    t_throttle = time.perf_counter()
+    before = load.rate(t_throttle - args.warm / 2, t_throttle)
+    first_resplit = None
+    with throttled(pid, args.quota):
+        deadline = t_throttle + args.settle
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(1.0)
+            done = [r for r in mesh(url)["resplits"] if r["outcome"] == "done"]
+            if auto and done and first_resplit is None:
+                first_resplit = time.perf_counter()
+                deadline = first_resplit + args.after
+        end = time.perf_counter()
+        load.stop.set()
+        await runner
+    throttled_rate = load.rate(t_throttle + 2, (first_resplit or end))
+    after = load.rate(end - min(args.after / 2, end - t_throttle - 2), end)
+    return {"split_end": mesh(url)["split"], "resplits": mesh(url)["resplits"],
+            "tokens_per_s_before": round(before, 2), "tokens_per_s_throttled": round(throttled_rate, 2),
+            "tokens_per_s_after": round(after, 2),
+            "resplit_after_s": None if first_resplit is None else round(first_resplit - t_throttle, 2),
+            "worst_gap_s": round(max((g for _, g in load.worst_gap), default=0.0), 3), "failed": load.failed}
+
+
+def run_one(split: str, args, auto: bool) -> dict:
+    flags = ["--split", split, "--compile-decode", "off", "--batch-invariant"]
+    if auto:
+        flags += ["--auto-rebalance", "--rebalance-window", str(args.window)]
+    with running_up(2, *flags, compiled=False) as gw:
+        pid = gw.stage_pids()[args.throttle_stage]
+        return asyncio.run(measure(gw.url, pid, args, auto))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--split", default="15", help="the split the mesh starts with (default 15)")
+    p.add_argument("--throttle-stage", type=int, default=1, help="which stage is throttled (default 1)")
+    p.add_argument("--quota", type=float, default=0.5, help="its share of the machine's CPU (default 0.5)")
+    p.add_argument("--window", type=float, default=5.0, help="--rebalance-window of the gateway (default 5 s)")
+    p.add_argument("--warm", type=float, default=20.0, help="seconds of load before the throttle (default 20)")
+    p.add_argument("--settle", type=float, default=90.0, help="seconds to wait for a re-split (default 90)")
+    p.add_argument("--after", type=float, default=30.0, help="seconds measured after the first re-split (default 30)")
+    p.add_argument("--static", default="", help="splits (semicolon-separated) also measured static, throttled")
+    add_out_arg(p, "resplit")
+    args = p.parse_args()
+    report = Report("resplit", args.out)
+    report.say(f"2 stages, split {args.split}, stage {args.throttle_stage} throttled to {args.quota:.0%} of the CPU "
+               f"after {args.warm:g} s, {args.streams} streams, --rebalance-window {args.window:g}")
+    auto = run_one(args.split, args, auto=True)
+    report.say(f"auto: {auto['tokens_per_s_before']} tok/s before, {auto['tokens_per_s_throttled']} throttled, "
+               f"{auto['tokens_per_s_after']} after the re-split to {auto['split_end']} (first one "
+               f"{auto['resplit_after_s']} s after the throttle); worst gap {auto['worst_gap_s']} s; "
+               f"{auto['failed']} failed requests")
+    statics = {}
+    for split in [s for s in args.static.split(";") if s.strip()]:
+        statics[split] = run_one(split, args, auto=False)
+        report.say(f"static {split}: {statics[split]['tokens_per_s_after']} tok/s throttled")
+    if statics:
+        best = max(statics.values(), key=lambda r: r["tokens_per_s_after"])
+        report.say(f"re-split recovers {auto['tokens_per_s_after'] / best['tokens_per_s_after']:.0%} of the best "
+                   f"static split's throughput under the throttle")
+    report.write({"auto": auto, "static": statics, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""--auto-rebalance's policy: when to re-split a pipeline live, from its stages' /info polls alone (pure: no socket,
+no task; the engine asks it at every step and runs the re-split it names, Engine.resplit).
+
+Over each window (--rebalance-window) every stage's busy seconds per micro-batch is the same work's time there (every
+micro-batch passes every stage), so its time per layer is that over its layers: shared.runtime.plan.proposal turns
+those into the split that balances them and the gain predicted for it, as `stagemesh rebalance` does. Hysteresis,
+so that the split does not flap: a split is proposed only when two windows in a row propose the same one with at
+least --rebalance-gain predicted; after a re-split, done or refused, it measures afresh, so two whole windows of the
+split now serving must agree again before the next. A layer moves at most to a neighbouring stage per re-split: a
+proposal further away is approached one step at a time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shared.errors import LayerRangeError
+from shared.files.layers import LayerRange, check_resplit, split_at
+from shared.runtime.plan import MIN_MICROBATCHES, ModelFacts, StageTime, proposal
+from shared.wire.stage_info import StageInfo
+
+log = logging.getLogger("stagemesh.gateway.balance")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What a window measures from: each stage's layers, incarnation and cumulative busy / micro-batch counters."""
+
+    at: float
+    layers: tuple[tuple[int, int], ...]
+    incarnations: tuple[str, ...]
+    busy: tuple[float, ...]
+    microbatches: tuple[int, ...]
+
+    @classmethod
+    def of(cls, infos: list[StageInfo]) -> Sample:
+        """`at`: the first stage's own clock at its poll (polls come every few seconds: the gateway's clock would
+        stretch a window over polls it did not see)."""
+        return cls(infos[0].clock_s, tuple(tuple(i.layers) for i in infos), tuple(i.incarnation for i in infos),
+                   tuple(i.busy_seconds for i in infos), tuple(i.microbatches for i in infos))
+
+
+def toward(old: list[LayerRange], target: list[LayerRange], num_layers: int) -> list[LayerRange] | None:
+    """The split one live re-split can move `old` to on the way to `target`: each boundary as far toward its target
+    as moving layers only between neighbours allows. None when that is `old` itself."""
+    before = [r.stop for r in old[:-1]]
+    points = []
+    for i, b in enumerate(r.stop for r in target[:-1]):
+        lo = before[i - 1] if i > 0 else 1
+        hi = before[i + 1] if i + 1 < len(before) else num_layers - 1
+        points.append(min(max(b, lo), hi))
+    if points == before:
+        return None
+    try:
+        ranges = split_at(num_layers, points)
+        check_resplit(old, ranges, num_layers)
+    except LayerRangeError:
+        return None
+    return ranges
+
+
+class Balancer:
+    def __init__(self, model: ModelFacts, window_s: float, min_gain: float):
+        self.model = model
+        self.window_s = window_s
+        self.min_gain = min_gain
+        self._start: Sample | None = None
+        self._last: tuple[str, ...] | None = None  # the split the last window proposed (a candidate), or None
+        self.last_proposal: dict | None = None  # the last window's proposal (for /v1/mesh)
+
+    def observe(self, infos: list[StageInfo], running: int) -> list[LayerRange] | None:
+        """The split to move to now, or None. `infos`: the stages' last /info polls (all answering); `running`:
+        requests running (the streams the gain is predicted for)."""
+        sample = Sample.of(infos)
+        now = sample.at
+        start = self._start
+        if start is None or start.layers != sample.layers or start.incarnations != sample.incarnations:
+            self._start, self._last = sample, None  # a new window: the split or a stage changed
+            return None
+        if now - start.at < self.window_s:
+            return None
+        self._start = sample
+        passed = [b - a for a, b in zip(start.microbatches, sample.microbatches)]
+        if min(passed) < MIN_MICROBATCHES:
+            self._last = None
+            return None
+        times = [StageTime(LayerRange(*r), 1e3 * (b1 - b0) / n)
+                 for r, b0, b1, n in zip(sample.layers, start.busy, sample.busy, passed)]
+        result = proposal(self.model, times, max(1, running))
+        self.last_proposal = result
+        gain = result["predicted_gain"]
+        if result["split_proposed"] == result["split_now"] or gain < self.min_gain:
+            self._last = None
+            return None
+        old = [t.layers for t in times]
+        target = split_at(self.model.num_layers, [int(b) for b in result["split_proposed"].split(",")])
+        step = toward(old, target, self.model.num_layers)
+        key = tuple(str(r) for r in step) if step else None
+        if step is None or key != self._last:
+            self._last = key  # a candidate: the next window must propose it again
+            return None
+        self._last = None
+        log.info("auto-rebalance: two windows propose split %s (now %s, predicted gain %.2fx at %d streams)",
+                 result["split_proposed"], result["split_now"], gain, max(1, running))
+        return step
+
+    def resplit_ended(self) -> None:
+        """A re-split was done or refused: measure afresh (two whole windows agree before the next)."""
+        self._start, self._last = None, None

@@ -1,0 +1,445 @@
+"""The live re-split (issue 58): a mesh moves layers between neighbouring stages while it serves, their K/V with
+them, and no request fails or changes. Pure checks of a split's validity, the wire messages, one stage's side in
+process (StageRuntime pieces handed the messages the worker hands them), and a real 2-stage mesh re-split mid-stream
+by `stagemesh rebalance`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from shared.batch.sampling import SamplingParams
+from shared.batch.steps import Decode, Prefill
+from shared.errors import LayerRangeError
+from shared.files.layers import LayerRange, check_resplit, split_at
+from shared.runtime.resplit import StageResplit
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.wire.protocol import KVParcel, ProtocolError, Resplit, SeqEntry, decode, encode
+
+L = LayerRange
+
+
+# ---- which splits a mesh can move to ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("old, new", [
+    ([L(0, 15), L(15, 30)], [L(0, 19), L(15 + 4, 30)]),
+    ([L(0, 15), L(15, 30)], [L(0, 1), L(1, 30)]),
+    ([L(0, 10), L(10, 20), L(20, 30)], [L(0, 12), L(12, 18), L(18, 30)]),
+    ([L(0, 10), L(10, 20), L(20, 30)], [L(0, 10), L(10, 20), L(20, 30)]),
+])
+def test_a_split_that_moves_layers_between_neighbours_is_accepted(old, new):
+    check_resplit(old, new, 30)
+
+
+@pytest.mark.parametrize("old, new, says", [
+    ([L(0, 15), L(15, 30)], [L(0, 15), L(15, 20), L(20, 30)], "3 stages and the mesh 2"),
+    ([L(0, 15), L(15, 30)], [L(0, 12), L(14, 30)], "not contiguous"),
+    ([L(0, 15), L(15, 30)], [L(0, 18), L(15, 30)], "not contiguous"),
+    ([L(0, 15), L(15, 30)], [L(0, 20), L(20, 31)], "not contiguous from 0 to 30"),
+    ([L(0, 15), L(15, 30)], [L(1, 20), L(20, 30)], "not contiguous"),
+    ([L(0, 10), L(10, 20), L(20, 30)], [L(0, 21), L(21, 25), L(25, 30)], "layer 20 would move from stage 2 to stage 0"),
+    ([L(0, 10), L(10, 20), L(20, 30)], [L(0, 5), L(5, 9), L(9, 30)], "from stage 0 to stage 2"),
+])
+def test_a_split_the_mesh_cannot_move_to_is_refused_naming_why(old, new, says):
+    with pytest.raises(LayerRangeError, match=says):
+        check_resplit(old, new, 30)
+
+
+def test_a_stage_cannot_lose_all_its_layers():
+    """A split point at the model's edge or repeated leaves a stage empty: refused before any re-split starts."""
+    for points in ([0], [30], [15, 15]):
+        with pytest.raises(LayerRangeError, match="strictly increasing"):
+            split_at(30, points)
+    with pytest.raises(LayerRangeError, match="empty"):
+        L(15, 15)
+
+
+# ---- the wire -----------------------------------------------------------------------------------------------------
+
+def test_resplit_and_parcel_round_trip_and_bad_ones_are_refused():
+    msg = Resplit(7, "prepare", [(0, 15), (15, 30)], [(0, 18), (18, 30)], report=[{"stage": 0, "load_s": 0.2}])
+    back = decode(encode(msg))
+    assert back == msg
+    k, v = torch.randn(3, 3, 5, 64), torch.randn(3, 3, 5, 64)
+    parcel = decode(encode(KVParcel(7, 0, "seq-a", 15, 18, k, v)))
+    assert isinstance(parcel, KVParcel) and parcel.length == 5 and (parcel.to, parcel.start, parcel.stop) == (0, 15, 18)
+    assert torch.equal(parcel.k, k) and torch.equal(parcel.v, v)
+
+    def frames_of(msg, **header):
+        import msgpack
+        frames = encode(msg)
+        h = msgpack.unpackb(frames[0])
+        h.update(header)
+        return [msgpack.packb(h), *frames[1:]]
+
+    bad = [
+        frames_of(msg, phase="explode"),
+        frames_of(msg, old=[[0, 15], [15, 30]], new=[[0, 30]]),
+        frames_of(msg, new=[[0, 18], [18, 5000]]),
+        frames_of(msg, new=[[3, 3], [3, 30]]),
+        frames_of(msg, error="x" * 5000),
+        frames_of(msg, report=[{"stage": "zero"}]),
+        frames_of(KVParcel(7, 0, "seq-a", 15, 17, k, v)),  # 3 layers of K/V said to be 2
+        frames_of(KVParcel(7, 0, "seq-a", 15, 18, k, v[:, :, :4])),  # k and v differ
+        frames_of(KVParcel(7, 0, "seq-a", 18, 15, k, v)),
+    ]
+    for frames in bad:
+        with pytest.raises(ProtocolError):
+            decode(frames)
+    ids = encode(KVParcel(7, 0, "seq-a", 15, 18, k.to(torch.int64), v.to(torch.int64)))
+    with pytest.raises(ProtocolError, match="floating"):
+        decode(ids)
+
+
+# ---- one stage's side, in process -----------------------------------------------------------------------------------
+
+def _step(pipe: LocalPipeline, seqs: dict[str, list[int]], done: dict[str, int]) -> dict[str, int]:
+    """One micro-batch of every sequence (its prompt first, then one decode): the greedy next token of each."""
+    work, ids = [], []
+    for seq_id, tokens in seqs.items():
+        if seq_id not in done:
+            work.append(SeqEntry(seq_id, Prefill(len(tokens), 0, len(tokens), True), SamplingParams()))
+            ids += tokens
+        else:
+            work.append(SeqEntry(seq_id, Decode(len(tokens) - 1), SamplingParams()))
+            ids.append(tokens[-1])
+    logits = pipe.run(work, torch.tensor(ids))
+    return {w.seq_id: int(row.argmax()) for w, row in zip(work, logits)}, logits
+
+
+def _generate(pipe: LocalPipeline, prompts: dict[str, list[int]], steps: int, resplit_at: dict[int, list[LayerRange]]):
+    seqs = {s: list(p) for s, p in prompts.items()}
+    done: dict[str, int] = {}
+    all_logits = []
+    for i in range(steps):
+        if i in resplit_at:
+            _resplit(pipe, resplit_at[i], rid=i)
+        tokens, logits = _step(pipe, seqs, done)
+        all_logits.append(logits)
+        for s, t in tokens.items():
+            seqs[s].append(t)
+            done[s] = done.get(s, 0) + 1
+    return seqs, all_logits
+
+
+def _resplit(pipe: LocalPipeline, new: list[LayerRange], rid: int) -> list[dict]:
+    """What the mesh does, in process: each phase through every piece in order, parcels delivered to the piece
+    they are for (in a mesh, along the ring)."""
+    old = [(p.model.layers.start, p.model.layers.stop) for p in pipe.pieces]
+    sides = [StageResplit(pipe.pieces[0].model.config.num_layers) for _ in pipe.pieces]
+    for phase in ("prepare", "move", "commit"):
+        msg = Resplit(rid, phase, old, [(r.start, r.stop) for r in new])
+        for i, side in enumerate(sides):
+            if phase == "prepare":
+                side.prepare(msg, pipe.pieces[i])
+            elif phase == "move":
+                for parcel in side.parcels(msg, pipe.pieces[i]):
+                    parcel = decode(encode(parcel))  # as it travels
+                    assert sides[parcel.to].take(parcel, pipe.pieces[parcel.to])
+            else:
+                pipe.pieces[i], report = side.commit(msg, pipe.pieces[i])
+                assert report["released"] == 0, report
+    assert [p.model.layers for p in pipe.pieces] == new
+    return []
+
+
+def test_moving_layers_and_their_kv_between_pieces_changes_no_number(smollm2):
+    """Two pieces split at 15 decode two sequences; the split moves to 19 (K/V downstream -> upstream) and then to
+    11 (upstream -> downstream) between steps: every step's logits equal those of the pieces left at 15, exactly
+    (float32), and the pieces hold the new layers."""
+    loader = smollm2.loader
+    prompts = {"a": smollm2.tokenizer.encode("The capital of France is"),
+               "b": smollm2.tokenizer.encode("Once upon a time, in a land far away, there lived")}
+    steps = 8
+    ref_pipe = LocalPipeline.load(loader, split_at(30, [15]), torch.float32, kv_slots=4, max_seq_len=128)
+    ref, ref_logits = _generate(ref_pipe, prompts, steps, {})
+    pipe = LocalPipeline.load(loader, split_at(30, [15]), torch.float32, kv_slots=4, max_seq_len=128)
+    got, logits = _generate(pipe, prompts, steps, {3: split_at(30, [19]), 6: split_at(30, [11])})
+    assert got == ref
+    for i, (a, b) in enumerate(zip(logits, ref_logits)):
+        assert torch.equal(a, b), f"step {i} differs after the re-split"
+    assert [len(p.model.layers) for p in pipe.pieces] == [11, 19]
+    assert pipe.pieces[1].kv.k[0].shape[0] == ref_pipe.pieces[1].kv.k[0].shape[0]  # the same rows
+
+
+def test_a_sequence_whose_kv_did_not_arrive_is_released_not_computed_wrong(smollm2):
+    """A parcel lost on the way: the receiving piece releases that sequence at the commit (its next step answers
+    unknown_sequence, which the gateway replays) and keeps the other."""
+    from shared.errors import UnknownSequence
+
+    prompts = {"a": smollm2.tokenizer.encode("Hello there"), "b": smollm2.tokenizer.encode("Good morning")}
+    pipe = LocalPipeline.load(smollm2.loader, split_at(30, [15]), torch.float32, kv_slots=4, max_seq_len=64)
+    seqs = {s: list(p) for s, p in prompts.items()}
+    tokens, _ = _step(pipe, seqs, {})
+    old, new = [(0, 15), (15, 30)], [(0, 17), (17, 30)]
+    sides = [StageResplit(30), StageResplit(30)]
+    for i, side in enumerate(sides):
+        side.prepare(Resplit(1, "prepare", old, new), pipe.pieces[i])
+    for parcel in sides[1].parcels(Resplit(1, "move", old, new), pipe.pieces[1]):
+        assert parcel.to == 0 and (parcel.start, parcel.stop) == (15, 17)
+        if parcel.seq_id == "a":
+            assert sides[0].take(parcel, pipe.pieces[0])
+    reports = []
+    for i, side in enumerate(sides):
+        pipe.pieces[i], report = side.commit(Resplit(1, "commit", old, new), pipe.pieces[i])
+        reports.append(report)
+    assert [r["released"] for r in reports] == [1, 0]
+    assert "b" not in pipe.pieces[0].kv and "a" in pipe.pieces[0].kv
+    with pytest.raises(UnknownSequence):
+        pipe.run([SeqEntry("b", Decode(len(seqs["b"])), SamplingParams())], torch.tensor([tokens["b"]]))
+
+
+# ---- a real mesh, re-split mid-stream -------------------------------------------------------------------------------
+
+STREAMS = 6
+MAX_TOKENS = 64
+
+
+def _body(i: int) -> dict:
+    return {"prompt": f"Story {i}: the lighthouse keeper opened the door and", "max_tokens": MAX_TOKENS,
+            "temperature": 0.8, "seed": 1000 + i, "ignore_eos": True, "stream": True}
+
+
+async def _streams(url: str, on_token=None) -> tuple[list[str], list[float]]:
+    """STREAMS concurrent seeded streams; their texts, and each one's longest gap between tokens (s). on_token(i, n)
+    is awaited after stream i's n-th chunk."""
+    import time
+
+    import aiohttp
+
+    from loadtest.client import sse_events
+
+    async def one(s: aiohttp.ClientSession, i: int) -> tuple[str, float]:
+        text, gap, last, n = [], 0.0, None, 0
+        async with s.post(url + "/v1/completions", json=_body(i)) as r:
+            assert r.status == 200, await r.text()
+            async for chunk in sse_events(r):
+                assert "error" not in chunk, chunk
+                text += [c["text"] for c in chunk["choices"]]
+                now = time.perf_counter()
+                gap, last, n = (max(gap, now - last) if last else 0.0), now, n + 1
+                if on_token is not None:
+                    await on_token(i, n)
+            assert chunk["choices"][0]["finish_reason"] == "length", chunk
+        return "".join(text), gap
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        out = await asyncio.gather(*(one(s, i) for i in range(STREAMS)))
+    return [t for t, _ in out], [g for _, g in out]
+
+
+async def _rebalance(url: str, *args: str) -> tuple[int, str, str]:
+    from tests.conftest import stagemesh_cmd
+
+    proc = await asyncio.create_subprocess_exec(*stagemesh_cmd("rebalance", url, *args),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.processes
+async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_path):
+    """`up --split 15 --batch-invariant`, six concurrent seeded streams. Mid-stream `stagemesh rebalance --split 19`
+    moves four layers (and every live sequence's K/V of them) from stage 1 up to stage 0, then `--split 12` moves
+    seven down to stage 1: every request finishes, every text equals the undisturbed run's, no sequence was replayed
+    (the K/V moved, it was not recomputed), and /v1/mesh, the stages' /info and /metrics report the new split."""
+    import json
+
+    from services.testing.harness import start_up
+
+    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant")
+    try:
+        assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 15], [15, 30]]
+        reference, _ = await _streams(gw.url)
+        tokens = [0] * STREAMS
+        done: list[tuple[str, tuple[int, str, str], int]] = []
+
+        async def on_token(i: int, n: int) -> None:
+            tokens[i] = n
+
+        async def move() -> None:
+            """Each re-split once every stream has a few tokens more, while all are still running."""
+            for split in ("19", "12"):
+                floor = min(tokens) + 3
+                while min(tokens) < floor:
+                    await asyncio.sleep(0.05)
+                result = await _rebalance(gw.url, "--split", split, "--json")
+                done.append((split, result, min(tokens)))
+
+        mover = asyncio.create_task(move())
+        texts, gaps = await asyncio.wait_for(_streams(gw.url, on_token), 600)
+        await asyncio.wait_for(mover, 60)
+        assert [split for split, _, _ in done] == ["19", "12"], done
+        for split, (rc, out, err), least in done:
+            assert rc == 0, err
+            result = json.loads(out)
+            assert result["changed"] and result["split"] == split, result
+            assert result["moved_bytes"] > 0 and result["released"] == 0, result
+            assert 0 < least < MAX_TOKENS, f"the re-split to {split} did not happen mid-stream ({least} tokens)"
+        assert texts == reference
+        assert gw.metric("stagemesh_gateway_replayed_sequences_total") == 0  # moved, not recomputed
+        assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+        assert gw.metric("stagemesh_gateway_resplits_total", outcome="done", trigger="asked") == 2
+        assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 12], [12, 30]]
+        mesh = json.loads(gw.get("/v1/mesh")[1])["pipelines"][0]
+        assert mesh["split"] == "12" and mesh["resplits_done"] == 2, mesh
+        assert [r["split"] for r in mesh["resplits"]] == ["19", "12"]
+        print(f"worst inter-token gap across the re-splits: {max(gaps):.3f} s; pauses "
+              f"{[json.loads(r[1])['pause_s'] for _, r, _ in done]}")
+
+        # a split the mesh cannot move to is refused with the reason, and the mesh serves on as it was
+        for split, says in [("0", "strictly increasing"), ("30", "strictly increasing"), ("31", "strictly increasing"),
+                            ("10,20", "3 stages and the mesh 2"), ("ten", "comma-separated")]:
+            rc, out, err = await _rebalance(gw.url, "--split", split)
+            assert rc != 0 and says in err and "refused the re-split" in err, (split, err)
+        status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": "12", "stage": 3})
+        assert status == 400 and "unknown field" in body
+        status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": [12], "pipeline": 4})
+        assert status == 400 and "pipeline" in body
+        assert gw.metric("stagemesh_gateway_resplits_total", outcome="refused", trigger="asked") == 1  # 10,20 (the rest: parse)
+        again, _ = await _streams(gw.url)
+        assert again == reference
+        assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 12], [12, 30]]
+
+        # a stage that dies after the re-split comes back (up restarts it) with the range it was moved to
+        import os
+        import signal
+        import time
+        victim = gw.stage_info(1).incarnation
+        os.kill(gw.stage_pids()[1], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            try:
+                info = gw.stage_info(1)
+            except OSError:
+                continue
+            if info.incarnation != victim and gw.get("/ready")[0] == 200:
+                break
+        assert info.incarnation != victim and list(info.layers) == [12, 30], info
+        restarted, _ = await _streams(gw.url)
+        assert restarted == reference
+    finally:
+        gw.stop()
+
+
+async def _post(url: str, body: dict) -> tuple[int, str]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        return r.status, await r.text()
+
+
+# ---- --auto-rebalance's policy --------------------------------------------------------------------------------------
+
+def _infos(layers: list[tuple[int, int]], busy: list[float], microbatches: int, clock: float):
+    from types import SimpleNamespace
+    return [SimpleNamespace(layers=r, incarnation=f"x{i}", busy_seconds=b, microbatches=microbatches, clock_s=clock)
+            for i, (r, b) in enumerate(zip(layers, busy))]
+
+
+class _Mesh:
+    """Stage counters that grow as a mesh at work: each window, every stage computes `per_mb` ms a micro-batch."""
+
+    def __init__(self, layers):
+        self.layers, self.busy, self.mb, self.t = layers, [0.0] * len(layers), 0, 0.0
+
+    def tick(self, ms_per_layer: list[float], head: float, seconds: float = 10.0, microbatches: int = 100):
+        self.t += seconds
+        self.mb += microbatches
+        for i, (a, b) in enumerate(self.layers):
+            blocks = (b - a) + (head if i == len(self.layers) - 1 else 0)
+            self.busy[i] += microbatches * blocks * ms_per_layer[i] / 1e3
+        return _infos(self.layers, self.busy, self.mb, self.t)
+
+
+@pytest.fixture(scope="module")
+def facts():
+    from shared.files.gguf_loader import GgufLoader
+    from shared.files.model_registry import resolve_model
+    from shared.runtime.plan import ModelFacts
+    return ModelFacts.from_gguf(GgufLoader(resolve_model("smollm2")), kv_itemsize=4)
+
+
+def test_auto_rebalance_moves_only_after_two_windows_agree_and_then_waits(facts):
+    """Stage 1 twice as slow a layer at 15:15: the first window only makes the proposal a candidate, the second
+    (the same proposal) returns it -- layers moving to stage 0; after the re-split nothing is proposed until two whole
+    windows of the new split agree, and a split that is about as good (gain under --rebalance-gain) is never proposed."""
+    from services.gateway.balance import Balancer
+
+    head = facts.head_cost_in_layers
+    mesh = _Mesh([(0, 15), (15, 30)])
+    b = Balancer(facts, window_s=10.0, min_gain=1.15)
+    assert b.observe(mesh.tick([1.0, 2.0], head), 8) is None  # the window's start
+    assert b.observe(mesh.tick([1.0, 2.0], head), 8) is None  # a candidate
+    split = b.observe(mesh.tick([1.0, 2.0], head), 8)
+    assert split is not None and split[0].stop > 15, split
+    b.resplit_ended()
+    mesh.layers = [(r.start, r.stop) for r in split]
+    slower = [b.observe(mesh.tick([1.0, 4.0], head), 8) for _ in range(3)]
+    assert slower[:2] == [None, None] and slower[2] is not None  # measured afresh: start, candidate, then moves
+    assert slower[2][0].stop > split[0].stop
+
+    even = Balancer(facts, window_s=10.0, min_gain=1.15)
+    mesh = _Mesh([(0, 17), (17, 30)])
+    assert all(even.observe(mesh.tick([1.0, 1.05], head), 8) is None for _ in range(6))
+    assert even.last_proposal is not None and even.last_proposal["predicted_gain"] < 1.15
+
+
+def test_auto_rebalance_does_not_flap_nor_measure_an_idle_or_changing_mesh(facts):
+    from services.gateway.balance import Balancer
+
+    head = facts.head_cost_in_layers
+    b = Balancer(facts, window_s=10.0, min_gain=1.15)
+    mesh = _Mesh([(0, 15), (15, 30)])
+    b.observe(mesh.tick([1.0, 2.0], head), 8)
+    for speeds in ([1.0, 2.0], [2.0, 1.0], [1.0, 2.0], [2.0, 1.0]):  # each window proposes the other way
+        assert b.observe(mesh.tick(speeds, head), 8) is None
+    idle = Balancer(facts, window_s=10.0, min_gain=1.15)
+    mesh = _Mesh([(0, 15), (15, 30)])
+    assert all(idle.observe(mesh.tick([1.0, 3.0], head, microbatches=2), 8) is None for _ in range(5))
+
+
+def test_a_far_proposal_is_approached_one_neighbour_step_at_a_time():
+    from services.gateway.balance import toward
+
+    old = split_at(30, [10, 20])
+    step = toward(old, split_at(30, [25, 28]), 30)
+    assert step == split_at(30, [20, 28]), step  # boundary 1 stops at stage 2's old start: no layer moves two hops
+    check_resplit(old, step, 30)
+    assert toward(old, split_at(30, [5, 15]), 30) == split_at(30, [5, 15])  # within reach: all the way
+    assert toward(old, old, 30) is None
+
+
+@pytest.mark.processes
+async def test_auto_rebalance_moves_a_lopsided_split_while_streams_run(tmp_path):
+    """`up --split 25 --auto-rebalance --rebalance-window 2`: stage 0 holds 25 of 30 layers, far from balanced on
+    one host. Under streams the gateway re-splits by itself (trigger "auto", counted), the boundary moves down, no
+    request fails, and the streams that ran across it have the texts the same requests give afterwards."""
+    import json
+
+    from services.testing.harness import start_up
+
+    gw = start_up(2, "float32", str(tmp_path), "--split", "25", "--batch-invariant", "--auto-rebalance",
+                  "--rebalance-window", "2")
+    try:
+        auto = 0.0
+        across = None
+        for _ in range(8):
+            before = gw.metric("stagemesh_gateway_resplits_total", outcome="done", trigger="auto")
+            texts, _ = await asyncio.wait_for(_streams(gw.url), 300)
+            auto = gw.metric("stagemesh_gateway_resplits_total", outcome="done", trigger="auto")
+            if auto > before:
+                across = texts
+                break
+        assert across is not None, f"no automatic re-split in 8 rounds of streams (log {gw.log_path})"
+        mesh = json.loads(gw.get("/v1/mesh")[1])["pipelines"][0]
+        assert int(mesh["split"]) < 25 and mesh["resplits"][-1]["trigger"] == "auto", mesh
+        assert mesh["auto_rebalance"]["window_s"] == 2.0
+        assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+        after, _ = await asyncio.wait_for(_streams(gw.url), 300)
+        assert after == across
+    finally:
+        gw.stop()
