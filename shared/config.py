@@ -238,8 +238,8 @@ class SchedulerConfig:
     auto_rebalance: bool = knob(False, "re-split the pipeline live when its stages' measured times drift (a host "
                                        "slows, a co-tenant appears): over each --rebalance-window the gateway "
                                        "measures every stage's busy time per micro-batch, and when two windows in a "
-                                       "row propose the same split with at least --rebalance-gain predicted, layers "
-                                       "and their K/V move between neighbouring stages with no request failing (as "
+                                       "row each predict at least --rebalance-gain and move the split the same way, "
+                                       "layers and their K/V move between neighbouring stages with no request failing (as "
                                        "`stagemesh rebalance` does); off: the split changes only when asked")
     rebalance_window_s: float = knob(30.0, "--auto-rebalance's measuring window; it waits at least two after a "
                                            "re-split (or a refused one) before the next", unit="seconds")

@@ -415,29 +415,29 @@ def test_a_far_proposal_is_approached_one_neighbour_step_at_a_time():
 
 @pytest.mark.processes
 async def test_auto_rebalance_moves_a_lopsided_split_while_streams_run(tmp_path):
-    """`up --split 25 --auto-rebalance --rebalance-window 2`: stage 0 holds 25 of 30 layers, far from balanced on
+    """`up --split 27 --auto-rebalance --rebalance-window 2`: stage 0 holds 27 of 30 layers, far from balanced on
     one host. Under streams the gateway re-splits by itself (trigger "auto", counted), the boundary moves down, no
     request fails, and the streams that ran across it have the texts the same requests give afterwards."""
     import json
 
     from services.testing.harness import start_up
 
-    gw = start_up(2, "float32", str(tmp_path), "--split", "25", "--batch-invariant", "--auto-rebalance",
-                  "--rebalance-window", "2")
+    gw = start_up(2, "float32", str(tmp_path), "--split", "27", "--batch-invariant", "--auto-rebalance",
+                  "--rebalance-window", "2", "--rebalance-gain", "1.1")
     try:
         auto = 0.0
         across = None
-        for _ in range(8):
+        for _ in range(12):
             before = gw.metric("stagemesh_gateway_resplits_total", outcome="done", trigger="auto")
             texts, _ = await asyncio.wait_for(_streams(gw.url), 300)
             auto = gw.metric("stagemesh_gateway_resplits_total", outcome="done", trigger="auto")
             if auto > before:
                 across = texts
                 break
-        assert across is not None, f"no automatic re-split in 8 rounds of streams (log {gw.log_path})"
+        assert across is not None, f"no automatic re-split in 12 rounds of streams (log {gw.log_path})"
         mesh = json.loads(gw.get("/v1/mesh")[1])["pipelines"][0]
-        assert int(mesh["split"]) < 25 and mesh["resplits"][-1]["trigger"] == "auto", mesh
-        assert mesh["auto_rebalance"]["window_s"] == 2.0
+        assert int(mesh["split"]) < 27 and mesh["resplits"][-1]["trigger"] == "auto", mesh
+        assert mesh["auto_rebalance"]["window_s"] == 2.0 and mesh["auto_rebalance"]["min_gain"] == 1.1
         assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
         after, _ = await asyncio.wait_for(_streams(gw.url), 300)
         assert after == across

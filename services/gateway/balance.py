@@ -4,8 +4,8 @@ no task; the engine asks it at every step and runs the re-split it names, Engine
 Over each window (--rebalance-window) every stage's busy seconds per micro-batch is the same work's time there (every
 micro-batch passes every stage), so its time per layer is that over its layers: shared.runtime.plan.proposal turns
 those into the split that balances them and the gain predicted for it, as `stagemesh rebalance` does. Hysteresis,
-so that the split does not flap: a split is proposed only when two windows in a row propose the same one with at
-least --rebalance-gain predicted; after a re-split, done or refused, it measures afresh, so two whole windows of the
+so that the split does not flap: a split is proposed only when two windows in a row each predict at least
+--rebalance-gain and move every boundary the same way (each then moves as far as the more cautious of the two says); after a re-split, done or refused, it measures afresh, so two whole windows of the
 split now serving must agree again before the next. A layer moves at most to a neighbouring stage per re-split: a
 proposal further away is approached one step at a time."""
 
@@ -65,7 +65,7 @@ class Balancer:
         self.window_s = window_s
         self.min_gain = min_gain
         self._start: Sample | None = None
-        self._last: tuple[str, ...] | None = None  # the split the last window proposed (a candidate), or None
+        self._last: tuple[int, ...] | None = None  # the boundaries the last window proposed (a candidate)
         self.last_proposal: dict | None = None  # the last window's proposal (for /v1/mesh)
 
     def observe(self, infos: list[StageInfo], running: int) -> list[LayerRange] | None:
@@ -95,11 +95,16 @@ class Balancer:
         old = [t.layers for t in times]
         target = split_at(self.model.num_layers, [int(b) for b in result["split_proposed"].split(",")])
         step = toward(old, target, self.model.num_layers)
-        key = tuple(str(r) for r in step) if step else None
-        if step is None or key != self._last:
-            self._last = key  # a candidate: the next window must propose it again
-            return None
+        points = tuple(r.stop for r in step[:-1]) if step else None
+        last, self._last = self._last, points
+        now_points = [r.stop for r in old[:-1]]
+        if points is None or last is None or any((a > o) != (b > o) or (a < o) != (b < o)
+                                                 for a, b, o in zip(points, last, now_points)):
+            return None  # a candidate: the next window must move every boundary the same way
         self._last = None
+        # of the two windows' proposals, each boundary moves the shorter way (a noisy window does not overshoot)
+        step = split_at(self.model.num_layers, [min(a, b, key=lambda x: abs(x - o))
+                                                for a, b, o in zip(points, last, now_points)])
         log.info("auto-rebalance: two windows propose split %s (now %s, predicted gain %.2fx at %d streams)",
                  result["split_proposed"], result["split_now"], gain, max(1, running))
         return step
