@@ -157,10 +157,16 @@ async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromiu
             second = asyncio.create_task(load(gateway.url, 8, 160))
             await until("meshSnapshot.gateway.running >= 8 && meshSnapshot.gateway.generated_tokens > "
                         f"{before['generated_tokens'] + 8 * 256 + 16}", 60, "the second load running")
-            os.kill(stage_pid(gateway, 1), signal.SIGKILL)
-            await until("document.getElementById('stage-1').dataset.state === 'lost'", 20, "stage 1 lost")
-            await shot("mesh-stage-lost.png")
-            lost_text = await dt.js("document.getElementById('mesh-verdict').textContent")
+            # stopped first, so it stays lost until the page has shown it (killed at once, `up` could have it back
+            # between two of the page's snapshots), then killed
+            victim = stage_pid(gateway, 1)
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                await until("document.getElementById('stage-1').dataset.state === 'lost'", 30, "stage 1 lost")
+                await shot("mesh-stage-lost.png")
+                lost_text = await dt.js("document.getElementById('mesh-verdict').textContent")
+            finally:
+                os.kill(victim, signal.SIGKILL)
             await until("document.getElementById('stage-1').dataset.state !== 'lost' && "
                         "meshSnapshot.gateway.replayed_sequences > 0 && meshSnapshot.ready", 120, "stage 1 back")
             await shot("mesh-stage-back.png")
