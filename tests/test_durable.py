@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 
 from services.gateway.durable import RedisStore, SqliteStore
-from services.process.launch import start_mesh
-from services.testing.harness import RunningGateway, free_port, start_up, wait_http
+from services.testing.harness import RunningGateway, free_port, start_up
+from services.testing.resumable import Deployment
 from shared.errors import StagemeshError
-from tests.conftest import stagemesh_cmd, starts_processes
+from tests.conftest import starts_processes
 from tests.test_openai_api import _sse, _text
 
 STREAMS = 4
@@ -132,19 +132,9 @@ async def test_a_killed_gateway_restarted_on_its_state_dir_resumes_every_stream(
     logs = [str(tmp_path / "logs1"), str(tmp_path / "logs2")]
     for d in logs:
         os.makedirs(d)
-    gw = start_up(1, None, logs[0], *FLAGS, "--state-dir", state, port=port)
-    seen: list[list] = []
-    try:
-        async with aiohttp.ClientSession() as s:
-            async def first_part(i: int) -> list:
-                async with s.post(gw.url + "/v1/chat/completions", json=_body(i, True)) as r:
-                    assert r.status == 200
-                    return await _sse(r, limit=6 + 2 * i)  # each connection drops at its own point
-            seen = await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
-        time.sleep(0.3)  # the request log's batched writes (FLUSH_S) reach the disk; generation goes on (160 tokens)
-    finally:
-        os.kill(gw.proc.pid, signal.SIGKILL)  # no drain: the gateway and (with it) its stages die at once
-        gw.proc.wait(10)
+    # each connection drops at its own point; the gateway and (with it) its stages die at once
+    seen = await _read_then_kill(start_up(1, None, logs[0], *FLAGS, "--state-dir", state, port=port),
+                                 lambda i: 6 + 2 * i)
     restarted = start_up(1, None, logs[1], *FLAGS, "--state-dir", state, port=port)
     try:
         ready_at = time.monotonic()
@@ -195,34 +185,10 @@ async def test_a_gateway_killed_alone_goes_on_in_place_from_the_kv_its_stages_ke
     """The stages outlive the gateway: the new one spares the logged sequences' slots and decodes on from them -- no
     prefill again, no failover -- to the undisturbed text. The log in a directory (SQLite) or in Redis."""
     state = str(tmp_path / "state") if log == "sqlite" else request.getfixturevalue("redis_url") + f"?prefix={tmp_path.name}"
-    port = free_port()
-    mesh = start_mesh("smollm2", 2, log_dir=str(tmp_path), extra=["--batch-invariant"])
-
-    def gateway(n: int) -> RunningGateway:
-        log = str(tmp_path / f"gateway-{n}.log")
-        with open(log, "w") as out:
-            proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
-                                                  "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
-                                                  "--keys", mesh.keys_dir, "--state-dir", state),
-                                    stdout=out, stderr=subprocess.STDOUT)
-        gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log)
-        wait_http(gw.url + "/ready")
-        return gw
-
+    dep = Deployment("gateway", 2, state, str(tmp_path), free_port())  # batch-invariant stages, a gateway of its own
     try:
-        gw = gateway(1)
-        try:
-            async with aiohttp.ClientSession() as s:
-                async def first_part(i: int) -> list:
-                    async with s.post(gw.url + "/v1/chat/completions", json=_body(i, True)) as r:
-                        assert r.status == 200
-                        return await _sse(r, limit=5 + 3 * i)
-                seen = await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
-            time.sleep(0.3)  # the log's batched writes reach the disk; the streams go on (160 tokens)
-        finally:
-            os.kill(gw.proc.pid, signal.SIGKILL)
-            gw.proc.wait(10)
-        again = gateway(2)
+        seen = await _read_then_kill(dep.start(), lambda i: 5 + 3 * i)
+        again = dep.start()
         try:
             async with aiohttp.ClientSession() as s:
                 async def rest(i: int) -> list:
@@ -241,12 +207,29 @@ async def test_a_gateway_killed_alone_goes_on_in_place_from_the_kv_its_stages_ke
             # one prefilled again a refusal (its id already holds a slot)
             assert again.metric("stagemesh_gateway_pipeline_failovers_total") == 0
             assert again.metric("stagemesh_gateway_requests_total", outcome="error") == 0
-            log = "".join(open(os.path.join(tmp_path, f)).read() for f in os.listdir(tmp_path) if f.endswith(".log"))
+            log = "".join(p.read_text() for p in tmp_path.rglob("*.log"))
             assert f"re-adopts {STREAMS} where they are" in log
         finally:
             again.stop()
     finally:
-        mesh.stop()
+        dep.stop()
+
+
+async def _read_then_kill(gw: RunningGateway, limit) -> list[list]:
+    """STREAMS resumable streams on `gw`, stream i read for limit(i) events (then its connection drops); once the
+    log's batched writes are written, gw SIGKILLed while the streams go on. What each client read."""
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def first_part(i: int) -> list:
+                async with s.post(gw.url + "/v1/chat/completions", json=_body(i, True)) as r:
+                    assert r.status == 200
+                    return await _sse(r, limit=limit(i))
+            seen = await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
+        time.sleep(0.3)  # the log's batched writes reach the disk (or Redis); generation goes on (160 tokens)
+        return seen
+    finally:
+        os.kill(gw.proc.pid, signal.SIGKILL)  # no drain
+        gw.proc.wait(10)
 
 
 @pytest.mark.processes
@@ -261,17 +244,7 @@ async def test_a_peer_gateway_on_the_same_redis_log_takes_over_a_dead_gateways_s
     a = start_up(1, None, logs[0], *FLAGS, "--state-dir", url)
     b = start_up(1, None, logs[1], *FLAGS, "--state-dir", url)
     try:
-        try:
-            async with aiohttp.ClientSession() as s:
-                async def first_part(i: int) -> list:
-                    async with s.post(a.url + "/v1/chat/completions", json=_body(i, True)) as r:
-                        assert r.status == 200
-                        return await _sse(r, limit=4 + 2 * i)
-                seen = await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
-            time.sleep(0.3)  # the log's batched writes reach Redis; the streams go on (160 tokens)
-        finally:
-            os.kill(a.proc.pid, signal.SIGKILL)
-            a.proc.wait(10)
+        seen = await _read_then_kill(a, lambda i: 4 + 2 * i)
         async with aiohttp.ClientSession() as s:
             async def rest(i: int) -> list:
                 deadline = time.monotonic() + 30

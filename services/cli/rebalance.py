@@ -16,13 +16,12 @@ command again."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import urllib.error
 import urllib.request
 
-from services.cli.status import fetch
+from services.cli.status import fetch, gateway_request
 from shared.errors import StagemeshError
 from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange
@@ -66,12 +65,7 @@ def measure(url: str, window_s: float, pipeline: int = 0) -> list[StageTime]:
 def apply_split(url: str, split: str, pipeline: int = 0, timeout: float = 300.0) -> dict:
     """POST /v1/mesh/resplit: the gateway moves the pipeline to `split` live; its answer. StagemeshError naming why
     when it does not (the gateway's message: a split it cannot move to, a stage that refused)."""
-    req = urllib.request.Request(url.rstrip("/") + "/v1/mesh/resplit", method="POST",
-                                 data=json.dumps({"split": split, "pipeline": pipeline}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    key = os.environ.get("STAGEMESH_API_KEY")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
+    req = gateway_request(url, "/v1/mesh/resplit", {"split": split, "pipeline": pipeline})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())

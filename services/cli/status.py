@@ -38,11 +38,20 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_status)
 
 
-def fetch(url: str, timeout: float = 10.0) -> dict:
-    req = urllib.request.Request(url.rstrip("/") + "/v1/mesh")
-    key = os.environ.get("STAGEMESH_API_KEY")
-    if key:
+def gateway_request(url: str, path: str, body: dict | None = None) -> urllib.request.Request:
+    """A request to the gateway at `url` (a JSON POST when `body` is given), with STAGEMESH_API_KEY as its bearer
+    token when set: what every command that talks to a gateway sends."""
+    req = urllib.request.Request(url.rstrip("/") + path, method="GET" if body is None else "POST",
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={} if body is None else {"Content-Type": "application/json"})
+    if key := os.environ.get("STAGEMESH_API_KEY"):
         req.add_header("Authorization", f"Bearer {key}")
+    return req
+
+
+def fetch(url: str, timeout: float = 10.0) -> dict:
+    req = gateway_request(url, "/v1/mesh")
+    key = os.environ.get("STAGEMESH_API_KEY")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
