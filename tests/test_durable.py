@@ -283,6 +283,17 @@ def test_a_redis_log_that_cannot_be_reached_is_a_clear_error_without_the_passwor
     assert "s3cret" not in str(e.value) and "--state-dir redis://127.0.0.1:" in str(e.value)
 
 
+@pytest.mark.processes
+@pytest.mark.parametrize("port, says", [("x", "the port must be a number"), (None, "cannot use Redis there")])
+def test_stagemesh_gateway_given_a_bad_or_unreachable_redis_log_stops_with_the_url_without_its_password(port, says):
+    url = f"redis://:s3cret@127.0.0.1:{port or free_port()}/0?prefix=p"
+    done = subprocess.run(stagemesh_cmd("gateway", "--model", "smollm2", "--insecure-plaintext", "--stages",
+                                        "http://127.0.0.1:1", "--listen", f"127.0.0.1:{free_port()}", "--state-dir",
+                                        url), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and says in done.stderr and "redis://127.0.0.1:" in done.stderr, done.stderr[-2000:]
+    assert "s3cret" not in done.stderr + done.stdout and "Traceback" not in done.stderr
+
+
 def test_a_redis_log_without_the_redis_client_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)  # import redis fails, as where it is not installed
     with pytest.raises(StagemeshError, match=re.escape("pip install 'stagemesh[redis]'")):
