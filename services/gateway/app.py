@@ -243,13 +243,15 @@ async def index(request: web.Request) -> web.FileResponse:
 
 
 async def _flush_log(store: RequestStore) -> None:
-    """The durable request log's writes, batched every FLUSH_S (a crash loses at most that much, regenerated)."""
+    """The durable request log's writes, batched every FLUSH_S (a crash loses at most that much, regenerated), in a
+    worker thread: a slow disk, or a Redis far away or gone, never holds the event loop."""
     while True:
         await asyncio.sleep(FLUSH_S)
         try:
-            store.flush()
-        except Exception:  # a full disk must not stop the serving: the log says so, requests go on
-            log.exception("the request log could not be written")
+            await asyncio.to_thread(store.flush)
+        except Exception as e:  # a full disk, Redis away: the serving goes on, the batch waits for the next flush
+            throttled(log, logging.ERROR, "request_log", "the request log could not be written: %s: %s",
+                      type(e).__name__, e)
 
 
 async def _take_over(gw: Gateway) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gateway.durable import is_url, parse_redis_url
 from shared.config import check, check_int, check_seconds, flag_for, knob, not_a_flag, parse_bytes
 from shared.errors import StagemeshError
 
@@ -97,6 +98,8 @@ class GatewayConfig:
         for name in ("chat_template", "served_model_name", "state_dir"):
             value = getattr(self, name)
             check(self, name, value is None or (isinstance(value, str) and bool(value.strip())), "a non-empty name")
+        if self.state_dir is not None and is_url(self.state_dir):
+            parse_redis_url(self.state_dir)  # a typo is an error now, not a directory named after the URL
         check_int(self, "default_max_tokens", 1, none_ok=True)
         check_seconds(self, "request_timeout_s", 0, strict=True)
         check_seconds(self, "drain_timeout_s", 0, strict=False)

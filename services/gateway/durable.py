@@ -11,14 +11,17 @@ tokens put back, and the prompt plus those tokens prefilled again (a prefix-cach
 its event log is rebuilt by feeding the same outputs through a fresh OutputProcessor, so every event has its old
 offset, and the event ids keep the store's epoch: a client that reconnects with its Last-Event-ID reads on, no gap,
 no duplicate. Seeded draws are seeded by position, so the continuation is the one the first gateway would have
-produced (bit for bit under --batch-invariant).
+produced (bit for bit under --batch-invariant). A log belongs to one model (its file's fingerprint, the `mesh`):
+a gateway serving another model neither takes its requests nor mixes its own in.
 
-Writes are batched: outputs are buffered and written every FLUSH_S in one transaction, so a killed gateway loses at
-most the last FLUSH_S of tokens, which the re-adopted request simply generates again, identically. Only requests
-marked resumable are logged (the others end with their connection anyway), at most --state-max-requests at once;
-an unfinished request is taken back for --state-keep seconds after it began. One gateway holds a state directory at
-a time (an exclusive lock); on Redis, each request belongs to the gateway that logged it for as long as that gateway
-renews its lease, and any gateway sharing the log takes over the requests of one whose lease ran out.
+Writes are batched: add / output / end buffer (on the event loop's thread), and flush writes what is buffered in one
+transaction every FLUSH_S (in a worker thread: a slow disk or a far Redis never stalls the event loop), so a killed
+gateway loses at most the last FLUSH_S of tokens, which the re-adopted request simply generates again, identically;
+a flush that fails (Redis away for a moment) keeps its batch for the next one. Only requests marked resumable are
+logged (the others end with their connection anyway), at most --state-max-requests at once; a request is kept, and
+taken back, for --state-keep seconds after it began. One gateway holds a state directory at a time (an exclusive
+lock); on Redis, each request belongs to the gateway that logged it for as long as that gateway renews its lease,
+and any gateway sharing the log takes over the requests of one whose lease ran out.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,6 +48,8 @@ KEEP_S = 600.0  # an unfinished request older than this is not re-adopted (its c
 LEASE_S = 5.0  # RedisStore: a gateway's requests are its own while it renews this lease (every flush)
 TAKE_OVER_S = 1.0  # RedisStore: how often a gateway looks for requests whose gateway's lease ran out
 PRUNE_S = 10.0  # how often a store drops the requests that began more than its keep_s ago
+MAX_BUFFERED = 200_000  # rows a store keeps for a log it cannot write (Redis down); past it a failed batch is dropped
+REDIS_URL_FORM = "redis://[:PASSWORD@]HOST:PORT/DB[?prefix=NAME]"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS requests (id TEXT PRIMARY KEY, body TEXT NOT NULL, chat INTEGER NOT NULL,
@@ -74,9 +81,9 @@ class StoredRequest:
 
 
 class RequestStore(Protocol):
-    """The request log, SQLite's or Redis's. add / output / end buffer; flush writes what is buffered; unfinished
-    returns the requests this gateway may take back (and takes them); epoch: the event ids' first part, the same
-    for every gateway of this log."""
+    """The request log, SQLite's or Redis's. add / output / end buffer (called on the event loop's thread); flush
+    writes what is buffered (from any one thread at a time); unfinished returns the requests this gateway may take
+    back (and takes them); epoch: the event ids' first part, the same for every gateway of this log."""
 
     epoch: str
     shared: bool  # several gateways may use it at once (Redis): each takes over the others' when they stop
@@ -95,12 +102,57 @@ class RequestStore(Protocol):
     def close(self) -> None: ...
 
 
-def open_store(where: str, owner: str, keep_s: float = KEEP_S) -> RequestStore:
+def open_store(where: str, owner: str, mesh: str, keep_s: float = KEEP_S) -> RequestStore:
     """--state-dir's value: a redis:// or rediss:// URL (RedisStore; `owner`, this gateway's name in it), else a
-    directory (SqliteStore). keep_s (--state-keep): how long after it began a request is kept."""
-    if where.startswith(("redis://", "rediss://")):
-        return RedisStore(where, owner, keep_s=keep_s)
-    return SqliteStore(where, keep_s)
+    directory (SqliteStore). mesh: the served model's fingerprint (a log keeps one model's requests); keep_s
+    (--state-keep): how long after it began a request is kept."""
+    if is_url(where):
+        return RedisStore(where, owner, mesh, keep_s=keep_s)
+    return SqliteStore(where, mesh, keep_s)
+
+
+def is_url(where: str) -> bool:
+    """--state-dir names a URL (only redis:// and rediss:// are served; parse_redis_url says so), not a directory."""
+    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", where) is not None
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A checked --state-dir Redis URL."""
+
+    url: str  # what the client connects to (its password kept, ?prefix= dropped): never shown
+    prefix: str  # the log's keys begin <prefix>:<mesh>:
+    shown: str  # the URL as messages show it: no password
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """redis://[:PASSWORD@]HOST:PORT/DB[?prefix=NAME] (rediss:// for TLS), checked at the edge (GatewayConfig) so a
+    typo is an error before the model loads, not a log in a directory named after the URL."""
+    parts = urlsplit(url)
+    shown = url.replace(parts.netloc, parts.netloc.rpartition("@")[2], 1) if "@" in parts.netloc else url
+
+    def bad(what: str) -> StagemeshError:
+        return StagemeshError(f"--state-dir {shown}: {what}; a Redis log is {REDIS_URL_FORM} (rediss:// for TLS), "
+                              "a directory is an SQLite log, off keeps none")
+
+    if parts.scheme not in ("redis", "rediss"):
+        raise bad(f"{parts.scheme}:// is not a log this gateway can keep")
+    if not parts.hostname:
+        raise bad("no host")
+    try:
+        parts.port  # noqa: B018 -- urllib checks it only when read
+    except ValueError:
+        raise bad("the port must be a number from 1 to 65535") from None
+    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise bad(f"the path is the database number (/0), not {parts.path!r}")
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(query) - {"prefix"})
+    if unknown:
+        raise bad(f"only ?prefix= is read, not {', '.join(unknown)}")
+    prefix = query.get("prefix", ["stagemesh"])[-1]
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
+        raise bad(f"?prefix={prefix!r} must be a non-empty name of letters, digits, '_', '.' and '-'")
+    return RedisTarget(urlunsplit(parts._replace(query="")), prefix, shown)
 
 
 def _top_list(top) -> list | None:
@@ -108,10 +160,43 @@ def _top_list(top) -> list | None:
     return None if top is None else [[int(t), float(lp)] for t, lp in top]
 
 
+class _Batch:
+    """What add / output / end buffered since the last flush. The event loop's thread appends, a flush (in a worker
+    thread) takes everything at once and puts it back in front when the write failed, so a log away for a moment
+    loses nothing -- up to MAX_BUFFERED rows, past which the failed batch is dropped (those requests are then taken
+    back with fewer tokens, or not at all, and generated again)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: list[tuple] = []
+        self.outputs: list[tuple] = []
+        self.ended: list[tuple[str, str]] = []  # (id, its finish as JSON)
+
+    def put(self, rows: list, row: tuple) -> None:
+        with self._lock:
+            rows.append(row)
+
+    def take(self) -> tuple[list, list, list]:
+        with self._lock:
+            taken = self.requests, self.outputs, self.ended
+            self.requests, self.outputs, self.ended = [], [], []
+        return taken
+
+    def put_back(self, taken: tuple[list, list, list]) -> None:
+        requests, outputs, ended = taken
+        with self._lock:
+            if len(requests) + len(outputs) + len(ended) + len(self.outputs) > MAX_BUFFERED:
+                log.error("the request log cannot be written and %d rows wait: a batch is dropped (its requests are "
+                          "generated again after a restart, or not taken back)", MAX_BUFFERED)
+                return
+            self.requests, self.outputs, self.ended = (requests + self.requests, outputs + self.outputs,
+                                                       ended + self.ended)
+
+
 class SqliteStore:
     shared = False  # one gateway's (an exclusive lock)
 
-    def __init__(self, state_dir: str, keep_s: float = KEEP_S):
+    def __init__(self, state_dir: str, mesh: str, keep_s: float = KEEP_S):
         self.keep_s, self._pruned = keep_s, 0.0
         try:
             os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -126,7 +211,9 @@ class SqliteStore:
             raise StagemeshError(f"--state-dir {state_dir} is held by another running gateway; give each gateway its "
                                  "own (--state-dir), or --state-dir off") from None
         self.path = os.path.join(state_dir, "requests.sqlite")
-        self.db = sqlite3.connect(self.path, isolation_level=None)  # transactions are explicit (flush)
+        # transactions are explicit (flush); flush runs in a worker thread, one at a time (self._io)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._io = threading.Lock()
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
@@ -134,64 +221,70 @@ class SqliteStore:
         for column in ("extra", "finish"):  # a log written before them
             if column not in columns:
                 self.db.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
-        row = self.db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
-        if row is None:
-            self.epoch = secrets.token_hex(4)
-            self.db.execute("INSERT INTO meta VALUES ('epoch', ?)", (self.epoch,))
-        else:
-            self.epoch = row[0]
-        self._requests: list[tuple] = []
-        self._outputs: list[tuple] = []
-        self._ended: list[tuple[str, str]] = []  # (id, its finish as JSON)
+        meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
+        self.epoch = meta.get("epoch") or secrets.token_hex(4)
+        if meta.get("mesh", mesh) != mesh:  # another model's requests: not taken back by this one
+            dropped = self.db.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+            log.warning("--state-dir %s held the log of another model (%s, this is %s): its %d requests are dropped",
+                        state_dir, meta["mesh"], mesh, dropped)
+            self.db.execute("DELETE FROM outputs")
+            self.db.execute("DELETE FROM requests")
+        self.db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("epoch", self.epoch), ("mesh", mesh)])
+        self._batch = _Batch()
 
     def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int,
             extra: dict | None = None) -> None:
-        self._requests.append((request_id, json.dumps(body), int(chat), session, seed, time.time(),
-                               json.dumps(extra) if extra else None))
+        self._batch.put(self._batch.requests, (request_id, json.dumps(body), int(chat), session, seed, time.time(),
+                                               json.dumps(extra) if extra else None))
 
     def output(self, request_id: str, n: int, token: int, logprob: float | None, top) -> None:
         """The n-th output token of a request (n from 0)."""
         top = _top_list(top)
-        self._outputs.append((request_id, n, token, logprob, None if top is None else json.dumps(top)))
+        self._batch.put(self._batch.outputs, (request_id, n, token, logprob, None if top is None else json.dumps(top)))
 
     def end(self, request_id: str, finish: dict) -> None:
         """The request ended with `finish` (its last output): kept, ended, for the retention window."""
-        self._ended.append((request_id, json.dumps(finish)))
+        self._batch.put(self._batch.ended, (request_id, json.dumps(finish)))
 
     def flush(self) -> None:
         """Write what is buffered, in one transaction."""
-        if not (self._requests or self._outputs or self._ended or time.monotonic() - self._pruned > PRUNE_S):
-            return
-        requests, outputs, ended = self._requests, self._outputs, self._ended
-        self._requests, self._outputs, self._ended = [], [], []
-        if time.monotonic() - self._pruned > PRUNE_S:  # what began more than keep_s ago goes
-            self._pruned = time.monotonic()
-            self._drop_before(time.time() - self.keep_s)
-        with self.db:
-            self.db.execute("BEGIN")
-            self.db.executemany("INSERT OR REPLACE INTO requests (id, body, chat, session, seed, created, extra) "
-                                "VALUES (?, ?, ?, ?, ?, ?, ?)", requests)
-            self.db.executemany("INSERT OR REPLACE INTO outputs VALUES (?, ?, ?, ?, ?)", outputs)
-            self.db.executemany("UPDATE requests SET ended = 1, finish = ? WHERE id = ?", [(f, i) for i, f in ended])
+        with self._io:
+            if time.monotonic() - self._pruned > PRUNE_S:  # what began more than keep_s ago goes
+                self._pruned = time.monotonic()
+                self._drop_before(time.time() - self.keep_s)
+            taken = self._batch.take()
+            requests, outputs, ended = taken
+            if not (requests or outputs or ended):
+                return
+            try:
+                with self.db:
+                    self.db.execute("BEGIN")
+                    self.db.executemany("INSERT OR REPLACE INTO requests (id, body, chat, session, seed, created, "
+                                        "extra) VALUES (?, ?, ?, ?, ?, ?, ?)", requests)
+                    self.db.executemany("INSERT OR REPLACE INTO outputs VALUES (?, ?, ?, ?, ?)", outputs)
+                    self.db.executemany("UPDATE requests SET ended = 1, finish = ? WHERE id = ?",
+                                        [(f, i) for i, f in ended])
+            except sqlite3.Error:
+                self._batch.put_back(taken)
+                raise
 
     def unfinished(self, keep_s: float = KEEP_S) -> list[StoredRequest]:
         """The requests a previous gateway left, running or ended (finish set), oldest first; those older than keep_s
         are dropped."""
-        self._drop_before(time.time() - keep_s)
-        found = []
-        for rid, body, chat, session, seed, created, extra, finish in self.db.execute(
-                "SELECT id, body, chat, session, seed, created, extra, finish FROM requests ORDER BY created"
-        ).fetchall():
-            outs = self.db.execute("SELECT n, token, logprob, top FROM outputs WHERE id = ? ORDER BY n",
-                                   (rid,)).fetchall()
-            tokens = []
-            for expect, (n, token, logprob, top) in enumerate(outs):
-                if n != expect:  # a gap (never written so): keep what is contiguous, the rest is generated again
-                    break
-                tokens.append((token, logprob, None if top is None else json.loads(top)))
-            found.append(StoredRequest(rid, json.loads(body), bool(chat), session, seed, created, tokens,
-                                       json.loads(extra) if extra else {}, json.loads(finish) if finish else None))
-        return found
+        with self._io:
+            self._drop_before(time.time() - keep_s)
+            rows = self.db.execute("SELECT id, body, chat, session, seed, created, extra, finish FROM requests "
+                                   "ORDER BY created").fetchall()
+            found = []
+            for rid, body, chat, session, seed, created, extra, finish in rows:
+                outs = self.db.execute("SELECT n, token, logprob, top FROM outputs WHERE id = ? ORDER BY n",
+                                       (rid,)).fetchall()
+                outputs = {n: (token, logprob, None if top is None else json.loads(top))
+                           for n, token, logprob, top in outs}
+                found.append(StoredRequest(rid, json.loads(body), bool(chat), session, seed, created,
+                                           _contiguous(outputs), json.loads(extra) if extra else {},
+                                           json.loads(finish) if finish else None))
+            return found
 
     def _drop_before(self, cutoff: float) -> None:
         self.db.execute("DELETE FROM outputs WHERE id IN (SELECT id FROM requests WHERE created < ?)", (cutoff,))
@@ -201,8 +294,17 @@ class SqliteStore:
         try:
             self.flush()
         finally:
-            self.db.close()
-            self._lock.close()
+            with self._io:
+                self.db.close()
+                self._lock.close()
+
+
+def _contiguous(outputs: dict[int, tuple]) -> list[tuple]:
+    """A request's outputs 0, 1, ... up to the first gap (never written so; the rest is generated again)."""
+    tokens = []
+    while len(tokens) in outputs:
+        tokens.append(outputs[len(tokens)])
+    return tokens
 
 
 # Takes one request for a gateway (KEYS[1]: the request's hash; ARGV: the gateway's owner id, the owner keys' prefix)
@@ -218,113 +320,158 @@ return 1
 
 
 class RedisStore:
-    """The request log in Redis, under the key prefix of the URL's ?prefix= (default "stagemesh"), shared by every
-    gateway given the same URL: <prefix>:epoch, <prefix>:open (a sorted set of request ids by start time),
-    <prefix>:req:<id> (a hash: body, chat, session, seed, created, owner), <prefix>:out:<id> (a hash: n -> [token,
-    logprob, top]) and <prefix>:owner:<owner id> (a gateway's lease, renewed at every flush, LEASE_S long). `owner`:
-    the gateway's name in the log, the same across its restarts (host:port), so a restarted gateway takes its own
-    requests back at once; a peer takes them once the lease has run out."""
+    """The request log in Redis, shared by every gateway given the same URL and serving the same model, under the
+    keys <prefix>:<mesh>: (the URL's ?prefix=, default "stagemesh"; the model file's fingerprint) -- epoch, open (a
+    sorted set of request ids by start time), req:<id> (a hash: body, chat, session, seed, created, owner, extra,
+    finish), out:<id> (a hash: n -> [token, logprob, top]) and owner:<owner id> (a gateway's lease, renewed at
+    every flush, LEASE_S long). req: and out: expire keep_s after the request began, in Redis itself, whether or not
+    a gateway still prunes this log. `owner`: the gateway's name in the log, the same across its restarts
+    (host:port), so a restarted gateway takes its own requests back at once; a peer takes them once the lease has
+    run out. A gateway whose own lease ran out (stalled, or cut off from Redis, for longer than LEASE_S) finds out at
+    its next flush which of its requests a peer took meanwhile, and stops writing theirs (they are the peer's)."""
 
     shared = True
 
-    def __init__(self, url: str, owner: str | None = None, lease_s: float = LEASE_S, keep_s: float = KEEP_S):
-        import redis  # the optional dependency (pip install 'stagemesh[redis]'): only where a redis:// log is asked for
-
-        parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        prefix = query.pop("prefix", ["stagemesh"])[0]
-        shown = urlunsplit(parts._replace(netloc=(parts.hostname or "") + (f":{parts.port}" if parts.port else ""),
-                                          query=""))
-        if not prefix or any(c in prefix for c in " :{}"):
-            raise StagemeshError(f"--state-dir {shown}: ?prefix= must be a non-empty name without spaces, ':' or braces")
-        self.shown = shown  # the URL without its password, for messages
+    def __init__(self, url: str, owner: str, mesh: str, lease_s: float = LEASE_S, keep_s: float = KEEP_S):
+        target = parse_redis_url(url)
+        self.shown = target.shown  # the URL without its password, for messages
         try:
-            self.redis = redis.Redis.from_url(urlunsplit(parts._replace(query="")), socket_timeout=5,
-                                              socket_connect_timeout=5)
+            import redis  # the optional dependency: only where a redis:// log is asked for
+        except ImportError:
+            raise StagemeshError(f"--state-dir {self.shown}: the Redis client is not installed: pip install "
+                                 "'stagemesh[redis]' (or give a directory, or --state-dir off)") from None
+        try:
+            self.redis = redis.Redis.from_url(target.url, socket_timeout=5, socket_connect_timeout=5)
             self.redis.ping()
         except (redis.RedisError, ValueError) as e:
-            raise StagemeshError(f"--state-dir {shown}: cannot use Redis there ({type(e).__name__}: {e}); check the "
-                                 "URL and that Redis is running, or give a directory, or --state-dir off") from None
-        self._error = redis.RedisError
-        self.prefix, self.lease_s, self.owner = prefix, lease_s, owner or secrets.token_hex(8)
+            raise StagemeshError(f"--state-dir {self.shown}: cannot use Redis there ({type(e).__name__}: {e}); check "
+                                 "the URL and that Redis is running, or give a directory, or --state-dir off") from None
+        self._gone = (redis.ConnectionError, redis.TimeoutError, OSError)  # Redis away: a batch waits (refused: dropped)
+        self.prefix, self.mesh, self.owner, self.lease_s = target.prefix, mesh, owner, lease_s
         self.keep_s, self._pruned = keep_s, 0.0
-        self._mine: set[str] = set()  # the requests this process logged or took: never taken again
+        self._io = threading.Lock()  # one flush or unfinished at a time
+        self._mine: dict[str, float] = {}  # the requests this process logged or took (never taken again) -> created
+        self._lost: set[str] = set()  # requests of this process a peer took while its lease had run out
         self.redis.set(self._key("epoch"), secrets.token_hex(4), nx=True)
         self.epoch = self.redis.get(self._key("epoch")).decode()
         self._claim = self.redis.register_script(_CLAIM)
-        self._renew(self.redis)
-        self._requests: list[tuple] = []
-        self._outputs: list[tuple] = []
-        self._ended: list[tuple[str, str]] = []  # (id, its finish as JSON)
+        self.redis.set(self._key("owner", owner), "1", px=int(lease_s * 1000))
+        self._batch = _Batch()
 
     def _key(self, *parts: str) -> str:
-        return ":".join((self.prefix, *parts))
-
-    def _renew(self, client) -> None:
-        client.set(self._key("owner", self.owner), "1", px=int(self.lease_s * 1000))
+        return ":".join((self.prefix, self.mesh, *parts))
 
     def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int,
             extra: dict | None = None) -> None:
-        self._mine.add(request_id)
-        self._requests.append((request_id, json.dumps(body), int(chat), session or "", seed, time.time(),
-                               json.dumps(extra or {})))
+        created = time.time()
+        self._mine[request_id] = created
+        self._batch.put(self._batch.requests, (request_id, json.dumps(body), int(chat), session or "", seed, created,
+                                               json.dumps(extra or {})))
 
     def output(self, request_id: str, n: int, token: int, logprob: float | None, top) -> None:
-        self._outputs.append((request_id, n, json.dumps([token, logprob, _top_list(top)])))
+        if request_id not in self._lost:
+            self._batch.put(self._batch.outputs, (request_id, n, json.dumps([token, logprob, _top_list(top)])))
 
     def end(self, request_id: str, finish: dict) -> None:
-        self._ended.append((request_id, json.dumps(finish)))
+        if request_id not in self._lost:
+            self._batch.put(self._batch.ended, (request_id, json.dumps(finish)))
 
     def flush(self) -> None:
-        """Write what is buffered in one transaction, and renew this gateway's lease."""
-        requests, outputs, ended = self._requests, self._outputs, self._ended
-        self._requests, self._outputs, self._ended = [], [], []
-        if time.monotonic() - self._pruned > PRUNE_S:  # what began more than keep_s ago goes
-            self._pruned = time.monotonic()
-            self._drop_before(time.time() - self.keep_s)
-        pipe = self.redis.pipeline(transaction=True)
-        self._renew(pipe)
-        for rid, body, chat, session, seed, created, extra in requests:
-            pipe.hset(self._key("req", rid), mapping={"body": body, "chat": chat, "session": session, "seed": seed,
-                                                      "created": created, "extra": extra, "owner": self.owner})
-            pipe.zadd(self._key("open"), {rid: created})
-        for rid, n, out in outputs:
-            pipe.hset(self._key("out", rid), n, out)
-        for rid, finish in ended:  # kept, ended, until keep_s after it began (unfinished drops it)
-            pipe.hset(self._key("req", rid), "finish", finish)
-        pipe.execute()
+        """Renew this gateway's lease, and write what is buffered in one transaction."""
+        with self._io:
+            self._renew()
+            if time.monotonic() - self._pruned > PRUNE_S:  # what began more than keep_s ago goes
+                self._pruned = time.monotonic()
+                self._drop_before(time.time() - self.keep_s)
+            taken = self._batch.take()
+            requests, outputs, ended = taken
+            if not (requests or outputs or ended):
+                return
+            pipe = self.redis.pipeline(transaction=True)
+            expires: dict[str, int] = {}  # key -> when it goes (ms since the epoch): keep_s after its request began
+            for rid, body, chat, session, seed, created, extra in requests:
+                pipe.hset(self._key("req", rid), mapping={"body": body, "chat": chat, "session": session,
+                                                          "seed": seed, "created": created, "extra": extra,
+                                                          "owner": self.owner})
+                pipe.zadd(self._key("open"), {rid: created})
+                expires[self._key("req", rid)] = int((created + self.keep_s) * 1000)
+            for rid, n, out in outputs:
+                if rid not in self._lost:
+                    pipe.hset(self._key("out", rid), n, out)
+                    expires[self._key("out", rid)] = int((self._mine.get(rid, time.time()) + self.keep_s) * 1000)
+            for rid, finish in ended:  # kept, ended, until keep_s after it began (unfinished drops it)
+                if rid not in self._lost:
+                    pipe.hset(self._key("req", rid), "finish", finish)
+            for key, at in expires.items():
+                pipe.pexpireat(key, at)
+            try:
+                pipe.execute()
+            except self._gone:  # not written, or not known to be: written again (the same values)
+                self._batch.put_back(taken)
+                raise
+
+    def _renew(self) -> None:
+        """Renew the lease; where it had run out, find which requests peers took meanwhile (self._lost)."""
+        lease = self._key("owner", self.owner)
+        if self.redis.set(lease, "1", px=int(self.lease_s * 1000), xx=True):
+            return
+        # Set again first: from here no peer takes one more, so what is not ours now stays another's.
+        self.redis.set(lease, "1", px=int(self.lease_s * 1000))
+        mine = list(self._mine)
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in mine:
+            pipe.hget(self._key("req", rid), "owner")
+        lost = [rid for rid, owner in zip(mine, pipe.execute()) if owner is not None and owner.decode() != self.owner]
+        if lost:
+            log.warning("this gateway's lease in the request log ran out and other gateways took %d of its requests: "
+                        "they go on here unlogged (their clients read them here) and there", len(lost))
+            self._lost.update(lost)
+            for rid in lost:
+                self._mine.pop(rid, None)
 
     def unfinished(self, keep_s: float = KEEP_S) -> list[StoredRequest]:
         """The unfinished requests that gateways whose lease ran out left (taken: they are this gateway's now), oldest
         first; those older than keep_s are dropped. At start, a restarted gateway's own; while serving, a peer's."""
-        self._drop_before(time.time() - keep_s)
-        found = []
-        for raw in self.redis.zrange(self._key("open"), 0, -1):
-            rid = raw.decode()
-            if rid in self._mine or not self._claim(keys=[self._key("req", rid)], args=[self.owner,
-                                                                                        self._key("owner", "")]):
-                continue  # this process's already, another live gateway's, or gone meanwhile
-            self._mine.add(rid)
-            req = {k.decode(): v.decode() for k, v in self.redis.hgetall(self._key("req", rid)).items()}
-            outs = {int(n): json.loads(v) for n, v in self.redis.hgetall(self._key("out", rid)).items()}
-            tokens = []
-            for n in range(len(outs)):
-                if n not in outs:  # a gap: keep what is contiguous, the rest is generated again
-                    break
-                token, logprob, top = outs[n]
-                tokens.append((token, logprob, top))
-            found.append(StoredRequest(rid, json.loads(req["body"]), bool(int(req["chat"])), req["session"] or None,
-                                       int(req["seed"]), float(req["created"]), tokens,
-                                       json.loads(req.get("extra") or "{}"),
-                                       json.loads(req["finish"]) if req.get("finish") else None))
-        return found
+        with self._io:
+            self._drop_before(time.time() - keep_s)
+            ids = [raw.decode() for raw in self.redis.zrange(self._key("open"), 0, -1)]
+            ids = [rid for rid in ids if rid not in self._mine and rid not in self._lost]
+            owners = self._pipelined(lambda pipe, rid: pipe.hget(self._key("req", rid), "owner"), ids)
+            gone = [rid for rid, owner in zip(ids, owners) if owner is None]  # expired in Redis
+            if gone:
+                self.redis.zrem(self._key("open"), *gone)
+            others = sorted({o.decode() for o in owners if o is not None} - {self.owner})
+            alive = self._pipelined(lambda pipe, o: pipe.exists(self._key("owner", o)), others)
+            dead = {o for o, live in zip(others, alive) if not live} | {self.owner}
+            found = []
+            for rid, owner in zip(ids, owners):
+                if owner is None or owner.decode() not in dead:
+                    continue
+                if not self._claim(keys=[self._key("req", rid)], args=[self.owner, self._key("owner", "")]):
+                    continue  # another gateway's (it renewed its lease, or took it first), or gone meanwhile
+                req = {k.decode(): v.decode() for k, v in self.redis.hgetall(self._key("req", rid)).items()}
+                outs = {int(n): tuple(json.loads(v)) for n, v in self.redis.hgetall(self._key("out", rid)).items()}
+                self._mine[rid] = float(req["created"])
+                found.append(StoredRequest(rid, json.loads(req["body"]), bool(int(req["chat"])),
+                                           req["session"] or None, int(req["seed"]), float(req["created"]),
+                                           _contiguous(outs), json.loads(req.get("extra") or "{}"),
+                                           json.loads(req["finish"]) if req.get("finish") else None))
+            return found
+
+    def _pipelined(self, call, items: list) -> list:
+        pipe = self.redis.pipeline(transaction=False)
+        for item in items:
+            call(pipe, item)
+        return pipe.execute() if items else []
 
     def _drop_before(self, cutoff: float) -> None:
         old = [i.decode() for i in self.redis.zrangebyscore(self._key("open"), "-inf", cutoff)]
         if old:
             self.redis.delete(*(self._key(kind, rid) for rid in old for kind in ("req", "out")))
             self.redis.zrem(self._key("open"), *old)
-            self._mine.difference_update(old)
+            for rid in old:
+                self._mine.pop(rid, None)
+            self._lost.difference_update(old)
 
     def close(self) -> None:
         """Write what is buffered and give the lease up: a gateway sharing the log may take the requests at once."""

@@ -74,7 +74,7 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
         port = args.port if hasattr(args, "port") else parse_host_port(args.listen, "--listen")[1]  # up / gateway
         try:
             store = open_store(config.state_dir or default_state_dir(port), f"{socket.gethostname()}:{port}",
-                               config.state_keep_s)
+                               files.loader.fingerprint, config.state_keep_s)
         except StagemeshError as e:
             if config.state_dir:  # asked for: its problem is the user's to fix
                 raise
