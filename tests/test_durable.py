@@ -25,7 +25,7 @@ from services.gateway.durable import RedisStore, SqliteStore
 from services.testing.harness import RunningGateway, free_port, start_up
 from services.testing.resumable import Deployment
 from shared.errors import StagemeshError
-from tests.conftest import starts_processes
+from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_openai_api import _sse, _text
 
 STREAMS = 4
