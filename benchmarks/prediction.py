@@ -10,31 +10,62 @@ scope, carries nothing from one request to the next). Prints each workload's tok
 drafts, the drafted tokens that stood and the tokens one decode pass produced (the gateway's speculation counters
 around each request), and whether the answers were the same.
 
-    python -m benchmarks.prediction --stages 2 --rounds 1 [--speculation on]
+Then --streams chat streams at once (loadtest's built-in questions), rounds with drafts and without in turn: where the
+load policy keeps drafts off, what drafting costs a full pipeline.
+
+    python -m benchmarks.prediction --stages 2 --rounds 1 [--speculation on] [--streams 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from loadtest.datasets import BUILTIN
-from services.testing.harness import Report, add_out_arg, running_up, scrape_metric
+from services.testing.harness import (
+    LLAMA_SERVER,
+    Report,
+    add_out_arg,
+    running_llama_server,
+    running_up,
+    scrape_metric,
+)
 
-# (what the user asks, the text it is about): the answer mostly repeats the text, as an edit does
+CODE = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n\n"
+        "def spread(values):\n    low, high = min(values), max(values)\n    return high - low\n")
+CLASS = ("import json\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n        self.data = {}\n\n"
+         "    def load(self):\n        with open(self.path) as f:\n            self.data = json.load(f)\n        return self.data\n\n"
+         "    def get(self, key, default=None):\n        return self.data.get(key, default)\n\n"
+         "    def save(self):\n        with open(self.path, 'w') as f:\n            json.dump(self.data, f, indent=2)\n")
+RIVER = ("The river flows through the old town, past the mill and the church, and under the stone bridge where children "
+         "fish on summer evenings. In winter the water freezes at the edges, and the ducks gather near the warm outlet of "
+         "the bakery. Every spring the town holds a market on the river bank, with bread, cheese, honey and flowers.")
+LETTER = ("Dear Anna,\n\nThank you for your letter. We arrived in Lisbon on Tuesday and the weather has been wonderful. "
+          "The hotel is small but clean, and the staff are very kind. Tomorrow we will visit the castle and the old "
+          "cathedral, and on Friday we take the train to Porto.\n\nWith love,\nMaria\n")
+# (what the user asks, the text it is about): edits whose answer mostly repeats the text; a `prediction` is the text as
+# the user sent it (a client knows the file it asks to change, not the answer)
 EDITS = [
-    ("Repeat the user's text word for word.",
-     "The river flows through the old town, past the mill and the church, and under the stone bridge where children "
-     "fish on summer evenings. In winter the water freezes at the edges, and the ducks gather near the warm outlet of "
-     "the bakery. Every spring the town holds a market on the river bank, with bread, cheese, honey and flowers."),
-    ("Repeat the user's code exactly.",
-     "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n\n"
-     "def spread(values):\n    low, high = min(values), max(values)\n    return high - low\n"),
-    ("Repeat the user's list, one item per line.",
-     "apples\npears\nplums\ncherries\napricots\nquinces\nmedlars\ngooseberries\nredcurrants\nblackcurrants\n"),
+    ("Fix the spelling mistakes in the user's text. Output only the corrected text.",
+     RIVER.replace("church", "chruch").replace("bakery", "bakry")),
+    ("Fix the spelling mistakes in the user's text. Output only the corrected text.",
+     LETTER.replace("weather", "wether").replace("cathedral", "cathedrall")),
+    ("Rewrite the text in the past tense.", RIVER),
+    ("Repeat the user's text word for word.", RIVER),
+    ("Repeat the user's text word for word.", LETTER),
+    ("Repeat the user's code exactly.", CODE),
+    ("Repeat the user's code exactly.", CLASS),
+    ("Output the user's code with the function `mean` renamed to `average`. Output only the code.", CODE),
+    ("Add a docstring to each method of this class. Output the whole code.", CLASS),
+    ("Change the indent in save() from 2 to 4. Output the whole file.", CLASS),
+    ("Change the city Porto to Faro in this letter and output the letter.", LETTER),
+    ("Make this letter more formal.", LETTER),
 ]
 KINDS = {"edit": ("off", "ngram", "predicted"), "chat": ("off", "ngram")}
 SOURCES = ("prediction", "context", "pool")
@@ -52,20 +83,38 @@ def counters(url: str) -> dict[str, float]:
     return out
 
 
-def ask(url: str, messages: list[dict], max_tokens: int, kind: str, scope: str, prediction: str | None = None) -> dict:
+def complete(url: str, messages: list[dict], max_tokens: int, kind: str, scope: str,
+             prediction: str | None = None) -> dict:
+    """One greedy chat completion: its seconds, completion tokens and text."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "cache_salt": scope,
             "speculation": kind != "off"}
     if kind == "predicted":
         body["prediction"] = {"type": "content", "content": prediction}
-    before = counters(url)
     t0 = time.perf_counter()
     with urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                                        {"Content-Type": "application/json"}), timeout=600) as r:
         out = json.loads(r.read())
-    seconds = time.perf_counter() - t0
-    moved = {k: v - before[k] for k, v in counters(url).items()}
-    return {"seconds": seconds, "tokens": out["usage"]["completion_tokens"], **moved,
+    return {"seconds": time.perf_counter() - t0, "tokens": out["usage"]["completion_tokens"],
             "text": out["choices"][0]["message"]["content"]}
+
+
+def ask(url: str, messages: list[dict], max_tokens: int, kind: str, scope: str, prediction: str | None = None) -> dict:
+    """complete(), alone on the gateway, with what its speculation counters moved by around it."""
+    before = counters(url)
+    out = complete(url, messages, max_tokens, kind, scope, prediction)
+    return {**out, **{k: v - before[k] for k, v in counters(url).items()}}
+
+
+def concurrent_round(url: str, questions: list[str], max_tokens: int, kind: str, scope: str) -> dict:
+    """Every question at once, one stream each (each in a cache scope of its own): the round's tokens over its wall
+    time, the texts in question order, and what the speculation counters moved by."""
+    before, t0 = counters(url), time.perf_counter()
+    with ThreadPoolExecutor(len(questions)) as pool:
+        outs = list(pool.map(lambda iq: complete(url, [{"role": "user", "content": iq[1]}], max_tokens, kind,
+                                                 f"{scope}-{iq[0]}"), enumerate(questions)))
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": sum(o["tokens"] for o in outs), "texts": [o["text"] for o in outs],
+            **{k: v - before[k] for k, v in counters(url).items()}}
 
 
 def summary(runs: dict[str, list[dict]]) -> dict:
@@ -84,12 +133,43 @@ def summary(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+
+
+def against_llama_server(url: str, binary: str, max_tokens: int, report: Report) -> dict:
+    """The edits without a prediction, one stream, on this (1-stage) mesh with n-gram drafts and on llama-server with
+    each of its draftless speculation types, interleaved edit by edit: tok/s of each, the mesh's over the best."""
+    with contextlib.ExitStack() as stack:
+        servers = {"stagemesh": url}
+        for spec in LLAMA_SPEC_TYPES:  # idle but for their turn: each answers alone
+            servers[f"llama-server {spec}"] = stack.enter_context(running_llama_server(
+                "smollm2", binary, slots=1, context=4096, extra=("--spec-type", spec)))
+        runs = {name: [] for name in servers}
+        for system, text in EDITS:
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+            for name, base in servers.items():
+                runs[name].append(complete(base, msgs, max_tokens, "ngram", "vs-llama"))
+    rate = {name: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for name, rs in runs.items()}
+    best = max((n for n in rate if n != "stagemesh"), key=rate.get)
+    report.say("edits, one stream, 1 stage with n-gram drafts against llama-server (-t "
+               f"{os.cpu_count()}, -np 1) by --spec-type: " + "; ".join(f"{n} {r:.1f} tok/s" for n, r in rate.items())
+               + f"; stagemesh / the best ({best}): {rate['stagemesh'] / rate[best]:.2f}x")
+    return {"tokens_per_s": rate, "best": best, "ratio": rate["stagemesh"] / rate[best],
+            "tokens": {n: [r["tokens"] for r in rs] for n, rs in runs.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", default="2", help="stage counts to run, comma-separated (default 2)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of the edits (each of the 3 edits per round)")
+    p.add_argument("--rounds", type=int, default=1, help=f"rounds of the edits (each of the {len(EDITS)} edits per round)")
     p.add_argument("--questions", type=int, default=6, help="distinct chat questions (each asked once a kind)")
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--streams", type=int, default=32,
+                   help="then this many chat streams at once, rounds with drafts and without in turn (0: none)")
+    p.add_argument("--stream-rounds", type=int, default=3, help="rounds of each kind at --streams")
+    p.add_argument("--llama-server", nargs="?", const=LLAMA_SERVER, default=None,
+                   help="also llama.cpp's llama-server (this path; `make llama-server`) on the edits, once per "
+                        f"draftless --spec-type ({', '.join(LLAMA_SPEC_TYPES)}), beside the 1-stage mesh's n-grams")
     p.add_argument("--speculation", default="auto", choices=("auto", "on"),
                    help="the gateway's --speculation for the drafting kinds (default auto)")
     add_out_arg(p, "prediction")
@@ -115,7 +195,18 @@ def main() -> None:
                 for kind in KINDS["chat"]:
                     chat[kind].append(ask(gw.url, [{"role": "user", "content": q}], args.max_tokens, kind,
                                           f"chat-{kind}"))
+            many = {"off": [], "ngram": []}
+            if args.streams:
+                with open(BUILTIN) as f:
+                    every = json.load(f)
+                wanted = [every[i % len(every)] for i in range(args.streams)]
+                for i in range(args.stream_rounds):
+                    for kind in many:
+                        many[kind].append(concurrent_round(gw.url, wanted, args.max_tokens, kind, f"many-{i}-{kind}"))
+            if args.llama_server and stages == 1:
+                results["llama-server"] = against_llama_server(gw.url, args.llama_server, args.max_tokens, report)
             results[stages] = {"edit": summary(edit), "chat": summary(chat), "speculation": args.speculation,
+                               "streams": args.streams, "many": many,
                                "pass_ms": json.loads(gw.get("/v1/mesh")[1])["gateway"]["speculation"]["pass_ms"]}
             for name in KINDS:
                 r = results[stages][name]
@@ -126,6 +217,19 @@ def main() -> None:
                          f"{r['same_text'][kind]})" for kind in KINDS[name] if kind != "off"]
                 report.say(f"{stages} stage{'s' if stages > 1 else ''}, --speculation {args.speculation}, {name}: no "
                            f"drafts {off:.1f} tok/s; " + "; ".join(parts))
+            if args.streams:
+                rate = {k: sum(r["tokens"] for r in v) / sum(r["seconds"] for r in v) for k, v in many.items()}
+                pairs = statistics.median(b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
+                                          for a, b in zip(many["off"], many["ngram"]))
+                # without --batch-invariant a greedy text depends on what shared its micro-batches: two rounds
+                # without drafts differ too, so the count to compare is against that one's
+                differ = sum(x != y for x, y in zip(many["off"][0]["texts"], many["ngram"][0]["texts"]))
+                differ_off = sum(x != y for x, y in zip(many["off"][0]["texts"], many["off"][-1]["texts"]))
+                drafted = sum(r["drafted"] for r in many["ngram"])
+                report.say(f"{stages} stages, {args.streams} chat streams at once: no drafts {rate['off']:.1f} tok/s; "
+                           f"ngram {rate['ngram']:.1f} tok/s ({rate['ngram'] / rate['off']:.2f}x, median of pairs "
+                           f"{pairs:.2f}x; {drafted:.0f} drafted tokens; texts that differ from the first round without "
+                           f"drafts: {differ} of {args.streams}, and in its last round: {differ_off})")
             report.say(f"measured ms of a decode pass by its rows: {results[stages]['pass_ms']}")
     report.write(results)
 

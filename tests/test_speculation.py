@@ -18,12 +18,14 @@ from services.gateway.speculation import (
     COST_WINDOW,
     EXPLORE_EVERY,
     MAX_DRAFT_TOKENS,
+    MAX_PREDICTED_TOKENS,
     SKIP_STEPS,
     SOURCES,
     ContextIndex,
     DraftBudget,
     NgramPool,
     PassCosts,
+    PredictionIndex,
     Speculator,
     predicted_draft,
     worth_drafting,
@@ -48,6 +50,51 @@ def test_a_draft_is_what_the_prediction_says_follows_the_newest_tokens():
     repeated = [5, 1, 2, 6, 6, 6, 1, 2, 7]  # (1, 2) twice: the occurrence nearest the output's own place
     assert predicted_draft(repeated, [0, 0, 0, 0, 0, 0, 1, 2], 1) == [7]
     assert predicted_draft(repeated, [1, 2], 1) == [6]
+
+
+def test_a_prediction_draft_rejoins_the_prediction_where_the_output_left_it():
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 14, 18, 19]
+    index = PredictionIndex(prediction)
+    output = [7, 7, 7, 10, 11]  # a preamble the prediction does not have, then its start
+    assert index.draft(output, 2) == [12, 13]
+    index.stepped(2, 1)  # 12 stood; the model wrote 20 where the prediction has 13
+    output += [12, 20]
+    assert index.draft(output, 2) == []  # neither (12, 20) nor 20 is in it
+    index.stepped(0, 0)
+    output.append(14)  # back on the prediction: the 14 after the change, not the later one nearer the output's length
+    assert index.draft(output, 3) == [15, 16, 17]
+    assert predicted_draft(prediction, output, 3) == [18, 19]  # (a fresh index: the one nearest len(output))
+    assert index.draft(output, 3, shortest=2) == []  # (20, 14) is not in it
+
+
+def test_a_predictions_draft_doubles_while_it_stands_and_never_pauses():
+    budget = DraftBudget(predicted=True)
+    sizes = []
+    for _ in range(4):
+        sizes.append(budget.next_size())
+        budget.update(sizes[-1], sizes[-1])
+    assert sizes == [6, 12, MAX_PREDICTED_TOKENS, MAX_PREDICTED_TOKENS]
+    for _ in range(3):  # a change in the output: the next draft is what stood and one more, never none
+        budget.update(budget.next_size(), 0)
+        assert budget.next_size() == 1 and budget.skip == 0
+
+
+def test_a_request_with_a_prediction_drafts_from_its_context_where_the_output_left_the_prediction():
+    spec = Speculator("auto")
+    prompt = [1, 2, 3, 30, 31, 32, 33, 34, 35]
+    req = request(prompt, prediction_ids=[40, 41, 42, 43], output_ids=[5, 30, 31])  # the answer quotes the prompt
+    assert spec.draft(req, 16, ngrams=False) == [32, 33, 34, 35, 5, 30] and req.drafts.source == "context"
+    req.output_ids += [32, 33, 9]  # two stood
+    spec.verified(req, decoded=True, drafted=6, stood=2)
+    req.output_ids += [40, 41]  # the output comes to the prediction
+    assert spec.draft(req, 16, ngrams=False) == [42, 43] and req.drafts.source == "prediction"
+    req.output_ids += [42, 43]
+    spec.verified(req, decoded=True, drafted=2, stood=1)
+    # usage reports the prediction's own drafted tokens (OpenAI's accepted / rejected prediction tokens)
+    assert (req.drafts.prediction_stood, req.drafts.prediction_rejected) == (1, 1)
+    assert (spec.stats.accepted["context"], spec.stats.accepted["prediction"]) == (2, 1)
+    opted_out = request(prompt, prediction_ids=[40, 41, 42, 43], output_ids=[5, 30, 31], speculation=False)
+    assert spec.draft(opted_out, 16, ngrams=False) == []  # no n-grams for it: its prediction alone drafts
 
 
 def test_the_draft_length_follows_how_the_last_drafts_fared():

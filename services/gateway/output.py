@@ -144,8 +144,8 @@ class OutputProcessor:
                  "total_tokens": len(seq.prompt_ids) + self.completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
         if seq.prediction_ids is not None:  # OpenAI's names: drafted tokens of the prediction that stood, and not
-            usage["completion_tokens_details"] = {"accepted_prediction_tokens": seq.drafts_accepted,
-                                                  "rejected_prediction_tokens": seq.drafts_rejected}
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": seq.drafts.prediction_stood,
+                                                  "rejected_prediction_tokens": seq.drafts.prediction_rejected}
         trace = None
         if seq.capture is not None:
             captures = [HookCapture.from_wire(c) for c in seq.capture.captures]

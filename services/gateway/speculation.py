@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # the request carries what is here; this module stays below i
 DRAFT_TOKENS = 6  # tokens a first draft proposes (a step then verifies DRAFT_TOKENS + 1 positions)
 MAX_DRAFT_TOKENS = 12  # ... and a draft at most, after drafts that all stood
 SKIP_STEPS = 8  # after a draft of one token that did not stand: steps without drafting before trying again
-MATCH_TOKENS = 3  # the longest output suffix looked up in the prediction (down to 1)
+MATCH_TOKENS = 4  # the longest output suffix looked up in the prediction (down to 1)
+MAX_PREDICTED_TOKENS = 16  # a prediction's draft at most: one that all stood doubles the next, up to this
 CONTEXT_MATCH = (4, 2)  # the longest and shortest suffix of a request's tokens looked up earlier in them
 POOL_NGRAM = 8  # tokens the pool's hash covers (the n of llama.cpp's ngram-mod)
 POOL_BITS = 20  # the pool holds 2**POOL_BITS entries (4 MiB), whatever the traffic
@@ -51,20 +52,72 @@ EXPLORE_EVERY = 32  # drafts the costs refused in a row before one goes anyway, 
 #                     again (a host that was busy once does not turn drafting off for good)
 
 
+def _find(data: bytes, pattern: bytes, lo: int, hi: int) -> int:
+    """The first token-aligned byte offset where pattern (int32 tokens) occurs within data[lo:hi]; -1 when none."""
+    at = data.find(pattern, lo, hi)
+    while at >= 0 and at % 4:  # a match across token boundaries: look further on
+        at = data.find(pattern, at + 1, hi)
+    return at
+
+
+def _rfind(data: bytes, pattern: bytes, hi: int) -> int:
+    """The last token-aligned byte offset where pattern occurs within data[:hi]; -1 when none."""
+    at = data.rfind(pattern, 0, hi)
+    while at >= 0 and at % 4:
+        at = data.rfind(pattern, 0, at + len(pattern) - 1)
+    return at
+
+
+class PredictionIndex:
+    """A request's prediction (OpenAI's Predicted Outputs: the text it expects, e.g. the file being edited) and where
+    in it the output is. A draft is what follows, in the prediction, the longest suffix (MATCH_TOKENS down to 1) of
+    the output found in it: the occurrence nearest the place the output was expected to reach (`expected`), the one
+    ahead on a tie -- an edit that repeats a line keeps to its place, and a one-token suffix after a change re-joins
+    the prediction where the output left it, not at the first token alike. Searched by bytes.find / rfind over the
+    tokens as int32 bytes (C speed at thousands of tokens)."""
+
+    def __init__(self, ids: Sequence[int]):
+        self.ids = list(ids)
+        self._bytes = array("i", self.ids).tobytes()
+        self.expected: int | None = None  # the index in ids of the token the output's next one is expected to be
+        self.start: int | None = None  # where in ids the draft in flight starts
+
+    def draft(self, output: Sequence[int], size: int, shortest: int = 1) -> list[int]:
+        """Up to `size` tokens that follow the output in the prediction; [] when no suffix of it (of `shortest` tokens
+        at least) occurs there with a token after it."""
+        start = self._locate(output, shortest)
+        self.start = start
+        return [] if start is None else self.ids[start:start + size]
+
+    def _locate(self, output: Sequence[int], shortest: int) -> int | None:
+        hint = len(output) if self.expected is None else self.expected
+        for n in range(min(MATCH_TOKENS, len(output)), shortest - 1, -1):
+            pattern = array("i", output[-n:]).tobytes()
+            last = 4 * (len(self.ids) - 1)  # an occurrence ends before the prediction's last token: one follows it
+            ahead = _find(self._bytes, pattern, 4 * max(0, hint - n), last)  # ending at or after the hint
+            behind = _rfind(self._bytes, pattern, max(0, min(last, 4 * (hint - 1))))  # ending before it
+            ends = [at // 4 + n for at in (ahead, behind) if at >= 0]
+            if ends:
+                return min(ends, key=lambda end: (abs(end - hint), end < hint))
+        return None
+
+    def stepped(self, drafted: int, stood: int) -> None:
+        """The step came back with `stood` of `drafted` drafted tokens of the prediction standing (drafted 0: its
+        draft came from elsewhere, `stood` of it standing), and one sampled token after them: the output is expected
+        to go on where the prediction does after that token."""
+        if drafted and self.start is not None:
+            self.expected = self.start + stood + 1
+        elif self.start is not None:  # a place found but no draft sent (the costs cut it): one token on from there
+            self.expected = self.start + 1
+        elif self.expected is not None:  # no place found: the output moved on by what the step produced
+            self.expected += 1 + stood
+        self.start = None
+
+
 def predicted_draft(prediction: Sequence[int], output: Sequence[int], size: int = DRAFT_TOKENS) -> list[int]:
-    """The tokens that follow, in `prediction`, the longest suffix (MATCH_TOKENS down to 1) of `output` found in it
-    -- its last occurrence before the output's length, so an edit that repeats a line keeps to the place it is at;
-    [] when no suffix occurs."""
-    for n in range(min(MATCH_TOKENS, len(output)), 0, -1):
-        tail = list(output[-n:])
-        # where the prediction holds the tail, nearest the output's own place first (outputs mostly follow it)
-        limit = min(len(prediction) - n, len(output) + len(prediction) // 4)
-        for start in range(limit, -1, -1):
-            if list(prediction[start:start + n]) == tail:
-                follow = list(prediction[start + n:start + n + size])
-                if follow:
-                    return follow
-    return []
+    """What a fresh PredictionIndex drafts: the tokens that follow, in `prediction`, the longest suffix of `output`
+    found in it, nearest the output's own length."""
+    return PredictionIndex(prediction).draft(output, size)
 
 
 class ContextIndex:
@@ -170,10 +223,14 @@ class DraftBudget:
     """How long a request's next draft may be, from how its last ones fared: a draft that all stood grows the next by
     2 (up to MAX_DRAFT_TOKENS), one that stood in part sizes the next to what stood + 1, one that did not stand at all
     halves it; at 0, SKIP_STEPS steps go without a draft (their rows would be wasted), then one token is tried.
-    A prediction that the output left costs a few rows now and then, not a row per position."""
+    A prediction that the output left costs a few rows now and then, not a row per position.
+    A prediction's budget (predicted) doubles after a draft that all stood, up to MAX_PREDICTED_TOKENS, and never
+    pauses: an edit's output keeps to its prediction for long runs between changes, and re-joins it after each.
+    (benchmarks/prediction.py; an offline replay of greedy edit answers chose these rules.)"""
 
     size: int = DRAFT_TOKENS
     skip: int = 0  # steps left without drafting
+    predicted: bool = False
 
     def next_size(self) -> int:
         if self.skip:
@@ -185,8 +242,8 @@ class DraftBudget:
         if not drafted:
             return
         if stood == drafted:
-            self.size = min(MAX_DRAFT_TOKENS, drafted + 2)
-        elif stood:
+            self.size = min(MAX_PREDICTED_TOKENS, 2 * drafted) if self.predicted else min(MAX_DRAFT_TOKENS, drafted + 2)
+        elif stood or self.predicted:
             self.size = stood + 1
         else:
             self.size = drafted // 2
@@ -252,10 +309,13 @@ class RequestDrafts:
     its draft in flight, and how much of its output the pool has seen."""
 
     budget: DraftBudget = field(default_factory=DraftBudget)
+    prediction: PredictionIndex | None = None  # its prediction's (made at its first draft), where it has one
     context: ContextIndex | None = None
     salt: int | None = None  # its tenant's pool key (tenant_salt), once needed
     source: str | None = None  # where the draft of its step in flight came from
     pooled: int = 0  # tokens of prompt + output whose n-grams the pool has taken (from its prompt's end on)
+    prediction_stood: int = 0  # its prediction's drafted tokens that stood, and not (its usage)
+    prediction_rejected: int = 0
     stood: int = 0  # its drafted tokens that stood ...
     missed: int = 0  # ... and its drafts that ended at a token that did not
 
@@ -315,26 +375,35 @@ class Speculator:
     def ngrams_for(self, req: Request) -> bool:
         """Whether n-gram drafts may serve this request at all: on, not opted out, no prediction of its own, and
         a step whose draws can be verified in rows (no grammar or penalties: they need one position a step)."""
-        return self.pool is not None and req.speculation and req.prediction_ids is None and req.audit is None \
-            and not req.traced and req.grammar is None and not req.params.penalized
+        return req.prediction_ids is None and self._context_for(req)
+
+    def _context_for(self, req: Request) -> bool:
+        """ngrams_for, a prediction or not: a request with one drafts from its own context where its output left
+        the prediction."""
+        return self.pool is not None and req.speculation and req.audit is None and not req.traced \
+            and req.grammar is None and not req.params.penalized
 
     def draft(self, req: Request, rows: int, ngrams: bool, batch_rows: int = 1) -> list[int]:
         """The draft for the request's next decode step, at most `rows` tokens long, in a micro-batch of batch_rows
         rows without it; `ngrams`: the load allows n-gram drafts now. Sets req.draft and returns it."""
         drafts, t0 = req.drafts, time.perf_counter()
         draft, source = [], None
+        if req.prediction_ids and drafts.prediction is None:
+            drafts.prediction, drafts.budget = PredictionIndex(req.prediction_ids), DraftBudget(predicted=True)
         size = min(rows, drafts.budget.size)
         ngrams = ngrams or self.mode == "on"
         if size > 0 and (req.prediction_ids or (ngrams and self.ngrams_for(req))) and drafts.budget.next_size():
-            if req.prediction_ids:
-                draft, source = predicted_draft(req.prediction_ids, req.output_ids, size), "prediction"
-            else:
-                ids = req.all_ids
-                if drafts.context is None:
-                    drafts.context = ContextIndex()
-                draft, source = drafts.context.draft(ids, size), "context"
+            if req.prediction_ids:  # where it re-joins the prediction; else what its context says; else one token
+                # alike in the prediction near where the output left it (an offline replay of edits chose the order)
+                draft, source = drafts.prediction.draft(req.output_ids, size, shortest=2), "prediction"
+                if not draft and self._context_for(req):
+                    draft, source = self._context_draft(req, size), "context"
                 if not draft:
-                    draft, source = self.pool.draft(ids, size, self._salt(req)), "pool"
+                    draft, source = drafts.prediction.draft(req.output_ids, size), "prediction"
+            else:
+                draft, source = self._context_draft(req, size), "context"
+                if not draft:
+                    draft, source = self.pool.draft(req.all_ids, size, self._salt(req)), "pool"
             if draft and self.mode == "auto" and (drafts.stood or drafts.missed):  # as long as pays on this mesh (a request's first draft
                 # goes whole: it measures how well this request's drafts stand)
                 keep = worth_drafting(len(draft), drafts.acceptance, self.costs, batch_rows)
@@ -345,6 +414,11 @@ class Speculator:
         self.stats.draft_seconds += time.perf_counter() - t0
         return draft
 
+    def _context_draft(self, req: Request, size: int) -> list[int]:
+        if req.drafts.context is None:
+            req.drafts.context = ContextIndex()
+        return req.drafts.context.draft(req.all_ids, size)
+
     def verified(self, req: Request, decoded: bool, drafted: int, stood: int) -> None:
         """The request's step came back: `decoded` (a decode step, not a prompt chunk) with `drafted` drafted tokens,
         `stood` of them standing. Sizes its next draft, counts, and gives its new tokens' n-grams to the pool."""
@@ -353,6 +427,11 @@ class Speculator:
             s.decode_steps += 1
             s.decode_tokens += 1 + stood
         source, req.drafts.source = req.drafts.source, None
+        if decoded and req.drafts.prediction is not None:
+            req.drafts.prediction.stepped(drafted if source == "prediction" else 0, stood)
+            if source == "prediction":  # the request's usage (OpenAI's accepted / rejected prediction tokens)
+                req.drafts.prediction_stood += stood
+                req.drafts.prediction_rejected += drafted - stood
         if drafted and source is not None:
             req.drafts.budget.update(drafted, stood)
             req.drafts.stood += stood

@@ -25,7 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import aiohttp
@@ -267,15 +267,16 @@ def wait_http(url: str, timeout: float = 120) -> None:
 
 
 @contextlib.contextmanager
-def running_llama_server(model: str, binary: str = LLAMA_SERVER, slots: int = 32, context: int = 8192) -> Iterator[str]:
+def running_llama_server(model: str, binary: str = LLAMA_SERVER, slots: int = 32, context: int = 8192,
+                         extra: Sequence[str] = ()) -> Iterator[str]:
     """llama.cpp's llama-server for `model` (alias or GGUF path) on a free port, continuous batching with `slots`
-    parallel slots sharing `context` tokens (8192 gives each of 32 slots 256 tokens, room for 64 in + 64 out);
-    yields its base URL once /health answers; stopped when the block ends."""
+    parallel slots sharing `context` tokens (8192 gives each of 32 slots 256 tokens, room for 64 in + 64 out), and
+    `extra` flags (e.g. its --spec-type); yields its base URL once /health answers; stopped when the block ends."""
     if not os.access(binary, os.X_OK):
         raise SystemExit(f"no llama-server at {binary}: run `make llama-server` first")
     port = free_port()
     cmd = [binary, "-m", resolve_model(model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(os.cpu_count()), "-np", str(slots), "-cb", "-c", str(context), "--no-webui"]
+           "-t", str(os.cpu_count()), "-np", str(slots), "-cb", "-c", str(context), "--no-webui", *extra]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(f"http://127.0.0.1:{port}/health")
