@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
+from services.gateway.config import API_KEY_ENV, OPERATOR_KEY_ENV, OPERATOR_PATHS
 from shared.config import GATEWAY_PORT
 from shared.errors import StagemeshError
 
@@ -40,11 +41,13 @@ def register(sub) -> None:
 
 def gateway_request(url: str, path: str, body: dict | None = None) -> urllib.request.Request:
     """A request to the gateway at `url` (a JSON POST when `body` is given), with STAGEMESH_API_KEY as its bearer
-    token when set: what every command that talks to a gateway sends."""
+    token when set -- STAGEMESH_OPERATOR_KEY on the routes that change the mesh: what every command that talks to a
+    gateway sends."""
     req = urllib.request.Request(url.rstrip("/") + path, method="GET" if body is None else "POST",
                                  data=None if body is None else json.dumps(body).encode(),
                                  headers={} if body is None else {"Content-Type": "application/json"})
-    if key := os.environ.get("STAGEMESH_API_KEY"):
+    env = OPERATOR_KEY_ENV if path in OPERATOR_PATHS else API_KEY_ENV
+    if key := os.environ.get(env):
         req.add_header("Authorization", f"Bearer {key}")
     return req
 

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.anthropic_api import MESSAGES_PATH, count_message_tokens, create_message
 from services.gateway.balance import Balancer
-from services.gateway.config import API_KEY_ENV, GatewayConfig
+from services.gateway.config import API_KEY_ENV, OPERATOR_KEY_ENV, OPERATOR_PATHS, GatewayConfig
 from services.gateway.core import GATEWAY, Gateway
 from services.gateway.durable import FLUSH_S, TAKE_OVER_S, RequestStore
 from services.gateway.engine import Engine
@@ -123,19 +123,33 @@ def origin_allowed(request: web.Request, origin: str) -> bool:
 QUERY_KEY_PATHS = (WS_PATH, "/v1/mesh/stream")  # a websocket and an EventSource: no way to set a header
 
 
-def _check_key(request: web.Request) -> None:
-    cfg = request.app[GATEWAY].config
-    needs_key = request.path.startswith("/v1/") or (cfg.metrics_require_key and request.path == "/metrics")
-    if not cfg.api_key or not needs_key:
-        return
+def _sent_key(request: web.Request, key: str) -> bool:
+    """Whether the request carries `key`: as its bearer token, in x-api-key, or (on QUERY_KEY_PATHS only) ?api_key=."""
     given = request.headers.get("Authorization", "")
     if not given and request.path in QUERY_KEY_PATHS:  # browsers cannot set headers on these: the query, here only
         given = f"Bearer {request.query.get('api_key', '')}"
     # RFC 7235: the scheme is case-insensitive ("bearer" is "Bearer"), then one or more spaces, then the token
     scheme, _, token = given.strip().partition(" ")
-    bearer = _key_matches(scheme.lower(), "bearer") & _key_matches(token.strip(), cfg.api_key)
+    bearer = _key_matches(scheme.lower(), "bearer") & _key_matches(token.strip(), key)
     x_api_key = request.headers.get("x-api-key")  # Anthropic's header (its SDK and agents send it), on every route
-    if not (bearer | (x_api_key is not None and _key_matches(x_api_key, cfg.api_key))):
+    return bool(bearer | (x_api_key is not None and _key_matches(x_api_key, key)))
+
+
+def _check_key(request: web.Request) -> None:
+    cfg = request.app[GATEWAY].config
+    if request.path in OPERATOR_PATHS and (cfg.operator_key or cfg.api_key):  # changes the mesh: an operator's
+        if not cfg.operator_key:
+            raise RequestError(f"{request.path} changes the mesh: it needs the operator key, and this gateway has "
+                               f"none: start it with {OPERATOR_KEY_ENV} set (a client's API key cannot do this)",
+                               status=403, code="operator_key_required")
+        if not _sent_key(request, cfg.operator_key):
+            raise RequestError(f"missing or wrong operator key on {request.path}: send 'Authorization: Bearer <key>' "
+                               f"with the gateway's {OPERATOR_KEY_ENV}", status=401, code="invalid_operator_key")
+        return
+    needs_key = request.path.startswith("/v1/") or (cfg.metrics_require_key and request.path == "/metrics")
+    if not cfg.api_key or not needs_key:
+        return
+    if not _sent_key(request, cfg.api_key):
         hint = " (or ?api_key= on the websocket and the mesh stream)" if request.path in QUERY_KEY_PATHS else ""
         raise RequestError(f"missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'{hint} "
                            f"({API_KEY_ENV})", status=401, code="invalid_api_key")

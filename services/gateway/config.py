@@ -11,6 +11,10 @@ from shared.config import check, check_int, check_seconds, flag_for, knob, not_a
 from shared.errors import StagemeshError
 
 API_KEY_ENV = "STAGEMESH_API_KEY"  # when set, /v1/* requires `Authorization: Bearer <key>`
+# when set, the routes that change the mesh (OPERATOR_PATHS) require it instead of the API key; where an API key is set
+# and this is not, they are refused: a client with the API key generates, it does not move layers between hosts
+OPERATOR_KEY_ENV = "STAGEMESH_OPERATOR_KEY"
+OPERATOR_PATHS = ("/v1/mesh/resplit",)
 
 # Edge limits that are not flags (README "Security / At the HTTP edge" lists them with the flags' defaults).
 BODY_READ_TIMEOUT_S = 30.0  # a request body must arrive within this (a trickled body is cut with 408)
@@ -42,6 +46,7 @@ class GatewayConfig:
 
     model_id: str = not_a_flag("the model's name in the API: --model")
     api_key: str | None = not_a_flag(f"from ${API_KEY_ENV}", default=None)
+    operator_key: str | None = not_a_flag(f"from ${OPERATOR_KEY_ENV}", default=None)
     bind_host: str | None = not_a_flag("the address it listens on (serve_until_signal sets it)", default=None)
     default_max_tokens: int | None = knob(
         None, "a request that leaves out max_tokens generates at most N tokens", metavar="N",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from services.gateway.config import API_KEY_ENV, GatewayConfig
+from services.gateway.config import API_KEY_ENV, OPERATOR_KEY_ENV, GatewayConfig
 from services.process.args import add_config_args, add_model_args, add_otlp_args, config_from_args, later
 from services.process.keys import add_security_args
 from shared.config import GATEWAY_PORT, SchedulerConfig
@@ -41,4 +41,5 @@ def gateway_config_from_args(args, model: str) -> GatewayConfig:
     model's name in the API is --served-model-name, else --model as given when it is an alias, else the file's name
     without .gguf (never a path of this machine)."""
     name = args.served_model_name or os.path.basename(model).removesuffix(".gguf")
-    return config_from_args(GatewayConfig, args, model_id=name, api_key=os.environ.get(API_KEY_ENV) or None)
+    return config_from_args(GatewayConfig, args, model_id=name, api_key=os.environ.get(API_KEY_ENV) or None,
+                            operator_key=os.environ.get(OPERATOR_KEY_ENV) or None)
