@@ -173,6 +173,9 @@ class MeshView:
                 "last_proposal": {k: engine.balancer.last_proposal[k] for k in ("split_now", "split_proposed",
                                                                                "predicted_gain")}
                 if engine.balancer.last_proposal else None},
+            # --split auto's decision at start: state, and the proposal (each stage's calibration, ms per layer,
+            # the split chosen, the predicted gain over the split the stages started with); None without it
+            "split_auto": None if engine.start_split is None else engine.start_split.info(),
             "name": replica.name, "ready": pipe.ready, "state": "ready" if pipe.ready else "lost",
             "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
             "inflight": len(sched.inflight), "max_inflight": sched.max_inflight, "replaying": sched.replaying,
