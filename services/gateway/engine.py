@@ -331,7 +331,9 @@ class Engine:
         try:
             target = start.target(self.pipeline.stages)
             now = [LayerRange(*i.layers) for i in self.pipeline.stages]
-            while (step := toward(now, target, n)) is not None:
+            for _ in range(n):  # each step moves every boundary toward its target: at most n steps
+                if (step := toward(now, target, n)) is None:
+                    break
                 await self.resplit(step, trigger="split-auto")
                 now = step
             start.state = "done"
@@ -340,7 +342,8 @@ class Engine:
                         "/".join(str(s["ms_per_layer"]) for s in (start.proposal or {}).get("stages", [])),
                         (start.proposal or {}).get("predicted_gain", 1.0))
         except Exception as e:
-            start.state, start.error = "failed", f"{type(e).__name__}: {e}" if not isinstance(e, StagemeshError) else str(e)
+            start.state = "failed"
+            start.error = str(e) if isinstance(e, StagemeshError) else f"{type(e).__name__}: {e}"
             log.error("%s --split auto failed, serving the split the stages started with: %s", self.pipeline.label,
                       start.error)
         finally:
