@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import time
 import urllib.request
 
@@ -24,32 +22,7 @@ import aiohttp
 
 from loadtest.client import sse_events
 from services.testing.harness import Report, add_out_arg, running_up
-
-CGROUP = "/sys/fs/cgroup/cpu"
-PERIOD_US = 100_000
-
-
-@contextlib.contextmanager
-def throttled(pid: int, share: float):
-    """The process `pid` (every thread) limited to `share` of the machine's cores while the block runs."""
-    if not os.access(CGROUP, os.W_OK):
-        raise SystemExit(f"{CGROUP} is not writable: run where the cgroup v1 cpu controller is (as root)")
-    path = os.path.join(CGROUP, f"stagemesh-resplit-{pid}")
-    os.makedirs(path, exist_ok=True)
-    root_procs = os.path.join(CGROUP, "cgroup.procs")
-    try:
-        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
-            f.write(str(PERIOD_US))
-        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
-            f.write(str(int(share * (os.cpu_count() or 1) * PERIOD_US)))
-        with open(os.path.join(path, "cgroup.procs"), "w") as f:
-            f.write(str(pid))
-        yield
-    finally:
-        with contextlib.suppress(OSError), open(root_procs, "w") as f:
-            f.write(str(pid))
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
+from services.testing.slow_host import throttled
 
 
 class Load:

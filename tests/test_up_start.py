@@ -73,8 +73,10 @@ def test_bad_model_exits_at_once(tmp_path, model, words):
     (["--chat-template", "nope"], "--chat-template 'nope' is neither a built-in template"),
     (["--split", "12,9"], "must be strictly increasing"),
     (["--split", "10,20", "--stages", "2"], "makes 3 stages, not --stages 2"),
+    (["--split", "auto,3"], "or give --split auto"),  # auto is the whole value, not a boundary
+    (["--split", "fast"], "must be comma-separated layer numbers"),
 ], ids=["port-range", "stages-type", "stages-zero", "dtype", "trace-budget", "stall-timeout", "origin", "stages-past-layers",
-        "abbreviation", "chat-template", "split-order", "split-stages"])
+        "abbreviation", "chat-template", "split-order", "split-stages", "split-auto-mixed", "split-word"])
 def test_bad_flag_is_one_line(tmp_path, flags, word):
     rc, err, took = run_up("--port", str(free_port()), *flags, log_dir=str(tmp_path))  # the last --port wins
     assert_fast_one_line(rc, err, took, str(tmp_path), word)

@@ -80,10 +80,13 @@ def register_up(sub) -> None:
     add_model_args(p, serving=True)
     p.add_argument("--stages", type=int, default=None, help="number of stage processes per pipeline (default 2, or "
                                                             "what --split makes)")
-    p.add_argument("--split", default=None, metavar="B1,B2,...",
+    p.add_argument("--split", default=None, metavar="B1,B2,...|auto",
                    help="fixed layer boundaries, e.g. 7,19: the stages serve 0:7, 7:19 and 19:end (as `generate "
-                        "--split`; `stagemesh rebalance --dry-run` proposes one from measurement). Default: equal "
-                        "compute per stage, the lm_head counted")
+                        "--split`; `stagemesh rebalance --dry-run` proposes one from measurement); or auto: each "
+                        "stage times its own layers at start (a few seconds; a throttled host shows its real speed) "
+                        "and reports its free memory, and the gateway moves the mesh to the split that balances "
+                        "those times before it reports ready (/v1/mesh and `status` show the split and the "
+                        "prediction). Default: equal compute per stage, the lm_head counted")
     p.add_argument("--replicas", type=int, default=1,
                    help="pipelines of --stages stages each, behind the one gateway (default 1): requests are routed "
                         "by prefix cache, session and load, and move to another pipeline when one loses a stage")

@@ -175,6 +175,9 @@ def render(snap: dict, width: int = WIDE):
         rate = None if sp["hit_rate"] is None else 100 * sp["hit_rate"]
         lines += [f"speculation {sp['mode']}: {sp['accepted']}/{sp['drafted']} drafted tokens stood ({_fmt(rate, '%', 0)})",
                   f"  {_fmt(sp['tokens_per_pass'], ' tokens a pass', 2)} · drafting {_fmt(sp['draft_ms'], ' ms', 0)}"]
+    for p in pipelines:
+        if p.get("split_auto"):  # --split auto: the split chosen at start and the prediction it came from
+            lines.append((f"pipeline {p['name']}: " if many else "") + p["split_auto"]["summary"])
     reason = not_ready_reason(snap)
     verdict = Text("ready", style="bold green") if reason is None else Text(f"NOT READY: {reason}", style="bold red")
     return Group(*((_pipelines_table(pipelines),) if many else ()), t, *(Text(n) for n in notes), Text("\n".join(lines)),

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -122,8 +123,11 @@ def _say(line: str) -> None:
 
 def cmd_up(args) -> int:
     # Everything a user can get wrong is checked here, in a second, before any stage loads a model.
+    split_auto = args.split is not None and args.split.strip().lower() == "auto"
+    if split_auto:
+        args.split = "auto"  # the gateway's build_app reads it: move to the measured split before ready
     if args.stages is None:
-        args.stages = 2 if args.split is None else len([p for p in args.split.split(",") if p.strip()]) + 1
+        args.stages = 2 if args.split is None or split_auto else len([p for p in args.split.split(",") if p.strip()]) + 1
     if args.stages < 1:
         raise StagemeshError(f"--stages {args.stages} must be at least 1")
     if args.replicas < 1:
@@ -152,11 +156,18 @@ def cmd_up(args) -> int:
         raise StagemeshError(f"--stages {args.stages}: {os.path.basename(model_path)} has {layers} layers, so at most "
                              f"{layers} stages (each holds at least one layer)")
     ranges = None
-    if args.split is not None:
-        ranges = [str(r) for r in parse_split(args.split, layers)]
+    if args.split is not None and not split_auto:
+        try:
+            ranges = [str(r) for r in parse_split(args.split, layers)]
+        except StagemeshError as e:
+            raise StagemeshError(f"--split {args.split!r}: {e}; or give --split auto (measure each stage at start "
+                                 "and balance the split)") from None
         if len(ranges) != args.stages:
             raise StagemeshError(f"--split {args.split} makes {len(ranges)} stages, not --stages {args.stages}: "
                                  "leave --stages out (the split decides it)")
+    # --split auto: each stage times its layers at one sequence and at the micro-batch a full pipeline runs (its KV
+    # slots over the stages in flight) before it reports ready; the gateway balances those times
+    calibrate = ["--calibrate", f"1,{max(1, math.ceil(stage.kv_slots / args.stages))}"] if split_auto else []
     many = f"{args.replicas} pipelines of " if args.replicas > 1 else ""
     _say(f"starting {many}{args.stages} stage{'s' if args.stages > 1 else ''} of {os.path.basename(model_path)} "
          f"(logs in {log_dir}) ...")
@@ -178,7 +189,7 @@ def cmd_up(args) -> int:
                 threads=max(1, (os.cpu_count() or 1) // (args.stages * args.replicas)),
                 # alone in its pipeline, a micro-batch may use its replica's cores (the other replicas may be busy)
                 threads_alone=stage.threads_alone or max(1, (os.cpu_count() or 1) // args.replicas),
-                extra=config_argv(load) + config_argv(stage, STAGE_FLAGS)
+                extra=config_argv(load) + config_argv(stage, STAGE_FLAGS) + calibrate
                 + (["--otlp-endpoint", otlp_url] if otlp_url else []),
                 insecure_plaintext=args.insecure_plaintext, layers=ranges,
                 progress=lambda line, r=r: _say(f"  {f'p{r} ' if args.replicas > 1 else ''}{line}")))

@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.anthropic_api import MESSAGES_PATH, count_message_tokens, create_message
-from services.gateway.balance import Balancer
+from services.gateway.balance import Balancer, StartSplit
 from services.gateway.config import API_KEY_ENV, OPERATOR_KEY_ENV, OPERATOR_PATHS, GatewayConfig
 from services.gateway.core import GATEWAY, Gateway
 from services.gateway.durable import FLUSH_S, TAKE_OVER_S, RequestStore
@@ -308,21 +308,24 @@ async def _background(app: web.Application):
 
 def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: GatewayConfig, max_inflight: int,
              scheduling: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
-             store: RequestStore | None = None) -> web.Application:
+             store: RequestStore | None = None, split_auto: bool = False) -> web.Application:
     """`pipelines`: one, or several replicas of the same model (each gets its own scheduler and prefix index).
-    max_inflight: micro-batches in flight per pipeline (scheduling.max_inflight, or the number of stages)."""
+    max_inflight: micro-batches in flight per pipeline (scheduling.max_inflight, or the number of stages).
+    split_auto: each pipeline moves to the split its stages' calibrations balance before it counts as ready."""
     pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
     metrics_ = GatewayMetrics()
     watch_transport(metrics_, summed_transport(pipelines))
     speculator = Speculator(scheduling.speculation)  # one n-gram pool for every pipeline
     watch_speculation(metrics_, speculator)
-    facts = ModelFacts.from_gguf(files.loader, kv_itemsize=4) if scheduling.auto_rebalance else None
+    facts = ModelFacts.from_gguf(files.loader, kv_itemsize=4) if scheduling.auto_rebalance or split_auto else None
 
     def balancer() -> Balancer | None:  # --auto-rebalance's policy, one per pipeline
-        return Balancer(facts, scheduling.rebalance_window_s, scheduling.rebalance_gain) if facts else None
+        return Balancer(facts, scheduling.rebalance_window_s, scheduling.rebalance_gain) \
+            if scheduling.auto_rebalance else None
 
     replicas = Replicas([Replica(f"p{i}", p, Engine(p, metrics_, max_inflight=max_inflight, config=scheduling,
-                                                      otlp=otlp, speculator=speculator, balancer=balancer()))
+                                                      otlp=otlp, speculator=speculator, balancer=balancer(),
+                                                      start_split=StartSplit(facts) if split_auto else None))
                          for i, p in enumerate(pipelines)], metrics_)
     indexes = [r.scheduler.prefix for r in replicas.all if r.scheduler.prefix is not None]
     if indexes:

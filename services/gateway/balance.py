@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from shared.errors import LayerRangeError
+from shared.errors import LayerRangeError, StagemeshError
 from shared.files.layers import LayerRange, check_resplit, split_at
 from shared.runtime.plan import MIN_MICROBATCHES, ModelFacts, StageTime, proposal
 from shared.wire.stage_info import StageInfo
@@ -112,3 +112,66 @@ class Balancer:
     def resplit_ended(self) -> None:
         """A re-split was done or refused: measure afresh (two whole windows agree before the next)."""
         self._start, self._last = None, None
+
+
+SPLIT_AUTO_WAITING = "choosing the split by measurement (--split auto): the stages' calibrations, then a re-split"
+
+
+class StartSplit:
+    """--split auto's one decision at start: every stage calibrated its own layers on its own host before it reported
+    ready (StageInfo.calibration: ms a decode step at the batch sizes asked, free bytes); the split that balances
+    those times within each host's free memory is shared.runtime.plan.proposal's, as `stagemesh rebalance` proposes
+    from a mesh at work. The engine moves the mesh there by live re-splits (each a neighbour-sized step: `toward`)
+    before the pipeline counts as ready. `state`: pending -> moving -> done | failed (the mesh serves the split it
+    has, the error says why)."""
+
+    def __init__(self, model: ModelFacts):
+        self.model = model
+        self.state = "pending"
+        self.error: str | None = None
+        self.proposal: dict | None = None  # proposal()'s answer, with each stage's calibration beside it
+
+    @property
+    def settled(self) -> bool:
+        return self.state in ("done", "failed")
+
+    def target(self, infos: list[StageInfo]) -> list[LayerRange]:
+        """The split to serve, from the stages' calibrations; StagemeshError naming the stage that has none, or why
+        no split fits."""
+        if len(infos) < 2:  # one stage holds every layer: nothing to balance
+            return [LayerRange(*info.layers) for info in infos]
+        missing = [i for i, info in enumerate(infos) if not info.calibration or not info.calibration.get("rows")]
+        if missing:
+            raise StagemeshError(f"stage {missing[0]} reports no calibration: start every stage with --calibrate "
+                                 "ROWS (`up --split auto` does) for a gateway with --split auto")
+        rows = [max(info.calibration["rows"]) for info in infos]  # the largest batch: the busy pipeline's
+        times = []
+        for info, b in zip(infos, rows):
+            c, k = info.calibration, info.calibration["rows"].index(b)
+            times.append(StageTime(LayerRange(*info.layers), c["ms_per_step"][k],
+                                   c["head_ms"][k] if c.get("head_ms") else None))
+        # the batch every stage timed: with one micro-batch in flight per stage, b rows each is b * stages streams
+        streams = min(rows) * len(infos)
+        result = proposal(self.model, times, streams, [int(info.calibration["free_bytes"]) for info in infos])
+        for stage, info in zip(result["stages"], infos):
+            stage["calibration"] = info.calibration
+        self.proposal = result
+        return split_at(self.model.num_layers, [int(b) for b in result["split_proposed"].split(",")])
+
+    def info(self) -> dict:
+        """What /v1/mesh shows: the state, the split chosen and the prediction it came from, and that in one line
+        (`summary`: what `stagemesh status` and the mesh view print)."""
+        return {"state": self.state, "error": self.error, "proposal": self.proposal, "summary": self.summary()}
+
+    def summary(self) -> str:
+        p = self.proposal
+        if self.state == "failed":
+            return f"--split auto failed ({self.error}); serving the split the stages started with"
+        if p is None:
+            return f"--split auto: {self.state}"
+        rows = min(max(s["calibration"]["rows"]) for s in p["stages"])
+        head = {"done": "chosen by measurement", "moving": "moving to it", "pending": "measuring"}[self.state]
+        per_layer = " / ".join(f"{s['ms_per_layer']:.3g}" for s in p["stages"])
+        return (f"split {p['split_proposed'] or '-'} {head}: ms per layer {per_layer} at {rows} rows a step; slowest stage "
+                f"{p['slowest_stage_ms_now']:.3g} -> {p['slowest_stage_ms_proposed']:.3g} ms, predicted "
+                f"{p['predicted_gain']:.2f}x the split {p['split_now'] or '-'} the stages started with")

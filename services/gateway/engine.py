@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from services.gateway.audit import PrefixAuditor, audit_tolerance
-from services.gateway.balance import Balancer
+from services.gateway.balance import Balancer, StartSplit, toward
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.request import Request, RequestOutput, RequestSpan
@@ -62,8 +62,11 @@ class Engine:
 
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
                  config: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
-                 speculator: Speculator | None = None, balancer: Balancer | None = None):
+                 speculator: Speculator | None = None, balancer: Balancer | None = None,
+                 start_split: StartSplit | None = None):
         self.pipeline = pipeline
+        self.start_split = start_split  # --split auto's decision at start (None: the split the stages came with)
+        self._splitting: asyncio.Task | None = None  # the re-splits it runs
         self.balancer = balancer  # --auto-rebalance's policy (None: the split changes only when asked)
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
@@ -175,7 +178,11 @@ class Engine:
         if self.paused:  # a re-split: nothing new goes out until the stages serve the new split
             self._update_gauges()
             return
-        if self.balancer is not None and not self.resplitting:
+        if self.start_split is not None and self.start_split.state == "pending" and not self.resplitting \
+                and len(self.pipeline.stages) == len(self.pipeline.infos):
+            self.start_split.state = "moving"
+            self._splitting = asyncio.create_task(self._split_by_measurement(), name="split-auto")
+        if self.balancer is not None and not self.resplitting and self.split_settled:
             self._maybe_rebalance()
         self._follow_pipeline()
         plan = self.scheduler.plan(now, self.pipeline.cache_identity)
@@ -309,6 +316,38 @@ class Engine:
             pipe.mark_lost(f"after re-split to {boundaries(new)} the stages report {', '.join(map(str, got))}")
         return {**record, "changed": True, "pause_s": round(pause, 4), "took_s": round(took, 3), "moved_bytes": moved,
                 "released": released, "stages": reports}
+
+    @property
+    def split_settled(self) -> bool:
+        """The pipeline serves the split it will serve: --split auto has chosen and moved to it (or failed), or was
+        not asked. The gateway reports ready only then."""
+        return self.start_split is None or self.start_split.settled
+
+    async def _split_by_measurement(self) -> None:
+        """--split auto: the split the stages' calibrations balance, reached by live re-splits (neighbour-sized steps;
+        nothing runs yet, so each is a load and a flip). A failure leaves the split the mesh has, logged and shown."""
+        start = self.start_split
+        n = self.pipeline.num_layers
+        try:
+            target = start.target(self.pipeline.stages)
+            now = [LayerRange(*i.layers) for i in self.pipeline.stages]
+            for _ in range(n):  # each step moves every boundary toward its target: at most n steps
+                if (step := toward(now, target, n)) is None:
+                    break
+                await self.resplit(step, trigger="split-auto")
+                now = step
+            start.state = "done"
+            log.warning("%s --split auto: split %s (measured ms per layer %s; predicted %.2fx the split the stages "
+                        "started with)", self.pipeline.label, boundaries(now),
+                        "/".join(str(s["ms_per_layer"]) for s in (start.proposal or {}).get("stages", [])),
+                        (start.proposal or {}).get("predicted_gain", 1.0))
+        except Exception as e:
+            start.state = "failed"
+            start.error = str(e) if isinstance(e, StagemeshError) else f"{type(e).__name__}: {e}"
+            log.error("%s --split auto failed, serving the split the stages started with: %s", self.pipeline.label,
+                      start.error)
+        finally:
+            self._changed()
 
     def _maybe_rebalance(self) -> None:
         """Ask --auto-rebalance's policy; start the re-split it names (in a task: the loop keeps serving)."""

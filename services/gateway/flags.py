@@ -29,6 +29,9 @@ def register(sub) -> None:
                         "of consecutive ports")
     p.add_argument("--first-stage", default=None, help="ZeroMQ address of stage 0 (default: from its /info; one "
                                                        "pipeline only)")
+    p.add_argument("--split", default=None, choices=["auto"],
+                   help="auto: before it reports ready, move each pipeline to the split its stages' calibrations "
+                        "balance (start every stage with --calibrate ROWS; the stages give the split otherwise)")
     add_config_args(p, SchedulerConfig)
     add_config_args(p, GatewayConfig)
     add_otlp_args(p)

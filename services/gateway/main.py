@@ -80,7 +80,8 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
                 raise
             # the default place cannot be used (a read-only root file system, a second gateway on this port's dir)
             log.warning("no durable request log: %s", e)
-    return make_app(files, pipelines, config, inflight, scheduling, otlp, store)
+    split_auto = getattr(args, "split", None) == "auto"  # `gateway --split auto`, `up --split auto`
+    return make_app(files, pipelines, config, inflight, scheduling, otlp, store, split_auto=split_auto)
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from services.gateway.balance import SPLIT_AUTO_WAITING
 from services.gateway.core import GATEWAY, Gateway, json_body
 from services.gateway.engine import ResplitError
 from services.gateway.replicas import Replica
@@ -173,8 +174,13 @@ class MeshView:
                 "last_proposal": {k: engine.balancer.last_proposal[k] for k in ("split_now", "split_proposed",
                                                                                "predicted_gain")}
                 if engine.balancer.last_proposal else None},
-            "name": replica.name, "ready": pipe.ready, "state": "ready" if pipe.ready else "lost",
-            "problem": pipe.problem, "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
+            # --split auto's decision at start: state, and the proposal (each stage's calibration, ms per layer,
+            # the split chosen, the predicted gain over the split the stages started with); None without it
+            "split_auto": None if engine.start_split is None else engine.start_split.info(),
+            # ready as /ready counts it: the stages consistent and, under --split auto, the split chosen
+            "name": replica.name, "ready": pipe.ready and engine.split_settled,
+            "state": "lost" if not pipe.ready else "ready" if engine.split_settled else "measuring",
+            "problem": pipe.problem or (None if engine.split_settled else SPLIT_AUTO_WAITING), "load": replica.load, "queue": len(sched.waiting), "running": len(sched.running),
             "inflight": len(sched.inflight), "max_inflight": sched.max_inflight, "replaying": sched.replaying,
             "kv_used_ratio": round(replica.kv_used_ratio(), 4),
             "routed": replica.routed_total, "handed_off": replica.handed_off,

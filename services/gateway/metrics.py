@@ -62,7 +62,7 @@ class GatewayMetrics:
         self.resplits = Counter("stagemesh_gateway_resplits", "Live re-splits of a pipeline (layers moved between "
                                 "stages with their K/V) by outcome", ["outcome", "trigger"], registry=r)
         for o in RESPLIT_OUTCOMES:
-            for trigger in ("asked", "auto"):
+            for trigger in ("asked", "auto", "split-auto"):  # rebalance / --auto-rebalance / --split auto at start
                 self.resplits.labels(o, trigger)
         self.resplit_pause = Histogram("stagemesh_gateway_resplit_pause_seconds", "How long a re-split held the "
                                        "pipeline's micro-batches (drain, load, K/V move, flip)",

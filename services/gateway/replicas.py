@@ -22,6 +22,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from services.gateway.balance import SPLIT_AUTO_WAITING
 from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
@@ -92,16 +93,21 @@ class Replicas:
 
     @property
     def ready(self) -> list[Replica]:
-        return [r for r in self.all if r.pipeline.ready]
+        """The replicas that serve: the pipeline ready and its split chosen (--split auto)."""
+        return [r for r in self.all if r.pipeline.ready and r.engine.split_settled]
 
     @property
     def problem(self) -> str | None:
         """None when some replica serves; otherwise every replica's problem, named."""
         if self.ready:
             return None
+
+        def why(r: Replica) -> str | None:
+            return r.pipeline.problem or (None if r.engine.split_settled else SPLIT_AUTO_WAITING)
+
         if len(self.all) == 1:
-            return self.all[0].pipeline.problem
-        return "; ".join(f"pipeline {r.name}: {r.pipeline.problem}" for r in self.all)
+            return why(self.all[0])
+        return "; ".join(f"pipeline {r.name}: {why(r)}" for r in self.all)
 
     @property
     def max_seq_len(self) -> int:

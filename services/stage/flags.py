@@ -14,6 +14,7 @@ from services.process.args import (
 )
 from services.process.keys import add_security_args
 from shared.config import LoadConfig, StageConfig, check_address
+from shared.errors import StagemeshError
 from shared.files.model_registry import resolve_model
 
 
@@ -35,6 +36,10 @@ def register(sub) -> None:
                    help="where the last stage sends results, overriding --next (lets every stage share one command)")
     p.add_argument("--http", default="127.0.0.1:8101", help="HOST:PORT for health, readiness, info and metrics")
     add_config_args(p, StageConfig)  # --kv-slots, --max-seq-len, --slot-lease, --threads
+    p.add_argument("--calibrate", default=None, metavar="ROWS[,ROWS]",
+                   help="before it reports ready, time decode steps of its own layers at these batch sizes (about a "
+                        "second each, so a throttled host shows its real speed) and report them with its free memory "
+                        "in /info, for a gateway started with --split auto (`up --split auto` passes it)")
     p.add_argument("--no-prefetch", action="store_true", help="receive, compute and send one after another (baseline)")
     p.add_argument("--no-trace", action="store_true", help="ignore trace requests entirely (the benchmark's bypass)")
     p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
@@ -51,4 +56,18 @@ def check_stage_flags(args) -> None:
     config_from_args(StageConfig, args)
     config_from_args(LoadConfig, args)
     otlp_from_args(args)
+    calibrate_rows(args.calibrate)
     resolve_model(args.model)  # an alias whose package is missing, or no such file
+
+
+def calibrate_rows(text: str | None) -> list[int] | None:
+    """--calibrate's batch sizes (None: no calibration), or a StagemeshError saying what to write."""
+    if text is None:
+        return None
+    try:
+        rows = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise StagemeshError(f"--calibrate {text!r} must be batch sizes of 1 or more, comma-separated, e.g. 1,8")
+    return rows

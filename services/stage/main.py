@@ -18,6 +18,7 @@ from services.process.args import (
     parse_host_port,
 )
 from services.process.keys import key_set_from_args
+from services.stage.flags import calibrate_rows
 from services.stage.http import LOAD_ERROR, WORKER, make_app
 from services.stage.io import StageIO
 from services.stage.worker import StageIdentity, StageWorker, compute_executor
@@ -27,6 +28,7 @@ from shared.files.layers import LayerRange, balanced_split, parse_layer_range
 from shared.models import ModelConfig
 from shared.models.device import default_device, resolve_dtype
 from shared.observe.otlp import OtlpTracer
+from shared.runtime.calibrate import calibrate
 from shared.runtime.model_files import ModelFiles
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.mesh_keys import SocketKeys
@@ -88,7 +90,7 @@ def cmd_stage(args) -> int:
                        prefetch=not args.no_prefetch, tracing=not args.no_trace,
                        exit_with_parent=args.exit_with_parent, otlp_endpoint=otlp_endpoint)
     keys = stage_keys(args, layers, files.config.num_layers)
-    asyncio.run(serve(files, layers, place, config, load, keys))
+    asyncio.run(serve(files, layers, place, config, load, keys, calibrate_rows(args.calibrate)))
     return 0
 
 
@@ -105,7 +107,8 @@ def stage_keys(args, layers: LayerRange, num_layers: int) -> SocketKeys | None:
 
 
 async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config: StageConfig, load: LoadConfig,
-                keys: SocketKeys | None) -> None:
+                keys: SocketKeys | None, calibrate_rows: list[int] | None = None) -> None:
+    """calibrate_rows: time its layers at these batch sizes before it reports ready (--calibrate; None: not)."""
     app = make_app()
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -133,6 +136,14 @@ async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config
         app[LOAD_ERROR].append(str(e))
         await runner.cleanup()
         raise
+    calibration = None
+    if calibrate_rows:  # on the compute thread with its serving thread count, before /ready: what serving will see
+        def measure() -> dict:
+            torch.set_num_threads(threads[0])
+            return calibrate(runtime, calibrate_rows)
+        calibration = await loop.run_in_executor(compute_thread, measure)
+        log.info("stage %s calibrated: %s ms a decode step at %s rows, %.2f GiB free", layers,
+                 calibration["ms_per_step"], calibration["rows"], calibration["free_bytes"] / 2**30)
     position = runtime.model.position
     transport = ZmqTransport(place.listen, place.next, accept=(ForwardBatch, ReleaseSeqs, BatchError, Resplit, KVParcel),
                               keys=keys)
@@ -146,6 +157,7 @@ async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config
                           {"service.instance.id": identity.incarnation, "stagemesh.stage.layers": str(layers)})
     worker = StageWorker(runtime, io, identity, tracing=place.tracing, slot_lease_s=config.slot_lease_s,
                          compute_thread=compute_thread, otlp=otlp, threads=threads)
+    worker.calibration = calibration
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, place.listen, place.next,
              identity.incarnation, f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT")

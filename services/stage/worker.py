@@ -114,6 +114,7 @@ class StageWorker:
         # the ids of the last RECENT_MB ForwardBatches this stage took in, and passed on (result or hidden state)
         self.recent_in: deque[int] = deque(maxlen=RECENT_MB)
         self.recent_out: deque[int] = deque(maxlen=RECENT_MB)
+        self.calibration: dict | None = None  # --calibrate's measurement at start (shared.runtime.calibrate)
 
     async def run(self) -> None:
         """Serve until cancelled: StageIO's reader feeds the compute thread, which serves every input (_serve)."""
@@ -384,4 +385,4 @@ class StageWorker:
             sending_seconds=round(transport.sending_seconds, 4), hop_latency_seconds_sum=round(stats.hop.seconds, 6),
             hop_latency_seconds_count=stats.hop.count, dropped_messages=transport.dropped,
             rejected_messages=dict(transport.rejected), handshakes_failed=dict(transport.handshakes_failed),
-            recent_mb_in=tuple(self.recent_in), recent_mb_out=tuple(self.recent_out))
+            recent_mb_in=tuple(self.recent_in), recent_mb_out=tuple(self.recent_out), calibration=self.calibration)

@@ -197,9 +197,10 @@ class RunningGateway:
 
 
 def start_up(stages: int, dtype: str | None, log_dir: str, *extra: str, timeout: float = 240,
-             port: int | None = None) -> RunningGateway:
+             port: int | None = None, while_starting: Callable[[RunningGateway], None] | None = None) -> RunningGateway:
     """`stagemesh up --stages N` as a subprocess on `port` (default: a free one); returns once /ready answers 200.
-    dtype None: up's default (and with it weights auto)."""
+    dtype None: up's default (and with it weights auto). while_starting: called every few ms until then (e.g. to put
+    each stage process in a cgroup as soon as it exists, before it loads or measures anything)."""
     port = port or free_port()
     log_path = os.path.join(log_dir, f"up-{stages}.log")
     out = open(log_path, "w")
@@ -208,15 +209,20 @@ def start_up(stages: int, dtype: str | None, log_dir: str, *extra: str, timeout:
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout
+    next_ready_check = 0.0
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise StagemeshError(f"stagemesh up exited: {open(log_path).read()[-2000:]}")
-        try:
-            if gw.get("/ready")[0] == 200:
-                return gw
-        except OSError:
-            pass
-        time.sleep(0.3)
+        if while_starting is not None:
+            while_starting(gw)
+        if time.monotonic() >= next_ready_check:
+            next_ready_check = time.monotonic() + 0.3
+            try:
+                if gw.get("/ready")[0] == 200:
+                    return gw
+            except OSError:
+                pass
+        time.sleep(0.02 if while_starting is not None else 0.3)
     gw.stop()
     raise StagemeshError(f"gateway not ready after {timeout}s: {open(log_path).read()[-2000:]}")
 

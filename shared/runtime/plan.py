@@ -263,21 +263,33 @@ class StageTime:
 
     layers: LayerRange
     ms_per_microbatch: float
+    head_ms: float | None = None  # the last stage's norm + lm_head within it, where timed apart (--split auto)
 
 
-def hosts_from(model: ModelFacts, times: list[StageTime]) -> list[Host]:
-    """Each stage's host with the ms per layer its window measured (the last one's head in layer units)."""
+def hosts_from(model: ModelFacts, times: list[StageTime], memory: list[int] | None = None) -> list[Host]:
+    """Each stage's host with the ms per layer its window measured (the last one's head in layer units), and the
+    memory it may hold (None: unbounded, the split by time alone)."""
     hosts = []
     for i, t in enumerate(times):
-        blocks = len(t.layers) + (model.head_cost_in_layers if t.layers.stop == model.num_layers else 0.0)
-        hosts.append(Host(f"stage {i}", UNBOUNDED, max(t.ms_per_microbatch / blocks, 1e-6), overhead_ms=0.0))
+        room = memory[i] if memory is not None else UNBOUNDED
+        last = t.layers.stop == model.num_layers
+        if last and t.head_ms is not None:  # the head timed apart: the layers are the rest
+            hosts.append(Host(f"stage {i}", room, max((t.ms_per_microbatch - t.head_ms) / len(t.layers), 1e-6),
+                              head_ms=t.head_ms, overhead_ms=0.0))
+            continue
+        blocks = len(t.layers) + (model.head_cost_in_layers if last else 0.0)
+        hosts.append(Host(f"stage {i}", room, max(t.ms_per_microbatch / blocks, 1e-6), overhead_ms=0.0))
     return hosts
 
 
-def proposal(model: ModelFacts, times: list[StageTime], streams: int) -> dict:
-    """The measured speeds, the split proposed and the predicted gain (JSON-able)."""
-    hosts = hosts_from(model, times)
+def proposal(model: ModelFacts, times: list[StageTime], streams: int, free_bytes: list[int] | None = None) -> dict:
+    """The measured speeds, the split proposed and the predicted gain (JSON-able). free_bytes: what each stage's
+    host has free beyond what it holds now (None: memory unbounded); a stage gains layers only within it
+    (StagemeshError from plan() when no split fits)."""
     work = Workload(streams=streams)
+    memory = None if free_bytes is None else [stage_memory(model, t.layers, work).total + free
+                                             for t, free in zip(times, free_bytes)]
+    hosts = hosts_from(model, times, memory)
     now = predict(model, hosts, [t.layers for t in times], work)
     best = plan(model, hosts, work)
     if max(best.stage_ms) >= max(now.stage_ms):  # no better split: keep the one running

@@ -71,6 +71,9 @@ class StageInfo:
     handshakes_failed: dict[str, int]  # by direction: in, out
     recent_mb_in: tuple[int, ...]  # the latest micro-batch ids received ...
     recent_mb_out: tuple[int, ...]  # ... and handed on (where a stalled one stopped: stalled_hop)
+    # its speed and free memory measured at start (--calibrate: shared.runtime.calibrate), for --split auto; None: not
+    # measured. Of the layers it served then: the split moves after it
+    calibration: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -149,7 +152,26 @@ def _check(name: str, hint, value):
     if origin in (types.UnionType, typing.Union):  # dict | None
         if value is None:
             return None
+        if name == "calibration":
+            return _check_calibration(value, bad)
         if not isinstance(value, dict) or not all(isinstance(v, (str, type(None))) for v in value.values()):
             raise bad("null or an object of public keys")
         return value
     raise TypeError(f"StageInfo field {name!r}: no check for {hint!r}")
+
+
+def _check_calibration(value, bad) -> dict:
+    """A --calibrate measurement as the gateway's --split auto reads it: one ms_per_step per batch size in rows."""
+    want = "null or {rows: [sizes >= 1], ms_per_step: [ms, one per size], seconds, free_bytes[, head_ms: [ms...]]}"
+    if not isinstance(value, dict):
+        raise bad(want)
+    rows, ms = value.get("rows"), value.get("ms_per_step")
+    if not (isinstance(rows, list) and isinstance(ms, list) and rows and len(rows) == len(ms) <= MAX_RECENT_MB
+            and all(type(r) is int and r >= 1 for r in rows)
+            and all(not isinstance(m, bool) and isinstance(m, (int, float)) and math.isfinite(m) and m > 0 for m in ms)
+            and type(value.get("free_bytes")) is int and value["free_bytes"] >= 0
+            and (value.get("head_ms") is None or (isinstance(value["head_ms"], list) and len(value["head_ms"]) == len(rows)
+                                                  and all(isinstance(h, (int, float)) and not isinstance(h, bool)
+                                                          and math.isfinite(h) and h >= 0 for h in value["head_ms"])))):
+        raise bad(want)
+    return value

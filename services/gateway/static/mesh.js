@@ -139,7 +139,10 @@ function drawStats(snap, g) {
   st.replaceChildren(stat("gw-tps", "tokens/s", fmt(g.tokens_per_s, 1)), stat("gw-ttft", "TTFT", fmt(g.ttft_ms, 0, " ms")),
                      stat("gw-replaying", "replaying", String(g.replaying)), stat("gw-failovers", "failovers", String(g.failovers)),
                      stat("gw-replayed", "replayed sequences", String(g.replayed_sequences)),
-                     stat("gw-tokens", "generated tokens", String(g.generated_tokens)));
+                     stat("gw-tokens", "generated tokens", String(g.generated_tokens)),
+                     // --split auto: the split chosen at start and the prediction it came from, one line per pipeline
+                     ...(snap.pipelines || []).filter((p) => p.split_auto).map((p) =>
+                       stat("split-auto-" + p.name, snap.pipelines.length > 1 ? "pipeline " + p.name : "split", p.split_auto.summary)));
   const charts = document.getElementById("charts"), times = snap.series.t || [];
   const span = times.length > 1 ? times[times.length - 1] - times[0] : 0;
   const ago = span >= 90 ? "−" + Math.round(span / 60) + " min" : "−" + Math.round(span) + " s";
