@@ -191,6 +191,40 @@ def test_a_sequence_whose_kv_did_not_arrive_is_released_not_computed_wrong(smoll
         pipe.run([SeqEntry("b", Decode(len(seqs["b"])), SamplingParams())], torch.tensor([tokens["b"]]))
 
 
+def test_a_commit_sent_again_brings_a_half_moved_mesh_to_the_new_split(smollm2):
+    """A commit a stage died in (piece 0 committed, piece 1 restarted on its old range with nothing prepared), sent
+    again: piece 0 -- already on its new range -- keeps its runtime and K/V; piece 1 loads its new range with an
+    empty cache (the gateway replays its sequences); the pieces then compute what pieces loaded at the new split
+    compute. A stage whose range is in neither split refuses, naming its layers."""
+    from shared.runtime.resplit import ResplitRefused
+
+    prompt = {"a": smollm2.tokenizer.encode("The river ran past the mill and")}
+    pipe = LocalPipeline.load(smollm2.loader, split_at(30, [15]), torch.float32, kv_slots=4, max_seq_len=64)
+    _step(pipe, {"a": list(prompt["a"])}, {})
+    old, new = [(0, 15), (15, 30)], [(0, 19), (19, 30)]
+    first, second = StageResplit(30), StageResplit(30)
+    first.prepare(Resplit(7, "prepare", old, new), pipe.pieces[0])
+    second.prepare(Resplit(7, "prepare", old, new), pipe.pieces[1])
+    for parcel in second.parcels(Resplit(7, "move", old, new), pipe.pieces[1]):
+        assert first.take(parcel, pipe.pieces[0])
+    pipe.pieces[0], _ = first.commit(Resplit(7, "commit", old, new), pipe.pieces[0])
+    committed = pipe.pieces[0]
+    again = Resplit(7, "commit", old, new)
+    for i, side in enumerate([first, StageResplit(30)]):  # piece 1: restarted, nothing prepared
+        pipe.pieces[i], report = side.commit(again, pipe.pieces[i], index=i)
+        assert report["stage"] == i, report
+    assert pipe.pieces[0] is committed and "a" in committed.kv
+    assert [p.model.layers for p in pipe.pieces] == split_at(30, [19]) and not pipe.pieces[1].kv.holders
+    for piece in pipe.pieces:
+        piece.release("a")
+    ref = LocalPipeline.load(smollm2.loader, split_at(30, [19]), torch.float32, kv_slots=4, max_seq_len=64)
+    fresh = {"b": smollm2.tokenizer.encode("Bells rang over the harbour while")}
+    assert torch.equal(_step(pipe, dict(fresh), {})[1], _step(ref, dict(fresh), {})[1])
+    stray = LocalPipeline.load(smollm2.loader, split_at(30, [11]), torch.float32, kv_slots=2, max_seq_len=64)
+    with pytest.raises(ResplitRefused, match="serves layers 0:11"):
+        StageResplit(30).commit(again, stray.pieces[0])
+
+
 # ---- a real mesh, re-split mid-stream -------------------------------------------------------------------------------
 
 STREAMS = 6
