@@ -22,7 +22,7 @@ import torch
 from services.gateway.audit import PrefixAuditor, audit_tolerance
 from services.gateway.balance import Balancer
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.pipeline import Pipeline
+from services.gateway.pipeline import Pipeline, check_pipeline
 from services.gateway.request import Request, RequestOutput, RequestSpan
 from services.gateway.scheduler import (
     KV_FULL_BACKOFF_S,
@@ -299,7 +299,8 @@ class Engine:
         except ResplitError as e:
             self._record_resplit(old, new, trigger, e.outcome, str(e), pause, took_s=round(time.perf_counter() - t0, 3))
             if e.outcome == "failed":
-                self._recommitting = asyncio.create_task(self._recommit(rid, pairs, new), name="resplit-recommit")
+                self._recommitting = asyncio.create_task(self._recommit(rid, pairs, new, trigger),
+                                                         name="resplit-recommit")
             raise
         finally:
             self.resplitting = False
@@ -399,12 +400,14 @@ class Engine:
             await asyncio.sleep(float(seconds))
             self.resplit_phase = phase
 
-    async def _recommit(self, rid: int, pairs: tuple, new: list[LayerRange]) -> None:
+    async def _recommit(self, rid: int, pairs: tuple, new: list[LayerRange], trigger: str) -> None:
         """After a commit that was not confirmed (a stage died in it), send it again whenever every stage answers
         /info until it comes back without error: stages that committed do nothing, those still on their old range
         (one restarted with it, those after the one that died) load their new one, so the mesh ends in one split --
         `new`, the one the gateway routes by and `up` restarts stages with. The pipeline stays not ready meanwhile
-        (its stages do not form a split); the requests wait, then are replayed."""
+        (its stages do not form a split); the requests wait, then are replayed. Stages that form a consistent
+        pipeline in another split (restarted on their old ranges before `up` knew the new ones, or by hand) end
+        it too: that split is the one routed by from then on."""
         pipe = self.pipeline
         try:
             attempt = 0
@@ -413,8 +416,14 @@ class Engine:
                 infos = await pipe.fetch_infos()
                 if not all(isinstance(i, StageInfo) for i in infos) or pipe.client is None:
                     continue
-                if [LayerRange(*i.layers) for i in infos] == new:
+                ranges = [LayerRange(*i.layers) for i in infos]
+                if ranges == new:
                     break
+                if check_pipeline(infos, pipe.fingerprint, pipe.num_layers) is None:
+                    log.warning("%s re-split %d: the stages serve %s, one consistent split, not %s: routed by from now "
+                                "on (the commit not sent again)", pipe.label, rid, boundaries(ranges), boundaries(new))
+                    self.committed = ranges
+                    return
                 attempt += 1
                 self.resplit_phase = "recommit"
                 answer, error = await self._round_trip(Resplit(rid, "commit", *pairs), None)
@@ -424,13 +433,14 @@ class Engine:
                           "(attempt %d): %s; trying again", pipe.label, rid, attempt, error)
             log.warning("%s re-split %d: every stage now serves %s (the commit sent again %d times)", pipe.label, rid,
                         boundaries(new), attempt)
-            self.metrics.resplits.labels("recommitted", "asked").inc()
-            await pipe.check()
+            self.metrics.resplits.labels("recommitted", trigger).inc()
         except Exception:
             log.exception("sending re-split %d's commit again failed", rid)
         finally:
             self.resplit_phase = None
             self._recommitting = None
+            with contextlib.suppress(Exception):
+                await pipe.check()  # the stages' /info now: one consistent pipeline again
             self._changed()
 
     async def _abort(self, rid: int, pairs: tuple, wait_s: float | None = None) -> None:
