@@ -14,6 +14,14 @@ Then three targeted faults (issue 31), each on the same `up`:
   it with the wrong keys (a rotation that reached one host first); the gateway must report not ready, naming that
   stage, within seconds of the stage answering; with the keys back it must serve again.
 
+And resplit (issue 55: the live re-split under faults): greedy streams run while a live re-split moves the first
+boundary, and a stage is SIGKILLed with one of its phases in hand (services/testing/resplit_faults.py: the prepare,
+the K/V move with stage 0's parcels sent or not, the commit with stage 0 committed); every stream must finish with its
+undisturbed text (under --batch-invariant), the mesh settle in one split that the stages and the gateway's route
+agree on (the old one unless the commit was sent), every KV slot free, and a re-split afterwards be done. Then, on a
+mesh and gateway of its own, the gateway is SIGKILLed while a re-split is held before its commit (the K/V moved) and
+started again: the resumable streams resume with their undisturbed texts, and the mesh moves again.
+
 And, on a mesh of its own (issue 55: this wave's features under faults), survive: seeded resumable streams (the
 durable request log) with n-gram drafts on (--speculation on), under --batch-invariant always; a stage is SIGKILLed
 a third of the way in (restarted; the gateway replays), the gateway itself two thirds of the way in (started again on
@@ -21,7 +29,7 @@ its state directory; it re-adopts the requests), and every client resumes by its
 equal its undisturbed run, chunk by chunk.
 
     python -m benchmarks.chaos [--stages 2] [--duration 180] [--kill-every 20] [--max-tokens 48] [--dtype D]
-        [--batch-invariant] [--scenarios kills,leavers,two-deaths,wrong-keys,survive] [--out results.json]"""
+        [--batch-invariant] [--scenarios kills,leavers,two-deaths,wrong-keys,survive,resplit] [--out results.json]"""
 
 from __future__ import annotations
 
@@ -48,10 +56,17 @@ from services.testing.harness import (
     free_port,
     running_up,
 )
+from services.testing.resplit_faults import (
+    HOLD_ENV,
+    hold_everywhere,
+    mesh_pipeline,
+    resplit_with_a_kill,
+    settled,
+)
 from services.testing.resumable import Deployment, Events, body, compare, resume, stream, undisturbed
 from shared.wire.mesh_keys import write_key_set
 
-SCENARIOS = ("kills", "leavers", "two-deaths", "wrong-keys", "survive")
+SCENARIOS = ("kills", "leavers", "two-deaths", "wrong-keys", "survive", "resplit")
 
 STREAMS = 16
 PROMPTS = [f"Write a few sentences about topic number {i}: " + t for i, t in enumerate(
@@ -115,8 +130,8 @@ async def until(cond: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def _metric(gw: RunningGateway, name: str) -> float:
-    value = gw.metric(name)
+def _metric(gw: RunningGateway, name: str, **labels: str) -> float:
+    value = gw.metric(name, **labels)
     return 0.0 if value != value else value
 
 
@@ -260,6 +275,93 @@ async def survive(stages: int, streams: int, max_tokens: int) -> dict:
         await asyncio.to_thread(dep.stop)
 
 
+RESPLIT_CASES = [("prepare", -1), ("move", -1), ("move", 0), ("commit", -1), ("commit", 0)]  # (phase, victim stage)
+
+
+def _moved(route: str, by: int) -> str:
+    """`route` (a split's boundaries) with its first boundary moved by `by` layers."""
+    first, *rest = route.split(",")
+    return ",".join([str(int(first) + by), *rest])
+
+
+async def resplit_kills(gw: RunningGateway, stages: int, streams: int, max_tokens: int) -> dict:
+    """The resplit scenario's stage kills (the module's docstring) on `up` (held: STAGEMESH_RESPLIT_HOLD)."""
+    ref = await reference(gw.url, max_tokens, streams)
+    cases = []
+    for n, (phase, victim) in enumerate(RESPLIT_CASES):
+        victim %= stages
+        before = (await settled(gw, stages))["route"]
+        split = _moved(before, 3 if n % 2 == 0 else -3)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+            tasks = [asyncio.create_task(one(s, gw.url, i, max_tokens)) for i in range(streams)]
+            await until(lambda: min(u or 0 for u in _kv_used(gw, stages)) >= streams, 120, "the streams never started")
+            killed = await resplit_with_a_kill(gw, split, phase, victim)
+            mid_stream = not any(t.done() for t in tasks)
+            results = await asyncio.gather(*tasks)
+        state = await settled(gw, stages)
+        want = split if phase == "commit" else before
+        case = {"phase": phase, "victim": victim, "split_before": before, "split_asked": split,
+                "resplit_status": killed["status"], "answer": killed["answer"][:200], "kill_mid_stream": mid_stream,
+                "failed": sum(not r.success for r in results), "errors": [r.error[:200] for r in results
+                                                                         if not r.success][:2],
+                "differs": sum(r.success and r.text != want_text for r, want_text in zip(results, ref)),
+                **state, "ends_in_expected_split": state["route"] == want}
+        cases.append(case)
+        print(f"  resplit: stage {victim} killed in the {phase} ({before} -> {split}): answered {killed['status']}, "
+              f"{case['failed']} failed, {case['differs']} differ; mesh ends in {state['route']} (stages "
+              f"{state['stage_layers']}, agree: {state['agree']}), KV slots {state['kv_slots_used']}", flush=True)
+    after = (await settled(gw, stages))["route"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        async with s.post(gw.url + "/v1/mesh/resplit", json={"split": _moved(after, 2)}) as r:
+            again = {"status": r.status, "answer": (await r.text())[:300]}
+    again.update(await settled(gw, stages))
+    texts = await reference(gw.url, max_tokens, streams)
+    again["differs"] = sum(t != want_text for t, want_text in zip(texts, ref))
+    return {"streams": streams, "max_tokens": max_tokens, "cases": cases, "resplit_after": again,
+            "resplits": {o: _metric(gw, "stagemesh_gateway_resplits_total", outcome=o, trigger="asked")
+                         for o in ("done", "refused", "failed", "recommitted")}}
+
+
+async def resplit_gateway_kill(stages: int, streams: int, max_tokens: int) -> dict:
+    """The resplit scenario's gateway kill (the module's docstring), on a mesh and gateway of its own."""
+    work = tempfile.mkdtemp(prefix="stagemesh-chaos-resplit-")
+    dep = Deployment("gateway", stages, os.path.join(work, "state"), work, free_port())
+    try:
+        await asyncio.to_thread(dep.start)
+        ref = await undisturbed(dep.gw.url, streams, max_tokens)
+        before = (await settled(dep.gw, stages))["route"]
+        seen: list[Events] = [[] for _ in range(streams)]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+            tasks = [asyncio.create_task(stream(s, dep.gw.url, body(i, max_tokens, True, f"r-{i}"), seen[i]))
+                     for i in range(streams)]
+            while sum(len(e) for e in seen) < streams * max_tokens / 4:
+                await asyncio.sleep(0.05)
+            post = asyncio.create_task(s.post(dep.gw.url + "/v1/mesh/resplit", json={"split": _moved(before, 3)}))
+            t0 = time.monotonic()
+            while mesh_pipeline(dep.gw).get("resplit_phase") != "commit (held)":
+                if time.monotonic() - t0 > 120:
+                    raise SystemExit("chaos: the re-split never reached its commit")
+                await asyncio.sleep(0.02)
+            at = sum(map(len, seen))
+            await asyncio.to_thread(dep.kill)
+            print(f"  resplit: SIGKILLed the gateway held before a re-split's commit after {at} events", flush=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            post.cancel()
+            await asyncio.gather(post, return_exceptions=True)
+        gw = await asyncio.to_thread(dep.start)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+            statuses = await asyncio.gather(*(resume(s, gw.url, seen[i][0][1]["id"], seen[i]) for i in range(streams)))
+        state = await settled(gw, stages)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+            async with s.post(gw.url + "/v1/mesh/resplit", json={"split": _moved(state["route"], -2)}) as r:
+                again = {"status": r.status, "answer": (await r.text())[:300]}
+        again.update(await settled(gw, stages))
+        return {**compare(seen, ref), "resume_statuses": sorted(set(statuses)), "events_before_kill": at,
+                "split_before": before, **state, "resplit_after": again}
+    finally:
+        await asyncio.to_thread(dep.stop)
+
+
 def _incarnation(gw: RunningGateway, index: int) -> str | None:
     """The stage's incarnation id, or None while it does not answer."""
     try:
@@ -283,6 +385,7 @@ def main() -> None:
                     help="max_tokens of the two-deaths streams: long enough that both deaths fall inside them")
     ap.add_argument("--death-streams", type=int, default=4, help="streams of the two-deaths scenario (default 4)")
     ap.add_argument("--survive-streams", type=int, default=8, help="streams of the survive scenario (default 8)")
+    ap.add_argument("--resplit-streams", type=int, default=8, help="greedy streams of the resplit scenario (default 8)")
     ap.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = ap.parse_args()
     scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
@@ -291,6 +394,8 @@ def main() -> None:
     extra = ["--batch-invariant"] if args.batch_invariant else []
     results: dict = {"stages": args.stages, "dtype": dtype_label(args.dtype), "batch_invariant": args.batch_invariant}
     logs = tempfile.mkdtemp(prefix="stagemesh-chaos-")  # kept: the stage logs of a failed run are the evidence
+    if "resplit" in scenarios:  # re-splits hold before each phase (only the resplit scenario re-splits)
+        os.environ[HOLD_ENV] = hold_everywhere()
     if "survive" in scenarios:
         results["survive"] = r = asyncio.run(survive(args.stages, args.survive_streams, args.death_tokens))
         r["ok"] = r["identical"] == r["streams"] and not r["gaps_or_duplicates"] and r["resume_statuses"] == [200]
@@ -298,6 +403,15 @@ def main() -> None:
               f"drafted), a stage then the gateway SIGKILLed ({r['failovers_before_gateway_kill']:.0f} failover): "
               f"{r['identical']}/{r['streams']} with the undisturbed text, {r['gaps_or_duplicates']} with a gap or "
               f"duplicate", flush=True)
+    if "resplit" in scenarios:
+        results["resplit_gateway"] = r = asyncio.run(resplit_gateway_kill(args.stages, args.survive_streams,
+                                                                          args.death_tokens))
+        again = r["resplit_after"]
+        r["ok"] = (r["identical"] == r["streams"] and not r["gaps_or_duplicates"] and r["resume_statuses"] == [200]
+                   and r["agree"] and again["status"] == 200 and again["agree"])
+        print(f"resplit, gateway killed before a commit: {r['identical']}/{r['streams']} resumed streams with the "
+              f"undisturbed text, {r['gaps_or_duplicates']} with a gap or duplicate; mesh in {r['route']} (agree: "
+              f"{r['agree']}); a re-split after: {again['status']}", flush=True)
     with (running_up(args.stages, *extra, dtype=args.dtype, log_dir=logs) if set(scenarios) - {"survive"}
           else contextlib.nullcontext()) as gw:
         if "kills" in scenarios:
@@ -323,6 +437,19 @@ def main() -> None:
             print(f"two deaths: {r['streams']} streams, {r['failed']} failed, {r['differs']} differ from their "
                   f"undisturbed run, {r['replayed']:.0f} replays, both deaths mid-stream: {r['both_deaths_mid_stream']}",
                   flush=True)
+        if "resplit" in scenarios:
+            results["resplit"] = r = asyncio.run(resplit_kills(gw, args.stages, args.resplit_streams,
+                                                               args.death_tokens))
+            again = r["resplit_after"]
+            r["ok"] = (all(c["failed"] == 0 and c["agree"] and c["ends_in_expected_split"]
+                           and c["kv_slots_used"] == [0] * args.stages
+                           and (c["differs"] == 0 or not args.batch_invariant) for c in r["cases"])
+                       and again["status"] == 200 and again["agree"]
+                       and (again["differs"] == 0 or not args.batch_invariant))
+            print(f"resplit: {len(r['cases'])} stage kills inside re-splits, {sum(c['failed'] for c in r['cases'])} "
+                  f"failed, {sum(c['differs'] for c in r['cases'])} differ, every time one split: "
+                  f"{all(c['agree'] and c['ends_in_expected_split'] for c in r['cases'])}; a re-split after: "
+                  f"{again['status']}, outcomes {r['resplits']}", flush=True)
         if "wrong-keys" in scenarios:
             results["wrong_keys"] = r = asyncio.run(wrong_keys(gw, args.stages))
             print(f"wrong keys: not ready {r['not_ready_after_stage_answered_s']} s after stage {r['stage']} answered "
@@ -331,7 +458,8 @@ def main() -> None:
               or (args.batch_invariant and (results.get("kills", {}).get("differs")
                                             or results.get("two_deaths", {}).get("differs")))
               or not results.get("leavers", {}).get("ok", True) or not results.get("wrong_keys", {}).get("ok", True)
-              or not results.get("survive", {}).get("ok", True))
+              or not results.get("survive", {}).get("ok", True) or not results.get("resplit", {}).get("ok", True)
+              or not results.get("resplit_gateway", {}).get("ok", True))
     results["passed"] = not failed
     if args.json:
         print(json.dumps(results))

@@ -191,18 +191,55 @@ def test_a_sequence_whose_kv_did_not_arrive_is_released_not_computed_wrong(smoll
         pipe.run([SeqEntry("b", Decode(len(seqs["b"])), SamplingParams())], torch.tensor([tokens["b"]]))
 
 
+def test_a_commit_sent_again_brings_a_half_moved_mesh_to_the_new_split(smollm2):
+    """A commit a stage died in (piece 0 committed, piece 1 restarted on its old range with nothing prepared), sent
+    again: piece 0 -- already on its new range -- keeps its runtime and K/V; piece 1 loads its new range with an
+    empty cache (the gateway replays its sequences); the pieces then compute what pieces loaded at the new split
+    compute. A stage whose range is in neither split refuses, naming its layers."""
+    from shared.runtime.resplit import ResplitRefused
+
+    prompt = {"a": smollm2.tokenizer.encode("The river ran past the mill and")}
+    pipe = LocalPipeline.load(smollm2.loader, split_at(30, [15]), torch.float32, kv_slots=4, max_seq_len=64)
+    _step(pipe, {"a": list(prompt["a"])}, {})
+    old, new = [(0, 15), (15, 30)], [(0, 19), (19, 30)]
+    first, second = StageResplit(30), StageResplit(30)
+    first.prepare(Resplit(7, "prepare", old, new), pipe.pieces[0])
+    second.prepare(Resplit(7, "prepare", old, new), pipe.pieces[1])
+    for parcel in second.parcels(Resplit(7, "move", old, new), pipe.pieces[1]):
+        assert first.take(parcel, pipe.pieces[0])
+    pipe.pieces[0], _ = first.commit(Resplit(7, "commit", old, new), pipe.pieces[0])
+    committed = pipe.pieces[0]
+    again = Resplit(7, "commit", old, new)
+    for i, side in enumerate([first, StageResplit(30)]):  # piece 1: restarted, nothing prepared
+        pipe.pieces[i], report = side.commit(again, pipe.pieces[i], index=i)
+        assert report["stage"] == i, report
+    assert pipe.pieces[0] is committed and "a" in committed.kv
+    assert [p.model.layers for p in pipe.pieces] == split_at(30, [19]) and not pipe.pieces[1].kv.holders
+    for piece in pipe.pieces:
+        piece.release("a")
+    ref = LocalPipeline.load(smollm2.loader, split_at(30, [19]), torch.float32, kv_slots=4, max_seq_len=64)
+    fresh = {"b": smollm2.tokenizer.encode("Bells rang over the harbour while")}
+    assert torch.equal(_step(pipe, dict(fresh), {})[1], _step(ref, dict(fresh), {})[1])
+    stray = LocalPipeline.load(smollm2.loader, split_at(30, [11]), torch.float32, kv_slots=2, max_seq_len=64)
+    with pytest.raises(ResplitRefused, match="serves layers 0:11"):
+        StageResplit(30).commit(again, stray.pieces[0])
+
+
 # ---- a real mesh, re-split mid-stream -------------------------------------------------------------------------------
 
 STREAMS = 6
 MAX_TOKENS = 64
 
 
-def _body(i: int) -> dict:
-    return {"prompt": f"Story {i}: the lighthouse keeper opened the door and", "max_tokens": MAX_TOKENS,
+LONG_TOKENS = 128  # streams that outlast a re-split held before each phase
+
+
+def _body(i: int, max_tokens: int = MAX_TOKENS) -> dict:
+    return {"prompt": f"Story {i}: the lighthouse keeper opened the door and", "max_tokens": max_tokens,
             "temperature": 0.8, "seed": 1000 + i, "ignore_eos": True, "stream": True}
 
 
-async def _streams(url: str, on_token=None) -> tuple[list[str], list[float]]:
+async def _streams(url: str, on_token=None, max_tokens: int = MAX_TOKENS) -> tuple[list[str], list[float]]:
     """STREAMS concurrent seeded streams; their texts, and each one's longest gap between tokens (s). on_token(i, n)
     is awaited after stream i's n-th chunk."""
     import time
@@ -213,7 +250,7 @@ async def _streams(url: str, on_token=None) -> tuple[list[str], list[float]]:
 
     async def one(s: aiohttp.ClientSession, i: int) -> tuple[str, float]:
         text, gap, last, n = [], 0.0, None, 0
-        async with s.post(url + "/v1/completions", json=_body(i)) as r:
+        async with s.post(url + "/v1/completions", json=_body(i, max_tokens)) as r:
             assert r.status == 200, await r.text()
             async for chunk in sse_events(r):
                 assert "error" not in chunk, chunk
@@ -321,6 +358,65 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
         assert info.incarnation != victim and list(info.layers) == [12, 30], info
         restarted, _ = await _streams(gw.url)
         assert restarted == reference
+    finally:
+        gw.stop()
+
+
+@pytest.mark.processes
+async def test_a_stage_killed_in_a_resplit_leaves_one_split_and_no_request_fails(tmp_path, monkeypatch):
+    """`up --split 15 --batch-invariant`, held before each re-split phase (STAGEMESH_RESPLIT_HOLD), six seeded
+    streams running. Each case kills a stage with a phase's message in hand (services/testing/resplit_faults.py):
+    stage 1 in the move (stage 0's K/V parcels sent to it), stage 0 in the move (none sent), stage 1 in the commit
+    (stage 0 has committed: the split half moved). Every stream still finishes with its undisturbed text; the mesh
+    ends in one split that every stage and the gateway's route agree on -- the old one after a move, the new one after
+    a commit -- with no KV slot held; and a re-split afterwards is done."""
+    from services.testing.harness import start_up
+    from services.testing.resplit_faults import (
+        HOLD_ENV,
+        hold_everywhere,
+        mesh_pipeline,
+        resplit_with_a_kill,
+        settled,
+    )
+
+    monkeypatch.setenv(HOLD_ENV, hold_everywhere())
+    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant")
+    try:
+        reference, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
+        # (split asked, phase, victim, the split the mesh must end in)
+        cases = [("19", "move", 1, "15"), ("12", "move", 0, "15"), ("19", "commit", 1, "19")]
+        for split, phase, victim, ends_in in cases:
+            tokens = [0] * STREAMS
+            outcome: list[dict] = []
+
+            async def on_token(i: int, n: int, tokens=tokens) -> None:
+                tokens[i] = n
+
+            async def kill(split=split, phase=phase, victim=victim, tokens=tokens, outcome=outcome) -> None:
+                while min(tokens) < 3:
+                    await asyncio.sleep(0.05)
+                outcome.append(await resplit_with_a_kill(gw, split, phase, victim))
+
+            killer = asyncio.create_task(kill())
+            texts, _ = await asyncio.wait_for(_streams(gw.url, on_token, max_tokens=LONG_TOKENS), 600)
+            await asyncio.wait_for(killer, 120)
+            case = (split, phase, victim, outcome)
+            assert outcome[0]["status"] == 503, case  # not done: refused (move) or failed and sent again (commit)
+            assert texts == reference, case
+            state = await settled(gw, 2)
+            assert state["agree"] and state["route"] == ends_in, (case, state)
+            assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+        assert gw.metric("stagemesh_gateway_resplits_total", outcome="refused", trigger="asked") == 2
+        assert gw.metric("stagemesh_gateway_resplits_total", outcome="failed", trigger="asked") == 1
+        assert gw.metric("stagemesh_gateway_resplits_total", outcome="recommitted", trigger="asked") == 1
+
+        # the mesh moves again, and serves the same texts in its new split
+        status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": "12"})
+        assert status == 200, body
+        state = await settled(gw, 2)
+        assert state["agree"] and state["route"] == "12" == mesh_pipeline(gw)["split"], state
+        again, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
+        assert again == reference
     finally:
         gw.stop()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,7 +22,7 @@ import torch
 from services.gateway.audit import PrefixAuditor, audit_tolerance
 from services.gateway.balance import Balancer, StartSplit, toward
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.pipeline import Pipeline
+from services.gateway.pipeline import Pipeline, check_pipeline
 from services.gateway.request import Request, RequestOutput, RequestSpan
 from services.gateway.scheduler import (
     KV_FULL_BACKOFF_S,
@@ -37,12 +38,14 @@ from shared.files.layers import LayerRange, boundaries, check_resplit
 from shared.observe.log_throttle import throttled
 from shared.observe.otlp import OtlpTracer
 from shared.wire.protocol import BatchResult, ForwardBatch, Resplit
+from shared.wire.stage_info import StageInfo
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
 IDLE_TICK_S = 0.25  # how often deadlines and pipeline health are checked when nothing else wakes the loop
 RESPLIT_PHASE_S = {"prepare": 120.0, "move": 60.0, "commit": 30.0, "abort": 10.0}  # each phase's round trip at most
 RESPLIT_HISTORY = 16  # re-splits /v1/mesh lists per pipeline
+RESPLIT_WATCH_S = 0.5  # how often a re-split phase in flight checks that no stage restarted or went silent
 
 
 class ResplitError(StagemeshError):
@@ -90,6 +93,8 @@ class Engine:
         pipeline.on_unexpected_result = metrics.unexpected_results.inc
         self.paused = False  # a re-split holds new micro-batches (those in flight finish) until the route flips
         self.resplitting = False  # a re-split is running (its prepare included, while the mesh serves on)
+        self.resplit_phase: str | None = None  # its phase now: prepare, drain, move, commit, recommit (None: none)
+        self._recommitting: asyncio.Task | None = None  # sends an unconfirmed commit again until every stage has it
         self._rebalancing: asyncio.Task | None = None  # the re-split --auto-rebalance started
         self.committed: list[LayerRange] | None = None  # the split the last re-split committed (None: none yet)
         self.resplits: list[dict] = []  # the last RESPLIT_HISTORY re-splits (done or not), oldest first
@@ -257,8 +262,9 @@ class Engine:
         running or the pipeline is not ready (409), a stage refused or did not answer (503: the mesh keeps its split;
         after an unconfirmed commit the pipeline's KV state counts as lost and the running requests are replayed)."""
         pipe = self.pipeline
-        if self.resplitting:
-            raise ResplitError("a re-split of this pipeline is already running; wait for it", status=409)
+        if self.resplitting or self._recommitting is not None:
+            raise ResplitError("a re-split of this pipeline is already running (or its commit is being sent again "
+                               "after a stage died in it); wait for it", status=409)
         if not pipe.ready:
             raise ResplitError(f"the pipeline is not ready ({pipe.problem}): a re-split moves the layers of a "
                                "serving mesh", status=409)
@@ -275,19 +281,23 @@ class Engine:
         rid = pipe.client.next_rid()
         pairs = ([(r.start, r.stop) for r in old], [(r.start, r.stop) for r in new])
         t0, pause = time.perf_counter(), 0.0
+        incarnations = [i.incarnation for i in pipe.stages]  # a stage that restarts during a phase fails it
         try:
-            await self._phase(Resplit(rid, "prepare", *pairs), old, new)  # the mesh serves on meanwhile
+            await self._phase(Resplit(rid, "prepare", *pairs), old, new, incarnations)  # the mesh serves on meanwhile
             self.paused = True
             pipe.resplitting = True  # its health poll does not take the stages' passing ranges for a broken pipeline
             t_pause = time.perf_counter()
             try:
+                self.resplit_phase = "drain"
                 if not await self._drain(pipe.stall_s):
                     await self._abort(rid, pairs)
                     raise ResplitError(f"{len(self.scheduler.inflight)} micro-batches still in flight after "
                                        f"{pipe.stall_s:g} s; the split stays {boundaries(old)}")
-                await self._phase(Resplit(rid, "move", *pairs), old, new)
-                reports = await self._phase(Resplit(rid, "commit", *pairs), old, new)
-                self.committed = new  # what a stage restarted from now on must serve (`up` restarts it so)
+                await self._phase(Resplit(rid, "move", *pairs), old, new, incarnations)
+                # the point of no return: from the commit on, the mesh ends in `new` (a stage that restarts now must
+                # serve it: `up` restarts it so; a commit not confirmed is sent again until it is, _recommit)
+                self.committed = new
+                reports = await self._phase(Resplit(rid, "commit", *pairs), old, new, incarnations)
             finally:
                 pipe.resplitting = False
                 self.paused = False
@@ -295,9 +305,13 @@ class Engine:
                 self._changed()
         except ResplitError as e:
             self._record_resplit(old, new, trigger, e.outcome, str(e), pause, took_s=round(time.perf_counter() - t0, 3))
+            if e.outcome == "failed":
+                self._recommitting = asyncio.create_task(self._recommit(rid, pairs, new, trigger),
+                                                         name="resplit-recommit")
             raise
         finally:
             self.resplitting = False
+            self.resplit_phase = None
         await pipe.check()  # the stages' /info now: the new layers, one consistent pipeline (the prefix index resets)
         got = [LayerRange(*i.layers) for i in pipe.stages]
         moved = sum(r.get("received_bytes", 0) for r in reports)
@@ -377,31 +391,103 @@ class Engine:
             await asyncio.sleep(0.002)
         return True
 
-    async def _phase(self, msg: Resplit, old: list[LayerRange], new: list[LayerRange]) -> list[dict]:
-        """One phase's round trip through the pipeline; the stages' reports. A refusal or a lost message before the
-        commit aborts on every stage (ResplitError, the split unchanged); one at the commit declares the pipeline's
-        KV state lost (the scheduler replays every running request)."""
-        wait = RESPLIT_PHASE_S[msg.phase]
-        try:
-            answer = await asyncio.wait_for(self.pipeline.client.resplit(msg), wait)
-            error = answer.error
-        except TimeoutError:
-            answer, error = None, f"the {msg.phase} did not come back within {wait:g} s"
+    async def _phase(self, msg: Resplit, old: list[LayerRange], new: list[LayerRange],
+                     incarnations: list[str]) -> list[dict]:
+        """One phase's round trip through the pipeline; the stages' reports. A refusal, a lost message or a stage
+        that restarted or stopped answering meanwhile (`incarnations`: the stages' when the re-split began) before
+        the commit aborts on every stage (ResplitError, the split unchanged); at the commit it declares the
+        pipeline's KV state lost (the scheduler replays every running request) and the commit is sent again until
+        every stage has it (_recommit)."""
+        self.resplit_phase = msg.phase
+        await self._hold(msg.phase)
+        answer, error = await self._round_trip(msg, incarnations)
         if error is None:
             return answer.report
         if msg.phase == "commit":
             self.pipeline.mark_lost(f"re-split {msg.rid}'s commit was not confirmed: {error}")
             raise ResplitError(f"re-split to {boundaries(new)} failed at the commit ({error}); the running requests "
-                               "are replayed", outcome="failed")
-        await self._abort(msg.rid, (msg.old, msg.new))
+                               "are replayed and the commit is sent again until every stage has it", outcome="failed")
+        await self._abort(msg.rid, (msg.old, msg.new), RESPLIT_WATCH_S if answer is None else None)
         raise ResplitError(f"re-split to {boundaries(new)} refused at the {msg.phase}: {error}; the split stays "
                            f"{boundaries(old)}")
 
-    async def _abort(self, rid: int, pairs: tuple) -> None:
+    async def _round_trip(self, msg: Resplit, incarnations: list[str] | None) -> tuple[Resplit | None, str | None]:
+        """Send one phase and wait for it to come back: (the answer, None), or (None or the answer, why not) when a
+        stage refused it, it did not come back within RESPLIT_PHASE_S, or (with `incarnations`) a stage restarted
+        or stopped answering meanwhile -- a message it held is gone, so waiting longer would only stall streams."""
+        wait = RESPLIT_PHASE_S[msg.phase]
+        answer = asyncio.ensure_future(self.pipeline.client.resplit(msg))
+        deadline = time.perf_counter() + wait
+        try:
+            while time.perf_counter() < deadline:
+                done, _ = await asyncio.wait({answer}, timeout=min(RESPLIT_WATCH_S, deadline - time.perf_counter()))
+                if done:
+                    result = answer.result()
+                    return result, result.error
+                if incarnations is not None and (died := await self.pipeline.restarted_since(incarnations)):
+                    return None, f"{died} during the {msg.phase}"
+            return None, f"the {msg.phase} did not come back within {wait:g} s"
+        finally:
+            answer.cancel()
+
+    async def _hold(self, phase: str) -> None:
+        """Fault injection for the chaos benchmark and its test (STAGEMESH_RESPLIT_HOLD=PHASE:SECONDS[,...]): wait that
+        long before sending that phase, with /v1/mesh showing it, so a stage or the gateway can be killed at a known point."""
+        holds = dict(h.split(":", 1) for h in os.environ.get("STAGEMESH_RESPLIT_HOLD", "").split(",") if ":" in h)
+        if seconds := holds.get(phase):
+            self.resplit_phase = f"{phase} (held)"
+            await asyncio.sleep(float(seconds))
+            self.resplit_phase = phase
+
+    async def _recommit(self, rid: int, pairs: tuple, new: list[LayerRange], trigger: str) -> None:
+        """After a commit that was not confirmed (a stage died in it), send it again whenever every stage answers
+        /info until it comes back without error: stages that committed do nothing, those still on their old range
+        (one restarted with it, those after the one that died) load their new one, so the mesh ends in one split --
+        `new`, the one the gateway routes by and `up` restarts stages with. The pipeline stays not ready meanwhile
+        (its stages do not form a split); the requests wait, then are replayed. Stages that form a consistent
+        pipeline in another split (restarted on their old ranges before `up` knew the new ones, or by hand) end
+        it too: that split is the one routed by from then on."""
+        pipe = self.pipeline
+        try:
+            attempt = 0
+            while True:
+                await asyncio.sleep(RESPLIT_WATCH_S)
+                infos = await pipe.fetch_infos()
+                if not all(isinstance(i, StageInfo) for i in infos) or pipe.client is None:
+                    continue
+                ranges = [LayerRange(*i.layers) for i in infos]
+                if ranges == new:
+                    break
+                if check_pipeline(infos, pipe.fingerprint, pipe.num_layers) is None:
+                    log.warning("%s re-split %d: the stages serve %s, one consistent split, not %s: routed by from now "
+                                "on (the commit not sent again)", pipe.label, rid, boundaries(ranges), boundaries(new))
+                    self.committed = ranges
+                    return
+                attempt += 1
+                self.resplit_phase = "recommit"
+                answer, error = await self._round_trip(Resplit(rid, "commit", *pairs), None)
+                if error is None:
+                    break
+                throttled(log, logging.WARNING, "recommit", "%s re-split %d: sending the commit again failed "
+                          "(attempt %d): %s; trying again", pipe.label, rid, attempt, error)
+            log.warning("%s re-split %d: every stage now serves %s (the commit sent again %d times)", pipe.label, rid,
+                        boundaries(new), attempt)
+            self.metrics.resplits.labels("recommitted", trigger).inc()
+        except Exception:
+            log.exception("sending re-split %d's commit again failed", rid)
+        finally:
+            self.resplit_phase = None
+            self._recommitting = None
+            with contextlib.suppress(Exception):
+                await pipe.check()  # the stages' /info now: one consistent pipeline again
+            self._changed()
+
+    async def _abort(self, rid: int, pairs: tuple, wait_s: float | None = None) -> None:
         """Every stage drops what it prepared for re-split `rid` (best effort: a stage that misses it drops it at the
-        next prepare)."""
+        next prepare). `wait_s`: how long to wait for it to come back (a stage that died will not pass it on)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.pipeline.client.resplit(Resplit(rid, "abort", *pairs)), RESPLIT_PHASE_S["abort"])
+            await asyncio.wait_for(self.pipeline.client.resplit(Resplit(rid, "abort", *pairs)),
+                                   wait_s or RESPLIT_PHASE_S["abort"])
 
     def _record_resplit(self, old: list[LayerRange], new: list[LayerRange], trigger: str, outcome: str,
                         error: str | None, pause_s: float = 0.0, **extra) -> None:

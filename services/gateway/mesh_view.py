@@ -167,7 +167,7 @@ class MeshView:
         engine = replica.engine
         return {
             "split": None if None in layers else ",".join(str(r[1]) for r in layers[:-1]),
-            "resplitting": engine.resplitting, "resplits": engine.resplits[-4:],
+            "resplitting": engine.resplitting, "resplit_phase": engine.resplit_phase, "resplits": engine.resplits[-4:],
             "resplits_done": sum(1 for r in engine.resplits if r["outcome"] == "done"),
             "auto_rebalance": None if engine.balancer is None else {
                 "window_s": engine.balancer.window_s, "min_gain": engine.balancer.min_gain,

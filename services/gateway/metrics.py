@@ -12,7 +12,9 @@ from shared.wire.transport import TransportStats
 
 REJECT_STATUSES = ("400", "401", "403", "404", "408", "413", "429", "500", "503")
 OUTCOMES = ("stop", "length", "cancelled", "timeout", "error")
-RESPLIT_OUTCOMES = ("done", "refused", "failed")  # failed: a commit not confirmed, the pipeline's state declared lost
+# failed: a commit not confirmed, the pipeline's state declared lost; recommitted: that commit, sent again, reached
+# every stage (the mesh is in the new split)
+RESPLIT_OUTCOMES = ("done", "refused", "failed", "recommitted")
 RESPLIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300)
 HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)

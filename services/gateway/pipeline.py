@@ -261,10 +261,23 @@ class Pipeline:
                         f"({self.poll_s:g} s): {receiver} holds another key set, or something else serves its address")
         return None
 
+    async def fetch_infos(self) -> list[StageInfo | str]:
+        """Every stage's /info now, or why there is none (not kept: check() is what updates the pipeline's view)."""
+        return list(await asyncio.gather(*(self._info(u) for u in self.stage_urls)))
+
+    async def restarted_since(self, incarnations: list[str]) -> str | None:
+        """Which stage restarted or stopped answering since its incarnation was `incarnations` (named), or None."""
+        for i, info in enumerate(await self.fetch_infos()):
+            if not isinstance(info, StageInfo):
+                return f"stage {i} stopped answering ({info})"
+            if i < len(incarnations) and info.incarnation != incarnations[i]:
+                return f"stage {i} restarted"
+        return None
+
     async def check(self) -> None:
         if self.resplitting:  # Engine.resplit checks again once the stages serve the new split
             return
-        infos = list(await asyncio.gather(*(self._info(u) for u in self.stage_urls)))
+        infos = await self.fetch_infos()
         if self.resplitting:  # a re-split began while they were asked: what they said may be half-way
             return
         self.infos = infos

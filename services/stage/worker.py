@@ -193,7 +193,7 @@ class StageWorker:
                 for parcel in self.resplit.parcels(msg, self.runtime):
                     self.io.send(parcel)  # ahead of the Resplit, on the same link: each arrives before the commit
             elif msg.phase == "commit":
-                runtime, report = self.resplit.commit(msg, self.runtime)
+                runtime, report = self.resplit.commit(msg, self.runtime, self.identity.index)
                 self._serve_with(runtime)
             else:
                 self.resplit.abort()

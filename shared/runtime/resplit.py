@@ -13,6 +13,9 @@ does its part and passes the message on, so when it comes back every stage has d
            parcels' layers written in; a sequence that missed a parcel is released (its next step answers
            unknown_sequence and the gateway replays it, which no request sees but as a delay)
   abort    the prepared runtime is dropped (a stage refused the plan; the mesh serves on with the old split)
+  commit again, unprepared (recommit): after a commit the gateway could not confirm (a stage died in it), it sends
+           the commit again until every stage has answered it: a stage already on its new range does nothing, one
+           still on its old range (restarted with it) loads the new one with an empty cache
 
 Nothing here is a socket: the worker (services/stage/worker.py) sends what these methods return. Every method runs on
 the stage's compute thread, between micro-batches."""
@@ -164,9 +167,12 @@ class StageResplit:
 
     # ---- commit / abort ---------------------------------------------------------------------------------------
 
-    def commit(self, msg: Resplit, runtime: StageRuntime) -> tuple[StageRuntime, dict]:
+    def commit(self, msg: Resplit, runtime: StageRuntime, index: int | None = None) -> tuple[StageRuntime, dict]:
         """The runtime to serve with from now on (the prepared one, holding every sequence; or `runtime` itself
-        when this stage's layers do not change) and the stage's report."""
+        when this stage's layers do not change) and the stage's report. `index`: this stage's place in the pipeline
+        when it was started with one (needed only for a commit it has not prepared: recommit)."""
+        if self.pending is None or self.pending.rid != msg.rid:
+            return self.recommit(msg, runtime, index)
         p = self._current(msg)
         self.pending = None
         if p.runtime is None:
@@ -185,6 +191,33 @@ class StageResplit:
             log.warning("re-split %d: released %d sequences whose K/V for layers %s did not all arrive (they are "
                         "replayed)", p.rid, p.report["released"], new)
         return p.runtime, p.report
+
+    def recommit(self, msg: Resplit, runtime: StageRuntime, index: int | None) -> tuple[StageRuntime, dict]:
+        """A commit this stage did not prepare: the gateway sends it again after a commit it could not confirm (a
+        stage died during it), so that every stage ends in the split it routes by (msg.new). A stage that already
+        serves its new range (it committed before, or was restarted with it) has nothing to do; one that still
+        serves its old range (restarted with it, or its prepare lost) loads the new one with an empty cache -- the
+        gateway replays every running sequence after an unconfirmed commit, so no K/V is owed. ResplitRefused when
+        this stage's range is in neither split."""
+        old, new, mine = _ranges(msg.old), _ranges(msg.new), runtime.model.layers
+        self.pending = None
+        at = index if index is not None and index < len(new) and mine in (old[index], new[index]) else None
+        if at is None:
+            at = new.index(mine) if mine in new else old.index(mine) if mine in old else None
+        if at is None:
+            raise ResplitRefused(f"re-split {msg.rid} was not prepared on this stage and it serves layers {mine}, "
+                                 f"in neither {', '.join(map(str, old))} nor {', '.join(map(str, new))}")
+        report = {"stage": at, "load_s": 0.0, "sent_bytes": 0, "received_bytes": 0, "parcels": 0, "released": 0}
+        if new[at] == mine:
+            return runtime, report
+        t0 = time.perf_counter()
+        fresh = runtime.reload(new[at])
+        report["load_s"] = round(time.perf_counter() - t0, 4)
+        report["released"] = len(runtime.kv.holders)
+        log.warning("re-split %d: committed without a prepare (sent again after an unconfirmed commit): loaded "
+                    "layers %s (was %s) with an empty cache; %d sequences dropped (the gateway replays them)",
+                    msg.rid, new[at], mine, report["released"])
+        return fresh, report
 
     def abort(self) -> None:
         self.pending = None
