@@ -18,54 +18,8 @@ import json
 import time
 import urllib.request
 
-import aiohttp
-
-from loadtest.client import sse_events
-from services.testing.harness import Report, add_out_arg, running_up
+from services.testing.harness import Load, Report, add_out_arg, running_up
 from services.testing.slow_host import throttled
-
-
-class Load:
-    """--streams streams, each sending one completion after another until stopped; every token's time kept."""
-
-    def __init__(self, url: str, streams: int, max_tokens: int):
-        self.url, self.streams, self.max_tokens = url, streams, max_tokens
-        self.tokens: list[float] = []  # perf_counter time of every token
-        self.worst_gap: list[tuple[float, float]] = []  # (time, gap) of each request's longest gap
-        self.failed = 0
-        self.stop = asyncio.Event()
-
-    async def run(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-            await asyncio.gather(*(self._stream(s, i) for i in range(self.streams)))
-
-    async def _stream(self, s: aiohttp.ClientSession, i: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            body = {"prompt": f"Story {i}.{n}: the lighthouse keeper opened the door and", "stream": True,
-                    "max_tokens": self.max_tokens, "temperature": 0.8, "seed": i * 1000 + n, "ignore_eos": True}
-            last, gap = None, (0.0, 0.0)
-            try:
-                async with s.post(self.url + "/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        self.failed += 1
-                        continue
-                    async for chunk in sse_events(r):
-                        if "error" in chunk:
-                            self.failed += 1
-                            break
-                        now = time.perf_counter()
-                        self.tokens.append(now)
-                        if last is not None and now - last > gap[1]:
-                            gap = (now, now - last)
-                        last = now
-            except (aiohttp.ClientError, TimeoutError):
-                self.failed += 1
-            self.worst_gap.append(gap)
-
-    def rate(self, t0: float, t1: float) -> float:
-        return sum(1 for t in self.tokens if t0 <= t < t1) / max(t1 - t0, 1e-9)
 
 
 def mesh(url: str) -> dict:

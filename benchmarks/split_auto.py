@@ -19,8 +19,7 @@ import os
 import tempfile
 import time
 
-from benchmarks.resplit import Load
-from services.testing.harness import Report, add_out_arg, start_up
+from services.testing.harness import Load, Report, add_out_arg, start_up
 from services.testing.slow_host import SlowStages, can_throttle
 
 
