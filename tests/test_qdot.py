@@ -486,20 +486,6 @@ def test_q2_k_and_q3_k_run_on_their_own_superblocks_as_llama_cpp_multiplies_them
         np.testing.assert_allclose(got, exact, rtol=0, atol=3e-2 * np.abs(exact).max())
 
 
-def _ggml_libraries():
-    """llama.cpp's own ggml (llama-cpp-python's build): (libggml-base, libggml-cpu) through ctypes."""
-    import ctypes
-    import os
-
-    import llama_cpp
-
-    lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-    base = ctypes.CDLL(os.path.join(lib, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
-    cpu = ctypes.CDLL(os.path.join(lib, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
-    cpu.ggml_cpu_init()
-    return base, cpu
-
-
 @pytest.mark.reference
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
 def test_q2_k_and_q3_k_products_are_llama_cpps_on_blocks_its_quantizer_wrote(qtype):
@@ -509,18 +495,17 @@ def test_q2_k_and_q3_k_products_are_llama_cpps_on_blocks_its_quantizer_wrote(qty
     file's numbers (the activations' 8-bit rounding)."""
     import ctypes
 
-    base, cpu = _ggml_libraries()
-    ptr, size = ctypes.c_void_p, {"Q2_K": 84, "Q3_K": 110}[qtype]
-    quantize = getattr(base, f"quantize_{qtype[:2].lower()}_K")
-    quantize.restype, quantize.argtypes = ctypes.c_size_t, [ptr, ptr, ctypes.c_int64, ctypes.c_int64, ptr]
+    from services.testing.tiny_gguf import ggml_libraries, ggml_quantize_rows
+
+    _, cpu = ggml_libraries()
+    ptr = ctypes.c_void_p
     cpu.quantize_row_q8_K.argtypes = [ptr, ptr, ctypes.c_int64]
     vec_dot = getattr(cpu, f"ggml_vec_dot_{qtype[:2].lower()}_K_q8_K")
     vec_dot.argtypes = [ctypes.c_int, ptr, ctypes.c_size_t, ptr, ctypes.c_size_t, ptr, ctypes.c_size_t, ctypes.c_int]
     n, k, m = 37, 1024, 5
     rng = np.random.default_rng(11)
     matrix = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    blocks = np.zeros((n, k // 256 * size), np.uint8)
-    assert quantize(matrix.ctypes.data, blocks.ctypes.data, n, k, None) == blocks.nbytes
+    blocks = ggml_quantize_rows(matrix, qtype)
     raw = RawTensor("w", qtype, (n, k), torch.from_numpy(blocks))
     x = rng.standard_normal((m, k)).astype(np.float32)
     q8 = np.zeros((m, k // 256 * 292), np.uint8)  # block_q8_K: float d, 256 int8, 16 int16 sums
