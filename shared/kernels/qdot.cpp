@@ -687,6 +687,9 @@ at::Tensor kquant_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
       for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = w + g * nb * bytes;
         int64_t m = m_chunk;
+#ifdef __AVX512VL__  // 32 vector registers: 8 rows' sums stay in them
+        for (; m + 8 <= m_end; m += 8) k_group_tile<8, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
+#endif
         for (; m + 4 <= m_end; m += 4) k_group_tile<4, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
         switch (m_end - m) {
           case 3: k_group_tile<3, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
