@@ -15,8 +15,9 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
 
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
 (QdotLinear) wherever the table says int4, Q5_0 / Q5_1 in both modes (their own blocks, smaller than int8 rows), and
-Q4_K and Q5_K in both (rewritten to Q4_1 / Q5_1 blocks, their scales rounded to fp16) and Q6_K in both (q6_16 blocks,
-0.875 bytes a weight): the file's numbers,
+Q4_K and Q5_K in both (rewritten to Q4_1 / Q5_1 blocks, their scales rounded to fp16), Q6_K in both (q6_16 blocks,
+0.875 bytes a weight) and Q2_K / Q3_K in both (their own superblocks of 256, 1.0x / 1.036x the file's bytes): the
+file's numbers,
 multiplied as llama.cpp does (shared.kernels.qdot). They
 outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
@@ -76,8 +77,8 @@ QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
 # (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
 _PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
-# Every other quantized type (Q5_*, Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) runs as int8 with one scale per row, and so do
-# QDOT_TYPES where the integer-dot kernels do not run (but those of INT4_TYPES + INT4_PAIR_TYPES).
+# Every other quantized type (IQ*, TQ*, MXFP4, ...) runs as int8 with one scale per row, and so do QDOT_TYPES where
+# the integer-dot kernels do not run (but those of INT4_TYPES + INT4_PAIR_TYPES).
 INVARIANT_ROWS = 8  # the batch-invariant mode's fixed M for dense kernels (about one row's cost: memory-bound)
 # Bytes per block and elements per block of the types unpacked here with torch (the rest go through gguf.quants).
 _BLOCK = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
