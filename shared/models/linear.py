@@ -291,8 +291,9 @@ class QdotLinear:
     quantized to 8 bits per block (shared.kernels.qdot: llama.cpp's scheme, on CPUs whose torch kernels are AVX2).
     blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset -8d, exact
     in fp16) and Q4_K's (_rewritten_blocks); Q8_0's 34-byte blocks; Q5_0's and Q5_1's own 22 / 24 bytes, reordered;
-    Q6_K as 28-byte q6_16 blocks (d, an int8 scale per half, 6-bit levels); 8 rows' interleaved (qdot.interleave). float32
-    out. A row's result does not depend on the other rows."""
+    Q6_K as 28-byte q6_16 blocks (d, an int8 scale per half, 6-bit levels); Q2_K and Q3_K as their own superblocks of
+    256 (_k_low_blocks: 84 and 114 bytes); 8 rows' interleaved (qdot.interleave). float32 out. A row's result does not
+    depend on the other rows."""
 
     def __init__(self, raw: RawTensor):
         if (why := qdot.load()) is not None:
@@ -338,8 +339,9 @@ def _row_slices(raw: RawTensor) -> Iterator[tuple[slice, RawTensor]]:
 
 
 def _op_blocks(raw: RawTensor) -> torch.Tensor:
-    """raw's blocks in its qdot op's layout [N, K/32, BLOCK_BYTES]: Q4_0's with their offset spelled out ({d, qs} ->
-    {d, -8d, qs}, Q4_1's), Q4_1's and Q8_0's as stored, the rest rewritten (_rewritten_blocks)."""
+    """raw's blocks in its qdot op's layout [N, K/32, BLOCK_BYTES] (Q2_K / Q3_K: [N, K/256, BLOCK_BYTES]): Q4_0's with
+    their offset spelled out ({d, qs} -> {d, -8d, qs}, Q4_1's), Q4_1's and Q8_0's as stored, the rest rewritten
+    (_rewritten_blocks, _k_low_blocks)."""
     if raw.ggml_type in ("Q2_K", "Q3_K"):
         return _k_low_blocks(raw)
     if raw.ggml_type in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
