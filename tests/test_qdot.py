@@ -2,6 +2,8 @@
 quantized per block of 32 to int8 with fp16 scales, exact integer dot products, float scaling. Built and run here
 on any CPU with AVX2, whether or not this CPU's stages pick them (qdot.usable())."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -82,14 +84,15 @@ def test_the_product_is_llama_cpps_to_float32_rounding(qtype, rows, cols):
         np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("qtype", TYPES + ("Q4_K", "Q5_K", "Q6_K"))
+@pytest.mark.parametrize("qtype", TYPES + ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"))
 def test_a_rows_result_depends_neither_on_its_batch_nor_on_the_thread_count(qtype):
     """The batch-invariant mode's requirement: row i of an M-row call equals the row alone, bit for bit, for every M
     (the kernel tiles rows by 8, 4 and 1 to 3, and takes 2 groups of 8 weight rows at once in 512-bit registers
     where it can, group by group where it cannot: 7 groups here, the last alone) and whether one thread or two
     split the weight's rows."""
-    raw = {"Q4_K": _q4_k_raw, "Q5_K": _q5_k_raw, "Q6_K": _q6_k_raw}[qtype](56, 256, seed=3) if "_K" in qtype else \
-        _raw(qtype, 56, 256, seed=3)
+    makers = {"Q4_K": _q4_k_raw, "Q5_K": _q5_k_raw, "Q6_K": _q6_k_raw, "Q2_K": functools.partial(_k_low_raw, "Q2_K"),
+              "Q3_K": functools.partial(_k_low_raw, "Q3_K")}
+    raw = makers[qtype](56, 256, seed=3) if "_K" in qtype else _raw(qtype, 56, 256, seed=3)
     w = QdotLinear(raw)
     x = torch.randn(21, 256)
     alone = torch.cat([w(x[i:i + 1]) for i in range(21)])
@@ -326,6 +329,8 @@ def test_where_the_kernels_are_usable_the_stored_kernel_of_each_type_is_one(monk
     q5_k[:, 0:4] = torch.full((32, 2), 1e-3).half().view(torch.uint8)
     q5_k_raw = RawTensor("w", "Q5_K", (32, 256), q5_k)
     assert isinstance(stored_kernel(q5_k_raw), QdotLinear) == qdot.usable()  # as q5_1 blocks
+    for qtype in ("Q2_K", "Q3_K"):  # on their own superblocks
+        assert isinstance(stored_kernel(_k_low_raw(qtype, 32, 256)), QdotLinear) == qdot.usable()
     monkeypatch.setenv(qdot.ENV, "off")
     qdot.load.cache_clear()
     try:
@@ -406,3 +411,111 @@ def test_write_kv_writes_what_indexed_assignment_writes_and_refuses_rows_outside
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     with pytest.raises(RuntimeError, match=r"row 0 \(slot 4, position 0\) is outside"):
         qdot.write_kv(k_cache, v_cache, torch.tensor([4]), torch.tensor([0]), k[:1], v[:1])
+
+
+def _k_low_raw(qtype: str, rows: int, cols: int, seed: int = 0) -> RawTensor:
+    """A Q2_K (84 bytes: 16 scale bytes, 64 of 2-bit levels, fp16 d, dmin) or Q3_K (110: 32 of third bits, 64 of 2-bit
+    levels, 12 of 6-bit scales, fp16 d) matrix of random superblocks: any bits are valid, d and dmin a weight's sizes."""
+    size, d_at = (84, 80) if qtype == "Q2_K" else (110, 108)
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (rows, cols // 256, size), dtype=torch.uint8, generator=g)
+    for at in (d_at, 82) if qtype == "Q2_K" else (d_at,):
+        b[..., at:at + 2] = (torch.rand(rows, cols // 256, 1, generator=g) * 2e-3 + 1e-4).half().view(torch.uint8)
+    return RawTensor("w", qtype, (rows, cols), b.view(rows, -1))
+
+
+def _q8_k_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_K_ref: x [M, K] -> levels [M, K/256, 256], d [M, K/256] (float32, 1 / iscale), with
+    iscale = -127 / (the value of largest magnitude, the first such), levels min(127, round-half-even(iscale x))."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // 256, 256)
+    first = np.abs(xb).argmax(-1)
+    peak = np.take_along_axis(xb, first[..., None], -1)[..., 0]
+    iscale = np.where(peak != 0, np.float32(-127) / np.where(peak != 0, peak, 1), 0).astype(np.float32)
+    qx = np.minimum(127, np.rint(xb * iscale[..., None])).astype(np.int64)
+    d = np.where(peak != 0, np.float32(1) / np.where(iscale != 0, iscale, 1), 0).astype(np.float32)
+    return qx, d.astype(np.float64)
+
+
+def _llama_cpp_k_low_product(x: np.ndarray, raw: RawTensor) -> np.ndarray:
+    """ggml's vec_dot_q2_K_q8_K / q3_K_q8_K in numpy: per superblock, the exact integer sum over its 16 sub-blocks of
+    scale x dot (and Q2_K's sum of min x the activations' sum), times d_w d_x (and dmin_w d_x), summed in float64."""
+    from shared.models.linear import k_low_levels
+
+    levels, scales, d, dmin = k_low_levels(raw)
+    n, k = raw.shape
+    qx, dx = _q8_k_activations(x)
+    lv = levels.numpy().astype(np.int64).reshape(n, k // 256, 16, 16) - (4 if raw.ggml_type == "Q3_K" else 0)
+    sub = np.einsum("nbjl,mbjl->mnbj", lv, qx.reshape(len(x), k // 256, 16, 16))
+    sc = scales.numpy().astype(np.int64).reshape(n, k // 256, 16)
+    if raw.ggml_type == "Q3_K":
+        return np.einsum("nb,mb,mnb->mn", d.double().numpy(), dx, np.einsum("nbj,mnbj->mnb", sc, sub))
+    bsums = qx.reshape(len(x), k // 256, 16, 16).sum(-1)
+    isum = np.einsum("nbj,mnbj->mnb", sc & 0x0F, sub)
+    msum = np.einsum("nbj,mbj->mnb", sc >> 4, bsums)
+    return (np.einsum("nb,mb,mnb->mn", d.double().numpy(), dx, isum)
+            - np.einsum("nb,mb,mnb->mn", dmin.double().numpy(), dx, msum))
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_q2_k_and_q3_k_run_on_their_own_superblocks_as_llama_cpp_multiplies_them(qtype):
+    """Q2_K and Q3_K keep their superblocks of 256 (84 and 114 bytes: Q3_K's 6-bit scales as int8, 4 more than its
+    110), their levels regrouped: the unpacked numbers are gguf's dequantization bit for bit, and the product is
+    llama.cpp's scheme (activations as q8_K: one float scale per 256, exact integer sums per superblock) to fp32
+    rounding, for 1 to 12 rows (the kernel's tiles of 4, 3, 2, 1) and 43 weight rows (the last group of 8 padded). A
+    swapped sub-block, scale nibble, third bit or activation scale would be far off."""
+    from shared.models.linear import k_low_levels
+
+    raw = _k_low_raw(qtype, 43, 768, seed=8)
+    levels, scales, d, dmin = k_low_levels(raw)
+    per16 = d.repeat_interleave(16, dim=1) * (scales & 0x0F if qtype == "Q2_K" else scales).float()
+    weights = per16.repeat_interleave(16, dim=1) * (levels.float() - (4 if qtype == "Q3_K" else 0))
+    if qtype == "Q2_K":
+        weights -= (dmin.repeat_interleave(16, dim=1) * (scales >> 4).float()).repeat_interleave(16, dim=1)
+    np.testing.assert_allclose(weights.numpy(), dequantize(raw).numpy(), rtol=1e-6, atol=0)
+    assert int(levels.max()) == (3 if qtype == "Q2_K" else 7)
+    w = QdotLinear(raw)
+    assert w.kind == f"{qtype.lower()}-dot-q8" and w.nbytes == 48 * 3 * (84 if qtype == "Q2_K" else 114)
+    for m in (1, 2, 5, 12):
+        x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m))
+        x[0, :256] = 0.0  # an all-zero superblock: its scale is 0, not a division by zero
+        got = w(x).double().numpy()
+        want = _llama_cpp_k_low_product(x.numpy(), raw)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+        exact = (x.double() @ dequantize(raw).double().T).numpy()
+        np.testing.assert_allclose(got, exact, rtol=0, atol=3e-2 * np.abs(exact).max())
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_q2_k_and_q3_k_products_are_llama_cpps_on_blocks_its_quantizer_wrote(qtype):
+    """Blocks written by llama.cpp's quantizer (quantize_q2_K / quantize_q3_K) from a weight-like matrix, multiplied
+    by llama.cpp's own dot (quantize_row_q8_K, then ggml_vec_dot_q*_K_q8_K, this CPU's SIMD build) row by row: the
+    kernel's product is the same to fp32 rounding, and both are the same distance from the exact product of the
+    file's numbers (the activations' 8-bit rounding)."""
+    import ctypes
+
+    from services.testing.tiny_gguf import ggml_libraries, ggml_quantize_rows
+
+    _, cpu = ggml_libraries()
+    ptr = ctypes.c_void_p
+    cpu.quantize_row_q8_K.argtypes = [ptr, ptr, ctypes.c_int64]
+    vec_dot = getattr(cpu, f"ggml_vec_dot_{qtype[:2].lower()}_K_q8_K")
+    vec_dot.argtypes = [ctypes.c_int, ptr, ctypes.c_size_t, ptr, ctypes.c_size_t, ptr, ctypes.c_size_t, ctypes.c_int]
+    n, k, m = 37, 1024, 5
+    rng = np.random.default_rng(11)
+    matrix = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    blocks = ggml_quantize_rows(matrix, qtype)
+    raw = RawTensor("w", qtype, (n, k), torch.from_numpy(blocks))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    q8 = np.zeros((m, k // 256 * 292), np.uint8)  # block_q8_K: float d, 256 int8, 16 int16 sums
+    want, out = np.zeros((m, n), np.float64), ctypes.c_float()
+    for i in range(m):
+        cpu.quantize_row_q8_K(x[i].ctypes.data, q8[i].ctypes.data, k)
+        for r in range(n):
+            vec_dot(k, ctypes.byref(out), 0, blocks[r].ctypes.data, 0, q8[i].ctypes.data, 0, 1)
+            want[i, r] = out.value
+    got = QdotLinear(raw)(torch.from_numpy(x)).double().numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    exact = x.astype(np.float64) @ dequantize(raw).double().numpy().T
+    assert 0 < np.abs(got - exact).max() < 3e-2 * np.abs(exact).max()

@@ -32,7 +32,8 @@ TOLERANCE = 1e-2  # max |diff| / logit range on the default path, as for the sin
 # the tiny gemma2's soft caps (1 on attention scores, 5 on logits: small so that they bite) amplify the bf16 path's
 # rounding whatever the weights' type (its float32 path stays within 5e-4 of exact)
 TOLERANCE_OF = {"gemma2": 2e-2}
-# lean requantizes 5-bit, 6-bit, 2/3-bit and IQ types to int8 rows: a per-row int8 step on top of the file's own
+# lean requantizes IQ types (and, where the integer-dot kernels do not run, 5-, 6-, 2- and 3-bit ones) to int8 rows:
+# a per-row int8 step on top of the file's own
 LEAN_TOLERANCE = 1.5e-2
 # the tiny qwen3moe routes each token to its top 2 of 4 experts by random router weights: a token whose 2nd and 3rd
 # experts nearly tie may route the other way under bf16 activations (its float32 path stays within 1e-3 of exact),

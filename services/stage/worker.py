@@ -348,7 +348,8 @@ class StageWorker:
         model = self.runtime.model
         return {"bytes": model.weight_bytes(),
                 "memory": model.memory_report(), "tensors": model.weight_summary(),
-                # Q4_0 / Q4_1 / Q8_0 on the integer-dot kernels (shared.kernels.qdot), or why not
+                "by_type": model.runs_as_by_type(),  # GGUF type -> {what its matrices run as: how many}
+                # the integer-dot kernels (shared.kernels.qdot: Q4_*, Q5_*, Q8_0, Q2_K .. Q6_K) on, or why not
                 "integer_dot": qdot.why_not() or "on"}
 
     @functools.cached_property

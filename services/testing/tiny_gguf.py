@@ -376,6 +376,43 @@ def llama_quantize(src: str, dst: str, qtype: str, embedding_type: str = "Q8_0",
 __all__ += ["LLAMA_QUANTIZED_TYPES", "llama_quantize"]
 
 
+def ggml_libraries():
+    """llama.cpp's own ggml (llama-cpp-python's build) through ctypes: (libggml-base, libggml-cpu), the CPU backend
+    initialised. Their C functions by name: quantize_q3_K(src, dst, nrows, n_per_row, imatrix) -> bytes written,
+    quantize_row_q8_K(x, y, k), ggml_vec_dot_q3_K_q8_K(n, &s, bs, vx, bx, vy, by, nrc) (one row's dot, this CPU's SIMD
+    build), and the same for the other types."""
+    import ctypes
+
+    import llama_cpp
+
+    lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    base = ctypes.CDLL(os.path.join(lib, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(os.path.join(lib, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu.ggml_cpu_init()
+    return base, cpu
+
+
+def ggml_quantize_rows(matrix: np.ndarray, qtype: str) -> np.ndarray:
+    """matrix [N, K] float32 -> its rows as llama.cpp's quantizer writes them in qtype (a K-quant: Q2_K .. Q6_K, no
+    importance matrix), [N, K/256 * the type's block bytes] uint8: the blocks a real file of that type holds."""
+    import ctypes
+
+    base, _ = ggml_libraries()
+    n, k = matrix.shape
+    block_bytes = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
+    rows = np.zeros((n, k // 256 * block_bytes), np.uint8)
+    src = np.ascontiguousarray(matrix, dtype=np.float32)
+    fn = getattr(base, f"quantize_{qtype[:2].lower()}_K")
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    if fn(src.ctypes.data, rows.ctypes.data, n, k, None) != rows.nbytes:
+        raise RuntimeError(f"llama.cpp's quantize_{qtype} wrote another size than {rows.nbytes} bytes")
+    return rows
+
+
+__all__ += ["ggml_libraries", "ggml_quantize_rows"]
+
+
 # ---- llama.cpp's quantizer presets, as model hubs ship files (mixed types per tensor) ------------------------------
 
 # llama_ftype presets. The IQ2 / IQ3 ones go with Q8_0 embedding and output tensors: llama.cpp's own choice for those

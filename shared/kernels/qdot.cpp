@@ -510,6 +510,199 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
   return y;
 }
 
+// ---- Q2_K and Q3_K on their own superblocks of 256 (llama.cpp's vec_dot_q2_K_q8_K / q3_K_q8_K) ----------------
+// Per row and superblock of 256 (the file's numbers, repacked; qdot.py's interleave, linear.py's _k_low_blocks):
+//   q2_k: 84 bytes {fp16 d, fp16 dmin, 16 scale bytes (sub-block j of 16: low nibble sc, high nibble m), 64 bytes of
+//         2-bit levels: bits 2i, 2i + 1 of byte 4j + b are element 16j + 4i + b's}, w = d sc_j q - dmin m_j
+//   q3_k: 114 bytes {fp16 d, 16 int8 scales (the file's 6-bit ones less 32), 64 bytes of low 2 bits as q2_k's, 32
+//         bytes of third bits: bit 4h + i of byte 4p + b is element 32p + 16h + 4i + b's}, w = d sc_j (q - 4), q the
+//         3-bit level (low bits + 4 x the third bit: llama.cpp's hmask bit set means no -4)
+// interleaved 8 rows at a time as the other layouts (8 rows' d, (dmin,) scale bytes side by side: byte 8j + n is
+// row n's scale j; then each 4 bytes of levels of the 8 rows in turn), 672 / 912 bytes a group's superblock.
+// The activations are quantized as llama.cpp's q8_K: per 256, d = 1 / iscale with iscale = -127 / (the value of
+// largest magnitude), q = min(127, round-half-even(iscale x)), float d (not fp16), the levels' sums per 16. Each
+// output then sums, per superblock, exact int32 sums_j sc_j dot_j (and for q2_k sum_j m_j bsum_j), scaled in
+// float32 by d_w d_x (and dmin_w d_x) as llama.cpp's AVX2 dot does: the same integers, float sums in another order.
+enum KLayout { K2, K3 };
+constexpr int64_t QKK = 256;
+constexpr int64_t k_group_bytes(KLayout layout) { return layout == K2 ? 8 * 84 : 8 * 114; }
+
+struct Q8KRows {  // x [M, K]: q [M, K] int8, d [M, K/256], bsum [M, K/16]
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> bsum;
+};
+
+Q8KRows quantize_rows_k(const float *x, int64_t M, int64_t K) {
+  const int64_t blocks = M * (K / QKK);
+  Q8KRows out{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<int32_t>(blocks * 16)};
+  at::parallel_for(0, blocks, 64, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; i++) {  // ggml's quantize_row_q8_K_ref, step for step
+      const float *xb = x + i * QKK;
+      int8_t *q = out.q.data() + i * QKK;
+      float amax = 0.0f, max = 0.0f;
+      for (int j = 0; j < QKK; j++) {
+        const float ax = std::fabs(xb[j]);
+        if (ax > amax) {
+          amax = ax;
+          max = xb[j];
+        }
+      }
+      if (amax == 0.0f) {
+        out.d[i] = 0.0f;
+        std::memset(q, 0, QKK);
+        for (int j = 0; j < 16; j++) out.bsum[i * 16 + j] = 0;
+        continue;
+      }
+      const float iscale = -127.0f / max;
+      for (int j = 0; j < QKK; j++) q[j] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[j]))));
+      for (int j = 0; j < 16; j++) {
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++) s += q[16 * j + l];
+        out.bsum[i * 16 + j] = s;
+      }
+      out.d[i] = 1.0f / iscale;
+    }
+  });
+  return out;
+}
+
+// the `bit`-th bit of each byte moved to bit 2, every other bit 0 (as bits_to_4: a 16-bit shift, what crosses from
+// the neighbouring byte masked off)
+template <int bit>
+inline __m256i bit_to_2(__m256i bits) {
+  const __m256i kept = _mm256_set1_epi8(0x04);
+  if constexpr (bit <= 2) return _mm256_and_si256(_mm256_slli_epi16(bits, 2 - bit), kept);
+  else return _mm256_and_si256(_mm256_srli_epi16(bits, bit - 2), kept);
+}
+
+// sub-block j of 16 of one group's superblock: the 8 rows' levels (unsigned, 0..3 or 0..7) against each activation
+// row's 16 -> int32 lane n: row n's exact dot product. AVX2: a lane's 4 maddubs add 8 products of at most 7 x 127.
+template <int MT, KLayout L, int h>
+inline void k_sub_dots(const uint8_t *low2, const uint8_t *high, const int8_t *const *xq, int j, __m256i *dot) {
+  const __m256i three = _mm256_set1_epi8(0x03);
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(low2 + 32 * j));
+  __m256i hb = _mm256_setzero_si256();
+  if constexpr (L == K3) hb = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(high + 32 * (j / 2)));
+  __m256i u[4];
+  u[0] = _mm256_and_si256(packed, three);
+  u[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 2), three);
+  u[2] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), three);
+  u[3] = _mm256_and_si256(_mm256_srli_epi16(packed, 6), three);
+  if constexpr (L == K3) {
+    u[0] = _mm256_or_si256(u[0], bit_to_2<4 * h + 0>(hb));
+    u[1] = _mm256_or_si256(u[1], bit_to_2<4 * h + 1>(hb));
+    u[2] = _mm256_or_si256(u[2], bit_to_2<4 * h + 2>(hb));
+    u[3] = _mm256_or_si256(u[3], bit_to_2<4 * h + 3>(hb));
+  }
+  for (int t = 0; t < MT; t++) {
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) s = add_products(s, u[i], _mm256_set1_epi32(load_i32(xq[t] + 16 * j + 4 * i)));
+    dot[t] = widen(s);
+  }
+}
+
+template <int MT, KLayout L>
+inline void k_group_tile(const uint8_t *group, int64_t nb, const Q8KRows &x, int64_t m0, int64_t K, float *y,
+                         int64_t N, int64_t n0, bool prefetch) {
+  constexpr int64_t bytes = k_group_bytes(L);
+  constexpr int64_t scales_at = L == K2 ? 32 : 16, levels_at = scales_at + 128;
+  __m256 acc[MT];
+  for (int t = 0; t < MT; t++) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t *blk = group + b * bytes;
+    if (prefetch)
+      for (int64_t ahead = 0; ahead < bytes; ahead += 64)
+        _mm_prefetch(reinterpret_cast<const char *>(blk + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    const int8_t *xq[MT];
+    for (int t = 0; t < MT; t++) xq[t] = x.q.data() + (m0 + t) * K + b * QKK;
+    const uint8_t *low2 = blk + levels_at, *high = low2 + 512;
+    __m256i isum[MT], msum[MT], dot[MT];
+    for (int t = 0; t < MT; t++) isum[t] = msum[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 16; j++) {
+      if (j % 2 == 0) k_sub_dots<MT, L, 0>(low2, high, xq, j, dot);
+      else k_sub_dots<MT, L, 1>(low2, high, xq, j, dot);
+      const __m256i sc8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(blk + scales_at + 8 * j)));
+      if constexpr (L == K2) {
+        const __m256i sc = _mm256_and_si256(sc8, _mm256_set1_epi32(0x0F)), mn = _mm256_srli_epi32(sc8, 4);
+        for (int t = 0; t < MT; t++) {
+          const int64_t xb = (m0 + t) * nb + b;
+          isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot[t], sc));
+          msum[t] = _mm256_add_epi32(msum[t], _mm256_mullo_epi32(mn, _mm256_set1_epi32(x.bsum[xb * 16 + j])));
+        }
+      } else {  // signed scales; the levels' offset 4 taken off each sub-block's dot
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(blk + scales_at + 8 * j)));
+        for (int t = 0; t < MT; t++) {
+          const int64_t xb = (m0 + t) * nb + b;
+          const __m256i d = _mm256_sub_epi32(dot[t], _mm256_set1_epi32(4 * x.bsum[xb * 16 + j]));
+          isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(d, sc));
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk)));
+    for (int t = 0; t < MT; t++) {
+      const __m256 dx = _mm256_set1_ps(x.d[(m0 + t) * nb + b]);
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+      if constexpr (L == K2) {
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk + 16)));
+        acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(msum[t]), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; t++) {
+    float *out = y + (m0 + t) * N + n0;
+    if (n0 + 8 <= N) {
+      _mm256_storeu_ps(out, acc[t]);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc[t]);
+      std::memcpy(out, lanes, sizeof(float) * (N - n0));
+    }
+  }
+}
+
+template <KLayout L>
+at::Tensor kquant_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
+  constexpr int64_t bytes = k_group_bytes(L);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "qdot: x must be a contiguous float32 CPU matrix [M, K], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "qdot: the weight must be a contiguous uint8 matrix of row groups [ceil(N/8), K/256 * ", bytes,
+              "] (shared.kernels.qdot.interleave)");
+  const int64_t M = x.size(0), K = x.size(1), groups = blocks.size(0), nb = K / QKK;
+  TORCH_CHECK(K % QKK == 0 && blocks.size(1) == nb * bytes, "qdot: x has K = ", K,
+              " columns (a multiple of 256 for this type); the weight's row groups hold ", blocks.size(1),
+              " bytes, not K/256 * ", bytes);
+  TORCH_CHECK(N > 8 * (groups - 1) && N <= 8 * groups, "qdot: N = ", N, " rows do not fill ", groups,
+              " groups of 8");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const Q8KRows q = quantize_rows_k(x.data_ptr<float>(), M, K);
+  const uint8_t *w = blocks.data_ptr<uint8_t>();
+  float *out = y.data_ptr<float>();
+  constexpr int64_t ROWS = 64;
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t m_chunk = 0; m_chunk < M; m_chunk += ROWS) {
+      const int64_t m_end = std::min(M, m_chunk + ROWS);
+      for (int64_t g = begin; g < end; g++) {
+        const uint8_t *group = w + g * nb * bytes;
+        int64_t m = m_chunk;
+#ifdef __AVX512VL__  // 32 vector registers: 8 rows' sums stay in them
+        for (; m + 8 <= m_end; m += 8) k_group_tile<8, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
+#endif
+        for (; m + 4 <= m_end; m += 4) k_group_tile<4, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
+        switch (m_end - m) {
+          case 3: k_group_tile<3, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
+          case 2: k_group_tile<2, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
+          case 1: k_group_tile<1, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
+          default: break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
 // exp on 8 floats (Cephes' expf polynomial, ~1 ulp on the range softmax uses); x <= 0 here, very negative -> 0
 inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.3f);
@@ -831,6 +1024,10 @@ TORCH_LIBRARY(stagemesh_qdot, m) {
   m.impl("q6_16", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q6_16>));
   m.impl("q5_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q5_0>));
   m.impl("q5_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q5_1>));
+  m.def("q2_k(Tensor x, Tensor blocks, int n) -> Tensor");
+  m.def("q3_k(Tensor x, Tensor blocks, int n) -> Tensor");
+  m.impl("q2_k", c10::DispatchKey::CPU, TORCH_FN(kquant_mm<K2>));
+  m.impl("q3_k", c10::DispatchKey::CPU, TORCH_FN(kquant_mm<K3>));
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, SymInt slot, SymInt ctx, float scale, "
         "int window=0) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));

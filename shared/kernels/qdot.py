@@ -1,10 +1,11 @@
-"""Integer-dot matmuls over the GGUF's own blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q5_0 and Q6_K rewritten to blocks of
-32), for CPUs whose best torch path is AVX2, and AVX512 ones where they measure faster than torch's int4 (why_not).
+"""Integer-dot matmuls over the GGUF's own blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q5_0, Q5_K and Q6_K rewritten to blocks
+of 32; Q2_K and Q3_K on their superblocks of 256, repacked), for CPUs whose best torch path is AVX2, and AVX512 ones where they measure faster than torch's int4 (why_not).
 
 On such CPUs torch's int4 kernel widens every weight to float32 and multiplies in floats, and there is no native bf16:
 one SmolLM2 decode step's matmuls took longer than llama.cpp's whole token. llama.cpp quantizes the activations to
 8 bits per block of 32 and multiplies integers (AVX2's maddubs: 32 products per instruction); qdot.cpp does the same,
-as torch ops (`torch.ops.stagemesh_qdot.q4_1 / q8_0 / q6_16 / q5_0 / q5_1`, q6_16 Q6_K's 6-bit levels with a scale per 16), which
+as torch ops (`torch.ops.stagemesh_qdot.q4_1 / q8_0 / q6_16 / q5_0 / q5_1 / q2_k / q3_k`, q6_16 Q6_K's 6-bit levels
+with a scale per 16; q2_k and q3_k with the activations quantized per 256 as llama.cpp's q8_K), which
 torch.compile's decode graphs call like any other op, over blocks of 8 rows interleaved (interleave: one maddubs
 multiplies 8 rows at once, their sums side by side in one register). Same matrices: well under half int4's time; and
 faster than the dense float32 kernel at every micro-batch size, so weights mode auto keeps no dense copy of them
@@ -48,10 +49,13 @@ FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-mavx2", "-mfma", "-mf16c", "
 # instructions, the same integers (qdot.cpp's add_products)
 VNNI_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni"}
 ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels; "on": on an AVX512 CPU too, without measuring
-# bytes per block of 32 weights of one row in the ops' layouts
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_16": 28, "q5_0": 22, "q5_1": 24}
-# the scales leading each block, the bytes of each: fp16 d (and m), or q6_16's fp16 d and int8 scale of each half
-SCALES = {"q4_1": (2, 2), "q8_0": (2,), "q6_16": (2, 1, 1), "q5_0": (2,), "q5_1": (2, 2)}
+# bytes per block of one row in the ops' layouts: blocks of 32 weights, q2_k's and q3_k's of 256 (BLOCK_WEIGHTS)
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_16": 28, "q5_0": 22, "q5_1": 24, "q2_k": 84, "q3_k": 114}
+BLOCK_WEIGHTS = {"q2_k": 256, "q3_k": 256}  # Q2_K's and Q3_K's own superblocks (qdot.cpp's kquant_mm); others 32
+# the scales leading each block, the bytes of each: fp16 d (and m), or q6_16's fp16 d and int8 scale of each half;
+# q2_k's fp16 d and dmin and its 16 scale bytes (sc | m << 4), q3_k's fp16 d and 16 int8 scales
+SCALES = {"q4_1": (2, 2), "q8_0": (2,), "q6_16": (2, 1, 1), "q5_0": (2,), "q5_1": (2, 2), "q2_k": (2, 2) + (1,) * 16,
+          "q3_k": (2,) + (1,) * 16}
 FIFTH_BIT_OPS = ("q5_0", "q5_1")  # their blocks end in 4 bytes of fifth bits (bit i: element i's), after the nibbles
 GROUP_ROWS = 8  # rows whose blocks the ops' layout interleaves
 CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -220,9 +224,14 @@ def usable() -> bool:
     return why_not() is None
 
 
+def row_bytes(op: str, k: int) -> int:
+    """The bytes of one row of K weights in the op's layout (K a multiple of its block)."""
+    return k // BLOCK_WEIGHTS.get(op, 32) * BLOCK_BYTES[op]
+
+
 def interleave(op: str, blocks: torch.Tensor) -> torch.Tensor:
-    """A matrix's rows of blocks [N, K/32 * BLOCK_BYTES] (the op's layout: Q4_1's, Q8_0's, q6_16's, ...) -> the ops'
-    layout [ceil(N/8), K/32 * 8 * BLOCK_BYTES]: rows 8 at a time (zero rows pad the last group), and for each group
+    """A matrix's rows of blocks [N, row_bytes] (the op's layout: Q4_1's, Q8_0's, q6_16's, ..., q2_k's superblocks)
+    -> the ops' layout [ceil(N/8), 8 * row_bytes]: rows 8 at a time (zero rows pad the last group), and for each group
     and block, each of the 8 rows' scales side by side, then their levels (and q6_16's high bits) 4 bytes of each row
     at a time (qdot.cpp's header)."""
     n, width = blocks.shape

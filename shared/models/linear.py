@@ -15,8 +15,9 @@ What each tensor runs as (`kind`) follows from its GGUF type and the weights mod
 
 Where the integer-dot kernels run (CPUs whose torch kernels are AVX2: qdot_takes), Q4_0 / Q4_1 / Q8_0 take them
 (QdotLinear) wherever the table says int4, Q5_0 / Q5_1 in both modes (their own blocks, smaller than int8 rows), and
-Q4_K and Q5_K in both (rewritten to Q4_1 / Q5_1 blocks, their scales rounded to fp16) and Q6_K in both (q6_16 blocks,
-0.875 bytes a weight): the file's numbers,
+Q4_K and Q5_K in both (rewritten to Q4_1 / Q5_1 blocks, their scales rounded to fp16), Q6_K in both (q6_16 blocks,
+0.875 bytes a weight) and Q2_K / Q3_K in both (their own superblocks of 256, 1.0x / 1.036x the file's bytes): the
+file's numbers,
 multiplied as llama.cpp does (shared.kernels.qdot). They
 outrun the dense kernel at every size, so auto runs them alone there: no dense copy, no crossover.
 
@@ -70,13 +71,14 @@ FLOAT_TYPES = ("F32", "F16", "BF16")  # plain numbers: the dense kernel
 # as llama.cpp rounds Q8_1's; int4 rounds them to bf16); Q6_K as q6_16 blocks {d, the two int8 scales, its 6-bit
 # levels} per group of 32 (its own numbers, 7 bits a weight); Q5_0 and Q5_1 as their own bytes, the fifth bits after
 # the nibbles.
+# Q2_K and Q3_K keep their superblocks of 256 (_k_low_blocks: 84 and 114 bytes, the file's 84 and 110).
 QDOT_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_1",
-              "Q5_K": "q5_1", "Q6_K": "q6_16"}
+              "Q5_K": "q5_1", "Q6_K": "q6_16", "Q2_K": "q2_k", "Q3_K": "q3_k"}
 # Int4Linear's two-plane zeros, in units of the group's scale, for the types whose low is a fixed multiple of it
 # (Q8_0: -128 scale, Q5_0: -16 scale): z_hi + z_lo = low / scale + 136.
 _PAIR_ZEROS = {"Q8_0": (0.0, 8.0), "Q5_0": (128.0, -8.0)}
-# Every other quantized type (Q5_*, Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) runs as int8 with one scale per row, and so do
-# QDOT_TYPES where the integer-dot kernels do not run (but those of INT4_TYPES + INT4_PAIR_TYPES).
+# Every other quantized type (IQ*, TQ*, MXFP4, ...) runs as int8 with one scale per row, and so do QDOT_TYPES where
+# the integer-dot kernels do not run (but those of INT4_TYPES + INT4_PAIR_TYPES).
 INVARIANT_ROWS = 8  # the batch-invariant mode's fixed M for dense kernels (about one row's cost: memory-bound)
 # Bytes per block and elements per block of the types unpacked here with torch (the rest go through gguf.quants).
 _BLOCK = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256), "Q8_0": (34, 32), "Q5_0": (22, 32),
@@ -289,8 +291,9 @@ class QdotLinear:
     quantized to 8 bits per block (shared.kernels.qdot: llama.cpp's scheme, on CPUs whose torch kernels are AVX2).
     blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset -8d, exact
     in fp16) and Q4_K's (_rewritten_blocks); Q8_0's 34-byte blocks; Q5_0's and Q5_1's own 22 / 24 bytes, reordered;
-    Q6_K as 28-byte q6_16 blocks (d, an int8 scale per half, 6-bit levels); 8 rows' interleaved (qdot.interleave). float32
-    out. A row's result does not depend on the other rows."""
+    Q6_K as 28-byte q6_16 blocks (d, an int8 scale per half, 6-bit levels); Q2_K and Q3_K as their own superblocks of
+    256 (_k_low_blocks: 84 and 114 bytes); 8 rows' interleaved (qdot.interleave). float32 out. A row's result does not
+    depend on the other rows."""
 
     def __init__(self, raw: RawTensor):
         if (why := qdot.load()) is not None:
@@ -299,7 +302,7 @@ class QdotLinear:
         self.op = QDOT_TYPES[raw.ggml_type]
         self.kind = f"{raw.ggml_type.lower()}-dot-q8"
         # owned, not a view of the mapped file; made rows_at_once rows (whole groups of 8) at a time
-        self.blocks = torch.empty(-(-n // qdot.GROUP_ROWS), k // GROUP * qdot.GROUP_ROWS * qdot.BLOCK_BYTES[self.op],
+        self.blocks = torch.empty(-(-n // qdot.GROUP_ROWS), qdot.GROUP_ROWS * qdot.row_bytes(self.op, k),
                                   dtype=torch.uint8)
         for rows, part in _row_slices(raw):
             groups = slice(rows.start // qdot.GROUP_ROWS, -(-rows.stop // qdot.GROUP_ROWS))
@@ -336,8 +339,11 @@ def _row_slices(raw: RawTensor) -> Iterator[tuple[slice, RawTensor]]:
 
 
 def _op_blocks(raw: RawTensor) -> torch.Tensor:
-    """raw's blocks in its qdot op's layout [N, K/32, BLOCK_BYTES]: Q4_0's with their offset spelled out ({d, qs} ->
-    {d, -8d, qs}, Q4_1's), Q4_1's and Q8_0's as stored, the rest rewritten (_rewritten_blocks)."""
+    """raw's blocks in its qdot op's layout [N, K/32, BLOCK_BYTES] (Q2_K / Q3_K: [N, K/256, BLOCK_BYTES]): Q4_0's with
+    their offset spelled out ({d, qs} -> {d, -8d, qs}, Q4_1's), Q4_1's and Q8_0's as stored, the rest rewritten
+    (_rewritten_blocks, _k_low_blocks)."""
+    if raw.ggml_type in ("Q2_K", "Q3_K"):
+        return _k_low_blocks(raw)
     if raw.ggml_type in ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
         return _rewritten_blocks(raw)
     n, k = raw.shape
@@ -386,6 +392,56 @@ def _rewritten_blocks(raw: RawTensor) -> torch.Tensor:
         fifth = ((q >> 4) & 1).view(n, k // GROUP, 4, 8) << torch.arange(8, dtype=torch.uint8)
         blocks.append(fifth.sum(-1, dtype=torch.uint8))
     return torch.cat(blocks, dim=-1)
+
+
+def k_low_levels(raw: RawTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Q2_K / Q3_K -> (q [N, K] uint8 levels, scales [N, K/16] int32, d [N, K/256] float32, dmin [N, K/256] or None)
+    with, exactly, Q2_K: w = d sc q - dmin m (q 0..3; scales holds sc | m << 4, the file's bytes), Q3_K:
+    w = d sc (q - 4) (q 0..7: the 2 low bits, plus 4 where the hmask bit is set; sc the 6-bit scale less 32).
+    Q2_K (84 bytes): scales[16], qs[64], d, dmin; Q3_K (110): hmask[32], qs[64], scales[12] (6 bits each), d. In
+    both, element 128h + 32j + 16s + l has its low bits at bits 2j of qs[32h + 16s + l] and sub-block (its scale) 8h
+    + 2j + s = element // 16; Q3_K's third bit is bit 4h + j of hmask[16s + l] (ggml's dequantize_row_q*_K)."""
+    n, k = raw.shape
+    per = 256
+    size = 84 if raw.ggml_type == "Q2_K" else 110
+    b = raw.data.reshape(n, k // per, size)
+    qs_at = 16 if raw.ggml_type == "Q2_K" else 32
+    qs = b[..., qs_at:qs_at + 64].reshape(n, k // per, 2, 1, 32)  # [.., h, ., 16s + l]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    q = (qs >> shifts) & 3  # [.., h, j, 16s + l]: element 128h + 32j + 16s + l
+    if raw.ggml_type == "Q2_K":
+        return (q.reshape(n, k), b[..., 0:16].reshape(n, -1).to(torch.int32), _f16(b[..., 80:82]), _f16(b[..., 82:84]))
+    hm = b[..., 0:32].reshape(n, k // per, 1, 1, 32)
+    third = (hm >> torch.arange(8, dtype=torch.uint8).view(2, 4, 1)) & 1  # [.., h, j, 16s + l]
+    q = (q | (third << 2)).reshape(n, k)
+    a = b[..., 96:108].to(torch.int32)
+    lo4, mid4, top = a[..., 0:4], a[..., 4:8], a[..., 8:12]
+    six = torch.cat([(lo4 & 0x0F) | ((top & 3) << 4), (mid4 & 0x0F) | (((top >> 2) & 3) << 4),
+                     (lo4 >> 4) | (((top >> 4) & 3) << 4), (mid4 >> 4) | (((top >> 6) & 3) << 4)], dim=-1)
+    return q, (six - 32).reshape(n, -1), _f16(b[..., 108:110]), None
+
+
+def _k_low_blocks(raw: RawTensor) -> torch.Tensor:
+    """Q2_K / Q3_K -> their q2_k / q3_k rows [N, K/256, 84 / 114] (qdot.cpp's header): the file's d (and dmin), its 16
+    scales as bytes (Q2_K's as stored; Q3_K's unpacked from 6 bits to int8 less 32: 4 bytes more, 1.036x the file's
+    110), and its levels regrouped: bits 2i of byte 4j + b hold element 16j + 4i + b's low 2 bits, and for Q3_K bit
+    4h + i of byte 4p + b of the 32 after them element 32p + 16h + 4i + b's third bit. The same numbers."""
+    n, k = raw.shape
+    nb = k // 256
+    q, scales, d, dmin = k_low_levels(raw)
+    u = q.view(n, nb, 16, 4, 4)  # [.., sub-block j, i, b]
+    low2 = ((u & 3) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)).sum(3, dtype=torch.uint8)
+    parts = [d.half()[..., None].view(torch.uint8)]
+    if dmin is not None:
+        parts += [dmin.half()[..., None].view(torch.uint8), scales.view(n, nb, 16).to(torch.uint8)]
+    else:
+        parts.append(scales.view(n, nb, 16).to(torch.int8).view(torch.uint8))
+    parts.append(low2.reshape(n, nb, 64))
+    if dmin is None:
+        third = (q.view(n, nb, 8, 2, 4, 4) >> 2) & 1  # [.., p, h, i, b]
+        shifts = torch.arange(8, dtype=torch.uint8).view(2, 4, 1)
+        parts.append((third << shifts).sum((3, 4), dtype=torch.uint8).reshape(n, nb, 32))
+    return torch.cat(parts, dim=-1)
 
 
 def qdot_takes(ggml_type: str) -> bool:
@@ -595,7 +651,7 @@ def stored_nbytes(ggml_type: str, shape: Sequence[int]) -> int:
     if ggml_type in FLOAT_TYPES:
         return n * k * dense_dtype().itemsize
     if qdot_takes(ggml_type):
-        return -(-n // qdot.GROUP_ROWS) * qdot.GROUP_ROWS * (k // GROUP) * qdot.BLOCK_BYTES[QDOT_TYPES[ggml_type]]
+        return -(-n // qdot.GROUP_ROWS) * qdot.GROUP_ROWS * qdot.row_bytes(QDOT_TYPES[ggml_type], k)
     if ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits((n, k)):
         planes = 1 if ggml_type in INT4_TYPES else 2
         return planes * (n * k // 2 + n * (k // GROUP) * 2 * 2)  # nibbles + a bf16 scale and zero per group

@@ -234,6 +234,7 @@ class TransformerModel:
         self.eager_kernels = (dtype == torch.float32 and bool(blocks) and blocks[0].attn_norm.device.type == "cpu"
                               and qdot.usable())
         self._sources = sources or {}  # our weight name -> the GGUF tensors it was built from
+        self.tensor_types: dict[str, str] = {}  # GGUF tensor name -> its type (from_gguf fills it)
         self.memory: PieceMemory | None = None  # set by from_gguf
         self.layer_norms: dict[str, torch.Tensor] = {}  # attn_norm / ffn_norm of every layer, [L, D] (_stack_layers)
         self._rope_by_context: dict[int, Ropes] = {}  # rope_tables' tables of every position, per context length
@@ -318,6 +319,7 @@ class TransformerModel:
         raw.release()  # every weight is built: the last copies go before the layers are stacked (another copy)
         model = cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
                     output_norm_b, output_bias)
+        model.tensor_types = {n: loader.tensor_type(n) for ns in sources.values() for n in ns}
         model.memory = PieceMemory(budget=budget, kv_bytes=kv_bytes, file_bytes=loader.tensor_bytes(names),
                                    prefill_copy=copy.reason)
         loader.release_pages()
@@ -410,6 +412,18 @@ class TransformerModel:
         if self.embedding is not None:
             head = out.get("token_embd.weight")
             out["token_embd.weight"] = f"{self.embedding.kind} (embedding)" + (f", {head} (lm_head)" if head else "")
+        return out
+
+    def runs_as_by_type(self) -> dict[str, dict[str, int]]:
+        """GGUF tensor type -> what its matrices run as here and how many of them, e.g. {"Q3_K": {"q3_k-dot-q8": 112}}
+        (a stage's /info: weights.by_type). Empty for a model not built from a file."""
+        out: dict[str, dict[str, int]] = {}
+        summary = self.weight_summary()
+        # a fused matmul's parts each count once, under the kernel's kind without the "(fused ...)" note
+        for name, kind in ((n, k.split(" (fused ")[0]) for n, k in summary.items()):
+            if name in self.tensor_types:
+                runs = out.setdefault(self.tensor_types[name], {})
+                runs[kind] = runs.get(kind, 0) + 1
         return out
 
     def new_kv_cache(self, num_slots: int, max_seq_len: int, device: torch.device | str = "cpu",
