@@ -435,8 +435,13 @@ class Engine:
         long before sending that phase, with /v1/mesh showing it, so a stage or the gateway can be killed at a known point."""
         holds = dict(h.split(":", 1) for h in os.environ.get("STAGEMESH_RESPLIT_HOLD", "").split(",") if ":" in h)
         if seconds := holds.get(phase):
+            try:
+                wait = min(float(seconds), 60.0)
+            except ValueError:  # a test hook: a malformed one holds nothing, and says so
+                log.warning("STAGEMESH_RESPLIT_HOLD: %r is not seconds for the %s; not holding", seconds, phase)
+                return
             self.resplit_phase = f"{phase} (held)"
-            await asyncio.sleep(float(seconds))
+            await asyncio.sleep(wait)
             self.resplit_phase = phase
 
     async def _recommit(self, rid: int, pairs: tuple, new: list[LayerRange], trigger: str) -> None:
