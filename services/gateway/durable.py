@@ -193,6 +193,16 @@ class _Batch:
                                                        ended + self.ended)
 
 
+def _prune_and_take(store: SqliteStore | RedisStore) -> tuple | None:
+    """A flush's start, either log: drop what began more than keep_s ago (at most every PRUNE_S), then take the
+    buffered writes (_Batch.take: requests, outputs, ended); None when nothing is buffered."""
+    if time.monotonic() - store._pruned > PRUNE_S:
+        store._pruned = time.monotonic()
+        store._drop_before(time.time() - store.keep_s)
+    taken = store._batch.take()
+    return taken if any(taken) else None
+
+
 class SqliteStore:
     shared = False  # one gateway's (an exclusive lock)
 
@@ -249,13 +259,10 @@ class SqliteStore:
     def flush(self) -> None:
         """Write what is buffered, in one transaction."""
         with self._io:
-            if time.monotonic() - self._pruned > PRUNE_S:  # what began more than keep_s ago goes
-                self._pruned = time.monotonic()
-                self._drop_before(time.time() - self.keep_s)
-            taken = self._batch.take()
-            requests, outputs, ended = taken
-            if not (requests or outputs or ended):
+            taken = _prune_and_take(self)
+            if taken is None:
                 return
+            requests, outputs, ended = taken
             try:
                 with self.db:
                     self.db.execute("BEGIN")
@@ -380,13 +387,10 @@ class RedisStore:
         """Renew this gateway's lease, and write what is buffered in one transaction."""
         with self._io:
             self._renew()
-            if time.monotonic() - self._pruned > PRUNE_S:  # what began more than keep_s ago goes
-                self._pruned = time.monotonic()
-                self._drop_before(time.time() - self.keep_s)
-            taken = self._batch.take()
-            requests, outputs, ended = taken
-            if not (requests or outputs or ended):
+            taken = _prune_and_take(self)
+            if taken is None:
                 return
+            requests, outputs, ended = taken
             pipe = self.redis.pipeline(transaction=True)
             expires: dict[str, int] = {}  # key -> when it goes (ms since the epoch): keep_s after its request began
             for rid, body, chat, session, seed, created, extra in requests:
