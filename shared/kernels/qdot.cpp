@@ -44,6 +44,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -446,6 +447,22 @@ inline void pair_tile(const uint8_t *group0, const uint8_t *group1, int64_t nb, 
 #define STAGEMESH_PAIR_TILES 1
 #endif
 
+// Rows [m, m_end) of x in tiles, each a call tile(std::integral_constant<int, R>{}, first row): 8 rows a tile where
+// AVX512VL's 32 vector registers keep 8 rows' accumulators and partial sums, then 4, then the last 1 to 3 together.
+template <class Tile>
+inline void row_tiles(int64_t m, int64_t m_end, Tile tile) {
+#ifdef __AVX512VL__
+  for (; m + 8 <= m_end; m += 8) tile(std::integral_constant<int, 8>{}, m);
+#endif
+  for (; m + 4 <= m_end; m += 4) tile(std::integral_constant<int, 4>{}, m);
+  switch (m_end - m) {
+    case 3: tile(std::integral_constant<int, 3>{}, m); break;
+    case 2: tile(std::integral_constant<int, 2>{}, m); break;
+    case 1: tile(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 template <Layout L>
 at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
   constexpr int64_t bytes = group_bytes(L);
@@ -493,17 +510,9 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
 #endif
       for (; g < end; g++) {
         const uint8_t *group = w + g * nb * bytes;
-        int64_t m = m_chunk;
-#ifdef __AVX512VL__  // 32 vector registers: 8 rows' accumulators and partial sums stay in them
-        for (; m + 8 <= m_end; m += 8) group_tile<8, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
-#endif
-        for (; m + 4 <= m_end; m += 4) group_tile<4, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
-        switch (m_end - m) {
-          case 3: group_tile<3, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
-          case 2: group_tile<2, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
-          case 1: group_tile<1, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
-          default: break;
-        }
+        row_tiles(m_chunk, m_end, [&](auto rows, int64_t m) {
+          group_tile<decltype(rows)::value, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
+        });
       }
     }
   });
@@ -686,17 +695,9 @@ at::Tensor kquant_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
       const int64_t m_end = std::min(M, m_chunk + ROWS);
       for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = w + g * nb * bytes;
-        int64_t m = m_chunk;
-#ifdef __AVX512VL__  // 32 vector registers: 8 rows' sums stay in them
-        for (; m + 8 <= m_end; m += 8) k_group_tile<8, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
-#endif
-        for (; m + 4 <= m_end; m += 4) k_group_tile<4, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
-        switch (m_end - m) {
-          case 3: k_group_tile<3, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
-          case 2: k_group_tile<2, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
-          case 1: k_group_tile<1, L>(group, nb, q, m, K, out, N, 8 * g, m == 0); break;
-          default: break;
-        }
+        row_tiles(m_chunk, m_end, [&](auto rows, int64_t m) {
+          k_group_tile<decltype(rows)::value, L>(group, nb, q, m, K, out, N, 8 * g, m == 0);
+        });
       }
     }
   });
