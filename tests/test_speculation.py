@@ -27,7 +27,6 @@ from services.gateway.speculation import (
     PassCosts,
     PredictionIndex,
     Speculator,
-    predicted_draft,
     worth_drafting,
 )
 from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
@@ -43,13 +42,13 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 def test_a_draft_is_what_the_prediction_says_follows_the_newest_tokens():
     prediction = [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert predicted_draft(prediction, [9, 2, 3], 4) == [4, 5, 6, 7]  # the longest suffix found: (2, 3)
-    assert predicted_draft(prediction, [3], 2) == [4, 5]
-    assert predicted_draft(prediction, [42], 3) == []  # the output left the prediction
-    assert predicted_draft(prediction, [8, 9], 3) == []  # the prediction's end: nothing follows
+    assert PredictionIndex(prediction).draft([9, 2, 3], 4) == [4, 5, 6, 7]  # the longest suffix found: (2, 3)
+    assert PredictionIndex(prediction).draft([3], 2) == [4, 5]
+    assert PredictionIndex(prediction).draft([42], 3) == []  # the output left the prediction
+    assert PredictionIndex(prediction).draft([8, 9], 3) == []  # the prediction's end: nothing follows
     repeated = [5, 1, 2, 6, 6, 6, 1, 2, 7]  # (1, 2) twice: the occurrence nearest the output's own place
-    assert predicted_draft(repeated, [0, 0, 0, 0, 0, 0, 1, 2], 1) == [7]
-    assert predicted_draft(repeated, [1, 2], 1) == [6]
+    assert PredictionIndex(repeated).draft([0, 0, 0, 0, 0, 0, 1, 2], 1) == [7]
+    assert PredictionIndex(repeated).draft([1, 2], 1) == [6]
 
 
 def test_a_prediction_draft_rejoins_the_prediction_where_the_output_left_it():
@@ -63,7 +62,7 @@ def test_a_prediction_draft_rejoins_the_prediction_where_the_output_left_it():
     index.stepped(0, 0)
     output.append(14)  # back on the prediction: the 14 after the change, not the later one nearer the output's length
     assert index.draft(output, 3) == [15, 16, 17]
-    assert predicted_draft(prediction, output, 3) == [18, 19]  # (a fresh index: the one nearest len(output))
+    assert PredictionIndex(prediction).draft(output, 3) == [18, 19]  # (a fresh index: the one nearest len(output))
     assert index.draft(output, 3, shortest=2) == []  # (20, 14) is not in it
 
 

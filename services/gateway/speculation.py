@@ -3,7 +3,7 @@ SequenceState.take). A wrong draft costs only the rows it added to one pass, nev
 
 Where a draft comes from (Speculator.draft), first found first:
 - the client's own `prediction` (OpenAI's Predicted Outputs: the text it expects, e.g. the file being edited): what
-  the prediction says comes next after the newest output tokens (predicted_draft);
+  the prediction says comes next after the newest output tokens (PredictionIndex);
 - without one, n-grams (`--speculation auto` or `on`, and the request did not send `"speculation": false`):
   - its own context (prompt lookup): the tokens that followed the longest recent suffix of prompt + output found
     earlier in them (ContextIndex);
@@ -112,12 +112,6 @@ class PredictionIndex:
         elif self.expected is not None:  # no place found: the output moved on by what the step produced
             self.expected += 1 + stood
         self.start = None
-
-
-def predicted_draft(prediction: Sequence[int], output: Sequence[int], size: int = DRAFT_TOKENS) -> list[int]:
-    """What a fresh PredictionIndex drafts: the tokens that follow, in `prediction`, the longest suffix of `output`
-    found in it, nearest the output's own length."""
-    return PredictionIndex(prediction).draft(output, size)
 
 
 class ContextIndex:
