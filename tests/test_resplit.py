@@ -289,7 +289,7 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
     gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant")
     try:
         assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 15], [15, 30]]
-        reference, _ = await _streams(gw.url)
+        reference, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
         tokens = [0] * STREAMS
         done: list[tuple[str, tuple[int, str, str], int]] = []
 
@@ -306,7 +306,7 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
                 done.append((split, result, min(tokens)))
 
         mover = asyncio.create_task(move())
-        texts, gaps = await asyncio.wait_for(_streams(gw.url, on_token), 600)
+        texts, gaps = await asyncio.wait_for(_streams(gw.url, on_token, LONG_TOKENS), 600)
         await asyncio.wait_for(mover, 60)
         assert [split for split, _, _ in done] == ["19", "12"], done
         for split, (rc, out, err), least in done:
@@ -314,7 +314,7 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
             result = json.loads(out)
             assert result["changed"] and result["split"] == split, result
             assert result["moved_bytes"] > 0 and result["released"] == 0, result
-            assert 0 < least < MAX_TOKENS, f"the re-split to {split} did not happen mid-stream ({least} tokens)"
+            assert 0 < least < LONG_TOKENS, f"the re-split to {split} did not happen mid-stream ({least} tokens)"
         assert texts == reference
         assert gw.metric("stagemesh_gateway_replayed_sequences_total") == 0  # moved, not recomputed
         assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
@@ -336,7 +336,7 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
         status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": [12], "pipeline": 4})
         assert status == 400 and "pipeline" in body
         assert gw.metric("stagemesh_gateway_resplits_total", outcome="refused", trigger="asked") == 1  # 10,20 (the rest: parse)
-        again, _ = await _streams(gw.url)
+        again, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
         assert again == reference
         assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 12], [12, 30]]
 
@@ -356,7 +356,7 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
             if info.incarnation != victim and gw.get("/ready")[0] == 200:
                 break
         assert info.incarnation != victim and list(info.layers) == [12, 30], info
-        restarted, _ = await _streams(gw.url)
+        restarted, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
         assert restarted == reference
     finally:
         gw.stop()
