@@ -90,6 +90,10 @@ def register_up(sub) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="pipelines of --stages stages each, behind the one gateway (default 1): requests are routed "
                         "by prefix cache, session and load, and move to another pipeline when one loses a stage")
+    p.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="spare stage processes kept waiting on this host (default 0): each has imported the runtime "
+                        "and opened the model, and takes the place of a stage that exits, so the pipeline waits "
+                        "for that stage's layers to load rather than for a whole new process to start")
     p.add_argument("--port", type=_port, default=GATEWAY_PORT, help=f"gateway HTTP port (default {GATEWAY_PORT})")
     p.add_argument("--host", default="127.0.0.1", help="gateway HTTP host (default 127.0.0.1: loopback only)")
     add_config_args(p, StageConfig, only=STAGE_FLAGS + ("threads_alone",))

@@ -36,7 +36,7 @@ from shared.text.chat_template import template_source
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from services.process.launch import LocalMesh
+    from services.process.launch import LocalMesh, SparePool
 
 
 def log_dir_from_args(given: str | None) -> str:
@@ -132,6 +132,9 @@ def cmd_up(args) -> int:
         raise StagemeshError(f"--stages {args.stages} must be at least 1")
     if args.replicas < 1:
         raise StagemeshError(f"--replicas {args.replicas} must be at least 1")
+    if not 0 <= args.spares <= 8:
+        raise StagemeshError(f"--spares {args.spares} must be 0 to 8 (each spare holds the runtime and the model's "
+                             "file open, ~0.3 GiB before it takes over)")
     otlp_url = otlp_from_args(args)  # the stages export to the same collector
     stage = config_from_args(StageConfig, args)
     load = config_from_args(LoadConfig, args)
@@ -173,9 +176,10 @@ def cmd_up(args) -> int:
          f"(logs in {log_dir}) ...")
     # everything above is checked before torch loads; what serves is imported now
     from services.gateway.main import PipelineSpec, build_app
-    from services.process.launch import start_mesh
+    from services.process.launch import SparePool, start_mesh
 
     meshes: list[LocalMesh] = []
+    spares: SparePool | None = None
     try:
         for r in range(args.replicas):
             # replicas share the first one's ephemeral key set (0700 temporary directory, deleted when it stops):
@@ -194,14 +198,20 @@ def cmd_up(args) -> int:
                 insecure_plaintext=args.insecure_plaintext, layers=ranges,
                 progress=lambda line, r=r: _say(f"  {f'p{r} ' if args.replicas > 1 else ''}{line}")))
         args.keys = meshes[0].keys_dir
+        if args.spares:  # started once the stages are ready, so they do not compete with the stages' loads
+            spares = SparePool(args.model, args.spares, env=meshes[0].stages[0].env, log_dir=log_dir)
+            _say(f"  {args.spares} spare stage process{'es' if args.spares > 1 else ''} waiting to take over a stage "
+                 "that exits")
         app = build_app(args.model, [PipelineSpec(m.stage_urls, m.result_listen, m.first_stage) for m in meshes], args)
-        asyncio.run(_serve(app, args.host, args.port, meshes))
+        asyncio.run(_serve(app, args.host, args.port, meshes, spares))
     except OSError as e:  # the port was taken between check_port_free and the gateway's bind
         if e.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
             raise StagemeshError(_bind_problem(args.host, args.port, e)) from None
         raise
     finally:
         _say("stopping stages ...")
+        if spares is not None:
+            spares.stop()
         for mesh in reversed(meshes):  # the first owns the key set: it goes last
             mesh.stop()
     return 0
@@ -283,19 +293,28 @@ def decode_notes(previous: dict[int, str], entries: dict[int, dict]) -> list[str
     return lines
 
 
-async def _supervise(meshes: list[LocalMesh], splits: Callable[[int], list[str] | None] = lambda r: None) -> None:
+DEAD_POLL_S = 0.25  # how often the supervisor looks for a stage process that exited (a poll of each child)
+
+
+async def _supervise(meshes: list[LocalMesh], splits: Callable[[int], list[str] | None] = lambda r: None,
+                     spares: SparePool | None = None) -> None:
     """Restart a stage process that exits (with the layers a live re-split gave it: `splits(r)`, each stage's range
-    of pipeline r after its last re-split, None before any), and announce each stage's decode mode as it changes."""
+    of pipeline r after its last re-split, None before any; a spare from `spares` takes its place where one
+    waits), and announce each stage's decode mode as it changes."""
     states: list[dict[int, str]] = [{} for _ in meshes]
     watching, last_poll = True, 0.0
     while True:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(DEAD_POLL_S)
         for r, mesh in enumerate(meshes):
             name = f"pipeline p{r} " if len(meshes) > 1 else ""
             for stage, layers in zip(mesh.stages, splits(r) or ()):
                 stage.serve_layers(layers)
-            for i in mesh.restart_dead():
-                print(f"{name}stage {i} exited; restarted it (the gateway replays what it was serving"
+            before = len(spares.taken) if spares is not None else 0
+            restarted = mesh.restart_dead(spares)
+            by_spare = dict(spares.taken[before:]) if spares is not None else {}  # stage index -> the spare's pid
+            for i in restarted:
+                how = f"spare pid {by_spare[i]} took its place" if i in by_spare else "restarted it"
+                print(f"{name}stage {i} exited; {how} (the gateway replays what it was serving"
                       f"{' on another pipeline' if len(meshes) > 1 else ''})", flush=True)
                 states[r].pop(i, None)
                 watching = True
@@ -323,7 +342,8 @@ def _compiled_decode(mesh: LocalMesh) -> dict[int, dict]:
     return infos
 
 
-async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalMesh]) -> None:
+async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalMesh],
+                 spares: SparePool | None = None) -> None:
     """Serve until SIGINT/SIGTERM; the gateway drains (serve_until_signal) before cmd_up stops the stages, so no
     stage is stopped with a micro-batch of a live request in hand."""
     from services.gateway.app import serve_until_signal
@@ -340,6 +360,6 @@ async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalM
             committed = gw.replicas.all[r].engine.committed
             return None if committed is None else [str(rng) for rng in committed]
 
-        await _supervise(meshes, splits)
+        await _supervise(meshes, splits, spares)
 
     await serve_until_signal(app, host, port, started)

@@ -4,6 +4,7 @@ services/testing/harness.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -106,13 +107,14 @@ class LocalMesh:
     def stage_urls(self) -> list[str]:
         return [s.url for s in self.stages]
 
-    def restart_dead(self) -> list[int]:
+    def restart_dead(self, spares: SparePool | None = None) -> list[int]:
         """Start again, with the same command and ports, every stage process that has exited (what a
-        StatefulSet does for a pod). Returns the indices restarted."""
+        StatefulSet does for a pod): a spare from `spares` takes its place where one is waiting, else a new process
+        starts. Returns the indices restarted (`spares.taken` says which a spare took)."""
         restarted = []
         for s in self.stages:
             if s.proc.poll() is not None:
-                s.proc = s.spawn("a")
+                s.proc = (spares.take(s) if spares is not None else None) or s.spawn("a")
                 restarted.append(s.index)
         return restarted
 
@@ -131,12 +133,77 @@ class LocalMesh:
             shutil.rmtree(self.keys_dir, ignore_errors=True)
 
 
+STAGE_COMMAND = [sys.executable, "-m", "services.cli", "stage"]  # a stage's command line before its flags
+
+
+class SparePool:
+    """Spare stage processes (`stagemesh spare`, services/stage/spare.py) on this host, started ahead of need: each
+    has imported the runtime and opened the model's file, and waits on its stdin, which only this pool holds, for
+    the stage command it takes over. take() hands a waiting spare a dead stage's command and starts another spare in
+    its place, so the pool stays `size` strong."""
+
+    def __init__(self, model: str, size: int, env: dict[str, str] | None = None, log_dir: str | None = None):
+        self.model, self.size, self.env, self.log_dir = model, size, dict(env or {}), log_dir
+        self.waiting: list[subprocess.Popen] = []
+        self.taken: list[tuple[int, int]] = []  # (stage index, pid) of every takeover, in order
+        self.started = 0
+        self.fill()
+
+    def fill(self) -> None:
+        """Start spares until `size` are waiting (one that exited, e.g. refused an order, is replaced)."""
+        self.waiting = [p for p in self.waiting if p.poll() is None]
+        while len(self.waiting) < self.size:
+            self.started += 1
+            out = (open(os.path.join(self.log_dir, f"spare{self.started}.log"), "w") if self.log_dir
+                   else subprocess.DEVNULL)
+            try:
+                self.waiting.append(subprocess.Popen(
+                    [sys.executable, "-m", "services.cli", "spare", "--model", self.model], stdin=subprocess.PIPE,
+                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env}))
+            finally:
+                if out is not subprocess.DEVNULL:
+                    out.close()  # the child keeps its own copy
+
+    def take(self, stage: StageProcess) -> subprocess.Popen | None:
+        """A waiting spare, ordered to serve as `stage` (its flags and log), or None when no spare waits. The pool
+        starts a new spare at once; the one taken becomes the stage's process."""
+        self.waiting = [p for p in self.waiting if p.poll() is None]
+        if not self.waiting:
+            self.fill()
+            return None
+        spare = self.waiting.pop(0)
+        order = {"argv": stage.args[len(STAGE_COMMAND):], "log": stage.log_path}
+        try:
+            spare.stdin.write((json.dumps(order) + "\n").encode())
+            spare.stdin.close()
+        except OSError:  # it died between the poll and the write
+            spare.kill()
+            self.fill()
+            return None
+        self.taken.append((stage.index, spare.pid))
+        self.fill()
+        return spare
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Spares still waiting end when their stdin closes."""
+        for p in self.waiting:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+        for p in self.waiting:
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.waiting = []
+
+
 def stage_command(model: str, index: int, num_stages: int, listen: str, next_hop: str, http: str,
                   dtype: str | None, threads: int | None, extra: list[str], keys_dir: str | None = None,
                   layers: str | None = None) -> list[str]:
     """The stage's command line: CURVE with keys_dir, else --insecure-plaintext; it exits when this process dies.
     layers: its range START:STOP (None: the equal-compute split of --num-stages)."""
-    cmd = [sys.executable, "-m", "services.cli", "stage", "--model", model, "--stage-index", str(index),
+    cmd = [*STAGE_COMMAND, "--model", model, "--stage-index", str(index),
            "--num-stages", str(num_stages), "--listen", listen, "--next", next_hop, "--http", http,
            "--exit-with-parent", str(os.getpid())]
     if layers:

@@ -48,6 +48,13 @@ def register(sub) -> None:
     add_security_args(p)
     p.set_defaults(func=later("services.stage.main:cmd_stage", check=check_stage_flags))
 
+    p = sub.add_parser("spare", help="a stage started ahead of need: takes over a stage that leaves",
+                       description="Import the runtime and open --model, then wait on stdin for one takeover order "
+                                   '({"argv": [stage flags], "log": path}, one JSON line) and serve as that stage. '
+                                   "`stagemesh up --spares N` starts and orders them; see services/stage/spare.py.")
+    p.add_argument("--model", default="smollm2", help="alias or .gguf path: the file of the stages it may replace")
+    p.set_defaults(func=later("services.stage.spare:cmd_spare", check=lambda args: resolve_model(args.model)))
+
 
 def check_stage_flags(args) -> None:
     """What a stage's command line can get wrong, refused before torch loads (cmd_stage uses the same values)."""

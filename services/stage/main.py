@@ -25,6 +25,7 @@ from services.stage.worker import StageIdentity, StageWorker, compute_executor
 from shared.config import LoadConfig, StageConfig, check_address
 from shared.errors import StagemeshError
 from shared.files.layers import LayerRange, balanced_split, parse_layer_range
+from shared.files.model_registry import resolve_model
 from shared.models import ModelConfig
 from shared.models.device import default_device, resolve_dtype
 from shared.observe.otlp import OtlpTracer
@@ -77,14 +78,17 @@ class StagePlace:
     otlp_endpoint: str | None  # the OTLP/HTTP traces URL (None: tracing export off)
 
 
-def cmd_stage(args) -> int:
+def cmd_stage(args, opened: ModelFiles | None = None) -> int:
+    """opened: the model's files already open (a spare taking over: services/stage/spare.py), used when they are
+    the file --model names."""
     check_address(args.listen, "--listen")
     host, port = parse_host_port(args.http, "--http")
     config = config_from_args(StageConfig, args)
     load = config_from_args(LoadConfig, args)
     otlp_endpoint = otlp_from_args(args)  # validated before anything loads
     torch.set_num_threads(config.threads or os.cpu_count() or 1)
-    files = ModelFiles.open(args.model)  # validates the file before anything binds
+    same = opened is not None and os.path.realpath(opened.loader.path) == os.path.realpath(resolve_model(args.model))
+    files = opened if same else ModelFiles.open(args.model)  # validates the file before anything binds
     layers = stage_layers(args, files.config)
     place = StagePlace(args.listen, resolve_next(args, layers, files.config.num_layers), host, port, args.stage_index,
                        prefetch=not args.no_prefetch, tracing=not args.no_trace,

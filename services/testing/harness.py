@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -176,16 +177,31 @@ class RunningGateway:
         return scrape_metric(self.get("/metrics")[1], name, labels or None)
 
     def stage_pids(self) -> dict[int, int]:
-        """Stage index -> pid of this up's stage processes (from their command lines)."""
+        """Stage index -> pid of this up's stage processes: from their command lines, or for a spare that took a
+        stage's place (`up --spares`), from the stage log its output went to (stageN.log)."""
         out = {}
+        for pid, argv, output in self._children():
+            if "--stage-index" in argv:
+                out[int(argv[argv.index("--stage-index") + 1])] = pid
+            elif "spare" in argv and (took := re.search(r"stage(\d+)\.log$", output)):
+                out[int(took[1])] = pid
+        return out
+
+    def spare_pids(self) -> list[int]:
+        """The pids of this up's spares still waiting to take a stage's place (`up --spares`)."""
+        return [pid for pid, argv, output in self._children() if "spare" in argv and re.search(r"spare\d+\.log$", output)]
+
+    def _children(self) -> list[tuple[int, list[str], str]]:
+        """(pid, command line, where its stdout goes) of each child process of this up."""
+        out = []
         for pid in children(self.proc.pid):
             try:
                 with open(f"/proc/{pid}/cmdline") as f:
                     argv = f.read().split("\0")
+                output = os.readlink(f"/proc/{pid}/fd/1")
             except OSError:
-                continue
-            if "--stage-index" in argv:
-                out[int(argv[argv.index("--stage-index") + 1])] = pid
+                continue  # exited meanwhile
+            out.append((pid, argv, output))
         return out
 
     def stop(self) -> None:

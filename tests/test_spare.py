@@ -1,0 +1,133 @@
+"""A stage that leaves and a spare that takes its place (issue 58, item 4): `stagemesh up --spares N` keeps spare
+stage processes waiting (services/stage/spare.py, services/process/launch.py SparePool); a stage that exits is
+replaced by one, which serves the same range on the same addresses, and the gateway replays what it was serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+STREAMS = 4
+MAX_TOKENS = 96
+
+
+def _body(i: int) -> dict:
+    return {"prompt": f"Log {i}: the night shift at the observatory began when", "max_tokens": MAX_TOKENS,
+            "temperature": 0.8, "seed": 500 + i, "ignore_eos": True, "stream": True}
+
+
+async def _streams(url: str, on_token=None) -> list[str]:
+    """STREAMS concurrent seeded streams' texts; on_token(n) is called with the fewest chunks any stream has."""
+    import aiohttp
+
+    from loadtest.client import sse_events
+
+    counts = [0] * STREAMS
+
+    async def one(s: aiohttp.ClientSession, i: int) -> str:
+        text = []
+        async with s.post(url + "/v1/completions", json=_body(i)) as r:
+            assert r.status == 200, await r.text()
+            async for chunk in sse_events(r):
+                assert "error" not in chunk, chunk
+                text += [c["text"] for c in chunk["choices"]]
+                counts[i] += 1
+                if on_token is not None:
+                    on_token(min(counts))
+            assert chunk["choices"][0]["finish_reason"] == "length", chunk
+        return "".join(text)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        return list(await asyncio.gather(*(one(s, i) for i in range(STREAMS))))
+
+
+def _wait_spare(gw, timeout: float = 120) -> int:
+    """The pid of the one spare waiting, once its log says it is ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = gw.spare_pids()
+        if len(pids) == 1:
+            with open(os.readlink(f"/proc/{pids[0]}/fd/1")) as f:
+                if "spare ready" in f.read():
+                    return pids[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no spare ready after {timeout} s: {gw.spare_pids()}")
+
+
+@pytest.mark.processes
+async def test_a_spare_takes_the_place_of_a_stage_killed_mid_stream(tmp_path):
+    """`up --spares 1 --batch-invariant`: stage 1 SIGKILLed while four seeded streams run; the spare serves its
+    range on its addresses (its output now in stage1.log), every stream finishes with the undisturbed run's text, the
+    pool starts a new spare, and the next kill is taken by that one."""
+    from services.testing.harness import start_up
+
+    gw = start_up(2, "float32", str(tmp_path), "--batch-invariant", "--spares", "1")
+    try:
+        reference = await _streams(gw.url)
+        for round_ in range(2):
+            spare = _wait_spare(gw)
+            victim_pid, victim = gw.stage_pids()[1], gw.stage_info(1)
+            killed = asyncio.get_running_loop().create_future()
+
+            def kill_midway(least: int, killed=killed, victim_pid=victim_pid) -> None:
+                if least >= MAX_TOKENS // 3 and not killed.done():
+                    os.kill(victim_pid, signal.SIGKILL)
+                    killed.set_result(least)
+
+            texts = await asyncio.wait_for(_streams(gw.url, kill_midway), 600)
+            assert killed.done() and killed.result() < MAX_TOKENS, "the kill did not land mid-stream"
+            assert texts == reference
+            assert gw.stage_pids()[1] == spare, (round_, gw.stage_pids(), spare)
+            info = gw.stage_info(1)
+            assert info.incarnation != victim.incarnation and info.layers == victim.layers, info
+            with open(gw.log_path) as f:
+                assert f"stage 1 exited; spare pid {spare} took its place" in f.read()
+            with open(tmp_path / "stage1.log") as f:
+                assert f"spare (pid {spare}) takes over" in f.read()
+        assert gw.metric("stagemesh_gateway_replayed_sequences_total") > 0  # what stage 1 held was replayed
+        assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+        assert _wait_spare(gw) not in (spare, victim_pid)  # the pool is one spare strong again
+    finally:
+        gw.stop()
+
+
+def _spare(tmp_path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "spare", "--model", "smollm2"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("order, says", [
+    (b"take stage 1\n", "not JSON"),
+    (b'["--listen", "tcp://127.0.0.1:1"]\n', "must be an object"),
+    (b'{"argv": "--listen x", "log": null}\n', "non-empty list of strings"),
+    (b'{"argv": ["--listen", "tcp://127.0.0.1:1"], "log": null, "shell": "rm -rf /"}\n', "must be an object"),
+    (b'{"argv": ["--listen", "tcp://127.0.0.1:1", "--next", "tcp://127.0.0.1:2", "--no-such-flag"]}\n',
+     "unrecognized arguments: --no-such-flag"),
+    (b'{"argv": ["--listen", "udp://127.0.0.1:1", "--next", "tcp://127.0.0.1:2"]}\n', "--listen"),
+    (b'{"argv": ["--next", "tcp://127.0.0.1:2"]}\n', "--listen"),
+    (b"{" + b" " * (65 << 10) + b"}\n", "past the 65536-byte bound"),
+])
+def test_a_spare_refuses_an_order_that_is_not_one_and_says_why(tmp_path, order, says):
+    """Whatever comes on its stdin that is not a takeover order ends the spare with code 2 and a message naming
+    what was wrong, having bound nothing (its owner then starts the stage the usual way)."""
+    proc = _spare(tmp_path)
+    out, _ = proc.communicate(order, timeout=120)
+    text = out.decode()
+    assert proc.returncode == 2, text
+    assert says in text and "stagemesh spare: error:" in text, text
+    assert "takes over" not in text
+
+
+@pytest.mark.processes
+def test_a_spare_whose_owner_leaves_ends(tmp_path):
+    proc = _spare(tmp_path)
+    out, _ = proc.communicate(b"", timeout=120)
+    assert proc.returncode == 0 and "no takeover order" in out.decode(), out.decode()
+
