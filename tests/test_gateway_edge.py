@@ -94,11 +94,12 @@ async def test_websocket_survives_hostile_messages_and_keeps_its_other_stream(ed
 
 
 async def test_a_client_with_the_api_key_cannot_resplit_the_mesh(edge):
-    """Moving layers between hosts is an operator's act: a gateway with an API key and no operator key refuses it to
-    every caller, naming the key to set."""
+    """Moving layers between hosts, or handing a stage's place to another process, is an operator's act: a gateway
+    with an API key and no operator key refuses it to every caller, naming the key to set."""
     async with aiohttp.ClientSession() as s:
-        for split in ("10", "20"):
-            status, payload, _ = await post(s, edge.url + "/v1/mesh/resplit", {"split": split})
+        for path, body in [("/v1/mesh/resplit", {"split": "10"}), ("/v1/mesh/resplit", {"split": "20"}),
+                           ("/v1/mesh/replace", {"stage": 1, "url": "http://127.0.0.1:9"})]:
+            status, payload, _ = await post(s, edge.url + path, body)
             assert_openai_error(status, payload, 403, "STAGEMESH_OPERATOR_KEY")
             assert payload["error"]["code"] == "operator_key_required"
 

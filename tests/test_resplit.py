@@ -62,6 +62,11 @@ def test_resplit_and_parcel_round_trip_and_bad_ones_are_refused():
     msg = Resplit(7, "prepare", [(0, 15), (15, 30)], [(0, 18), (18, 30)], report=[{"stage": 0, "load_s": 0.2}])
     back = decode(encode(msg))
     assert back == msg
+    split = [(0, 15), (15, 30)]
+    reroute = Resplit(8, "reroute", split, split, route=(1, "tcp://10.0.0.7:5551", None))
+    assert decode(encode(reroute)) == reroute
+    first = Resplit(9, "reroute", split, split, route=(0, "tcp://10.0.0.7:5551", "tcp://10.0.0.8:5552"))
+    assert decode(encode(first)) == first
     k, v = torch.randn(3, 3, 5, 64), torch.randn(3, 3, 5, 64)
     parcel = decode(encode(KVParcel(7, 0, "seq-a", 15, 18, k, v)))
     assert isinstance(parcel, KVParcel) and parcel.length == 5 and (parcel.to, parcel.start, parcel.stop) == (0, 15, 18)
@@ -84,6 +89,12 @@ def test_resplit_and_parcel_round_trip_and_bad_ones_are_refused():
         frames_of(KVParcel(7, 0, "seq-a", 15, 17, k, v)),  # 3 layers of K/V said to be 2
         frames_of(KVParcel(7, 0, "seq-a", 15, 18, k, v[:, :, :4])),  # k and v differ
         frames_of(KVParcel(7, 0, "seq-a", 18, 15, k, v)),
+        frames_of(msg, route=[1, "tcp://10.0.0.7:5551", None]),  # a route on a phase that is not a reroute
+        frames_of(reroute, route=None),  # a reroute without one
+        frames_of(reroute, route=[2, "tcp://10.0.0.7:5551", None]),  # a place the split does not have
+        frames_of(reroute, route=[1, "http://10.0.0.7:5551", None]),  # not a ZeroMQ address
+        frames_of(reroute, route=[1, "tcp://10.0.0.7:5551", "tcp://" + "x" * 300]),
+        frames_of(reroute, route=[1, "tcp://10.0.0.7:5551"]),
     ]
     for frames in bad:
         with pytest.raises(ProtocolError):

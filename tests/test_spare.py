@@ -23,28 +23,9 @@ def _body(i: int) -> dict:
 
 
 async def _streams(url: str, on_token=None) -> list[str]:
-    """STREAMS concurrent seeded streams' texts; on_token(n) is called with the fewest chunks any stream has."""
-    import aiohttp
+    from services.testing.harness import seeded_streams
 
-    from loadtest.client import sse_events
-
-    counts = [0] * STREAMS
-
-    async def one(s: aiohttp.ClientSession, i: int) -> str:
-        text = []
-        async with s.post(url + "/v1/completions", json=_body(i)) as r:
-            assert r.status == 200, await r.text()
-            async for chunk in sse_events(r):
-                assert "error" not in chunk, chunk
-                text += [c["text"] for c in chunk["choices"]]
-                counts[i] += 1
-                if on_token is not None:
-                    on_token(min(counts))
-            assert chunk["choices"][0]["finish_reason"] == "length", chunk
-        return "".join(text)
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-        return list(await asyncio.gather(*(one(s, i) for i in range(STREAMS))))
+    return await seeded_streams(url, [_body(i) for i in range(STREAMS)], on_token)
 
 
 def _wait_spare(gw, timeout: float = 120) -> int:

@@ -151,6 +151,10 @@ def register_rebalance(sub) -> None:
                    help=f"the gateway (default $STAGEMESH_URL or http://127.0.0.1:{GATEWAY_PORT})")
     p.add_argument("--dry-run", action="store_true", help="print the measurement and the proposal, apply nothing")
     p.add_argument("--split", default=None, help="apply this split (layer boundaries, e.g. 18) live without measuring")
+    p.add_argument("--replace", default=None, metavar="STAGE=URL",
+                   help="have the stage process whose HTTP is at URL take stage STAGE's place (a stage that leaves or "
+                        "died; start the new one with that stage's --layers, --stage-index and keys, on any host the "
+                        "stages reach): its upstream neighbour sends to it from then on, running requests replay")
     p.add_argument("--model", default="smollm2", help="the alias or .gguf the stages serve (its layer count and head)")
     p.add_argument("--window", type=float, default=10.0, help="seconds to measure over (default 10)")
     p.add_argument("--streams", type=int, default=16, help="streams the predicted gain is for (default 16)")

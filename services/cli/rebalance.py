@@ -28,7 +28,7 @@ from shared.files.layers import LayerRange
 from shared.files.model_registry import resolve_model
 from shared.runtime.plan import MIN_MICROBATCHES, ModelFacts, StageTime, proposal
 
-__all__ = ["StageTime", "apply_split", "cmd_rebalance", "measure", "proposal"]
+__all__ = ["StageTime", "apply_split", "cmd_rebalance", "measure", "proposal", "replace_stage"]
 
 
 def measure(url: str, window_s: float, pipeline: int = 0) -> list[StageTime]:
@@ -65,7 +65,19 @@ def measure(url: str, window_s: float, pipeline: int = 0) -> list[StageTime]:
 def apply_split(url: str, split: str, pipeline: int = 0, timeout: float = 300.0) -> dict:
     """POST /v1/mesh/resplit: the gateway moves the pipeline to `split` live; its answer. StagemeshError naming why
     when it does not (the gateway's message: a split it cannot move to, a stage that refused)."""
-    req = gateway_request(url, "/v1/mesh/resplit", {"split": split, "pipeline": pipeline})
+    return _operator_post(url, "/v1/mesh/resplit", {"split": split, "pipeline": pipeline},
+                          f"the re-split to {split}", timeout)
+
+
+def replace_stage(url: str, place: int, stage_url: str, pipeline: int = 0, timeout: float = 120.0) -> dict:
+    """POST /v1/mesh/replace: the stage process at `stage_url` takes stage `place`'s place; the gateway's answer.
+    StagemeshError naming why when it does not (a process that does not fit the place, a route that did not carry)."""
+    return _operator_post(url, "/v1/mesh/replace", {"stage": place, "url": stage_url, "pipeline": pipeline},
+                          f"{stage_url} taking stage {place}'s place", timeout)
+
+
+def _operator_post(url: str, path: str, body: dict, what: str, timeout: float) -> dict:
+    req = gateway_request(url, path, body)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
@@ -75,7 +87,7 @@ def apply_split(url: str, split: str, pipeline: int = 0, timeout: float = 300.0)
             message = json.loads(body)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = body
-        raise StagemeshError(f"the gateway refused the re-split to {split} ({e.code}): {message}") from None
+        raise StagemeshError(f"the gateway refused {what} ({e.code}): {message}") from None
     except (OSError, ValueError) as e:
         raise StagemeshError(f"cannot reach the gateway at {url}: {e}") from None
 
@@ -89,6 +101,19 @@ def _applied(result: dict) -> str:
 
 
 def cmd_rebalance(args) -> int:
+    if args.replace is not None:  # a stage process taking another's place: nothing measured, no layers moved
+        place, sep, stage_url = args.replace.partition("=")
+        if not sep or not place.strip().isdigit() or not stage_url.strip():
+            raise StagemeshError(f"--replace {args.replace!r}: give STAGE=URL, e.g. 1=http://10.0.0.7:8102 (the "
+                                 "new stage process's --http)")
+        if args.split is not None or args.dry_run:
+            raise StagemeshError("--replace moves no layers: give it without --split or --dry-run")
+        result = replace_stage(args.url, int(place), stage_url.strip(), args.pipeline)
+        sys.stdout.write(json.dumps(result) + "\n" if args.json else
+                         f"stage {result['stage']} (layers {result['layers'][0]}:{result['layers'][1]}) is now served "
+                         f"by {result['url']} ({result['listen']}) instead of {result['replaced']}, in "
+                         f"{result['took_s']:.2f} s; the running requests were replayed\n")
+        return 0
     if args.split is not None:  # a split given by hand: apply it, no measurement
         if args.dry_run:
             raise StagemeshError("--split applies a split; --dry-run only proposes one: give one of them")

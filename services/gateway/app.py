@@ -68,7 +68,8 @@ def _key_matches(given: str, key: str) -> bool:
 
 WS_PATH = "/v1/stream"
 JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", MESSAGES_PATH,
-              MESSAGES_PATH + "/count_tokens", "/v1/mesh/resplit")
+              MESSAGES_PATH + "/count_tokens", "/v1/mesh/resplit",
+              "/v1/mesh/replace")
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version"
 HTTP_LOG = "stagemesh.gateway.http"  # aiohttp's per-connection logger: one line per reason per interval

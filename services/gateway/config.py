@@ -14,7 +14,7 @@ API_KEY_ENV = "STAGEMESH_API_KEY"  # when set, /v1/* requires `Authorization: Be
 # when set, the routes that change the mesh (OPERATOR_PATHS) require it instead of the API key; where an API key is set
 # and this is not, they are refused: a client with the API key generates, it does not move layers between hosts
 OPERATOR_KEY_ENV = "STAGEMESH_OPERATOR_KEY"
-OPERATOR_PATHS = ("/v1/mesh/resplit",)
+OPERATOR_PATHS = ("/v1/mesh/resplit", "/v1/mesh/replace")
 
 # Edge limits that are not flags (README "Security / At the HTTP edge" lists them with the flags' defaults).
 BODY_READ_TIMEOUT_S = 30.0  # a request body must arrive within this (a trickled body is cut with 408)

@@ -22,7 +22,7 @@ import torch
 from services.gateway.audit import PrefixAuditor, audit_tolerance
 from services.gateway.balance import Balancer, StartSplit, toward
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.pipeline import Pipeline, check_pipeline
+from services.gateway.pipeline import Pipeline, check_keys, check_pipeline, reachable_address
 from services.gateway.request import Request, RequestOutput, RequestSpan
 from services.gateway.scheduler import (
     KV_FULL_BACKOFF_S,
@@ -43,8 +43,9 @@ from shared.wire.stage_info import StageInfo
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
 IDLE_TICK_S = 0.25  # how often deadlines and pipeline health are checked when nothing else wakes the loop
-RESPLIT_PHASE_S = {"prepare": 120.0, "move": 60.0, "commit": 30.0, "abort": 10.0}  # each phase's round trip at most
+RESPLIT_PHASE_S = {"prepare": 120.0, "move": 60.0, "commit": 30.0, "abort": 10.0, "reroute": 30.0}  # each phase's round trip at most
 RESPLIT_HISTORY = 16  # re-splits /v1/mesh lists per pipeline
+REPLACE_DRAIN_S = 5.0  # how long a replacement waits for micro-batches in flight (a dead stage's never return)
 RESPLIT_WATCH_S = 0.5  # how often a re-split phase in flight checks that no stage restarted or went silent
 
 
@@ -330,6 +331,88 @@ class Engine:
             pipe.mark_lost(f"after re-split to {boundaries(new)} the stages report {', '.join(map(str, got))}")
         return {**record, "changed": True, "pause_s": round(pause, 4), "took_s": round(took, 3), "moved_bytes": moved,
                 "released": released, "stages": reports}
+
+    async def replace_stage(self, place: int, url: str) -> dict:
+        """A stage process at `url` (its HTTP address; started with the same range, keys and model as the stage at
+        `place`, at addresses of its own -- on another machine, say) takes `place` in the pipeline: the stage that
+        leaves may be serving still (a planned leave: stop it afterwards) or dead. Micro-batches are held and those
+        in flight drained (at most REPLACE_DRAIN_S: a dead stage's never come back), the stage before `place` -- or
+        the gateway, for place 0 -- sends to the new process from then on (a reroute round trip through the new
+        route: its return shows the route works), and the running requests are replayed from their token histories
+        (the new process holds no K/V). ResplitError naming why when it was not done: 400 the process does not fit
+        the place, 409 a re-split is running or another stage does not answer, 503 the new route did not carry."""
+        pipe = self.pipeline
+        url = url.rstrip("/")
+        if self.resplitting or self._recommitting is not None:
+            raise ResplitError("a re-split or replacement of this pipeline is running; wait for it", status=409)
+        if pipe.client is None:
+            raise ResplitError("the pipeline has never been ready: start its stages (nothing to replace)", status=409)
+        if not 0 <= place < len(pipe.stage_urls):
+            raise ResplitError(f"stage {place}: the pipeline has stages 0..{len(pipe.stage_urls) - 1}", status=400)
+        if url in pipe.stage_urls:
+            raise ResplitError(f"{url} already serves stage {pipe.stage_urls.index(url)}", status=400)
+        infos = await pipe.fetch_infos()
+        silent = [k for k, i in enumerate(infos) if k != place and not isinstance(i, StageInfo)]
+        if silent:
+            raise ResplitError(f"stage {silent[0]} does not answer either ({infos[silent[0]]}); one place is replaced "
+                               "at a time, and the reroute passes through every other stage", status=409)
+        new = await pipe.fetch_info(url)
+        if not isinstance(new, StageInfo):
+            raise ResplitError(f"the stage to take stage {place}'s place does not answer: {new}", status=400)
+        leaving = infos[place]
+        start = infos[place - 1].layers[1] if place > 0 else 0
+        stop = infos[place + 1].layers[0] if place + 1 < len(infos) else pipe.num_layers
+        trial = [new if k == place else i for k, i in enumerate(infos)]
+        problem = (None if tuple(new.layers) == (start, stop) else
+                   f"it serves layers {new.layers[0]}:{new.layers[1]}, stage {place}'s place is {start}:{stop}: start "
+                   f"it with --layers {start}:{stop} --stage-index {place}")
+        like = leaving if isinstance(leaving, StageInfo) else next(i for i in trial if i is not new) \
+            if len(trial) > 1 else new
+        if problem is None and (new.dtype, new.batch_invariant) != (like.dtype, like.batch_invariant):
+            problem = (f"it computes in {new.dtype}{' batch-invariant' if new.batch_invariant else ''}, the pipeline "
+                       f"in {like.dtype}{' batch-invariant' if like.batch_invariant else ''}: start it with the "
+                       "same --dtype and --batch-invariant as the stage it replaces")
+        problem = problem or check_pipeline(trial, pipe.fingerprint, pipe.num_layers) or check_keys(trial, pipe.keys)
+        if problem is not None:
+            raise ResplitError(f"{url} cannot take stage {place}'s place: {problem}", status=400)
+        address = reachable_address(new.listen, url)
+        onward = reachable_address(infos[place + 1].listen, pipe.stage_urls[place + 1]) if place + 1 < len(infos) \
+            else None  # the last place keeps the result address it was started with
+        split = [tuple(i.layers) for i in trial]
+        t0 = time.perf_counter()
+        self.resplitting, self.resplit_phase, self.paused, pipe.resplitting = True, "replace", True, True
+        before = pipe.client.transport.next_hop
+        try:
+            await self._drain(REPLACE_DRAIN_S)
+            if place == 0:
+                pipe.client.reroute(address)
+            rid = pipe.client.next_rid()
+            answer, error = await self._round_trip(
+                Resplit(rid, "reroute", split, split, route=(place, address, onward)), None)
+            if error is not None:  # put the route back where it was (best effort: the leaving stage may be gone)
+                if place == 0:
+                    pipe.client.reroute(before)
+                elif isinstance(leaving, StageInfo):
+                    back = reachable_address(leaving.listen, pipe.stage_urls[place])
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(pipe.client.resplit(
+                            Resplit(pipe.client.next_rid(), "reroute", split, split, route=(place, back, None))), 5.0)
+                self.metrics.replacements.labels("refused").inc()
+                raise ResplitError(f"the route through {url} ({address}) did not carry: {error}; stage {place} is "
+                                   "served as before (if it still is)")
+            was = pipe.stage_urls[place]
+            pipe.replaced(place, url, address if place == 0 else None, trial)  # its K/V lost: the requests replay
+            pipe.resplitting = False
+            await pipe.check()  # ready again (the stage that had died is the new one), before anything is sent
+        finally:
+            pipe.resplitting, self.paused, self.resplitting, self.resplit_phase = False, False, False, None
+            self._changed()
+        self.metrics.replacements.labels("done").inc()
+        took = time.perf_counter() - t0
+        log.warning("%s stage %d replaced: %s (%s) serves layers %d:%d in place of %s, in %.2f s; running requests "
+                    "replayed", pipe.label, place, url, address, start, stop, was, took)
+        return {"stage": place, "url": url, "listen": address, "replaced": was, "layers": [start, stop],
+                "took_s": round(took, 3), "leaving_answered": isinstance(leaving, StageInfo)}
 
     @property
     def split_settled(self) -> bool:

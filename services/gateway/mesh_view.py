@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 from aiohttp import web
 
@@ -295,6 +296,33 @@ async def mesh_resplit(request: web.Request) -> web.Response:
         raise RequestError(str(e), param="split" if e.status == 400 else None, status=e.status, code=code) from None
 
 
+async def mesh_replace(request: web.Request) -> web.Response:
+    """POST /v1/mesh/replace {"stage": 1, "url": "http://10.0.0.7:8102", "pipeline": 0}: the stage process whose HTTP
+    is at `url` takes stage 1's place (Engine.replace_stage), answering what was done; one that does not fit the
+    place, or a route that does not carry, is a 4xx/503 error naming why, and the pipeline stays as it was."""
+    gw = request.app[GATEWAY]
+    body = await json_body(request)
+    unknown = set(body) - {"stage", "url", "pipeline"}
+    if unknown:
+        raise RequestError(f"unknown field {sorted(unknown)[0]!r}: give stage (its index), url (the new stage "
+                           "process's HTTP address) and optionally pipeline", param=sorted(unknown)[0])
+    pipeline, replicas = body.get("pipeline", 0), gw.replicas.all
+    if type(pipeline) is not int or not 0 <= pipeline < len(replicas):
+        raise RequestError(f"pipeline must be an index within 0..{len(replicas) - 1}", param="pipeline")
+    stage, url = body.get("stage"), body.get("url")
+    if type(stage) is not int:
+        raise RequestError("stage must be the index of the place to take over, e.g. 1", param="stage")
+    if not isinstance(url, str) or len(url) > 512 or urlparse(url).scheme not in ("http", "https") \
+            or not urlparse(url).hostname:
+        raise RequestError("url must be the new stage process's HTTP address, e.g. http://10.0.0.7:8102 (its "
+                           "--http)", param="url")
+    try:
+        return web.json_response(await replicas[pipeline].engine.replace_stage(stage, url))
+    except ResplitError as e:
+        raise RequestError(str(e), param="url" if e.status == 400 else None, status=e.status,
+                           code="bad_replacement" if e.status == 400 else "replacement_refused") from None
+
+
 def add_mesh_view(app: web.Application, gateway: Gateway) -> None:
     """Routes and the sampler task of the mesh view (called by make_app)."""
     app[MESH_VIEW] = MeshView(gateway)
@@ -310,3 +338,4 @@ def add_mesh_view(app: web.Application, gateway: Gateway) -> None:
     app.router.add_get("/v1/mesh", mesh_snapshot)
     app.router.add_get("/v1/mesh/stream", mesh_stream)
     app.router.add_post("/v1/mesh/resplit", mesh_resplit)
+    app.router.add_post("/v1/mesh/replace", mesh_replace)

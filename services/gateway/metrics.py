@@ -66,6 +66,10 @@ class GatewayMetrics:
         for o in RESPLIT_OUTCOMES:
             for trigger in ("asked", "auto", "split-auto"):  # rebalance / --auto-rebalance / --split auto at start
                 self.resplits.labels(o, trigger)
+        self.replacements = Counter("stagemesh_gateway_stage_replacements", "Stage processes that took another's "
+                                    "place in a pipeline (POST /v1/mesh/replace) by outcome", ["outcome"], registry=r)
+        for o in ("done", "refused"):
+            self.replacements.labels(o)
         self.resplit_pause = Histogram("stagemesh_gateway_resplit_pause_seconds", "How long a re-split held the "
                                        "pipeline's micro-batches (drain, load, K/V move, flip)",
                                        buckets=RESPLIT_BUCKETS, registry=r)

@@ -104,6 +104,17 @@ def stalled_hop(infos: list[StageInfo], mb_id: int, age_s: float) -> str:
             "gateway's --result-listen, or the network drops them)")
 
 
+def reachable_address(listen: str, url: str) -> str:
+    """A stage's ZMQ address from its /info's `listen`, with a wildcard host replaced by the host of `url`, where we
+    reach its HTTP."""
+    host = urlparse(url).hostname
+    scheme, _, rest = listen.partition("://")
+    bind_host, _, port = rest.rpartition(":")
+    if bind_host in ("*", "0.0.0.0", "[::]", "::"):
+        return f"{scheme}://{host}:{port}"
+    return listen
+
+
 class Pipeline:
     """`stall_s`: a micro-batch in flight longer than this marks the pipeline not ready, naming where it stopped
     (stalled_hop), for as long again or until a stage restarts; its sequences are replayed after that."""
@@ -306,14 +317,23 @@ class Pipeline:
             await self.client.release_all(sorted(spare))
 
     def _first_stage_address(self) -> str:
-        """The first stage's ZMQ address from its /info, with a wildcard host replaced by the host we reach it at."""
-        listen = self.stages[0].listen
-        host = urlparse(self.stage_urls[0]).hostname
-        scheme, _, rest = listen.partition("://")
-        bind_host, _, port = rest.rpartition(":")
-        if bind_host in ("*", "0.0.0.0", "[::]", "::"):
-            return f"{scheme}://{host}:{port}"
-        return listen
+        return reachable_address(self.stages[0].listen, self.stage_urls[0])
+
+    def replaced(self, place: int, url: str, first_stage: str | None, infos: list[StageInfo]) -> None:
+        """The stage process at `url` serves `place` from now on (Engine.replace_stage rerouted the pipeline to it;
+        `first_stage`: its address, for place 0). It holds no K/V: the pipeline's state counts as lost once, here
+        (`infos`, the stages now, keep the next check from counting the new incarnation as another loss)."""
+        self.stage_urls[place] = url
+        if first_stage is not None:
+            self.first_stage = first_stage
+        self.infos = list(infos)
+        self._incarnations = [i.incarnation for i in infos]
+        self.cache_identity = self._cache_identity()
+        self.mark_lost(f"stage {place} replaced by the process at {url}")
+
+    async def fetch_info(self, url: str) -> StageInfo | str:
+        """One stage's /info at `url` (any stage process, in this pipeline or not), or why there is none."""
+        return await self._info(url.rstrip("/"))
 
     async def _poll(self) -> None:
         """Check every poll_s for as long as the gateway runs: a failed check is logged, never the poller's end

@@ -183,6 +183,9 @@ class StageWorker:
             self.io.send(msg)
             return
         self._finish_loading(wait=True)  # a phase after a prepare still loading (the gateway waits for it first)
+        if msg.phase == "reroute":
+            self._reroute(msg)
+            return
         if msg.phase == "prepare":  # load beside the serving: the message passes on once it is loaded
             runtime = self.runtime
             self._loading = (msg, self._loader.submit(self.resplit.prepare, msg, runtime))
@@ -205,6 +208,24 @@ class StageWorker:
             msg.error = f"{self.identity.name}: {e if known else f'{type(e).__name__}: {e}'}"[:1000]
         if report is not None and msg.phase == "commit":
             msg.report.append(report)
+        self.io.send(msg)
+
+    def _reroute(self, msg: Resplit) -> None:
+        """Runs in the compute thread (the outbound socket's user): the stage before place msg.route[0] sends to
+        that place's new stage from now on, this message first; the new stage, the first of that range to receive
+        it, sends to the next place's address (when the message names one) before it passes it on. So its coming
+        back to the gateway shows the whole new route works. Every other stage passes it on."""
+        place, address, onward = msg.route
+        old = [LayerRange(*r) for r in msg.old]
+        mine = self.runtime.model.layers
+        at = old.index(mine) if mine in old else None
+        change = address if at == place - 1 else onward if at == place and onward else None
+        if change is not None and change != self.io.transport.next_hop:
+            before = self.io.transport.next_hop
+            self.io.transport.reroute(change)
+            msg.report.append({"stage": at, "rerouted": 1})
+            log.warning("%s now sends to %s (was %s): %s", self.identity.name, change, before,
+                        f"stage {place} is a new process" if at == place - 1 else f"it took stage {place}'s place")
         self.io.send(msg)
 
     def _finish_loading(self, wait: bool = False) -> None:

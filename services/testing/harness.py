@@ -288,6 +288,28 @@ def wait_http(url: str, timeout: float = 120) -> None:
     raise TimeoutError(url)
 
 
+async def seeded_streams(url: str, bodies: list[dict], on_token: Callable[[int], None] | None = None) -> list[str]:
+    """One streamed /v1/completions per body, all at once; their texts, each checked to end by its length (the
+    bodies ask ignore_eos). on_token(n) hears, after every chunk, the fewest chunks any stream has had so far."""
+    counts = [0] * len(bodies)
+
+    async def one(s: aiohttp.ClientSession, i: int) -> str:
+        text, chunk = [], {}
+        async with s.post(url + "/v1/completions", json=bodies[i]) as r:
+            assert r.status == 200, await r.text()
+            async for chunk in sse_events(r):
+                assert "error" not in chunk, chunk
+                text += [c["text"] for c in chunk["choices"]]
+                counts[i] += 1
+                if on_token is not None:
+                    on_token(min(counts))
+        assert chunk["choices"][0]["finish_reason"] == "length", chunk
+        return "".join(text)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        return list(await asyncio.gather(*(one(s, i) for i in range(len(bodies)))))
+
+
 class Load:
     """`streams` streams (the re-split benchmarks' load), each sending one completion after another until stopped; every token's time kept."""
 

@@ -108,6 +108,10 @@ class PipelineClient:
         the sequences it re-adopts where they are."""
         await self.transport.send(ReleaseSeqs([], everything=True, spare=list(spare)))
 
+    def reroute(self, first_stage: str) -> None:
+        """Send into `first_stage` from now on (a stage process there took the first place)."""
+        self.transport.reroute(first_stage)
+
     def next_rid(self) -> int:
         return next(self._rids)
 

@@ -184,7 +184,7 @@ class ReleaseDone:
     seq_ids: list[str]
 
 
-RESPLIT_PHASES = ("prepare", "move", "commit", "abort")
+RESPLIT_PHASES = ("prepare", "move", "commit", "abort", "reroute")
 
 
 @dataclass
@@ -194,7 +194,10 @@ class Resplit:
     layers now, (start, stop) in pipeline order (a stage finds itself there); `new`: each one's layers after.
     prepare: each stage whose layers change loads the new range from its own copy of the file; move: each stage
     sends the K/V of the layers it gives away (KVParcel) ahead of this message; commit: each stage takes its new
-    layers and K/V and serves with them; abort: a stage drops what it prepared. `error`: the first stage that
+    layers and K/V and serves with them; abort: a stage drops what it prepared; reroute (old == new, `route` set):
+    the stage before place route[0] sends to the address route[1] from now on (a stage process there replaces the
+    one serving that place: Engine.replace_stage), and that new stage to route[2] (the next place's address, None
+    for the last place), each before it passes this on along the new route. `error`: the first stage that
     refused, and why (the stages after it do nothing but pass it on). `report`: one map per stage that did its part
     (numbers only, for the gateway's log)."""
 
@@ -204,6 +207,9 @@ class Resplit:
     new: list[tuple[int, int]]
     error: str | None = None
     report: list[dict] = field(default_factory=list)
+    # reroute: (the place in the pipeline, its new stage's address, the address that stage sends to: None for the
+    # last place, which keeps the result address it was started with)
+    route: tuple[int, str, str | None] | None = None
 
 
 @dataclass
@@ -309,6 +315,8 @@ def encode(msg: Message) -> list:
                   "new": [list(r) for r in msg.new], "report": msg.report}
         if msg.error is not None:
             header["error"] = msg.error
+        if msg.route is not None:
+            header["route"] = list(msg.route)
     elif isinstance(msg, KVParcel):
         header = {"kind": "kv", "rid": msg.rid, "to": msg.to, "seq": msg.seq_id, "start": msg.start, "stop": msg.stop}
         tensors += [("k", msg.k), ("v", msg.v)]
@@ -593,7 +601,18 @@ def _resplit(header: dict) -> Resplit:
         isinstance(r, dict) and len(r) <= 16 and all(
             isinstance(k, str) and len(k) <= 32 and type(v) in (int, float) for k, v in r.items()) for r in report),
           "schema", lambda: f"resplit report must be at most {MAX_STAGES} maps of up to 16 numbers")
-    return Resplit(_int(header, "rid"), phase, old, new, error, report)
+    route = header.get("route")
+    _need((route is None) == (phase != "reroute") and (route is None or (
+        isinstance(route, list) and len(route) == 3 and type(route[0]) is int and 0 <= route[0] < len(old)
+        and _is_address(route[1]) and (route[2] is None or _is_address(route[2])))), "schema",
+          "a resplit's route (reroute only) must be [a stage index of its split, a tcp:// or ipc:// address, "
+          "another or null]")
+    return Resplit(_int(header, "rid"), phase, old, new, error, report, None if route is None else tuple(route))
+
+
+def _is_address(value) -> bool:
+    """A ZeroMQ address a stage may be told to send to: tcp:// or ipc://, at most 256 characters."""
+    return isinstance(value, str) and len(value) <= 256 and value.startswith(("tcp://", "ipc://"))
 
 
 def _parcel(header: dict, frames: list) -> KVParcel:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import threading
@@ -180,6 +181,7 @@ class ZmqTransport:
             self._domain = curve_receiver(self.ctx, self.inbound, keys, self.stats)
         _bind_with_retry(self.inbound, check_address(listen, "--listen"))
         self.outbound = None
+        self.next_hop = next_hop  # where the PUSH sends (reroute changes it)
         # synchronous views of the same libzmq sockets, for receive_nowait and send_from_thread
         self._inbound_sync: zmq.Socket | None = None
         self._outbound_sync: zmq.Socket | None = None
@@ -191,6 +193,16 @@ class ZmqTransport:
             if keys is not None:
                 curve_sender(self.outbound, keys, next_hop)
             self.outbound.connect(check_address(next_hop, "--next"))
+
+    def reroute(self, next_hop: str) -> None:
+        """Send to `next_hop` from now on (a stage process there took the next place in the pipeline): the PUSH
+        disconnects from the old hop, whose queued messages are dropped, and connects the new one with the same
+        CURVE server key (the place's key pair, which the new process holds). Only the outbound socket's user calls
+        it (a stage's compute thread, the gateway's loop)."""
+        with contextlib.suppress(zmq.ZMQError):  # not connected there (never, or already gone)
+            self.outbound.disconnect(self.next_hop)
+        self.outbound.connect(check_address(next_hop, "route"))
+        self.next_hop = next_hop
 
     async def watch_handshakes(self) -> None:
         """Count failed handshakes on both sockets (socket monitor events) until cancelled: without this a hop whose

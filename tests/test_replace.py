@@ -1,0 +1,191 @@
+"""A stage process at addresses of its own takes another's place in a running pipeline (issue 58, item 4):
+POST /v1/mesh/replace {"stage": I, "url": ...} (services/gateway/engine.py Engine.replace_stage). The stage before
+place I (the gateway for place 0) is told by a reroute message to send to the newcomer, the message's return over
+the new route shows it carries, and the running requests replay. Real processes on loopback: a 2-stage mesh with
+CURVE and --batch-invariant, a gateway, and newcomers started with a stage's own flags at new ports -- the way a
+stage on another machine would be started."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import urllib.request
+
+import pytest
+
+from tests.conftest import stagemesh_cmd
+
+STREAMS = 4
+MAX_TOKENS = 96
+
+
+def _body(i: int) -> dict:
+    return {"prompt": f"Note {i}: when the ferry left the harbour the captain", "max_tokens": MAX_TOKENS,
+            "temperature": 0.8, "seed": 700 + i, "ignore_eos": True, "stream": True}
+
+
+async def _streams(url: str, on_token=None) -> list[str]:
+    from services.testing.harness import seeded_streams
+
+    return await seeded_streams(url, [_body(i) for i in range(STREAMS)], on_token)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Mesh:
+    """The module's stages, gateway and the newcomers started for it."""
+
+    def __init__(self, mesh, gw, log_dir: str):
+        self.mesh, self.gw, self.log_dir = mesh, gw, log_dir
+        self.newcomers = []
+
+    def newcomer(self, like: int, *extra: str):
+        """A stage process started with stage `like`'s own flags (range, keys, next hop) at new ports, `extra` flags
+        last (argparse: the last of a flag given twice wins), ready."""
+        from services.process.launch import StageProcess, free_ports, wait_ready
+
+        listen_port, http_port = free_ports(2)
+        args = [*self.mesh.stages[like].args, *extra]
+        args[args.index("--listen") + 1] = f"tcp://127.0.0.1:{listen_port}"
+        args[args.index("--http") + 1] = f"127.0.0.1:{http_port}"
+        n = len(self.newcomers)
+        stage = StageProcess(like, f"tcp://127.0.0.1:{listen_port}", f"127.0.0.1:{http_port}", None, args,
+                             os.path.join(self.log_dir, f"newcomer{n}.log"), self.mesh.stages[like].env)
+        stage.proc = stage.spawn("w")
+        self.newcomers.append(stage)
+        wait_ready([stage.url], 120, procs=[stage.proc], log_paths=[stage.log_path])
+        return stage
+
+    def stage_urls(self) -> list[str]:
+        return json.loads(self.gw.get("/ready")[1])["stages"]
+
+
+@pytest.fixture(scope="module")
+def replaceable(tmp_path_factory):
+    from services.process.launch import free_ports, start_mesh
+    from services.testing.harness import RunningGateway, wait_http
+
+    log_dir = str(tmp_path_factory.mktemp("replace"))
+    mesh = start_mesh("smollm2", 2, dtype="float32", log_dir=log_dir, extra=["--batch-invariant"])
+    port, = free_ports(1)
+    log_path = os.path.join(log_dir, "gateway.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
+                                              "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
+                                              "--keys", mesh.keys_dir), stdout=log, stderr=subprocess.STDOUT)
+    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
+    m = Mesh(mesh, gw, log_dir)
+    try:
+        wait_http(gw.url + "/ready", 120)
+        yield m
+    finally:
+        gw.stop()
+        for s in m.newcomers:
+            if s.proc.poll() is None:
+                s.proc.kill()
+        mesh.stop()
+
+
+@pytest.mark.processes
+def test_a_process_that_does_not_fit_the_place_is_refused_and_the_pipeline_serves_on(replaceable):
+    m = replaceable
+    stage1_like = m.newcomer(1)
+    bf16 = m.newcomer(1, "--dtype", "bfloat16")
+    before = m.stage_urls()
+    cases = [
+        ({"stage": 0, "url": stage1_like.url}, 400, "start it with --layers 0:"),  # another place's range
+        ({"stage": 1, "url": "http://127.0.0.1:9"}, 400, "does not answer"),  # nothing there
+        ({"stage": 1, "url": bf16.url}, 400, "computes in bfloat16"),
+        ({"stage": 1, "url": before[0]}, 400, "already serves stage 0"),
+        ({"stage": 2, "url": stage1_like.url}, 400, "stages 0..1"),
+        ({"stage": "1", "url": stage1_like.url}, 400, "stage must be the index"),
+        ({"stage": 1, "url": "tcp://127.0.0.1:5551"}, 400, "url must be the new stage process's HTTP address"),
+        ({"stage": 1, "url": stage1_like.url, "keys": "x"}, 400, "unknown field 'keys'"),
+    ]
+    for body, status, says in cases:
+        got, answer = _post(m.gw.url + "/v1/mesh/replace", body)
+        assert got == status and says in answer["error"]["message"], (body, got, answer)
+    assert m.stage_urls() == before
+    assert m.gw.get("/ready")[0] == 200
+    assert m.gw.metric("stagemesh_gateway_stage_replacements_total", outcome="done") == 0
+    for s in (stage1_like, bf16):
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(30)
+
+
+@pytest.mark.processes
+async def test_a_newcomer_takes_a_leaving_stage_place_then_a_dead_ones_and_no_text_changes(replaceable):
+    """Stage 1 leaves by plan: a newcomer takes its place mid-stream (POST replace), then the old process stops.
+    Then stage 0 dies mid-stream and a newcomer takes its place (`stagemesh rebalance --replace`; the gateway itself
+    sends to it) -- a newcomer started with the dead stage's own flags, whose --next is the stage 1 that left: the
+    reroute points it at the stage now serving place 1. Every stream ends with the undisturbed run's text, nothing
+    fails, and each newcomer computes from then on."""
+    m = replaceable
+    gw = m.gw
+    reference = await _streams(gw.url)
+    loop = asyncio.get_running_loop()
+
+    # stage 1 leaves by plan
+    newcomer = m.newcomer(1)
+    leaving = m.mesh.stages[1]
+    replaced = loop.create_future()
+
+    def replace_midway(least: int) -> None:
+        if least >= MAX_TOKENS // 3 and not replaced.done():
+            replaced.set_result(None)
+            asyncio.ensure_future(replace_then_stop())
+
+    async def replace_then_stop() -> None:
+        status, answer = await asyncio.to_thread(_post, gw.url + "/v1/mesh/replace", {"stage": 1, "url": newcomer.url})
+        outcome.set_result((status, answer))
+        leaving.proc.send_signal(signal.SIGTERM)
+
+    outcome = loop.create_future()
+    texts = await asyncio.wait_for(_streams(gw.url, replace_midway), 600)
+    status, answer = await asyncio.wait_for(outcome, 60)
+    assert status == 200 and answer["stage"] == 1 and answer["url"] == newcomer.url, answer
+    assert answer["listen"] == newcomer.listen and answer["leaving_answered"], answer
+    assert texts == reference
+    assert m.stage_urls()[1] == newcomer.url
+    leaving.proc.wait(30)
+    assert newcomer.info().microbatches > 0
+
+    # stage 0 dies; a newcomer takes its place
+    newcomer0 = m.newcomer(0)
+    dead = m.mesh.stages[0]
+    killed = loop.create_future()
+
+    def kill_midway(least: int) -> None:
+        if least >= MAX_TOKENS // 3 and not killed.done():
+            os.kill(dead.proc.pid, signal.SIGKILL)
+            killed.set_result(None)
+            asyncio.ensure_future(replace_dead())
+
+    async def replace_dead() -> None:  # by the command an operator runs
+        await asyncio.sleep(0.5)
+        proc = await asyncio.create_subprocess_exec(
+            *stagemesh_cmd("rebalance", gw.url, "--replace", f"0={newcomer0.url}", "--json"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        outcome0.set_result((200 if proc.returncode == 0 else err.decode(), json.loads(out) if out else {}))
+
+    outcome0 = loop.create_future()
+    texts = await asyncio.wait_for(_streams(gw.url, kill_midway), 600)
+    status, answer = await asyncio.wait_for(outcome0, 60)
+    assert status == 200 and answer["stage"] == 0 and not answer["leaving_answered"], answer
+    assert texts == reference
+    assert m.stage_urls() == [newcomer0.url, newcomer.url]
+    assert newcomer0.info().microbatches > 0
+    assert gw.metric("stagemesh_gateway_stage_replacements_total", outcome="done") == 2
+    assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+    assert await _streams(gw.url) == reference  # and it serves on
