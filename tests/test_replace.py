@@ -187,5 +187,10 @@ async def test_a_newcomer_takes_a_leaving_stage_place_then_a_dead_ones_and_no_te
     assert m.stage_urls() == [newcomer0.url, newcomer.url]
     assert newcomer0.info().microbatches > 0
     assert gw.metric("stagemesh_gateway_stage_replacements_total", outcome="done") == 2
+    shown = json.loads(gw.get("/v1/mesh")[1])["pipelines"][0]["replacements"]
+    assert [(r["stage"], r["url"], r["outcome"]) for r in shown] == [(1, newcomer.url, "done"),
+                                                                     (0, newcomer0.url, "done")], shown
+    status = subprocess.run(stagemesh_cmd("status", gw.url), capture_output=True, text=True, timeout=60)
+    assert f"stage 0 replaced by {newcomer0.url}" in status.stdout, status.stdout + status.stderr
     assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
     assert await _streams(gw.url) == reference  # and it serves on

@@ -178,6 +178,10 @@ def render(snap: dict, width: int = WIDE):
     for p in pipelines:
         if p.get("split_auto"):  # --split auto: the split chosen at start and the prediction it came from
             lines.append((f"pipeline {p['name']}: " if many else "") + p["split_auto"]["summary"])
+        for r in (p.get("replacements") or [])[-2:]:  # the last stage processes handed a place
+            lines.append((f"pipeline {p['name']}: " if many else "") + (
+                f"stage {r['stage']} replaced by {r['url']} ({r['took_s']:.2f} s; was {r.get('replaced')})"
+                if r["outcome"] == "done" else f"stage {r['stage']} not replaced by {r['url']}: {r['error']}"))
     reason = not_ready_reason(snap)
     verdict = Text("ready", style="bold green") if reason is None else Text(f"NOT READY: {reason}", style="bold red")
     return Group(*((_pipelines_table(pipelines),) if many else ()), t, *(Text(n) for n in notes), Text("\n".join(lines)),

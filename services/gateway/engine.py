@@ -99,6 +99,7 @@ class Engine:
         self._rebalancing: asyncio.Task | None = None  # the re-split --auto-rebalance started
         self.committed: list[LayerRange] | None = None  # the split the last re-split committed (None: none yet)
         self.resplits: list[dict] = []  # the last RESPLIT_HISTORY re-splits (done or not), oldest first
+        self.replacements: list[dict] = []  # the last RESPLIT_HISTORY stage replacements (done or not), oldest first
 
     # ---- what the handlers call -------------------------------------------------------------------------------
 
@@ -397,9 +398,10 @@ class Engine:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(pipe.client.resplit(
                             Resplit(pipe.client.next_rid(), "reroute", split, split, route=(place, back, None))), 5.0)
-                self.metrics.replacements.labels("refused").inc()
-                raise ResplitError(f"the route through {url} ({address}) did not carry: {error}; stage {place} is "
-                                   "served as before (if it still is)")
+                why = (f"the route through {url} ({address}) did not carry: {error}; stage {place} is served as "
+                       "before (if it still is)")
+                self._record_replacement(place, url, "refused", why, time.perf_counter() - t0)
+                raise ResplitError(why)
             was = pipe.stage_urls[place]
             pipe.replaced(place, url, address if place == 0 else None, trial)  # its K/V lost: the requests replay
             pipe.resplitting = False
@@ -407,8 +409,8 @@ class Engine:
         finally:
             pipe.resplitting, self.paused, self.resplitting, self.resplit_phase = False, False, False, None
             self._changed()
-        self.metrics.replacements.labels("done").inc()
         took = time.perf_counter() - t0
+        self._record_replacement(place, url, "done", None, took, replaced=was)
         log.warning("%s stage %d replaced: %s (%s) serves layers %d:%d in place of %s, in %.2f s; running requests "
                     "replayed", pipe.label, place, url, address, start, stop, was, took)
         return {"stage": place, "url": url, "listen": address, "replaced": was, "layers": [start, stop],
@@ -576,6 +578,13 @@ class Engine:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.pipeline.client.resplit(Resplit(rid, "abort", *pairs)),
                                    wait_s or RESPLIT_PHASE_S["abort"])
+
+    def _record_replacement(self, place: int, url: str, outcome: str, error: str | None, took_s: float,
+                            **extra) -> None:
+        self.metrics.replacements.labels(outcome).inc()
+        self.replacements.append({"time": round(time.time(), 3), "stage": place, "url": url, "outcome": outcome,
+                                  "error": error, "took_s": round(took_s, 3), **extra})
+        del self.replacements[:-RESPLIT_HISTORY]
 
     def _record_resplit(self, old: list[LayerRange], new: list[LayerRange], trigger: str, outcome: str,
                         error: str | None, pause_s: float = 0.0, **extra) -> None:

@@ -170,6 +170,7 @@ class MeshView:
             "split": None if None in layers else ",".join(str(r[1]) for r in layers[:-1]),
             "resplitting": engine.resplitting, "resplit_phase": engine.resplit_phase, "resplits": engine.resplits[-4:],
             "resplits_done": sum(1 for r in engine.resplits if r["outcome"] == "done"),
+            "replacements": engine.replacements[-4:],  # stage processes handed a place (POST /v1/mesh/replace)
             "auto_rebalance": None if engine.balancer is None else {
                 "window_s": engine.balancer.window_s, "min_gain": engine.balancer.min_gain,
                 "last_proposal": {k: engine.balancer.last_proposal[k] for k in ("split_now", "split_proposed",
