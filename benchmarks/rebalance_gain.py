@@ -1,13 +1,14 @@
 """Is `stagemesh rebalance --dry-run`'s predicted gain the gain a re-split delivers? (issue 58: within 15 %)
 
-A 2-stage `stagemesh up --split S` (lopsided on purpose, or with --throttle-stage/--quota one stage throttled by
-cgroup v1 for the whole run) under --streams streams. With the load running: measure the throughput at split S,
+A 2-stage `stagemesh up --split S` under --streams streams: lopsided on purpose on a shared machine, or (--quotas
+1,0.5) uneven hosts -- each stage pinned to a core of its own and throttled to that share of it from its start
+(cgroup v1), as benchmarks/split_auto.py does. With the load running: measure the throughput at split S,
 ask `rebalance --dry-run --json` for its proposal P and predicted gain, re-split live to P, measure, re-split back to
 S, measure, and so on --rounds times (S and P alternate, so a drift in the machine's speed lands on both). The
 measured gain is the median over rounds of P's throughput over the S runs' beside it.
 
     python -m benchmarks.rebalance_gain [--split 24] [--streams 16] [--measure 15] [--rounds 2]
-                                        [--throttle-stage 1 --quota 0.5] [--out DIR]"""
+                                        [--quotas 1,0.5] [--out DIR]"""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-from services.testing.harness import Load, Report, add_out_arg, running_up
-from services.testing.slow_host import throttled
+from services.testing.harness import Load, Report, add_out_arg, running_up, start_up
+from services.testing.slow_host import SlowStages
 
 
 def rebalance(url: str, *args: str) -> dict:
@@ -82,16 +85,27 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=3.0, help="seconds after each re-split before measuring")
     p.add_argument("--measure", type=float, default=15.0, help="seconds each split's throughput is measured over")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--throttle-stage", type=int, default=None, help="throttle this stage for the whole run")
-    p.add_argument("--quota", type=float, default=0.5, help="its share of the machine's CPU (default 0.5)")
+    p.add_argument("--quotas", default=None, help="each stage's share of one core of its own, e.g. 1,0.5 (default: "
+                                                  "not pinned, not throttled)")
     add_out_arg(p, "rebalance_gain")
     args = p.parse_args()
     report = Report("rebalance_gain", args.out)
-    slow = "" if args.throttle_stage is None else f", stage {args.throttle_stage} throttled to {args.quota:.0%}"
+    slow = "" if args.quotas is None else f", each stage on a core of its own at {args.quotas} of it"
     report.say(f"SmolLM2, 2 stages from split {args.split}{slow}, {args.streams} streams, --compile-decode off")
-    with running_up(2, "--split", args.split, "--compile-decode", "off", compiled=False) as gw:
-        with throttled(gw.stage_pids()[args.throttle_stage], args.quota) if args.throttle_stage is not None \
-                else contextlib.nullcontext():
+    flags = ["--split", args.split, "--compile-decode", "off"]
+    if args.quotas is None:
+        with running_up(2, *flags, compiled=False) as gw:
+            result = asyncio.run(run(gw.url, args, report))
+    else:
+        quotas = [float(q) for q in args.quotas.split(",")]
+        with contextlib.ExitStack() as stack:
+            logs = stack.enter_context(tempfile.TemporaryDirectory())
+            pinned = SlowStages(stack, cores={i: i % (os.cpu_count() or 1) for i in range(2)},
+                                quota={i: q for i, q in enumerate(quotas) if q < 1.0})
+            gw = start_up(2, None, logs, *flags, "--threads-alone", "1", "--kv-slots", str(args.streams),
+                          while_starting=pinned)
+            stack.callback(gw.stop)
+            pinned.repin()
             result = asyncio.run(run(gw.url, args, report))
     report.write({**result, "args": vars(args)})
 
