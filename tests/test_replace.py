@@ -20,17 +20,13 @@ from tests.conftest import stagemesh_cmd
 
 STREAMS = 4
 MAX_TOKENS = 96
-
-
-def _body(i: int) -> dict:
-    return {"prompt": f"Note {i}: when the ferry left the harbour the captain", "max_tokens": MAX_TOKENS,
-            "temperature": 0.8, "seed": 700 + i, "ignore_eos": True, "stream": True}
+PROMPT = "Note {i}: when the ferry left the harbour the captain"
 
 
 async def _streams(url: str, on_token=None) -> list[str]:
     from services.testing.harness import seeded_streams
 
-    return await seeded_streams(url, [_body(i) for i in range(STREAMS)], on_token)
+    return await seeded_streams(url, PROMPT, 700, STREAMS, MAX_TOKENS, on_token)
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:

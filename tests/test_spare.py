@@ -15,17 +15,13 @@ import pytest
 
 STREAMS = 4
 MAX_TOKENS = 96
-
-
-def _body(i: int) -> dict:
-    return {"prompt": f"Log {i}: the night shift at the observatory began when", "max_tokens": MAX_TOKENS,
-            "temperature": 0.8, "seed": 500 + i, "ignore_eos": True, "stream": True}
+PROMPT = "Log {i}: the night shift at the observatory began when"
 
 
 async def _streams(url: str, on_token=None) -> list[str]:
     from services.testing.harness import seeded_streams
 
-    return await seeded_streams(url, [_body(i) for i in range(STREAMS)], on_token)
+    return await seeded_streams(url, PROMPT, 500, STREAMS, MAX_TOKENS, on_token)
 
 
 def _wait_spare(gw, timeout: float = 120) -> int:

@@ -288,10 +288,14 @@ def wait_http(url: str, timeout: float = 120) -> None:
     raise TimeoutError(url)
 
 
-async def seeded_streams(url: str, bodies: list[dict], on_token: Callable[[int], None] | None = None) -> list[str]:
-    """One streamed /v1/completions per body, all at once; their texts, each checked to end by its length (the
-    bodies ask ignore_eos). on_token(n) hears, after every chunk, the fewest chunks any stream has had so far."""
-    counts = [0] * len(bodies)
+async def seeded_streams(url: str, prompt: str, seed: int, n: int, max_tokens: int,
+                         on_token: Callable[[int], None] | None = None) -> list[str]:
+    """n streamed /v1/completions at once, stream i's prompt `prompt` with {i} filled in, sampled at temperature 0.8
+    with seed + i, ignore_eos; their texts, each checked to end by its length. on_token(n) hears, after every chunk,
+    the fewest chunks any stream has had so far."""
+    bodies = [{"prompt": prompt.format(i=i), "max_tokens": max_tokens, "temperature": 0.8, "seed": seed + i,
+               "ignore_eos": True, "stream": True} for i in range(n)]
+    counts = [0] * n
 
     async def one(s: aiohttp.ClientSession, i: int) -> str:
         text, chunk = [], {}
@@ -307,7 +311,7 @@ async def seeded_streams(url: str, bodies: list[dict], on_token: Callable[[int],
         return "".join(text)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-        return list(await asyncio.gather(*(one(s, i) for i in range(len(bodies)))))
+        return list(await asyncio.gather(*(one(s, i) for i in range(n))))
 
 
 class Load:
