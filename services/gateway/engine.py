@@ -367,8 +367,8 @@ class Engine:
         problem = (None if tuple(new.layers) == (start, stop) else
                    f"it serves layers {new.layers[0]}:{new.layers[1]}, stage {place}'s place is {start}:{stop}: start "
                    f"it with --layers {start}:{stop} --stage-index {place}")
-        like = leaving if isinstance(leaving, StageInfo) else next(i for i in trial if i is not new) \
-            if len(trial) > 1 else new
+        others = [i for i in trial if i is not new]  # each answered (silent ones were refused above)
+        like = leaving if isinstance(leaving, StageInfo) else others[0] if others else new
         if problem is None and (new.dtype, new.batch_invariant) != (like.dtype, like.batch_invariant):
             problem = (f"it computes in {new.dtype}{' batch-invariant' if new.batch_invariant else ''}, the pipeline "
                        f"in {like.dtype}{' batch-invariant' if like.batch_invariant else ''}: start it with the "

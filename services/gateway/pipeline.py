@@ -322,13 +322,12 @@ class Pipeline:
     def replaced(self, place: int, url: str, first_stage: str | None, infos: list[StageInfo]) -> None:
         """The stage process at `url` serves `place` from now on (Engine.replace_stage rerouted the pipeline to it;
         `first_stage`: its address, for place 0). It holds no K/V: the pipeline's state counts as lost once, here
-        (`infos`, the stages now, keep the next check from counting the new incarnation as another loss)."""
+        (`infos`, the stages now: their incarnations keep the next check from counting the new one as another loss;
+        that check reads the stages' /info itself)."""
         self.stage_urls[place] = url
         if first_stage is not None:
             self.first_stage = first_stage
-        self.infos = list(infos)
         self._incarnations = [i.incarnation for i in infos]
-        self.cache_identity = self._cache_identity()
         self.mark_lost(f"stage {place} replaced by the process at {url}")
 
     async def fetch_info(self, url: str) -> StageInfo | str:
