@@ -28,6 +28,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from loadtest.datasets import BUILTIN
+from services.gateway.speculation import MAX_PREDICTED_TOKENS, interpolate
 from services.testing.harness import (
     LLAMA_SERVER,
     Report,
@@ -36,6 +37,9 @@ from services.testing.harness import (
     running_up,
     scrape_metric,
 )
+from shared.files.gguf_loader import GgufLoader
+from shared.files.model_registry import resolve_model
+from shared.text.tokenizer import GgufTokenizer
 
 CODE = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n\n"
         "def spread(values):\n    low, high = min(values), max(values)\n    return high - low\n")
@@ -133,17 +137,49 @@ def summary(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def longest_runs(answer: list[int], text: list[int]) -> list[int]:
+    """For each position of the answer, how many tokens from there on occur, in that order, in the text or earlier in
+    the answer (a run starting before the position: where prompt lookup would find it)."""
+    runs = [0] * len(answer)
+    for i in range(len(answer)):
+        for seq, starts in ((text, range(len(text))), (answer, range(i))):
+            for j in starts:
+                n = 0
+                while i + n < len(answer) and j + n < len(seq) and answer[i + n] == seq[j + n]:
+                    n += 1
+                runs[i] = max(runs[i], n)
+    return runs
+
+
+def drafting_bound(answers: list[list[int]], texts: list[list[int]], pass_ms: dict[str, float]) -> float:
+    """The most drafts from the request's text and the answer's own earlier tokens could speed decoding up, knowing
+    the answers: at each step a drafter drafts exactly the tokens that will stand (a run of the answer found there, at
+    most MAX_PREDICTED_TOKENS), each step's pass costing the measured ms of its rows (pass_ms, interpolated); its
+    decode time over one token a pass."""
+    ms = {int(r): t for r, t in pass_ms.items()}
+    cost = {r: interpolate(ms, r) for r in range(1, MAX_PREDICTED_TOKENS + 2)}
+    plain = bounded = 0.0
+    for answer, text in zip(answers, texts):
+        runs, best = longest_runs(answer, text), [0.0] * (len(answer) + 1)
+        for i in range(len(answer) - 1, -1, -1):  # best[i]: the least time to decode answer[i:]
+            best[i] = min(cost[k + 1] + best[min(len(answer), i + k + 1)]
+                          for k in range(min(runs[i], MAX_PREDICTED_TOKENS) + 1))
+        plain += len(answer) * cost[1]
+        bounded += best[0]
+    return plain / bounded if bounded else 1.0
+
+
 LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 
 
-def against_llama_server(url: str, binary: str, max_tokens: int, report: Report) -> dict:
+def against_llama_server(url: str, binary: str, max_tokens: int, report: Report, model: str = "smollm2") -> dict:
     """The edits without a prediction, one stream, on this (1-stage) mesh with n-gram drafts and on llama-server with
     each of its draftless speculation types, interleaved edit by edit: tok/s of each, the mesh's over the best."""
     with contextlib.ExitStack() as stack:
         servers = {"stagemesh": url}
         for spec in LLAMA_SPEC_TYPES:  # idle but for their turn: each answers alone
             servers[f"llama-server {spec}"] = stack.enter_context(running_llama_server(
-                "smollm2", binary, slots=1, context=4096, extra=("--spec-type", spec)))
+                model, binary, slots=1, context=4096, extra=("--spec-type", spec)))
         runs = {name: [] for name in servers}
         for system, text in EDITS:
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
@@ -161,6 +197,8 @@ def against_llama_server(url: str, binary: str, max_tokens: int, report: Report)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", default="2", help="stage counts to run, comma-separated (default 2)")
+    p.add_argument("--model", default="smollm2", help="the model served (a registry name or a .gguf path; default "
+                   "smollm2; gemma3-270m keeps to a text it repeats more closely)")
     p.add_argument("--rounds", type=int, default=1, help=f"rounds of the edits (each of the {len(EDITS)} edits per round)")
     p.add_argument("--questions", type=int, default=6, help="distinct chat questions (each asked once a kind)")
     p.add_argument("--max-tokens", type=int, default=200)
@@ -177,9 +215,10 @@ def main() -> None:
     report = Report("prediction", args.out)
     with open(BUILTIN) as f:
         questions = json.load(f)[:args.questions]
+    tokenizer = GgufTokenizer.from_gguf(GgufLoader(resolve_model(args.model)))
     results = {}
     for stages in (int(s) for s in args.stages.split(",")):
-        with running_up(stages, "--speculation", args.speculation) as gw:
+        with running_up(stages, "--model", resolve_model(args.model), "--speculation", args.speculation) as gw:
             for system, text in EDITS:  # warm-up: the prompt path, the steps' first calls at each row count
                 msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
                 for kind in KINDS["edit"]:
@@ -204,10 +243,14 @@ def main() -> None:
                     for kind in many:
                         many[kind].append(concurrent_round(gw.url, wanted, args.max_tokens, kind, f"many-{i}-{kind}"))
             if args.llama_server and stages == 1:
-                results["llama-server"] = against_llama_server(gw.url, args.llama_server, args.max_tokens, report)
-            results[stages] = {"edit": summary(edit), "chat": summary(chat), "speculation": args.speculation,
+                results["llama-server"] = against_llama_server(gw.url, args.llama_server, args.max_tokens, report,
+                                                               args.model)
+            pass_ms = json.loads(gw.get("/v1/mesh")[1])["gateway"]["speculation"]["pass_ms"]
+            texts = [tokenizer.encode(f"{system}\n{text}", add_bos=False) for system, text in EDITS] * args.rounds
+            bound = drafting_bound([tokenizer.encode(r["text"], add_bos=False) for r in edit["off"]], texts, pass_ms)
+            results[stages] = {"model": args.model, "edit": summary(edit), "drafting_bound": bound, "chat": summary(chat), "speculation": args.speculation,
                                "streams": args.streams, "many": many,
-                               "pass_ms": json.loads(gw.get("/v1/mesh")[1])["gateway"]["speculation"]["pass_ms"]}
+                               "pass_ms": pass_ms}
             for name in KINDS:
                 r = results[stages][name]
                 off = r["tokens_per_s"]["off"]
@@ -217,6 +260,9 @@ def main() -> None:
                          f"{r['same_text'][kind]})" for kind in KINDS[name] if kind != "off"]
                 report.say(f"{stages} stage{'s' if stages > 1 else ''}, --speculation {args.speculation}, {name}: no "
                            f"drafts {off:.1f} tok/s; " + "; ".join(parts))
+            report.say(f"{stages} stage{'s' if stages > 1 else ''}, edit: the most drafts from the request's text "
+                       f"and the answer so far could speed decoding up, drafting exactly what stands in each pass "
+                       f"(these answers, the measured pass costs): {bound:.2f}x")
             if args.streams:
                 rate = {k: sum(r["tokens"] for r in v) / sum(r["seconds"] for r in v) for k, v in many.items()}
                 pairs = statistics.median(b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])

@@ -5,7 +5,7 @@ before the re-split, and after it settles, the time from the throttle to the re-
 stream's tokens and the failed requests. --static SPLITS also measures those splits started static under the same
 throttle (the best of them is what the re-split should recover >= 90 % of).
 
-    python -m benchmarks.resplit --streams 16 --quota 0.5 --throttle-stage 1 [--static 12,15,18]
+    python -m benchmarks.resplit --streams 16 --quota 0.5 --throttle-stage 1 [--static "12;15;18"] [--pinned]
 
 Needs a writable cgroup v1 cpu controller (/sys/fs/cgroup/cpu): it makes one group per throttled stage and removes it.
 """
@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import tempfile
 import time
 import urllib.request
 
-from services.testing.harness import Load, Report, add_out_arg, running_up
-from services.testing.slow_host import throttled
+from services.testing.harness import Load, Report, add_out_arg, running_up, start_up
+from services.testing.slow_host import SlowStages, throttled
 
 
 def mesh(url: str) -> dict:
@@ -27,15 +30,16 @@ def mesh(url: str) -> dict:
         return json.loads(r.read())["pipelines"][0]
 
 
-async def measure(url: str, pid: int, args, auto: bool) -> dict:
+async def measure(url: str, pid: int, args, auto: bool, share: float) -> dict:
+    """share: the throttled stage's share of the machine's CPU."""
     load = Load(url, args.streams, args.max_tokens)
     runner = asyncio.create_task(load.run())
     await asyncio.sleep(args.warm)
     t_throttle = time.perf_counter()
     before = load.rate(t_throttle - args.warm / 2, t_throttle)
     first_resplit = None
-    with throttled(pid, args.quota):
-        deadline = t_throttle + args.settle
+    with throttled(pid, share):
+        deadline = t_throttle + (args.settle if auto else args.static_settle)
         while time.perf_counter() < deadline:
             await asyncio.sleep(1.0)
             done = [r for r in mesh(url)["resplits"] if r["outcome"] == "done"]
@@ -58,9 +62,19 @@ def run_one(split: str, args, auto: bool) -> dict:
     flags = ["--split", split, "--compile-decode", "off", "--batch-invariant"]
     if auto:
         flags += ["--auto-rebalance", "--rebalance-window", str(args.window)]
-    with running_up(2, *flags, compiled=False) as gw:
-        pid = gw.stage_pids()[args.throttle_stage]
-        return asyncio.run(measure(gw.url, pid, args, auto))
+    if not args.pinned:
+        with running_up(2, *flags, compiled=False) as gw:
+            pid = gw.stage_pids()[args.throttle_stage]
+            return asyncio.run(measure(gw.url, pid, args, auto, args.quota))
+    with contextlib.ExitStack() as stack:  # two hosts: each stage alone on a core, the throttle a share of that core
+        logs = stack.enter_context(tempfile.TemporaryDirectory())
+        pinned = SlowStages(stack, cores={i: i % (os.cpu_count() or 1) for i in range(2)})
+        gw = start_up(2, None, logs, *flags, "--threads-alone", "1", "--kv-slots", str(args.streams),
+                      while_starting=pinned)
+        stack.callback(gw.stop)
+        pinned.repin()
+        return asyncio.run(measure(gw.url, gw.stage_pids()[args.throttle_stage], args, auto,
+                                   args.quota / (os.cpu_count() or 1)))
 
 
 def main() -> None:
@@ -75,10 +89,16 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=90.0, help="seconds to wait for a re-split (default 90)")
     p.add_argument("--after", type=float, default=30.0, help="seconds measured after the first re-split (default 30)")
     p.add_argument("--static", default="", help="splits (semicolon-separated) also measured static, throttled")
+    p.add_argument("--static-settle", type=float, default=30.0,
+                   help="seconds each static split runs throttled; its last --after/2 are measured (default 30)")
+    p.add_argument("--pinned", action="store_true",
+                   help="each stage pinned to a core of its own (--threads-alone 1), as on two hosts, --quota a share "
+                        "of its core (default: both stages share every core, --quota a share of the machine)")
     add_out_arg(p, "resplit")
     args = p.parse_args()
     report = Report("resplit", args.out)
-    report.say(f"2 stages, split {args.split}, stage {args.throttle_stage} throttled to {args.quota:.0%} of the CPU "
+    where = "its core (each stage on a core of its own)" if args.pinned else "the CPU"
+    report.say(f"2 stages, split {args.split}, stage {args.throttle_stage} throttled to {args.quota:.0%} of {where} "
                f"after {args.warm:g} s, {args.streams} streams, --rebalance-window {args.window:g}")
     auto = run_one(args.split, args, auto=True)
     report.say(f"auto: {auto['tokens_per_s_before']} tok/s before, {auto['tokens_per_s_throttled']} throttled, "

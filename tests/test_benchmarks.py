@@ -98,6 +98,19 @@ def test_a_report_keeps_what_the_script_printed(tmp_path, capsys):
     assert "prefetch on / off throughput: 1.50x" in (tmp_path / "overlap.md").read_text()
 
 
+def test_the_prediction_bound_drafts_exactly_what_stands():
+    from benchmarks.prediction import drafting_bound, longest_runs
+    text = [1, 2, 3, 4, 5, 6]
+    answer = [1, 2, 9, 4, 5, 6]  # the text with one token changed
+    assert longest_runs(answer, text) == [2, 1, 0, 3, 2, 1]
+    assert longest_runs([7, 8, 7, 8, 7], text) == [0, 0, 3, 2, 1]  # the answer's own earlier tokens draft too
+    flat = {"1": 10.0, "20": 10.0}  # rows free: each run of the text in one pass
+    assert drafting_bound([answer], [text], flat) == pytest.approx(6 / 2)  # [1, 2, 9] and [4, 5, 6]
+    steep = {str(r): 10.0 * r for r in range(1, 5)}  # a row costs a whole pass: drafting cannot win
+    assert drafting_bound([answer], [text], steep) == pytest.approx(1.0)
+    assert drafting_bound([[7, 7]], [text], flat) == 1.0  # nothing of the text in the answer
+
+
 def test_level_percentiles_interpolate_between_ranks():
     assert harness._percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert harness._percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)

@@ -171,6 +171,40 @@ def test_a_draft_is_as_long_as_pays_by_the_measured_cost_of_its_rows():
     assert len(forced.draft(missing, 16, ngrams=True)) == 6
 
 
+def test_a_prediction_draft_is_sized_by_runs_not_by_tokens_alike():
+    """A prediction's drafts stand in runs: its first drafted token's chance is counted by how many output tokens
+    located the draft, the later tokens' apart. A request whose drafts stood whole where the output was on the text
+    and missed at once where one token alike located them drafts long on the text and nothing off it, where its
+    acceptance token by token alike would cut both to the same middling length."""
+    assert worth_drafting(6, 0.5, PassCosts(), 1, first=0.1) == 6  # nothing measured: explore
+    costs = PassCosts()
+    for rows in range(1, 18):  # a base of 7 ms and 1.2 ms a row: SmolLM2's 2-stage pass
+        costs.observe(rows, (7.0 + 1.2 * rows) / 1e3)
+    assert worth_drafting(16, 0.95, costs, 1, first=0.1) == 0  # the first would rarely stand: no draft pays
+    assert worth_drafting(16, 0.98, costs, 1, first=0.9) == 16
+    assert worth_drafting(16, 0.5, costs, 1) == worth_drafting(16, 0.5, costs, 1, first=0.5) == 2
+    text = list(range(100, 160))
+    spec, req = Speculator("auto"), request([1, 2], prediction_ids=text)
+    spec.costs = costs
+    req.output_ids = text[:8]
+    draft = spec.draft(req, 16, ngrams=False)
+    assert draft == text[8:14] and req.drafts.located == 4  # the first draft goes whole; found by 4 tokens
+    spec.verified(req, decoded=True, drafted=6, stood=6)
+    for located, drafted, stood in [(4, 16, 16)] * 2 + [(1, 1, 0)] * 6:
+        req.drafts.located, req.drafts.source = located, "prediction"
+        spec.verified(req, decoded=True, drafted=drafted, stood=stood)
+    assert req.drafts.first_chance(4) == 4 / 5 and req.drafts.first_chance(1) == 1 / 8
+    assert req.drafts.later_chance == (5 + 15 + 15 + 1) / (35 + 2) and req.drafts.first_chance(2) == 1 / 2
+    req.output_ids, req.drafts.budget.size = text[:20], 16
+    req.drafts.prediction.expected = 20
+    assert spec.draft(req, 16, ngrams=False) == text[20:36]  # on the text (4 tokens locate it): all 16
+    req.output_ids = [*text[:20], 7, 7, 7, text[40]]  # left the text; one token of it alike
+    req.drafts.prediction.expected = None
+    assert spec.draft(req, 16, ngrams=False) == [] and req.drafts.located == 1
+    token_by_token = worth_drafting(16, req.drafts.acceptance, costs, 1)  # 38 stood, 6 drafts missed
+    assert 0 < token_by_token < 16
+
+
 def request(prompt, **kw) -> Request:
     return Request(seq_id="r", prompt_ids=list(prompt), params=SamplingParams(temperature=0), **kw)
 

@@ -18,7 +18,9 @@ DRAFT_ROWS, and none share a micro-batch with a prompt chunk; n-gram drafts, whi
 only while the pipeline runs at most NGRAM_MAX_RUNNING sequences. How long: drafts that do not stand shrink the next
 and pause drafting (DraftBudget, per request), and a draft is cut to the length that gives the most tokens a second
 by this mesh's measured cost of a pass of that many rows (PassCosts) and the request's measured acceptance (its
-first draft goes whole, to measure it) -- to nothing where no length beats a pass without one. `--speculation on`
+first draft goes whole, to measure it; a prediction's drafts stand in runs, so their first token's chance is
+measured by how well the draft was located and the later tokens' apart, RequestDrafts.record) -- to nothing where no
+length beats a pass without one. `--speculation on`
 skips the load limit and the costs (to measure what drafts do, and to test them)."""
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class PredictionIndex:
         self._bytes = array("i", self.ids).tobytes()
         self.expected: int | None = None  # the index in ids of the token the output's next one is expected to be
         self.start: int | None = None  # where in ids the draft in flight starts
+        self.matched = 0  # the output suffix's tokens that located the latest draft (0: none located)
 
     def draft(self, output: Sequence[int], size: int, shortest: int = 1) -> list[int]:
         """Up to `size` tokens that follow the output in the prediction; [] when no suffix of it (of `shortest` tokens
@@ -98,7 +101,9 @@ class PredictionIndex:
             behind = _rfind(self._bytes, pattern, max(0, min(last, 4 * (hint - 1))))  # ending before it
             ends = [at // 4 + n for at in (ahead, behind) if at >= 0]
             if ends:
+                self.matched = n
                 return min(ends, key=lambda end: (abs(end - hint), end < hint))
+        self.matched = 0
         return None
 
     def stepped(self, drafted: int, stood: int) -> None:
@@ -270,10 +275,12 @@ class PassCosts:
         seconds = self.seconds
         if not any(r <= base for r in seconds) or not any(r > base for r in seconds):
             return None
-        return _interpolate(seconds, rows) / _interpolate(seconds, base)
+        return interpolate(seconds, rows) / interpolate(seconds, base)
 
 
-def _interpolate(seconds: dict[int, float], rows: int) -> float:
+def interpolate(seconds: dict[int, float], rows: int) -> float:
+    """The time of a pass of `rows` rows from measured ones (rows -> time): linear between the measured row counts
+    nearest it, the nearest's own beyond them."""
     known = sorted(seconds)
     lo = max((r for r in known if r <= rows), default=known[0])
     hi = min((r for r in known if r >= rows), default=known[-1])
@@ -282,16 +289,18 @@ def _interpolate(seconds: dict[int, float], rows: int) -> float:
     return seconds[lo] + (seconds[hi] - seconds[lo]) * (rows - lo) / (hi - lo)
 
 
-def worth_drafting(size: int, p: float, costs: PassCosts, base: int) -> int:
-    """The draft length up to `size` giving the most tokens a second when each drafted token stands with
-    probability p (and only while all before it stood): k drafted tokens give (1 - p^(k+1)) / (1 - p) tokens for a
-    pass of base + k rows; 0 when no length beats the pass without a draft. Unmeasured costs: `size` (explore)."""
-    best, best_rate = 0, 1.0
+def worth_drafting(size: int, p: float, costs: PassCosts, base: int, first: float | None = None) -> int:
+    """The draft length up to `size` giving the most tokens a second when the first drafted token stands with
+    probability `first` (default p) and each later one with probability p once all before it stood: k drafted tokens
+    give 1 + first * (1 + p + ... + p^(k-1)) tokens for a pass of base + k rows; 0 when no length beats the pass
+    without a draft. Unmeasured costs: `size` (explore)."""
+    first = p if first is None else first
+    best, best_rate, tokens, reach = 0, 1.0, 1.0, first
     for k in range(1, size + 1):
         ratio = costs.ratio(base + k, base)
         if ratio is None:
             return size
-        tokens = k + 1 if p >= 1 else (1 - p ** (k + 1)) / (1 - p)
+        tokens, reach = tokens + reach, reach * p  # reach: the chance the k-th drafted token stands
         if tokens / ratio > best_rate:
             best, best_rate = k, tokens / ratio
     return best
@@ -312,11 +321,39 @@ class RequestDrafts:
     prediction_rejected: int = 0
     stood: int = 0  # its drafted tokens that stood ...
     missed: int = 0  # ... and its drafts that ended at a token that did not
+    # a prediction's drafts stand in runs (the output keeps to the text for a while, then changes something), not
+    # token by token alike: their first token's chance depends on how well the draft was located, the later ones'
+    # on the run going on. Counted apart: the first drafted token's [stood, missed] by `located` (the output suffix's
+    # tokens that found the draft in the prediction, 0 for a draft from the request's context), and the later ones'
+    first_stood: dict[int, list[int]] = field(default_factory=dict)
+    later: list[int] = field(default_factory=lambda: [0, 0])
+    located: int = 0  # the draft in flight's
 
     @property
     def acceptance(self) -> float:
         """The chance its next drafted token stands, from its own drafts (one stood and one missed assumed first)."""
         return (self.stood + 1) / (self.stood + self.missed + 2)
+
+    def first_chance(self, located: int) -> float:
+        """The chance a prediction draft's first token stands, located by that many tokens (one stood and one missed
+        assumed first)."""
+        stood, missed = self.first_stood.get(located, (0, 0))
+        return (stood + 1) / (stood + missed + 2)
+
+    @property
+    def later_chance(self) -> float:
+        """The chance a prediction draft's next token stands once the ones before it stood."""
+        return (self.later[0] + 1) / (sum(self.later) + 2)
+
+    def record(self, drafted: int, stood: int) -> None:
+        """A draft of `drafted` tokens came back with `stood` of them standing."""
+        self.stood += stood
+        self.missed += stood < drafted
+        if self.prediction is not None:
+            self.first_stood.setdefault(self.located, [0, 0])[0 if stood else 1] += 1
+            if stood:
+                self.later[0] += stood - 1
+                self.later[1] += stood < drafted
 
 
 @dataclass
@@ -398,9 +435,14 @@ class Speculator:
                 draft, source = self._context_draft(req, size), "context"
                 if not draft:
                     draft, source = self.pool.draft(req.all_ids, size, self._salt(req)), "pool"
+            drafts.located = drafts.prediction.matched if source == "prediction" else 0
             if draft and self.mode == "auto" and (drafts.stood or drafts.missed):  # as long as pays on this mesh (a request's first draft
                 # goes whole: it measures how well this request's drafts stand)
-                keep = worth_drafting(len(draft), drafts.acceptance, self.costs, batch_rows)
+                if req.prediction_ids:
+                    keep = worth_drafting(len(draft), drafts.later_chance, self.costs, batch_rows,
+                                          first=drafts.first_chance(drafts.located))
+                else:
+                    keep = worth_drafting(len(draft), drafts.acceptance, self.costs, batch_rows)
                 self._refused = 0 if keep or self._refused + 1 >= EXPLORE_EVERY else self._refused + 1
                 draft = draft[:keep or (len(draft) if self._refused == 0 else 0)]
         drafts.source = source if draft else None
@@ -428,8 +470,7 @@ class Speculator:
                 req.drafts.prediction_rejected += drafted - stood
         if drafted and source is not None:
             req.drafts.budget.update(drafted, stood)
-            req.drafts.stood += stood
-            req.drafts.missed += stood < drafted
+            req.drafts.record(drafted, stood)
             s.drafted[source] += drafted
             s.accepted[source] += stood
             s.verify_steps[source] += 1
