@@ -37,20 +37,22 @@ async def measure(url: str, pid: int, args, auto: bool, share: float) -> dict:
     await asyncio.sleep(args.warm)
     t_throttle = time.perf_counter()
     before = load.rate(t_throttle - args.warm / 2, t_throttle)
-    first_resplit = None
+    wall_throttle, first_resplit, latest, seen = time.time(), None, None, 0
     with throttled(pid, share):
+        last_deadline = t_throttle + args.settle + args.after
         deadline = t_throttle + (args.settle if auto else args.static_settle)
         while time.perf_counter() < deadline:
             await asyncio.sleep(1.0)
-            done = [r for r in mesh(url)["resplits"] if r["outcome"] == "done"]
-            if auto and done and first_resplit is None:
-                first_resplit = time.perf_counter()
-                deadline = first_resplit + args.after
+            done = [r for r in mesh(url)["resplits"] if r["outcome"] == "done" and r["time"] >= wall_throttle]
+            if auto and len(done) > seen:  # a re-split since the throttle: measure --after s from the latest one
+                seen, latest = len(done), time.perf_counter()
+                first_resplit = first_resplit or latest
+                deadline = min(last_deadline, latest + args.after)
         end = time.perf_counter()
         load.stop.set()
         await runner
     throttled_rate = load.rate(t_throttle + 2, (first_resplit or end))
-    after = load.rate(end - min(args.after / 2, end - t_throttle - 2), end)
+    after = load.rate(max(end - args.after / 2, (latest or t_throttle) + 2), end)
     return {"split_end": mesh(url)["split"], "resplits": mesh(url)["resplits"],
             "tokens_per_s_before": round(before, 2), "tokens_per_s_throttled": round(throttled_rate, 2),
             "tokens_per_s_after": round(after, 2),
@@ -68,7 +70,8 @@ def run_one(split: str, args, auto: bool) -> dict:
             return asyncio.run(measure(gw.url, pid, args, auto, args.quota))
     with contextlib.ExitStack() as stack:  # two hosts: each stage alone on a core, the throttle a share of that core
         logs = stack.enter_context(tempfile.TemporaryDirectory())
-        pinned = SlowStages(stack, cores={i: i % (os.cpu_count() or 1) for i in range(2)})
+        pinned = SlowStages(stack, cores={i: i % (os.cpu_count() or 1) for i in range(2)},
+                            gateway_core=args.throttle_stage % (os.cpu_count() or 1))
         gw = start_up(2, None, logs, *flags, "--threads-alone", "1", "--kv-slots", str(args.streams),
                       while_starting=pinned)
         stack.callback(gw.stop)
@@ -92,8 +95,8 @@ def main() -> None:
     p.add_argument("--static-settle", type=float, default=30.0,
                    help="seconds each static split runs throttled; its last --after/2 are measured (default 30)")
     p.add_argument("--pinned", action="store_true",
-                   help="each stage pinned to a core of its own (--threads-alone 1), as on two hosts, --quota a share "
-                        "of its core (default: both stages share every core, --quota a share of the machine)")
+                   help="each stage pinned to a core of its own (--threads-alone 1), as on two hosts, and the gateway to "
+                        "the throttled stage's core (the host with room to spare); --quota a share of its core (default: both stages share every core, --quota a share of the machine)")
     add_out_arg(p, "resplit")
     args = p.parse_args()
     report = Report("resplit", args.out)

@@ -18,7 +18,7 @@ def make_info(**over) -> StageInfo:
         kv_slot_lease_s=60.0, kv_prefix_memory_bytes=0, kv_live_memory_bytes=0,
         kv_cached_bytes=0, kv_position_bytes=0, kv_resident_bytes=0,
         kv_reserved_bytes=0, kv_shared_bytes=0, slots_reclaimed=0, prefixes_evicted=0, clock_s=0.0, microbatches=0,
-        busy_seconds=0.0, waiting_for_input_seconds=0.0, sending_seconds=0.0, hop_latency_seconds_sum=0.0,
+        busy_seconds=0.0, head_seconds=0.0, cpu_seconds=0.0, cpu_limit=0.0, waiting_for_input_seconds=0.0, sending_seconds=0.0, hop_latency_seconds_sum=0.0,
         hop_latency_seconds_count=0, dropped_messages=0, rejected_messages={}, handshakes_failed={},
         recent_mb_in=(), recent_mb_out=())
     fields.update(over)

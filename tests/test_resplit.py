@@ -441,17 +441,21 @@ async def _post(url: str, body: dict) -> tuple[int, str]:
 
 # ---- --auto-rebalance's policy --------------------------------------------------------------------------------------
 
-def _infos(layers: list[tuple[int, int]], busy: list[float], microbatches: int, clock: float):
+def _infos(layers: list[tuple[int, int]], busy: list[float], microbatches: int, clock: float,
+           head: list[float] | None = None):
     from types import SimpleNamespace
-    return [SimpleNamespace(layers=r, incarnation=f"x{i}", busy_seconds=b, microbatches=microbatches, clock_s=clock)
+    return [SimpleNamespace(layers=r, incarnation=f"x{i}", busy_seconds=b, microbatches=microbatches, clock_s=clock,
+                            head_seconds=head[i] if head else 0.0, cpu_seconds=0.0, cpu_limit=0.0)
             for i, (r, b) in enumerate(zip(layers, busy))]
 
 
 class _Mesh:
-    """Stage counters that grow as a mesh at work: each window, every stage computes `per_mb` ms a micro-batch."""
+    """Stage counters that grow as a mesh at work: each window, every stage computes `per_mb` ms a micro-batch.
+    timed_head: the last stage reports its head's share of that apart (head_seconds), as a stage does."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, timed_head: bool = False):
         self.layers, self.busy, self.mb, self.t = layers, [0.0] * len(layers), 0, 0.0
+        self.head = [0.0] * len(layers) if timed_head else None
 
     def tick(self, ms_per_layer: list[float], head: float, seconds: float = 10.0, microbatches: int = 100):
         self.t += seconds
@@ -459,7 +463,9 @@ class _Mesh:
         for i, (a, b) in enumerate(self.layers):
             blocks = (b - a) + (head if i == len(self.layers) - 1 else 0)
             self.busy[i] += microbatches * blocks * ms_per_layer[i] / 1e3
-        return _infos(self.layers, self.busy, self.mb, self.t)
+            if self.head is not None and i == len(self.layers) - 1:
+                self.head[i] += microbatches * head * ms_per_layer[i] / 1e3
+        return _infos(self.layers, self.busy, self.mb, self.t, self.head)
 
 
 @pytest.fixture(scope="module")
@@ -507,6 +513,59 @@ def test_auto_rebalance_does_not_flap_nor_measure_an_idle_or_changing_mesh(facts
     idle = Balancer(facts, window_s=10.0, min_gain=1.15)
     mesh = _Mesh([(0, 15), (15, 30)])
     assert all(idle.observe(mesh.tick([1.0, 3.0], head, microbatches=2), 8) is None for _ in range(5))
+
+
+def test_auto_rebalance_prices_the_head_the_last_stage_timed(facts):
+    """The last stage's head (final norm + lm_head + sampling) costs what it costs here -- 9 blocks, not the 4.4 the
+    model's weights suggest: timed apart (head_seconds), the proposal puts the boundary where the stages' times are
+    equal (26 for stage 1 at half speed: 26 = 2 * (4 + 9)); priced in blocks it stops short."""
+    from services.gateway.balance import Balancer
+
+    assert facts.head_cost_in_layers < 9
+    proposals = {}
+    for timed in (True, False):
+        b, mesh = Balancer(facts, window_s=10.0, min_gain=1.15), _Mesh([(0, 15), (15, 30)], timed_head=timed)
+        for _ in range(2):
+            b.observe(mesh.tick([1.0, 2.0], 9.0), 8)
+        proposals[timed] = int(b.last_proposal["split_proposed"])
+    assert proposals[True] == 26 and proposals[False] < 26, proposals
+
+
+def test_a_stage_under_a_cpu_limit_is_as_slow_as_its_cpu_time_over_the_limit():
+    """A throttled stage stalls for the rest of each CFS period, computing or waiting, so its busy seconds alone make
+    it look faster than it serves: its window is priced at its CPU time over its cgroup's limit where that is longer,
+    its head scaled alike; a stage without a limit, or within it, keeps its busy time."""
+    from shared.runtime.plan import StageTime
+
+    layers = LayerRange(22, 30)
+    free = StageTime.measured(layers, 100, busy_s=1.6, head_s=0.4, cpu_s=1.5, cpu_limit=0.0)
+    assert (free.ms_per_microbatch, free.head_ms) == pytest.approx((16.0, 4.0))
+    within = StageTime.measured(layers, 100, busy_s=1.6, head_s=0.4, cpu_s=0.5, cpu_limit=0.5)  # 10 ms < 16 ms
+    assert within.ms_per_microbatch == pytest.approx(16.0)
+    limited = StageTime.measured(layers, 100, busy_s=1.6, head_s=0.4, cpu_s=1.2, cpu_limit=0.5)  # 24 ms a batch
+    assert (limited.ms_per_microbatch, limited.head_ms) == pytest.approx((24.0, 6.0))
+    assert StageTime.measured(layers, 100, busy_s=1.6).head_ms is None
+
+
+def test_the_cpu_limit_is_read_from_the_process_cgroup(tmp_path):
+    from shared.cpu import cpu_limit
+
+    def tree(cgroup: str, files: dict[str, str]):
+        (tmp_path / "proc").write_text(cgroup)
+        for name, text in files.items():
+            (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "fs" / name).write_text(text)
+        return cpu_limit(str(tmp_path / "proc"), str(tmp_path / "fs"))
+
+    v1 = "4:memory:/x\n1:cpu,cpuacct:/kubepods/pod1\n0::/\n"
+    assert tree(v1, {"cpu,cpuacct/kubepods/pod1/cpu.cfs_quota_us": "150000",
+                     "cpu,cpuacct/kubepods/pod1/cpu.cfs_period_us": "100000"}) == 1.5
+    assert tree(v1, {"cpu,cpuacct/kubepods/pod1/cpu.cfs_quota_us": "-1"}) == 0.0  # no limit
+    v2 = "0::/system.slice/stage.service\n"
+    assert tree(v2, {"system.slice/stage.service/cpu.max": "50000 100000\n"}) == 0.5
+    assert tree(v2, {"system.slice/stage.service/cpu.max": "max 100000\n"}) == 0.0
+    assert tree("0::/inside\n", {"cpu.max": "200000 100000\n"}) == 2.0  # a container sees its group as the root
+    assert cpu_limit(str(tmp_path / "absent"), str(tmp_path / "fs")) == 0.0
 
 
 def test_a_far_proposal_is_approached_one_neighbour_step_at_a_time():

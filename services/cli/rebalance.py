@@ -5,7 +5,9 @@ step boundary, no request fails). --split applies a split given by hand, without
 
 The measurement: every micro-batch passes every stage, so over one window each stage's busy seconds per micro-batch
 (its /info counters, through the gateway's /v1/mesh) is the same work's time there. A stage's time per layer is that
-over its layers (the last stage's lm_head counted as the model's head_cost_in_layers blocks). The proposal is
+over its layers (the last stage's head -- final norm, lm_head, sampling -- timed apart by the stage: head_seconds),
+or, on a stage whose cgroup limits its CPU, its CPU time over that limit where that is longer (StageTime.measured).
+The proposal is
 shared/runtime/plan.py's split for hosts of those speeds (the slowest stage fastest, then the shortest cycle), and its
 prediction the same model of time for the split running now and the one proposed.
 
@@ -57,8 +59,9 @@ def measure(url: str, window_s: float, pipeline: int = 0) -> list[StageTime]:
             raise StagemeshError(f"only {passed} micro-batches passed stage {a['index']} in {window_s:g} s: rebalance "
                                  "measures a mesh at work -- send it traffic (e.g. `stagemesh bench`) meanwhile, or "
                                  "give a longer --window")
-        busy = b["busy_seconds"] - a["busy_seconds"]
-        result.append(StageTime(LayerRange(*a["layers"]), 1e3 * busy / passed))
+        grew = {k: max(0.0, b.get(k, 0.0) - a.get(k, 0.0)) for k in ("busy_seconds", "head_seconds", "cpu_seconds")}
+        result.append(StageTime.measured(LayerRange(*a["layers"]), passed, grew["busy_seconds"], grew["head_seconds"],
+                                         grew["cpu_seconds"], b.get("cpu_limit", 0.0)))
     return result
 
 

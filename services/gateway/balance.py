@@ -30,6 +30,9 @@ class Sample:
     layers: tuple[tuple[int, int], ...]
     incarnations: tuple[str, ...]
     busy: tuple[float, ...]
+    head: tuple[float, ...]  # of busy, the last stage's head (final norm + lm_head + sampling)
+    cpu: tuple[float, ...]  # CPU seconds of each stage's process ...
+    cpu_limit: tuple[float, ...]  # ... and the cores its cgroup may use (0: no limit)
     microbatches: tuple[int, ...]
 
     @classmethod
@@ -37,7 +40,9 @@ class Sample:
         """`at`: the first stage's own clock at its poll (polls come every few seconds: the gateway's clock would
         stretch a window over polls it did not see)."""
         return cls(infos[0].clock_s, tuple(tuple(i.layers) for i in infos), tuple(i.incarnation for i in infos),
-                   tuple(i.busy_seconds for i in infos), tuple(i.microbatches for i in infos))
+                   tuple(i.busy_seconds for i in infos), tuple(i.head_seconds for i in infos),
+                   tuple(i.cpu_seconds for i in infos), tuple(i.cpu_limit for i in infos),
+                   tuple(i.microbatches for i in infos))
 
 
 def toward(old: list[LayerRange], target: list[LayerRange], num_layers: int) -> list[LayerRange] | None:
@@ -84,8 +89,12 @@ class Balancer:
         if min(passed) < MIN_MICROBATCHES:
             self._last = None
             return None
-        times = [StageTime(LayerRange(*r), 1e3 * (b1 - b0) / n)
-                 for r, b0, b1, n in zip(sample.layers, start.busy, sample.busy, passed)]
+        # the last stage's head timed apart: it does not move with the layers (a head priced in layers, as
+        # ModelConfig.head_cost_in_layers does, makes a split under-move where the head costs more than that)
+        times = [StageTime.measured(LayerRange(*sample.layers[i]), passed[i], sample.busy[i] - start.busy[i],
+                                    max(0.0, sample.head[i] - start.head[i]), max(0.0, sample.cpu[i] - start.cpu[i]),
+                                    sample.cpu_limit[i])
+                 for i in range(len(passed))]
         result = proposal(self.model, times, max(1, running))
         self.last_proposal = result
         gain = result["predicted_gain"]

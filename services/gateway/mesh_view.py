@@ -35,7 +35,8 @@ TICK_S = 1.0
 WINDOW_S = 10.0  # busy fraction, compute and hop times, TTFT: averaged over this window
 # what a stage's entry carries of its /info as it is, under StageInfo's names
 STAGE_FIELDS = ("kv_slots", "kv_slots_used", "kv_max_seq_len", "kv_slots_cached", "prefixes_evicted", "kv_cached_bytes",
-                "kv_prefix_memory_bytes", "kv_shared_bytes", "microbatches", "busy_seconds")
+                "kv_prefix_memory_bytes", "kv_shared_bytes", "microbatches", "busy_seconds",
+                "head_seconds", "cpu_seconds", "cpu_limit")
 HISTORY_POINTS = 120  # the charts' length, in ticks
 
 

@@ -30,6 +30,8 @@ class StageCollector:
         yield CounterMetricFamily("stagemesh_stage_microbatches", "Micro-batches computed", value=s.microbatches)
         yield CounterMetricFamily("stagemesh_stage_tokens", "Tokens computed", value=s.tokens)
         yield CounterMetricFamily("stagemesh_stage_busy_seconds", "Seconds spent computing", value=s.busy_seconds)
+        yield CounterMetricFamily("stagemesh_stage_head_seconds", "Of the seconds computing, the last stage's final norm, "
+                                  "lm_head and sampling", value=s.head_seconds)
         yield CounterMetricFamily("stagemesh_stage_waiting_for_input_seconds", "Seconds the compute loop waited for "
                                   "input", value=s.waiting_seconds)
         yield CounterMetricFamily("stagemesh_stage_slots_reclaimed", "KV slots released because their lease expired "

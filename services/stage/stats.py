@@ -65,6 +65,7 @@ class StageStats:
     reclaimed: int = 0  # KV slots released because their lease expired
     errors: int = 0  # micro-batches that failed on this stage
     resplits: int = 0  # live re-splits this stage committed (shared/runtime/resplit.py), its layers changed or not
+    head_seconds: float = 0.0  # of the compute time, the last stage's final norm + lm_head + sampling
 
     def computed(self, seconds: float, tokens: int) -> None:
         """One micro-batch of `tokens` tokens took `seconds` to compute."""

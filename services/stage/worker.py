@@ -21,6 +21,7 @@ from services.stage.metrics import stage_registry
 from services.stage.stats import StageStats
 from shared.batch.sampling import sample
 from shared.config import STAGE_DEFAULTS
+from shared.cpu import cpu_limit
 from shared.errors import BadBatch, StagemeshError
 from shared.files.layers import LayerRange, StagePosition
 from shared.kernels import plans, qdot
@@ -332,13 +333,17 @@ class StageWorker:
                 if lo < 0 or hi >= vocab:  # an embedding lookup would raise, or wrap a negative id around
                     raise BadBatch(f"token ids must lie in 0..{vocab - 1}; this micro-batch has {lo}..{hi}")
             capture = self._capture_hook(batch) if self.tracing else None
-            out = self.runtime.run(batch.seqs, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
+            runtime = self.runtime
+            head_before = runtime.head_seconds
+            out = runtime.run(batch.seqs, token_ids=batch.tokens, hidden=batch.hidden, hook=capture)
             captures = batch.captures + ([c.to_wire() for c in capture.captures] if capture else [])
             if not ident.position.has_lm_head:
                 return ForwardBatch(batch.mb_id, batch.seqs, hidden=out, trace=batch.trace, captures=captures,
                                     traceparent=batch.traceparent, in_flight=batch.in_flight)
+            t_sample = time.perf_counter()
             producing, counts, params, positions, inputs = sampling_rows(batch.seqs)
             sampled = sample(out, params, positions, inputs)
+            self.stats.head_seconds += runtime.head_seconds - head_before + time.perf_counter() - t_sample
             return BatchResult(batch.mb_id, [s.seq_id for s in producing], sampled.tokens, sampled.logprobs, captures,
                                top=sampled.top, counts=counts)
         except Exception as e:  # whatever it was, it ends this micro-batch only: the stage keeps serving
@@ -403,7 +408,9 @@ class StageWorker:
             kv_resident_bytes=kv.resident_bytes, kv_reserved_bytes=kv.reserved_bytes, kv_shared_bytes=kv.shared_bytes,
             slots_reclaimed=stats.reclaimed, prefixes_evicted=kv.evicted,
             clock_s=round(time.monotonic(), 4), microbatches=stats.microbatches,
-            busy_seconds=round(stats.busy_seconds, 4), waiting_for_input_seconds=round(stats.waiting_seconds, 4),
+            busy_seconds=round(stats.busy_seconds, 4), head_seconds=round(stats.head_seconds, 4),
+            cpu_seconds=round(time.process_time(), 4), cpu_limit=round(cpu_limit(), 4),
+            waiting_for_input_seconds=round(stats.waiting_seconds, 4),
             sending_seconds=round(transport.sending_seconds, 4), hop_latency_seconds_sum=round(stats.hop.seconds, 6),
             hop_latency_seconds_count=stats.hop.count, dropped_messages=transport.dropped,
             rejected_messages=dict(transport.rejected), handshakes_failed=dict(transport.handshakes_failed),

@@ -265,6 +265,19 @@ class StageTime:
     ms_per_microbatch: float
     head_ms: float | None = None  # the last stage's norm + lm_head within it, where timed apart (--split auto)
 
+    @classmethod
+    def measured(cls, layers: LayerRange, microbatches: int, busy_s: float, head_s: float = 0.0,
+                 cpu_s: float = 0.0, cpu_limit: float = 0.0) -> StageTime:
+        """A stage's window from its counters' growth over it: `microbatches` passed, `busy_s` computing them (of
+        which `head_s` its head's), `cpu_s` of CPU time its process used (every thread: the compute's and the
+        transport's), `cpu_limit` the cores its cgroup may use (0: no limit). A stage under a CPU limit runs only as
+        fast as its CPU time over that limit allows, a time its busy seconds do not show (it stalls for the rest of
+        each period, computing or not): its time per micro-batch is the larger of the two, its head scaled alike."""
+        ms = 1e3 * busy_s / microbatches
+        limited = 1e3 * cpu_s / cpu_limit / microbatches if cpu_limit > 0 else 0.0
+        scale = limited / ms if ms > 0 and limited > ms else 1.0
+        return cls(layers, ms * scale, 1e3 * head_s / microbatches * scale if head_s > 0 else None)
+
 
 def hosts_from(model: ModelFacts, times: list[StageTime], memory: list[int] | None = None) -> list[Host]:
     """Each stage's host with the ms per layer its window measured (the last one's head in layer units), and the

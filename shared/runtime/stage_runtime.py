@@ -4,6 +4,7 @@ in one process, handing each other only the hidden state (the code path a stage 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -36,6 +37,7 @@ class StageRuntime:
         self.compiled = compiled  # one-sequence decode steps under torch.compile (--compile-decode), else None
         self.eager_reason = eager_reason  # why there is no compiled step (when compiled is None)
         self._spec: dict | None = None  # how load() loaded it: what reload() loads another range with
+        self.head_seconds = 0.0  # the final norm + lm_head's time over every run (a live re-split's measure of it)
 
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -182,7 +184,10 @@ class StageRuntime:
                 rows = [r for w, o, ln in zip(work, layout.offsets, layout.lengths)
                         for r in range(o + ln - w.step.samples, o + ln)]
                 x = x[torch.tensor(rows, device=x.device, dtype=torch.long)]  # (as rows: every row samples)
-            return model.lm_head(x)
+            t_head = time.perf_counter()
+            logits = model.lm_head(x)
+            self.head_seconds += time.perf_counter() - t_head
+            return logits
 
 
 class LocalPipeline:

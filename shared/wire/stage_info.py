@@ -62,6 +62,9 @@ class StageInfo:
     clock_s: float
     microbatches: int
     busy_seconds: float
+    head_seconds: float  # of busy_seconds, the last stage's final norm + lm_head + sampling (0 on the others)
+    cpu_seconds: float  # CPU time of the stage process, every thread
+    cpu_limit: float  # the cores its cgroup may use (a CPU limit: shared.cpu.cpu_limit); 0: no limit
     waiting_for_input_seconds: float
     sending_seconds: float
     hop_latency_seconds_sum: float
