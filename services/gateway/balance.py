@@ -2,7 +2,8 @@
 no task; the engine asks it at every step and runs the re-split it names, Engine.resplit).
 
 Over each window (--rebalance-window) every stage's busy seconds per micro-batch is the same work's time there (every
-micro-batch passes every stage), so its time per layer is that over its layers: shared.runtime.plan.proposal turns
+micro-batch passes every stage; the last stage's head timed apart, a stage under a CPU limit priced at its CPU time
+over the limit: StageTime.measured), so its time per layer is that over its layers: shared.runtime.plan.proposal turns
 those into the split that balances them and the gain predicted for it, as `stagemesh rebalance` does. Hysteresis,
 so that the split does not flap: a split is proposed only when two windows in a row each predict at least
 --rebalance-gain and move every boundary the same way (each then moves as far as the more cautious of the two says); after a re-split, done or refused, it measures afresh, so two whole windows of the
@@ -90,7 +91,8 @@ class Balancer:
             self._last = None
             return None
         # the last stage's head timed apart: it does not move with the layers (a head priced in layers, as
-        # ModelConfig.head_cost_in_layers does, makes a split under-move where the head costs more than that)
+        # ModelConfig.head_cost_in_layers does, makes a split under-move where the head costs more than that); a
+        # stage under a CPU limit priced at its CPU time over the limit where that is longer (StageTime.measured)
         times = [StageTime.measured(LayerRange(*sample.layers[i]), passed[i], sample.busy[i] - start.busy[i],
                                     max(0.0, sample.head[i] - start.head[i]), max(0.0, sample.cpu[i] - start.cpu[i]),
                                     sample.cpu_limit[i])
