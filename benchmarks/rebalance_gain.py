@@ -16,15 +16,13 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-from services.testing.harness import Load, Report, add_out_arg, running_up, start_up
-from services.testing.slow_host import SlowStages
+from services.testing.harness import Load, Report, add_out_arg, running_up
+from services.testing.slow_host import start_pinned
 
 
 def rebalance(url: str, *args: str) -> dict:
@@ -99,13 +97,7 @@ def main() -> None:
     else:
         quotas = [float(q) for q in args.quotas.split(",")]
         with contextlib.ExitStack() as stack:
-            logs = stack.enter_context(tempfile.TemporaryDirectory())
-            pinned = SlowStages(stack, cores={i: i % (os.cpu_count() or 1) for i in range(2)},
-                                quota={i: q for i, q in enumerate(quotas) if q < 1.0})
-            gw = start_up(2, None, logs, *flags, "--threads-alone", "1", "--kv-slots", str(args.streams),
-                          while_starting=pinned)
-            stack.callback(gw.stop)
-            pinned.repin()
+            gw, _ = start_pinned(stack, quotas, args.streams, *flags)
             result = asyncio.run(run(gw.url, args, report))
     report.write({**result, "args": vars(args)})
 

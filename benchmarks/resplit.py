@@ -17,12 +17,11 @@ import asyncio
 import contextlib
 import json
 import os
-import tempfile
 import time
 import urllib.request
 
-from services.testing.harness import Load, Report, add_out_arg, running_up, start_up
-from services.testing.slow_host import SlowStages, throttled
+from services.testing.harness import Load, Report, add_out_arg, running_up
+from services.testing.slow_host import start_pinned, throttled
 
 
 def mesh(url: str) -> dict:
@@ -69,13 +68,8 @@ def run_one(split: str, args, auto: bool) -> dict:
             pid = gw.stage_pids()[args.throttle_stage]
             return asyncio.run(measure(gw.url, pid, args, auto, args.quota))
     with contextlib.ExitStack() as stack:  # two hosts: each stage alone on a core, the throttle a share of that core
-        logs = stack.enter_context(tempfile.TemporaryDirectory())
-        pinned = SlowStages(stack, cores={i: i % (os.cpu_count() or 1) for i in range(2)},
-                            gateway_core=args.throttle_stage % (os.cpu_count() or 1))
-        gw = start_up(2, None, logs, *flags, "--threads-alone", "1", "--kv-slots", str(args.streams),
-                      while_starting=pinned)
-        stack.callback(gw.stop)
-        pinned.repin()
+        gw, _ = start_pinned(stack, [1.0, 1.0], args.streams, *flags,
+                             gateway_core=args.throttle_stage % (os.cpu_count() or 1))
         return asyncio.run(measure(gw.url, gw.stage_pids()[args.throttle_stage], args, auto,
                                    args.quota / (os.cpu_count() or 1)))
 

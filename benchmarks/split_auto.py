@@ -16,27 +16,20 @@ import asyncio
 import contextlib
 import json
 import os
-import tempfile
 import time
 
-from services.testing.harness import Load, Report, add_out_arg, start_up
-from services.testing.slow_host import SlowStages, can_throttle
+from services.testing.harness import Load, Report, add_out_arg
+from services.testing.slow_host import can_throttle, start_pinned
 
 
 def run_one(split: str, args) -> dict:
     """One `up --split SPLIT` with the stages slowed from their start; its throughput over --measure seconds."""
     with contextlib.ExitStack() as stack:
-        logs = stack.enter_context(tempfile.TemporaryDirectory())
         quotas = [float(q) for q in args.quotas.split(",")]
-        slow = SlowStages(stack, cores={i: i % (os.cpu_count() or 1) for i in range(len(quotas))},
-                          quota={i: q for i, q in enumerate(quotas) if q < 1.0}, gateway_core=args.gateway_core)
         t0 = time.perf_counter()
-        gw = start_up(len(quotas), None, logs, "--split", split, "--compile-decode", "off",
-                      "--threads-alone", "1", "--kv-slots", str(args.streams), "--insecure-plaintext",
-                      while_starting=slow)
-        stack.callback(gw.stop)
+        gw, slow = start_pinned(stack, quotas, args.streams, "--split", split, "--compile-decode", "off",
+                                "--insecure-plaintext", gateway_core=args.gateway_core)
         ready_s = time.perf_counter() - t0
-        slow.repin()
         if sorted(slow.done) != list(range(len(quotas))):
             raise SystemExit(f"only stages {sorted(slow.done)} were slowed at start")
         load = Load(gw.url, args.streams, args.max_tokens)

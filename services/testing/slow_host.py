@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from dataclasses import dataclass, field
 
 CGROUP = "/sys/fs/cgroup/cpu"
@@ -76,3 +77,20 @@ class SlowStages:
         for index, pid in self.done.items():
             if index in self.cores:
                 pin(pid, {self.cores[index]})
+
+
+def start_pinned(stack: contextlib.ExitStack, quotas: list[float], streams: int, *flags: str,
+                 gateway_core: int | None = None):
+    """`stagemesh up` with one stage per entry of `quotas`, each pinned to a core of its own (--threads-alone 1, as
+    on hosts of their own) and throttled to that share of it from its start (1.0: not at all), `--kv-slots streams`
+    and `flags`; stopped, with the throttles lifted, when `stack` closes. Returns (the running gateway, SlowStages)."""
+    from services.testing.harness import start_up
+
+    logs = stack.enter_context(tempfile.TemporaryDirectory())
+    slow = SlowStages(stack, cores={i: i % (os.cpu_count() or 1) for i in range(len(quotas))},
+                      quota={i: q for i, q in enumerate(quotas) if q < 1.0}, gateway_core=gateway_core)
+    gw = start_up(len(quotas), None, logs, *flags, "--threads-alone", "1", "--kv-slots", str(streams),
+                  while_starting=slow)
+    stack.callback(gw.stop)
+    slow.repin()
+    return gw, slow
