@@ -28,7 +28,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from loadtest.datasets import BUILTIN
-from services.gateway.speculation import MAX_PREDICTED_TOKENS, interpolate
+from services.gateway.engine.drafts import MAX_PREDICTED_TOKENS
+from services.gateway.engine.speculator import interpolate
 from services.testing.harness import (
     LLAMA_SERVER,
     Report,

@@ -5,7 +5,7 @@ and (through `knob`) how its command-line flag reads. `services/process/args.py`
 - LoadConfig: how a model's layers are loaded and run (dtype, weights' kernels, memory budget, kernel plans,
   batch invariance, compiled decode): `stage`, `generate`, `up` (which forwards it to its stages).
 - StageConfig: what one stage holds (KV capacity, slot lease, threads).
-- SchedulerConfig: how the gateway batches, admits and recovers (services/gateway/scheduler.py, pipeline.py).
+- SchedulerConfig: how the gateway batches, admits and recovers (services/gateway/engine/scheduler.py, pipeline.py).
 - GatewayConfig (services/gateway/config.py): the gateway's HTTP edge and request defaults.
 
 Flag naming: `--` + the field name in kebab case; a field in seconds ends in `_s`, which its flag drops
@@ -109,7 +109,7 @@ def parse_bytes(text: str) -> int:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # compute dtypes (shared.models.device.DTYPES: their torch dtypes)
 WEIGHT_MODES = ("auto", "lean", "bf16", "f32")  # the matmul kernels a model's weights run on (shared.models.linear)
 COMPILE_MODES = ("auto", "on", "off")  # when the decode graphs compile: in the background, before ready, never
-SPECULATION_MODES = ("auto", "on", "off")  # the gateway's n-gram drafts (services/gateway/speculation.py)
+SPECULATION_MODES = ("auto", "on", "off")  # the gateway's n-gram drafts (services/gateway/engine/speculator.py)
 COMPILE_DECODE_ENV = "STAGEMESH_COMPILE_DECODE"  # the serving commands' --compile-decode default, when set
 
 
@@ -208,7 +208,7 @@ class StageConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The gateway's scheduling knobs, per pipeline (`gateway`, `up`; services/gateway/scheduler.py)."""
+    """The gateway's scheduling knobs, per pipeline (`gateway`, `up`; services/gateway/engine/scheduler.py)."""
 
     max_inflight: int | None = knob(None, "micro-batches in flight at once", unset="the number of stages")
     max_queue: int = knob(256, "requests waiting for admission before 429")

@@ -9,11 +9,11 @@ import anthropic
 import openai
 import pytest
 
-from services.gateway.anthropic_api import MessageShape, message, translate
-from services.gateway.events import RequestHandle
-from services.gateway.output import DoneEvent, ErrorEvent, TokenEvent
-from services.gateway.request import Request
-from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
+from services.gateway.api.anthropic import MessageShape, message, translate
+from services.gateway.engine.request import Request
+from services.gateway.frontend.events import RequestHandle
+from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation
 
 KEY = "k3y-for-messages"
 MODEL = "smollm2"  # the name the module's up serves SmolLM2 under

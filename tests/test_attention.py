@@ -114,13 +114,12 @@ def test_a_window_of_slots_is_one_slice_and_far_apart_slots_are_split():
 def test_the_eager_choice_follows_the_table(dtype, invariant):
     """choose_attention by (step, dtype, mode, this CPU), as attention.py's table says."""
     config = SimpleNamespace(num_heads=H, num_kv_heads=KVH, sliding_window=0, head_dim=HD)
-    model = SimpleNamespace(config=config, dtype=dtype, batch_invariant=invariant)
     decodes = BatchLayout.build([0, 1], [Decode(5), Decode(9)], MAX_SEQ)
     chunk = BatchLayout.build([0, 1], [Prefill(4, 0, 4, True), Decode(9)], MAX_SEQ)
     kernel = dtype == torch.float32 and qdot.usable()
-    got = choose_attention(model, chunk)
+    got = choose_attention(config, dtype, invariant, chunk)
     assert isinstance(got, ChunkAttention) and got.rowwise == invariant and got.kernel == (invariant and kernel)
-    got = choose_attention(model, decodes)
+    got = choose_attention(config, dtype, invariant, decodes)
     if invariant:
         assert isinstance(got, ChunkAttention) and got.rowwise and got.kernel == kernel
     elif dtype == torch.float32 and qdot.usable():

@@ -26,7 +26,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.gateway.prefix_cache import AUDIT_TOP, BLOCK_TOKENS
+from services.gateway.engine.prefix_cache import AUDIT_TOP, BLOCK_TOKENS
 from services.process.launch import start_mesh
 from shared.batch.sampling import SamplingParams
 from shared.batch.steps import Prefill

@@ -1,5 +1,5 @@
 """A gateway killed (SIGKILL) with resumable streams running, started again on the same state directory: it takes
-the requests back (services/gateway/durable.py), and each client, reconnecting with its Last-Event-ID, reads on to
+the requests back (services/gateway/frontend/durable.py), and each client, reconnecting with its Last-Event-ID, reads on to
 the same text an undisturbed run gives -- no gap, no duplicate event. Killed with its stages (`up`), the requests are
 prefilled again; killed alone, they go on in place from the K/V the stages kept."""
 
@@ -19,9 +19,10 @@ import aiohttp
 import pytest
 import redis
 
-from services.gateway import app, durable
+from services.gateway import app
 from services.gateway.config import GatewayConfig
-from services.gateway.durable import RedisStore, SqliteStore
+from services.gateway.frontend import durable
+from services.gateway.frontend.durable import RedisStore, SqliteStore
 from services.testing.harness import RunningGateway, free_port, start_up
 from services.testing.resumable import Deployment
 from shared.errors import StagemeshError

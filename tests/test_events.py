@@ -1,4 +1,4 @@
-"""A request beyond its connection: the front end's event log (services/gateway/events.py).
+"""A request beyond its connection: the front end's event log (services/gateway/frontend/events.py).
 
 The log's own rules first (offsets, any number of followers, one end); then the real Gateway over the real engine
 loop, computing on a tiny GGUF behind the scheduler tests' recording client: two readers follow one request, one
@@ -14,11 +14,11 @@ import contextlib
 import pytest
 
 from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway
-from services.gateway.events import EventLog, RequestRegistry
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.output import DoneEvent, TokenEvent
-from services.gateway.replicas import Replica, Replicas
+from services.gateway.engine.metrics import GatewayMetrics
+from services.gateway.engine.replicas import Replica, Replicas
+from services.gateway.frontend.events import EventLog, RequestRegistry
+from services.gateway.frontend.frontend import Gateway
+from services.gateway.frontend.output import DoneEvent, TokenEvent
 from shared.runtime.model_files import ModelFiles
 from tests.test_scheduler import Harness, tiny_path  # noqa: F401  (tiny_path: the fixture, used by name)
 
@@ -51,7 +51,7 @@ async def test_followers_see_every_event_once_from_their_offset_and_wait_for_mor
 
 
 def test_ended_requests_are_kept_for_a_bounded_number_and_time(monkeypatch):
-    import services.gateway.events as events
+    import services.gateway.frontend.events as events
 
     class H:
         def __init__(self, rid: str):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from services.gateway.tools import (
+from services.gateway.frontend.tools import (
     CALL_OPEN,
     ArgumentsDelta,
     CallStarted,

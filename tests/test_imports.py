@@ -29,7 +29,7 @@ def test_the_tree_keeps_its_layers():
 @pytest.mark.parametrize("module, line, says", [
     ("shared/batch/steps.py", "import shared.runtime.stage_runtime", "shared.batch.steps -> shared.runtime.stage_runtime"),  # a type importing the runtime
     ("shared/kernels/qdot.py", "from shared.models import transformer", "shared.kernels.qdot -> shared.models.transformer"),
-    ("services/gateway/scheduler.py", "from services.gateway import engine", "services.gateway.scheduler -> "),
+    ("services/gateway/engine/scheduler.py", "from services.gateway import engine", "services.gateway.engine.scheduler -> "),
     ("shared/errors.py", "def _late():\n    import shared.cpu", "shared.errors -> shared.cpu"),  # inside a function
 ], ids=["type-over-runtime", "kernel-over-model", "policy-over-engine", "function-level"])
 def test_an_upward_import_breaks_a_contract(tmp_path, module, line, says):

@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.metrics import POOL_METRICS, watch_replicas
+from services.gateway.engine.metrics import POOL_METRICS, watch_replicas
 from services.testing.k8s_render import find, render
 from tests.test_replicas import replicas
 

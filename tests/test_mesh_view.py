@@ -190,7 +190,7 @@ def test_the_snapshot_carries_the_stage_kv_fields_and_status_shows_them():
     from rich.console import Console
 
     from services.cli.status import render
-    from services.gateway.mesh_view import MeshView
+    from services.gateway.api.mesh_view import MeshView
 
     view = MeshView(gateway=None)
     info = make_info(clock_s=1.0, kv_slots=8, kv_slots_used=3, kv_max_seq_len=256, kv_slots_cached=2,
@@ -210,7 +210,7 @@ def test_status_fits_80_columns_and_keeps_every_figure():
     from rich.console import Console
 
     from services.cli.status import render
-    from services.gateway.mesh_view import MeshView
+    from services.gateway.api.mesh_view import MeshView
 
     view = MeshView(gateway=None)
     infos = [make_info(clock_s=1.0, kv_slots=32, kv_slots_used=17, kv_max_seq_len=2048, kv_slots_cached=19,

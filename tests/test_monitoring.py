@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.engine.metrics import GatewayMetrics
 from services.stage.metrics import stage_registry
 from services.stage.stats import StageStats
 from shared.models.kv_cache import KVCache

@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from services.gateway.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
+from services.gateway.frontend.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
 
 CAP = 6  # the gateway's --default-max-tokens in the module's up
 
@@ -485,10 +485,10 @@ def test_tool_parameters_must_describe_an_object_and_the_history_must_hold_toget
 def test_a_grammar_that_fails_mid_answer_is_the_requests_fault_not_a_retry(smollm2):
     """The output left its grammar (llguidance refused a token its own mask allowed, e.g. past one of its limits):
     the request ends with code grammar_failed and a 400, not a 503 inviting the same request again."""
-    from services.gateway.core import error_status
-    from services.gateway.output import ErrorEvent, OutputProcessor
-    from services.gateway.request import Request
-    from services.gateway.scheduler import Scheduler
+    from services.gateway.engine.request import Request
+    from services.gateway.engine.scheduler import Scheduler
+    from services.gateway.frontend.frontend import error_status
+    from services.gateway.frontend.output import ErrorEvent, OutputProcessor
     from shared.config import SchedulerConfig
     from shared.text.grammar import json_schema_grammar
 

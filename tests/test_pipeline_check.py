@@ -1,9 +1,9 @@
-"""The gateway's start-up check that its stages form one consistent pipeline (services.gateway.pipeline.check_pipeline):
+"""The gateway's start-up check that its stages form one consistent pipeline (services.gateway.engine.pipeline.check_pipeline):
 a pure function over the stages' /info documents, so each mismatch is one row of a table."""
 
 import pytest
 
-from services.gateway.pipeline import check_pipeline, stalled_hop
+from services.gateway.engine.pipeline import check_pipeline, stalled_hop
 from tests.stage_infos import FP, make_info
 
 

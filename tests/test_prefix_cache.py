@@ -1,4 +1,4 @@
-"""The prefix cache: the gateway's index (services/gateway/prefix_cache.py), the stages' kept slots
+"""The prefix cache: the gateway's index (services/gateway/engine/prefix_cache.py), the stages' kept slots
 (shared/models/kv_cache.py) and the scheduler between them -- a hit computes only the rest of the prompt and gives the
 tokens a full prefill gives; room, misses and a lost pipeline fall back to computing, never to other numbers.
 
@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from services.gateway.audit import AUDIT_TOLERANCE_F32, AUDIT_TOLERANCE_ROUNDED, audit_tolerance
-from services.gateway.prefix_cache import BLOCK_TOKENS, AuditTolerance, PrefixAudit, PrefixIndex
-from services.gateway.request import Request
+from services.gateway.engine.audit import AUDIT_TOLERANCE_F32, AUDIT_TOLERANCE_ROUNDED, audit_tolerance
+from services.gateway.engine.prefix_cache import BLOCK_TOKENS, AuditTolerance, PrefixAudit, PrefixIndex
+from services.gateway.engine.request import Request
 from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.sampling import SamplingParams
 from shared.batch.steps import Prefill

@@ -1,5 +1,5 @@
 """A stage process at addresses of its own takes another's place in a running pipeline (issue 58, item 4):
-POST /v1/mesh/replace {"stage": I, "url": ...} (services/gateway/engine.py Engine.replace_stage). The stage before
+POST /v1/mesh/replace {"stage": I, "url": ...} (services/gateway/engine/core.py Engine.replace_stage). The stage before
 place I (the gateway for place 0) is told by a reroute message to send to the newcomer, the message's return over
 the new route shows it carries, and the running requests replay. Real processes on loopback: a 2-stage mesh with
 CURVE and --batch-invariant, a gateway, and newcomers started with a stage's own flags at new ports -- the way a

@@ -15,12 +15,12 @@ import aiohttp
 import pytest
 
 from services.cli.status import not_ready_reason, render
-from services.gateway.engine import Engine
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.pipeline import Pipeline
-from services.gateway.prefix_cache import BLOCK_TOKENS
-from services.gateway.replicas import BALANCE_ABS, Replica, Replicas
-from services.gateway.request import Request
+from services.gateway.engine.core import Engine
+from services.gateway.engine.metrics import GatewayMetrics
+from services.gateway.engine.pipeline import Pipeline
+from services.gateway.engine.prefix_cache import BLOCK_TOKENS
+from services.gateway.engine.replicas import BALANCE_ABS, Replica, Replicas
+from services.gateway.engine.request import Request
 from services.testing.harness import start_up
 from shared.batch.sampling import SamplingParams
 from tests.conftest import stagemesh_cmd, starts_processes
@@ -219,7 +219,7 @@ def test_endpoint_picker_gauges_sum_the_pipelines_and_count_kv_use_over_the_serv
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from services.gateway.metrics import POOL_METRICS, watch_replicas
+    from services.gateway.engine.metrics import POOL_METRICS, watch_replicas
 
     r = replicas()
     watch_replicas(r.metrics, r)
@@ -245,7 +245,7 @@ def test_routing_counts_live_once_in_each_replica_and_metrics_and_info_read_them
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from services.gateway.metrics import watch_replicas
+    from services.gateway.engine.metrics import watch_replicas
 
     r = replicas()
     watch_replicas(r.metrics, r)

@@ -480,7 +480,7 @@ def test_auto_rebalance_moves_only_after_two_windows_agree_and_then_waits(facts)
     """Stage 1 twice as slow a layer at 15:15: the first window only makes the proposal a candidate, the second
     (the same proposal) returns it -- layers moving to stage 0; after the re-split nothing is proposed until two whole
     windows of the new split agree, and a split that is about as good (gain under --rebalance-gain) is never proposed."""
-    from services.gateway.balance import Balancer
+    from services.gateway.engine.balance import Balancer
 
     head = facts.head_cost_in_layers
     mesh = _Mesh([(0, 15), (15, 30)])
@@ -502,7 +502,7 @@ def test_auto_rebalance_moves_only_after_two_windows_agree_and_then_waits(facts)
 
 
 def test_auto_rebalance_does_not_flap_nor_measure_an_idle_or_changing_mesh(facts):
-    from services.gateway.balance import Balancer
+    from services.gateway.engine.balance import Balancer
 
     head = facts.head_cost_in_layers
     b = Balancer(facts, window_s=10.0, min_gain=1.15)
@@ -519,7 +519,7 @@ def test_auto_rebalance_prices_the_head_the_last_stage_timed(facts):
     """The last stage's head (final norm + lm_head + sampling) costs what it costs here -- 9 blocks, not the 4.4 the
     model's weights suggest: timed apart (head_seconds), the proposal puts the boundary where the stages' times are
     equal (26 for stage 1 at half speed: 26 = 2 * (4 + 9)); priced in blocks it stops short."""
-    from services.gateway.balance import Balancer
+    from services.gateway.engine.balance import Balancer
 
     assert facts.head_cost_in_layers < 9
     proposals = {}
@@ -569,7 +569,7 @@ def test_the_cpu_limit_is_read_from_the_process_cgroup(tmp_path):
 
 
 def test_a_far_proposal_is_approached_one_neighbour_step_at_a_time():
-    from services.gateway.balance import toward
+    from services.gateway.engine.balance import toward
 
     old = split_at(30, [10, 20])
     step = toward(old, split_at(30, [25, 28]), 30)

@@ -15,13 +15,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel, Field
 
-from services.gateway.core import GATEWAY
-from services.gateway.events import EventLog, RequestHandle, RequestRegistry
-from services.gateway.output import DoneEvent, ErrorEvent, TokenEvent
-from services.gateway.request import Request
-from services.gateway.response_store import MemoryResponseStore, StoredResponse
-from services.gateway.responses_api import ResponseShape, add_responses_api, parse_request
-from services.gateway.schemas import GenerationSpec, RequestError, parse_generation
+from services.gateway.api.response_store import MemoryResponseStore, StoredResponse
+from services.gateway.api.responses import ResponseShape, add_responses_api, parse_request
+from services.gateway.engine.request import Request
+from services.gateway.frontend.events import EventLog, RequestHandle, RequestRegistry
+from services.gateway.frontend.frontend import GATEWAY
+from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation
 from tests.test_events import FrontEnd
 from tests.test_openai_api import CAP, client, gateway  # noqa: F401  (fixtures: the same shared up)
 from tests.test_scheduler import tiny_path  # noqa: F401  (a fixture)
@@ -121,7 +121,7 @@ ITEM = {"type": "message", "role": "user", "content": "hi"}
 def test_no_value_in_any_field_is_anything_but_accepted_or_a_400():
     """Every top-level field, every field of an input item, of a content part, of a tool, of text.format: each odd
     value either parses or is a RequestError -- never another exception (a 500)."""
-    from services.gateway.responses_api import READ_FIELDS
+    from services.gateway.api.responses import READ_FIELDS
 
     bodies = [{"input": "hi", key: v} for key in READ_FIELDS for v in ODD_VALUES]
     bodies += [{"input": [{**ITEM, key: v}]} for key in ("type", "role", "content", "id") for v in ODD_VALUES]

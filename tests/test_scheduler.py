@@ -16,12 +16,12 @@ import aiohttp
 import pytest
 import torch
 
-from services.gateway.engine import Engine
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.output import DoneEvent, OutputProcessor, TokenEvent
-from services.gateway.pipeline import Pipeline
-from services.gateway.request import Request, RequestOutput
-from services.gateway.scheduler import MicroBatch, QueueFull, Scheduler
+from services.gateway.engine.core import Engine
+from services.gateway.engine.metrics import GatewayMetrics
+from services.gateway.engine.pipeline import Pipeline
+from services.gateway.engine.request import Request, RequestOutput
+from services.gateway.engine.scheduler import MicroBatch, QueueFull, Scheduler
+from services.gateway.frontend.output import DoneEvent, OutputProcessor, TokenEvent
 from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.sampling import SamplingParams
 from shared.batch.steps import Decode

@@ -1,4 +1,4 @@
-"""Drafts (services/gateway/speculation.py) from the client's prediction, the request's own context and the shared
+"""Drafts (services/gateway/engine/speculator.py) from the client's prediction, the request's own context and the shared
 n-gram pool, verified through the pipeline: where they come from, how long they grow, when the load policy allows
 them, and -- through real gateways -- that they change the speed of an answer, never its tokens."""
 
@@ -12,23 +12,25 @@ import openai
 import pytest
 import torch
 
-from services.gateway.request import Request
-from services.gateway.schemas import RequestError, parse_generation
-from services.gateway.speculation import (
-    COST_WINDOW,
-    EXPLORE_EVERY,
+from services.gateway.engine.drafts import (
     MAX_DRAFT_TOKENS,
     MAX_PREDICTED_TOKENS,
     SKIP_STEPS,
-    SOURCES,
     ContextIndex,
     DraftBudget,
+    PredictionIndex,
+)
+from services.gateway.engine.request import Request
+from services.gateway.engine.speculator import (
+    COST_WINDOW,
+    EXPLORE_EVERY,
+    SOURCES,
     NgramPool,
     PassCosts,
-    PredictionIndex,
     Speculator,
     worth_drafting,
 )
+from services.gateway.frontend.schemas import RequestError, parse_generation
 from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.sampling import SamplingParams
 from shared.batch.steps import Prefill

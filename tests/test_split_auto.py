@@ -1,6 +1,6 @@
 """`up --split auto`: each stage times its own layers at start (--calibrate, shared/runtime/calibrate.py) and the
 gateway moves the mesh to the split that balances those times within each stage's free memory before it reports
-ready (services/gateway/balance.py StartSplit, the arithmetic shared.runtime.plan.proposal's)."""
+ready (services/gateway/engine/balance.py StartSplit, the arithmetic shared.runtime.plan.proposal's)."""
 
 import json
 import subprocess
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from services.gateway.balance import StartSplit
+from services.gateway.engine.balance import StartSplit
 from services.testing.harness import start_up
 from services.testing.slow_host import SlowStages, can_throttle
 from shared.errors import StagemeshError

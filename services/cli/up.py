@@ -347,7 +347,7 @@ async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalM
     """Serve until SIGINT/SIGTERM; the gateway drains (serve_until_signal) before cmd_up stops the stages, so no
     stage is stopped with a micro-batch of a live request in hand."""
     from services.gateway.app import serve_until_signal
-    from services.gateway.core import GATEWAY
+    from services.gateway.frontend.frontend import GATEWAY
 
     async def started() -> None:
         replicas = app[GATEWAY].replicas
@@ -357,7 +357,7 @@ async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalM
         _say(ready_banner(host, port, len(meshes[0].stages), gw.config.model_id, len(meshes),
                           chat=gw.files.chat_template is not None))
         def splits(r: int) -> list[str] | None:
-            committed = gw.replicas.all[r].engine.committed
+            committed = gw.replicas.all[r].engine.mesh.committed
             return None if committed is None else [str(rng) for rng in committed]
 
         await _supervise(meshes, splits, spares)

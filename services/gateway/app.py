@@ -19,14 +19,16 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.anthropic_api import MESSAGES_PATH, count_message_tokens, create_message
-from services.gateway.balance import Balancer, StartSplit
+from services.gateway.api.anthropic import MESSAGES_PATH, count_message_tokens, create_message
+from services.gateway.api.mesh_view import add_mesh_view
+from services.gateway.api.openai import chat_completions, completions, models, resume_stream
+from services.gateway.api.response_store import MemoryResponseStore
+from services.gateway.api.responses import add_responses_api
+from services.gateway.api.ws import stream_ws
 from services.gateway.config import API_KEY_ENV, OPERATOR_KEY_ENV, OPERATOR_PATHS, GatewayConfig
-from services.gateway.core import GATEWAY, Gateway
-from services.gateway.durable import FLUSH_S, TAKE_OVER_S, RequestStore
-from services.gateway.engine import Engine
-from services.gateway.mesh_view import add_mesh_view
-from services.gateway.metrics import (
+from services.gateway.engine.balance import Balancer, StartSplit
+from services.gateway.engine.core import Engine
+from services.gateway.engine.metrics import (
     GatewayMetrics,
     summed_transport,
     watch_prefix_cache,
@@ -34,14 +36,12 @@ from services.gateway.metrics import (
     watch_speculation,
     watch_transport,
 )
-from services.gateway.openai_api import chat_completions, completions, models, resume_stream
-from services.gateway.pipeline import Pipeline
-from services.gateway.replicas import Replica, Replicas
-from services.gateway.response_store import MemoryResponseStore
-from services.gateway.responses_api import add_responses_api
-from services.gateway.schemas import RequestError
-from services.gateway.speculation import Speculator
-from services.gateway.ws import stream_ws
+from services.gateway.engine.pipeline import Pipeline
+from services.gateway.engine.replicas import Replica, Replicas
+from services.gateway.engine.speculator import Speculator
+from services.gateway.frontend.durable import FLUSH_S, TAKE_OVER_S, RequestStore
+from services.gateway.frontend.frontend import GATEWAY, Gateway
+from services.gateway.frontend.schemas import RequestError
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.observe.log_throttle import OneLineThrottleFilter, throttled
 from shared.observe.otlp import OtlpTracer

@@ -4,9 +4,10 @@ the app. Field conventions (knob, flag names, validation naming the flag) are sh
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from services.gateway.durable import is_url, parse_redis_url
 from shared.config import check, check_int, check_seconds, flag_for, knob, not_a_flag, parse_bytes
 from shared.errors import StagemeshError
 
@@ -116,3 +117,50 @@ class GatewayConfig:
         check_int(self, "state_max_requests", 0)
         if self.metrics_require_key and not self.api_key:
             raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")
+
+
+REDIS_URL_FORM = "redis://[:PASSWORD@]HOST:PORT/DB[?prefix=NAME]"
+
+
+def is_url(where: str) -> bool:
+    """--state-dir names a URL (only redis:// and rediss:// are served; parse_redis_url says so), not a directory."""
+    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", where) is not None
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A checked --state-dir Redis URL."""
+
+    url: str  # what the client connects to (its password kept, ?prefix= dropped): never shown
+    prefix: str  # the log's keys begin <prefix>:<mesh>:
+    shown: str  # the URL as messages show it: no password
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """redis://[:PASSWORD@]HOST:PORT/DB[?prefix=NAME] (rediss:// for TLS), checked at the edge (GatewayConfig) so a
+    typo is an error before the model loads, not a log in a directory named after the URL."""
+    parts = urlsplit(url)
+    shown = url.replace(parts.netloc, parts.netloc.rpartition("@")[2], 1) if "@" in parts.netloc else url
+
+    def bad(what: str) -> StagemeshError:
+        return StagemeshError(f"--state-dir {shown}: {what}; a Redis log is {REDIS_URL_FORM} (rediss:// for TLS), "
+                              "a directory is an SQLite log, off keeps none")
+
+    if parts.scheme not in ("redis", "rediss"):
+        raise bad(f"{parts.scheme}:// is not a log this gateway can keep")
+    if not parts.hostname:
+        raise bad("no host")
+    try:
+        parts.port  # noqa: B018 -- urllib checks it only when read
+    except ValueError:
+        raise bad("the port must be a number from 1 to 65535") from None
+    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise bad(f"the path is the database number (/0), not {parts.path!r}")
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(query) - {"prefix"})
+    if unknown:
+        raise bad(f"only ?prefix= is read, not {', '.join(unknown)}")
+    prefix = query.get("prefix", ["stagemesh"])[-1]
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
+        raise bad(f"?prefix={prefix!r} must be a non-empty name of letters, digits, '_', '.' and '-'")
+    return RedisTarget(urlunsplit(parts._replace(query="")), prefix, shown)

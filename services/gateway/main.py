@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from services.gateway.app import make_app, serve_until_signal
-from services.gateway.durable import default_state_dir, open_store
+from services.gateway.engine.pipeline import Pipeline
 from services.gateway.flags import gateway_config_from_args
-from services.gateway.pipeline import Pipeline
+from services.gateway.frontend.durable import default_state_dir, open_store
 from services.process.args import (
     config_from_args,
     otlp_from_args,

@@ -1,7 +1,7 @@
 """A live re-split with a stage SIGKILLed in one of its phases, and the check that the mesh ended in one split, for
 the chaos benchmark (benchmarks.chaos, scenario resplit) and its test (tests/test_resplit.py).
 
-The gateway (`up`) runs with STAGEMESH_RESPLIT_HOLD naming the phases to hold before (services/gateway/engine.py
+The gateway (`up`) runs with STAGEMESH_RESPLIT_HOLD naming the phases to hold before (services/gateway/engine/core.py
 Engine._hold): while /v1/mesh shows "<phase> (held)" -- the pipeline drained when the phase is move or commit -- the
 victim is frozen (SIGSTOP), so the phase's message reaches it and waits; once /v1/mesh shows the phase sent, the
 victim is SIGKILLed with the message in hand. Which stage is the victim decides where the phase stopped: in the

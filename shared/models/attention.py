@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +35,6 @@ import torch.nn.functional as F
 from shared.kernels import qdot
 from shared.models.config import ModelConfig
 from shared.models.kv_cache import BatchLayout
-
-if TYPE_CHECKING:
-    from shared.models.transformer import TransformerModel
 
 
 @dataclass(frozen=True)
@@ -323,14 +320,16 @@ class KernelDecode(LaidOut):
     dtype: torch.dtype
 
     @staticmethod
-    def applies(model: TransformerModel, device: torch.device) -> bool:
-        """The kernel takes this piece's decode attention on `device` (softcapped layers aside)."""
-        return device.type == "cpu" and KernelDecode.why_not(model) is None
+    def applies(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
+        """The kernel takes the decode attention of a piece of this model in `dtype` on `device` (softcapped layers
+        aside)."""
+        return device.type == "cpu" and KernelDecode.why_not(config, dtype) is None
 
     @staticmethod
-    def why_not(model: TransformerModel) -> str | None:
-        """None where the kernel takes this piece's attention (softcapped layers aside); otherwise why not."""
-        if model.dtype != torch.float32 or model.config.head_dim % 8:
+    def why_not(config: ModelConfig, dtype: torch.dtype) -> str | None:
+        """None where the kernel takes the attention of a piece of this model in `dtype` (softcapped layers aside);
+        otherwise why not."""
+        if dtype != torch.float32 or config.head_dim % 8:
             return "the decode-attention kernel takes float32 activations and a head size that is a multiple of 8"
         if not qdot.usable():
             return f"the decode-attention kernel does not run here ({qdot.why_not()})"
@@ -378,10 +377,9 @@ class BatchDecode:
         return cls(torch.tensor(slots, dtype=torch.long), positions, positions + 1)
 
     @staticmethod
-    def covers(model: TransformerModel) -> str | None:
-        """None when every layer of the piece attends on the kernel; otherwise why not."""
-        c = model.config
-        if why := KernelDecode.why_not(model):
+    def covers(c: ModelConfig, dtype: torch.dtype) -> str | None:
+        """None when every layer of a piece of this model in `dtype` attends on the kernel; otherwise why not."""
+        if why := KernelDecode.why_not(c, dtype):
             return why
         if c.attn_softcap:
             return "layers with an attention soft cap attend with SDPA"
@@ -394,11 +392,10 @@ class BatchDecode:
         return kernel_attention(q, k_cache, v_cache, self.token_slots, self.contexts, how)
 
 
-def choose_attention(model: TransformerModel, layout: BatchLayout) -> Attention:
-    """The eager step's attention, by the table above."""
-    if layout.decode_only and not model.batch_invariant:
-        if KernelDecode.applies(model, layout.positions.device):
-            return KernelDecode(layout, model.config, model.dtype)
-        return SplitDecode.of(layout, model.config, model.dtype)
-    return ChunkAttention(layout, model.batch_invariant,
-                          kernel=model.batch_invariant and KernelDecode.applies(model, layout.positions.device))
+def choose_attention(config: ModelConfig, dtype: torch.dtype, batch_invariant: bool,
+                     layout: BatchLayout) -> Attention:
+    """The eager step's attention for a piece of this model in `dtype`, by the table above."""
+    kernel = KernelDecode.applies(config, dtype, layout.positions.device)
+    if layout.decode_only and not batch_invariant:
+        return KernelDecode(layout, config, dtype) if kernel else SplitDecode.of(layout, config, dtype)
+    return ChunkAttention(layout, batch_invariant, kernel=batch_invariant and kernel)

@@ -258,7 +258,7 @@ class CompiledDecode:
         # place, so nothing else depends on the values). Where the kernel does not cover every layer, or a matmul
         # switches kernel inside the range, batched steps stay eager (batch_reason says why).
         self.batch_sizes = (2, min(kv.num_slots, (switch_rows(model) or kv.num_slots + 1) - 1))
-        self.batch_reason = BatchDecode.covers(model)
+        self.batch_reason = BatchDecode.covers(model.config, model.dtype)
         if self.batch_reason is None and self.batch_sizes[1] < 3:  # 2..2 cannot be dynamic, and would serve little
             self.batch_reason = f"batches of at most {self.batch_sizes[1]} sequences decode eagerly"
         self._batched = None if self.batch_reason else torch.compile(_own_code(model.run_layers), dynamic=False,

@@ -487,7 +487,7 @@ class TransformerModel:
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, layout: BatchLayout, kv: KVCache, hook: LayerHook | None = None) -> torch.Tensor:
         """hidden [N, D] float32 -> [N, D] float32 through this piece's layers, writing their K/V into kv."""
-        return self.run_layers(hidden, self.rope_tables(layout.positions, kv.max_seq_len), choose_attention(self, layout),
+        return self.run_layers(hidden, self.rope_tables(layout.positions, kv.max_seq_len), choose_attention(self.config, self.dtype, self.batch_invariant, layout),
                                kv.k, kv.v, hook)
 
     def run_layers(self, hidden: torch.Tensor, ropes: Ropes, attention: Attention, k_layers: list[torch.Tensor],

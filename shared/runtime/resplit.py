@@ -1,6 +1,6 @@
 """One stage's side of a live re-split: the layers it gains are loaded from its own copy of the file, the K/V of
 live sequences for the layers that change stage moves between the two neighbours, and the stage serves its new
-range from the commit on. The gateway drives it (services/gateway/engine.py Engine.resplit): it stops issuing
+range from the commit on. The gateway drives it (services/gateway/engine/core.py Engine.resplit): it stops issuing
 micro-batches, waits for those in flight, and sends one Resplit message per phase through the pipeline; each stage
 does its part and passes the message on, so when it comes back every stage has done that phase.
 

@@ -166,7 +166,7 @@ class StageRuntime:
             # attention reads each row's own slot and context (KernelDecode), so a verified draft's numbers are those
             # of one-token steps; the batch-invariant mode's rowwise attention already computes them so
             as_rows = any(w.step.num_tokens > 1 for w in work) and all(isinstance(w.step, Decode) for w in work) \
-                and not model.batch_invariant and KernelDecode.applies(model, self.device)
+                and not model.batch_invariant and KernelDecode.applies(model.config, model.dtype, self.device)
             layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device, as_rows)
             self.kv.check_room(layout, starting=bool(fresh))
             self.kv.wrote(layout)

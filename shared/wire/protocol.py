@@ -133,7 +133,7 @@ class ReleaseSeqs:
     everything: bool = False  # also release every other sequence the stage holds (a gateway starting afresh)
     keep: list[str] = field(default_factory=list)  # finished sequences whose slots stay, as cached prefixes (no lease)
     spare: list[str] = field(default_factory=list)  # with everything: sequences that stay live (a restarted gateway
-    # re-adopts them where they are, services/gateway/core.py Gateway.readopt)
+    # re-adopts them where they are, services/gateway/frontend/frontend.py Gateway.readopt)
 
 
 Sample = tuple[int, "float | None", "TopLogprobs | None"]  # one sampled token: (id, logprob, top alternatives)

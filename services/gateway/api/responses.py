@@ -5,11 +5,11 @@ messages, `instructions` into the system message, `text.format` into `response_f
 chat's): tokenizing, tools, structured output and the prefix cache are the chat path's. What is new here is the
 shape and what outlives the connection:
 
-- ResponseShape turns the request's client events (its event log, services/gateway/events.py) into the Responses
+- ResponseShape turns the request's client events (its event log, services/gateway/frontend/events.py) into the Responses
   stream events, each numbered by `sequence_number`, and the response object. It is deterministic: every reading of
   the same log makes the same events with the same numbers and ids, so a stream resumed `starting_after` N is the
   tail of the first reading, with no gap and no duplicate, without keeping the events themselves.
-- Responses are stored (services/gateway/response_store.py) unless `store: false`: `GET` reads one back (from the
+- Responses are stored (services/gateway/api/response_store.py) unless `store: false`: `GET` reads one back (from the
   log while it runs), `previous_response_id` continues its conversation (its prompt starts with the earlier one,
   so the prefix cache serves it), `background: true` runs it detached from any connection.
 
@@ -28,12 +28,12 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.core import GATEWAY, Gateway, json_body, tool_parser
-from services.gateway.events import KEEP_ENDED, KEEP_ENDED_S, RequestHandle
-from services.gateway.output import ClientEvent, DoneEvent, ErrorEvent, TokenEvent
-from services.gateway.replicas import SESSION_HEADER
-from services.gateway.response_store import ResponseStore, StoredResponse
-from services.gateway.schemas import (
+from services.gateway.api.response_store import ResponseStore, StoredResponse
+from services.gateway.engine.replicas import SESSION_HEADER
+from services.gateway.frontend.events import KEEP_ENDED, KEEP_ENDED_S, RequestHandle
+from services.gateway.frontend.frontend import GATEWAY, Gateway, json_body, tool_parser
+from services.gateway.frontend.output import ClientEvent, DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.frontend.schemas import (
     MAX_MESSAGES,
     MAX_TOOLS,
     TOOL_NAME,
@@ -43,7 +43,7 @@ from services.gateway.schemas import (
     check_field_tables,
     unicode_text,
 )
-from services.gateway.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolEvent
+from services.gateway.frontend.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolEvent
 
 RESPONSES = web.AppKey("responses", ResponseStore)
 CANCEL_WAIT_S = 10.0  # POST .../cancel waits this long for the request to end before answering

@@ -5,8 +5,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.gateway.prefix_cache import PrefixStats
-from services.gateway.speculation import SOURCES, Speculator
+from services.gateway.engine.prefix_cache import PrefixStats
+from services.gateway.engine.speculator import SOURCES, Speculator
 from shared.wire.protocol import REJECT_REASONS
 from shared.wire.transport import TransportStats
 
@@ -122,7 +122,7 @@ def summed_transport(pipelines: list) -> Callable[[], TransportStats | None]:
 
 
 class _PrefixCacheCollector:
-    """The prefix cache indexes' counters (services/gateway/prefix_cache.py), summed over the replicas, read at
+    """The prefix cache indexes' counters (services/gateway/engine/prefix_cache.py), summed over the replicas, read at
     scrape time."""
 
     def __init__(self, indexes: list):
@@ -157,7 +157,7 @@ def watch_prefix_cache(metrics: GatewayMetrics, indexes: list) -> None:
 
 
 class _SpeculationCollector:
-    """What drafting did (services/gateway/speculation.py, SpeculationStats), read at scrape time: drafted and
+    """What drafting did (services/gateway/engine/speculator.py, SpeculationStats), read at scrape time: drafted and
     accepted tokens and verifying steps by source, every decode step and the tokens they produced (tokens per pass),
     the hit rate, the time spent drafting and the n-gram pool's fill."""
 
@@ -204,7 +204,7 @@ def watch_speculation(metrics: GatewayMetrics, speculator: Speculator) -> None:
 
 class _ReplicaCollector:
     """Per-pipeline gauges and counters (label `pipeline`) and the routing policy's thresholds, read at scrape time
-    from the Replicas (services/gateway/replicas.py): each Replica's routing counts are its own ledger, kept once."""
+    from the Replicas (services/gateway/engine/replicas.py): each Replica's routing counts are its own ledger, kept once."""
 
     def __init__(self, replicas):
         self.replicas = replicas

@@ -30,15 +30,14 @@ import fcntl
 import json
 import logging
 import os
-import re
 import secrets
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
-from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+from services.gateway.config import is_url, parse_redis_url
 from shared.errors import StagemeshError
 
 log = logging.getLogger("stagemesh.gateway.durable")
@@ -49,7 +48,6 @@ LEASE_S = 5.0  # RedisStore: a gateway's requests are its own while it renews th
 TAKE_OVER_S = 1.0  # RedisStore: how often a gateway looks for requests whose gateway's lease ran out
 PRUNE_S = 10.0  # how often a store drops the requests that began more than its keep_s ago
 MAX_BUFFERED = 200_000  # rows a store keeps for a log it cannot write (Redis down); past it a failed batch is dropped
-REDIS_URL_FORM = "redis://[:PASSWORD@]HOST:PORT/DB[?prefix=NAME]"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS requests (id TEXT PRIMARY KEY, body TEXT NOT NULL, chat INTEGER NOT NULL,
@@ -109,50 +107,6 @@ def open_store(where: str, owner: str, mesh: str, keep_s: float = KEEP_S) -> Req
     if is_url(where):
         return RedisStore(where, owner, mesh, keep_s=keep_s)
     return SqliteStore(where, mesh, keep_s)
-
-
-def is_url(where: str) -> bool:
-    """--state-dir names a URL (only redis:// and rediss:// are served; parse_redis_url says so), not a directory."""
-    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", where) is not None
-
-
-@dataclass(frozen=True)
-class RedisTarget:
-    """A checked --state-dir Redis URL."""
-
-    url: str  # what the client connects to (its password kept, ?prefix= dropped): never shown
-    prefix: str  # the log's keys begin <prefix>:<mesh>:
-    shown: str  # the URL as messages show it: no password
-
-
-def parse_redis_url(url: str) -> RedisTarget:
-    """redis://[:PASSWORD@]HOST:PORT/DB[?prefix=NAME] (rediss:// for TLS), checked at the edge (GatewayConfig) so a
-    typo is an error before the model loads, not a log in a directory named after the URL."""
-    parts = urlsplit(url)
-    shown = url.replace(parts.netloc, parts.netloc.rpartition("@")[2], 1) if "@" in parts.netloc else url
-
-    def bad(what: str) -> StagemeshError:
-        return StagemeshError(f"--state-dir {shown}: {what}; a Redis log is {REDIS_URL_FORM} (rediss:// for TLS), "
-                              "a directory is an SQLite log, off keeps none")
-
-    if parts.scheme not in ("redis", "rediss"):
-        raise bad(f"{parts.scheme}:// is not a log this gateway can keep")
-    if not parts.hostname:
-        raise bad("no host")
-    try:
-        parts.port  # noqa: B018 -- urllib checks it only when read
-    except ValueError:
-        raise bad("the port must be a number from 1 to 65535") from None
-    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
-        raise bad(f"the path is the database number (/0), not {parts.path!r}")
-    query = parse_qs(parts.query, keep_blank_values=True)
-    unknown = sorted(set(query) - {"prefix"})
-    if unknown:
-        raise bad(f"only ?prefix= is read, not {', '.join(unknown)}")
-    prefix = query.get("prefix", ["stagemesh"])[-1]
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
-        raise bad(f"?prefix={prefix!r} must be a non-empty name of letters, digits, '_', '.' and '-'")
-    return RedisTarget(urlunsplit(parts._replace(query="")), prefix, shown)
 
 
 def _top_list(top) -> list | None:

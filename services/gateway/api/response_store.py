@@ -1,11 +1,11 @@
-"""Where `/v1/responses` keeps its response objects (services/gateway/responses_api.py): a small interface,
+"""Where `/v1/responses` keeps its response objects (services/gateway/api/responses.py): a small interface,
 ResponseStore, and the in-memory store behind it. A durable store (SQLite, so a restarted gateway still answers
 `GET /v1/responses/{id}` and `previous_response_id`) implements the same three calls.
 
 A StoredResponse is what a later request may ask of a response: the request as it echoes in the response object,
 the conversation it answered (for `previous_response_id`), and either its running request's handle (whose event
 log the response object and its stream are made from) or, once settled, the final response object and the
-assistant messages it added. The events themselves are the request's log (services/gateway/events.py), kept as
+assistant messages it added. The events themselves are the request's log (services/gateway/frontend/events.py), kept as
 long as the gateway keeps ended requests' logs; a settled record outlives them."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.gateway.events import RequestHandle
+from services.gateway.frontend.events import RequestHandle
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Union
 
-from services.gateway.request import Request, RequestOutput
+from services.gateway.engine.request import Request, RequestOutput
 from shared.batch.sampling import TopLogprobs
 from shared.runtime.trace import HookCapture, TraceRecorder
 from shared.text.streaming import TextStream

@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from services.gateway.output import END_EVENTS, ClientEvent, OutputProcessor
-from services.gateway.request import Request
-from services.gateway.schemas import GenerationSpec
+from services.gateway.engine.request import Request
+from services.gateway.frontend.output import END_EVENTS, ClientEvent, OutputProcessor
+from services.gateway.frontend.schemas import GenerationSpec
 
 KEEP_ENDED = 256  # ended requests whose logs stay readable (the most recently ended ones) ...
 KEEP_ENDED_S = 600.0  # ... for at most this long after they ended (OpenAI keeps a background stream ~10 minutes)

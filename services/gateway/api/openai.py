@@ -10,13 +10,13 @@ import time
 
 from aiohttp import web
 
-from services.gateway.core import GATEWAY, json_body, tool_parser
-from services.gateway.events import RequestHandle
-from services.gateway.output import DoneEvent, ErrorEvent, TokenEvent
-from services.gateway.replicas import SESSION_HEADER
-from services.gateway.request import Request
-from services.gateway.schemas import GenerationSpec, RequestError
-from services.gateway.tools import CallStarted, ContentDelta, ToolCallParser, ToolEvent
+from services.gateway.engine.replicas import SESSION_HEADER
+from services.gateway.engine.request import Request
+from services.gateway.frontend.events import RequestHandle
+from services.gateway.frontend.frontend import GATEWAY, json_body, tool_parser
+from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.frontend.schemas import GenerationSpec, RequestError
+from services.gateway.frontend.tools import CallStarted, ContentDelta, ToolCallParser, ToolEvent
 
 
 def _chat_token(text: str, logprob: float) -> dict:
@@ -177,7 +177,7 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
     """GET /v1/streams/{id}: a request's SSE stream read again, after the event named by `Last-Event-ID` (or
     `?starting_after=`), as `<epoch>:<offset>` or an offset; from its start without one. A request marked
     `resumable` keeps generating while no one reads it (RESUME_GRACE_S); an ended one stays readable for a while
-    (services/gateway/events.py)."""
+    (services/gateway/frontend/events.py)."""
     gw = request.app[GATEWAY]
     rid = request.match_info["id"].removeprefix("chatcmpl-").removeprefix("cmpl-")
     handle = await gw.find(rid)

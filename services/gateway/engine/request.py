@@ -7,7 +7,7 @@ bookkeeping of its micro-batch in flight), its timings (RequestTimes), its activ
 (TraceCapture) and its distributed-tracing span (RequestSpan). The scheduler's policy writes only the first two; the
 engine loop writes the telemetry, from what the policy returns. Its outputs go to the
 engine's on_output, not to a field of it: what a client reads is the front end's RequestHandle and EventLog
-(services/gateway/events.py), which outlive any one connection."""
+(services/gateway/frontend/events.py), which outlive any one connection."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.prefix_cache import PrefixAudit
-from services.gateway.speculation import RequestDrafts
+from services.gateway.engine.drafts import RequestDrafts
+from services.gateway.engine.prefix_cache import PrefixAudit
 from shared.batch.sampling import TopLogprobs
 from shared.runtime.generation import SequenceState
 
@@ -90,7 +90,7 @@ class Request(SequenceState):
 
     # scheduling
     deadline: float = math.inf  # perf_counter time after which the request fails with "timeout"
-    pipeline: str = ""  # the replica running it (services/gateway/replicas.py; "" before routing)
+    pipeline: str = ""  # the replica running it (services/gateway/engine/replicas.py; "" before routing)
     handoffs: int = 0  # times it moved to another replica because its own lost a stage
     replays: int = 0  # replays started: counted when its first replay micro-batch is planned
     cached_tokens: int = 0  # prompt tokens a cached prefix supplied (usage.prompt_tokens_details.cached_tokens)
@@ -106,7 +106,7 @@ class Request(SequenceState):
     starting: bool = False  # ... and that micro-batch holds its first chunk (it allocates the slot on every stage)
     sent: bool = False  # a micro-batch of it was planned since its last release: stages may hold a slot for it
     replay_due: bool = False  # reset for replay, that micro-batch not planned yet
-    # the telemetry around it (what the client reads is the front end's: services/gateway/events.py)
+    # the telemetry around it (what the client reads is the front end's: services/gateway/frontend/events.py)
     times: RequestTimes = field(default_factory=RequestTimes)
     capture: TraceCapture | None = None  # set when traced
     span: RequestSpan | None = None  # set while its stagemesh.request span is open (the engine loop's)

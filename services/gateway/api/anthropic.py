@@ -18,12 +18,12 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.core import GATEWAY, error_status, json_body, tool_parser
-from services.gateway.events import RequestHandle
-from services.gateway.output import DoneEvent, ErrorEvent, TokenEvent
-from services.gateway.replicas import SESSION_HEADER
-from services.gateway.schemas import RequestError
-from services.gateway.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser
+from services.gateway.engine.replicas import SESSION_HEADER
+from services.gateway.frontend.events import RequestHandle
+from services.gateway.frontend.frontend import GATEWAY, error_status, json_body, tool_parser
+from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.frontend.schemas import RequestError
+from services.gateway.frontend.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser
 
 MESSAGES_PATH = "/v1/messages"  # and every path below it: errors in Anthropic's shape
 

@@ -9,8 +9,8 @@ import logging
 import random
 from collections.abc import Callable
 
-from services.gateway.prefix_cache import AUDIT_TOP, AuditTolerance, PrefixAudit, PrefixStats
-from services.gateway.request import Request, RequestOutput, new_seq_id
+from services.gateway.engine.prefix_cache import AUDIT_TOP, AuditTolerance, PrefixAudit, PrefixStats
+from services.gateway.engine.request import Request, RequestOutput, new_seq_id
 from shared.batch.sampling import SamplingParams
 from shared.wire.stage_info import StageInfo
 

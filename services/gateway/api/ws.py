@@ -9,9 +9,9 @@ import logging
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from services.gateway.core import GATEWAY, Gateway
-from services.gateway.events import RequestHandle
-from services.gateway.schemas import RequestError, parse_json_text
+from services.gateway.frontend.events import RequestHandle
+from services.gateway.frontend.frontend import GATEWAY, Gateway
+from services.gateway.frontend.schemas import RequestError, parse_json_text
 from shared.observe.log_throttle import throttled
 
 log = logging.getLogger("stagemesh.gateway.ws")

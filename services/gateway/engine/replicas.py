@@ -22,12 +22,12 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from services.gateway.balance import SPLIT_AUTO_WAITING
-from services.gateway.engine import Engine
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.pipeline import Pipeline
-from services.gateway.request import Request
-from services.gateway.scheduler import Scheduler
+from services.gateway.engine.balance import SPLIT_AUTO_WAITING
+from services.gateway.engine.core import Engine
+from services.gateway.engine.metrics import GatewayMetrics
+from services.gateway.engine.pipeline import Pipeline
+from services.gateway.engine.request import Request
+from services.gateway.engine.scheduler import Scheduler
 
 log = logging.getLogger("stagemesh.gateway.replicas")
 
@@ -45,7 +45,7 @@ class Replica:
     name: str  # "p0", "p1", ...: the `pipeline` label of the metrics, the mesh view and the access log
     pipeline: Pipeline
     engine: Engine  # the loop around its scheduler: what requests are submitted to
-    # its ledger, exported as stagemesh_gateway_routing_decisions and _replica_handoffs (services/gateway/metrics.py):
+    # its ledger, exported as stagemesh_gateway_routing_decisions and _replica_handoffs (services/gateway/engine/metrics.py):
     routed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))  # requests routed here, by reason
     handed_off: int = 0  # open requests it handed to another replica after losing a stage
 
@@ -94,7 +94,7 @@ class Replicas:
     @property
     def ready(self) -> list[Replica]:
         """The replicas that serve: the pipeline ready and its split chosen (--split auto)."""
-        return [r for r in self.all if r.pipeline.ready and r.engine.split_settled]
+        return [r for r in self.all if r.pipeline.ready and r.engine.mesh.split_settled]
 
     @property
     def problem(self) -> str | None:
@@ -103,7 +103,7 @@ class Replicas:
             return None
 
         def why(r: Replica) -> str | None:
-            return r.pipeline.problem or (None if r.engine.split_settled else SPLIT_AUTO_WAITING)
+            return r.pipeline.problem or (None if r.engine.mesh.split_settled else SPLIT_AUTO_WAITING)
 
         if len(self.all) == 1:
             return why(self.all[0])

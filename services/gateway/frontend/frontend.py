@@ -24,10 +24,13 @@ from services.gateway.config import (
     SMALL_PROMPT_CHARS,
     GatewayConfig,
 )
-from services.gateway.durable import RequestStore, StoredRequest
-from services.gateway.events import RequestHandle, RequestRegistry
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.output import (
+from services.gateway.engine.metrics import GatewayMetrics
+from services.gateway.engine.replicas import Replicas
+from services.gateway.engine.request import Request, RequestOutput, TraceCapture, new_seq_id
+from services.gateway.engine.scheduler import QueueFull
+from services.gateway.frontend.durable import RequestStore, StoredRequest
+from services.gateway.frontend.events import RequestHandle, RequestRegistry
+from services.gateway.frontend.output import (
     END_EVENTS,
     ClientEvent,
     DoneEvent,
@@ -35,11 +38,8 @@ from services.gateway.output import (
     OutputProcessor,
     TokenEvent,
 )
-from services.gateway.replicas import Replicas
-from services.gateway.request import Request, RequestOutput, TraceCapture, new_seq_id
-from services.gateway.scheduler import QueueFull
-from services.gateway.schemas import GenerationSpec, RequestError, parse_generation, parse_json_text
-from services.gateway.tools import ToolCallParser, forced_call_schema, tool_messages
+from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation, parse_json_text
+from services.gateway.frontend.tools import ToolCallParser, forced_call_schema, tool_messages
 from shared.errors import ChatTemplateError
 from shared.runtime.model_files import ModelFiles
 from shared.text.grammar import GrammarError, json_schema_grammar
@@ -135,7 +135,7 @@ class Gateway:
     open_streams: int = 0  # readers following an event log (Gateway.events) not yet ended
     websockets: set = field(default_factory=set)  # open web.WebSocketResponse objects, closed after a drain
     _char_cap: tuple[int, int] | None = None  # (context, cap) cache for prompt_char_cap
-    store: RequestStore | None = None  # the durable request log (services/gateway/durable.py); None: --state-dir off
+    store: RequestStore | None = None  # the durable request log (services/gateway/frontend/durable.py); None: --state-dir off
     durable: dict[str, int] = field(default_factory=dict)  # logged requests' ids -> output tokens logged so far
     keep_logged: bool = False  # set as a drain ends what still runs: those stay logged for the next gateway
     # a re-adopted detached request's handle and what its surface logged with it (the Responses API's record)

@@ -228,7 +228,7 @@ class PrefixAudit:
     prompt, greedy with the top AUDIT_TOP logprobs -- `cached` starts from a cached prefix like the request, `full`
     computes everything -- and the last stage's outputs compared. A stage whose kept K/V went wrong (a bug, a
     bit-flip, a slot reused too early) makes the two differ; nothing else should, beyond the stages' rounding
-    (`tolerance`: services.gateway.audit.audit_tolerance; 0 for batch-invariant stages)."""
+    (`tolerance`: services.gateway.engine.audit.audit_tolerance; 0 for batch-invariant stages)."""
 
     request_id: str
     prefix_tokens: int  # what the request's hit reused

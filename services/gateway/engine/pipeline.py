@@ -141,7 +141,7 @@ class Pipeline:
         self._dial_failures: list[int] | None = None  # each sender's failed outbound handshakes at the last check
         self.on_unexpected_result: Callable[[], None] | None = None  # handed to the client (the gateway counts)
         self.stall_s = stall_s
-        self.name = ""  # its replica name when the gateway serves several (services/gateway/replicas.py): logs say it
+        self.name = ""  # its replica name when the gateway serves several (services/gateway/engine/replicas.py): logs say it
         self.resplitting = False  # a live re-split is moving layers: the stages' ranges pass through inconsistent ones
         self.spare: set[str] = set()  # sequences the first release_all leaves live: the gateway re-adopts them in place
         # (why, monotonic time it holds until, the stages' incarnations then) after a micro-batch was lost

@@ -20,11 +20,11 @@ from urllib.parse import urlparse
 
 from aiohttp import web
 
-from services.gateway.balance import SPLIT_AUTO_WAITING
-from services.gateway.core import GATEWAY, Gateway, json_body
-from services.gateway.engine import ResplitError
-from services.gateway.replicas import Replica
-from services.gateway.schemas import RequestError
+from services.gateway.engine.balance import SPLIT_AUTO_WAITING
+from services.gateway.engine.mesh_change import ResplitError
+from services.gateway.engine.replicas import Replica
+from services.gateway.frontend.frontend import GATEWAY, Gateway, json_body
+from services.gateway.frontend.schemas import RequestError
 from shared.errors import LayerRangeError
 from shared.files.layers import parse_split
 from shared.wire.stage_info import StageInfo
@@ -166,7 +166,7 @@ class MeshView:
         many = len(self.gw.replicas.all) > 1
         stages = [self._stage(replica.name, i, url, sched.replaying, many) for i, url in enumerate(pipe.stage_urls)]
         layers = [st.get("layers") for st in stages]
-        engine = replica.engine
+        engine = replica.engine.mesh  # its mesh changes (services/gateway/engine/mesh_change.py)
         return {
             "split": None if None in layers else ",".join(str(r[1]) for r in layers[:-1]),
             "resplitting": engine.resplitting, "resplit_phase": engine.resplit_phase, "resplits": engine.resplits[-4:],
@@ -290,7 +290,7 @@ async def mesh_resplit(request: web.Request) -> web.Response:
     replica = replicas[pipeline]
     try:
         ranges = parse_split(split, replica.pipeline.num_layers)
-        return web.json_response(await replica.engine.resplit(ranges))
+        return web.json_response(await replica.engine.mesh.resplit(ranges))
     except LayerRangeError as e:
         raise RequestError(f"split {split!r}: {e}", param="split", code="bad_split") from None
     except ResplitError as e:
@@ -319,7 +319,7 @@ async def mesh_replace(request: web.Request) -> web.Response:
         raise RequestError("url must be the new stage process's HTTP address, e.g. http://10.0.0.7:8102 (its "
                            "--http)", param="url")
     try:
-        return web.json_response(await replicas[pipeline].engine.replace_stage(stage, url))
+        return web.json_response(await replicas[pipeline].engine.mesh.replace_stage(stage, url))
     except ResplitError as e:
         raise RequestError(str(e), param="url" if e.status == 400 else None, status=e.status,
                            code="bad_replacement" if e.status == 400 else "replacement_refused") from None

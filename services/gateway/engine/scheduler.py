@@ -3,9 +3,9 @@
 Scheduler holds no socket, task, span or metric, and writes no timing or capture (vLLM v1's split): plan() says
 which micro-batches to send now and which KV slots to free first; on_result() turns what came back into per-request
 outputs (tokens accepted, ends, errors, requeues). The rest of its methods (submit, finish, expire, pipeline_lost,
-...) change its state the same way and return an Update. The engine loop (services/gateway/engine.py) does the I/O
+...) change its state the same way and return an Update. The engine loop (services/gateway/engine/core.py) does the I/O
 around it and feeds the metrics and spans from those return values. Turning outputs into text is the output
-processor's job (services/gateway/output.py), as in vLLM v1.
+processor's job (services/gateway/frontend/output.py), as in vLLM v1.
 
 Each request is a SequenceState (shared/runtime/generation.py): `computed` tokens of prompt + output have KV in the
 pipeline, and its next step is a prefill chunk or one decode. A request sits in at most one micro-batch in flight
@@ -21,9 +21,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.gateway.prefix_cache import PrefixIndex
-from services.gateway.request import Request, RequestOutput
-from services.gateway.speculation import DRAFT_ROWS, NGRAM_MAX_RUNNING, Speculator
+from services.gateway.engine.prefix_cache import PrefixIndex
+from services.gateway.engine.request import Request, RequestOutput
+from services.gateway.engine.speculator import DRAFT_ROWS, NGRAM_MAX_RUNNING, Speculator
 from shared.batch.steps import Decode
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
@@ -110,8 +110,8 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self.inflight: dict[int, MicroBatch] = {}  # micro-batch id -> the micro-batch, oldest first
         self.max_inflight_seen = 0
-        self.prefix = PrefixIndex() if config.prefix_cache else None  # services/gateway/prefix_cache.py (None: off)
-        # drafts for decode steps (services/gateway/speculation.py), shared with the other pipelines' schedulers
+        self.prefix = PrefixIndex() if config.prefix_cache else None  # services/gateway/engine/prefix_cache.py (None: off)
+        # drafts for decode steps (services/gateway/engine/speculator.py), shared with the other pipelines' schedulers
         self.speculator = speculator if speculator is not None else Speculator(config.speculation)
         self.kv_cap: int | None = None  # after a kv_full: admit no more than this many running requests ...
         self.kv_cap_until = 0.0  # ... until this time (or until one of them finishes)

@@ -1,0 +1,1 @@
+"""The gateway's API surfaces: one module per surface (OpenAI, Anthropic Messages, Responses, websocket, the mesh view), each translating its requests into the front end's and its events back into its own shape."""
