@@ -272,6 +272,19 @@ def test_a_malformed_prediction_is_a_400_naming_it(value):
     assert e.value.param == "prediction" and e.value.status == 400
 
 
+@pytest.mark.parametrize("extra", [{"response_format": {"type": "json_object"}}, {"presence_penalty": 0.5},
+                                   {"frequency_penalty": -0.5}, {"repetition_penalty": 1.2},
+                                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                    "tool_choice": "required"}])
+def test_a_prediction_with_a_constraint_or_a_penalty_is_a_400_naming_it(extra):
+    """They need one position a step, so the prediction would draft nothing: refused, not silently ignored."""
+    body = {**CHAT, "prediction": {"type": "content", "content": "abc"}, **extra}
+    with pytest.raises(RequestError) as e:
+        parse_generation(body, True, 8192, 49152)
+    assert e.value.param == "prediction" and e.value.status == 400 and "does not go with" in e.value.message, e.value.message
+    parse_generation({k: v for k, v in body.items() if k != "prediction"}, True, 8192, 49152)  # each alone is fine
+
+
 def test_a_prediction_as_text_or_parts():
     assert parse_generation({**CHAT, "prediction": {"type": "content", "content": "abc"}}, True, 8192,
                             49152).prediction == "abc"

@@ -517,7 +517,22 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
         _check_tool_history(spec.messages, spec.tools)
         if spec.tool_choice == "none":
             spec.tools = None  # the model neither sees nor calls them (OpenAI's "none")
+    _check_prediction(spec)
     return spec
+
+
+def _check_prediction(spec: GenerationSpec) -> None:
+    """A prediction drafts several positions a step; a grammar (response_format, a forced tool call) or a penalty
+    needs one position a step, so with either it would draft nothing: refused rather than silently ignored."""
+    if spec.prediction is None:
+        return
+    against = [name for name, on in (("response_format", spec.json_schema is not None),
+                                     ("a forced tool call (tool_choice required or a function)", spec.forced_tool),
+                                     ("presence/frequency/repetition penalties", spec.sampling.penalized)) if on]
+    if against:
+        raise RequestError(f"'prediction' does not go with {' or '.join(against)}: they need one position a step, so "
+                           "nothing of the prediction would be drafted; send one or the other", "prediction",
+                           code="unsupported_parameter")
 
 
 def _prediction(body: dict) -> str | None:
