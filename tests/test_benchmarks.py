@@ -3,7 +3,6 @@
 other's functions, and neither they nor the product import tests/ (nor the product benchmarks/)."""
 
 import ast
-import importlib
 import json
 import pathlib
 import pkgutil
@@ -14,6 +13,7 @@ import pytest
 
 import benchmarks
 from services.testing import harness
+from tests.conftest import starts_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
@@ -118,11 +118,40 @@ def test_level_percentiles_interpolate_between_ranks():
     assert harness._percentile([], 50) != harness._percentile([], 50)  # NaN: no request, no figure
 
 
-@pytest.mark.processes
+# One process answers every script's --help (a process each cost ~3 s of imports, 31 times): it imports each
+# benchmark and runs its main() with argv [--help], and prints a JSON object {name: {"exit", "usage", "error"}}.
+HELP_ALL = """
+import contextlib, importlib, io, json, sys, traceback
+out = {}
+for name in sys.argv[1:]:
+    printed = io.StringIO()
+    try:
+        module = importlib.import_module(f"benchmarks.{name}")
+        sys.argv = [f"python -m benchmarks.{name}", "--help"]
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            module.main()
+        out[name] = {"exit": "main() returned instead of exiting after --help", "usage": printed.getvalue()}
+    except SystemExit as e:
+        out[name] = {"exit": e.code, "usage": printed.getvalue()}
+    except BaseException:
+        out[name] = {"exit": None, "usage": printed.getvalue(), "error": traceback.format_exc()[-2000:]}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+@starts_processes
+def helps() -> dict:
+    """{benchmark: what `--help` gave}, all of them from one fresh interpreter (not this one: a script's imports
+    and argparse run as `python -m benchmarks.NAME --help` runs them)."""
+    proc = subprocess.run([sys.executable, "-c", HELP_ALL, *MODULES], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("name", MODULES)
-def test_every_benchmark_module_imports(name):
-    module = importlib.import_module(f"benchmarks.{name}")
-    if hasattr(module, "main"):  # a script: its --help works as a command
-        proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]
+def test_every_benchmark_imports_and_answers_help(helps, name):
+    got = helps[name]
+    assert "error" not in got, f"benchmarks.{name}: {got['error']}"
+    assert got["exit"] == 0 and "usage" in got["usage"].lower(), f"benchmarks.{name} --help: {got}"

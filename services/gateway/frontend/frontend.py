@@ -77,9 +77,10 @@ def error_status(ev: ErrorEvent) -> RequestError:
     return RequestError(ev.message, status=ERROR_STATUS.get(ev.code, 503), code=ev.code)
 
 
-def tool_parser(spec: GenerationSpec) -> ToolCallParser | None:
-    """The parser that reads tool calls out of a request's text, when it has tools."""
-    return ToolCallParser(forced=spec.forced_tool) if spec.tools is not None else None
+def tool_parser(spec: GenerationSpec, request_id: str) -> ToolCallParser | None:
+    """The parser that reads tool calls out of a request's text, when it has tools (its calls named by the request,
+    the same on every reading)."""
+    return ToolCallParser(forced=spec.forced_tool, request_id=request_id) if spec.tools is not None else None
 
 
 class TokenizeLanes:
