@@ -105,8 +105,9 @@ install-browser:
 serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
+# --durations=40: the slowest tests and setups, listed after every run (what the suite's time goes to).
 test: install install-reference install-browser install-kubectl fetch-vocab-suite
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=40
 
 # The unit tier: no real process, no llama.cpp (tests marked `reference` need its binding or sources), nothing slow;
 # about a minute on 2 cores, set up with `install` alone.

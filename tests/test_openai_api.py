@@ -559,6 +559,40 @@ async def test_a_resumable_stream_outlives_its_connection_and_resumes_after_its_
             assert r.status == 404 and (await r.json())["error"]["code"] == "stream_not_found"
 
 
+def _frames(raw: bytes) -> list[bytes]:
+    """An SSE body's events, byte for byte (each with its id line), in order."""
+    return [f + b"\n\n" for f in raw.split(b"\n\n") if f]
+
+
+async def test_resuming_after_any_chunk_gives_exactly_the_rest_byte_for_byte(gateway):
+    """Issue 69 item 2: one id per SSE event. A stream with a role chunk, a forced tool call (several chunks from
+    one token, at times), a final chunk and a usage chunk, resumed after each of its chunks in turn: each resumed
+    reading is the rest of the first one byte for byte, ids included -- no gap, no duplicate."""
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "temperature": 0, "max_tokens": 40, "stream": True, "stream_options": {"include_usage": True},
+            "resumable": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gateway.url + "/v1/chat/completions", json=body) as r:
+            whole = _frames(await r.read())
+        assert whole[-1] == b"data: [DONE]\n\n"
+        ids = [f.split(b"\n", 1)[0].decode() for f in whole[:-1]]
+        assert all(i.startswith("id: ") for i in ids) and len(set(ids)) == len(ids)  # one id per event
+        chunks = [json.loads(f.split(b"data: ", 1)[1]) for f in whole[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and "usage" in chunks[-1]
+        assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+        assert sum(bool(c["choices"] and c["choices"][0]["delta"].get("tool_calls")) for c in chunks) > 2
+        rid = chunks[0]["id"]
+        for k, eid in enumerate(ids):
+            async with s.get(f"{gateway.url}/v1/streams/{rid}", headers={"Last-Event-ID": eid[4:]}) as r:
+                assert r.status == 200
+                assert _frames(await r.read()) == whole[k + 1:], f"resumed after chunk {k} ({eid})"
+        epoch, _, last = ids[-1][4:].rpartition(":")
+        async with s.get(f"{gateway.url}/v1/streams/{rid}?starting_after={epoch}:{int(last) + 1}") as r:
+            past = _frames(await r.read())  # issue 69 item 8: a cursor past the end is an error, not [DONE]
+        (error,) = [json.loads(f.split(b"data: ", 1)[1])["error"] for f in past]
+        assert error["code"] == "cursor_out_of_range" and last in error["message"], past
+
+
 async def test_a_stream_not_marked_resumable_ends_with_its_connection(gateway):
     body = {"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as s:

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.gateway.api import sse
 from services.gateway.engine.replicas import SESSION_HEADER
 from services.gateway.frontend.events import RequestHandle
 from services.gateway.frontend.frontend import GATEWAY, error_status, json_body, tool_parser
@@ -378,7 +379,7 @@ class MessageShape:
 
     def __init__(self, handle: RequestHandle, model_id: str):
         self.seq = handle.seq
-        self.tools: ToolCallParser | None = tool_parser(handle.spec)
+        self.tools: ToolCallParser | None = tool_parser(handle.spec, handle.id)
         self.base = {"id": "msg_" + handle.id, "type": "message", "role": "assistant", "model": model_id}
         self.block: int | None = None  # index of the open content block
         self.blocks = 0  # content blocks started
@@ -506,18 +507,16 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, gw, handle: RequestHandle, shape: MessageShape) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
+    """Anthropic's stream events, named (`event:`) and without ids: a Messages stream is not resumed."""
+    out = await sse.SSEStream.open(request)
     started = False
     async with contextlib.aclosing(gw.events(handle)) as log:
         async for _, ev in log:
             events = shape.events(ev)
             if not started and not isinstance(ev, ErrorEvent):
                 events, started = shape.start() + events, True
-            await resp.write("".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in events).encode())
-    await resp.write_eof()
-    return resp
+            await out.send_frames([sse.frame(data, event=name) for name, data in events])
+    return await out.close()
 
 
 async def count_message_tokens(request: web.Request) -> web.Response:

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 from aiohttp import web
 
+from services.gateway.api import sse
 from services.gateway.engine.balance import SPLIT_AUTO_WAITING
 from services.gateway.engine.mesh_change import ResplitError
 from services.gateway.engine.replicas import Replica
@@ -253,18 +254,16 @@ async def mesh_snapshot(request: web.Request) -> web.Response:
 async def mesh_stream(request: web.Request) -> web.StreamResponse:
     """Server-sent events: one `data: <snapshot JSON>` per tick until the client leaves or the gateway drains."""
     view = request.app[MESH_VIEW]
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
+    out = await sse.SSEStream.open(request)
     if not view.version:
         view.sample()
     version = 0
     while not view.gw.draining:
         if view.version > version:
             version = view.version
-            await resp.write(f"data: {view.encoded}\n\n".encode())
+            await out.send(view.encoded)
         await view.next_after(version, timeout=view.tick_s * 2)
-    return resp
+    return out.resp
 
 
 async def mesh_resplit(request: web.Request) -> web.Response:

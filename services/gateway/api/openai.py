@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 
 from aiohttp import web
 
+from services.gateway.api import sse
 from services.gateway.engine.replicas import SESSION_HEADER
 from services.gateway.engine.request import Request
 from services.gateway.frontend.events import RequestHandle
@@ -124,34 +124,40 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if spec.stream:
             return await _stream_sse(request, gw, handle, shape)
         tokens, done = await gw.collect(handle)
-        return web.json_response(shape.response(tokens, done, tool_parser(spec)))
+        return web.json_response(shape.response(tokens, done, tool_parser(spec, handle.id)))
     finally:
         gw.leave(handle)  # no-op when finished; frees KV slots when the client went away
 
 
-async def _stream_sse(request, gw, handle: RequestHandle, shape: OpenAIShape, start: int = 0) -> web.StreamResponse:
-    """The request's chunks as SSE, each with the id `<epoch>:<offset>` of the event it comes from. From `start`
-    (a resumed stream): the events before it are shaped again, unsent, so every chunk after it is the one the first
-    reading sent (the tool parser's and the logprobs' state included)."""
+async def _stream_sse(request, gw, handle: RequestHandle, shape: OpenAIShape, after: int = -1) -> web.StreamResponse:
+    """The request's chunks as SSE, one id `<epoch>:<n>` per chunk (n: 0, 1, ... in the order they are written, the
+    role chunk first). After `after` (a resumed stream): the chunks up to it are shaped again, unsent, so every chunk
+    after it is the one the first reading sent, id included (the tool parser's and the logprobs' state too). A
+    cursor past the last chunk ends the stream with a cursor_out_of_range error, not [DONE]."""
     spec = handle.spec
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
+    out = await sse.SSEStream.open(request)
+    n = -1  # the number of the last chunk shaped
 
-    async def send(obj, offset: int) -> None:
-        if offset >= start:
-            await resp.write(f"id: {gw.epoch}:{offset}\ndata: {json.dumps(obj)}\n\n".encode())
+    async def send(chunks: list[dict]) -> None:
+        nonlocal n
+        frames = []
+        for chunk in chunks:
+            n += 1
+            if n > after:
+                frames.append(sse.frame(chunk, id=f"{gw.epoch}:{n}"))
+        await out.send_frames(frames)
 
     if shape.chat:
-        await send(shape.chunk({"role": "assistant", "content": ""}), 0)
-    tools = tool_parser(spec)
+        await send([shape.chunk({"role": "assistant", "content": ""})])
+    tools = tool_parser(spec, handle.id)
     async with contextlib.aclosing(gw.events(handle)) as events:
-        async for offset, ev in events:
-            for chunk in _chunks(shape, spec, tools, ev):
-                await send(chunk, offset)
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+        async for _, ev in events:
+            await send(_chunks(shape, spec, tools, ev))
+    if after > n:
+        await out.send({"error": sse.past_the_end(after, n, "Last-Event-ID").openai_body()["error"]})
+    else:
+        await out.send("[DONE]")
+    return await out.close()
 
 
 def _chunks(shape: OpenAIShape, spec: GenerationSpec, tools: ToolCallParser | None, ev) -> list[dict]:
@@ -175,28 +181,19 @@ def _chunks(shape: OpenAIShape, spec: GenerationSpec, tools: ToolCallParser | No
 
 async def resume_stream(request: web.Request) -> web.StreamResponse:
     """GET /v1/streams/{id}: a request's SSE stream read again, after the event named by `Last-Event-ID` (or
-    `?starting_after=`), as `<epoch>:<offset>` or an offset; from its start without one. A request marked
+    `?starting_after=`), as `<epoch>:<n>` or `<n>`; from its start without one. A request marked
     `resumable` keeps generating while no one reads it (RESUME_GRACE_S); an ended one stays readable for a while
-    (services/gateway/frontend/events.py)."""
+    (services/gateway/frontend/events.py). Cursors: services/gateway/api/sse.py."""
     gw = request.app[GATEWAY]
     rid = request.match_info["id"].removeprefix("chatcmpl-").removeprefix("cmpl-")
     handle = await gw.find(rid)
     if handle is None:
         raise RequestError(f"no stream {request.match_info['id']!r} here: it never ran on this gateway, or ended "
                            "too long ago to be kept", status=404, code="stream_not_found")
-    cursor = request.headers.get("Last-Event-ID") or request.query.get("starting_after")
-    start = 0
-    if cursor:
-        epoch, _, offset = cursor.rpartition(":")
-        if epoch and epoch != gw.epoch:
-            raise RequestError(f"the cursor {cursor!r} is from another run of this gateway (it restarted since): "
-                               "its events are gone", status=410, code="stream_expired")
-        if not offset.isdigit() or len(offset) > 9:
-            raise RequestError(f"the cursor {cursor!r} is not an event id (`<epoch>:<offset>`)", "Last-Event-ID")
-        start = int(offset) + 1
+    after = sse.chat_cursor(request, gw.epoch)
     shape = OpenAIShape(handle.seq, handle.chat, gw.config.model_id, handle.spec, handle.created)
     try:
-        return await _stream_sse(request, gw, handle, shape, start)
+        return await _stream_sse(request, gw, handle, shape, after)
     finally:
         gw.leave(handle)
 

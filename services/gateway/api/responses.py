@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.gateway.api import sse
 from services.gateway.api.response_store import ResponseStore, StoredResponse
 from services.gateway.engine.replicas import SESSION_HEADER
 from services.gateway.frontend.events import KEEP_ENDED, KEEP_ENDED_S, RequestHandle
@@ -373,7 +374,7 @@ class ResponseShape:
     def __init__(self, record: StoredResponse, spec: GenerationSpec):
         self.record = record
         self.key = record.request_id
-        self.parser = tool_parser(spec)
+        self.parser = tool_parser(spec, record.request_id)
         self.seq = 0
         self.status = "queued" if record.background else "in_progress"
         self.output: list[dict] = []
@@ -515,38 +516,31 @@ def response_object(store: ResponseStore, record: StoredResponse) -> dict:
 
 # ---- the handlers ------------------------------------------------------------------------------------------------
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _sse(event: dict, numbered: bool = True) -> bytes:
-    """One event as SSE: its type, its sequence number as the id (what EventSource sends back as Last-Event-ID)."""
-    head = f"event: {event['type']}\n" + (f"id: {event['sequence_number']}\n" if numbered else "")
-    return f"{head}data: {json.dumps(event)}\n\n".encode()
-
-
 async def _stream(request: web.Request, gw: Gateway, record: StoredResponse, handle: RequestHandle,
                   after: int = -1) -> web.StreamResponse:
-    """The response's events with sequence numbers after `after`, following its log to its end. A cursor past the
-    last event gets an error event saying so."""
-    resp = web.StreamResponse(headers=SSE_HEADERS)
-    await resp.prepare(request)
+    """The response's events with sequence numbers after `after` (each event's id), following its log to its end. A
+    cursor past the last event gets an error event saying so."""
+    out = await sse.SSEStream.open(request)
     shape = ResponseShape(record, handle.spec)
 
     async def send(events: list[dict]) -> None:
-        for ev in events:
-            if ev["sequence_number"] > after:
-                await resp.write(_sse(ev))
+        await out.send_frames([sse.frame(ev, event=ev["type"], id=ev["sequence_number"]) for ev in events
+                               if ev["sequence_number"] > after])
 
     await send(shape.start())
     async with contextlib.aclosing(gw.events(handle)) as events:
         async for _, ev in events:
             await send(shape.push(ev))
     if after >= shape.seq:
-        await resp.write(_sse({"type": "error", "code": "cursor_out_of_range", "param": "starting_after",
-                               "message": f"starting_after {after} is past this response's last event (sequence "
-                                          f"number {shape.seq - 1})", "sequence_number": after + 1}, numbered=False))
-    await resp.write_eof()
-    return resp
+        await _error_event(out, sse.past_the_end(after, shape.seq - 1, "starting_after"), after)
+    return await out.close()
+
+
+async def _error_event(out: sse.SSEStream, e: RequestError, after: int) -> None:
+    """An error as the stream's last event, without an id (not an event of the response: a reconnecting client keeps
+    its cursor)."""
+    await out.send({"type": "error", "code": e.code, "param": e.param, "message": e.message,
+                    "sequence_number": after + 1}, event="error")
 
 
 async def _record(request: web.Request) -> StoredResponse:
@@ -602,17 +596,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             settle(store, record)
 
 
-def _cursor(request: web.Request) -> int:
-    """starting_after (or an EventSource's Last-Event-ID): the last sequence number the client has; -1: none."""
-    raw = request.query.get("starting_after") or request.headers.get("Last-Event-ID")
-    if raw is None or raw == "":
-        return -1
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
-        raise RequestError(f"'starting_after' must be a sequence number (an integer >= 0), got {raw[:40]!r}",
-                           "starting_after")
-    return int(raw)
-
-
 def _query_flag(request: web.Request, key: str) -> bool:
     raw = request.query.get(key, "false").lower()
     if raw not in ("true", "false", "1", "0", ""):
@@ -626,18 +609,15 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     record = await _record(request)
     if not _query_flag(request, "stream"):
         return web.json_response(response_object(store, record))
-    after = _cursor(request)
+    after = sse.sequence_cursor(request)
     handle = record.handle or gw.requests.get(record.request_id)
     if handle is None:  # settled, and its log forgotten since
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-        await resp.write(_sse({"type": "error", "code": "stream_expired", "param": None, "sequence_number": after + 1,
-                               "message": f"the events of {record.id} are no longer kept (a stream stays readable "
-                                          f"{KEEP_ENDED_S:g} s after it ends, the {KEEP_ENDED} most recent); GET "
-                                          f"/v1/responses/{record.id} without stream=true returns the whole response"},
-                              numbered=False))
-        await resp.write_eof()
-        return resp
+        out = await sse.SSEStream.open(request)
+        await _error_event(out, RequestError(
+            f"the events of {record.id} are no longer kept (a stream stays readable {KEEP_ENDED_S:g} s after it "
+            f"ends, the {KEEP_ENDED} most recent); GET /v1/responses/{record.id} without stream=true returns the "
+            "whole response", code="stream_expired"), after)
+        return await out.close()
     try:
         return await _stream(request, gw, record, handle, after)
     finally:

@@ -72,8 +72,10 @@ def forced_call_schema(tools: list[dict], choice: str | dict) -> dict:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+def new_call_id(request_id: str | None = None, index: int = 0) -> str:
+    """A tool call's id: `call_<request id>_<index>` -- the same on every reading of the request's log, so a resumed
+    stream names its calls as the first reading did -- or, without a request, a random one."""
+    return f"call_{request_id}_{index}" if request_id is not None else "call_" + uuid.uuid4().hex[:24]
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class ToolCallParser:
     back); each tagged call is reported whole once its closing tag arrives, and text after the calls is dropped."""
 
     forced: bool
+    request_id: str | None = None  # names the calls (new_call_id)
     calls: list[dict] = field(default_factory=list)  # {"id", "type": "function", "function": {"name", "arguments"}}
     _buffer: str = ""
     _in_call: bool = False  # (not forced) inside <tool_call>...</tool_call>
@@ -147,7 +150,8 @@ class ToolCallParser:
             if m is None:
                 return events
             name = json.loads(f'"{m.group(1)}"')
-            self.calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}})
+            self.calls.append({"id": new_call_id(self.request_id), "type": "function",
+                               "function": {"name": name, "arguments": ""}})
             events.append(CallStarted(0, self.calls[0]["id"], name))
             self._buffer = self._buffer[m.end():]
         if len(self._buffer) > 1:  # hold back the last character: it may be the object's closing brace
@@ -194,7 +198,8 @@ class ToolCallParser:
             return []  # not a call this parser can report; dropped rather than shown half-parsed
         index = len(self.calls)
         args = json.dumps(obj["arguments"])
-        self.calls.append({"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}})
+        self.calls.append({"id": new_call_id(self.request_id, index), "type": "function",
+                           "function": {"name": obj["name"], "arguments": args}})
         return [CallStarted(index, self.calls[index]["id"], obj["name"]), ArgumentsDelta(index, args)]
 
 
