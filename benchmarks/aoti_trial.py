@@ -39,6 +39,7 @@ T_START = time.perf_counter()
 import torch  # noqa: E402
 
 from services.testing.harness import Report  # noqa: E402
+from shared.batch.layout import BatchLayout  # noqa: E402
 from shared.batch.steps import Decode  # noqa: E402
 from shared.files.gguf_loader import GgufLoader  # noqa: E402
 from shared.files.model_registry import resolve_model  # noqa: E402
@@ -46,7 +47,6 @@ from shared.kernels import qdot  # noqa: E402
 from shared.models.attention import OneSequenceDecode  # noqa: E402
 from shared.models.compiled_decode import CompiledDecode  # noqa: E402
 from shared.models.device import resolve_dtype  # noqa: E402
-from shared.models.kv_cache import BatchLayout  # noqa: E402
 from shared.runtime.stage_runtime import StageRuntime  # noqa: E402
 
 SLOTS = 4

@@ -18,7 +18,8 @@ import torch
 
 from shared.files.gguf_loader import GgufLoader, RawTensor
 from shared.files.model_registry import resolve_model
-from shared.models.linear import DenseLinear, Int4Linear, _apply_groups, dequantize, unpack_levels
+from shared.models.linear import DenseLinear, Int4Linear
+from shared.models.quant import apply_groups, dequantize, unpack_levels
 
 
 def _step_ms(kinds: list[list], xs: dict[int, torch.Tensor], m: int, repeat: int) -> list[float]:
@@ -50,7 +51,7 @@ def main() -> None:
             data = torch.cat([r.data for r in raws])
             raw = RawTensor("+".join(g), raws[0].ggml_type, (sum(r.shape[0] for r in raws), raws[0].shape[1]), data)
             q, scale, low = unpack_levels(raw)
-            exact = _apply_groups(q, scale, low)
+            exact = apply_groups(q, scale, low)
             w4 = Int4Linear(q, scale, low)
             int4.append(w4)
             bf16.append(DenseLinear(exact, torch.bfloat16))

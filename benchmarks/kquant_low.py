@@ -24,7 +24,8 @@ import torch
 
 from services.testing.tiny_gguf import ggml_quantize_rows
 from shared.files.gguf_loader import RawTensor
-from shared.models.linear import DenseLinear, Int8Linear, QdotLinear, dense_dtype, dequantize
+from shared.models.linear import DenseLinear, Int8Linear, QdotLinear, dense_dtype
+from shared.models.quant import dequantize
 
 
 def _best_ms(kernels: dict, x: torch.Tensor, repeat: int, calls: int) -> dict[str, float]:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from shared.batch.layout import BatchLayout
 from shared.batch.steps import Decode, Prefill
 from shared.kernels import qdot
 from shared.models.attention import (
@@ -22,7 +23,6 @@ from shared.models.attention import (
     SplitDecode,
     choose_attention,
 )
-from shared.models.kv_cache import BatchLayout
 
 H, KVH, HD, SLOTS, MAX_SEQ = 8, 2, 16, 12, 96
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}  # of the largest |value|

@@ -124,7 +124,7 @@ def batched_attention(request, monkeypatch):
     from shared.models.attention import KernelDecode
 
     if request.param == "sdpa":
-        monkeypatch.setattr(KernelDecode, "applies", staticmethod(lambda model, layout: False))
+        monkeypatch.setattr(KernelDecode, "applies", staticmethod(lambda config, dtype, device: False))
     elif not qdot.usable():
         pytest.skip(f"the decode-attention kernel does not run here: {qdot.why_not()}")
     return request.param
@@ -172,9 +172,9 @@ COMPILE_GATE = threading.Event()
 def test_batched_decode_attends_per_run_of_slots_when_the_batch_lies_far_apart(smollm2, windows, batched_attention):
     """Sequences in slots 0, 1 and 8 (kept prefixes or idle sequences between them): the batch attends as two windows,
     slots 0-1 and slot 8, not one window over the six between, and each row still equals its single-pass logits."""
+    from shared.batch.layout import BatchLayout
     from shared.batch.steps import Decode, Prefill
     from shared.models.attention import DecodeWindow, SplitDecode
-    from shared.models.kv_cache import BatchLayout
     from shared.wire.protocol import SeqEntry
 
     pipeline = LocalPipeline.load(smollm2.loader, None, torch.float32, kv_slots=10)  # the 10th: window_logits
@@ -395,9 +395,9 @@ def test_compiled_decode_runs_decode_batches_on_one_batched_graph(smollm2, windo
 
 def test_compiled_decode_leaves_long_contexts_and_large_batches_to_the_eager_step(smollm2, compiled_pipeline):
     """A context the one-sequence graph does not serve, or a batch larger than the batched graph's: eager."""
+    from shared.batch.layout import BatchLayout
     from shared.batch.steps import Decode, Prefill
     from shared.models.compiled_decode import CompiledDecode
-    from shared.models.kv_cache import BatchLayout
 
     compiled = wait_compiled(compiled_pipeline)
     piece = compiled_pipeline.pieces[0]

@@ -19,7 +19,7 @@ from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.sampling import SamplingParams
 from shared.batch.steps import Prefill
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
-from shared.models import kv_cache
+from shared.models import kv_pages
 from shared.models.kv_cache import KVCache
 from shared.runtime.generation import generate_tokens
 from shared.wire.protocol import ForwardBatch, ReleaseSeqs, SeqEntry, decode, encode
@@ -177,8 +177,8 @@ def test_a_sequence_that_would_pass_the_live_bound_is_refused_while_running_ones
     """live_bytes: a micro-batch that starts a sequence past the live sequences' K/V bound is refused (kv_full: the
     gateway waits and sends it again); one that only continues running sequences always runs. Kept prefixes count
     against their own bound, not this one."""
+    from shared.batch.layout import BatchLayout
     from shared.batch.steps import Decode, Prefill
-    from shared.models.kv_cache import BatchLayout
 
     kv = KVCache(num_layers=1, num_slots=3, max_seq_len=64, num_kv_heads=1, head_dim=4, dtype=torch.float32,
                  prefix_slots=1)
@@ -315,9 +315,9 @@ def test_the_caches_of_one_process_share_its_mapping_budget(monkeypatch):
     sequence copies the prefix, and a released borrower or a cache that is gone gives its mappings back."""
     import gc
 
-    budget = kv_cache.MapBudget(limit=1000, in_use=0)
+    budget = kv_pages.MapBudget(limit=1000, in_use=0)
     budget.limit = 16  # one borrowing row of the caches below: 1 layer x K, V x 2 heads x 2 pieces = 8; two rows 16
-    monkeypatch.setattr(kv_cache, "_process_maps", budget)
+    monkeypatch.setattr(kv_pages, "_process_maps", budget)
 
     def cache_with_prefix() -> KVCache:
         kv = KVCache(num_layers=1, num_slots=2, max_seq_len=256, num_kv_heads=2, head_dim=64, dtype=torch.float32,

@@ -14,7 +14,8 @@ from gguf.quants import quantize
 from shared.errors import CapabilityMissing
 from shared.files.gguf_loader import RawTensor
 from shared.kernels import qdot
-from shared.models.linear import QdotLinear, dequantize, stored_kernel, unpack_levels
+from shared.models.linear import QdotLinear, stored_kernel
+from shared.models.quant import dequantize, unpack_levels
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the types gguf's quantizer writes (Q4_K: _q4_k_raw)
 
@@ -186,7 +187,7 @@ def test_q6_k_runs_as_q6_16_blocks_with_the_files_numbers():
     the activations to 8 bits per 16 as well (llama.cpp per 256 for this type; per 32, Gemma 3's perplexity was 2.5 %
     higher), so the product is the sum of per-16 integer dots, each scaled by its half's weight and activation
     scales: swapping the halves or the bit planes, or quantizing the activations per 32, would be far off."""
-    from shared.models.linear import q6_k_levels
+    from shared.models.quant import q6_k_levels
 
     raw = _q6_k_raw(43, 512, seed=6)  # 43 rows: the last group of 8 padded
     levels, scale = q6_k_levels(raw)
@@ -440,7 +441,7 @@ def _q8_k_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _llama_cpp_k_low_product(x: np.ndarray, raw: RawTensor) -> np.ndarray:
     """ggml's vec_dot_q2_K_q8_K / q3_K_q8_K in numpy: per superblock, the exact integer sum over its 16 sub-blocks of
     scale x dot (and Q2_K's sum of min x the activations' sum), times d_w d_x (and dmin_w d_x), summed in float64."""
-    from shared.models.linear import k_low_levels
+    from shared.models.quant import k_low_levels
 
     levels, scales, d, dmin = k_low_levels(raw)
     n, k = raw.shape
@@ -464,7 +465,7 @@ def test_q2_k_and_q3_k_run_on_their_own_superblocks_as_llama_cpp_multiplies_them
     llama.cpp's scheme (activations as q8_K: one float scale per 256, exact integer sums per superblock) to fp32
     rounding, for 1 to 12 rows (the kernel's tiles of 4, 3, 2, 1) and 43 weight rows (the last group of 8 padded). A
     swapped sub-block, scale nibble, third bit or activation scale would be far off."""
-    from shared.models.linear import k_low_levels
+    from shared.models.quant import k_low_levels
 
     raw = _k_low_raw(qtype, 43, 768, seed=8)
     levels, scales, d, dmin = k_low_levels(raw)

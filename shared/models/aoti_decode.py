@@ -35,11 +35,12 @@ import time
 
 import torch
 
+from shared.batch.layout import BatchLayout
 from shared.batch.steps import Decode, Prefill
 from shared.kernels import qdot
 from shared.models import linear
 from shared.models.attention import OneSequenceDecode
-from shared.models.kv_cache import BatchLayout, KVCache
+from shared.models.kv_cache import KVCache
 
 log = logging.getLogger("stagemesh.compiled_decode")
 

@@ -32,9 +32,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from shared.batch.layout import BatchLayout
 from shared.kernels import qdot
 from shared.models.config import ModelConfig
-from shared.models.kv_cache import BatchLayout
 
 
 @dataclass(frozen=True)

@@ -59,10 +59,11 @@ import types
 
 import torch
 
+from shared.batch.layout import BatchLayout
 from shared.errors import CapabilityMissing
 from shared.models import aoti_decode, linear, transformer
 from shared.models.attention import BatchDecode, OneSequenceDecode
-from shared.models.kv_cache import BatchLayout, KVCache
+from shared.models.kv_cache import KVCache
 
 log = logging.getLogger("stagemesh.compiled_decode")
 

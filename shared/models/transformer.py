@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from shared.batch.layout import BatchLayout
 from shared.errors import CapabilityMissing, GgufError
 from shared.files.gguf_loader import GgufLoader, RawTensor
 from shared.files.layers import LayerRange
@@ -28,7 +29,7 @@ from shared.kernels import qdot
 from shared.models.attention import Attention, Scores, choose_attention
 from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
-from shared.models.kv_cache import BatchLayout, KVCache, position_bytes
+from shared.models.kv_cache import KVCache, position_bytes
 from shared.models.linear import (
     WEIGHT_MODES,
     Int4Linear,

@@ -9,6 +9,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from shared.batch.layout import BatchLayout
 from shared.batch.steps import Decode
 from shared.config import COMPILE_MODES, STAGE_DEFAULTS
 from shared.errors import BadBatch, CapabilityMissing, MissingActivation
@@ -19,7 +20,7 @@ from shared.models.aoti_decode import cache_dir as package_cache_dir
 from shared.models.attention import KernelDecode
 from shared.models.compiled_decode import CompiledDecode, why_not_compilable
 from shared.models.crossover import apply_measured_crossover
-from shared.models.kv_cache import BatchLayout, KVCache, position_bytes
+from shared.models.kv_cache import KVCache, position_bytes
 from shared.models.memory import default_budget, default_prefix_bytes
 from shared.wire.protocol import SeqEntry
 
