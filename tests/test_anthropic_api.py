@@ -12,7 +12,7 @@ import pytest
 from services.gateway.api.anthropic import MessageShape, message, translate
 from services.gateway.engine.request import Request
 from services.gateway.frontend.events import RequestHandle
-from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent, Usage
 from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation
 
 KEY = "k3y-for-messages"
@@ -154,8 +154,7 @@ def _shape(tools: bool = False, forced: bool = False) -> MessageShape:
 
 
 def _done(reason: str, stop: str | None = None, cached: int = 0) -> DoneEvent:
-    return DoneEvent(reason, {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                              "prompt_tokens_details": {"cached_tokens": cached}}, {}, stop_string=stop)
+    return DoneEvent(reason, Usage(prompt_tokens=3, cached_tokens=cached, completion_tokens=2), {}, stop_string=stop)
 
 
 def _run(shape: MessageShape, texts: list[str], done) -> list[tuple[str, dict]]:

@@ -18,7 +18,7 @@ from services.gateway.engine.metrics import GatewayMetrics
 from services.gateway.engine.replicas import Replica, Replicas
 from services.gateway.frontend.events import EventLog, RequestRegistry
 from services.gateway.frontend.frontend import Gateway
-from services.gateway.frontend.output import DoneEvent, TokenEvent
+from services.gateway.frontend.output import DoneEvent, TokenEvent, Usage
 from shared.runtime.model_files import ModelFiles
 from tests.test_scheduler import Harness, tiny_path  # noqa: F401  (tiny_path: the fixture, used by name)
 
@@ -38,7 +38,7 @@ async def test_followers_see_every_event_once_from_their_offset_and_wait_for_mor
         assert log.append(TokenEvent(n, f"t{n}", n, None)) == n
         await asyncio.sleep(0)  # followers run between appends: they wait for what is not there yet
     assert not log.ended
-    log.append(DoneEvent("length", {}, {}))
+    log.append(DoneEvent("length", Usage(0, 0, 0), {}))
     await asyncio.wait_for(asyncio.gather(*readers), 5)
     assert first == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, "done")]
     assert second == first[2:]
@@ -114,7 +114,7 @@ async def test_a_request_followed_by_two_readers_outlives_one_and_is_re_read_aft
     await fe.run_until(lambda: staying.done())
     whole = await staying
     assert [o for o, _ in whole] == list(range(len(whole))) and isinstance(whole[-1][1], DoneEvent)
-    assert whole[-1][1].finish_reason == "length" and whole[-1][1].usage["completion_tokens"] == TOKENS
+    assert whole[-1][1].finish_reason == "length" and whole[-1][1].usage.completion_tokens == TOKENS
     assert left == whole[:4]  # the same events, not a share of them
     assert fe.gw.open_streams == 0 and not fe.gw.requests.open
     again = fe.gw.requests.get(handle.id)

@@ -5,8 +5,11 @@ against one real `stagemesh up` (1 stage, SmolLM2), the setup tests/test_openai_
 
 import asyncio
 import json
+import os
+import sqlite3
 import time
 import uuid
+from urllib.parse import urlsplit
 
 import aiohttp
 import openai
@@ -18,9 +21,10 @@ from pydantic import BaseModel, Field
 from services.gateway.api.response_store import MemoryResponseStore, StoredResponse
 from services.gateway.api.responses import ResponseShape, add_responses_api, parse_request
 from services.gateway.engine.request import Request
+from services.gateway.frontend import durable
 from services.gateway.frontend.events import EventLog, RequestHandle, RequestRegistry
 from services.gateway.frontend.frontend import GATEWAY
-from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent, Usage
 from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation
 from tests.test_events import FrontEnd
 from tests.test_openai_api import CAP, client, gateway  # noqa: F401  (fixtures: the same shared up)
@@ -194,7 +198,7 @@ def test_the_store_keeps_running_responses_and_the_newest_ended_within_its_age()
 
 # ---- the stream events, made from a request's event log (no processes) ---------------------------------------------
 
-USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0}}
+USAGE = Usage(prompt_tokens=7, cached_tokens=0, completion_tokens=3)
 
 
 def shape_of(log: EventLog, spec: GenerationSpec, background: bool = False) -> tuple[list[dict], dict]:
@@ -509,3 +513,57 @@ async def test_a_stream_whose_log_is_no_longer_kept_says_so_and_the_response_sta
     (event,) = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
     assert event["type"] == "error" and event["code"] == "stream_expired" and "no longer kept" in event["message"]
     assert "\nid:" not in text  # not an event of the response: a reconnecting client keeps its cursor
+
+
+# ---- what is deleted is gone (issue 69, item 1) --------------------------------------------------------------------
+
+def _log_rows(gateway, request_id: str) -> int:
+    """The rows the shared up's durable request log (its default --state-dir) holds for one request: read through
+    SQLite itself, as anyone with access to the file would."""
+    path = os.path.join(durable.default_state_dir(urlsplit(gateway.url).port), "requests.sqlite")
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT COUNT(*) FROM requests WHERE id = ?", (request_id,)).fetchone()[0] + \
+            db.execute("SELECT COUNT(*) FROM outputs WHERE id = ?", (request_id,)).fetchone()[0]
+    finally:
+        db.close()
+
+
+async def _stream_status(s: aiohttp.ClientSession, gateway, stream_id: str) -> tuple[int, str]:
+    async with s.get(f"{gateway.url}/v1/streams/{stream_id}") as r:
+        return r.status, await r.text()
+
+
+async def test_delete_and_store_false_forget_the_text_and_only_resumable_requests_replay(client, gateway):
+    secret = "Account 55-1234-99 belongs to Dana. Repeat the account number."
+    r = client.responses.create(model="smollm2", input=secret, background=True, max_output_tokens=4, temperature=0)
+    rid = r.id.removeprefix("resp_")
+    wait_ended(client, r.id)
+    deadline = time.monotonic() + 10
+    while _log_rows(gateway, rid) == 0:  # logged (a background response comes back after a restart)
+        assert time.monotonic() < deadline, "the background response was never logged"
+        await asyncio.sleep(0.1)
+    async with aiohttp.ClientSession() as s:
+        assert (await _stream_status(s, gateway, rid))[0] == 404  # not sent as resumable: not replayed there
+        client.responses.delete(r.id)
+        deadline = time.monotonic() + 5
+        while _log_rows(gateway, rid):  # gone from the log at rest too (within a flush)
+            assert time.monotonic() < deadline, "DELETE left the request's rows in the durable log"
+            await asyncio.sleep(0.1)
+        async with s.get(f"{gateway.url}/v1/responses/{r.id}?stream=true") as got:
+            assert got.status == 404
+        unstored = client.responses.create(model="smollm2", input=secret, max_output_tokens=2, store=False)
+        plain = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": secret}],
+                                               max_tokens=2)
+        async with s.post(gateway.url + "/v1/messages", json={"model": "smollm2", "max_tokens": 2, "messages": [
+                {"role": "user", "content": secret}]}, headers={"anthropic-version": "2023-06-01"}) as m:
+            message = await m.json()
+        for stream_id in (unstored.id.removeprefix("resp_"), plain.id, message["id"].removeprefix("msg_")):
+            status, text = await _stream_status(s, gateway, stream_id)
+            assert status == 404 and "Dana" not in text, (stream_id, status, text[:200])
+        resumable = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=2, stream=True, extra_body={"resumable": True})
+        sent = [c for c in resumable]
+        status, text = await _stream_status(s, gateway, sent[0].id)
+        assert status == 200 and text.endswith("data: [DONE]\n\n")  # what was sent as resumable replays
+

@@ -295,7 +295,7 @@ def test_text_held_for_a_stop_string_reaches_the_client_when_eos_arrives(smollm2
     assert "".join(e.text for e in events) == "Say"  # " Hello" is held back: it may begin the stop string
     final = proc.process(RequestOutput(tok.eos_id, finish_reason="stop"))
     assert [e.type for e in final] == ["token", "done"] and final[0].text == " Hello"
-    assert final[1].finish_reason == "stop" and final[1].usage["completion_tokens"] == len(ids) + 1
+    assert final[1].finish_reason == "stop" and final[1].usage.completion_tokens == len(ids) + 1
 
 
 def test_a_completed_stop_string_is_never_shown_and_ends_as_stop(smollm2):

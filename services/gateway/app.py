@@ -23,7 +23,7 @@ from services.gateway.api.anthropic import MESSAGES_PATH, count_message_tokens, 
 from services.gateway.api.mesh_view import add_mesh_view
 from services.gateway.api.openai import chat_completions, completions, models, resume_stream
 from services.gateway.api.response_store import MemoryResponseStore
-from services.gateway.api.responses import add_responses_api
+from services.gateway.api.responses import add_responses_api, readopted_into
 from services.gateway.api.ws import stream_ws
 from services.gateway.config import API_KEY_ENV, OPERATOR_KEY_ENV, OPERATOR_PATHS, GatewayConfig
 from services.gateway.engine.balance import Balancer, StartSplit
@@ -333,7 +333,8 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
         watch_prefix_cache(metrics_, indexes)
     watch_replicas(metrics_, replicas)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
-    app[GATEWAY] = Gateway(files, replicas, metrics_, config, store=store)
+    responses = MemoryResponseStore(config.stored_responses, config.stored_responses_ttl_s)
+    app[GATEWAY] = Gateway(files, replicas, metrics_, config, store=store, on_readopt=readopted_into(responses))
     app.cleanup_ctx.append(_background)
     app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -342,7 +343,7 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     app.router.add_post(MESSAGES_PATH, create_message)  # Anthropic's Messages API (docs/messages.md)
     app.router.add_post(MESSAGES_PATH + "/count_tokens", count_message_tokens)
     app.router.add_get("/v1/streams/{id}", resume_stream)
-    add_responses_api(app, MemoryResponseStore(config.stored_responses, config.stored_responses_ttl_s))
+    add_responses_api(app, responses)
     app.router.add_get("/v1/stream", stream_ws)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

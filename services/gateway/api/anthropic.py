@@ -22,8 +22,8 @@ from services.gateway.api import sse
 from services.gateway.engine.replicas import SESSION_HEADER
 from services.gateway.frontend.events import RequestHandle
 from services.gateway.frontend.frontend import GATEWAY, error_status, json_body, tool_parser
-from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent
-from services.gateway.frontend.schemas import RequestError
+from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent, Usage
+from services.gateway.frontend.schemas import RequestError, check_field_tables
 from services.gateway.frontend.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser
 
 MESSAGES_PATH = "/v1/messages"  # and every path below it: errors in Anthropic's shape
@@ -33,7 +33,8 @@ MESSAGES_FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tempe
                              "stop_sequences", "stream", "tools", "tool_choice", "metadata"})
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"})
 # Accepted and ignored: they cannot change the tokens generated (the prefix cache needs no marks). Their type is checked.
-IGNORED_FIELDS = {"service_tier": str, "inference_geo": str, "speed": str, "cache_control": dict}
+IGNORED_FIELDS: dict[str, tuple[type, ...]] = {"service_tier": (str,), "inference_geo": (str,), "speed": (str,),
+                                               "cache_control": (dict,)}
 # Known fields not implemented: accepted only at the value that changes nothing. (is it neutral, as written, what)
 NOT_YET_FIELDS: dict[str, tuple[Any, str, str]] = {
     "thinking": (lambda v: isinstance(v, dict) and v.get("type") == "disabled", '{"type": "disabled"}',
@@ -98,7 +99,9 @@ def translate(body: dict, model_id: str, count: bool = False) -> Translation:
     """A Messages request (count: a count_tokens request) -> the chat completions request it means. Refuses, naming
     the field, what has no meaning here; what both APIs share (ranges, schemas, the tool history) is left to the
     chat path's validation, whose errors `Translation.renamed` words for this API."""
-    _check_fields(body, COUNT_FIELDS if count else MESSAGES_FIELDS)
+    check_field_tables(body, COUNT_FIELDS if count else MESSAGES_FIELDS, IGNORED_FIELDS, NOT_YET_FIELDS,
+                       "count_tokens reads model, messages, system, tools, tool_choice" if count
+                       else "the fields this server reads are listed in docs/messages.md")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _refuse(f"'model' is required: the model's name, here {model_id!r}", "model")
@@ -139,25 +142,6 @@ def translate(body: dict, model_id: str, count: bool = False) -> Translation:
     _prefill(messages, chat, tools, out.body)
     out.body["messages"] = chat
     return out
-
-
-def _check_fields(body: dict, read: frozenset) -> None:
-    for key, v in body.items():
-        if v is None or key in read:
-            continue
-        if key in IGNORED_FIELDS:
-            if not isinstance(v, IGNORED_FIELDS[key]):
-                kind = "an object" if IGNORED_FIELDS[key] is dict else "a string"
-                raise _refuse(f"'{key}' must be {kind}, got {str(v)[:60]!r}", key)
-        elif key in NOT_YET_FIELDS:
-            neutral, as_written, what = NOT_YET_FIELDS[key]
-            if not neutral(v):
-                raise _refuse(f"'{key}' ({what}) is not supported by this server; leave it out or send {as_written}",
-                              key, code="unsupported_parameter")
-        else:
-            where = " here (count_tokens reads model, messages, system, tools, tool_choice)" if read is COUNT_FIELDS \
-                else " (the fields this server reads are listed in docs/messages.md)"
-            raise _refuse(f"'{key}': unrecognized field{where}", key, code="unknown_parameter")
 
 
 def _metadata(value: Any, chat: dict) -> None:
@@ -369,6 +353,12 @@ def _prefill(messages: list, chat: list[dict], tools: list[str], body: dict) -> 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
+def messages_usage(usage: Usage) -> dict:
+    """The Messages API's usage: input_tokens are the prompt's tokens the prefix cache did not supply."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_read_input_tokens": usage.cached_tokens,
+            "output_tokens": usage.completion_tokens}
+
+
 def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
@@ -378,7 +368,7 @@ class MessageShape:
     event); a whole message is those events accumulated (`message`), so both say the same."""
 
     def __init__(self, handle: RequestHandle, model_id: str):
-        self.seq = handle.seq
+        self.handle = handle
         self.tools: ToolCallParser | None = tool_parser(handle.spec, handle.id)
         self.base = {"id": "msg_" + handle.id, "type": "message", "role": "assistant", "model": model_id}
         self.block: int | None = None  # index of the open content block
@@ -387,8 +377,7 @@ class MessageShape:
 
     def start(self) -> list[tuple[str, dict]]:
         """message_start, sent when the first event comes (the prefix cache's share of the prompt is known)."""
-        usage = {"input_tokens": len(self.seq.prompt_ids) - self.seq.cached_tokens,
-                 "cache_read_input_tokens": self.seq.cached_tokens, "output_tokens": 0}
+        usage = messages_usage(self.handle.prompt_usage())
         return [("message_start", {"type": "message_start", "message": {
             **self.base, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})]
 
@@ -406,12 +395,9 @@ class MessageShape:
             out += self._open({"type": "text", "text": ""})
         out += self._close()
         reason, sequence = self._stop_reason(ev)
-        cached = ev.usage["prompt_tokens_details"]["cached_tokens"]
         out.append(("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                      "usage": {"input_tokens": ev.usage["prompt_tokens"] - cached,
-                                                "cache_read_input_tokens": cached,
-                                                "output_tokens": ev.usage["completion_tokens"]}}))
+                                      "usage": messages_usage(ev.usage)}))
         out.append(("message_stop", {"type": "message_stop"}))
         return out
 

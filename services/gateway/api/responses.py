@@ -573,7 +573,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     echo = {"model": gw.config.model_id, **req.echo}
     try:  # a background response is logged with what its record needs, to come back after a gateway restart
         handle = await gw.start(req.chat_body, chat=True, session=request.headers.get(SESSION_HEADER),
-                                cancel_on_leave=not req.background,
+                                cancel_on_leave=not req.background, keep_log=req.store,
                                 detached={"echo": echo, "messages": req.messages} if req.background else None)
     except RequestError as e:
         raise req.renamed(e) from None
@@ -642,11 +642,11 @@ async def cancel_response(request: web.Request) -> web.Response:
 
 
 async def delete_response(request: web.Request) -> web.Response:
-    """DELETE /v1/responses/{id}: forgets it (and ends it, if it still runs)."""
+    """DELETE /v1/responses/{id}: forgets it -- its object, its events and its rows in the durable log (and ends it,
+    if it still runs)."""
     gw, store = request.app[GATEWAY], request.app[RESPONSES]
     record = await _record(request)
-    if record.handle is not None and not record.handle.log.ended:
-        gw.replicas.cancel(record.handle.seq)
+    gw.forget(record.request_id)
     store.delete(record.id)
     return web.json_response({"id": record.id, "object": "response.deleted", "deleted": True})
 

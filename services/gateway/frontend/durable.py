@@ -93,6 +93,8 @@ class RequestStore(Protocol):
 
     def end(self, request_id: str, finish: dict) -> None: ...
 
+    def forget(self, request_id: str) -> None: ...
+
     def flush(self) -> None: ...
 
     def unfinished(self, keep_s: float = KEEP_S) -> list[StoredRequest]: ...
@@ -125,31 +127,33 @@ class _Batch:
         self.requests: list[tuple] = []
         self.outputs: list[tuple] = []
         self.ended: list[tuple[str, str]] = []  # (id, its finish as JSON)
+        self.forgotten: list[str] = []  # ids whose rows go (after this batch's own writes: last in its transaction)
 
-    def put(self, rows: list, row: tuple) -> None:
+    def put(self, rows: list, row) -> None:
         with self._lock:
             rows.append(row)
 
-    def take(self) -> tuple[list, list, list]:
+    def take(self) -> tuple[list, list, list, list]:
         with self._lock:
-            taken = self.requests, self.outputs, self.ended
-            self.requests, self.outputs, self.ended = [], [], []
+            taken = self.requests, self.outputs, self.ended, self.forgotten
+            self.requests, self.outputs, self.ended, self.forgotten = [], [], [], []
         return taken
 
-    def put_back(self, taken: tuple[list, list, list]) -> None:
-        requests, outputs, ended = taken
+    def put_back(self, taken: tuple[list, list, list, list]) -> None:
+        requests, outputs, ended, forgotten = taken
         with self._lock:
             if len(requests) + len(outputs) + len(ended) + len(self.outputs) > MAX_BUFFERED:
                 log.error("the request log cannot be written and %d rows wait: a batch is dropped (its requests are "
                           "generated again after a restart, or not taken back)", MAX_BUFFERED)
+                self.forgotten = forgotten + self.forgotten  # a deletion is never dropped
                 return
-            self.requests, self.outputs, self.ended = (requests + self.requests, outputs + self.outputs,
-                                                       ended + self.ended)
+            self.requests, self.outputs, self.ended, self.forgotten = (
+                requests + self.requests, outputs + self.outputs, ended + self.ended, forgotten + self.forgotten)
 
 
 def _prune_and_take(store: SqliteStore | RedisStore) -> tuple | None:
     """A flush's start, either log: drop what began more than keep_s ago (at most every PRUNE_S), then take the
-    buffered writes (_Batch.take: requests, outputs, ended); None when nothing is buffered."""
+    buffered writes (_Batch.take: requests, outputs, ended, forgotten); None when nothing is buffered."""
     if time.monotonic() - store._pruned > PRUNE_S:
         store._pruned = time.monotonic()
         store._drop_before(time.time() - store.keep_s)
@@ -210,13 +214,17 @@ class SqliteStore:
         """The request ended with `finish` (its last output): kept, ended, for the retention window."""
         self._batch.put(self._batch.ended, (request_id, json.dumps(finish)))
 
+    def forget(self, request_id: str) -> None:
+        """The request's rows deleted at the next flush (DELETE /v1/responses/{id}): nothing of it stays at rest."""
+        self._batch.put(self._batch.forgotten, request_id)
+
     def flush(self) -> None:
         """Write what is buffered, in one transaction."""
         with self._io:
             taken = _prune_and_take(self)
             if taken is None:
                 return
-            requests, outputs, ended = taken
+            requests, outputs, ended, forgotten = taken
             try:
                 with self.db:
                     self.db.execute("BEGIN")
@@ -225,6 +233,8 @@ class SqliteStore:
                     self.db.executemany("INSERT OR REPLACE INTO outputs VALUES (?, ?, ?, ?, ?)", outputs)
                     self.db.executemany("UPDATE requests SET ended = 1, finish = ? WHERE id = ?",
                                         [(f, i) for i, f in ended])
+                    self.db.executemany("DELETE FROM outputs WHERE id = ?", [(i,) for i in forgotten])
+                    self.db.executemany("DELETE FROM requests WHERE id = ?", [(i,) for i in forgotten])
             except sqlite3.Error:
                 self._batch.put_back(taken)
                 raise
@@ -337,6 +347,11 @@ class RedisStore:
         if request_id not in self._lost:
             self._batch.put(self._batch.ended, (request_id, json.dumps(finish)))
 
+    def forget(self, request_id: str) -> None:
+        """The request's keys deleted at the next flush (DELETE /v1/responses/{id}), whichever gateway holds it."""
+        self._mine.pop(request_id, None)
+        self._batch.put(self._batch.forgotten, request_id)
+
     def flush(self) -> None:
         """Renew this gateway's lease, and write what is buffered in one transaction."""
         with self._io:
@@ -344,7 +359,7 @@ class RedisStore:
             taken = _prune_and_take(self)
             if taken is None:
                 return
-            requests, outputs, ended = taken
+            requests, outputs, ended, forgotten = taken
             pipe = self.redis.pipeline(transaction=True)
             expires: dict[str, int] = {}  # key -> when it goes (ms since the epoch): keep_s after its request began
             for rid, body, chat, session, seed, created, extra in requests:
@@ -362,6 +377,9 @@ class RedisStore:
                     pipe.hset(self._key("req", rid), "finish", finish)
             for key, at in expires.items():
                 pipe.pexpireat(key, at)
+            for rid in forgotten:  # after its own writes above
+                pipe.delete(self._key("req", rid), self._key("out", rid))
+                pipe.zrem(self._key("open"), rid)
             try:
                 pipe.execute()
             except self._gone:  # not written, or not known to be: written again (the same values)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from services.gateway.engine.request import Request
-from services.gateway.frontend.output import END_EVENTS, ClientEvent, OutputProcessor
+from services.gateway.frontend.output import END_EVENTS, ClientEvent, OutputProcessor, Usage
 from services.gateway.frontend.schemas import GenerationSpec
 
 KEEP_ENDED = 256  # ended requests whose logs stay readable (the most recently ended ones) ...
@@ -75,6 +75,7 @@ class RequestHandle:
     cancel_on_leave: bool = True
     ended_at: float | None = None  # time.monotonic() when its end event was appended
     readers: int = 0  # readers following its log now (Gateway.events)
+    kept: bool = True  # its log stays readable after it ends (RequestRegistry); False: dropped at its end, unread
     created: int = field(default_factory=lambda: int(time.time()))  # its responses' "created", on every reading
 
     @property
@@ -84,6 +85,11 @@ class RequestHandle:
     @property
     def id(self) -> str:
         return self.seq.seq_id
+
+    def prompt_usage(self) -> Usage:
+        """Its usage before anything is generated (the prefix cache's share of the prompt is known once it is
+        admitted): what a surface shows as a stream starts."""
+        return Usage.of(self.seq, 0)
 
 
 class RequestRegistry:
@@ -102,11 +108,16 @@ class RequestRegistry:
         self._forget_old()
         return self.open.get(request_id) or self.ended.get(request_id)
 
-    def mark_ended(self, handle: RequestHandle) -> None:
+    def mark_ended(self, handle: RequestHandle, keep: bool = True) -> None:
+        """The request ended: its handle kept with the recently ended ones (keep), or forgotten."""
         handle.ended_at = time.monotonic()
-        if self.open.pop(handle.id, None) is not None:
+        if self.open.pop(handle.id, None) is not None and keep:
             self.ended[handle.id] = handle
         self._forget_old()
+
+    def forget(self, request_id: str) -> None:
+        """An ended request's handle, and with it its events, dropped now (an open one is the Gateway's to end)."""
+        self.ended.pop(request_id, None)
 
     def _forget_old(self) -> None:
         now = time.monotonic()

@@ -247,16 +247,20 @@ class Gateway:
             raise RequestError(str(e), status=429, code="queue_full") from None
 
     async def start(self, body: dict, chat: bool, session: str | None = None,
-                    cancel_on_leave: bool = True, detached: dict | None = None) -> RequestHandle:
+                    cancel_on_leave: bool = True, detached: dict | None = None,
+                    keep_log: bool = False) -> RequestHandle:
         """Validate, tokenize and queue one generation request; its handle is registered before it can produce
         anything. `session` (a header) or the body's OpenAI `user` keeps a conversation on one pipeline
         (Replicas.route). `cancel_on_leave`: see RequestHandle. `detached` (a background response's record): the
         request runs without readers until it ends, and is logged with it, so a restarted gateway takes it back
-        without waiting for a reader and gives the record back to its surface (on_readopt)."""
+        without waiting for a reader and gives the record back to its surface (on_readopt). Its events stay
+        readable after it ends only where something may read them again: a request that outlives its connection
+        (resumable, detached) or keep_log (a stored response); the others' go with their end."""
         spec = parse_generation(body, chat, self.replicas.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
         seq = await self.prepare(spec)
         handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
                                cancel_on_leave=cancel_on_leave and not spec.resumable)
+        handle.kept = not handle.cancel_on_leave or keep_log
         self.requests.add(handle)
         user = body.get("user")
         route = session or (user if isinstance(user, str) and user else None)
@@ -358,9 +362,24 @@ class Gateway:
                 await self.readopted.wait()
 
     async def find(self, request_id: str) -> RequestHandle | None:
-        """A request's handle by id, open or recently ended, once wait_readopted() returned."""
+        """A resumable request's handle by id, open or recently ended, once wait_readopted() returned: what
+        GET /v1/streams and a websocket's resume read again. Requests not sent as resumable are never replayed
+        there (None), whoever knows their id."""
         await self.wait_readopted()
-        return self.requests.get(request_id)
+        handle = self.requests.get(request_id)
+        return handle if handle is not None and handle.spec.resumable else None
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the gateway keeps of a request (DELETE /v1/responses/{id}): its events (a running one is
+        cancelled, and its events go at its end, once its readers have it) and its rows in the durable log."""
+        handle = self.requests.open.get(request_id)
+        if handle is not None:
+            handle.kept = False
+            self.replicas.cancel(handle.seq)
+        self.requests.forget(request_id)
+        self.durable.pop(request_id, None)  # nothing more of it is logged
+        if self.store is not None:
+            self.store.forget(request_id)
 
     async def take_over(self) -> int:
         """A shared log's (Redis's) requests whose gateway stopped renewing its lease, taken and re-adopted here."""
@@ -386,7 +405,7 @@ class Gateway:
                 _log_access(seq)  # logged before any reader sees the end
             handle.log.append(ev)
         if handle.log.ended:
-            self.requests.mark_ended(handle)
+            self.requests.mark_ended(handle, keep=handle.kept)
             if self.durable.pop(seq.seq_id, None) is not None and not self.keep_logged:
                 top = [[int(t), float(lp)] for t, lp in out.top_logprobs] if out.top_logprobs is not None else None
                 self.store.end(seq.seq_id, {"token": out.token, "logprob": out.logprob, "top": top,

@@ -13,7 +13,7 @@ the client's id for the stream) and the OpenAI handlers turn them into chunks. T
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar, Union
 
 from services.gateway.engine.request import Request, RequestOutput
@@ -47,19 +47,54 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """One request's token counts, made once here from the engine's request (`of`); each API surface writes them in
+    its own names (OpenAI's below, as the websocket and chat/completions show them; Messages' and Responses' in
+    their modules). cached_tokens: prompt tokens the prefix cache supplied (<= prompt_tokens). The prediction's
+    counts only for a request that sent one."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    accepted_prediction_tokens: int | None = None  # drafted tokens of the prediction that stood ...
+    rejected_prediction_tokens: int | None = None  # ... and that did not
+
+    @classmethod
+    def of(cls, seq: Request, completion_tokens: int) -> Usage:
+        predicted = seq.prediction_ids is not None
+        return cls(len(seq.prompt_ids), seq.cached_tokens, completion_tokens,
+                   seq.drafts.prediction_stood if predicted else None,
+                   seq.drafts.prediction_rejected if predicted else None)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_json(self) -> dict:
+        """OpenAI's usage object."""
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.total_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.accepted_prediction_tokens is not None:
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted_prediction_tokens,
+                                                "rejected_prediction_tokens": self.rejected_prediction_tokens}
+        return out
+
+
+@dataclass(frozen=True)
 class DoneEvent:
     """The answer ended: why, its usage and timings (the stop string that ended it, if one did; its trace, when it
     asked for one)."""
 
     finish_reason: str
-    usage: dict
+    usage: Usage
     timings: dict
     trace: dict | None = None
     stop_string: str | None = None
     type: ClassVar[str] = "done"
 
     def to_json(self) -> dict:
-        out = {"type": self.type, **{k: v for k, v in asdict(self).items() if k not in ("trace", "stop_string")}}
+        out = {"type": self.type, "finish_reason": self.finish_reason, "usage": self.usage.to_json(),
+               "timings": self.timings}
         for key in ("stop_string", "trace"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -140,16 +175,11 @@ class OutputProcessor:
 
     def _done(self, reason: str) -> DoneEvent:
         seq = self.seq
-        usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": self.completion_tokens,
-                 "total_tokens": len(seq.prompt_ids) + self.completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
-        if seq.prediction_ids is not None:  # OpenAI's names: drafted tokens of the prediction that stood, and not
-            usage["completion_tokens_details"] = {"accepted_prediction_tokens": seq.drafts.prediction_stood,
-                                                  "rejected_prediction_tokens": seq.drafts.prediction_rejected}
         trace = None
         if seq.capture is not None:
             captures = [HookCapture.from_wire(c) for c in seq.capture.captures]
             trace = TraceRecorder(captures, seq.output_ids, len(seq.prompt_ids)).to_json(seq.prompt_ids)
             # over its budget: the captures stop at some step; say so rather than look like a complete trace
             trace["truncated"] = seq.capture.truncated
-        return DoneEvent(reason, usage, timings(seq), trace, self.stream.stop_string)
+        return DoneEvent(reason, Usage.of(seq, self.completion_tokens), timings(seq), trace,
+                         self.stream.stop_string)

@@ -268,9 +268,12 @@ def check_fields(body: dict, chat: bool) -> None:
 
 
 def check_field_tables(body: dict, read: frozenset[str], ignored: dict[str, tuple[type, ...]],
-                       not_yet: dict[str, tuple[Any, str, str]]) -> None:
+                       not_yet: dict[str, tuple[Any, str, str]],
+                       known: str = "the parameters this server reads are listed in docs/openai.md") -> None:
     """Every field of `body` is one an endpoint reads, accepts and ignores (its type checked), or knows but has not
-    implemented yet (accepted only at its neutral value); anything else is a 400 naming it. Null is left out."""
+    implemented yet (accepted only at its neutral value: not_yet[key] = (is it neutral, as written, what it does));
+    anything else is a 400 naming it and saying where the known ones are (`known`). Null is left out. Every API
+    surface's top-level fields go through here."""
     for key, v in body.items():
         if v is None or key in read:
             continue
@@ -278,15 +281,15 @@ def check_field_tables(body: dict, read: frozenset[str], ignored: dict[str, tupl
             if not isinstance(v, ignored[key]) or (isinstance(v, bool) and bool not in ignored[key]):
                 kinds = " or ".join({str: "a string", dict: "an object", bool: "true or false"}[t]
                                     for t in ignored[key])
-                raise RequestError(f"'{key}' must be {kinds}, got {v!r}", key)
+                raise RequestError(f"'{key}' must be {kinds}, got {str(v)[:60]!r}", key)
         elif key in not_yet:
             neutral, as_written, what = not_yet[key]
             if not neutral(v):
                 raise RequestError(f"'{key}' ({what}) is not supported by this server yet; leave it out or send "
                                    f"{as_written}", key, code="unsupported_parameter")
         else:
-            raise RequestError(f"Unrecognized request argument supplied: '{key}' (the parameters this server reads "
-                               "are listed in docs/openai.md)", key, code="unknown_parameter")
+            raise RequestError(f"Unrecognized request argument supplied: '{key}' ({known})", key,
+                               code="unknown_parameter")
 
 
 MAX_SCHEMA_CHARS = 64 << 10
