@@ -542,3 +542,22 @@ async def test_a_request_that_ended_just_before_the_kill_gives_its_unread_tail_a
         assert restarted.metric("stagemesh_gateway_requests_total", outcome="length") == 1  # the undisturbed one only
     finally:
         restarted.stop()
+
+
+def test_a_forgotten_request_leaves_nothing_in_the_log_whether_written_yet_or_not(open_log):
+    """Issue 69 item 1: DELETE /v1/responses/{id} forgets the request's rows, those already written and those still
+    buffered (a forget flushed with the writes it follows), in either log."""
+    store = open_log()
+    _log_two(store)  # a and b written
+    store.forget("a")
+    store.add("c", {"prompt": "z"}, False, None, 9)  # c buffered, then forgotten in the same batch
+    store.output("c", 0, 3, None, None)
+    store.forget("c")
+    store.close()
+    again = open_log()
+    assert [r.id for r in again.unfinished()] == ["b"]
+    if isinstance(again, SqliteStore):  # at rest: no row of theirs in any table
+        assert again.db.execute("SELECT COUNT(*) FROM outputs WHERE id IN ('a', 'c')").fetchone()[0] == 0
+    else:
+        assert not again.redis.exists(again._key("req", "a"), again._key("out", "a"), again._key("out", "c"))
+    again.close()
