@@ -567,3 +567,31 @@ async def test_delete_and_store_false_forget_the_text_and_only_resumable_request
         status, text = await _stream_status(s, gateway, sent[0].id)
         assert status == 200 and text.endswith("data: [DONE]\n\n")  # what was sent as resumable replays
 
+
+def test_a_stored_response_is_its_tenants_alone(client):
+    """Issue 69 item 7: stored responses are scoped as the prefix cache's tenants are (`user`, `prompt_cache_key`):
+    another tenant, or a request naming none, finds no such response -- to read, stream, chain, cancel or delete."""
+    alice = client.responses.create(model="smollm2", input="The vault code is 4417. Say OK.", user="alice",
+                                    background=True, max_output_tokens=300, temperature=0)
+    as_alice, as_mallory = {"user": "alice"}, {"user": "mallory"}
+    for scope in (as_mallory, {"prompt_cache_key": "alice"}, {}):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(alice.id, extra_query=scope)
+        with pytest.raises(openai.NotFoundError):
+            list(client.responses.retrieve(alice.id, stream=True, extra_query=scope))
+        with pytest.raises(openai.NotFoundError):
+            client.responses.cancel(alice.id, extra_query=scope)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(alice.id, extra_query=scope)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="smollm2", input="And the code?", previous_response_id=alice.id,
+                                    max_output_tokens=2, **scope)
+        assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
+    assert client.responses.retrieve(alice.id, extra_query=as_alice).status in ("queued", "in_progress")
+    assert client.responses.cancel(alice.id, extra_query=as_alice).status == "cancelled"
+    chained = client.responses.create(model="smollm2", input="And the code?", previous_response_id=alice.id,
+                                      max_output_tokens=2, user="alice")
+    assert chained.status in ("completed", "incomplete")
+    client.responses.delete(alice.id, extra_query=as_alice)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(alice.id, extra_query=as_alice)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.gateway.frontend.events import RequestHandle
+from services.gateway.frontend.schemas import cache_tenant
 
 
 @dataclass(eq=False)
@@ -36,6 +37,12 @@ class StoredResponse:
     @property
     def request_id(self) -> str:
         return self.id.removeprefix("resp_")
+
+    @property
+    def tenant(self) -> str:
+        """Whose it is: its request's tenant (schemas.cache_tenant of its `user` / `prompt_cache_key`, which the
+        echo keeps, across a gateway restart too); "" for a request that named neither (anyone's)."""
+        return cache_tenant(self.echo)
 
     @property
     def ended(self) -> bool:

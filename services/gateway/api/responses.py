@@ -41,6 +41,7 @@ from services.gateway.frontend.schemas import (
     GenerationSpec,
     RequestError,
     bool_field,
+    cache_tenant,
     check_field_tables,
     unicode_text,
 )
@@ -543,22 +544,35 @@ async def _error_event(out: sse.SSEStream, e: RequestError, after: int) -> None:
                     "sequence_number": after + 1}, event="error")
 
 
+# a stored response is its tenant's (schemas.cache_tenant: its request's `user` or `prompt_cache_key`, as the prefix
+# cache scopes them): any other tenant, or a request naming none, is told it does not exist -- the same answer as for
+# an id never stored, so nothing tells one tenant what another keeps
+OTHER_TENANT = ("or it was created with another `user` / `prompt_cache_key` (send the same ones: in the body, or "
+                "as query parameters of GET, DELETE and cancel)")
+
+
+def _find(store: ResponseStore, rid: str, tenant: str) -> StoredResponse | None:
+    record = store.get(rid)
+    return record if record is not None and record.tenant == tenant else None
+
+
 async def _record(request: web.Request) -> StoredResponse:
     rid = request.match_info["id"]
     await request.app[GATEWAY].wait_readopted()  # a restarted gateway's background responses are back first
-    record = request.app[RESPONSES].get(rid)
+    record = _find(request.app[RESPONSES], rid, cache_tenant(request.query))
     if record is None:
         raise RequestError(f"no response {rid[:80]!r} here: it was created with store: false, deleted, forgotten "
                            f"(an ended response is kept {request.app[GATEWAY].config.stored_responses_ttl_s:g} s), "
-                           "or never existed", status=404, code="response_not_found")
+                           f"never existed, {OTHER_TENANT}", status=404, code="response_not_found")
     return record
 
 
-def _previous(store: ResponseStore, pid: str) -> list[dict]:
-    record = store.get(pid)
+def _previous(store: ResponseStore, pid: str, tenant: str) -> list[dict]:
+    record = _find(store, pid, tenant)
     if record is None:
         raise RequestError(f"previous response {pid[:80]!r} not found: it was created with store: false, deleted, "
-                           "forgotten, or never existed", "previous_response_id", code="previous_response_not_found")
+                           f"forgotten, never existed, {OTHER_TENANT}", "previous_response_id",
+                           code="previous_response_not_found")
     settle(store, record)
     if not record.ended:
         raise RequestError(f"previous response {pid!r} is still in progress; continue it once it has ended",
@@ -569,7 +583,8 @@ def _previous(store: ResponseStore, pid: str) -> list[dict]:
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     gw, store = request.app[GATEWAY], request.app[RESPONSES]
-    req = parse_request(await json_body(request), lambda pid: _previous(store, pid))
+    body = await json_body(request)
+    req = parse_request(body, lambda pid: _previous(store, pid, cache_tenant(body)))
     echo = {"model": gw.config.model_id, **req.echo}
     try:  # a background response is logged with what its record needs, to come back after a gateway restart
         handle = await gw.start(req.chat_body, chat=True, session=request.headers.get(SESSION_HEADER),

@@ -493,7 +493,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     spec.ignore_eos = bool_field(body, "ignore_eos")
     spec.trace = bool_field(body, "trace")
     spec.resumable = bool_field(body, "resumable")
-    spec.cache_tenant = _cache_tenant(body)
+    spec.cache_tenant = cache_tenant(body)
     spec.prediction = _prediction(body)
     spec.speculation = bool_field(body, "speculation", True)
     if chat and bool_field(body, "continue_final_message"):
@@ -561,10 +561,11 @@ MAX_CACHE_KEY_CHARS = 256
 CACHE_SCOPES = ("cache_salt", "prompt_cache_key", "user")
 
 
-def _cache_tenant(body: dict) -> str:
-    """The prefix-cache tenant of a request: prefixes cached under one are invisible to every other (their hash
-    chains share no root), so neither `cached_tokens` nor the time to first token tells one tenant what another
-    sent. A request naming none of CACHE_SCOPES is in the shared tenant "" (as vLLM without cache_salt)."""
+def cache_tenant(body: dict) -> str:
+    """The tenant of a request: prefixes cached under one are invisible to every other (their hash chains share no
+    root), so neither `cached_tokens` nor the time to first token tells one tenant what another sent; a stored
+    response is its tenant's alone (services/gateway/api/responses.py). A request naming none of CACHE_SCOPES is
+    in the shared tenant "" (as vLLM without cache_salt)."""
     for key in CACHE_SCOPES:
         value = body.get(key)
         if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_CACHE_KEY_CHARS):
