@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -561,3 +562,37 @@ def test_a_forgotten_request_leaves_nothing_in_the_log_whether_written_yet_or_no
     else:
         assert not again.redis.exists(again._key("req", "a"), again._key("out", "a"), again._key("out", "c"))
     again.close()
+
+
+def test_an_sqlite_log_at_rest_is_its_users_alone_and_pruned_on_close(tmp_path, monkeypatch):
+    """Issue 69 item 3: the state directory is made 0700, or refused when other users may enter it (as the key
+    directory is); every file of the log is 0600 whatever the umask; what is older than the retention goes at close
+    too, not only while a gateway runs."""
+    monkeypatch.setattr(os, "umask", os.umask)  # restored after: the test sets a permissive one
+    old = os.umask(0o022)
+    try:
+        made = tmp_path / "made"
+        store = SqliteStore(str(made), "m1", keep_s=60)
+        _log_two(store)
+        assert stat_mode(made) == 0o700
+        names = sorted(os.listdir(made))
+        assert {"lock", "requests.sqlite", "requests.sqlite-wal", "requests.sqlite-shm"} <= set(names), names
+        assert {n: stat_mode(made / n) for n in names} == {n: 0o600 for n in names}
+        store.db.execute("UPDATE requests SET created = created - 120 WHERE id = 'a'")  # began before the retention
+        store.close()
+        db = sqlite3.connect(made / "requests.sqlite")
+        assert [r[0] for r in db.execute("SELECT id FROM requests")] == ["b"]  # "a" pruned as the gateway stopped
+        assert db.execute("SELECT COUNT(*) FROM outputs WHERE id = 'a'").fetchone()[0] == 0
+        db.close()
+        shared_dir = tmp_path / "shared"
+        shared_dir.mkdir(mode=0o755)
+        os.chmod(shared_dir, 0o755)
+        with pytest.raises(StagemeshError, match=rf"--state-dir {shared_dir} .*other users.*chmod 700 {shared_dir}"):
+            SqliteStore(str(shared_dir), "m1")
+        assert os.listdir(shared_dir) == []  # nothing written there
+    finally:
+        os.umask(old)
+
+
+def stat_mode(path) -> int:
+    return os.stat(path).st_mode & 0o777

@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import sqlite3
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -161,14 +162,36 @@ def _prune_and_take(store: SqliteStore | RedisStore) -> tuple | None:
     return taken if any(taken) else None
 
 
+def _private_dir(state_dir: str) -> None:
+    """The state directory made 0700, or refused where other users may enter it, as the key directory is
+    (shared/wire/mesh_keys.py): the log holds resumable requests' prompts and answers."""
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    mode = stat.S_IMODE(os.stat(state_dir).st_mode)
+    if mode & 0o077:
+        raise StagemeshError(f"--state-dir {state_dir} is open to other users (mode {mode:04o}), and the request log "
+                             f"there holds resumable requests' prompts and answers: chmod 700 {state_dir}, or give a "
+                             "directory of your own, or --state-dir off")
+
+
+def _private_file(path: str) -> None:
+    """`path` made, or kept, 0600 (its owner's alone) whatever the umask; nothing else is changed."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
+
+
 class SqliteStore:
+    """The request log in DIR/requests.sqlite (its -wal and -shm beside it, and DIR/lock): DIR 0700, every file
+    0600 (_private_dir, _private_file); what began more than keep_s ago is pruned while it runs and as it closes."""
+
     shared = False  # one gateway's (an exclusive lock)
 
     def __init__(self, state_dir: str, mesh: str, keep_s: float = KEEP_S):
         self.keep_s, self._pruned = keep_s, 0.0
+        lock = os.path.join(state_dir, "lock")
         try:
-            os.makedirs(state_dir, mode=0o700, exist_ok=True)
-            self._lock = open(os.path.join(state_dir, "lock"), "w")
+            _private_dir(state_dir)
+            _private_file(lock)
+            self._lock = open(lock, "w")
         except OSError as e:
             raise StagemeshError(f"--state-dir {state_dir}: cannot be used ({e.strerror}); give another, or "
                                  "--state-dir off to keep no request log") from None
@@ -179,11 +202,15 @@ class SqliteStore:
             raise StagemeshError(f"--state-dir {state_dir} is held by another running gateway; give each gateway its "
                                  "own (--state-dir), or --state-dir off") from None
         self.path = os.path.join(state_dir, "requests.sqlite")
+        _private_file(self.path)  # SQLite makes its -wal and -shm with the database's mode
         # transactions are explicit (flush); flush runs in a worker thread, one at a time (self._io)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._io = threading.Lock()
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
+        for suffix in ("-wal", "-shm"):  # left by an older gateway with another mode
+            if os.path.exists(self.path + suffix):
+                os.chmod(self.path + suffix, 0o600)
         self.db.executescript(SCHEMA)
         columns = [row[1] for row in self.db.execute("PRAGMA table_info(requests)")]
         for column in ("extra", "finish"):  # a log written before them
@@ -262,12 +289,17 @@ class SqliteStore:
         self.db.execute("DELETE FROM requests WHERE created < ?", (cutoff,))
 
     def close(self) -> None:
+        """Write what is buffered, prune what began more than keep_s ago (nothing older stays at rest after a clean
+        stop), and let the directory go."""
         try:
             self.flush()
         finally:
             with self._io:
-                self.db.close()
-                self._lock.close()
+                try:
+                    self._drop_before(time.time() - self.keep_s)
+                finally:
+                    self.db.close()
+                    self._lock.close()
 
 
 def _contiguous(outputs: dict[int, tuple]) -> list[tuple]:
