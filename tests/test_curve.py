@@ -144,6 +144,42 @@ def test_key_set_files_modes_and_clear_errors(tmp_path):
         KeySet(other).pair("stage0")
 
 
+async def test_hand_over_delivers_only_to_a_holder_of_the_place_secret_key(tmp_path):
+    """hand_over (a replacement's probe) sends only once a CURVE handshake with the place's public key completed:
+    the real stage 1 receiver (stage 1's secret, stage 0's key let in by ZAP) gets the message; a receiver holding
+    another key set's stage 1 pair, and an address where nothing listens, are named and get nothing."""
+    from shared.wire.protocol import Resplit
+    from shared.wire.transport import ZmqTransport, hand_over
+
+    d, other = str(tmp_path / "keys"), str(tmp_path / "other")
+    write_key_set(d, 2)
+    write_key_set(other, 2)
+    real_port, fake_port, empty_port = free_ports(3)
+    real = ZmqTransport(f"tcp://127.0.0.1:{real_port}", None, (Resplit,), keys=KeySet(d).for_stage(1, last=True))
+    fake = ZmqTransport(f"tcp://127.0.0.1:{fake_port}", None, (Resplit,), keys=KeySet(other).for_stage(1, last=True))
+    sender = KeySet(d).for_stage(0, last=False)  # stage 0 dials stage 1's key: the place's
+    split = [(0, 15), (15, 30)]
+    probe = Resplit(3, "probe", split, split, route=(1, f"tcp://127.0.0.1:{real_port}", None))
+    try:
+        t0 = time.perf_counter()
+        assert await asyncio.to_thread(hand_over, f"tcp://127.0.0.1:{real_port}", sender, probe) is None
+        assert await asyncio.wait_for(real.receive(), 5) == probe
+        t1 = time.perf_counter()
+        why = await asyncio.to_thread(hand_over, f"tcp://127.0.0.1:{fake_port}", sender, probe)
+        t2 = time.perf_counter()
+        assert why is not None and "CURVE handshake" in why and "does not hold stage1's secret key" in why, why
+        assert t2 - t1 < 0.9  # a failed handshake answers at once, not at the timeout
+        why = await asyncio.to_thread(hand_over, f"tcp://127.0.0.1:{empty_port}", sender, probe, 0.5)
+        assert why is not None and "no process at" in why and "within 0.5 s" in why, why
+        assert 0.5 <= time.perf_counter() - t2 < 1.5
+        with pytest.raises(TimeoutError):  # nothing reached the impostor's socket
+            await asyncio.wait_for(fake.receive(), 0.3)
+        assert t1 - t0 < 2.0
+    finally:
+        real.close()
+        fake.close()
+
+
 @pytest.mark.processes
 def test_cli_keys_then_stage_without_keys_is_a_one_line_error(tmp_path):
     d = str(tmp_path / "k")

@@ -67,6 +67,8 @@ def test_resplit_and_parcel_round_trip_and_bad_ones_are_refused():
     assert decode(encode(reroute)) == reroute
     first = Resplit(9, "reroute", split, split, route=(0, "tcp://10.0.0.7:5551", "tcp://10.0.0.8:5552"))
     assert decode(encode(first)) == first
+    probe = Resplit(10, "probe", split, split, route=(1, "tcp://10.0.0.7:5551", None))  # a replacement's probe
+    assert decode(encode(probe)) == probe
     k, v = torch.randn(3, 3, 5, 64), torch.randn(3, 3, 5, 64)
     parcel = decode(encode(KVParcel(7, 0, "seq-a", 15, 18, k, v)))
     assert isinstance(parcel, KVParcel) and parcel.length == 5 and (parcel.to, parcel.start, parcel.stop) == (0, 15, 18)
@@ -91,6 +93,7 @@ def test_resplit_and_parcel_round_trip_and_bad_ones_are_refused():
         frames_of(KVParcel(7, 0, "seq-a", 18, 15, k, v)),
         frames_of(msg, route=[1, "tcp://10.0.0.7:5551", None]),  # a route on a phase that is not a reroute
         frames_of(reroute, route=None),  # a reroute without one
+        frames_of(probe, route=None),  # a probe without one
         frames_of(reroute, route=[2, "tcp://10.0.0.7:5551", None]),  # a place the split does not have
         frames_of(reroute, route=[1, "http://10.0.0.7:5551", None]),  # not a ZeroMQ address
         frames_of(reroute, route=[1, "tcp://10.0.0.7:5551", "tcp://" + "x" * 300]),

@@ -27,7 +27,7 @@ from shared.files.layers import LayerRange, StagePosition
 from shared.kernels import plans, qdot
 from shared.observe.log_throttle import throttled
 from shared.observe.otlp import OtlpTracer, trace_id_of
-from shared.runtime.resplit import StageResplit
+from shared.runtime.resplit import ResplitRefused, StageResplit
 from shared.runtime.stage_runtime import StageRuntime
 from shared.runtime.trace import CaptureHook
 from shared.wire.protocol import (
@@ -42,6 +42,7 @@ from shared.wire.protocol import (
     sampling_rows,
 )
 from shared.wire.stage_info import StageInfo
+from shared.wire.transport import hand_over
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -108,6 +109,7 @@ class StageWorker:
         self.resplit = StageResplit(identity.num_layers)  # a live re-split's state (the gateway drives it)
         # a re-split's new range loads on a thread of its own while this stage serves on (a second OpenMP team for
         # the length of the load): (its prepare message, the load), until the compute thread passes the message on
+        # (a replacement's probe waits there too, for its hand-over: _probe)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resplit-load")
         self._loading: tuple[Resplit, Future] | None = None
         # every torch op of the stage runs on this one thread (see compute_executor)
@@ -187,6 +189,9 @@ class StageWorker:
         if msg.phase == "reroute":
             self._reroute(msg)
             return
+        if msg.phase == "probe":
+            self._probe(msg)
+            return
         if msg.phase == "prepare":  # load beside the serving: the message passes on once it is loaded
             runtime = self.runtime
             self._loading = (msg, self._loader.submit(self.resplit.prepare, msg, runtime))
@@ -229,6 +234,31 @@ class StageWorker:
                         f"stage {place} is a new process" if at == place - 1 else f"it took stage {place}'s place")
         self.io.send(msg)
 
+    def _probe(self, msg: Resplit) -> None:
+        """Runs in the compute thread: a replacement's probe (Engine.replace_stage sends it before anything pauses).
+        The stage before place msg.route[0] hands the message to that place's new process, and that process to the
+        next place's address, each on a socket of its own once a CURVE handshake with the key of the place it dials
+        completed there (shared.wire.transport.hand_over: proof the process there holds that place's secret key).
+        The hand-over waits on the loader thread, so this stage serves on; no stage's route changes. A hand-over that
+        fails is the message's error, sent on along the route this stage has. Every other stage passes it on."""
+        place, address, onward = msg.route
+        old = [LayerRange(*r) for r in msg.old]
+        mine = self.runtime.model.layers
+        at = old.index(mine) if mine in old else None
+        target = address if at == place - 1 else onward if at == place else None
+        if target is None:  # not an end of a hop that changes (the last place sends on to its result address)
+            self.io.send(msg)
+            return
+        keys = self.io.transport.keys
+
+        def dial() -> bool:
+            why = hand_over(target, keys, msg)
+            if why is not None:
+                raise ResplitRefused(why)
+            return True  # handed over: _finish_loading sends nothing more
+
+        self._loading = (msg, self._loader.submit(dial))
+
     def _finish_loading(self, wait: bool = False) -> None:
         """A prepare whose load is done (or, with wait, once it is) passes on: with the stage's refusal if it
         failed. Runs in the compute thread, between inputs."""
@@ -236,15 +266,17 @@ class StageWorker:
             return
         msg, loading = self._loading
         self._loading = None
+        passed_on = False
         try:
-            loading.result()
+            passed_on = loading.result() is True  # a probe's hand-over passed the message on itself
         except Exception as e:
             self.resplit.abort()
             known = isinstance(e, StagemeshError)
             log.warning("re-split %d refused on %s: %s: %s", msg.rid, self.identity.name, type(e).__name__, e,
                         exc_info=None if known else e)
             msg.error = f"{self.identity.name}: {e if known else f'{type(e).__name__}: {e}'}"[:1000]
-        self.io.send(msg)
+        if not passed_on:
+            self.io.send(msg)
 
     def _serve_with(self, runtime: StageRuntime) -> None:
         """Serve from now on with `runtime` (a committed re-split's: the same one when this stage's layers stayed)."""

@@ -22,7 +22,7 @@ from shared.wire.protocol import (
     ReleaseSeqs,
     Resplit,
 )
-from shared.wire.transport import ZmqTransport
+from shared.wire.transport import ZmqTransport, hand_over
 
 log = logging.getLogger("stagemesh.client")
 
@@ -115,15 +115,22 @@ class PipelineClient:
     def next_rid(self) -> int:
         return next(self._rids)
 
-    async def resplit(self, msg: Resplit) -> Resplit:
+    async def resplit(self, msg: Resplit, via: str | None = None) -> Resplit:
         """Send one phase of a live re-split through the pipeline and wait for it to come back (every stage did its
         part, or the message names the one that refused). Meanwhile the K/V parcels that come round to the gateway
         (for an upstream stage) are passed on into the first stage, ahead of anything sent after them. The caller
-        bounds the wait (the phase is then lost: it aborts or declares the pipeline lost)."""
+        bounds the wait (the phase is then lost: it aborts or declares the pipeline lost). `via`: a first stage's
+        address to send into instead of the route's, on a socket of its own once the handshake with the first
+        stage's key completed there (hand_over: a replacement's probe); the message comes back with the error
+        when it did not."""
         fut = asyncio.get_running_loop().create_future()
         self._resplit = (msg.rid, msg.phase, fut)
         try:
-            await self.transport.send(msg)
+            if via is None:
+                await self.transport.send(msg)
+            elif (why := await asyncio.to_thread(hand_over, via, self.transport.keys, msg)) is not None:
+                msg.error = f"the gateway: {why}"
+                return msg
             return await fut
         finally:
             self._resplit = None

@@ -184,7 +184,8 @@ class ReleaseDone:
     seq_ids: list[str]
 
 
-RESPLIT_PHASES = ("prepare", "move", "commit", "abort", "reroute")
+RESPLIT_PHASES = ("prepare", "move", "commit", "abort", "reroute", "probe")
+ROUTED_PHASES = ("reroute", "probe")  # the phases that carry a `route` (and only they)
 
 
 @dataclass
@@ -197,7 +198,11 @@ class Resplit:
     layers and K/V and serves with them; abort: a stage drops what it prepared; reroute (old == new, `route` set):
     the stage before place route[0] sends to the address route[1] from now on (a stage process there replaces the
     one serving that place: Engine.replace_stage), and that new stage to route[2] (the next place's address, None
-    for the last place), each before it passes this on along the new route. `error`: the first stage that
+    for the last place), each before it passes this on along the new route; probe (`route` set as for reroute):
+    the same two hops tried on sockets of their own while the mesh serves on -- the stage before the place (or the
+    gateway) hands this message to route[1] only once a CURVE handshake with the place's public key completed there,
+    proof that the process holds the place's secret key, and that process hands it to route[2] the same way; no
+    stage's route changes. `error`: the first stage that
     refused, and why (the stages after it do nothing but pass it on). `report`: one map per stage that did its part
     (numbers only, for the gateway's log)."""
 
@@ -602,10 +607,10 @@ def _resplit(header: dict) -> Resplit:
             isinstance(k, str) and len(k) <= 32 and type(v) in (int, float) for k, v in r.items()) for r in report),
           "schema", lambda: f"resplit report must be at most {MAX_STAGES} maps of up to 16 numbers")
     route = header.get("route")
-    _need((route is None) == (phase != "reroute") and (route is None or (
+    _need((route is None) == (phase not in ROUTED_PHASES) and (route is None or (
         isinstance(route, list) and len(route) == 3 and type(route[0]) is int and 0 <= route[0] < len(old)
         and _is_address(route[1]) and (route[2] is None or _is_address(route[2])))), "schema",
-          "a resplit's route (reroute only) must be [a stage index of its split, a tcp:// or ipc:// address, "
+          "a resplit's route (reroute and probe only) must be [a stage index of its split, a tcp:// or ipc:// address, "
           "another or null]")
     return Resplit(_int(header, "rid"), phase, old, new, error, report, None if route is None else tuple(route))
 

@@ -162,6 +162,48 @@ def curve_sender(sock: zmq.Socket, keys: SocketKeys, where: str) -> None:
     sock.curve_secretkey = keys.send.secret
 
 
+PROBE_S = 1.0  # how long hand_over waits for the handshake at an address (loopback takes milliseconds)
+
+
+def hand_over(address: str, keys: SocketKeys | None, msg: Message, timeout_s: float = PROBE_S) -> str | None:
+    """Send `msg` to `address` on a PUSH of its own, and only once its handshake there completed: with keys, a CURVE
+    handshake against keys.next_server as the server key, which only a process holding that key's secret can
+    complete (and only one that lets keys.send in: ZAP answers before the connection is usable). None when handed
+    over; else why not, within timeout_s (a failed handshake answers at once). Blocks: for a thread of the caller's
+    (the gateway's loop runs it in one, a stage on its loader thread); the caller's own sockets are not touched."""
+    ctx = zmq.Context()  # its own: torn down here, after the message left (LINGER)
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # no pipe, so no POLLOUT, before the handshake (ZAP included) completed
+    sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+    if keys is not None:
+        curve_sender(sock, keys, address)
+    monitor = sock.get_monitor_socket(sum(HANDSHAKE_FAILURES))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLOUT)
+    poller.register(monitor, zmq.POLLIN)
+    try:
+        sock.connect(check_address(address, "route"))
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if sock in ready:
+                sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+                return None
+            if monitor in ready:
+                kind = HANDSHAKE_FAILURES.get(parse_monitor_message(monitor.recv_multipart())["event"])
+                if kind is not None:
+                    holds = (f"does not hold {keys.next_name or 'the next hop'}'s secret key (or does not let this "
+                             "sender's key in)") if keys else "does not speak plaintext ZMTP"
+                    return f"the {'CURVE' if keys else 'ZMTP'} handshake with {address} failed ({kind}): the process " \
+                           f"there {holds}"
+        return f"no process at {address} completed a handshake within {timeout_s:g} s (nothing listens there?)"
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close()
+        ctx.term()
+
+
 class ZmqTransport:
     """An inbound PULL (bound) and an outbound PUSH (connected); `receive` returns only validated messages of the
     kinds this socket accepts. `keys` is required: SocketKeys for CURVE, or None for plaintext (callers say which)."""

@@ -23,10 +23,14 @@ from shared.files.layers import LayerRange, boundaries, check_resplit
 from shared.observe.log_throttle import throttled
 from shared.wire.protocol import Resplit
 from shared.wire.stage_info import StageInfo
+from shared.wire.transport import PROBE_S
 
 log = logging.getLogger("stagemesh.gateway.scheduler")
 
-RESPLIT_PHASE_S = {"prepare": 120.0, "move": 60.0, "commit": 30.0, "abort": 10.0, "reroute": 30.0}  # each phase's round trip at most
+# each phase's round trip at most; a replacement's probe (two hand-overs of at most PROBE_S each, before anything
+# pauses) and its reroute (streams paused, the new route already proven by the probe) are bounded to a few seconds
+RESPLIT_PHASE_S = {"prepare": 120.0, "move": 60.0, "commit": 30.0, "abort": 10.0, "probe": 2 * PROBE_S + 3.0,
+                   "reroute": 5.0}
 RESPLIT_HISTORY = 16  # re-splits /v1/mesh lists per pipeline
 REPLACE_DRAIN_S = 5.0  # how long a replacement waits for micro-batches in flight (a dead stage's never return)
 RESPLIT_WATCH_S = 0.5  # how often a re-split phase in flight checks that no stage restarted or went silent
@@ -161,12 +165,15 @@ class MeshChange:
     async def replace_stage(self, place: int, url: str) -> dict:
         """A stage process at `url` (its HTTP address; started with the same range, keys and model as the stage at
         `place`, at addresses of its own -- on another machine, say) takes `place` in the pipeline: the stage that
-        leaves may be serving still (a planned leave: stop it afterwards) or dead. Micro-batches are held and those
-        in flight drained (at most REPLACE_DRAIN_S: a dead stage's never come back), the stage before `place` -- or
-        the gateway, for place 0 -- sends to the new process from then on (a reroute round trip through the new
-        route: its return shows the route works), and the running requests are replayed from their token histories
-        (the new process holds no K/V). ResplitError naming why when it was not done: 400 the process does not fit
-        the place, 409 a re-split is running or another stage does not answer, 503 the new route did not carry."""
+        leaves may be serving still (a planned leave: stop it afterwards) or dead. First, while the mesh serves on,
+        a probe proves the new route (the process at its `listen` holds the place's CURVE secret key and reaches the
+        next place: a Resplit "probe", handed over only after each handshake completed). Then micro-batches are held
+        and those in flight drained (at most REPLACE_DRAIN_S: a dead stage's never come back), the stage before
+        `place` -- or the gateway, for place 0 -- sends to the new process from then on (a reroute round trip
+        through the new route: its return shows the route works), and the running requests are replayed from their
+        token histories (the new process holds no K/V). ResplitError naming why when it was not done: 400 the
+        process does not fit the place or the probe did not prove its route (nothing paused), 409 a re-split is
+        running or another stage does not answer, 503 the new route did not carry."""
         pipe = self.pipeline
         url = url.rstrip("/")
         if self.resplitting or self._recommitting is not None:
@@ -199,13 +206,37 @@ class MeshChange:
                        f"in {like.dtype}{' batch-invariant' if like.batch_invariant else ''}: start it with the "
                        "same --dtype and --batch-invariant as the stage it replaces")
         problem = problem or check_pipeline(trial, pipe.fingerprint, pipe.num_layers) or check_keys(trial, pipe.keys)
+        address = reachable_address(new.listen, url)
+        serving = {reachable_address(i.listen, u): k for k, (i, u) in enumerate(zip(infos, pipe.stage_urls))
+                   if isinstance(i, StageInfo)}
+        same = next((k for k, i in enumerate(infos) if isinstance(i, StageInfo) and i.incarnation == new.incarnation),
+                    None)
+        if problem is None and same is not None:  # a copy of that stage's /info (or the same process at another URL)
+            problem = (f"its /info names stage {same}'s incarnation {new.incarnation}: it is not a new process; give "
+                       "the URL of the stage process started to take the place")
+        if problem is None and not (address.startswith(("tcp://", "ipc://")) and len(address) <= 256):
+            problem = f"its listen address {address[:64]!r} is not a tcp:// or ipc:// address a stage can dial"
+        if problem is None and address in serving:
+            problem = (f"its listen address {address} is where stage {serving[address]} receives: give the URL of a "
+                       "process that listens at addresses of its own")
         if problem is not None:
             raise ResplitError(f"{url} cannot take stage {place}'s place: {problem}", status=400)
-        address = reachable_address(new.listen, url)
         onward = reachable_address(infos[place + 1].listen, pipe.stage_urls[place + 1]) if place + 1 < len(infos) \
             else None  # the last place keeps the result address it was started with
         split = [tuple(i.layers) for i in trial]
         t0 = time.perf_counter()
+        self.resplitting, self.resplit_phase = True, "probe"
+        try:  # the new route, tried while the mesh serves on: nothing pauses for a process that cannot serve it
+            _, error = await self._round_trip(Resplit(pipe.client.next_rid(), "probe", split, split,
+                                                      route=(place, address, onward)),
+                                              None, via=address if place == 0 else None)
+        finally:
+            self.resplitting, self.resplit_phase = False, None
+        if error is not None:
+            why = (f"{url} cannot take stage {place}'s place: the route through its listen address {address} was not "
+                   f"proven ({error}); nothing was paused")
+            self._record_replacement(place, url, "refused", why, time.perf_counter() - t0)
+            raise ResplitError(why, status=400)
         self.resplitting, self.resplit_phase, self.paused, pipe.resplitting = True, "replace", True, True
         before = pipe.client.transport.next_hop
         try:
@@ -321,12 +352,14 @@ class MeshChange:
         raise ResplitError(f"re-split to {boundaries(new)} refused at the {msg.phase}: {error}; the split stays "
                            f"{boundaries(old)}")
 
-    async def _round_trip(self, msg: Resplit, incarnations: list[str] | None) -> tuple[Resplit | None, str | None]:
+    async def _round_trip(self, msg: Resplit, incarnations: list[str] | None,
+                          via: str | None = None) -> tuple[Resplit | None, str | None]:
         """Send one phase and wait for it to come back: (the answer, None), or (None or the answer, why not) when a
         stage refused it, it did not come back within RESPLIT_PHASE_S, or (with `incarnations`) a stage restarted
-        or stopped answering meanwhile -- a message it held is gone, so waiting longer would only stall streams."""
+        or stopped answering meanwhile -- a message it held is gone, so waiting longer would only stall streams.
+        `via`: PipelineClient.resplit's (a probe into a new first stage)."""
         wait = RESPLIT_PHASE_S[msg.phase]
-        answer = asyncio.ensure_future(self.pipeline.client.resplit(msg))
+        answer = asyncio.ensure_future(self.pipeline.client.resplit(msg, via))
         deadline = time.perf_counter() + wait
         try:
             while time.perf_counter() < deadline:
