@@ -596,3 +596,41 @@ def test_an_sqlite_log_at_rest_is_its_users_alone_and_pruned_on_close(tmp_path, 
 
 def stat_mode(path) -> int:
     return os.stat(path).st_mode & 0o777
+
+
+def test_a_damaged_sqlite_log_is_moved_aside_with_a_warning_naming_it(tmp_path, caplog):
+    """Issue 69 item 6: a half-truncated requests.sqlite ("database disk image is malformed") does not stop the
+    gateway: the file is moved aside, the warning names where it went, and a fresh log is used."""
+    store = SqliteStore(str(tmp_path), "m1")
+    for i in range(300):  # enough pages that half of the file is mid-table
+        store.add(f"r{i}", {"prompt": "x" * 200}, False, None, i)
+        store.output(f"r{i}", 0, 5, None, None)
+    store.close()
+    path = tmp_path / "requests.sqlite"
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    again = SqliteStore(str(tmp_path), "m1")
+    assert again.unfinished() == []
+    _log_two(again)
+    assert [r.id for r in again.unfinished()] == ["a", "b"]  # a working log
+    again.close()
+    (aside,) = [n for n in os.listdir(tmp_path) if n.startswith("requests.sqlite.damaged-")]
+    assert f"{tmp_path / aside}" in caplog.text and "damaged" in caplog.text
+
+
+def test_a_log_row_that_is_not_json_is_skipped_alone(open_log, caplog):
+    """... and one row whose body is not JSON is skipped (logged, by id), the others taken back."""
+    store = open_log()
+    _log_two(store)
+    store.add("c", {"prompt": "z"}, False, None, 9)
+    store.flush()
+    if isinstance(store, SqliteStore):
+        store.db.execute("UPDATE requests SET body = '{nope' WHERE id = 'a'")
+        store.db.execute("UPDATE requests SET extra = '[' WHERE id = 'c'")
+    else:
+        store.redis.hset(store._key("req", "a"), "body", "{nope")
+        store.redis.hset(store._key("out", "c"), 0, "not json")
+    store.close()
+    again = open_log(owner="gw-b") if not isinstance(store, SqliteStore) else open_log()
+    assert [r.id for r in again.unfinished()] == ["b"]
+    assert "request a" in caplog.text and "request c" in caplog.text and "skipped" in caplog.text
+    again.close()

@@ -112,6 +112,24 @@ def open_store(where: str, owner: str, mesh: str, keep_s: float = KEEP_S) -> Req
     return SqliteStore(where, mesh, keep_s)
 
 
+DAMAGED_ROW = (ValueError, TypeError, KeyError, AttributeError)  # a row that is not what the log writes (json's errors too)
+
+
+def _stored(rid: str, body, chat, session, seed, created, outputs: dict, extra, finish) -> StoredRequest:
+    """One logged request as written (body, extra, finish as JSON text), checked: DAMAGED_ROW where it is not."""
+    body, extra = json.loads(body), json.loads(extra) if extra else {}
+    finish = json.loads(finish) if finish else None
+    if not isinstance(body, dict) or not isinstance(extra, dict) or not isinstance(finish, dict | None):
+        raise ValueError("its body, extra or finish is not a JSON object")
+    return StoredRequest(rid, body, bool(int(chat)), session or None, int(seed), float(created), _contiguous(outputs),
+                         extra, finish)
+
+
+def _skipped(rid: str, where: str, e: Exception) -> None:
+    log.warning("request %s in the request log %s is damaged (%s: %s): skipped, and dropped from the log", rid, where,
+                type(e).__name__, str(e)[:200])
+
+
 def _top_list(top) -> list | None:
     """top_logprobs as the log keeps them: [[token id, logprob], ...]."""
     return None if top is None else [[int(t), float(lp)] for t, lp in top]
@@ -202,10 +220,30 @@ class SqliteStore:
             raise StagemeshError(f"--state-dir {state_dir} is held by another running gateway; give each gateway its "
                                  "own (--state-dir), or --state-dir off") from None
         self.path = os.path.join(state_dir, "requests.sqlite")
+        self._io = threading.Lock()  # flush runs in a worker thread, one at a time
+        self._batch = _Batch()
+        try:
+            self._open(state_dir, mesh)
+        except sqlite3.DatabaseError as e:  # damaged (a truncated copy, a failing disk): moved aside, a fresh log
+            self.db.close()
+            aside = f"{self.path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(self.path + suffix):
+                    os.replace(self.path + suffix, aside + suffix)
+            log.warning("the request log %s is damaged (%s): moved aside to %s, and a fresh log started (its "
+                        "requests are not taken back; delete the copy once you no longer need it)", self.path, e,
+                        aside)
+            self._open(state_dir, mesh)
+
+    def _open(self, state_dir: str, mesh: str) -> None:
+        """Open (or make) the log, checked whole (PRAGMA quick_check), its schema current, its meta this model's;
+        sqlite3.DatabaseError where the file is damaged."""
         _private_file(self.path)  # SQLite makes its -wal and -shm with the database's mode
-        # transactions are explicit (flush); flush runs in a worker thread, one at a time (self._io)
+        # transactions are explicit (flush)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._io = threading.Lock()
+        check = self.db.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {check}")
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         for suffix in ("-wal", "-shm"):  # left by an older gateway with another mode
@@ -225,7 +263,6 @@ class SqliteStore:
             self.db.execute("DELETE FROM outputs")
             self.db.execute("DELETE FROM requests")
         self.db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("epoch", self.epoch), ("mesh", mesh)])
-        self._batch = _Batch()
 
     def add(self, request_id: str, body: dict, chat: bool, session: str | None, seed: int,
             extra: dict | None = None) -> None:
@@ -277,11 +314,14 @@ class SqliteStore:
             for rid, body, chat, session, seed, created, extra, finish in rows:
                 outs = self.db.execute("SELECT n, token, logprob, top FROM outputs WHERE id = ? ORDER BY n",
                                        (rid,)).fetchall()
-                outputs = {n: (token, logprob, None if top is None else json.loads(top))
-                           for n, token, logprob, top in outs}
-                found.append(StoredRequest(rid, json.loads(body), bool(chat), session, seed, created,
-                                           _contiguous(outputs), json.loads(extra) if extra else {},
-                                           json.loads(finish) if finish else None))
+                try:
+                    outputs = {n: (token, logprob, None if top is None else json.loads(top))
+                               for n, token, logprob, top in outs}
+                    found.append(_stored(rid, body, chat, session, seed, created, outputs, extra, finish))
+                except DAMAGED_ROW as e:
+                    _skipped(rid, self.path, e)
+                    self.db.execute("DELETE FROM outputs WHERE id = ?", (rid,))
+                    self.db.execute("DELETE FROM requests WHERE id = ?", (rid,))
             return found
 
     def _drop_before(self, cutoff: float) -> None:
@@ -457,13 +497,17 @@ class RedisStore:
                     continue
                 if not self._claim(keys=[self._key("req", rid)], args=[self.owner, self._key("owner", "")]):
                     continue  # another gateway's (it renewed its lease, or took it first), or gone meanwhile
-                req = {k.decode(): v.decode() for k, v in self.redis.hgetall(self._key("req", rid)).items()}
-                outs = {int(n): tuple(json.loads(v)) for n, v in self.redis.hgetall(self._key("out", rid)).items()}
+                try:
+                    req = {k.decode(): v.decode() for k, v in self.redis.hgetall(self._key("req", rid)).items()}
+                    outs = {int(n): tuple(json.loads(v)) for n, v in self.redis.hgetall(self._key("out", rid)).items()}
+                    found.append(_stored(rid, req["body"], req["chat"], req["session"], req["seed"], req["created"],
+                                         outs, req.get("extra"), req.get("finish")))
+                except (*DAMAGED_ROW, UnicodeDecodeError) as e:
+                    _skipped(rid, self.shown, e)
+                    self.redis.delete(self._key("req", rid), self._key("out", rid))
+                    self.redis.zrem(self._key("open"), rid)
+                    continue
                 self._mine[rid] = float(req["created"])
-                found.append(StoredRequest(rid, json.loads(req["body"]), bool(int(req["chat"])),
-                                           req["session"] or None, int(req["seed"]), float(req["created"]),
-                                           _contiguous(outs), json.loads(req.get("extra") or "{}"),
-                                           json.loads(req["finish"]) if req.get("finish") else None))
             return found
 
     def _pipelined(self, call, items: list) -> list:
