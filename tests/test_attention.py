@@ -12,6 +12,7 @@ import torch
 
 from shared.batch.layout import BatchLayout
 from shared.batch.steps import Decode, Prefill
+from shared.errors import BadBatch
 from shared.kernels import qdot
 from shared.models.attention import (
     BatchDecode,
@@ -151,3 +152,13 @@ def test_batch_invariant_rows_on_the_kernel_do_not_depend_on_how_a_prompt_is_cut
     assert torch.equal(whole, torch.cat([first, rest]))
     assert torch.equal(whole, one_by_one)
     assert not torch.equal(whole[:-1], whole[1:])  # rows differ: the comparison sees the rows' order
+
+
+def test_positions_lie_as_rows_in_a_micro_batch_of_decodes_only():
+    """decodes_only: a decode of several positions laid out as one-token rows (its slot repeated, its positions one
+    a row); a micro-batch with a prefill chunk in it is refused that layout."""
+    rows = BatchLayout.build([0, 1], [Decode(4, 3), Decode(7)], MAX_SEQ, positions_as_rows=True)
+    assert rows.slots == [0, 0, 0, 1] and rows.starts == [4, 5, 6, 7] and rows.lengths == [1] * 4 and rows.decode_only
+    assert BatchLayout.build([0, 1], [Decode(4, 3), Decode(7)], MAX_SEQ).lengths == [3, 1]
+    with pytest.raises(BadBatch, match="decodes only"):
+        BatchLayout.build([0, 1], [Decode(4, 3), Prefill(2, 0, 2, True)], MAX_SEQ, positions_as_rows=True)

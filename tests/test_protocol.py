@@ -5,8 +5,9 @@ import msgpack
 import pytest
 import torch
 
-from shared.batch.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from shared.batch.sampling import MAX_TOP_LOGPROBS, LogitInputs, SamplingParams
 from shared.batch.steps import Decode
+from shared.errors import BadBatch
 from shared.wire import protocol
 from shared.wire.protocol import (
     PROTOCOL_VERSION,
@@ -17,6 +18,7 @@ from shared.wire.protocol import (
     SeqEntry,
     decode,
     encode,
+    sampling_rows,
 )
 
 
@@ -155,3 +157,18 @@ def test_a_release_of_all_carries_what_it_spares_and_spares_nothing_alone():
         decode([msgpack.packb(header, use_bin_type=True)])
     with pytest.raises(ProtocolError, match="spare"):
         decode([msgpack.packb({**header, "all": True, "spare": ["x" * 10_000]}, use_bin_type=True)])
+
+
+def test_the_last_stage_samples_several_positions_of_a_step_only_without_logit_inputs():
+    """one_position_a_step: a grammar's mask or a penalties' history holds for one position, so a decode of several
+    positions with either is refused, naming the sequence; one position with them, or several without, sample."""
+    grammar = LogitInputs(bytes([0b111, 0, 0, 0]))
+    penalized = SamplingParams(repetition_penalty=1.3)
+    fine = [SeqEntry("a", Decode(5), logit_inputs=grammar), SeqEntry("b", Decode(5, 3)),
+            SeqEntry("c", Decode(5), penalized, logit_inputs=LogitInputs(None, ((3, 1),)))]
+    producing, counts, params, positions, inputs = sampling_rows(fine)
+    assert [e.seq_id for e in producing] == ["a", "b", "c"] and counts == [1, 3, 1]
+    assert positions == [6, 6, 7, 8, 6] and inputs == [grammar, None, None, None, fine[2].logit_inputs]
+    for bad in (SeqEntry("d", Decode(5, 2), logit_inputs=grammar), SeqEntry("e", Decode(5, 2), penalized)):
+        with pytest.raises(BadBatch, match=f"sequence '{bad.seq_id}': a 2-token decode step .* one-token steps"):
+            sampling_rows([fine[1], bad])

@@ -9,7 +9,7 @@ from functools import cached_property
 
 import torch
 
-from shared.batch.steps import InferenceStep
+from shared.batch.steps import InferenceStep, decodes_only
 from shared.errors import BadBatch
 
 
@@ -45,6 +45,8 @@ class BatchLayout:
         one-token decode steps do: the decode kernels, the compiled graphs (their attention must read each row's
         own slot and context: KernelDecode, BatchDecode)."""
         if positions_as_rows:
+            if not decodes_only(steps):
+                raise BadBatch("positions are laid out as rows in a micro-batch of decodes only")
             slots = [slot for slot, s in zip(slots, steps) for _ in range(s.num_tokens)]
             starts = [s.start_position + i for s in steps for i in range(s.num_tokens)]
             lengths = [1] * len(starts)

@@ -146,6 +146,15 @@ class LogitInputs:
         return cls(allowed, tuple(zip(flat[0::2], flat[1::2])))
 
 
+def one_position_a_step(params: SamplingParams, constrained: bool) -> bool:
+    """The rule of steps of several positions: a sequence whose samples take logit inputs -- the penalties' history
+    (params.penalized), a grammar's allowed tokens (`constrained`) -- steps one position at a time, since those inputs
+    hold for the next position only. So a k-token step (k > 1: a decode verifying drafts) carries no logit inputs: the
+    gateway drafts for no such sequence (SequenceState.next_step, the Speculator) and the last stage refuses one
+    (shared.wire.protocol.sampling_rows)."""
+    return constrained or params.penalized
+
+
 def _apply_penalties(row: torch.Tensor, p: SamplingParams, seen: tuple[tuple[int, int], ...]) -> None:
     """In place, on one row of logits (vLLM's order: repetition, then frequency and presence)."""
     ids = torch.tensor([t for t, _ in seen], dtype=torch.int64)

@@ -7,6 +7,7 @@ ones, each position's next token sampled, so one pass can verify k - 1 drafts (S
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Union
 
@@ -89,6 +90,13 @@ class Decode:
 
 
 InferenceStep = Union[Prefill, Decode]
+
+
+def decodes_only(steps: Iterable[InferenceStep]) -> bool:
+    """The rule of rows: a micro-batch of decodes only is the one kind whose several-position steps may be laid out as
+    one-token rows (BatchLayout.build's positions_as_rows: each row computes as a one-token decode step does), and
+    whose round trip prices a decode pass (the gateway's PassCosts)."""
+    return all(isinstance(s, Decode) for s in steps)
 
 
 def chunk_prompt(total: int, chunk_size: int, start: int = 0) -> list[Prefill]:

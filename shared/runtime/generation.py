@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.batch.sampling import LogitInputs, SamplingParams, TopLogprobs, sample
+from shared.batch.sampling import LogitInputs, SamplingParams, TopLogprobs, one_position_a_step, sample
 from shared.batch.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
 from shared.config import SCHEDULER_DEFAULTS
 from shared.errors import StagemeshError
@@ -87,9 +87,10 @@ class SequenceState:
             return SeqEntry(self.seq_id, step, self.params, logit_inputs=inputs), \
                 self.all_ids[self.computed:self.computed + n]
         inputs = self.logit_inputs()
-        # drafts go only where one position's logit inputs hold for every row (none), and within max_tokens
+        # drafts go only where the step carries no logit inputs (one_position_a_step), and within max_tokens
         room = min(max_tokens, self.max_tokens - len(self.output_ids)) - 1
-        self.verifying = tuple(self.draft[:max(0, min(room, MAX_DECODE_TOKENS - 1))]) if inputs is None else ()
+        alone = one_position_a_step(self.params, self.grammar is not None)
+        self.verifying = tuple(self.draft[:max(0, min(room, MAX_DECODE_TOKENS - 1))]) if not alone else ()
         self.draft = []
         return SeqEntry(self.seq_id, Decode(self.computed, 1 + len(self.verifying)), self.params,
                         logit_inputs=inputs), [self.output_ids[-1], *self.verifying]

@@ -10,7 +10,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from shared.batch.layout import BatchLayout
-from shared.batch.steps import Decode
+from shared.batch.steps import decodes_only
 from shared.config import COMPILE_MODES, STAGE_DEFAULTS
 from shared.errors import BadBatch, CapabilityMissing, MissingActivation
 from shared.files.gguf_loader import GgufLoader
@@ -166,7 +166,7 @@ class StageRuntime:
             # several positions of one sequence in a decode micro-batch: as that many one-token rows where the decode
             # attention reads each row's own slot and context (KernelDecode), so a verified draft's numbers are those
             # of one-token steps; the batch-invariant mode's rowwise attention already computes them so
-            as_rows = any(w.step.num_tokens > 1 for w in work) and all(isinstance(w.step, Decode) for w in work) \
+            as_rows = any(w.step.num_tokens > 1 for w in work) and decodes_only(w.step for w in work) \
                 and not model.batch_invariant and KernelDecode.applies(model.config, model.dtype, self.device)
             layout = BatchLayout.build(slots, [w.step for w in work], self.kv.max_seq_len, self.device, as_rows)
             self.kv.check_room(layout, starting=bool(fresh))

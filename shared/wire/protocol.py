@@ -19,7 +19,14 @@ from typing import Any, Union
 import msgpack
 import torch
 
-from shared.batch.sampling import MAX_TOP_LOGPROBS, WIRE_FIELDS, LogitInputs, SamplingParams, TopLogprobs
+from shared.batch.sampling import (
+    MAX_TOP_LOGPROBS,
+    WIRE_FIELDS,
+    LogitInputs,
+    SamplingParams,
+    TopLogprobs,
+    one_position_a_step,
+)
 from shared.batch.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
 from shared.errors import ERROR_CODES, BadBatch
 
@@ -92,14 +99,15 @@ def sampling_rows(entries: list[SeqEntry]) -> tuple[list[SeqEntry], list[int], l
                                                    list[LogitInputs | None]]:
     """What the last stage samples for a micro-batch, one row per sampled token in batch order: (the entries that
     sample, each one's count of rows, then per row its params, position and logit inputs). A step of several rows
-    carries no logit inputs (a grammar mask or a penalties' history holds for one position only)."""
+    carries no logit inputs (one_position_a_step: a grammar mask or a penalties' history holds for one position)."""
     producing = [e for e in entries if e.step.samples]
     counts, params, positions, inputs = [], [], [], []
     for e in producing:
         n = e.step.samples
-        if n > 1 and e.logit_inputs is not None and not e.logit_inputs.empty:
-            raise BadBatch(f"sequence {e.seq_id!r}: a {n}-token decode step cannot carry a grammar mask or penalties' "
-                           "history (they hold for one position); send one-token steps for it")
+        constrained = e.logit_inputs is not None and e.logit_inputs.allowed is not None
+        if n > 1 and one_position_a_step(e.sampling, constrained):
+            raise BadBatch(f"sequence {e.seq_id!r}: a {n}-token decode step of a sequence with a grammar mask or "
+                           "penalties (they hold for one position); send one-token steps for it")
         counts.append(n)
         params += [e.sampling] * n
         positions += e.sample_positions

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from services.gateway.engine.prefix_cache import PrefixIndex
 from services.gateway.engine.request import Request, RequestOutput
 from services.gateway.engine.speculator import DRAFT_ROWS, NGRAM_MAX_RUNNING, Speculator
-from shared.batch.steps import Decode
+from shared.batch.steps import Decode, decodes_only
 from shared.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from shared.errors import KVCacheFull, PrefixMiss, UnknownSequence
 from shared.wire.pipeline_client import PipelineError
@@ -395,7 +395,7 @@ class Scheduler:
             return self._prefix_miss(reqs, error)
         update = Update()
         if result is not None and batch is not None and batch.alone and not self.inflight \
-                and all(isinstance(e.step, Decode) for e in batch.entries):
+                and decodes_only(e.step for e in batch.entries):
             # alone in the pipeline from its send to now (results come back in order): its round trip is its pass
             self.speculator.costs.observe(batch.num_tokens, now - batch.planned_at)
         sampled = result.by_sequence() if result else {}

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.gateway.engine.drafts import ContextIndex, DraftBudget, PredictionIndex
+from shared.batch.sampling import one_position_a_step
 from shared.config import SPECULATION_MODES
 
 if TYPE_CHECKING:  # the request carries its drafting state (drafts.py); the drafter above reads it
@@ -230,7 +231,7 @@ class Speculator:
         """ngrams_for, a prediction or not: a request with one drafts from its own context where its output left
         the prediction."""
         return self.pool is not None and req.speculation and req.audit is None and not req.traced \
-            and req.grammar is None and not req.params.penalized
+            and not one_position_a_step(req.params, req.grammar is not None)
 
     def draft(self, req: Request, rows: int, ngrams: bool, batch_rows: int = 1) -> list[int]:
         """The draft for the request's next decode step, at most `rows` tokens long, in a micro-batch of batch_rows
