@@ -595,3 +595,31 @@ def test_a_stored_response_is_its_tenants_alone(client):
     client.responses.delete(alice.id, extra_query=as_alice)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(alice.id, extra_query=as_alice)
+
+
+async def test_background_and_unread_resumable_work_is_bounded_per_user(client, gateway):
+    """Issue 69 item 10: one client (its `user`) holds at most --max-detached-per-user (16) requests that run
+    without a reader -- background responses, and resumable streams whose connection went -- and the next one is
+    a 429 with Retry-After; another user is not held back, and a slot freed is a slot to use."""
+    user, ask = scope(), {"model": "smollm2", "input": "Count from 1 to 900.", "max_output_tokens": 600}
+    held = [client.responses.create(**ask, background=True, user=user) for _ in range(15)]
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to 900."}], "max_tokens": 200,
+            "stream": True, "resumable": True, "user": user}
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gateway.url + "/v1/chat/completions", json=body) as r:
+                await r.content.readline()  # its first event, then the connection drops: unread from here
+            await asyncio.sleep(3)  # the gateway sees the connection gone at its next write
+            with pytest.raises(openai.RateLimitError) as e:
+                client.responses.create(**ask, background=True, user=user)
+            assert e.value.code == "too_many_detached" and "--max-detached-per-user" in e.value.message
+            assert e.value.response.headers["Retry-After"]
+            async with s.post(gateway.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 429 and r.headers["Retry-After"]
+            other = client.responses.create(**ask, background=True, user=scope())  # another client's own 16
+            client.responses.cancel(other.id, extra_query={"user": other.user})
+            client.responses.cancel(held.pop().id, extra_query={"user": user})
+            held.append(client.responses.create(**ask, background=True, user=user))  # room again
+    finally:
+        for r in held:
+            client.responses.cancel(r.id, extra_query={"user": user})

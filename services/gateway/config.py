@@ -80,6 +80,11 @@ class GatewayConfig:
                                  metavar="DIR|URL|off", unset="$XDG_DATA_HOME/stagemesh/gateway-PORT (~/.local/share/...)")
     state_keep_s: float = knob(600.0, "a logged request is taken back (after a restart, by a peer) for this long after "
                                       "it began", unit="seconds")
+    max_detached_per_user: int = knob(16, "requests one client may have running with no connection waiting for them "
+                                          "(background responses, and resumable requests whose connection went): "
+                                          "past it 429 with Retry-After; a client is its API `user` (with one API "
+                                          "key, the only name it has), and requests without one count as one client",
+                                      metavar="N")
     state_max_requests: int = knob(4096, "resumable requests logged at once; past it a request runs unlogged (it "
                                          "still resumes after a disconnect, not after a restart)", metavar="N")
     served_model_name: str | None = knob(None, "the model's name in the API (/v1/models, each response's model)",
@@ -115,6 +120,7 @@ class GatewayConfig:
         check_seconds(self, "stored_responses_ttl_s", 0, strict=False)
         check_seconds(self, "state_keep_s", 0, strict=True)
         check_int(self, "state_max_requests", 0)
+        check_int(self, "max_detached_per_user", 1)
         if self.metrics_require_key and not self.api_key:
             raise StagemeshError(f"--metrics-require-key needs an API key: set {API_KEY_ENV}")
 

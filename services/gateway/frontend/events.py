@@ -76,11 +76,20 @@ class RequestHandle:
     ended_at: float | None = None  # time.monotonic() when its end event was appended
     readers: int = 0  # readers following its log now (Gateway.events)
     kept: bool = True  # its log stays readable after it ends (RequestRegistry); False: dropped at its end, unread
+    client: str = ""  # whose it is, for the per-client bound on unattended work (its API `user`; "": none given)
+    detached: bool = False  # a background request: runs to its end with or without readers
+    left: bool = False  # the connection that sent it is done with it (Gateway.leave)
     created: int = field(default_factory=lambda: int(time.time()))  # its responses' "created", on every reading
 
     @property
     def chat(self) -> bool:
         return self.spec.messages is not None
+
+    @property
+    def unattended(self) -> bool:
+        """It runs with no connection waiting for it: a background request, or a resumable one whose connection
+        went with no reader back since (what --max-detached-per-user bounds per client)."""
+        return not self.log.ended and (self.detached or (self.left and self.readers == 0 and not self.cancel_on_leave))
 
     @property
     def id(self) -> str:

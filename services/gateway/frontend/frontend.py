@@ -257,13 +257,17 @@ class Gateway:
         readable after it ends only where something may read them again: a request that outlives its connection
         (resumable, detached) or keep_log (a stored response); the others' go with their end."""
         spec = parse_generation(body, chat, self.replicas.max_seq_len or 1 << 20, self.files.tokenizer.vocab_size)
+        user = body.get("user")
+        client = user if isinstance(user, str) else ""
+        if spec.resumable or detached is not None:
+            self._check_unattended(client)
         seq = await self.prepare(spec)
         handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
-                               cancel_on_leave=cancel_on_leave and not spec.resumable)
+                               cancel_on_leave=cancel_on_leave and not spec.resumable, client=client,
+                               detached=detached is not None)
         handle.kept = not handle.cancel_on_leave or keep_log
         self.requests.add(handle)
-        user = body.get("user")
-        route = session or (user if isinstance(user, str) and user else None)
+        route = session or client or None
         try:
             self.submit(seq, route)
         except RequestError:
@@ -276,6 +280,19 @@ class Gateway:
                            {"detached": detached} if detached is not None else None)
             self.durable[handle.id] = 0
         return handle
+
+    def _check_unattended(self, client: str) -> None:
+        """A request that may run without a connection (background, resumable) is refused with 429 while its client
+        already has --max-detached-per-user such requests running unattended: no client holds the mesh's slots and
+        queue with work nobody waits for."""
+        bound = self.config.max_detached_per_user
+        held = sum(1 for h in self.requests.open.values() if h.client == client and h.unattended)
+        if held >= bound:
+            who = f"user {client[:80]!r}" if client else "requests without a `user`"
+            raise RequestError(f"{who} already has {held} requests running with no connection waiting for them "
+                               f"(background, or resumable and unread): at most {bound} at once (the gateway's "
+                               "--max-detached-per-user); read or cancel one, or retry when one ends", status=429,
+                               code="too_many_detached")
 
     async def readopt(self, stored: list[StoredRequest] | None = None) -> int:
         """Take back the requests a previous gateway on this state directory left unfinished (durable.py): each
@@ -315,9 +332,11 @@ class Gateway:
             seq.seq_id = s.id
             if not seq.params.greedy:
                 seq.params = dataclasses.replace(seq.params, seed=s.seed)
-            handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
-                                   cancel_on_leave=False, created=int(s.created))
             detached = s.extra.get("detached")
+            user = s.body.get("user")  # no connection has it yet: unattended until a reader comes back
+            handle = RequestHandle(seq, spec, OutputProcessor(seq, self.files.tokenizer, spec.stop),
+                                   cancel_on_leave=False, created=int(s.created), client=user if isinstance(user, str)
+                                   else "", detached=detached is not None, left=True)
             outputs = s.outputs if s.finish is not None else s.outputs[:max(0, seq.max_tokens - 1)]
             for token, logprob, top in outputs:
                 alternatives = [tuple(t) for t in top] if top is not None else None
@@ -441,6 +460,7 @@ class Gateway:
     def leave(self, handle: RequestHandle) -> None:
         """A reader is done (its client went away, or its handler returned): end the request unless it outlives its
         connections (cancel_on_leave False). No-op once it ended."""
+        handle.left = True
         if handle.cancel_on_leave:
             self.replicas.cancel(handle.seq)
         elif not handle.log.ended:  # resumable: checked RESUME_GRACE_S from now, when a reader may have come back
