@@ -363,3 +363,14 @@ def test_sdk_unknown_model_is_not_found_and_the_edge_speaks_anthropic(client, ga
         client.post("/v1/messages", cast_to=object, body=None, options={"headers": {"Content-Type": "application/json"}},
                     content=b"{not json")
     assert e.value.body["type"] == "error" and "not valid JSON" in e.value.body["error"]["message"]
+
+
+async def test_a_messages_stream_is_not_resumed_and_a_last_event_id_says_so(gateway):
+    """Issue 69 item 11: a Messages stream has no event ids and is not resumed; a client reconnecting with
+    Last-Event-ID (an EventSource does) gets a 400 naming the header, not a fresh answer it would take for the rest."""
+    async with aiohttp.ClientSession() as s, s.post(gateway.url + "/v1/messages", headers={
+            "x-api-key": KEY, "anthropic-version": "2023-06-01", "Last-Event-ID": "3"},
+            json=body(stream=True, temperature=0)) as resp:
+        error = await resp.json()
+    assert resp.status == 400 and error["type"] == "error", error
+    assert "Last-Event-ID" in error["error"]["message"] and "not resumed" in error["error"]["message"], error

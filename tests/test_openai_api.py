@@ -498,7 +498,7 @@ def test_a_grammar_that_fails_mid_answer_is_the_requests_fault_not_a_retry(smoll
     req = Request(seq_id="g", prompt_ids=[1, 2], max_tokens=8, grammar=grammar)
     s = Scheduler(1, SchedulerConfig(prefix_cache=False))
     s.submit(req, 0.0)
-    (batch,) = s.plan(0.0).batches
+    (batch,) = s.schedule(0.0).batches
     off_grammar = smollm2.tokenizer.encode("x")[0]  # a JSON object cannot begin with it
     from shared.wire.protocol import BatchResult
 

@@ -356,12 +356,12 @@ def test_plan_keeps_the_token_budget_and_chunks_each_prompt():
     reqs = [request(f"r{i}", prompt_len=20) for i in range(3)]
     for r in reqs:
         assert s.submit(r, now=0.0).admitted == [r]
-    (batch,) = s.plan(now=0.0).batches
+    (batch,) = s.schedule(now=0.0).batches
     assert shape(batch) == [("r0", "Prefill", 16), ("r1", "Prefill", 8)]  # a chunk, then what the budget leaves
-    assert batch.num_tokens == 24 and not s.plan(now=0.0).batches  # one micro-batch in flight at K=1
+    assert batch.num_tokens == 24 and not s.schedule(now=0.0).batches  # one micro-batch in flight at K=1
     update = s.on_result(batch.mb_id, sampled(batch), None, now=0.0)
     assert update.outputs == []  # neither prompt is done: no token sampled yet
-    (batch,) = s.plan(now=0.0).batches
+    (batch,) = s.schedule(now=0.0).batches
     assert shape(batch) == [("r0", "Prefill", 4), ("r1", "Prefill", 12), ("r2", "Prefill", 8)]
     assert [e.step.is_final_chunk for e in batch.entries] == [True, True, False]
 
@@ -371,14 +371,14 @@ def test_plan_puts_running_decodes_before_a_new_prompt_and_spreads_them_over_k_m
     a, b = request("a", max_tokens=50), request("b", max_tokens=50)
     for r in (a, b):
         s.submit(r, now=0.0)
-    first = s.plan(now=0.0).batches
+    first = s.schedule(now=0.0).batches
     assert [shape(m) for m in first] == [[("a", "Prefill", 5)], [("b", "Prefill", 5)]]  # ceil(2 running / K=2)
     for m in first:
         outputs = s.on_result(m.mb_id, sampled(m), None, now=0.0).outputs
         assert [(r.seq_id, o.token, o.finish_reason) for r, o in outputs] == [(m.requests[0].seq_id, 9, None)]
     long = request("long", prompt_len=100)
     s.submit(long, now=0.0)
-    batches = s.plan(now=0.0).batches  # 3 running over K=2: two per micro-batch, decodes first
+    batches = s.schedule(now=0.0).batches  # 3 running over K=2: two per micro-batch, decodes first
     assert [shape(m) for m in batches] == [[("a", "Decode", 1), ("b", "Decode", 1)], [("long", "Prefill", 32)]]
 
 
@@ -387,10 +387,10 @@ def test_a_finished_request_frees_its_slot_for_the_next_plan():
     a, b = request("a", max_tokens=1), request("b")
     s.submit(a, now=0.0)
     assert s.submit(b, now=0.0).admitted == [] and list(s.waiting) == [b]  # the one slot is a's
-    (batch,) = s.plan(now=0.0).batches
+    (batch,) = s.schedule(now=0.0).batches
     (out,) = s.on_result(batch.mb_id, sampled(batch, token=42), None, now=0.0).outputs
     assert out == (a, RequestOutput(42, None, None, "length")) and a.output_ids == [42] and a.seq_id not in s.running
-    plan = s.plan(now=0.0)
+    plan = s.schedule(now=0.0)
     assert plan.release == [a.seq_id] and plan.admitted == [b]  # its slot freed on every stage, then b runs there
     assert [shape(m) for m in plan.batches] == [[("b", "Prefill", 5)]]
 
@@ -405,7 +405,7 @@ def test_running_requests_hold_their_kv_positions_and_the_rest_wait_for_room():
         s.submit(r, now=0.0)
     assert set(s.running) == {"a", "b"} and list(s.waiting) == [c] and s.held_positions == 300
     s.finish(a, "stop")
-    assert s.plan(now=0.0).admitted == [c] and set(s.running) == {"b", "c"}
+    assert s.schedule(now=0.0).admitted == [c] and set(s.running) == {"b", "c"}
     big = policy(kv_slots=8)
     big.live_positions = 100
     alone = request("alone", prompt_len=90, max_tokens=50)  # past the bound, and nothing else runs
@@ -425,22 +425,22 @@ def test_kv_full_requeues_the_started_requests_and_holds_admission_for_the_backo
     s = policy(kv_slots=4)
     a = request("a", max_tokens=50)
     s.submit(a, now=0.0)
-    (batch,) = s.plan(now=0.0).batches
+    (batch,) = s.schedule(now=0.0).batches
     s.on_result(batch.mb_id, sampled(batch), None, now=0.0)  # a runs
     b, c = request("b"), request("c")
     s.submit(b, now=0.0)
-    (batch,) = s.plan(now=0.0).batches
+    (batch,) = s.schedule(now=0.0).batches
     assert shape(batch) == [("a", "Decode", 1), ("b", "Prefill", 5)]
     full = PipelineError(BatchError(batch.mb_id, "stage[1:2]", KVCacheFull.code, "no free slot", ["a", "b"]))
     update = s.on_result(batch.mb_id, None, full, now=10.0)
     assert update.kv_full and update.requeued == [b] and update.outputs == [] and list(s.waiting) == [b]
     assert a.output_ids == [9] and not a.in_flight  # nothing of the failed micro-batch counted: a decodes again
     s.submit(c, now=10.5)
-    plan = s.plan(now=10.5)  # within the backoff: admission holds at the one that fits
+    plan = s.schedule(now=10.5)  # within the backoff: admission holds at the one that fits
     assert b.seq_id in plan.release and list(s.running) == ["a"] and [shape(m) for m in plan.batches] == [
         [("a", "Decode", 1)]]
     assert s.on_result(plan.batches[0].mb_id, sampled(plan.batches[0]), None, now=10.6).outputs
-    assert [r.seq_id for r in s.plan(now=11.5).admitted] == ["c"]  # after it: admits again (b was admitted before)
+    assert [r.seq_id for r in s.schedule(now=11.5).admitted] == ["c"]  # after it: admits again (b was admitted before)
     assert list(s.running) == ["a", "b", "c"]
 
 
@@ -449,14 +449,14 @@ def test_errors_deadlines_and_a_lost_pipeline_come_back_as_outputs_and_replays()
     a, b = request("a", max_tokens=50), request("b", deadline=5.0)
     s.submit(a, now=0.0)
     s.submit(b, now=0.0)
-    (batch,) = s.plan(now=0.0).batches
+    (batch,) = s.schedule(now=0.0).batches
     s.on_result(batch.mb_id, sampled(batch), None, now=0.0)
     assert [(r.seq_id, o.finish_reason) for r, o in s.expire(now=6.0).outputs] == [("b", "timeout")]
-    (batch,) = s.plan(now=6.0).batches
+    (batch,) = s.schedule(now=6.0).batches
     lost = s.pipeline_lost("stage 1 vanished")
     assert lost.abandoned == [batch.mb_id] and not s.inflight and a.replay_due and a.computed == 0
     assert s.on_result(batch.mb_id, sampled(batch), None, now=6.1).outputs == []  # a late answer: dropped
-    plan = s.plan(now=7.0)
+    plan = s.schedule(now=7.0)
     assert plan.replays == 1 and a.replays == 1 and "a" in plan.release  # survivors' slots freed first
     assert shape(plan.batches[0]) == [("a", "Prefill", 6)]  # its prompt and its one token so far, from position 0
     broken = s.on_result(plan.batches[0].mb_id, None, RuntimeError("socket closed"), now=7.1)

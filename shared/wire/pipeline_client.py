@@ -37,7 +37,8 @@ class PipelineError(StagemeshError):
 
 
 class PipelineClient:
-    """One pipeline seen from the gateway: first stage's input address, and our bound result address. `keys`:
+    """One pipeline's sockets seen from the gateway (the engine's Pipeline holds one): first stage's input address,
+    and our bound result address. `keys`:
     the gateway's CURVE keys (KeySet.for_gateway), or None for plaintext -- always said explicitly."""
 
     def __init__(self, first_stage: str, result_listen: str, *, keys: SocketKeys | None,

@@ -474,6 +474,10 @@ def message(events: list[tuple[str, dict]]) -> dict:
 async def create_message(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     gw = request.app[GATEWAY]
+    if request.headers.get("Last-Event-ID") is not None:  # an EventSource reconnecting: it would take a fresh answer
+        raise RequestError("a Messages stream is not resumed (its events carry no ids), so Last-Event-ID cannot be "
+                           "answered: send the request again without the Last-Event-ID header, or stream it from "
+                           "POST /v1/chat/completions with \"resumable\": true", "Last-Event-ID")
     translation = translate(await json_body(request), gw.config.model_id)
     try:
         handle = await gw.start(translation.body, True, request.headers.get(SESSION_HEADER))

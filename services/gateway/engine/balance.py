@@ -24,8 +24,8 @@ log = logging.getLogger("stagemesh.gateway.balance")
 
 
 @dataclass(frozen=True)
-class Sample:
-    """What a window measures from: each stage's layers, incarnation and cumulative busy / micro-batch counters."""
+class Reading:
+    """One reading of the stages' counters, what a window measures from: each stage's layers, incarnation and cumulative busy / micro-batch counters."""
 
     at: float
     layers: tuple[tuple[int, int], ...]
@@ -37,7 +37,7 @@ class Sample:
     microbatches: tuple[int, ...]
 
     @classmethod
-    def of(cls, infos: list[StageInfo]) -> Sample:
+    def of(cls, infos: list[StageInfo]) -> Reading:
         """`at`: the first stage's own clock at its poll (polls come every few seconds: the gateway's clock would
         stretch a window over polls it did not see)."""
         return cls(infos[0].clock_s, tuple(tuple(i.layers) for i in infos), tuple(i.incarnation for i in infos),
@@ -70,14 +70,14 @@ class Balancer:
         self.model = model
         self.window_s = window_s
         self.min_gain = min_gain
-        self._start: Sample | None = None
+        self._start: Reading | None = None
         self._last: tuple[int, ...] | None = None  # the boundaries the last window proposed (a candidate)
         self.last_proposal: dict | None = None  # the last window's proposal (for /v1/mesh)
 
     def observe(self, infos: list[StageInfo], running: int) -> list[LayerRange] | None:
         """The split to move to now, or None. `infos`: the stages' last /info polls (all answering); `running`:
         requests running (the streams the gain is predicted for)."""
-        sample = Sample.of(infos)
+        sample = Reading.of(infos)
         now = sample.at
         start = self._start
         if start is None or start.layers != sample.layers or start.incarnations != sample.incarnations:

@@ -1,7 +1,7 @@
 """The engine loop of one pipeline: the I/O around its Scheduler (services/gateway/engine/scheduler.py).
 
 Each step asks the policy for a plan, sends its releases and micro-batches through the pipeline client, and hands
-every result back to on_result(); what the policy returns (Update, Plan) is all the loop needs to deliver outputs
+every result back to on_result(); what the policy returns (Update, StepPlan) is all the loop needs to deliver outputs
 to the requests' streams and to feed the Prometheus metrics and the distributed-tracing spans. The loop also
 watches the pipeline: a new epoch of lost KV state (replay), not ready (hand-off to another replica, or fail after
 failover_timeout_s), a micro-batch stalled past the pipeline's stall_s. What the handlers call (submit, cancel,
@@ -159,7 +159,7 @@ class Engine:
             return
         self.mesh.between_steps()
         self._follow_pipeline()
-        plan = self.scheduler.plan(now, self.pipeline.cache_identity)
+        plan = self.scheduler.schedule(now, self.pipeline.cache_identity)
         if plan.release or plan.keep:
             await client.release(plan.release, plan.keep)
         self._apply(plan)

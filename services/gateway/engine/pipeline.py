@@ -116,7 +116,11 @@ def reachable_address(listen: str, url: str) -> str:
 
 
 class Pipeline:
-    """`stall_s`: a micro-batch in flight longer than this marks the pipeline not ready, naming where it stopped
+    """One pipeline (a replica's chain of stages) as the gateway's engine serves it: the stages' /info polls, its
+    health and readiness, its cache identity, and the PipelineClient (shared.wire) that carries its micro-batches --
+    the sockets only; LocalPipeline (shared.runtime) is another thing, several stages' runtimes in one process.
+
+    `stall_s`: a micro-batch in flight longer than this marks the pipeline not ready, naming where it stopped
     (stalled_hop), for as long again or until a stage restarts; its sequences are replayed after that."""
 
     def __init__(self, stage_urls: list[str], result_listen: str, fingerprint: str, num_layers: int,

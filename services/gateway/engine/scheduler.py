@@ -1,6 +1,6 @@
 """Continuous batching over one pipeline, as a pure policy: what to run next, and what a result means.
 
-Scheduler holds no socket, task, span or metric, and writes no timing or capture (vLLM v1's split): plan() says
+Scheduler holds no socket, task, span or metric, and writes no timing or capture (vLLM v1's split): schedule() says
 which micro-batches to send now and which KV slots to free first; on_result() turns what came back into per-request
 outputs (tokens accepted, ends, errors, requeues). The rest of its methods (submit, finish, expire, pipeline_lost,
 ...) change its state the same way and return an Update. The engine loop (services/gateway/engine/core.py) does the I/O
@@ -77,8 +77,8 @@ class Update:
 
 
 @dataclass
-class Plan(Update):
-    """plan()'s answer: free `release` and keep `keep` (as cached prefixes) on every stage, then send `batches`."""
+class StepPlan(Update):
+    """schedule()'s answer for one engine step: free `release` and keep `keep` (as cached prefixes) on every stage, then send `batches`."""
 
     release: list[str] = field(default_factory=list)
     keep: list[str] = field(default_factory=list)
@@ -277,7 +277,7 @@ class Scheduler:
 
     # ---- what to run ------------------------------------------------------------------------------------------
 
-    def plan(self, now: float, cache_identity: str | None = None) -> Plan:
+    def schedule(self, now: float, cache_identity: str | None = None) -> StepPlan:
         """The KV slots to free, then the micro-batches to send now (at most max_inflight in flight), admitting
         what fits first. `cache_identity`: the pipeline's (Pipeline.cache_identity); another one than the prefix
         index was built for forgets every prefix. Releases decided while admitting go out with the next plan."""
@@ -286,7 +286,7 @@ class Scheduler:
             self._release.extend(self.running)
         if self.prefix is not None and cache_identity is not None and self.prefix.identity != cache_identity:
             self._release.extend(self.prefix.reset(cache_identity))  # another pipeline (or the first): it keeps nothing
-        plan = Plan(release=self._release, keep=self._keep)
+        plan = StepPlan(release=self._release, keep=self._keep)
         self._release, self._keep = [], []
         self._admit(now, plan)
         while len(self.inflight) < self.max_inflight:
@@ -333,7 +333,7 @@ class Scheduler:
                 req.admitted = True
                 update.admitted.append(req)
 
-    def _next_batch(self, now: float, plan: Plan) -> MicroBatch | None:
+    def _next_batch(self, now: float, plan: StepPlan) -> MicroBatch | None:
         """The next micro-batch: at most ceil(running / K) requests and token_budget tokens, decodes first, and at
         most one request whose trace is collecting (the stages capture one request's rows per micro-batch; a second
         waits for the next micro-batch, so each gets every step and only its own activations)."""
