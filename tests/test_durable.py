@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from services.gateway import app
-from services.gateway.config import GatewayConfig
+from services.gateway.config import GatewayConfig, is_url, parse_redis_url
 from services.gateway.frontend import durable
 from services.gateway.frontend.durable import RedisStore, SqliteStore
 from services.testing.harness import RunningGateway, free_port, start_up
@@ -325,14 +325,54 @@ async def test_the_log_is_written_off_the_event_loop():
 
 
 @pytest.mark.processes
-async def test_a_killed_gateway_restarted_on_its_state_dir_resumes_every_stream(tmp_path):
+async def test_a_killed_up_restarted_on_its_state_dir_takes_back_streams_a_background_response_and_an_ended_tail(
+        tmp_path):
+    """One `up` SIGKILLed (its stages die with it), its log holding: STREAMS resumable streams running, each client's
+    connection dropped at its own point; a background response running (POST /v1/responses, background: true),
+    logged with its record; and a short request that ended just before the kill, its tail unread. Started again on
+    its state directory: each stream resumes from its Last-Event-ID to the text an undisturbed run gives (no gap, no
+    duplicate event, one epoch); the response is back under its id, running, its stream resuming after the last
+    sequence number read and ending with the undisturbed text (greedy, --batch-invariant); the ended request's unread
+    tail comes back, to [DONE], without running again."""
+    import openai
+
     state, port = str(tmp_path / "state"), free_port()
     logs = [str(tmp_path / "logs1"), str(tmp_path / "logs2")]
     for d in logs:
         os.makedirs(d)
-    # each connection drops at its own point; the gateway and (with it) its stages die at once
-    seen = await _read_then_kill(start_up(1, None, logs[0], *FLAGS, "--state-dir", state, port=port),
-                                 lambda i: 6 + 2 * i)
+    short = {**_body(7, True), "max_tokens": 12}
+    ask = {"model": "smollm2", "input": "Tell me a long story about a river and the towns along it.",
+           "max_output_tokens": 160, "temperature": 0}
+    TENANT = {"prompt_cache_key": "bg"}  # a stored response is read back by the tenant that created it
+    gw = start_up(1, None, logs[0], *FLAGS, "--state-dir", state, port=port)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", json=short) as r:
+                tail_seen = await _sse(r, limit=3)
+            deadline = time.monotonic() + 30
+            while gw.metric("stagemesh_gateway_requests_total", outcome="length") < 1:  # it ends, unread
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+
+        def background() -> tuple[str, list]:
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+            r = client.responses.create(**ask, background=True, **TENANT)
+            first = []
+            with client.responses.retrieve(r.id, stream=True, extra_query=TENANT) as stream:
+                for ev in stream:
+                    first.append(ev)
+                    if len(first) == 8:
+                        break
+            return r.id, first
+
+        (bg_id, first), seen = await asyncio.gather(asyncio.to_thread(background),
+                                                    _first_parts(gw, lambda i: 6 + 2 * i))
+        read = {ev[0][1]["id"]: len(ev) for ev in seen}
+        read[bg_id] = sum(e.type == "response.output_text.delta" for e in first)
+        await _until_logged(state, read, ended=[tail_seen[0][1]["id"]])
+    finally:
+        _kill(gw)
+    assert first[-1].type == "response.output_text.delta"  # killed mid-answer
     restarted = start_up(1, None, logs[1], *FLAGS, "--state-dir", state, port=port)
     try:
         ready_at = time.monotonic()
@@ -347,16 +387,40 @@ async def test_a_killed_gateway_restarted_on_its_state_dir_resumes_every_stream(
                 return events, first_at
 
             resumed = await asyncio.gather(*(rest(i) for i in range(STREAMS)))
+            async with s.get(f"{restarted.url}/v1/streams/{tail_seen[0][1]['id']}",
+                             headers={"Last-Event-ID": tail_seen[-1][0]}) as r:
+                assert r.status == 200, await r.text()
+                tail = await _sse(r)
 
-            async def whole(i: int) -> list:
-                async with s.post(restarted.url + "/v1/chat/completions", json=_body(i, False)) as r:
+            async def whole(body: dict) -> list:
+                async with s.post(restarted.url + "/v1/chat/completions", json=body) as r:
                     return await _sse(r)
-            undisturbed = await asyncio.gather(*(whole(i) for i in range(STREAMS)))
+            undisturbed = await asyncio.gather(*(whole(_body(i, False)) for i in range(STREAMS)))
+            tail_undisturbed = await whole({**short, "resumable": False})
         _check_resumed(seen, [e for e, _ in resumed], undisturbed)
         waits = sorted(w for _, w in resumed)
         assert waits[len(waits) // 2] < 30, waits  # (the benchmark measures it; here: it came, not a timeout)
-        assert "re-adopted 4 unfinished requests" in open(restarted.log_path).read() or any(
-            "re-adopted" in open(os.path.join(logs[1], f)).read() for f in os.listdir(logs[1]))
+        _check_resumed([tail_seen], [tail], [tail_undisturbed])
+
+        client = openai.OpenAI(base_url=restarted.url + "/v1", api_key="unused", max_retries=0)
+        assert client.responses.retrieve(bg_id, extra_query=TENANT).status in ("in_progress", "completed", "incomplete")
+        after = list(client.responses.retrieve(bg_id, stream=True, starting_after=first[-1].sequence_number,
+                                               extra_query=TENANT))
+        assert after and after[0].sequence_number == first[-1].sequence_number + 1
+        assert after[-1].type in ("response.completed", "response.incomplete")
+        text = "".join(e.delta for e in first + after if e.type == "response.output_text.delta")
+        final = client.responses.retrieve(bg_id, extra_query=TENANT)
+        assert final.output_text == text and text
+        assert text == client.responses.create(**ask, prompt_cache_key="front").output_text  # as if undisturbed
+
+        # the streams and the response were re-adopted; the ended request only got its events back: it never ran
+        # again, so the restarted gateway's length-ended requests are the resumed and undisturbed streams, the
+        # short request's undisturbed run, and the response (twice) where it ran to max_output_tokens
+        log = open(restarted.log_path).read() + "".join(open(os.path.join(logs[1], f)).read()
+                                                        for f in os.listdir(logs[1]))
+        assert f"re-adopted {STREAMS + 1} unfinished requests" in log
+        lengths = 2 * STREAMS + 1 + (2 if final.status == "incomplete" else 0)
+        assert restarted.metric("stagemesh_gateway_requests_total", outcome="length") == lengths
     finally:
         restarted.stop()
 
@@ -385,7 +449,7 @@ async def test_a_gateway_killed_alone_goes_on_in_place_from_the_kv_its_stages_ke
     state = str(tmp_path / "state") if log == "sqlite" else request.getfixturevalue("redis_url") + f"?prefix={tmp_path.name}"
     dep = Deployment("gateway", 2, state, str(tmp_path), free_port())  # batch-invariant stages, a gateway of its own
     try:
-        seen = await _read_then_kill(dep.start(), lambda i: 5 + 3 * i)
+        seen = await _read_then_kill(dep.start(), lambda i: 5 + 3 * i, state)
         again = dep.start()
         try:
             async with aiohttp.ClientSession() as s:
@@ -413,21 +477,71 @@ async def test_a_gateway_killed_alone_goes_on_in_place_from_the_kv_its_stages_ke
         dep.stop()
 
 
-async def _read_then_kill(gw: RunningGateway, limit) -> list[list]:
-    """STREAMS resumable streams on `gw`, stream i read for limit(i) events (then its connection drops); once the
-    log's batched writes are written, gw SIGKILLed while the streams go on. What each client read."""
+async def _first_parts(gw: RunningGateway, limit) -> list[list]:
+    """STREAMS resumable streams on `gw`, stream i read for limit(i) events (then its connection drops; the stream
+    goes on, 160 tokens). What each client read."""
+    async with aiohttp.ClientSession() as s:
+        async def first_part(i: int) -> list:
+            async with s.post(gw.url + "/v1/chat/completions", json=_body(i, True)) as r:
+                assert r.status == 200
+                return await _sse(r, limit=limit(i))
+        return await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
+
+
+def _logged(state: str) -> dict[str, tuple[int, bool]]:
+    """{request id: (outputs logged, ended)} as a gateway's log holds them now, read beside the gateway that writes
+    it: its SQLite file read-only, or its keys in Redis (<prefix>:<mesh>:req:<id>, ...:out:<id>)."""
+    if is_url(state):
+        target = parse_redis_url(state)
+        r = redis.Redis.from_url(target.url)
+        found = {}
+        for key in r.scan_iter(f"{target.prefix}:*:req:*"):
+            head, rid = key.decode().rsplit(":req:", 1)
+            found[rid] = (r.hlen(f"{head}:out:{rid}"), r.hexists(key, "finish"))
+        return found
+    path = os.path.join(state, "requests.sqlite")
+    if not os.path.exists(path):
+        return {}
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        async with aiohttp.ClientSession() as s:
-            async def first_part(i: int) -> list:
-                async with s.post(gw.url + "/v1/chat/completions", json=_body(i, True)) as r:
-                    assert r.status == 200
-                    return await _sse(r, limit=limit(i))
-            seen = await asyncio.gather(*(first_part(i) for i in range(STREAMS)))
-        time.sleep(0.3)  # the log's batched writes reach the disk (or Redis); generation goes on (160 tokens)
+        return {rid: (n, bool(ended)) for rid, ended, n in db.execute(
+            "SELECT id, ended, (SELECT COUNT(*) FROM outputs o WHERE o.id = r.id) FROM requests r")}
+    except sqlite3.OperationalError:  # its tables are not written yet
+        return {}
+    finally:
+        db.close()
+
+
+async def _until_logged(state: str, read: dict[str, int], ended=()) -> None:
+    """Until the log holds each request of `read` with at least that many outputs (what its client read: the
+    batched writes caught up with it) or ended, and each of `ended` ended. Ids as clients see them (chatcmpl-<id>,
+    resp_<id>)."""
+    read = {rid.removeprefix("chatcmpl-").removeprefix("resp_"): n for rid, n in read.items()}
+    ended = [rid.removeprefix("chatcmpl-") for rid in ended]
+    deadline = time.monotonic() + 30
+    while True:
+        found = _logged(state)
+        if all(rid in found and (found[rid][0] >= n or found[rid][1]) for rid, n in read.items()) and all(
+                found.get(rid, (0, False))[1] for rid in ended):
+            return
+        assert time.monotonic() < deadline, f"the log at {state} holds {found}; wanted outputs {read}, ended {ended}"
+        await asyncio.sleep(durable.FLUSH_S / 4)
+
+
+def _kill(gw: RunningGateway) -> None:
+    os.kill(gw.proc.pid, signal.SIGKILL)  # no drain
+    gw.proc.wait(10)
+
+
+async def _read_then_kill(gw: RunningGateway, limit, state: str) -> list[list]:
+    """_first_parts, then, once the log on `state` holds what each client read, gw SIGKILLed while the streams go
+    on. What each client read."""
+    try:
+        seen = await _first_parts(gw, limit)
+        await _until_logged(state, {ev[0][1]["id"]: len(ev) for ev in seen})
         return seen
     finally:
-        os.kill(gw.proc.pid, signal.SIGKILL)  # no drain
-        gw.proc.wait(10)
+        _kill(gw)
 
 
 @pytest.mark.processes
@@ -442,7 +556,7 @@ async def test_a_peer_gateway_on_the_same_redis_log_takes_over_a_dead_gateways_s
     a = start_up(1, None, logs[0], *FLAGS, "--state-dir", url)
     b = start_up(1, None, logs[1], *FLAGS, "--state-dir", url)
     try:
-        seen = await _read_then_kill(a, lambda i: 4 + 2 * i)
+        seen = await _read_then_kill(a, lambda i: 4 + 2 * i, url)
         async with aiohttp.ClientSession() as s:
             async def rest(i: int) -> list:
                 deadline = time.monotonic() + 30
@@ -463,86 +577,6 @@ async def test_a_peer_gateway_on_the_same_redis_log_takes_over_a_dead_gateways_s
         assert f"took over {STREAMS} requests" in open(b.log_path).read()
     finally:
         b.stop()
-
-
-@pytest.mark.processes
-def test_a_background_response_survives_a_killed_gateway(tmp_path):
-    """POST /v1/responses with background: true is logged with its record; `up` SIGKILLed while it runs and started
-    again on its state directory: the response is back, running, under its id, its stream resumes after the last
-    sequence number read, and it ends with the text the same request gets undisturbed (greedy, --batch-invariant)."""
-    import openai
-
-    state, port = str(tmp_path / "state"), free_port()
-    logs = [str(tmp_path / "logs1"), str(tmp_path / "logs2")]
-    for d in logs:
-        os.makedirs(d)
-    ask = {"model": "smollm2", "input": "Tell me a long story about a river and the towns along it.",
-           "max_output_tokens": 160, "temperature": 0}
-    gw = start_up(1, None, logs[0], *FLAGS, "--state-dir", state, port=port)
-    try:
-        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
-        r = client.responses.create(**ask, background=True, prompt_cache_key="bg")
-        first = []
-        with client.responses.retrieve(r.id, stream=True) as stream:
-            for ev in stream:
-                first.append(ev)
-                if len(first) == 8:
-                    break
-        time.sleep(0.3)  # the log's batched writes reach the disk; the response goes on
-    finally:
-        os.kill(gw.proc.pid, signal.SIGKILL)
-        gw.proc.wait(10)
-    assert first[-1].type == "response.output_text.delta"  # killed mid-answer
-    restarted = start_up(1, None, logs[1], *FLAGS, "--state-dir", state, port=port)
-    try:
-        client = openai.OpenAI(base_url=restarted.url + "/v1", api_key="unused", max_retries=0)
-        assert client.responses.retrieve(r.id).status in ("in_progress", "completed", "incomplete")
-        rest = list(client.responses.retrieve(r.id, stream=True, starting_after=first[-1].sequence_number))
-        assert rest and rest[0].sequence_number == first[-1].sequence_number + 1
-        assert rest[-1].type in ("response.completed", "response.incomplete")
-        text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
-        final = client.responses.retrieve(r.id)
-        assert final.output_text == text and text
-        assert text == client.responses.create(**ask, prompt_cache_key="front").output_text  # as if undisturbed
-    finally:
-        restarted.stop()
-
-
-@pytest.mark.processes
-async def test_a_request_that_ended_just_before_the_kill_gives_its_unread_tail_after_the_restart(tmp_path):
-    """The log keeps an ended request with its finish: a client that had read only the start of an answer the
-    gateway finished just before it was killed reads the rest, to [DONE], from the restarted gateway."""
-    state, port = str(tmp_path / "state"), free_port()
-    logs = [str(tmp_path / "logs1"), str(tmp_path / "logs2")]
-    for d in logs:
-        os.makedirs(d)
-    short = {**_body(7, True), "max_tokens": 12}
-    gw = start_up(1, None, logs[0], *FLAGS, "--state-dir", state, port=port)
-    try:
-        async with aiohttp.ClientSession() as s:
-            async with s.post(gw.url + "/v1/chat/completions", json=short) as r:
-                seen = await _sse(r, limit=3)
-            deadline = time.monotonic() + 30
-            while gw.metric("stagemesh_gateway_requests_total", outcome="length") < 1:  # it ends, unread
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
-        time.sleep(0.3)  # its end reaches the log
-    finally:
-        os.kill(gw.proc.pid, signal.SIGKILL)
-        gw.proc.wait(10)
-    restarted = start_up(1, None, logs[1], *FLAGS, "--state-dir", state, port=port)
-    try:
-        async with aiohttp.ClientSession() as s:
-            async with s.get(f"{restarted.url}/v1/streams/{seen[0][1]['id']}",
-                             headers={"Last-Event-ID": seen[-1][0]}) as r:
-                assert r.status == 200, await r.text()
-                rest = await _sse(r)
-            async with s.post(restarted.url + "/v1/chat/completions", json={**short, "resumable": False}) as r:
-                undisturbed = await _sse(r)
-        _check_resumed([seen], [rest], [undisturbed])
-        assert restarted.metric("stagemesh_gateway_requests_total", outcome="length") == 1  # the undisturbed one only
-    finally:
-        restarted.stop()
 
 
 def test_a_forgotten_request_leaves_nothing_in_the_log_whether_written_yet_or_not(open_log):
@@ -634,3 +668,51 @@ def test_a_log_row_that_is_not_json_is_skipped_alone(open_log, caplog):
     assert [r.id for r in again.unfinished()] == ["b"]
     assert "request a" in caplog.text and "request c" in caplog.text and "skipped" in caplog.text
     again.close()
+
+
+@pytest.mark.processes
+def test_a_redis_log_outlives_a_redis_restart_and_evicted_keys(tmp_path):
+    """Issue 69 item 11: the Redis log under Redis's own faults. Redis restarted (empty: no persistence): the flush
+    that fails keeps its batch, the next one after the restart writes it, the lease and the epoch come back (a
+    client's Last-Event-ID stays valid), and a peer takes back what was written since. A key evicted: a request
+    whose record went is not taken back (no error); one whose outputs went is taken back from its first token."""
+    proc, port = _start_redis(str(tmp_path))
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        store = RedisStore(url, "gw-a", "m1")
+        epoch = store.epoch
+        store.add("before", {"prompt": "x"}, False, None, 1)
+        store.flush()
+        proc.kill()
+        proc.wait(10)
+        store.add("during", {"prompt": "y"}, False, None, 2)
+        store.output("during", 0, 5, None, None)
+        with pytest.raises(redis.ConnectionError):
+            store.flush()
+        proc = subprocess.Popen([*proc.args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                store.flush()  # the kept batch, written to the new, empty Redis
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "Redis did not come back"
+                time.sleep(0.1)
+        store.add("evicted-record", {"prompt": "z"}, False, None, 3)
+        store.add("evicted-outputs", {"prompt": "w"}, False, None, 4)
+        for n in range(3):
+            store.output("evicted-outputs", n, 7 + n, None, None)
+        store.flush()
+        store.redis.delete(store._key("req", "evicted-record"), store._key("out", "evicted-outputs"))
+        store.output("evicted-outputs", 3, 10, None, None)  # written after the eviction: a gap from 0
+        store.flush()
+        store.redis.delete(store._key("owner", "gw-a"))  # gw-a's lease lapses
+        peer = RedisStore(url, "gw-b", "m1")
+        assert peer.epoch == epoch  # the log's epoch, set again by gw-a after the restart
+        taken = {r.id: r.outputs for r in peer.unfinished()}
+        assert taken == {"during": [(5, None, None)], "evicted-outputs": []}  # "before" went with the old Redis
+        peer.close()
+        store.close()
+    finally:
+        proc.kill()
+        proc.wait(10)

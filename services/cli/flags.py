@@ -16,7 +16,7 @@ from services.process.args import (
     add_sampling_args,
     later,
 )
-from services.process.keys import add_security_args
+from services.process.keys import add_join_token_arg, add_security_args
 from shared.config import DTYPE_NAMES, GATEWAY_PORT, SchedulerConfig, StageConfig
 from shared.files.model_registry import resolve_model
 
@@ -102,6 +102,7 @@ def register_up(sub) -> None:
     add_config_args(p, GatewayConfig)
     add_otlp_args(p)
     add_security_args(p, up=True)  # up makes ephemeral keys itself; only --insecure-plaintext is offered
+    add_join_token_arg(p)
     p.set_defaults(func=later("services.cli.up:cmd_up"))
     p.error = _one_line_error(p.prog)  # a bad flag: one line, not argparse's page of usage
 

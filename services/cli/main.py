@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="stagemesh", description="Serve a GGUF model as a mesh of pipeline stages.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
-    for module in ("services.cli.flags", "services.stage.flags", "services.gateway.flags", "services.process.keys",
+    for module in ("services.cli.flags", "services.cli.join", "services.stage.flags", "services.gateway.flags", "services.process.keys",
                    "services.cli.status", "loadtest.cli"):
         importlib.import_module(module).register(sub)
     return parser

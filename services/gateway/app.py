@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.api.anthropic import MESSAGES_PATH, count_message_tokens, create_message
+from services.gateway.api.join import add_join_api
 from services.gateway.api.mesh_view import add_mesh_view
 from services.gateway.api.openai import chat_completions, completions, models, resume_stream
 from services.gateway.api.response_store import MemoryResponseStore
@@ -28,6 +29,7 @@ from services.gateway.api.ws import stream_ws
 from services.gateway.config import API_KEY_ENV, OPERATOR_KEY_ENV, OPERATOR_PATHS, GatewayConfig
 from services.gateway.engine.balance import Balancer, StartSplit
 from services.gateway.engine.core import Engine
+from services.gateway.engine.membership import Membership
 from services.gateway.engine.metrics import (
     GatewayMetrics,
     summed_transport,
@@ -309,10 +311,12 @@ async def _background(app: web.Application):
 
 def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: GatewayConfig, max_inflight: int,
              scheduling: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
-             store: RequestStore | None = None, split_auto: bool = False) -> web.Application:
+             store: RequestStore | None = None, split_auto: bool = False,
+             join_token: str | None = None) -> web.Application:
     """`pipelines`: one, or several replicas of the same model (each gets its own scheduler and prefix index).
     max_inflight: micro-batches in flight per pipeline (scheduling.max_inflight, or the number of stages).
-    split_auto: each pipeline moves to the split its stages' calibrations balance before it counts as ready."""
+    split_auto: each pipeline moves to the split its stages' calibrations balance before it counts as ready.
+    join_token: hosts that prove it join the (one) pipeline as new stages (services/gateway/api/join.py)."""
     pipelines = [pipelines] if isinstance(pipelines, Pipeline) else list(pipelines)
     metrics_ = GatewayMetrics()
     watch_transport(metrics_, summed_transport(pipelines))
@@ -351,6 +355,8 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     app.router.add_get("/", index)
     app.router.add_static("/static", STATIC)  # the page's scripts, styles and vendored libraries (static/vendor)
     add_mesh_view(app, app[GATEWAY])  # GET /v1/mesh, /v1/mesh/stream: the page's #mesh view, `stagemesh status`
+    if join_token is not None:  # POST /join...: hosts that join and leave the running mesh
+        add_join_api(app, Membership(join_token, replicas.all[0].engine.mesh, files.config.head_cost_in_layers))
     return app
 
 

@@ -7,7 +7,7 @@ import os
 
 from services.gateway.config import API_KEY_ENV, OPERATOR_KEY_ENV, GatewayConfig
 from services.process.args import add_config_args, add_model_args, add_otlp_args, config_from_args, later
-from services.process.keys import add_security_args
+from services.process.keys import add_join_token_arg, add_security_args
 from shared.config import GATEWAY_PORT, SchedulerConfig
 
 
@@ -36,6 +36,7 @@ def register(sub) -> None:
     add_config_args(p, GatewayConfig)
     add_otlp_args(p)
     add_security_args(p)
+    add_join_token_arg(p)
     p.set_defaults(func=later("services.gateway.main:cmd_gateway"))
 
 

@@ -18,7 +18,7 @@ from services.process.args import (
     otlp_from_args,
     parse_host_port,
 )
-from services.process.keys import key_set_from_args
+from services.process.keys import join_token_from_args, key_set_from_args
 from shared.config import SchedulerConfig, check_address
 from shared.errors import StagemeshError
 from shared.observe.otlp import OtlpTracer
@@ -81,7 +81,16 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
             # the default place cannot be used (a read-only root file system, a second gateway on this port's dir)
             log.warning("no durable request log: %s", e)
     split_auto = getattr(args, "split", None) == "auto"  # `gateway --split auto`, `up --split auto`
-    return make_app(files, pipelines, config, inflight, scheduling, otlp, store, split_auto=split_auto)
+    join_token = join_token_from_args(args)
+    if join_token is not None:
+        if len(pipelines) > 1:
+            raise StagemeshError("--join-token serves one pipeline: hosts join it as new stages (drop --pipeline)")
+        if getattr(args, "join_token", None) == "auto":
+            where = getattr(args, "listen", None) or f"{getattr(args, 'host', '127.0.0.1')}:{getattr(args, 'port', '')}"
+            print(f"join this mesh from another host: stagemesh join http://{where} --token {join_token} --model "
+                  f"{model}", flush=True)
+    return make_app(files, pipelines, config, inflight, scheduling, otlp, store, split_auto=split_auto,
+                    join_token=join_token)
 
 
 def stage_urls(stages: str, num_stages: int | None) -> list[str]:

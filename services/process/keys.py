@@ -65,3 +65,29 @@ def key_set_from_args(args, who: str) -> KeySet | None:
         raise StagemeshError(f"{who} needs the mesh's keys: --keys DIR (from `stagemesh keys DIR --stages N`, or "
                              f"${KEYS_ENV}), or --insecure-plaintext on a trusted network")
     return KeySet(keys)
+
+
+JOIN_TOKEN_ENV = "STAGEMESH_JOIN_TOKEN"
+
+
+def add_join_token_arg(p: argparse.ArgumentParser) -> None:
+    """--join-token (gateway, up): hosts that prove it may join the running mesh (`stagemesh join`)."""
+    p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), metavar="TOKEN|auto",
+                   help=f"accept hosts that prove this token (`stagemesh join URL --token TOKEN`) as new stages of the "
+                        f"running mesh; auto: a random one, printed with the join command (default: ${JOIN_TOKEN_ENV}; "
+                        "none: joins are refused). A token holder can serve layers and sees activations: "
+                        "docs/security.md")
+
+
+def join_token_from_args(args) -> str | None:
+    """The join token to accept (None: joins off); `auto` makes a random one (the caller prints the join command)."""
+    import secrets
+
+    token = getattr(args, "join_token", None)
+    if not token:
+        return None
+    if token == "auto":
+        return secrets.token_urlsafe(24)
+    if len(token) < 16:
+        raise StagemeshError(f"--join-token must be 16 characters at least (it has {len(token)}); or pass auto")
+    return token

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,8 +112,12 @@ def stage_keys(args, layers: LayerRange, num_layers: int) -> SocketKeys | None:
 
 
 async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config: StageConfig, load: LoadConfig,
-                keys: SocketKeys | None, calibrate_rows: list[int] | None = None) -> None:
-    """calibrate_rows: time its layers at these batch sizes before it reports ready (--calibrate; None: not)."""
+                keys: SocketKeys | None, calibrate_rows: list[int] | None = None,
+                on_ready: Callable[[StageWorker, asyncio.Event], Awaitable[None]] | None = None,
+                on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """calibrate_rows: time its layers at these batch sizes before it reports ready (--calibrate; None: not).
+    on_ready(worker, stop): runs beside the serving stage once it serves (a joined stage's join: it sets `stop`
+    when that fails); on_stop(): awaited at SIGTERM while the stage still serves, before it stops (its leave)."""
     app = make_app()
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -166,7 +171,12 @@ async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, place.listen, place.next,
              identity.incarnation, f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT")
     task = asyncio.create_task(worker.run())
+    side = asyncio.create_task(on_ready(worker, stop)) if on_ready is not None else None
     await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if on_stop is not None and not task.done():
+        await on_stop()
+    if side is not None:
+        side.cancel()
     task.cancel()
     try:
         with contextlib.suppress(asyncio.CancelledError):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from services.stage.io import STOP, StageIO
+from services.stage.membership import StageMembership
 from services.stage.metrics import stage_registry
 from services.stage.stats import StageStats
 from shared.batch.sampling import sample
@@ -107,6 +108,7 @@ class StageWorker:
         self.stats = StageStats(transport=io.transport.stats)  # the one ledger: /info and /metrics both read it
         self.registry = stage_registry(self.stats, lambda: self.runtime.kv, lambda: io.queue_depth)
         self.resplit = StageResplit(identity.num_layers)  # a live re-split's state (the gateway drives it)
+        self.membership = StageMembership(self)  # a change of the mesh's members (services/stage/membership.py)
         # a re-split's new range loads on a thread of its own while this stage serves on (a second OpenMP team for
         # the length of the load): (its prepare message, the load), until the compute thread passes the message on
         # (a replacement's probe waits there too, for its hand-over: _probe)
@@ -189,6 +191,12 @@ class StageWorker:
         if msg.phase == "reroute":
             self._reroute(msg)
             return
+        if msg.phase == "load":  # a membership change: load beside the serving, as a prepare does
+            self._loading = (msg, self._loader.submit(self.membership.load, msg, self.runtime))
+            return
+        if msg.phase in ("accept", "route"):
+            getattr(self.membership, msg.phase)(msg)
+            return
         if msg.phase == "probe":
             self._probe(msg)
             return
@@ -206,6 +214,7 @@ class StageWorker:
                 self._serve_with(runtime)
             else:
                 self.resplit.abort()
+                self.membership.abort()
         except Exception as e:
             self.resplit.abort()
             known = isinstance(e, StagemeshError)

@@ -30,10 +30,12 @@ from shared.batch.sampling import (
 from shared.batch.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
 from shared.errors import ERROR_CODES, BadBatch
 
-PROTOCOL_VERSION = 6  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
+PROTOCOL_VERSION = 7  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
 # 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields, the
 # result's top alternatives ("top"); 5: decode steps of several positions ("n"), the result's per-sequence "counts";
 # 6: the live re-split ("resplit" phases and the "kv" parcels of moved layers' K/V)
+# 7: membership phases ("load", "accept", "route": a re-split to another number of stages, the
+# resplit's "members" and "gateway": each place's process, layers, address and CURVE key)
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
@@ -196,6 +198,16 @@ RESPLIT_PHASES = ("prepare", "move", "commit", "abort", "reroute", "probe")
 ROUTED_PHASES = ("reroute", "probe")  # the phases that carry a `route` (and only they)
 
 
+# a change of the mesh's membership (services/gateway/engine/membership.py, services/stage/membership.py): `members`
+# names each place of the pipeline after it (its process by incarnation, its layers, address and public key), so the
+# stages may be more or fewer than before. load: a stage whose layers change loads them beside the ones it serves;
+# accept: each stage's receiver lets in its upstream after the change as well as its upstream now; route: each stage
+# serves its new layers (empty K/V: the gateway replays), sends to the next member and accepts only its upstream
+# member (and the one before that, so a member that vanishes can be routed around), then passes this on
+MEMBERSHIP_PHASES = ("load", "accept", "route")
+MAX_KEY_CHARS = 40  # a CURVE public key in Z85
+
+
 @dataclass
 class Resplit:
     """The gateway's live re-split, one phase at a time (shared/runtime/resplit.py): it travels the pipeline like a
@@ -223,6 +235,11 @@ class Resplit:
     # reroute: (the place in the pipeline, its new stage's address, the address that stage sends to: None for the
     # last place, which keeps the result address it was started with)
     route: tuple[int, str, str | None] | None = None
+    # membership phases: [{"incarnation", "layers": [a, b], "address", "key": Z85 or None}] in pipeline order
+    members: list[dict] | None = None
+    # membership phases: the gateway's ends {"address": its result address, "key": its result socket's public key,
+    # "sends": the public key it sends into the first stage with} (keys None in plaintext)
+    gateway: dict | None = None
 
 
 @dataclass
@@ -330,6 +347,8 @@ def encode(msg: Message) -> list:
             header["error"] = msg.error
         if msg.route is not None:
             header["route"] = list(msg.route)
+        if msg.members is not None:
+            header["members"], header["gateway"] = msg.members, msg.gateway
     elif isinstance(msg, KVParcel):
         header = {"kind": "kv", "rid": msg.rid, "to": msg.to, "seq": msg.seq_id, "start": msg.start, "stop": msg.stop}
         tensors += [("k", msg.k), ("v", msg.v)]
@@ -603,9 +622,12 @@ def _ranges(header: dict, key: str) -> list[tuple[int, int]]:
 
 def _resplit(header: dict) -> Resplit:
     phase = header.get("phase")
-    _need(phase in RESPLIT_PHASES, "schema", lambda: f"resplit phase must be one of {', '.join(RESPLIT_PHASES)}")
+    phases = RESPLIT_PHASES + MEMBERSHIP_PHASES
+    _need(phase in phases, "schema", lambda: f"resplit phase must be one of {', '.join(phases)}")
     old, new = _ranges(header, "old"), _ranges(header, "new")
-    _need(len(old) == len(new), "schema", "a resplit's old and new splits must name as many stages")
+    members = _members(header, new) if phase in MEMBERSHIP_PHASES else None
+    _need(len(old) == len(new) or members is not None, "schema",
+          "a resplit's old and new splits must name as many stages (but in a membership phase)")
     error = header.get("error")
     _need(error is None or (isinstance(error, str) and len(error) <= MAX_REPORT_CHARS), "schema",
           lambda: f"resplit error must be a string of at most {MAX_REPORT_CHARS} characters")
@@ -620,7 +642,33 @@ def _resplit(header: dict) -> Resplit:
         and _is_address(route[1]) and (route[2] is None or _is_address(route[2])))), "schema",
           "a resplit's route (reroute and probe only) must be [a stage index of its split, a tcp:// or ipc:// address, "
           "another or null]")
-    return Resplit(_int(header, "rid"), phase, old, new, error, report, None if route is None else tuple(route))
+    msg = Resplit(_int(header, "rid"), phase, old, new, error, report, None if route is None else tuple(route))
+    if members is not None:
+        msg.members, msg.gateway = members, _gateway_ends(header)
+    return msg
+
+
+def _is_key(value) -> bool:
+    return value is None or (isinstance(value, str) and len(value) == MAX_KEY_CHARS)
+
+
+def _members(header: dict, new: list[tuple[int, int]]) -> list[dict]:
+    """A membership phase's "members": one {incarnation, layers, address, key} per place of `new`, in its order."""
+    v = header.get("members")
+    _need(isinstance(v, list) and len(v) == len(new) and all(
+        isinstance(m, dict) and set(m) == {"incarnation", "layers", "address", "key"}
+        and isinstance(m["incarnation"], str) and 0 < len(m["incarnation"]) <= 64 and m["layers"] == list(r)
+        and _is_address(m["address"]) and _is_key(m["key"]) for m, r in zip(v, new)), "schema",
+          "a membership resplit's members must be one {incarnation, layers, address, key} per place of its new split")
+    return v
+
+
+def _gateway_ends(header: dict) -> dict:
+    g = header.get("gateway")
+    _need(isinstance(g, dict) and set(g) == {"address", "key", "sends"} and _is_address(g["address"])
+          and _is_key(g["key"]) and _is_key(g["sends"]), "schema",
+          "a membership resplit's gateway must be {address, key, sends}")
+    return g
 
 
 def _is_address(value) -> bool:

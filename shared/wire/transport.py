@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -75,9 +76,12 @@ class _OnePeer:
 
     def __init__(self, key: bytes, name: str, stats: TransportStats):
         self.key, self.name, self.stats = key, name, stats
+        # in a mesh that changes its members: the upstream's own upstream too (a member that vanishes is routed
+        # around without a message reaching this receiver first), and during a change the upstream-to-be
+        self.also: frozenset[bytes] = frozenset()
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        if client_key == self.key:
+        if client_key == self.key or client_key in self.also:
             return True
         self.stats.reject("auth")
         throttled(log, logging.WARNING, "denied:auth", "refused a CURVE connection with key %s on %s: only %s's key "
@@ -106,6 +110,13 @@ class Zap:
             domain = f"stagemesh-{next(cls._domains)}"
             zap.auth.configure_curve_callback(domain, peer)
             return domain
+
+    @classmethod
+    def peer(cls, ctx: zmq.Context, domain: str) -> _OnePeer | None:
+        """The credentials a domain lets in (None: no such domain)."""
+        with cls._lock:
+            zap = cls._by_context.get(ctx)
+            return None if zap is None else zap.auth.credentials_providers.get(domain)
 
     @classmethod
     def remove(cls, ctx: zmq.Context, domain: str) -> None:
@@ -245,6 +256,30 @@ class ZmqTransport:
             self.outbound.disconnect(self.next_hop)
         self.outbound.connect(check_address(next_hop, "route"))
         self.next_hop = next_hop
+
+    def route_to(self, next_hop: str, server_key: bytes | None) -> None:
+        """Send to `next_hop`, a process holding `server_key`, from now on, over a connection made now: the members
+        of the mesh changed, and a receiver that refused this sender's key before (its handshake failed) lets it in
+        now. The PUSH's CURVE server key applies to the connections it makes after it is set. Only the outbound
+        socket's user calls it."""
+        with contextlib.suppress(zmq.ZMQError):  # not connected there (never, or already gone)
+            self.outbound.disconnect(self.next_hop)
+        if self.keys is not None and server_key is not None:
+            self.outbound.curve_serverkey = server_key
+            self.keys = dataclasses.replace(self.keys, next_server=server_key, next_name="the next member")
+        self.outbound.connect(check_address(next_hop, "route"))
+        self.next_hop = next_hop
+
+    def accept_from(self, upstream: bytes | None, also: tuple[bytes, ...] = (), name: str = "the upstream member") \
+            -> None:
+        """Let in `upstream`'s key (and `also`'s) on the receiver from now on, and no other: the mesh's members
+        changed. Connections already made stay until their peer leaves them (a CURVE key is checked at the
+        handshake); plaintext (no keys) has nothing to change."""
+        if self.keys is None or upstream is None or self._domain is None:
+            return
+        peer = Zap.peer(self.ctx, self._domain)
+        peer.key, peer.name, peer.also = upstream, name, frozenset(k for k in also if k)
+        self.keys = dataclasses.replace(self.keys, accept=upstream, accept_name=name)
 
     async def watch_handshakes(self) -> None:
         """Count failed handshakes on both sockets (socket monitor events) until cancelled: without this a hop whose

@@ -334,6 +334,18 @@ class Pipeline:
         self._incarnations = [i.incarnation for i in infos]
         self.mark_lost(f"stage {place} replaced by the process at {url}")
 
+    def members_changed(self, stage_urls: list[str], first_stage: str, keys: SocketKeys | None) -> None:
+        """The pipeline's stages are now the processes at `stage_urls` (a host joined, left or was lost:
+        services/gateway/engine/membership.py routed the pipeline through them; `first_stage`: the first one's
+        address; `keys`: the gateway's own keys now, the first stage's server key and the last stage's client key
+        among them). Stages whose layers changed hold no K/V: the pipeline's state counts as lost once, here."""
+        self.stage_urls = [u.rstrip("/") for u in stage_urls]
+        self.first_stage = first_stage
+        self.keys = keys
+        self._incarnations = None  # the next check takes the new stages' incarnations as they are
+        self._dial_failures = None
+        self.mark_lost(f"the mesh's members changed: {len(stage_urls)} stages")
+
     async def fetch_info(self, url: str) -> StageInfo | str:
         """One stage's /info at `url` (any stage process, in this pipeline or not), or why there is none."""
         return await self._info(url.rstrip("/"))

@@ -1,0 +1,197 @@
+"""Hosts that join and leave a running mesh (issue 68): `stagemesh join` proves the gateway's join token, is placed as
+a new stage and the pipeline goes from N to N+1 stages under running streams; SIGTERM gives its layers back (N+1 ->
+N); SIGKILL is noticed and covered the same way. Real processes on loopback: a one-stage mesh with CURVE and
+--batch-invariant, a gateway with --join-token, and joiners started by the command a host would run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from tests.conftest import stagemesh_cmd
+
+TOKEN = "join-token-for-the-tests-0123456789"
+STREAMS = 3
+MAX_TOKENS = 64
+PROMPT = "Note {i}: when the ferry left the harbour the captain"
+
+
+def _post(url: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+async def _streams(url: str, on_token=None) -> list[str]:
+    from services.testing.harness import seeded_streams
+
+    return await seeded_streams(url, PROMPT, 700, STREAMS, MAX_TOKENS, on_token)
+
+
+class Joinable:
+    def __init__(self, mesh, gw, log_dir: str):
+        self.mesh, self.gw, self.log_dir = mesh, gw, log_dir
+        self.joiners: list[subprocess.Popen] = []
+
+    def join(self, *extra: str) -> tuple[subprocess.Popen, str]:
+        path = os.path.join(self.log_dir, f"join{len(self.joiners)}.log")
+        with open(path, "w") as log:
+            proc = subprocess.Popen(stagemesh_cmd("join", self.gw.url, "--token", TOKEN, "--model", "smollm2",
+                                                  "--dtype", "float32", "--batch-invariant", "--compile-decode", "off",
+                                                  "--listen", "tcp://127.0.0.1:0", "--http", "127.0.0.1:0", *extra),
+                                    stdout=log, stderr=subprocess.STDOUT)
+        self.joiners.append(proc)
+        return proc, path
+
+    def pipeline(self) -> dict:
+        return json.loads(self.gw.get("/v1/mesh")[1])["pipelines"][0]
+
+    def wait_stages(self, n: int, timeout: float = 240) -> list:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            p = self.pipeline()
+            if len(p["stages"]) == n and p["ready"] and all(s.get("layers") for s in p["stages"]):
+                return [s["layers"] for s in p["stages"]]
+            time.sleep(0.25)
+        raise AssertionError(f"the mesh did not reach {n} stages: {self.pipeline()['stages']}")
+
+
+@pytest.fixture(scope="module")
+def joinable(tmp_path_factory):
+    from services.process.launch import free_ports, start_mesh
+    from services.testing.harness import RunningGateway, wait_http
+
+    log_dir = str(tmp_path_factory.mktemp("join"))
+    mesh = start_mesh("smollm2", 1, dtype="float32", log_dir=log_dir,
+                      extra=["--batch-invariant", "--compile-decode", "off"])
+    port, = free_ports(1)
+    log_path = os.path.join(log_dir, "gateway.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
+                                              "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
+                                              "--keys", mesh.keys_dir, "--join-token", TOKEN),
+                                stdout=log, stderr=subprocess.STDOUT)
+    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
+    m = Joinable(mesh, gw, log_dir)
+    try:
+        wait_http(gw.url + "/ready", 120)
+        yield m
+    finally:
+        for j in m.joiners:
+            if j.poll() is None:
+                j.kill()
+        gw.stop()
+        mesh.stop()
+
+
+@pytest.mark.processes
+def test_a_wrong_or_missing_token_gets_401_and_learns_nothing(joinable):
+    url = joinable.gw.url
+    status, hello, _ = _post(url + "/join/hello", {})
+    assert status == 200 and len(hello["nonce"]) == 32
+    report = {"fingerprint": "x", "url": "http://127.0.0.1:1", "address": "tcp://127.0.0.1:1"}
+    for body in ({"nonce": hello["nonce"], "key": None, "report": report, "proof": "0" * 64},  # a wrong token's
+                 {"nonce": "f" * 32, "key": None, "report": report, "proof": "0" * 64}):  # a nonce never given
+        status, answer, _ = _post(url + "/join", body)
+        text = json.dumps(answer)
+        assert status == 401 and answer["error"]["code"] == "invalid_join_token", answer
+        assert "layers" not in answer and "tcp://" not in text and "fingerprint" not in text, answer
+    status, answer, _ = _post(url + "/join", {"nonce": hello["nonce"]})  # fields missing
+    assert status == 400 and "missing" in answer["error"]["message"], answer
+    # the same token's proof over a nonce already used (a replay): refused too
+    from services.gateway.engine.membership import join_proof
+
+    proof = join_proof(TOKEN, hello["nonce"], None, report)
+    status, answer, _ = _post(url + "/join", {"nonce": hello["nonce"], "key": None, "report": report, "proof": proof})
+    assert status == 401, answer
+    assert len(joinable.pipeline()["stages"]) == 1
+
+
+@pytest.mark.processes
+def test_joins_a_second_are_bounded(joinable):
+    time.sleep(4)  # the bucket refills (the other tests' requests)
+    statuses = [_post(joinable.gw.url + "/join/hello", {}) for _ in range(12)]
+    limited = [(s, h) for s, _, h in statuses if s == 429]
+    assert limited and all(int(h["Retry-After"]) >= 1 for _, h in limited), [s for s, _, _ in statuses]
+    assert statuses[0][0] == 200
+    time.sleep(4)
+
+
+@pytest.mark.processes
+def test_a_joiner_that_does_not_fit_is_refused_with_the_reason(joinable):
+    time.sleep(3)
+    cases = [(("--dtype", "bfloat16"), "computes in bfloat16"),
+             (("--max-seq-len", "256"), "--max-seq-len"),
+             (("--memory-budget", "1000000", "--as", "stage"), "cannot hold a layer")]
+    for extra, says in cases:
+        proc, path = joinable.join(*extra)
+        assert proc.wait(240) == 2, open(path).read()
+        out = open(path).read()
+        assert says in out and "refused" in out, out
+        time.sleep(1.5)
+    assert len(joinable.pipeline()["stages"]) == 1
+
+
+@pytest.mark.processes
+async def test_a_host_joins_leaves_and_is_lost_under_running_streams_and_no_text_changes(joinable):
+    """Join mid-stream (1 -> 2 stages), SIGTERM mid-stream (2 -> 1), join again, SIGKILL mid-stream (covered within
+    2 s): every stream ends with the undisturbed run's text, nothing fails, and the joined stage computes."""
+    m = joinable
+    gw = m.gw
+    reference = await _streams(gw.url)
+    loop = asyncio.get_running_loop()
+
+    # join: the joiner starts once the streams run; they end with the same texts
+    proc, path = m.join("--as", "stage")
+    texts = await asyncio.wait_for(_streams(gw.url), 600)
+    split = await asyncio.to_thread(m.wait_stages, 2)
+    assert texts == reference
+    assert split[0][0] == 0 and split[-1][1] == 30 and len(split) == 2, split
+    texts = await asyncio.wait_for(_streams(gw.url), 600)  # served through both stages
+    assert texts == reference
+    stages = m.pipeline()["stages"]
+    assert stages[1]["microbatches"] > 0, stages
+    assert "serving layers" in open(path).read()
+
+    # leave by SIGTERM mid-stream
+    left = loop.create_future()
+
+    def leave_midway(least: int) -> None:
+        if least >= MAX_TOKENS // 4 and not left.done():
+            proc.send_signal(signal.SIGTERM)
+            left.set_result(None)
+
+    texts = await asyncio.wait_for(_streams(gw.url, leave_midway), 600)
+    assert texts == reference
+    assert await asyncio.to_thread(proc.wait, 120) == 0, open(path).read()
+    assert await asyncio.to_thread(m.wait_stages, 1) == [[0, 30]]
+
+    # join again, then SIGKILL mid-stream
+    proc, path = m.join("--as", "stage")
+    await asyncio.to_thread(m.wait_stages, 2)
+    killed = loop.create_future()
+
+    def kill_midway(least: int) -> None:
+        if least >= MAX_TOKENS // 4 and not killed.done():
+            os.kill(proc.pid, signal.SIGKILL)
+            killed.set_result(time.time())
+
+    texts = await asyncio.wait_for(_streams(gw.url, kill_midway), 600)
+    assert texts == reference
+    assert await asyncio.to_thread(m.wait_stages, 1) == [[0, 30]]
+    events = json.loads(gw.get("/v1/mesh/members")[1])["events"]
+    noticed = [e for e in events if e["event"] == "noticed"]
+    assert noticed and noticed[-1]["time"] - killed.result() <= 2.0, (killed.result(), events)
+    assert [e["event"] for e in events if e["event"] in ("joined", "left", "lost")] == ["joined", "left", "joined",
+                                                                                          "lost"], events
+    assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
