@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+
 from shared.files.layers import LayerRange
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.protocol import Resplit
