@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from shared.errors import StagemeshError
 from shared.wire.mesh_keys import KeySet, ephemeral_key_set
 from shared.wire.pipeline_client import PipelineClient
-from shared.wire.stage_info import StageInfo
+from shared.wire.stage_info import StageInfo, read_info
 
 # Stages on one host that use every core for a micro-batch alone in the pipeline (--threads-alone) take turns with
 # the cores: stage 0 computes a token, then stage 1. libgomp's threads spin ~300,000 rounds before they sleep (its
@@ -81,9 +81,8 @@ class StageProcess:
         return f"http://{self.http}"
 
     def info(self) -> StageInfo:
-        """Its /info (StageInfo.from_json raises InfoError if it is not one)."""
-        with urllib.request.urlopen(f"{self.url}/info", timeout=5) as r:
-            return StageInfo.from_json(json.loads(r.read()))
+        """Its /info (InfoError if it is not one, a redirect or over MAX_INFO_BYTES included: read_info)."""
+        return read_info(self.url, timeout=5)
 
 
 @dataclass
@@ -309,8 +308,7 @@ def _is_ready(url: str) -> bool:
 def _layers_note(url: str) -> str:
     """" (layers a:b)" from the stage's /info, or "" when it cannot be read (the note is for people, not a check)."""
     try:
-        with urllib.request.urlopen(f"{url}/info", timeout=2) as r:
-            start, stop = StageInfo.from_json(json.loads(r.read())).layers
+        start, stop = read_info(url, timeout=2).layers
         return f" (layers {start}:{stop})"
     except (OSError, ValueError):  # InfoError is a ValueError
         return ""

@@ -37,7 +37,7 @@ from shared.errors import StagemeshError
 from shared.files.model_registry import resolve_model
 from shared.models.device import DTYPES, default_dtype_name
 from shared.runtime.generation import SequenceState, run_group_on_mesh
-from shared.wire.stage_info import StageInfo
+from shared.wire.stage_info import StageInfo, read_info
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS_ROOT = os.path.join(REPO_ROOT, "benchmarks", "results")
@@ -166,8 +166,7 @@ class RunningGateway:
         return json.loads(self.get("/ready")[1])["stages"]
 
     def stage_info(self, i: int) -> StageInfo:
-        with urllib.request.urlopen(self.stage_urls()[i] + "/info", timeout=5) as r:
-            return StageInfo.from_json(json.loads(r.read()))
+        return read_info(self.stage_urls()[i], timeout=5)
 
     def wait_compiled(self, timeout: float = 900) -> list[dict]:
         return wait_compiled(lambda: [self.stage_info(i) for i in range(len(self.stage_urls()))], timeout)

@@ -9,12 +9,16 @@ started, on its monotonic clock `clock_s`, so a poller takes exact rates between
 
 from __future__ import annotations
 
+import json
 import math
 import types
 import typing
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, fields
 
 MAX_RECENT_MB = 1024  # micro-batch ids a stage lists as recently received and sent
+MAX_INFO_BYTES = 4 << 20  # the most of one /info body any reader reads (a stage's own is tens of kB)
 
 
 class InfoError(ValueError):
@@ -111,6 +115,50 @@ class StageInfo:
         if self.kv_live_memory_bytes < 1 or self.kv_position_bytes < 1:
             return None
         return self.kv_live_memory_bytes // self.kv_position_bytes
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # the 3xx is then raised as an HTTPError: read_info names it
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def refused_redirect(url: str, status: int, location: str | None) -> str:
+    """Why a /info that answered a redirect is not read (the gateway's reader says the same)."""
+    return (f"{url}/info answered {status}, a redirect to {(location or '(no Location)')[:200]}: not followed; "
+            "give the stage process's own HTTP address")
+
+
+def too_large(url: str) -> str:
+    """Why a /info over MAX_INFO_BYTES is not read (the gateway's reader says the same)."""
+    return (f"{url}/info is larger than {MAX_INFO_BYTES >> 20} MiB, the most read of one (a stage's is tens of kB): "
+            "not read; is that URL a stagemesh stage?")
+
+
+def read_info(url: str, timeout: float) -> StageInfo:
+    """The /info of the stage whose HTTP address is `url`, read the way every reader reads one: no redirect followed,
+    at most MAX_INFO_BYTES read. InfoError (a ValueError) naming what was wrong; OSError when it cannot be reached.
+    For the CLI's synchronous callers; the gateway reads /info on its own event loop (Pipeline._info), by the same
+    rules."""
+    url = url.rstrip("/")
+    try:
+        with _OPENER.open(f"{url}/info", timeout=timeout) as r:
+            declared = r.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > MAX_INFO_BYTES:
+                raise InfoError(too_large(url))
+            body = r.read(MAX_INFO_BYTES + 1)
+    except urllib.error.HTTPError as e:
+        if 300 <= e.code < 400:
+            raise InfoError(refused_redirect(url, e.code, e.headers.get("Location"))) from None
+        raise
+    if len(body) > MAX_INFO_BYTES:
+        raise InfoError(too_large(url))
+    try:
+        return StageInfo.from_json(json.loads(body))
+    except ValueError as e:  # UnicodeDecodeError and InfoError included
+        raise InfoError(f"{url}/info is malformed: {e}") from None
 
 
 _HINTS = typing.get_type_hints(StageInfo)

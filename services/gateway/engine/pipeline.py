@@ -19,7 +19,7 @@ from shared.files.layers import LayerRange, check_cover
 from shared.observe.log_throttle import throttled
 from shared.wire.mesh_keys import SocketKeys
 from shared.wire.pipeline_client import PipelineClient
-from shared.wire.stage_info import InfoError, StageInfo
+from shared.wire.stage_info import MAX_INFO_BYTES, InfoError, StageInfo, refused_redirect, too_large
 
 log = logging.getLogger("stagemesh.gateway.pipeline")
 
@@ -227,7 +227,8 @@ class Pipeline:
         return None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3))
+        # /info bodies as sent (a stage never compresses them), so MAX_INFO_BYTES bounds what decompression makes too
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3), auto_decompress=False)
         await self.check()
         self._task = asyncio.create_task(self._poll())
 
@@ -242,12 +243,21 @@ class Pipeline:
             await self._session.close()
 
     async def _info(self, url: str) -> StageInfo | str:
-        """The stage's /info, or why not: unreachable, not 200, or not a StageInfo (Malformed)."""
+        """The stage's /info, or why not: unreachable, not 200, or not a StageInfo (Malformed) -- a redirect (never
+        followed: the URL is the stage's own address) or a body over MAX_INFO_BYTES (read no further) included."""
         try:
-            async with self._session.get(f"{url}/info") as r:
+            async with self._session.get(f"{url}/info", allow_redirects=False) as r:
+                if 300 <= r.status < 400:
+                    return Malformed(refused_redirect(url, r.status, r.headers.get("Location")))
                 if r.status != 200:
                     return f"{url}/info answered {r.status} (still loading?)"
-                body = await r.read()
+                if (r.content_length or 0) > MAX_INFO_BYTES:
+                    return Malformed(too_large(url))
+                body = bytearray()
+                async for chunk in r.content.iter_chunked(64 << 10):
+                    body += chunk
+                    if len(body) > MAX_INFO_BYTES:  # the rest is never read: leaving the block drops the connection
+                        return Malformed(too_large(url))
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             return f"{url}: {type(e).__name__} {e}".strip()
         try:
