@@ -716,3 +716,51 @@ def test_a_redis_log_outlives_a_redis_restart_and_evicted_keys(tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.processes
+def test_a_redis_log_outlives_a_redis_restart_and_evicted_keys(tmp_path):
+    """Issue 69 item 11: the Redis log under Redis's own faults. Redis restarted (empty: no persistence): the flush
+    that fails keeps its batch, the next one after the restart writes it, the lease and the epoch come back (a
+    client's Last-Event-ID stays valid), and a peer takes back what was written since. A key evicted: a request
+    whose record went is not taken back (no error); one whose outputs went is taken back from its first token."""
+    proc, port = _start_redis(str(tmp_path))
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        store = RedisStore(url, "gw-a", "m1")
+        epoch = store.epoch
+        store.add("before", {"prompt": "x"}, False, None, 1)
+        store.flush()
+        proc.kill()
+        proc.wait(10)
+        store.add("during", {"prompt": "y"}, False, None, 2)
+        store.output("during", 0, 5, None, None)
+        with pytest.raises(redis.ConnectionError):
+            store.flush()
+        proc = subprocess.Popen([*proc.args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                store.flush()  # the kept batch, written to the new, empty Redis
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "Redis did not come back"
+                time.sleep(0.1)
+        store.add("evicted-record", {"prompt": "z"}, False, None, 3)
+        store.add("evicted-outputs", {"prompt": "w"}, False, None, 4)
+        for n in range(3):
+            store.output("evicted-outputs", n, 7 + n, None, None)
+        store.flush()
+        store.redis.delete(store._key("req", "evicted-record"), store._key("out", "evicted-outputs"))
+        store.output("evicted-outputs", 3, 10, None, None)  # written after the eviction: a gap from 0
+        store.flush()
+        store.redis.delete(store._key("owner", "gw-a"))  # gw-a's lease lapses
+        peer = RedisStore(url, "gw-b", "m1")
+        assert peer.epoch == epoch  # the log's epoch, set again by gw-a after the restart
+        taken = {r.id: r.outputs for r in peer.unfinished()}
+        assert taken == {"during": [(5, None, None)], "evicted-outputs": []}  # "before" went with the old Redis
+        peer.close()
+        store.close()
+    finally:
+        proc.kill()
+        proc.wait(10)

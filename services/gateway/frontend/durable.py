@@ -465,6 +465,8 @@ class RedisStore:
             return
         # Set again first: from here no peer takes one more, so what is not ours now stays another's.
         self.redis.set(lease, "1", px=int(self.lease_s * 1000))
+        # a restarted (emptied) Redis lost the epoch too: this gateway's, put back, keeps clients' event ids valid
+        self.redis.set(self._key("epoch"), self.epoch, nx=True)
         mine = list(self._mine)
         pipe = self.redis.pipeline(transaction=False)
         for rid in mine:
