@@ -374,15 +374,23 @@ def test_a_prediction_changes_how_fast_not_what(gateway):
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "system", "content": "Repeat the user's text word for word."},
                 {"role": "user", "content": TEXT}]
+    def prediction_drafts() -> tuple[float, float]:  # the gateway's drafted and stood tokens of predictions so far
+        return tuple(gateway.metric(f"stagemesh_gateway_speculation_{name}_tokens_total", source="prediction")
+                     for name in ("drafted", "accepted"))
+
     # each in a cache scope of its own: both prefill in full (a cached prefix's remainder runs other kernels)
     plain = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0,
                                            extra_body={"cache_salt": "plain"})
+    drafted_before, stood_before = prediction_drafts()
     predicted = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0,
                                                prediction={"type": "content", "content": TEXT},
                                                extra_body={"cache_salt": "predicted"})
+    drafted, stood = (now - was for now, was in zip(prediction_drafts(), (drafted_before, stood_before)))
     assert predicted.choices[0].message.content == plain.choices[0].message.content
     details = predicted.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+    # the request alone on the gateway: its usage counts exactly what its drafts did (rejected: drafted, not stood)
+    assert details.accepted_prediction_tokens == stood > 0, (details, drafted, stood)
+    assert details.rejected_prediction_tokens == drafted - stood, (details, drafted, stood)
     assert plain.usage.completion_tokens_details is None or not plain.usage.completion_tokens_details.accepted_prediction_tokens
     stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0,
                                             stream=True, prediction={"type": "content", "content": TEXT},
