@@ -1,5 +1,6 @@
 """The gateway end to end: real `stagemesh up` processes, real clients (aiohttp, the official openai SDK)."""
 
+import asyncio
 import json
 import subprocess
 
@@ -74,3 +75,41 @@ async def test_greedy_output_equals_generate_over_every_api(gateway, reference):
                                                max_tokens=MAX_TOKENS)
             assert text == reference[q]
             assert done["usage"]["completion_tokens"] <= MAX_TOKENS and done["timings"]["ttft_ms"] > 0
+
+
+async def test_seconds_of_backlog_on_metrics_follow_the_running_requests(up):
+    """/metrics of a real gateway: stagemesh_gateway_backlog_tokens is what the running requests may still generate
+    (at most their max_tokens), _backlog_seconds that over the measured throughput, both 0 once they ended."""
+    from services.testing.harness import scrape_metric
+
+    gw = up(stages=1, dtype="float32")
+    streams, max_tokens = 4, 48
+    names = ("stagemesh_gateway_backlog_tokens", "stagemesh_gateway_backlog_seconds",
+             "stagemesh_gateway_throughput_tokens_per_second")
+    async with aiohttp.ClientSession() as s:
+        async def scrape() -> tuple[float, ...]:
+            async with s.get(gw.url + "/metrics") as r:
+                text = await r.text()
+            return tuple(scrape_metric(text, n) for n in names)
+
+        async def one(i: int) -> None:
+            body = {"model": "smollm2", "prompt": f"List {i}: apples, pears,", "max_tokens": max_tokens,
+                    "temperature": 0, "stream": True}
+            async with s.post(gw.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for _ in r.content:
+                    pass
+
+        tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+        seen = []
+        while not all(t.done() for t in tasks):
+            seen.append(await scrape())
+            await asyncio.sleep(0.2)
+        await asyncio.gather(*tasks)
+        after = await scrape()
+    busy = [x for x in seen if x[0] > 0]
+    assert busy and all(tokens <= streams * max_tokens for tokens, _, _ in busy), seen
+    measured = [(tokens, secs, tps) for tokens, secs, tps in busy if tps > 0]
+    assert measured, seen  # a throughput was measured while they ran ...
+    assert all(secs == pytest.approx(tokens / tps, rel=0.05) for tokens, secs, tps in measured), measured  # ... and used
+    assert after[0] == 0 and after[1] == 0 and after[2] > 0, after

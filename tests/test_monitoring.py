@@ -116,3 +116,31 @@ def test_pod_monitors_select_real_pods_and_ports(rendered):
         for ep in m["spec"]["podMetricsEndpoints"]:
             assert ep["port"] in ports and ep["path"] == "/metrics", ep
             assert re.fullmatch(r"\d+[sm]", ep["interval"]), ep
+
+
+def test_seconds_of_backlog_is_the_tokens_still_to_generate_over_the_measured_throughput():
+    from types import SimpleNamespace
+
+    from services.gateway.engine.metrics import BacklogMeter, backlog_tokens
+
+    def req(max_tokens, generated):
+        return SimpleNamespace(max_tokens=max_tokens, output_ids=[7] * generated)
+
+    # two running requests (64 of which 10 generated, 32 of which 32) and one queued (100, none yet)
+    sched = SimpleNamespace(running={"a": req(64, 10), "b": req(32, 32)}, waiting=[req(100, 0)])
+    assert backlog_tokens([sched]) == 54 + 0 + 100
+    assert backlog_tokens([sched, SimpleNamespace(running={}, waiting=[req(8, 3)])]) == 159
+
+    meter = BacklogMeter(window_s=10.0)
+    assert meter.read(0.0, 0, 0) == 0.0  # no backlog: 0, measured or not
+    assert meter.read(0.5, 0, 200) == 200.0  # a backlog, no throughput measured yet: counted at 1 token/s
+    assert meter.read(4.0, 100, 200) == pytest.approx(200 / 25.0)  # 100 tokens in 4 s
+    assert meter.read(8.0, 300, 150) == pytest.approx(150 / 37.5)  # 300 in 8 s
+    # the window slides: readings older than 10 s are dropped but the last one a whole window old
+    meter.read(14.0, 600, 10)
+    assert meter.read(20.0, 900, 90) == pytest.approx(90 / ((900 - 300) / (20 - 8)))
+    # a stalled mesh (nothing generated over a whole window) keeps the last throughput measured
+    last = meter.throughput
+    for t in (40.0, 60.0, 80.0):
+        meter.read(t, 900, 50)
+    assert meter.throughput == last and meter.read(81.0, 900, 50) == pytest.approx(50 / last)

@@ -1,5 +1,6 @@
 """Prometheus metrics of the gateway (own registry per app)."""
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -283,12 +284,69 @@ class _PoolCollector:
             yield GaugeMetricFamily(name, doc, value=values[key])
 
 
+BACKLOG_WINDOW_S = 60.0  # the throughput "seconds of backlog" divides by: generated tokens over about this long
+
+
+class BacklogMeter:
+    """Seconds of backlog (issue 68: what KEDA or an HPA scales a mesh by, the signal llm-d recommends): the tokens
+    still to generate -- each running and each queued request's max_tokens less what it already generated, an upper
+    bound (a request that stops early needs fewer) -- over the throughput measured from the generated-tokens counter
+    over the last BACKLOG_WINDOW_S (pure arithmetic: `read` is handed the time and the counter, at scrape time).
+
+    Until a throughput was measured (a window of two readings with tokens generated between them) the backlog counts at
+    1 token/s: a large number that says "scale up" where 0 would say "idle". A window with no token generated while
+    there is a backlog (a stalled mesh) keeps the last throughput measured."""
+
+    def __init__(self, window_s: float = BACKLOG_WINDOW_S):
+        self.window_s = window_s
+        self._readings: list[tuple[float, float]] = []  # (time, generated tokens so far), oldest first, within window_s
+        self.throughput: float | None = None  # tokens/s of the last window that generated any (None: none yet)
+
+    def read(self, now: float, generated: float, backlog_tokens: float) -> float:
+        """The seconds of backlog at `now`, the counter reading `generated` then."""
+        self._readings.append((now, generated))
+        while len(self._readings) > 2 and self._readings[1][0] <= now - self.window_s:
+            self._readings.pop(0)  # the oldest kept is the last one at least window_s old (a whole window)
+        (t0, g0), (t1, g1) = self._readings[0], self._readings[-1]
+        if t1 > t0 and g1 > g0:
+            self.throughput = (g1 - g0) / (t1 - t0)
+        if backlog_tokens <= 0:
+            return 0.0
+        return backlog_tokens / (self.throughput or 1.0)
+
+
+def backlog_tokens(schedulers) -> int:
+    """Tokens the schedulers' running and queued requests may still generate (max_tokens less those generated)."""
+    return sum(max(0, r.max_tokens - len(r.output_ids)) for s in schedulers for r in (*s.running.values(), *s.waiting))
+
+
+class _BacklogCollector:
+    """The backlog gauges, read at scrape time from every pipeline's scheduler and the generated-tokens counter."""
+
+    def __init__(self, metrics: GatewayMetrics, schedulers, clock: Callable[[], float]):
+        self.metrics, self.schedulers, self.clock = metrics, schedulers, clock
+        self.meter = BacklogMeter()
+
+    def collect(self):
+        tokens = backlog_tokens(self.schedulers)
+        generated = next(x.value for x in self.metrics.generated_tokens.collect()[0].samples if x.name.endswith("_total"))
+        seconds = self.meter.read(self.clock(), generated, tokens)
+        yield GaugeMetricFamily("stagemesh_gateway_backlog_tokens", "Tokens the running and queued requests may still "
+                                "generate (each one's max_tokens less what it generated: an upper bound)", value=tokens)
+        yield GaugeMetricFamily("stagemesh_gateway_backlog_seconds", "Seconds of backlog: backlog tokens over the "
+                                f"tokens/s generated over the last {BACKLOG_WINDOW_S:g} s (1 token/s until measured); "
+                                "what KEDA or an HPA scales stage pods by", value=seconds)
+        yield GaugeMetricFamily("stagemesh_gateway_throughput_tokens_per_second", "Generated tokens/s the backlog is "
+                                "measured against (0: not measured yet)", value=self.meter.throughput or 0.0)
+
+
 def watch_replicas(metrics: GatewayMetrics, replicas) -> None:
     """Per-pipeline gauges, the endpoint picker's gauges, and the gateway-wide ones summed over the replicas (each
     scheduler sets its own)."""
     metrics.registry.register(_ReplicaCollector(replicas))
     metrics.registry.register(_PoolCollector(replicas))
     scheds = [r.scheduler for r in replicas.all]
+    metrics.registry.register(_BacklogCollector(metrics, scheds, time.monotonic))
     metrics.queue_depth.set_function(lambda: sum(len(s.waiting) for s in scheds))
     metrics.running.set_function(lambda: sum(len(s.running) for s in scheds))
     metrics.inflight.set_function(lambda: sum(len(s.inflight) for s in scheds))
