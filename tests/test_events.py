@@ -75,7 +75,7 @@ class FrontEnd:
     on the tiny GGUF when told."""
 
     def __init__(self, path: str):
-        self.h = Harness(path)
+        self.h = Harness(path, on_output=lambda req, out: self.gw.deliver(req, out))  # the engine's outputs: the front end's
         replicas = Replicas([Replica("p0", self.h.pipeline, self.h.engine)], GatewayMetrics())
         self.gw = Gateway(ModelFiles.open(path), replicas, replicas.metrics, GatewayConfig(model_id="tiny"))
 

@@ -94,7 +94,8 @@ class RecordingClient:
 
 class Harness:
     def __init__(self, tiny_path: str, kv_slots: int = 4, max_inflight: int = 1, prefix_cache: bool = True,
-                 prefix_slots: int = 0, prefix_memory: int | None = None, **serving):
+                 prefix_slots: int = 0, prefix_memory: int | None = None, on_output=None, **serving):
+        """on_output: where the engine's outputs go (None: self.outputs, per request)."""
         local = LocalPipeline.load(GgufLoader(tiny_path), None, torch.float32, kv_slots=kv_slots, max_seq_len=CONTEXT,
                                    prefix_slots=prefix_slots, prefix_memory=prefix_memory)
         self.client = RecordingClient(local)
@@ -104,12 +105,12 @@ class Harness:
                                          kv_max_seq_len=CONTEXT, kv_prefix_slots=prefix_slots,
                                          kv_prefix_memory_bytes=kv.prefix_bytes, kv_position_bytes=kv.position_bytes)]
         self.pipeline.problem, self.pipeline.client = None, self.client
+        self.outputs: dict[str, list[RequestOutput]] = {}  # what the engine reported, per request, not yet read
         self.engine = Engine(self.pipeline, GatewayMetrics(), max_inflight,
-                             SchedulerConfig(prefix_cache=prefix_cache, **serving))
+                             SchedulerConfig(prefix_cache=prefix_cache, **serving),
+                             on_output=on_output or (lambda req, out: self.outputs.setdefault(req.seq_id, []).append(out)))
         self.scheduler = self.engine.scheduler
         self.ids = itertools.count()
-        self.outputs: dict[str, list[RequestOutput]] = {}  # what the engine reported, per request, not yet read
-        self.engine.on_output = lambda req, out: self.outputs.setdefault(req.seq_id, []).append(out)
 
     def seq(self, prompt_len: int = 5, max_tokens: int = 8, **kw) -> Request:
         prompt = [(7 * i + 3) % 200 + 1 for i in range(prompt_len)]

@@ -328,17 +328,27 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
         return Balancer(facts, scheduling.rebalance_window_s, scheduling.rebalance_gain) \
             if scheduling.auto_rebalance else None
 
-    replicas = Replicas([Replica(f"p{i}", p, Engine(p, metrics_, max_inflight=max_inflight, config=scheduling,
-                                                      otlp=otlp, speculator=speculator, balancer=balancer(),
-                                                      start_split=StartSplit(facts) if split_auto else None))
-                         for i, p in enumerate(pipelines)], metrics_)
+    # The engines come first; the replicas over them and the front end over those close the two upward edges an
+    # engine has (named below, resolved when called): its requests' outputs go to the front end (Gateway.deliver),
+    # and while its pipeline is not ready its open requests go to another replica (Replicas.take_over).
+    replicas: Replicas
+    gateway: Gateway
+
+    def engine(name: str, p: Pipeline) -> Engine:
+        return Engine(p, metrics_, max_inflight=max_inflight, config=scheduling, otlp=otlp, speculator=speculator,
+                      balancer=balancer(), start_split=StartSplit(facts) if split_auto else None,
+                      on_output=lambda req, out: gateway.deliver(req, out),
+                      handoff=lambda reqs: replicas.take_over(reqs, replicas.by_name[name]))
+
+    replicas = Replicas([Replica(f"p{i}", p, engine(f"p{i}", p)) for i, p in enumerate(pipelines)], metrics_)
     indexes = [r.scheduler.prefix for r in replicas.all if r.scheduler.prefix is not None]
     if indexes:
         watch_prefix_cache(metrics_, indexes)
     watch_replicas(metrics_, replicas)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_middleware])
     responses = MemoryResponseStore(config.stored_responses, config.stored_responses_ttl_s)
-    app[GATEWAY] = Gateway(files, replicas, metrics_, config, store=store, on_readopt=readopted_into(responses))
+    gateway = Gateway(files, replicas, metrics_, config, store=store, on_readopt=readopted_into(responses))
+    app[GATEWAY] = gateway
     app.cleanup_ctx.append(_background)
     app.on_response_prepare.append(_cors_headers)
     app.router.add_post("/v1/chat/completions", chat_completions)

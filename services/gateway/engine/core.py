@@ -48,7 +48,12 @@ class Engine:
     def __init__(self, pipeline: Pipeline, metrics: GatewayMetrics, max_inflight: int,
                  config: SchedulerConfig = SCHEDULER_DEFAULTS, otlp: OtlpTracer | None = None,
                  speculator: Speculator | None = None, balancer: Balancer | None = None,
-                 start_split: StartSplit | None = None):
+                 start_split: StartSplit | None = None,
+                 on_output: Callable[[Request, RequestOutput], None] | None = None,
+                 handoff: Callable[[list[Request]], list[Request]] | None = None):
+        """on_output: where each request's outputs go, once each, in order (the gateway's front end: Gateway.deliver;
+        None: nowhere). handoff: while the pipeline is not ready, give these open requests to a ready replica, returning
+        the ones it took (the gateway's Replicas.take_over; None, or none taken: they wait here for this pipeline)."""
         self.pipeline = pipeline
         self.metrics = metrics
         self.otlp = otlp  # distributed tracing (None: off)
@@ -64,12 +69,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._epoch = pipeline.epoch  # the pipeline's count of KV losses this loop has replayed after
         self._lost_since: float | None = None
-        # set by Replicas: while the pipeline is not ready, give these open requests to a ready replica; returns the
-        # ones it took (None, or none taken: they wait here for this pipeline, as with a single one)
-        self.handoff: Callable[[list[Request]], list[Request]] | None = None
-        # where each request's outputs go, once each, in order (the gateway's front end: Gateway.deliver)
-        self.on_output: Callable[[Request, RequestOutput], None] = lambda req, out: None
-        pipeline.on_unexpected_result = metrics.unexpected_results.inc
+        self.handoff = handoff
+        self.on_output: Callable[[Request, RequestOutput], None] = on_output or (lambda req, out: None)
+        self._unexpected_counted = 0  # of the pipeline client's dropped results, those in metrics.unexpected_results
         # live re-splits, stage replacements, --split auto and --auto-rebalance: what changes the mesh under this loop
         self.mesh = MeshChange(pipeline, self.scheduler, metrics, self._changed, start_split, balancer)
 
@@ -137,6 +139,7 @@ class Engine:
 
     async def step(self) -> None:
         now = time.perf_counter()
+        self._count_unexpected()
         self._apply(self.scheduler.expire(now))
         if self.pipeline.epoch != self._epoch:
             self._epoch = self.pipeline.epoch
@@ -186,6 +189,15 @@ class Engine:
             self.metrics.result_hop.observe(max(0.0, result.hop_s))
         self._apply(update)
         self._update_gauges()
+
+    def _count_unexpected(self) -> None:
+        """The results the pipeline's client dropped (not in flight: late after a failover, or forged) since the last
+        step, into the gateway's counter: pulled here, each step, rather than pushed by the client."""
+        client = self.pipeline.client
+        dropped = getattr(client, "unexpected", 0)  # (a test's stand-in client counts none)
+        if dropped > self._unexpected_counted:
+            self.metrics.unexpected_results.inc(dropped - self._unexpected_counted)
+        self._unexpected_counted = dropped
 
     def _follow_pipeline(self) -> None:
         """Keep the policy's view of the pipeline's /info current: its KV slots and rows, the bounds on cached

@@ -8,7 +8,6 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from urllib.parse import urlparse
 
 import aiohttp

@@ -13,7 +13,7 @@ same model. Routing follows SGLang's cache_aware policy, in this order:
 
 A replica's load is its queued plus running sequences. A replica that is not ready (a stage lost, inconsistent, or
 a stalled micro-batch) takes no new request until it is ready again, and hands its open sequences to a ready one
-(Engine.handoff -> Replicas.take_over), which replays them from their token history. Every decision is counted
+(Engine's handoff, which the gateway's composition points at Replicas.take_over), which replays them from their token history. Every decision is counted
 by reason and pipeline (stagemesh_gateway_routing_decisions_total)."""
 
 from __future__ import annotations
@@ -87,7 +87,6 @@ class Replicas:
         for r in replicas:
             if len(replicas) > 1:
                 r.pipeline.name = r.name
-            r.engine.handoff = lambda reqs, src=r: self.take_over(reqs, src)
 
     # ---- state across replicas ---------------------------------------------------------------------------------
 

@@ -144,8 +144,6 @@ class Gateway:
     readopted: asyncio.Event = field(default_factory=asyncio.Event)  # set once the start's readopt() has registered
 
     def __post_init__(self):
-        for replica in self.replicas.all:  # every engine reports its requests' outputs here, once each
-            replica.engine.on_output = self.deliver
         # what readopt() takes back
         self._unfinished = self.store.unfinished(self.config.state_keep_s) if self.store is not None else []
         if not self._unfinished:
