@@ -48,8 +48,7 @@ class PipelineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._mb_ids = itertools.count(1)
         self.releases_acknowledged = 0  # sequences the last stage confirmed released
-        self.unexpected = 0  # results and errors for micro-batches not in flight, dropped
-        self.on_unexpected: Callable[[], None] | None = None  # called for each (the gateway counts them)
+        self.unexpected = 0  # results and errors for micro-batches not in flight, dropped (the gateway's metrics read it)
         self._tasks: list[asyncio.Task] = []
         self._resplit: tuple[int, str, asyncio.Future] | None = None  # the re-split phase in flight: (rid, phase, answer)
         self._rids = itertools.count(1)
@@ -164,8 +163,6 @@ class PipelineClient:
             fut = self._pending.pop(msg.mb_id, None)
             if fut is None or fut.done():  # abandoned after a failover, or never ours: never acted on
                 self.unexpected += 1
-                if self.on_unexpected is not None:
-                    self.on_unexpected()
                 throttled(log, logging.INFO, "unexpected", "dropped a %s for micro-batch %s, which is not in flight "
                           "(abandoned after a failover, or forged)", type(msg).__name__, msg.mb_id)
                 continue

@@ -142,7 +142,6 @@ class Pipeline:
         self.lost_reason = ""  # why, the last time
         self._incarnations: list[str] | None = None
         self._dial_failures: list[int] | None = None  # each sender's failed outbound handshakes at the last check
-        self.on_unexpected_result: Callable[[], None] | None = None  # handed to the client (the gateway counts)
         self.stall_s = stall_s
         self.name = ""  # its replica name when the gateway serves several (services/gateway/engine/replicas.py): logs say it
         self.resplitting = False  # a live re-split is moving layers: the stages' ranges pass through inconsistent ones
@@ -323,7 +322,6 @@ class Pipeline:
         if problem is None and self.client is None:
             self.client = PipelineClient(self.first_stage or self._first_stage_address(), self.result_listen,
                                          keys=self.keys)
-            self.client.on_unexpected = self.on_unexpected_result
             await self.client.start()
             # we own no sequence yet: take back what an earlier gateway left, but what we re-adopt (once)
             spare, self.spare = self.spare, set()
