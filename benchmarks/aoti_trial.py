@@ -1,15 +1,13 @@
-"""AOTInductor trial (issue 53, item 8): the one-sequence decode step exported with torch.export (the context length
-and the slot dynamic), compiled with torch._inductor.aoti_compile_and_package and loaded with aoti_load_package,
-against the step the stage runs today (torch.compile + inductor, called without dynamo: compiled_decode.DirectCall)
-and the eager step.
+"""AOTInductor trial (issue 53, item 8): the one-sequence decode step as the stage packages it (shared.models.aoti_decode:
+exported with torch.export, the context length and the slot dynamic, the weights inputs; compiled with
+aoti_compile_and_package, loaded with aoti_load_package), against the step torch.compile makes (inductor, called
+without dynamo: compiled_decode.DirectCall) and the eager step.
 
     .venv/bin/python -m benchmarks.aoti_trial [--max-seq-len 2048] [--contexts 64,1024] [--rounds 7] [--steps 30]
 
-What it compiles is the project's own TransformerModel.run_layers with a OneSequenceDecode, as CompiledDecode does:
-OneStep is only a torch.nn.Module around it whose arguments are flat tensors (run_layers' hidden, rope row,
-attention's four tensors, every layer's K and V cache tensor). The KV writes are index_put_ on those cache tensors,
-which are inputs of the exported program; the checks below make sure the loaded package writes the caller's tensors
-in place (the row at the step's position, nothing else) and agrees with the DirectCall step and the eager step.
+What it packages is aoti_decode.build's, the stage's own code (no copy of it here); the checks below make sure the
+loaded package writes the caller's cache tensors in place (the row at the step's position, nothing else) and agrees
+with the DirectCall step and the eager step, beside the package's own check against the eager step.
 
 Timing: one process, the same model and KV cache; each round runs --steps decode steps (one sequence, positions
 context..context+steps-1), every path at each step in turn, in an order rotated each round (the machine is shared: a
@@ -17,7 +15,7 @@ neighbour's burst then hits every path alike); a path's round figure is its medi
 the median (and the fastest) over rounds, and its ratio the median over all steps of its time over DirectCall's at
 the same step. The
 inductor cache is a fresh directory, so the compile seconds are cold; a restart is then measured in subprocesses
-(model load + aoti_load_package, or model load + torch.compile from the now-warm inductor cache) up to the first
+(model load + aoti_decode.load, or model load + torch.compile from the now-warm inductor cache) up to the first
 compiled step. The one-sequence graph only: the stage's batched graph is left out of both.
 """
 
@@ -43,8 +41,7 @@ from shared.batch.layout import BatchLayout  # noqa: E402
 from shared.batch.steps import Decode  # noqa: E402
 from shared.files.gguf_loader import GgufLoader  # noqa: E402
 from shared.files.model_registry import resolve_model  # noqa: E402
-from shared.kernels import qdot  # noqa: E402
-from shared.models.attention import OneSequenceDecode  # noqa: E402
+from shared.models import aoti_decode  # noqa: E402
 from shared.models.compiled_decode import CompiledDecode  # noqa: E402
 from shared.models.device import resolve_dtype  # noqa: E402
 from shared.runtime.stage_runtime import StageRuntime  # noqa: E402
@@ -57,64 +54,13 @@ def first_lines(e: BaseException, n: int = 4) -> str:
 
 
 def load_piece(model: str, max_seq_len: int):
-    """The whole model as one stage loads it by default (weights auto, the default dtype), and a KV cache with the
-    scratch row CompiledDecode needs."""
-    rt = StageRuntime.load(GgufLoader(resolve_model(model)), None, resolve_dtype(None), kv_slots=SLOTS,
-                           max_seq_len=max_seq_len, compile_decode="off", weights="auto")
-    return rt.model, rt.model.new_kv_cache(SLOTS, max_seq_len, scratch=True)
-
-
-class OneStep(torch.nn.Module):
-    """run_layers for one sequence's decode step, as CompiledDecode compiles it (attention a OneSequenceDecode: the
-    context is keys' length, the slot slot_marker's length less 2), over flat tensor arguments for torch.export."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.__dict__["model"] = model  # not a Module: its tensors become the program's constants
-
-    def forward(self, hidden, cos, sin, token_slots, positions, keys, slot_marker, k_layers, v_layers):
-        if self.model.config.sliding_window:
-            raise NotImplementedError("the trial exports models without sliding-window layers")
-        attention = OneSequenceDecode(token_slots, positions, keys, slot_marker, None, qdot.usable())
-        return self.model.run_layers(hidden, ((cos, sin), None), attention, k_layers, v_layers)
-
-
-def export_step(model, kv):
-    """torch.export of OneStep with the context and the slot dynamic; traced at a slot and context that differ."""
-    slot, pos = 1, 40
-    with torch.inference_mode():
-        hidden = torch.randn(1, model.config.hidden_size)
-        (cos, sin), _ = model.rope_tables(torch.tensor([pos]), kv.max_seq_len)
-        args = (hidden, cos, sin, torch.tensor([slot]), torch.tensor([pos]), torch.arange(pos + 1),
-                torch.empty(slot + OneSequenceDecode.SLOT_OFFSET, dtype=torch.uint8), list(kv.k), list(kv.v))
-    context = torch.export.Dim("context", min=2, max=kv.max_seq_len - 1)
-    slot_dim = torch.export.Dim("slot", min=OneSequenceDecode.SLOT_OFFSET,
-                                max=kv.k[0].shape[0] - 1 + OneSequenceDecode.SLOT_OFFSET)
-    layers = len(kv.k)
-    dynamic = (None, None, None, None, None, {0: context}, {0: slot_dim}, [None] * layers, [None] * layers)
-    return torch.export.export(OneStep(model), args, dynamic_shapes=dynamic)
-
-
-class AotiStep:
-    """The loaded package as a decode step: hidden [1, D], the step's layout and position -> [1, D]. `boxed`: call
-    the loader's run() with the flat tensor list (what AOTICompiledModel.__call__ does after flattening its arguments
-    by the call spec, which it parses again at every call)."""
-
-    def __init__(self, package, model, kv, boxed: bool):
-        self.package, self.model, self.kv, self.boxed = package, model, kv, boxed
-        self.keys = torch.arange(kv.max_seq_len)  # keys / slot_marker: views of these, of the step's lengths
-        self.marker = torch.empty(kv.k[0].shape[0] + OneSequenceDecode.SLOT_OFFSET, dtype=torch.uint8)
-        self.caches = [*kv.k, *kv.v]
-
-    def __call__(self, hidden: torch.Tensor, layout: BatchLayout, pos: int) -> torch.Tensor:
-        hidden = hidden.clone(memory_format=torch.contiguous_format)  # as CompiledDecode._direct_inputs
-        (cos, sin), _ = self.model.rope_row(pos, self.kv.max_seq_len)
-        keys = self.keys[:pos + 1]
-        marker = self.marker[:layout.slots[0] + OneSequenceDecode.SLOT_OFFSET]
-        if self.boxed:
-            return self.package.loader.run([hidden, cos, sin, layout.token_slots, layout.positions, keys, marker,
-                                            *self.caches])[0]
-        return self.package(hidden, cos, sin, layout.token_slots, layout.positions, keys, marker, self.kv.k, self.kv.v)
+    """The whole model as one stage loads it by default (weights auto, the default dtype), a KV cache with the
+    scratch row CompiledDecode needs, and the package's key (aoti_decode.package_key) for them."""
+    loader = GgufLoader(resolve_model(model))
+    rt = StageRuntime.load(loader, None, resolve_dtype(None), kv_slots=SLOTS, max_seq_len=max_seq_len,
+                           compile_decode="off", weights="auto")
+    kv = rt.model.new_kv_cache(SLOTS, max_seq_len, scratch=True)
+    return rt.model, kv, aoti_decode.package_key(rt.model, kv, torch.get_num_threads(), loader.fingerprint)
 
 
 def compiled_decode(model, kv) -> tuple[CompiledDecode, float]:
@@ -137,8 +83,7 @@ def step_fns(model, kv, compiled, package) -> dict:
 
     fns = {"eager": eager, "directcall": direct}
     if package is not None:
-        fns["aoti"] = AotiStep(package, model, kv, boxed=False)
-        fns["aoti_run"] = AotiStep(package, model, kv, boxed=True)
+        fns["aoti"] = package  # an aoti_decode.PackagedStep: (hidden, layout, pos) -> [1, D]
     return fns
 
 
@@ -207,15 +152,15 @@ def time_paths(model, kv, fns: dict, context: int, rounds: int, steps: int, slot
 
 
 def restart(kind: str, model: str, max_seq_len: int, package_path: str | None) -> None:
-    """A fresh process's way to its first compiled step: the model load, then aoti_load_package or torch.compile (the
+    """A fresh process's way to its first compiled step: the model load, then aoti_decode.load or torch.compile (the
     inductor cache warm); one JSON line of seconds."""
     t_imports = time.perf_counter() - T_START
     t = time.perf_counter()
-    m, kv = load_piece(model, max_seq_len)
+    m, kv, key = load_piece(model, max_seq_len)
     load_s = time.perf_counter() - t
     t = time.perf_counter()
     if kind == "aoti":
-        step = AotiStep(torch._inductor.aoti_load_package(package_path), m, kv, boxed=True)
+        step = aoti_decode.load(package_path, m, kv, key)
     else:
         compiled, _ = compiled_decode(m, kv)
         step = step_fns(m, kv, compiled, None)["directcall"]
@@ -264,44 +209,31 @@ def main() -> None:
                  "cpu": platform.processor() or platform.machine(), "model": args.model, "max_seq_len": args.max_seq_len,
                  "kv_slots": SLOTS, "rounds": args.rounds, "steps": args.steps}
     t = time.perf_counter()
-    model, kv = load_piece(args.model, args.max_seq_len)
+    model, kv, key = load_piece(args.model, args.max_seq_len)
     res["model_load_s"] = time.perf_counter() - t
     res["dtype"] = str(model.dtype).removeprefix("torch.")
     res["matmul_kind"] = model.blocks[0].qkv.kind
     report.say(f"AOTInductor trial: {args.model} ({len(model.blocks)} layers, {res['dtype']}, weights {res['matmul_kind']}),"
                f" torch {torch.__version__}, {torch.get_num_threads()} threads, KV {SLOTS}+1 rows x {args.max_seq_len}")
 
-    # 1. export, AOTI compile and package, load
+    # 1. the stage's package: export, AOTI compile and package, load (aoti_decode.build), its own check
     package, package_path = None, os.path.join(work, "decode_one.pt2")
     try:
-        t = time.perf_counter()
-        ep = export_step(model, kv)
-        res["export_s"] = time.perf_counter() - t
-        ops: dict[str, int] = {}
-        for n in ep.graph.nodes:
-            if n.op == "call_function":
-                ops[str(n.target)] = ops.get(str(n.target), 0) + 1
-        res["exported_ops"] = {k: v for k, v in ops.items() if "index_put" in k or "copy" in k or "stagemesh" in k}
-        res["exported_input_kinds"] = sorted({s.kind.name for s in ep.graph_signature.input_specs})
-        decomposed = ep.run_decompositions()  # what AOTI lowers: mutations of inputs functionalized
-        res["functionalized_user_input_mutations"] = len(decomposed.graph_signature.user_inputs_to_mutate)
-        del decomposed
-        t = time.perf_counter()
-        torch._inductor.aoti_compile_and_package(ep, package_path=package_path)
-        res["aoti_compile_s"] = time.perf_counter() - t
+        package = aoti_decode.build(package_path, model, kv, key)
+        res["aoti_build_s"] = package.seconds
         res["package_mb"] = os.path.getsize(package_path) / 2**20
         t = time.perf_counter()
-        package = torch._inductor.aoti_load_package(package_path)
-        res["aoti_load_package_s"] = time.perf_counter() - t
-        res["package_constants"] = len(package.get_constant_fqns())
+        aoti_decode.load(package_path, model, kv, key)
+        res["aoti_load_s"] = time.perf_counter() - t
+        package.check()
+        res["package_exact_vs_eager"] = package.exact
     except Exception as e:
         res["aoti_error"] = first_lines(e)
         traceback.print_exc()
-    report.say(f"export {res.get('export_s', float('nan')):.1f} s, aoti_compile_and_package "
-               f"{res.get('aoti_compile_s', float('nan')):.1f} s, package {res.get('package_mb', 0):.0f} MB, "
-               f"aoti_load_package {res.get('aoti_load_package_s', float('nan')):.2f} s; exported: "
-               f"{res.get('exported_ops')}, {res.get('functionalized_user_input_mutations')} input mutations once "
-               "functionalized" + (f"; FAILED: {res['aoti_error']}" if "aoti_error" in res else ""))
+    report.say(f"aoti_decode.build (export, aoti_compile_and_package, load) {res.get('aoti_build_s', float('nan')):.1f} s, "
+               f"package {res.get('package_mb', 0):.1f} MB, aoti_decode.load {res.get('aoti_load_s', float('nan')):.2f} s, "
+               f"bit for bit the eager step: {res.get('package_exact_vs_eager')}"
+               + (f"; FAILED: {res['aoti_error']}" if "aoti_error" in res else ""))
 
     # 2. the stage's compiled step
     compiled, res["torch_compile_s"] = compiled_decode(model, kv)
@@ -344,7 +276,7 @@ def main() -> None:
             report.say(f"restart {r['kind']}: FAILED {r['error']}")
             continue
         report.say(f"restart {r['kind']:<8}: imports {r['imports_s']:.1f} s, model load {r['model_load_s']:.1f} s, "
-                   f"{'aoti_load_package' if r['kind'] == 'aoti' else 'torch.compile (warm cache)'} "
+                   f"{'aoti_decode.load' if r['kind'] == 'aoti' else 'torch.compile (warm cache)'} "
                    f"{r['package_load_or_compile_s']:.2f} s, first step {r['first_step_s']:.2f} s; process "
                    f"{r['process_wall_s']:.1f} s")
     report.write(res)
