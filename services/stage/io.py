@@ -88,11 +88,12 @@ class StageIO:
         """Inputs received and waiting for the compute thread."""
         return self.inputs.qsize()
 
-    def send(self, msg: Message) -> bool:
-        """On the compute thread only (the outbound socket's one user): hand msg to the next hop. False: dropped, the
-        next hop took nothing for ZmqTransport's patience (logged and counted there)."""
+    def send(self, msg: Message, via: str | None = None) -> bool:
+        """On the compute thread only (the outbound socket's one user): hand msg to the next hop (`via`: the next-hop
+        instance of that id, ZmqTransport.hops). False: dropped, the next hop took nothing for ZmqTransport's
+        patience (logged and counted there)."""
         try:
-            return self.transport.send_from_thread(msg)
+            return self.transport.send_from_thread(msg, via=via)
         except Exception:
             log.exception("send failed; message dropped")
             return False

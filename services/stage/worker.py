@@ -164,9 +164,13 @@ class StageWorker:
             self.recent_in.append(msg.mb_id)
             t0 = time.perf_counter()
             span = None if self.otlp is None else self._start_span(msg)
-            out = self.compute(msg)
+            refused = self._refused_route(msg)
+            out = refused or self.compute(msg)
             self.stats.computed(time.perf_counter() - t0, msg.num_tokens)
-            if self.io.send(out):
+            via = None
+            if isinstance(out, ForwardBatch) and msg.route:  # on to the route's next instance, with the rest of it
+                via, out.route = msg.route[0], msg.route[1:]
+            if self.io.send(out, via):
                 self.recent_out.append(msg.mb_id)
             if span is not None:
                 self.otlp.end(span, error=out.message if isinstance(out, BatchError) else None)
@@ -200,6 +204,9 @@ class StageWorker:
         if msg.phase == "probe":
             self._probe(msg)
             return
+        if msg.phase == "hops":
+            self._hops(msg)
+            return
         if msg.phase == "prepare":  # load beside the serving: the message passes on once it is loaded
             runtime = self.runtime
             self._loading = (msg, self._loader.submit(self.resplit.prepare, msg, runtime))
@@ -223,6 +230,42 @@ class StageWorker:
             msg.error = f"{self.identity.name}: {e if known else f'{type(e).__name__}: {e}'}"[:1000]
         if report is not None and msg.phase == "commit":
             msg.report.append(report)
+        self.io.send(msg)
+
+    def _refused_route(self, batch: ForwardBatch) -> BatchError | None:
+        """A micro-batch whose route this stage cannot follow, refused before it is computed (never sent somewhere
+        else): a route naming an instance this stage was not told of (a hops phase), or any route at all at the last
+        stage or at a stage with no replicas after it. None when it has no route or a route this stage follows."""
+        route = batch.route
+        if route is None:
+            return None
+        hops = self.io.transport.hops
+        last = self.identity.position.has_lm_head
+        if last and not route:
+            return None
+        if not last and route and route[0] in hops:
+            return None
+        why = (f"its route names {len(route)} instances after the last stage" if last else
+               "its route ends before the last stage" if not route else
+               f"its route names instance {route[0]!r}, which is not one this stage sends to "
+               f"({', '.join(sorted(hops)) or 'it has no replicas after it'})")
+        self.stats.errors += 1
+        throttled(log, logging.WARNING, "route", "micro-batch %d refused on %s: %s", batch.mb_id, self.identity.name,
+                  why)
+        return BatchError(batch.mb_id, self.identity.name, BadBatch.code, f"micro-batch refused: {why}",
+                          [s.seq_id for s in batch.seqs])
+
+    def _hops(self, msg: Resplit) -> None:
+        """Runs in the compute thread (the outbound sockets' user): the instances of the range after this stage's,
+        which a route names, from now on (the gateway added or removed a replica). Passed on along the pipeline."""
+        mine = self.runtime.model.layers
+        hops = [(h["id"], h["address"], h["key"].encode() if h["key"] else None) for h in msg.hops
+                if h["layers"][0] == mine.stop]
+        self.io.transport.set_hops(hops)
+        msg.report.append({"stage": self.identity.index if self.identity.index is not None else -1,
+                           "hops": len(hops)})
+        log.info("%s sends to %d instances of the next range by route: %s", self.identity.name, len(hops),
+                 ", ".join(i for i, _, _ in hops) or "none (no replicas)")
         self.io.send(msg)
 
     def _reroute(self, msg: Resplit) -> None:
@@ -324,7 +367,13 @@ class StageWorker:
             self.runtime.release(seq_id)
         for seq_id in msg.keep:
             self.runtime.keep(seq_id)
-        self.io.send(ReleaseDone(msg.seq_ids) if self.identity.position.has_lm_head else msg)
+        if self.identity.position.has_lm_head:
+            self.io.send(ReleaseDone(msg.seq_ids))
+            return
+        # a release carries no route: every instance of the next range frees what it holds of these (each last
+        # stage answers, so the gateway counts one ReleaseDone per chain)
+        for via in [None, *(i for i, sock in self.io.transport.hops.items() if sock is not None)]:
+            self.io.send(msg, via)
 
     def _reclaim_expired(self) -> None:
         """Release the slots whose lease expired. Runs on the compute thread between inputs."""

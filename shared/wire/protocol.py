@@ -30,12 +30,14 @@ from shared.batch.sampling import (
 from shared.batch.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
 from shared.errors import ERROR_CODES, BadBatch
 
-PROTOCOL_VERSION = 7  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
+PROTOCOL_VERSION = 8  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
 # 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields, the
 # result's top alternatives ("top"); 5: decode steps of several positions ("n"), the result's per-sequence "counts";
 # 6: the live re-split ("resplit" phases and the "kv" parcels of moved layers' K/V)
 # 7: membership phases ("load", "accept", "route": a re-split to another number of stages, the
 # resplit's "members" and "gateway": each place's process, layers, address and CURVE key)
+# 8: replicas of a stage: a forward's "route" (the instance ids after this hop, only in a mesh with replicas) and the
+# resplit phase "hops" (each range's instances, "hops": what a stage may send to)
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
@@ -131,6 +133,10 @@ class ForwardBatch:
     # micro-batches the gateway had in flight in this pipeline when it sent this one, this one included: 1 means the
     # other stages are idle, so a stage sharing a host with them may use their cores too (StageConfig.threads_alone)
     in_flight: int = 1
+    # in a mesh whose ranges have replicas (several stage processes for one range): the instance ids (their
+    # incarnations) this micro-batch goes through after the stage that receives it, one per remaining range, in order;
+    # the receiver sends to route[0] with route[1:]. None in a mesh without replicas (the header carries none).
+    route: tuple[str, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -194,7 +200,7 @@ class ReleaseDone:
     seq_ids: list[str]
 
 
-RESPLIT_PHASES = ("prepare", "move", "commit", "abort", "reroute", "probe")
+RESPLIT_PHASES = ("prepare", "move", "commit", "abort", "reroute", "probe", "hops")
 ROUTED_PHASES = ("reroute", "probe")  # the phases that carry a `route` (and only they)
 
 
@@ -206,6 +212,8 @@ ROUTED_PHASES = ("reroute", "probe")  # the phases that carry a `route` (and onl
 # member (and the one before that, so a member that vanishes can be routed around), then passes this on
 MEMBERSHIP_PHASES = ("load", "accept", "route")
 MAX_KEY_CHARS = 40  # a CURVE public key in Z85
+MAX_INSTANCE_CHARS = 64  # an instance id (a stage process's incarnation) a route or a hop names
+MAX_HOPS = 1024  # instances a "hops" phase names
 
 
 @dataclass
@@ -240,6 +248,10 @@ class Resplit:
     # membership phases: the gateway's ends {"address": its result address, "key": its result socket's public key,
     # "sends": the public key it sends into the first stage with} (keys None in plaintext)
     gateway: dict | None = None
+    # hops (old == new): every instance of every range but the first, [{"id", "layers": [a, b], "address", "key"}];
+    # a stage serving a range that ends at a sends to those whose range starts at a, by the route's id, from now on
+    # (and to no other: an instance it held and this does not name is dropped)
+    hops: list[dict] | None = None
 
 
 @dataclass
@@ -313,6 +325,8 @@ def encode(msg: Message) -> list:
             header["tp"] = msg.traceparent
         if msg.in_flight != 1:
             header["inflight"] = msg.in_flight
+        if msg.route is not None:
+            header["route"] = list(msg.route)
         if msg.trace is not None:
             header["trace"] = msg.trace
             header["captures"] = msg.captures
@@ -349,6 +363,8 @@ def encode(msg: Message) -> list:
             header["route"] = list(msg.route)
         if msg.members is not None:
             header["members"], header["gateway"] = msg.members, msg.gateway
+        if msg.hops is not None:
+            header["hops"] = msg.hops
     elif isinstance(msg, KVParcel):
         header = {"kind": "kv", "rid": msg.rid, "to": msg.to, "seq": msg.seq_id, "start": msg.start, "stop": msg.stop}
         tensors += [("k", msg.k), ("v", msg.v)]
@@ -559,7 +575,8 @@ def decode(frames: list) -> Message:
         _need(len({s.seq_id for s in seqs}) == len(seqs), "schema", "a sequence appears twice in one micro-batch")
         tensors = _tensors(header, frames)
         batch = ForwardBatch(_int(header, "mb"), seqs, tensors.get("tokens"), tensors.get("hidden"),
-                             in_flight=_int(header, "inflight", 1, MAX_IN_FLIGHT) if "inflight" in header else 1)
+                             in_flight=_int(header, "inflight", 1, MAX_IN_FLIGHT) if "inflight" in header else 1,
+                             route=_route(header))
         n = batch.num_tokens
         _need(n <= MAX_TOKENS_PER_BATCH, "oversize", lambda: f"{n} tokens exceed {MAX_TOKENS_PER_BATCH} per micro-batch")
         if batch.tokens is not None:
@@ -645,7 +662,39 @@ def _resplit(header: dict) -> Resplit:
     msg = Resplit(_int(header, "rid"), phase, old, new, error, report, None if route is None else tuple(route))
     if members is not None:
         msg.members, msg.gateway = members, _gateway_ends(header)
+    _need((phase == "hops") == ("hops" in header) and (phase != "hops" or old == new), "schema",
+          "a resplit's hops go with its hops phase (and only there), whose old and new split are the same")
+    if phase == "hops":
+        msg.hops = _hops(header)
     return msg
+
+
+def _is_instance(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_INSTANCE_CHARS
+
+
+def _route(header: dict) -> tuple[str, ...] | None:
+    """A forward's optional "route": at most MAX_STAGES instance ids (None when absent: a mesh without replicas)."""
+    if "route" not in header:
+        return None
+    route = header["route"]
+    _need(isinstance(route, list) and len(route) <= MAX_STAGES and all(_is_instance(i) for i in route), "schema",
+          lambda: f"a forward's route must be a list of at most {MAX_STAGES} instance ids (strings of 1.."
+                  f"{MAX_INSTANCE_CHARS} characters)")
+    return tuple(route)
+
+
+def _hops(header: dict) -> list[dict]:
+    """A hops phase's "hops": at most MAX_HOPS {id, layers, address, key}, ids distinct."""
+    v = header.get("hops")
+    _need(isinstance(v, list) and len(v) <= MAX_HOPS and all(
+        isinstance(h, dict) and set(h) == {"id", "layers", "address", "key"} and _is_instance(h["id"])
+        and isinstance(h["layers"], list) and len(h["layers"]) == 2 and all(type(x) is int for x in h["layers"])
+        and 0 < h["layers"][0] < h["layers"][1] <= MAX_LAYERS and _is_address(h["address"]) and _is_key(h["key"])
+        for h in v) and len({h["id"] for h in v}) == len(v), "schema",
+          lambda: f"a resplit's hops must be at most {MAX_HOPS} {{id, layers, address, key}} with distinct ids, "
+                  "each range after the first")
+    return v
 
 
 def _is_key(value) -> bool:

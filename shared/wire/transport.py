@@ -239,6 +239,11 @@ class ZmqTransport:
         self._inbound_sync: zmq.Socket | None = None
         self._outbound_sync: zmq.Socket | None = None
         self._stop_waiting = False
+        # a mesh with replicas of the next range: instance id -> its PUSH (None: the outbound, which is connected to
+        # that instance's address already) and the address it is connected to; empty in a mesh without replicas
+        self.hops: dict[str, zmq.asyncio.Socket | None] = {}
+        self.hop_addresses: dict[str, str] = {}
+        self._hops_sync: dict[str, zmq.Socket] = {}
         if next_hop:
             self.outbound = self.ctx.socket(zmq.PUSH)
             self.outbound.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
@@ -269,6 +274,32 @@ class ZmqTransport:
             self.keys = dataclasses.replace(self.keys, next_server=server_key, next_name="the next member")
         self.outbound.connect(check_address(next_hop, "route"))
         self.next_hop = next_hop
+
+    def set_hops(self, hops: list[tuple[str, str, bytes | None]]) -> None:
+        """Send to these next-hop instances (id, address, CURVE server key) by a route's id from now on, each on a PUSH
+        of its own (ZeroMQ's PUSH round-robins among a socket's peers, so one socket per peer); the one at next_hop's
+        address is the outbound itself; an instance held before and not named is closed (what it had queued goes).
+        Only the outbound socket's user calls it."""
+        wanted = {i: (a, k) for i, a, k in hops}
+        for inst in [i for i in self.hops if i not in wanted or wanted[i][0] != self.hop_addresses[i]]:
+            sock = self.hops.pop(inst)
+            self.hop_addresses.pop(inst)
+            self._hops_sync.pop(inst, None)
+            if sock is not None:
+                sock.close(0)
+        for inst, (address, key) in wanted.items():
+            if inst in self.hops:
+                continue
+            sock = None
+            if address != self.next_hop:
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+                sock.setsockopt(zmq.LINGER, 0)
+                if self.keys is not None:
+                    curve_sender(sock, dataclasses.replace(self.keys, next_server=key), address)
+                sock.connect(check_address(address, "hop"))
+            self.hops[inst] = sock
+            self.hop_addresses[inst] = address
 
     def accept_from(self, upstream: bytes | None, also: tuple[bytes, ...] = (), name: str = "the upstream member") \
             -> None:
@@ -367,27 +398,33 @@ class ZmqTransport:
         finally:
             self.stats.sending_seconds += time.perf_counter() - t0
 
-    def send_from_thread(self, msg: Message, patience_s: float = SEND_PATIENCE_S) -> bool:
+    def send_from_thread(self, msg: Message, patience_s: float = SEND_PATIENCE_S, via: str | None = None) -> bool:
         """Send from a plain thread that is this transport's only sender (a stage's compute thread: it sends each
         output the moment it is computed, with no hand-off to the event loop). ZeroMQ's queue to the next hop takes
         the message at once unless HIGH_WATER_MARK messages wait there; then this waits up to patience_s and drops
-        it (returns False, logged): the next hop has been gone that long, and the gateway's failover replays."""
+        it (returns False, logged): the next hop has been gone that long, and the gateway's failover replays.
+        `via`: the next-hop instance (one of hops) to send to; None: the outbound."""
         if self.outbound is None:
             raise StagemeshError("this transport has no next hop to send to")
         if self._outbound_sync is None:  # the same libzmq socket, driven synchronously (never also from the loop)
             self._outbound_sync = zmq.Socket.shadow(self.outbound.underlying)
+        sock = self._outbound_sync
+        if via is not None and self.hops[via] is not None:  # KeyError for an instance not held: the caller checks
+            sock = self._hops_sync.get(via)
+            if sock is None:
+                sock = self._hops_sync[via] = zmq.Socket.shadow(self.hops[via].underlying)
         t0 = time.perf_counter()
         try:
             frames = encode(msg)
             try:
-                self._outbound_sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                if not self._wait_to_send(patience_s):
+                if not self._wait_to_send(patience_s, sock):
                     self.stats.dropped += 1
                     throttled(log, logging.WARNING, "send:full", "dropped a %s: the next hop took nothing for %g s "
                               "(%d messages queued)", type(msg).__name__, patience_s, HIGH_WATER_MARK)
                     return False
-                self._outbound_sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             self._count_sent(frames)
             return True
         finally:
@@ -396,7 +433,7 @@ class ZmqTransport:
     def _count_sent(self, frames: list) -> None:
         self.stats.bytes_out += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
-    def _wait_to_send(self, patience_s: float) -> bool:
+    def _wait_to_send(self, patience_s: float, sock: zmq.Socket) -> bool:
         """Wait until the outbound queue takes a message (True), at most patience_s, and no longer than until
         stop_waiting() is called."""
         deadline = time.monotonic() + patience_s
@@ -404,7 +441,7 @@ class ZmqTransport:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self._outbound_sync.poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLOUT):
+            if sock.poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLOUT):
                 return True
         return False
 
@@ -416,6 +453,9 @@ class ZmqTransport:
         self.inbound.close(0)
         if self.outbound is not None:
             self.outbound.close(0)
+        for sock in self.hops.values():
+            if sock is not None:
+                sock.close(0)
         if self._domain is not None:
             Zap.remove(self.ctx, self._domain)
             self._domain = None

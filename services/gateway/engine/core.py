@@ -114,6 +114,21 @@ class Engine:
         self._apply(self.scheduler.finish(req, reason, error))
         self._changed()
 
+    def instance_lost(self, instance_id: str, why: str) -> int:
+        """A replica of a stage died or left (services/gateway/engine/membership.py): its sequences replay on living
+        instances, its micro-batches in flight are not waited for, the others run on. Returns how many replay."""
+        bound = sum(1 for r in self.scheduler.running.values() if r.chain and instance_id in r.chain)
+        update = self.scheduler.instance_lost(instance_id, why)
+        client = self.pipeline.client
+        for mb_id in update.abandoned:  # (its future cancelled: _on_result ends its span, the scheduler has let it go)
+            if client is not None:
+                client.abandon(mb_id)
+        self._apply(update)
+        log.warning("%s: instance %s lost (%s): %d sequences replay, %d micro-batches abandoned", self.pipeline.label,
+                    instance_id, why, bound, len(update.abandoned))
+        self._changed()
+        return bound
+
     def shutdown(self, message: str = "the gateway is shutting down") -> int:
         """The gateway is stopping: end every open request so its handler returns (with `message` as its error
         event). Returns how many were ended."""
@@ -296,7 +311,7 @@ class Engine:
         # cores the idle ones leave (StageConfig.threads_alone)
         batch = ForwardBatch(mb.mb_id, mb.entries, tokens=torch.tensor(mb.tokens, dtype=torch.int64),
                              trace={"seq_id": mb.traced.seq_id} if mb.traced else None,
-                             in_flight=len(self.scheduler.inflight))
+                             in_flight=len(self.scheduler.inflight), route=mb.route)
         if self.otlp is not None:
             self._start_microbatch_span(batch, mb.requests)
         return batch

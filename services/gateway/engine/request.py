@@ -91,6 +91,9 @@ class Request(SequenceState):
     # scheduling
     deadline: float = math.inf  # perf_counter time after which the request fails with "timeout"
     pipeline: str = ""  # the replica running it (services/gateway/engine/replicas.py; "" before routing)
+    # its chain in a mesh with replicas of a stage: the instance ids after the first range its micro-batches go
+    # through (services/gateway/engine/chains.py), fixed from admission while it runs (None: no replicas)
+    chain: tuple[str, ...] | None = None
     handoffs: int = 0  # times it moved to another replica because its own lost a stage
     replays: int = 0  # replays started: counted when its first replay micro-batch is planned
     cached_tokens: int = 0  # prompt tokens a cached prefix supplied (usage.prompt_tokens_details.cached_tokens)

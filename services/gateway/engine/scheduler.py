@@ -21,6 +21,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.gateway.engine.chains import ChainTable
 from services.gateway.engine.prefix_cache import PrefixIndex
 from services.gateway.engine.request import Request, RequestOutput
 from services.gateway.engine.speculator import DRAFT_ROWS, NGRAM_MAX_RUNNING, Speculator
@@ -50,6 +51,7 @@ class MicroBatch:
     traced: Request | None  # the one request whose rows the stages capture (at most one per micro-batch)
     planned_at: float  # perf_counter time: in flight from then (the engine sends it at once)
     alone: bool = False  # nothing else was in flight when it was planned
+    route: tuple[str, ...] | None = None  # its requests' chain (ForwardBatch.route; None: a mesh without replicas)
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +121,9 @@ class Scheduler:
         self._keep: list[str] = []  # finished sequences to keep on every stage, as cached prefixes
         self._replay_pending = False  # the pipeline was lost: free what surviving stages hold before replaying
         self._mb_ids = itertools.count(1)
+        # the instances of each range and the sequences each holds (services/gateway/engine/chains.py): empty, and
+        # never consulted, in a mesh without replicas of a stage
+        self.chains = ChainTable()
 
     # ---- state ------------------------------------------------------------------------------------------------
 
@@ -197,6 +202,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.running.pop(req.seq_id, None)
+        self._unchain(req)
         if req.sent:  # even at computed 0 (reset for a replay): surviving stages still hold its slot
             if self._keeps(req, reason):
                 self._keep.append(req.seq_id)  # ordered after any micro-batch of it already sent, as a release is
@@ -211,7 +217,7 @@ class Scheduler:
         after a failure, nor for a traced request (its rows carry capture hooks' numbers), nor one that alone holds
         more than prefix_positions."""
         if self.prefix is None or reason not in ("stop", "length", "cancelled") or req.traced or req.attach \
-                or req.audit:
+                or req.audit or self.chains.replicated:  # (a prefix kept on one chain is no use to another)
             return False
         bound = self.prefix_positions
         if bound is not None and req.computed > bound:
@@ -271,9 +277,43 @@ class Scheduler:
             if req in self.waiting:
                 self.waiting.remove(req)
             self.running.pop(req.seq_id, None)
+            self._unchain(req)
             if req.sent:
                 self._release.append(req.seq_id)
                 req.sent = False
+
+    def instance_lost(self, instance_id: str, why: str) -> Update:
+        """A replica of a stage died or left: only the requests whose chain names it lost K/V. Abandon the
+        micro-batches in flight on it; each of its running requests replays from its token history on a chain of the
+        living instances (failing those replayed max_replays times); the surviving stages of its old chain free what
+        they hold of it (a release reaches every instance). Every other request runs on untouched."""
+        update = Update()
+        for mb_id, batch in list(self.inflight.items()):
+            if batch.route is not None and instance_id in batch.route:
+                del self.inflight[mb_id]
+                update.abandoned.append(mb_id)
+        for req in [r for r in self.running.values() if r.chain is not None and instance_id in r.chain]:
+            self._unchain(req)
+            if req.replays >= self.max_replays:
+                update.outputs += self.finish(req, "error", f"the pipeline failed {req.replays} times during this "
+                                                            f"request; the last time: {why}").outputs
+                continue
+            if req.sent:
+                self._release.append(req.seq_id)
+            req.reset_for_replay()
+            self._chain(req)
+        return update
+
+    def _chain(self, req: Request) -> None:
+        """Bind a running request to a chain (chains.choose) when the mesh has replicas of a stage."""
+        if self.chains.replicated and req.chain is None:
+            req.chain = self.chains.choose()
+            self.chains.bind(req.seq_id, req.chain)
+
+    def _unchain(self, req: Request) -> None:
+        if req.chain is not None:
+            self.chains.unbind(req.seq_id, req.chain)
+            req.chain = None
 
     # ---- what to run ------------------------------------------------------------------------------------------
 
@@ -289,7 +329,10 @@ class Scheduler:
         plan = StepPlan(release=self._release, keep=self._keep)
         self._release, self._keep = [], []
         self._admit(now, plan)
-        while len(self.inflight) < self.max_inflight:
+        # up to K in flight per chain in use (a single chain: K, as ever)
+        chains = len({r.chain for r in self.running.values()}) if self.chains.replicated else 1
+        limit = self.max_inflight * max(1, chains)
+        while len(self.inflight) < limit:
             batch = self._next_batch(now, plan)
             if batch is None:
                 break
@@ -315,7 +358,8 @@ class Scheduler:
                 break  # waits for room (alone it always runs: a stage holds one whole row for it)
             held += need
             if self.prefix is not None:
-                if req.computed == 0 and not req.traced and not req.replays and not req.no_cache:
+                if req.computed == 0 and not req.traced and not req.replays and not req.no_cache \
+                        and not self.chains.replicated:
                     hit = self.prefix.lookup(req.all_ids, req.cache_tenant)
                 if len(self.running) + len(self.prefix) >= self.kv_rows:
                     # a cached prefix gives its rows up for the request -- never the one it is about to attach
@@ -329,6 +373,7 @@ class Scheduler:
                 req.cached_tokens = hit.tokens if hit else 0
             self.waiting.popleft()
             self.running[req.seq_id] = req
+            self._chain(req)
             if not req.admitted:  # not a re-admission after a kv_full
                 req.admitted = True
                 update.admitted.append(req)
@@ -340,7 +385,13 @@ class Scheduler:
         ready = [r for r in self.running.values() if not r.in_flight and not r.done]
         if not ready:
             return None
-        per_batch = max(1, math.ceil(len(self.running) / self.max_inflight))
+        running = len(self.running)
+        route = None
+        if self.chains.replicated:  # one chain per micro-batch: the first ready decode's (else prefill's)
+            route = next((r for r in ready if not r.prefilling), ready[0]).chain
+            ready = [r for r in ready if r.chain == route]
+            running = sum(1 for r in self.running.values() if r.chain == route)
+        per_batch = max(1, math.ceil(running / self.max_inflight))
         decodes = [r for r in ready if not r.prefilling]
         prefills = [r for r in ready if r.prefilling]
         entries, tokens, reqs, budget = [], [], [], self.config.token_budget
@@ -371,8 +422,8 @@ class Scheduler:
             entries.append(entry)
             tokens.extend(toks)
             reqs.append(r)
-        return MicroBatch(next(self._mb_ids), reqs, entries, tokens, traced, now, alone=not self.inflight) \
-            if reqs else None
+        return MicroBatch(next(self._mb_ids), reqs, entries, tokens, traced, now, alone=not self.inflight,
+                          route=route) if reqs else None
 
     # ---- what came back ---------------------------------------------------------------------------------------
 
@@ -442,6 +493,7 @@ class Scheduler:
             r.starting = False
         for r in reversed(started):
             del self.running[r.seq_id]
+            self._unchain(r)
             self._release.append(r.seq_id)
             r.sent = False
             r.start_from(None, 0)
