@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,7 @@ def starts_processes(fixture_fn):
     return fixture_fn
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by parametrized fixtures: this one keeps their groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
@@ -91,6 +93,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.processes)
         if any(getattr(d.func, "uses_llama_cpp", False) for d in defs):
             item.add_marker(pytest.mark.reference)
+    items[:] = order_by_shared_up(items)
 
 
 # ---- the `reference` tier ------------------------------------------------------------------------------------------
@@ -197,6 +200,140 @@ def up(tmp_path_factory):
     yield get
     for gw in running.values():
         gw.stop()
+
+
+def shares_up(fixture_fn):
+    """Tags a fixture function (put it under @pytest.fixture) that returns one of the `up` fixture's shared gateways:
+    the suite runs the tests that use it one after the other (order_by_shared_up). It starts processes."""
+    fixture_fn.shares_up = True
+    fixture_fn.starts_processes = True
+    return fixture_fn
+
+
+def _setups(item: pytest.Item) -> frozenset:
+    """The shared ups an item's fixtures ask for: (where the fixture is defined, its name, its parameter) of each
+    fixture tagged @shares_up in its closure."""
+    info = getattr(item, "_fixtureinfo", None)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    found = set()
+    for name in getattr(info, "names_closure", ()):
+        defs = info.name2fixturedefs.get(name, ())
+        if defs and getattr(defs[-1].func, "shares_up", False):  # the last definition is the one in force
+            found.add((defs[-1].baseid, name, repr(params.get(name))))
+    return frozenset(found)
+
+
+def order_by_shared_up(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The collected tests in an order that starts each shared up as few times as LIVE_UPS allows. A module's tests
+    stay together (its module fixtures are set up once). After a module, the next is the first in collected order
+    among those that ask for an up still running, fewest new ups first; else the next in collected order. Inside a
+    module, the places of the tests on shared ups are filled with the groups of the ups still running first, the
+    other groups after them in collected order; every other test keeps its place."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    setups = {m: frozenset().union(*map(_setups, its)) for m, its in modules.items()}
+    live: list = []  # the ups the session would still run, least recently asked for first (as `up` keeps them)
+    ordered, remaining = [], list(modules)
+    while remaining:
+        reusing = [m for m in remaining if setups[m] & set(live)]
+        m = min(reusing, key=lambda m: len(setups[m] - set(live))) if reusing else remaining[0]
+        remaining.remove(m)
+        groups: dict[frozenset, list[pytest.Item]] = {}
+        for item in modules[m]:
+            if _setups(item):
+                groups.setdefault(_setups(item), []).append(item)
+        in_order = sorted(groups, key=lambda g: not g & set(live))  # stable: collected order otherwise
+        for g in in_order:
+            for setup in sorted(g):
+                if setup in live:
+                    live.remove(setup)
+                live.append(setup)
+                del live[:-LIVE_UPS]
+        refill = iter([item for g in in_order for item in groups[g]])
+        ordered += [next(refill) if _setups(item) else item for item in modules[m]]
+    return ordered
+
+
+# ---- setups several modules share (one place each: a module that uses one asks for it by name) -----------------------
+
+DEFAULT_MAX_TOKENS = 6  # smollm2_gateway's --default-max-tokens (test_openai_api's CAP)
+
+
+@pytest.fixture(scope="module")
+@shares_up
+def smollm2_gateway(up):
+    """`up` of 1 stage, SmolLM2, with --default-max-tokens DEFAULT_MAX_TOKENS and no API key: the OpenAI, Responses
+    and Anthropic surfaces' SDK tests (test_openai_api, test_responses_api, test_anthropic_api)."""
+    return up("--default-max-tokens", str(DEFAULT_MAX_TOKENS))
+
+
+@pytest.fixture
+def openai_client(smollm2_gateway):
+    import openai
+
+    return openai.OpenAI(base_url=smollm2_gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+EDGE_KEY = "k3y-for-tests"  # edge's API key
+EDGE_ORIGIN = "http://good.example"  # the foreign origin edge allows
+EDGE_KEEPALIVE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+@shares_up
+def edge(up):
+    """A gateway (1 stage, float32) with an API key (EDGE_KEY), one allowed foreign origin, two allowed Host names
+    (one a domain), /metrics behind the key and a 2 s keep-alive: test_gateway_edge, and test_anthropic_api's key
+    tests."""
+    return up("--allow-origin", EDGE_ORIGIN, "--metrics-require-key", "--keepalive-timeout", str(EDGE_KEEPALIVE_S),
+              "--allow-host", "good.example", "--allow-host", ".corp.example", dtype="float32", api_key=EDGE_KEY)
+
+
+@pytest.fixture(scope="module")
+@shares_up
+def gemma_gateway(up):
+    """`up` of the real Gemma 3 270M file (1 stage; its GGUF has no chat template) served as "gemma-small": the SDK
+    (test_openai_api) and the page (test_browser) chat with it. Its tests are marked reference: the file comes with
+    the reference packages."""
+    return up("--model", "gemma3-270m", "--served-model-name", "gemma-small")
+
+
+@pytest.fixture(scope="module")
+@shares_up
+def serve_gateway(up):
+    """`make serve`'s setup: 2 stages, up's defaults (test_loadtest, test_readme_examples)."""
+    return up(stages=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory) -> str:
+    """A tiny llama GGUF (services.testing.tiny_gguf), written once for the session; tests only read it."""
+    from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
+
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("tiny") / "tiny.gguf"), TinySpec(arch="llama"))
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture
+@starts_processes
+def chromium():
+    """A headless Chromium of its own (a fresh profile), its DevTools port (test_browser, test_mesh_view)."""
+    from services.testing.harness import free_port
+
+    assert os.path.exists(CHROMIUM), "chromium is missing: `make test` installs Debian's chromium package"
+    port = free_port()
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    proc = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                             f"--user-data-dir={profile}", f"--remote-debugging-port={port}", "--window-size=900,700",
+                             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield port
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(profile, ignore_errors=True)
 
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))

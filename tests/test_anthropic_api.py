@@ -1,6 +1,7 @@
 """The Anthropic Messages API (issue 57 item 4): the translation and the event shaping alone, then the official
-`anthropic` SDK against one real `stagemesh up` (1 stage, SmolLM2, an API key) shared by the module: create, stream,
-tool use and its result, count_tokens, x-api-key, bad input; greedy text equal to chat completions'."""
+`anthropic` SDK against one real `stagemesh up` (1 stage, SmolLM2; the one test_openai_api and test_responses_api
+share): create, stream, tool use and its result, count_tokens, bad input; greedy text equal to chat completions'; and
+x-api-key or a bearer token on the gateway with an API key test_gateway_edge shares (tests/conftest.py's edge)."""
 
 import json
 
@@ -14,8 +15,9 @@ from services.gateway.engine.request import Request
 from services.gateway.frontend.events import RequestHandle
 from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent, Usage
 from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation
+from tests.conftest import EDGE_KEY
 
-KEY = "k3y-for-messages"
+KEY = "unused"  # the module's gateway has no API key: the SDK sends one anyway (the key tests use edge's)
 MODEL = "smollm2"  # the name the module's up serves SmolLM2 under
 VOCAB = 49152
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -214,8 +216,8 @@ def test_an_error_event_is_an_anthropic_error_event():
 # ---- the official SDK against a real mesh ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gateway(up):
-    return up(api_key=KEY)
+def gateway(smollm2_gateway):  # the up test_openai_api and test_responses_api share (tests/conftest.py)
+    return smollm2_gateway
 
 
 @pytest.fixture
@@ -224,8 +226,8 @@ def client(gateway):
 
 
 @pytest.fixture
-def chat(gateway):
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
+def chat(openai_client):
+    return openai_client
 
 
 GREEDY = {"extra_body": {"temperature": 0}}  # the SDK's typed create no longer lists the sampling fields
@@ -319,22 +321,24 @@ def test_count_tokens_is_the_prompt_a_real_request_has(client, chat):
     assert with_tools.input_tokens == r.usage.input_tokens + r.usage.cache_read_input_tokens > counted.input_tokens
 
 
-def test_the_api_key_goes_in_x_api_key_or_bearer(gateway, client):
+def test_the_api_key_goes_in_x_api_key_or_bearer(edge):
+    keyed = anthropic.Anthropic(base_url=edge.url, api_key=EDGE_KEY, max_retries=0)
+    assert keyed.messages.create(model=MODEL, max_tokens=2, messages=ASK).usage.output_tokens >= 1
     with pytest.raises(anthropic.AuthenticationError) as e:
-        anthropic.Anthropic(base_url=gateway.url, api_key="wrong", max_retries=0).messages.create(
+        anthropic.Anthropic(base_url=edge.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=2, messages=ASK)
     assert e.value.status_code == 401 and e.value.body["error"]["type"] == "authentication_error"
     assert "x-api-key" in e.value.body["error"]["message"]
-    bearer = anthropic.Anthropic(base_url=gateway.url, auth_token=KEY, max_retries=0)
+    bearer = anthropic.Anthropic(base_url=edge.url, auth_token=EDGE_KEY, max_retries=0)
     assert bearer.messages.count_tokens(model=MODEL, messages=ASK).input_tokens > 0
     with pytest.raises(openai.AuthenticationError):  # the OpenAI routes: the same key check, OpenAI's shape
-        openai.OpenAI(base_url=gateway.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    status, _ = gateway.get("/v1/models")
+        openai.OpenAI(base_url=edge.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    status, _ = edge.get("/v1/models")
     assert status == 401
 
 
-async def test_x_api_key_opens_the_openai_routes_too(gateway):
-    async with aiohttp.ClientSession() as s, s.get(gateway.url + "/v1/models", headers={"x-api-key": KEY}) as r:
+async def test_x_api_key_opens_the_openai_routes_too(edge):
+    async with aiohttp.ClientSession() as s, s.get(edge.url + "/v1/models", headers={"x-api-key": EDGE_KEY}) as r:
         assert r.status == 200 and (await r.json())["data"][0]["id"] == MODEL
 
 

@@ -10,41 +10,31 @@ import itertools
 import json
 import os
 import re
-import shutil
-import subprocess
-import tempfile
 
 import aiohttp
 import pytest
 
-from services.testing.harness import free_port
-from tests.conftest import starts_processes
+from tests.conftest import shares_up
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = os.path.join(os.path.dirname(__file__), "output", "browser")
 API_KEY = "browser-test-key-7"
 CONTEXT = 320  # tokens: a few turns fill it, so the page meets the limit quickly
 
 
+# chromium (a headless Chromium's DevTools port) is tests/conftest.py's, as test_mesh_view uses it too
+
+
 @pytest.fixture(scope="module")
+@shares_up
 def gateway(up):
     return up("--max-seq-len", str(CONTEXT), stages=2, dtype="bfloat16", api_key=API_KEY)
 
 
-@pytest.fixture
-@starts_processes
-def chromium():
-    assert os.path.exists(CHROMIUM), "chromium is missing: `make test` installs Debian's chromium package"
-    port = free_port()
-    profile = tempfile.mkdtemp(prefix="chromium-")
-    proc = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                             f"--user-data-dir={profile}", f"--remote-debugging-port={port}", "--window-size=900,700",
-                             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    yield port
-    proc.terminate()
-    proc.wait(10)
-    shutil.rmtree(profile, ignore_errors=True)
+@pytest.fixture(scope="module")
+@shares_up
+def plain(up):
+    """A gateway that serves no chat template (`--chat-template none`, as a base model's file has none)."""
+    return up("--chat-template", "none", "--max-seq-len", str(CONTEXT))
 
 
 class DevTools:
@@ -305,11 +295,10 @@ async def drop_oldest(dt: DevTools) -> None:
         await send(dt, "And one more fact, please.")
 
 
-async def test_a_model_without_a_chat_template_completes_text_on_the_page(up, chromium):
+async def test_a_model_without_a_chat_template_completes_text_on_the_page(plain, chromium):
     """A gateway that serves no chat template (`--chat-template none`, as a base model's file has none): /v1/models
     lists no "chat", and the page says it completes text, sends the conversation as one prompt and shows the
     continuation (a chat request there would be refused, and the page would show that error instead)."""
-    plain = up("--chat-template", "none", "--max-seq-len", str(CONTEXT))
     async with aiohttp.ClientSession() as s:
         async with s.get(plain.url + "/v1/models") as r:
             assert (await r.json())["data"][0]["capabilities"] == ["completion"]
@@ -340,17 +329,11 @@ async def test_a_model_without_a_chat_template_completes_text_on_the_page(up, ch
 
 
 @pytest.mark.reference  # the real Gemma 3 270M file comes with the reference packages (make install-reference)
-async def test_gemma3_270m_whose_file_has_no_chat_template_chats_on_the_page(chromium, tmp_path):
+async def test_gemma3_270m_whose_file_has_no_chat_template_chats_on_the_page(gemma_gateway, chromium):
     """The documented second model: its GGUF carries no chat template, the gateway uses its family's (Gemma's turns),
     /v1/models says it chats, and the page chats with it -- no completion notice, an answer without turn markers.
-    (An up of its own: asking the shared ones for a third setup would stop the module's gateway.)"""
-    from services.testing.harness import start_up
-
-    gemma = start_up(1, None, str(tmp_path), "--model", "gemma3-270m")
-    try:
-        await _gemma_chats(gemma, chromium)
-    finally:
-        gemma.stop()
+    (The up test_openai_api's Gemma test shares: the suite runs the two modules' Gemma tests one after the other.)"""
+    await _gemma_chats(gemma_gateway, chromium)
 
 
 async def _gemma_chats(gemma, chromium) -> None:
@@ -407,8 +390,13 @@ async def test_phone_width_has_no_horizontal_scroll(gateway, chromium):
             # would block an inline handler too: Chromium reports one blocked while the hostile text is parsed)
             html = await dt.js("(() => { const d = document.createElement('div'); renderMarkdown(d, '**bold** "
                                "<img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>\\n\\n```\\nx = 1\\n```'); "
-                               "document.body.appendChild(d); return d.innerHTML; })()")
-            await asyncio.sleep(0.3)
+                               "document.body.appendChild(d); window.rendered = d; return d.innerHTML; })()")
+            # the img (src=x) fails to load: once its error event has been dispatched, an onerror the sanitizer
+            # left would have run (a broken image is `complete` only after that event's task)
+            assert await dt.js("new Promise(done => { const img = window.rendered.querySelector('img'); "
+                               "if (!img || img.complete) return done(!!img); "
+                               "img.addEventListener('error', () => done(true)); "
+                               "img.addEventListener('load', () => done(true)); setTimeout(() => done(false), 10000); })"), html
             assert "<strong>bold</strong>" in html and "onerror" not in html and "<script" not in html, html
             # a fence is a code block, always (its text highlighted: in token spans)
             assert re.search(r"<pre><code[^>]*>x = 1", re.sub(r"</?span[^>]*>", "", html), re.S), html

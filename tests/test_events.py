@@ -20,7 +20,7 @@ from services.gateway.frontend.events import EventLog, RequestRegistry
 from services.gateway.frontend.frontend import Gateway
 from services.gateway.frontend.output import DoneEvent, TokenEvent, Usage
 from shared.runtime.model_files import ModelFiles
-from tests.test_scheduler import Harness, tiny_path  # noqa: F401  (tiny_path: the fixture, used by name)
+from tests.test_scheduler import Harness
 
 TOKENS = 12
 

@@ -20,20 +20,14 @@ import pytest
 from loadtest.client import StreamEndedEarly, sse_events
 from services.process.launch import LocalMesh, StageProcess
 from services.testing.harness import start_up
+from tests.conftest import EDGE_KEEPALIVE_S as KEEPALIVE_S
+from tests.conftest import EDGE_KEY as KEY
+from tests.conftest import EDGE_ORIGIN as GOOD_ORIGIN
 from tests.conftest import stagemesh_cmd
 
-KEY = "k3y-for-tests"
-GOOD_ORIGIN = "http://good.example"
+# the module's gateway is tests/conftest.py's `edge` (test_anthropic_api's key tests share it): an API key (KEY), one
+# allowed foreign origin (GOOD_ORIGIN), two allowed Host names (one a domain), /metrics behind the key, a 2 s keep-alive
 AUTH = {"Authorization": f"Bearer {KEY}"}
-KEEPALIVE_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def edge(up):
-    """A gateway with an API key, one allowed foreign origin, two allowed Host names (one a domain), /metrics behind
-    the key and a 2 s keep-alive."""
-    return up("--allow-origin", GOOD_ORIGIN, "--metrics-require-key", "--keepalive-timeout", str(KEEPALIVE_S),
-              "--allow-host", "good.example", "--allow-host", ".corp.example", dtype="float32", api_key=KEY)
 
 
 def completion(prompt="Count to five:", max_tokens=4, **kw) -> dict:

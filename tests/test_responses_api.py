@@ -1,7 +1,8 @@
 """OpenAI's Responses API (issue 57, item 2): `POST /v1/responses` translated onto the chat path, its stream events
 numbered by sequence_number, stored responses read back, resumed `starting_after` N, cancelled, deleted and chained
 by `previous_response_id`. The request validator, the store and the event shape alone, then the real `openai` SDK
-against one real `stagemesh up` (1 stage, SmolLM2), the setup tests/test_openai_api.py shares."""
+against one real `stagemesh up` (1 stage, SmolLM2), the one test_openai_api and test_anthropic_api share
+(tests/conftest.py's smollm2_gateway)."""
 
 import asyncio
 import json
@@ -26,11 +27,8 @@ from services.gateway.frontend.events import EventLog, RequestHandle, RequestReg
 from services.gateway.frontend.frontend import GATEWAY
 from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent, Usage
 from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation
+from tests.conftest import DEFAULT_MAX_TOKENS as CAP
 from tests.test_events import FrontEnd
-from tests.test_openai_api import CAP, client, gateway  # noqa: F401  (fixtures: the same shared up)
-from tests.test_scheduler import tiny_path  # noqa: F401  (a fixture)
-
-# ruff: noqa: F811  (the fixtures imported above are used by name, as test arguments)
 
 VOCAB = 49152  # SmolLM2's
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather of a city",
@@ -255,6 +253,16 @@ def test_a_forced_call_streams_its_arguments_and_a_failure_ends_the_stream_faile
 
 
 # ---- through the real SDK, against a real gateway and stage ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gateway(smollm2_gateway):  # the up test_openai_api and test_anthropic_api share (tests/conftest.py)
+    return smollm2_gateway
+
+
+@pytest.fixture
+def client(openai_client):
+    return openai_client
+
 
 def scope() -> str:
     """A prefix-cache scope of its own: the request prefills in full, and reports cached tokens only of its own."""

@@ -22,7 +22,6 @@ from services.gateway.engine.pipeline import Pipeline
 from services.gateway.engine.request import Request, RequestOutput
 from services.gateway.engine.scheduler import MicroBatch, QueueFull, Scheduler
 from services.gateway.frontend.output import DoneEvent, OutputProcessor, TokenEvent
-from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.sampling import SamplingParams
 from shared.batch.steps import Decode
 from shared.config import SchedulerConfig
@@ -35,11 +34,6 @@ from shared.wire.protocol import BatchError, BatchResult, ForwardBatch
 from tests.stage_infos import make_info
 
 CONTEXT = 512
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    return write_tiny_gguf(str(tmp_path_factory.mktemp("sched") / "tiny.gguf"), TinySpec(arch="llama"))
 
 
 class RecordingClient:

@@ -18,7 +18,6 @@ from services.stage.http import WORKER, make_app
 from services.stage.io import StageIO
 from services.stage.stats import HOP_BUCKETS, StageStats, Timings, size_class
 from services.stage.worker import StageIdentity, StageWorker
-from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.steps import Decode, Prefill
 from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange
@@ -28,11 +27,6 @@ from shared.wire.stage_info import StageInfo
 from shared.wire.transport import ZmqTransport
 
 _ports = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    return write_tiny_gguf(str(tmp_path_factory.mktemp("ledger") / "tiny.gguf"), TinySpec(arch="llama"))
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

@@ -12,7 +12,6 @@ import torch
 
 from services.stage.io import StageIO
 from services.stage.worker import StageIdentity, StageWorker
-from services.testing.tiny_gguf import TinySpec, write_tiny_gguf
 from shared.batch.steps import Decode, Prefill
 from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange
@@ -21,11 +20,6 @@ from shared.wire.protocol import BatchResult, ForwardBatch, SeqEntry
 from shared.wire.transport import ZmqTransport
 
 _ports = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    return write_tiny_gguf(str(tmp_path_factory.mktemp("threads") / "tiny.gguf"), TinySpec(arch="llama"))
 
 
 @pytest.mark.parametrize("batch_invariant,expected", [(False, [1, 2, 1, 2]), (True, [1, 1, 1, 1])],
