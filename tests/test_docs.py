@@ -117,3 +117,61 @@ def test_docker_tag_is_the_one_the_overlays_deploy():
             built |= set(re.findall(r"docker build -t (\S+)", f.read()))
     assert built, "no `docker build -t` in README.md or docs/"
     assert built <= deployed, f"docs build {sorted(built - deployed)}; the overlays deploy {sorted(deployed)}"
+
+
+# ---- pages that describe the code: current with it ----------------------------------------------------------------
+
+GATEWAY = os.path.join(ROOT, "services", "gateway")
+ROUTE = re.compile(r"\.add_(?:get|post|put|patch|delete)\(\s*(?:\"([^\"]+)\"|MESSAGES_PATH(?:\s*\+\s*\"([^\"]*)\")?)")
+
+
+def _page(name: str) -> str:
+    with open(os.path.join(ROOT, "docs", name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_protocol_md_is_at_the_wire_version():
+    from shared.wire.protocol import PROTOCOL_VERSION
+
+    text = _page("protocol.md")
+    assert f"protocol version {PROTOCOL_VERSION}" in text.lower(), (
+        f"docs/protocol.md does not say the wire is at protocol version {PROTOCOL_VERSION} (shared/wire/protocol.py): "
+        "describe what that version added")
+    newer = sorted({int(v) for v in re.findall(r"protocol version (\d+)", text.lower())} - set(range(PROTOCOL_VERSION + 1)))
+    assert not newer, f"docs/protocol.md describes protocol version(s) {newer}, past PROTOCOL_VERSION {PROTOCOL_VERSION}"
+
+
+def test_every_gateway_route_is_in_protocol_mds_endpoint_table():
+    from services.gateway.api.anthropic import MESSAGES_PATH
+
+    routes = set()
+    for path in glob.glob(os.path.join(GATEWAY, "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            for literal, below_messages in ROUTE.findall(f.read()):
+                routes.add(literal or MESSAGES_PATH + below_messages)
+    assert {"/v1/chat/completions", "/v1/mesh/resplit", "/v1/messages/count_tokens"} <= routes, routes
+    text = _page("protocol.md")
+    table = text[text.index("| endpoint |"):text.index("\n\n", text.index("| endpoint |"))]
+    missing = sorted(r for r in routes if f"{r}`" not in table)
+    assert not missing, f"docs/protocol.md's endpoint table lacks {missing}: add a row saying what each does"
+
+
+def test_operations_md_code_map_names_every_gateway_module():
+    text = _page("operations.md")
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| &nbsp;&nbsp;`(\w+)/` \| (.*) \|$", text, re.M)}
+    assert set(rows) == {"api", "frontend", "engine"}, f"docs/operations.md's code map has gateway rows {sorted(rows)}"
+    for layer, row in rows.items():
+        modules = {os.path.basename(p) for p in glob.glob(os.path.join(GATEWAY, layer, "*.py"))} - {"__init__.py"}
+        named = set(re.findall(r"`(\w+\.py)`", row))
+        assert modules <= named, (f"docs/operations.md's code map row for services/gateway/{layer}/ does not name "
+                                  f"{sorted(modules - named)}: say in a few words what each holds")
+        assert named <= modules, f"docs/operations.md names {sorted(named - modules)} in {layer}/, which has none"
+
+
+def test_the_readme_has_one_performance_table():
+    lines = prose_lines(README)
+    start = lines.index("## Performance")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    tables = [i for i in range(start, end) if re.match(r"^\| *-{3}", lines[i])]
+    assert len(tables) == 1, ("README.md's Performance section holds one table (stagemesh against llama-server); "
+                              f"it has {len(tables)}: move the others to docs/performance.md")
