@@ -6,6 +6,7 @@ N); SIGKILL is noticed and covered the same way. Real processes on loopback: a o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -66,12 +67,13 @@ class Joinable:
         raise AssertionError(f"the mesh did not reach {n} stages: {self.pipeline()['stages']}")
 
 
-@pytest.fixture(scope="module")
-def joinable(tmp_path_factory):
+@contextlib.contextmanager
+def one_stage_mesh(log_dir: str, *gateway_flags: str):
+    """A one-stage mesh (CURVE, float32, batch-invariant) and a gateway with --join-token TOKEN and `gateway_flags`
+    (its split pinned: the tests assert where joiners go)."""
     from services.process.launch import free_ports, start_mesh
     from services.testing.harness import RunningGateway, wait_http
 
-    log_dir = str(tmp_path_factory.mktemp("join"))
     mesh = start_mesh("smollm2", 1, dtype="float32", log_dir=log_dir,
                       extra=["--batch-invariant", "--compile-decode", "off"])
     port, = free_ports(1)
@@ -79,7 +81,8 @@ def joinable(tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
                                               "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
-                                              "--keys", mesh.keys_dir, "--join-token", TOKEN),
+                                              "--keys", mesh.keys_dir, "--join-token", TOKEN,
+                                              "--auto-rebalance", "off", *gateway_flags),
                                 stdout=log, stderr=subprocess.STDOUT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     m = Joinable(mesh, gw, log_dir)
@@ -92,6 +95,12 @@ def joinable(tmp_path_factory):
                 j.kill()
         gw.stop()
         mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def joinable(tmp_path_factory):
+    with one_stage_mesh(str(tmp_path_factory.mktemp("join"))) as m:
+        yield m
 
 
 @pytest.mark.processes
@@ -195,3 +204,72 @@ async def test_a_host_joins_leaves_and_is_lost_under_running_streams_and_no_text
     assert [e["event"] for e in events if e["event"] in ("joined", "left", "lost")] == ["joined", "left", "joined",
                                                                                           "lost"], events
     assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+
+
+@pytest.mark.processes
+async def test_a_joiner_that_never_becomes_ready_is_dropped_without_pausing_anyone(tmp_path):
+    """A gateway with --join-ready-timeout 4: a joiner is placed, then stopped (SIGSTOP) before it loads its layers
+    and says it is ready. Streams run through the one-stage mesh meanwhile: the joiner is dropped after the timeout
+    with no membership change (the mesh stays one stage, nothing replayed, no stream waits on it: its worst gap within
+    an undisturbed run's + 1 s), and the joiner, let go again, is told it was dropped and exits with an error."""
+    with one_stage_mesh(str(tmp_path), "--join-ready-timeout", "4") as m:
+        gw = m.gw
+        gaps: list[float] = []
+
+        def gap_meter():
+            """on_token for one run of streams: the gaps between any two chunks, after each stream's first."""
+            seen = [0, time.perf_counter()]
+
+            def on_token(_least: int) -> None:
+                now = time.perf_counter()
+                seen[0] += 1
+                if seen[0] > STREAMS:
+                    gaps.append(now - seen[1])
+                seen[1] = now
+            return on_token
+
+        reference = await _streams(gw.url, gap_meter())
+        calm = max(gaps)  # an undisturbed run's worst gap between any two chunks
+        gaps.clear()
+        failovers = gw.metric("stagemesh_gateway_pipeline_failovers_total")
+        proc, path = m.join("--as", "stage")
+
+        def stop_once_placed() -> float:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and proc.poll() is None:
+                if json.loads(gw.get("/v1/mesh/members")[1])["waiting"]:
+                    proc.send_signal(signal.SIGSTOP)
+                    return time.monotonic()
+                time.sleep(0.05)
+            raise AssertionError(f"the joiner was never placed: {open(path).read()}")
+
+        stopped_at = await asyncio.to_thread(stop_once_placed)
+
+        def dropped() -> list[dict]:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                members = json.loads(gw.get("/v1/mesh/members")[1])
+                if not members["waiting"]:
+                    return members["events"]
+                time.sleep(0.2)
+            raise AssertionError(f"the joiner was not dropped: {members}")
+
+        watch = asyncio.create_task(asyncio.to_thread(dropped))
+        rounds = 0
+        while not watch.done() or rounds < 1:  # streams run while it is placed, and across its drop
+            assert await asyncio.wait_for(_streams(gw.url, gap_meter()), 600) == reference
+            rounds += 1
+        events = await watch
+        assert time.monotonic() - stopped_at >= 4 - 0.5
+        assert [e["event"] for e in events] == ["placed", "dropped"], events
+        assert "not ready within 4 s" in events[-1]["error"], events
+        # nothing paused: no membership change ran (the events say so), and no stream's gap grew past what the
+        # undisturbed run's did by more than the load on a shared machine makes of it
+        assert max(gaps) < 2 * calm + 1.0, (max(gaps), calm)
+        assert len(m.pipeline()["stages"]) == 1
+        assert gw.metric("stagemesh_gateway_pipeline_failovers_total") == failovers  # nothing replayed
+        proc.send_signal(signal.SIGCONT)  # it loads, says it is ready and hears 410: it was dropped
+        assert await asyncio.to_thread(proc.wait, 240) != 0
+        out = open(path).read()
+        assert "410" in out and "not waiting to be ready" in out, out
+        assert len(m.pipeline()["stages"]) == 1

@@ -366,7 +366,8 @@ def make_app(files: ModelFiles, pipelines: Pipeline | list[Pipeline], config: Ga
     app.router.add_static("/static", STATIC)  # the page's scripts, styles and vendored libraries (static/vendor)
     add_mesh_view(app, app[GATEWAY])  # GET /v1/mesh, /v1/mesh/stream: the page's #mesh view, `stagemesh status`
     if join_token is not None:  # POST /join...: hosts that join and leave the running mesh
-        add_join_api(app, Membership(join_token, replicas.all[0].engine.mesh, files.config.head_cost_in_layers))
+        add_join_api(app, Membership(join_token, replicas.all[0].engine.mesh, files.config.head_cost_in_layers,
+                                     config.join_ready_timeout_s))
     return app
 
 

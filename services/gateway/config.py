@@ -95,6 +95,9 @@ class GatewayConfig:
                                        "running ones always), in memory", metavar="N")
     stored_responses_ttl_s: float = knob(600.0, "/v1/responses forgets an ended response this long after it ended",
                                          unit="seconds")
+    join_ready_timeout_s: float = knob(180.0, "with --join-token: a host placed in the mesh (`stagemesh join`) that "
+                                              "has not loaded its layers and said it is ready within this long is "
+                                              "dropped (nothing waited for it; it may join again)", unit="seconds")
 
     def __post_init__(self):
         for name, normal in (("allow_origins", _origin), ("allow_hosts", _host)):
@@ -118,6 +121,7 @@ class GatewayConfig:
         check_int(self, "trace_budget", 1)
         check_int(self, "stored_responses", 0)
         check_seconds(self, "stored_responses_ttl_s", 0, strict=False)
+        check_seconds(self, "join_ready_timeout_s", 0, strict=True)
         check_seconds(self, "state_keep_s", 0, strict=True)
         check_int(self, "state_max_requests", 0)
         check_int(self, "max_detached_per_user", 1)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from services.gateway.engine.mesh_change import MeshChange
 from services.gateway.engine.pipeline import reachable_address
 from shared.errors import StagemeshError
+from shared.files.layers import LayerRange
 from shared.wire.protocol import Resplit
 from shared.wire.stage_info import StageInfo
 
@@ -35,7 +36,6 @@ NONCE_S = 30.0  # a challenge answers within this long, once
 MAX_NONCES = 64  # challenges outstanding at most (the oldest is forgotten first)
 JOIN_RATE = 2.0  # join requests (challenges, joins, leaves) per second, sustained ...
 JOIN_BURST = 6  # ... and at once
-READY_S = 180.0  # a placed joiner that does not say it is ready within this long is dropped (nothing was held for it)
 MIN_JOIN_GAIN = 1.05  # a joiner is placed as a new stage only if that predicts at least this speed-up (or --as stage)
 WATCH_S = 0.5  # how often the joined stages' /info is polled ...
 LOST_AFTER = 2  # ... and how many failed polls in a row make one lost (a refused connection: one)
@@ -184,19 +184,21 @@ class MembershipLog:
 class Membership:
     """The join token's exchange and the membership changes of one pipeline (`mesh`: its engine's MeshChange)."""
 
-    def __init__(self, token: str, mesh: MeshChange, head_layers: float):
+    def __init__(self, token: str, mesh: MeshChange, head_layers: float, ready_s: float):
         if len(token) < 16:
             raise StagemeshError("--join-token must be 16 characters at least (use `up --join-token auto` for a "
                                  "random one)")
         self.token = token
         self.mesh = mesh
         self.head_layers = head_layers
+        self.ready_s = ready_s  # a placed joiner not ready within this long is dropped (--join-ready-timeout)
         self.rate = RateLimit()
         self._nonces: dict[str, float] = {}  # nonce -> when it expires
         self.joins: dict[str, Join] = {}  # placed and not yet members
         self.joined: dict[str, Member] = {}  # join id -> the member it became
         self.log = MembershipLog()
-        self._failures: dict[str, int] = {}  # join id -> failed polls in a row
+        self._failures: dict[str, int] = {}  # join id (a started member: its url) -> failed polls in a row
+        self._seen: dict[str, Member] = {}  # url -> the last answer of each member the mesh started with
         self._lock = asyncio.Lock()  # one membership change at a time
 
     @property
@@ -304,7 +306,7 @@ class Membership:
         else:
             onward = {"address": result, "key": receive_key(pipe)}
         join = Join(secrets.token_hex(8), nonce, str(report.get("url")), str(report.get("address")), key, placement,
-                    result, time.monotonic() + READY_S)
+                    result, time.monotonic() + self.ready_s)
         self.joins[join.id] = join
         self.log.add(event="placed", join=join.id, url=join.url, layers=list(placement.layers), place=p,
                      predicted_gain=round(placement.predicted_gain, 3))
@@ -312,7 +314,7 @@ class Membership:
                     *placement.layers, placement.giver, placement.predicted_gain)
         return {"id": join.id, "layers": list(placement.layers), "place": p, "num_layers": pipe.num_layers,
                 "upstream_key": upstream, "upstream_before_key": before, "next": onward,
-                "predicted_gain": round(placement.predicted_gain, 4), "ready_within_s": READY_S}
+                "predicted_gain": round(placement.predicted_gain, 4), "ready_within_s": self.ready_s}
 
     async def ready(self, join_id: str) -> dict:
         """The joiner loaded its range and serves /ready: the pipeline goes from N to N+1 places."""
@@ -355,6 +357,12 @@ class Membership:
         member = self.joined.get(join_id)
         if member is None:
             raise JoinError(f"join {join_id} is not a member of the mesh", 410)
+        return await self._without(member, alive)
+
+    async def _without(self, member: Member, alive: bool) -> dict:
+        """The pipeline without `member` (a joined one, or once hosts joined one the mesh started with: its
+        neighbours are joined hosts, whose keys a restarted process would not hold, so the mesh routes around it)."""
+        join_id = member.join_id or member.url
         pipe = self.pipeline
         if alive:
             members = self.members()
@@ -378,11 +386,12 @@ class Membership:
         gone = after.pop(at)
         taker = after[at - 1] if at > 0 else after[0]  # the stage before takes its layers (the next, for place 0)
         taker.layers = (min(taker.layers[0], gone.layers[0]), max(taker.layers[1], gone.layers[1]))
-        # the last place leaves: the result address it was given is the new last stage's
-        result = gone.result_address if at == len(members) - 1 else None
+        # the last place leaves: the result address it was given (or the joined taker's own) is the new last stage's
+        result = (gone.result_address or taker.result_address) if at == len(members) - 1 else None
         done = await self.change(members, after, f"{'leave' if alive else 'loss'} of {join_id}", alive=alive,
                                  result=result)
         self.joined.pop(join_id, None)
+        self._seen.pop(member.url, None)
         self.log.add(event="left" if alive else "lost", join=join_id, url=member.url, layers=list(member.layers),
                      to=taker.url, took_s=done["took_s"], pause_s=done["pause_s"])
         return {"id": join_id, "layers_to": taker.url, **done}
@@ -426,6 +435,8 @@ class Membership:
                     if after[0].incarnation != before[0].incarnation:  # a new first stage: the gateway sends there
                         transport.route_to(after[0].address, _b(after[0].key))
                     mesh.resplit_phase = "route"
+                    # the point of no return, as a re-split's commit: a stage restarted from now on serves `new`
+                    mesh.committed = [LayerRange(*r) for r in new]
                     try:
                         answer = await self._phase(Resplit(client.next_rid(), "route", old, new, members=wire,
                                                            gateway=ends))
@@ -482,12 +493,23 @@ class Membership:
         now = time.monotonic()
         for join in [j for j in self.joins.values() if j.state == "placed" and j.deadline < now]:
             self.joins.pop(join.id, None)
-            self.log.add(event="dropped", join=join.id, url=join.url, error=f"not ready within {READY_S:g} s")
+            self.log.add(event="dropped", join=join.id, url=join.url, error=f"not ready within {self.ready_s:g} s")
             log.warning("join %s (%s) dropped: not ready within %g s; nothing was held for it", join.id, join.url,
-                        READY_S)
+                        self.ready_s)
         if self.mesh.resplitting or self._lock.locked():
             return
-        for join_id, member in list(self.joined.items()):
+        watched = dict(self.joined)
+        if self.joined:  # hosts joined: the members the mesh started with are covered the same way when lost
+            joined_urls = {m.url for m in self.joined.values()}
+            for url, info in zip(self.pipeline.stage_urls, self.pipeline.infos):
+                if url in joined_urls:
+                    continue
+                if isinstance(info, StageInfo):
+                    self._seen[url] = Member(url, info.incarnation, tuple(info.layers),
+                                             reachable_address(info.listen, url), (info.keys or {}).get("public"))
+                if url in self._seen:
+                    watched[url] = self._seen[url]
+        for join_id, member in watched.items():
             info = await self.pipeline.fetch_info(member.url)
             if isinstance(info, StageInfo) and info.incarnation == member.incarnation:
                 self._failures.pop(join_id, None)
@@ -499,7 +521,7 @@ class Membership:
                 log.warning("joined stage %s (%s) lost: %s; its layers go to a neighbour", join_id, member.url, info)
                 self.log.add(event="noticed", join=join_id, url=member.url, error=str(info)[:200])
                 try:
-                    await self.leave(join_id, alive=False)
+                    await self._without(member, alive=False)
                 except Exception as e:
                     self.log.add(event="loss not covered", join=join_id, url=member.url, error=str(e))
                     log.error("covering the loss of %s failed: %s", member.url, e)
