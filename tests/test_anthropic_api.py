@@ -34,13 +34,14 @@ def body(**kw) -> dict:
 
 
 def refused(b: dict, status: int = 400) -> RequestError:
-    """The error a Messages body gets, from the translation or from the chat path it runs down (renamed)."""
+    """The error a Messages body gets, from the translation or from the chat path it runs down (its fields named as
+    this API's)."""
     with pytest.raises(RequestError) as e:
         t = translate(b, MODEL)
         try:
             parse_generation(t.body, True, 8192, VOCAB)
         except RequestError as inner:
-            raise t.renamed(inner) from None
+            raise inner.named(t.name) from None
     assert e.value.status == status, e.value.message
     return e.value
 

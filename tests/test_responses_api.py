@@ -157,16 +157,20 @@ def test_the_chat_paths_refusals_name_this_endpoints_fields(body, param, word):
     req = parse_request({"input": "hi", **body}, no_previous)
     with pytest.raises(RequestError) as e:
         parse_generation(req.chat_body, True, 8192, VOCAB)
-    renamed = req.renamed(e.value)
+    renamed = e.value.named(req.name)
     assert renamed.param == param and word in renamed.message and "function" not in renamed.param
 
 
 def test_a_message_refused_by_the_chat_path_is_named_by_its_input_item():
     req = parse_request({"instructions": "x", "input": [{"role": "user", "content": "a"},
                                                         {"role": "user", "content": "b"}]}, no_previous)
-    err = req.renamed(RequestError("messages[2].content holds an unpaired surrogate", "messages[2].content"))
-    assert err.param == "input[1].content" and err.message.startswith("input[1].content")
-    assert req.renamed(RequestError("the prompt is too long", "messages")).param == "input"
+    with pytest.raises(RequestError) as e:  # the chat path's own refusal of messages[2] (instructions are [0])
+        parse_generation({**req.chat_body, "messages": [*req.chat_body["messages"][:2],
+                                                        {"role": "user", "content": "b\ud800"}]}, True, 8192, VOCAB)
+    err = e.value.named(req.name)
+    assert e.value.param == "messages[2].content" and "'messages[2].content'" in e.value.message
+    assert err.param == "input[1].content" and err.message.startswith("'input[1].content' holds an unpaired")
+    assert RequestError("the prompt is too long", "messages").named(req.name).param == "input"
 
 
 # ---- the store's bounds (no processes) ---------------------------------------------------------------------------

@@ -6,13 +6,12 @@ its validation (schemas.parse_generation), the chat template with tools written 
 request's event log. Here its events are shaped back into a message's content blocks (`MessageShape`): text, and
 tool calls (read by the chat path's ToolCallParser) as tool_use blocks. Errors leave in Anthropic's shape
 (RequestError.anthropic_body, chosen by path in app.py); an error the chat path raises names the field as the client
-sent it (`Translation.renamed`). docs/messages.md says what is supported."""
+sent it (`Translation.name`, from the error's field path). docs/messages.md says what is supported."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ from services.gateway.engine.replicas import SESSION_HEADER
 from services.gateway.frontend.events import RequestHandle
 from services.gateway.frontend.frontend import GATEWAY, error_status, json_body, tool_parser
 from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent, Usage
-from services.gateway.frontend.schemas import RequestError, check_field_tables
+from services.gateway.frontend.schemas import Path, RequestError, check_field_tables, path_text
 from services.gateway.frontend.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser
 
 MESSAGES_PATH = "/v1/messages"  # and every path below it: errors in Anthropic's shape
@@ -62,43 +61,62 @@ def _refuse(message: str, param: str, code: str = "invalid_request") -> RequestE
 
 
 @dataclass
+class Origin:
+    """Where one chat message of a translation came from, in the Messages request's own names: the message (or
+    block), its content, and its k-th tool call's tool_use block."""
+
+    base: str
+    content: str
+    calls: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
 class Translation:
     """A Messages request as the chat completions request it means, and where each of that request's messages came
-    from (so an error the chat path finds names the client's own field)."""
+    from (so an error the chat path finds names the client's own field: `name`)."""
 
     body: dict
-    origins: dict[str, str] = field(default_factory=dict)  # "messages[3].tool_call_id" -> "messages[1].content[0]..."
+    origins: dict[int, Origin] = field(default_factory=dict)  # chat message j -> where it came from
 
-    _PATH = re.compile(r"messages\[\d+\](?:\.tool_calls(?:\[\d+\])?|\.tool_call_id|\.content)?|"
-                       r"tools\[(\d+)\]\.function\.(parameters|name|description)|'stop'|'user'")
-    _FIELDS = {"parameters": "input_schema", "name": "name", "description": "description"}
-    _NAMES = {"'stop'": "'stop_sequences'", "'user'": "'metadata.user_id'", "stop": "stop_sequences",
-              "user": "metadata.user_id"}
+    _TOOL_FIELDS = {"parameters": "input_schema", "name": "name", "description": "description"}
+    _NAMES = {("stop",): "stop_sequences", ("user",): "metadata.user_id"}
 
-    def _rename(self, text: str) -> str:
-        def one(m: re.Match) -> str:
-            if m.group(1) is not None:
-                return f"tools[{m.group(1)}].{self._FIELDS[m.group(2)]}"
-            return self.origins.get(m.group(0)) or self._NAMES.get(m.group(0), m.group(0))
-        return self._PATH.sub(one, text)
-
-    def renamed(self, e: RequestError) -> RequestError:
-        """The chat path's error about this request, its fields named as the client sent them."""
-        param = None if e.param is None else self._NAMES.get(e.param) or self._rename(e.param)
-        return RequestError(self._rename(e.message), param, e.status, e.code)
+    def name(self, path: Path) -> str:
+        """A chat path's field -> the Messages field it came from: messages[j] its message or block (its content,
+        tool_use_id, tool_use blocks), tools[k].function.parameters tools[k].input_schema, stop stop_sequences,
+        user metadata.user_id."""
+        if path in self._NAMES:
+            return self._NAMES[path]
+        if len(path) >= 4 and path[0] == "tools" and path[2] == "function" and path[3] in self._TOOL_FIELDS:
+            return path_text(("tools", path[1], self._TOOL_FIELDS[path[3]], *path[4:]))
+        origin = self.origins.get(path[1]) if len(path) > 1 and path[0] == "messages" else None
+        if origin is None:
+            return path_text(path)
+        rest = path[2:]
+        if rest[:1] == ("content",):
+            return origin.content + _tail(rest[1:])
+        if rest[:1] == ("tool_call_id",):
+            return f"{origin.base}.tool_use_id" + _tail(rest[1:])
+        if rest[:1] == ("tool_calls",):
+            if len(rest) == 1:
+                return origin.content
+            return origin.calls[rest[1]] + _tail(rest[2:]) if rest[1] in origin.calls else path_text(path)
+        return origin.base + _tail(rest)
 
     def _came_from(self, j: int, base: str, content: str, calls: dict[int, str] | None = None) -> None:
         """Chat message j came from `base`; its content from `content`; its k-th tool call from calls[k]."""
-        self.origins.update({f"messages[{j}]": base, f"messages[{j}].content": content,
-                             f"messages[{j}].tool_call_id": f"{base}.tool_use_id", f"messages[{j}].tool_calls": content})
-        for k, where in (calls or {}).items():
-            self.origins[f"messages[{j}].tool_calls[{k}]"] = where
+        self.origins[j] = Origin(base, content, dict(calls or {}))
+
+
+def _tail(rest: Path) -> str:
+    """The rest of a path after a name: ".key" / "[i]" each."""
+    return path_text(("", *rest)) if rest else ""
 
 
 def translate(body: dict, model_id: str, count: bool = False) -> Translation:
     """A Messages request (count: a count_tokens request) -> the chat completions request it means. Refuses, naming
     the field, what has no meaning here; what both APIs share (ranges, schemas, the tool history) is left to the
-    chat path's validation, whose errors `Translation.renamed` words for this API."""
+    chat path's validation, whose errors name this API's fields through `Translation.name`."""
     check_field_tables(body, COUNT_FIELDS if count else MESSAGES_FIELDS, IGNORED_FIELDS, NOT_YET_FIELDS,
                        "count_tokens reads model, messages, system, tools, tool_choice" if count
                        else "the fields this server reads are listed in docs/messages.md")
@@ -482,7 +500,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     try:
         handle = await gw.start(translation.body, True, request.headers.get(SESSION_HEADER))
     except RequestError as e:
-        raise translation.renamed(e) from None
+        raise e.named(translation.name) from None
     shape = MessageShape(handle, gw.config.model_id)
     try:
         if handle.spec.stream:
@@ -516,4 +534,4 @@ async def count_message_tokens(request: web.Request) -> web.Response:
     try:
         return web.json_response({"input_tokens": await gw.count_prompt(translation.body)})
     except RequestError as e:
-        raise translation.renamed(e) from None
+        raise e.named(translation.name) from None

@@ -33,16 +33,18 @@ from services.gateway.api.response_store import ResponseStore, StoredResponse
 from services.gateway.engine.replicas import SESSION_HEADER
 from services.gateway.frontend.events import KEEP_ENDED, KEEP_ENDED_S, RequestHandle
 from services.gateway.frontend.frontend import GATEWAY, Gateway, json_body, tool_parser
-from services.gateway.frontend.output import ClientEvent, DoneEvent, ErrorEvent, TokenEvent
+from services.gateway.frontend.output import ClientEvent, DoneEvent, ErrorEvent, TokenEvent, Usage
 from services.gateway.frontend.schemas import (
     MAX_MESSAGES,
     MAX_TOOLS,
     TOOL_NAME,
     GenerationSpec,
+    Path,
     RequestError,
     bool_field,
     cache_tenant,
     check_field_tables,
+    path_text,
     unicode_text,
 )
 from services.gateway.frontend.tools import ArgumentsDelta, CallStarted, ContentDelta, ToolEvent
@@ -78,10 +80,6 @@ NOT_TEXT_PARTS = ("input_image", "input_file", "input_audio", "refusal")
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 MAX_METADATA = 16  # OpenAI's bounds: pairs, key characters, value characters
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
-# the chat path's names of what it refuses -> this endpoint's (RequestError's param and message)
-CHAT_NAMES = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
-              ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
-              ("'messages'", "'input'"))
 
 
 @dataclass
@@ -96,19 +94,25 @@ class ResponsesRequest:
     background: bool = False
     store: bool = True
 
-    def renamed(self, e: RequestError) -> RequestError:
-        """A refusal by the chat path, in this endpoint's names: messages[i] becomes the input item (or field) that
-        message came from, max_tokens max_output_tokens, response_format text.format, tools[k].function. tools[k]."""
-        def rename(text: str) -> str:
-            text = re.sub(r"messages\[(\d+)\]", lambda m: self.origins[int(m.group(1))]
-                          if int(m.group(1)) < len(self.origins) else "input", text)
-            text = re.sub(r"\btools\[(\d+)\]\.function\.", r"tools[\1].", text)
-            for old, new in CHAT_NAMES:
-                text = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", new, text)
-            return text
-
-        param = "input" if e.param == "messages" else rename(e.param) if e.param else None
-        return RequestError(rename(e.message), param, status=e.status, code=e.code)
+    def name(self, path: Path) -> str:
+        """A chat path's field -> this endpoint's: messages[i] the input item (or field) that message came from,
+        messages `input`, max_tokens max_output_tokens, response_format text.format, tools[k].function. tools[k]."""
+        head, rest = path[0], path[1:]
+        if head == "messages":
+            if not rest:
+                return "input"
+            i = rest[0]
+            where = self.origins[i] if isinstance(i, int) and i < len(self.origins) else "input"
+            return where + (path_text(("", *rest[1:])) if rest[1:] else "")
+        if head == "tools" and rest[1:2] == ("function",):
+            return path_text(("tools", rest[0], *rest[2:]))
+        if path[:3] == ("response_format", "json_schema", "schema"):
+            return path_text(("text", "format", "schema", *path[3:]))
+        if head == "response_format":
+            return path_text(("text", "format", *rest))
+        if head in ("max_tokens", "max_completion_tokens"):
+            return path_text(("max_output_tokens", *rest))
+        return path_text(path)
 
 
 def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> ResponsesRequest:
@@ -357,12 +361,11 @@ TERMINAL_EVENT = {"completed": "response.completed", "incomplete": "response.inc
                   "cancelled": "response.incomplete", "failed": "response.failed"}
 
 
-def responses_usage(usage: dict) -> dict:
-    """Chat's usage -> the Responses API's (cached_tokens: prompt tokens the prefix cache supplied)."""
-    return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage["total_tokens"]}
+def responses_usage(usage: Usage) -> dict:
+    """The Responses API's usage (cached_tokens: prompt tokens the prefix cache supplied)."""
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens}
 
 
 class ResponseShape:
@@ -591,7 +594,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                 cancel_on_leave=not req.background, keep_log=req.store,
                                 detached={"echo": echo, "messages": req.messages} if req.background else None)
     except RequestError as e:
-        raise req.renamed(e) from None
+        raise e.named(req.name) from None
     record = StoredResponse(f"resp_{handle.id}", handle.created, echo, req.messages, req.background, handle)
     if req.store:
         store.save(record)
@@ -666,16 +669,20 @@ async def delete_response(request: web.Request) -> web.Response:
     return web.json_response({"id": record.id, "object": "response.deleted", "deleted": True})
 
 
-def add_responses_api(app: web.Application, store: ResponseStore) -> None:
-    """The Responses API's routes on `app` (whose GATEWAY they serve), its responses kept in `store`. A background
-    response a restarted gateway took back from its request log (Gateway.readopt) is stored again, running."""
-    app[RESPONSES] = store
-
+def readopted_into(store: ResponseStore) -> Callable[[RequestHandle, dict], None]:
+    """The Gateway's on_readopt for the Responses API (given to its constructor): a background response a restarted
+    gateway took back from its request log (Gateway.readopt) is stored again, running."""
     def readopted(handle: RequestHandle, logged: dict) -> None:
         store.save(StoredResponse(f"resp_{handle.id}", handle.created, logged["echo"], logged["messages"], True,
                                   handle))
 
-    app[GATEWAY].on_readopt = readopted
+    return readopted
+
+
+def add_responses_api(app: web.Application, store: ResponseStore) -> None:
+    """The Responses API's routes on `app` (whose GATEWAY they serve, made with on_readopt=readopted_into(store)),
+    its responses kept in `store`."""
+    app[RESPONSES] = store
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{id}", get_response)
     app.router.add_delete("/v1/responses/{id}", delete_response)

@@ -194,12 +194,12 @@ class Gateway:
                                "one request (their --memory-budget); shorten it", param, code="kv_memory_exceeded")
         max_tokens = spec.max_tokens or min(self.config.default_max_tokens or context, room - len(ids))
         if len(ids) + max_tokens > context:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                               f"{context} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
+            raise RequestError(f"prompt ({len(ids)} tokens) + {{param}} ({max_tokens}) exceeds the context of "
+                               f"{context} tokens; lower {{param}}", "max_tokens", code="context_length_exceeded")
         if len(ids) + max_tokens > room:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs more K/V memory than "
+            raise RequestError(f"prompt ({len(ids)} tokens) + {{param}} ({max_tokens}) needs more K/V memory than "
                                f"the stages hold for one request ({room} positions, their --memory-budget); lower "
-                               "max_tokens", "max_tokens", code="kv_memory_exceeded")
+                               "{param}", "max_tokens", code="kv_memory_exceeded")
         timeout = spec.timeout_s or self.config.request_timeout_s
         prediction = None
         if spec.prediction is not None:  # tokenized as the output will be: without BOS

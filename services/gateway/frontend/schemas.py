@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +19,58 @@ MAX_COMPLETION_LOGPROBS = 5  # completions' integer logprobs: that many alternat
 ROLES = ("system", "user", "assistant", "tool")
 
 
+Path = tuple[str | int, ...]  # a field of a request: its keys and list indexes, ("messages", 2, "content")
+_PATH_PART = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def path_text(path: Path) -> str:
+    """("messages", 2, "content") -> "messages[2].content": a field as the chat path's names write it."""
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(path))
+
+
+def as_path(param: str | Path) -> Path:
+    """A field given as its text ("messages[2].content", what the validators write) or as a path -> its path."""
+    if isinstance(param, tuple):
+        return param
+    path = tuple(int(index) if index else key for key, index in _PATH_PART.findall(param))
+    return path if path_text(path) == param else (param,)  # a key of brackets or dots: kept whole, as written
+
+
 class RequestError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_request"):
+    """A request refused, with what was wrong (`message`), the field at fault (`path`, structured: its keys and
+    indexes), the HTTP status and a code. The message names fields through placeholders -- `{param}` for the field
+    at fault, `{<name>}` for fields[name] -- so each API surface renders both in its own names (`named`: the
+    Messages or Responses field a chat path's field came from) from the paths, never from the text. `param` and
+    `message` are the rendered ones (by default in the chat path's names, path_text)."""
+
+    def __init__(self, message: str, param: str | Path | None = None, status: int = 400,
+                 code: str = "invalid_request", fields: dict[str, str | Path] | None = None,
+                 namer: Callable[[Path], str] = path_text):
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.template, self.status, self.code, self.namer = message, status, code, namer
+        self.path: Path | None = None if param is None else as_path(param)
+        self.fields = {name: as_path(f) for name, f in (fields or {}).items()}
+
+    @property
+    def param(self) -> str | None:
+        return None if self.path is None else self.namer(self.path)
+
+    @property
+    def message(self) -> str:
+        paths = {"param": self.path, **self.fields}
+
+        def field(m: re.Match) -> str:
+            path = paths.get(m.group(1))
+            return m.group(0) if path is None else self.namer(path)
+        return _PLACEHOLDER.sub(field, self.template)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def named(self, namer: Callable[[Path], str]) -> RequestError:
+        """The same error, its fields named by `namer` (a surface's names for the chat path's fields)."""
+        return RequestError(self.template, self.path, self.status, self.code, self.fields, namer)
 
     def openai_body(self) -> dict:
         kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -54,13 +103,13 @@ def parse_json_text(text: str) -> Any:
                            "send numbers of at most a few digits", code="invalid_json") from None
 
 
-def unicode_text(value: str, param: str) -> str:
+def unicode_text(value: str, param: str | Path) -> str:
     """A client string that must become UTF-8 (prompt, content, stop): lone surrogates such as "\\ud800" are
     valid JSON but no text, and would fail deep inside the tokenizer."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RequestError(f"'{param}' holds an unpaired surrogate (\\u{ord(value[e.start]):04x}) at character "
+        raise RequestError(f"'{{param}}' holds an unpaired surrogate (\\u{ord(value[e.start]):04x}) at character "
                            f"{e.start}; send valid Unicode text", param) from None
     return value
 
@@ -100,7 +149,7 @@ def _number(body: dict, key: str, lo: float, hi: float, default: float | None) -
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi):
-        raise RequestError(f"'{key}' must be a number between {lo} and {hi}, got {v!r}", key)
+        raise RequestError(f"'{{param}}' must be a number between {lo} and {hi}, got {v!r}", key)
     return float(v)
 
 
@@ -109,7 +158,7 @@ def _integer(body: dict, key: str, lo: int, hi: int, default: int | None) -> int
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int) or not (lo <= v <= hi):
-        raise RequestError(f"'{key}' must be an integer between {lo} and {hi}, got {v!r}", key)
+        raise RequestError(f"'{{param}}' must be an integer between {lo} and {hi}, got {v!r}", key)
     return v
 
 
@@ -118,7 +167,7 @@ def bool_field(body: dict, key: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise RequestError(f"'{key}' must be true or false, got {v!r}", key)
+        raise RequestError(f"'{{param}}' must be true or false, got {v!r}", key)
     return v
 
 
@@ -129,7 +178,7 @@ def _stop(body: dict) -> list[str]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS or \
             not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in items):
-        raise RequestError(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings "
+        raise RequestError(f"'{{param}}' must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings "
                            f"of at most {MAX_STOP_LEN} characters", "stop")
     return [unicode_text(s, "stop") for s in items]
 
@@ -142,10 +191,10 @@ def _content(msg: dict, i: int) -> str:
         texts = []
         for part in c:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise RequestError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}", f"messages[{i}].content")
+                raise RequestError("{param} parts must be {'type': 'text', 'text': ...}", ("messages", i, "content"))
             texts.append(part["text"])
         return unicode_text("".join(texts), f"messages[{i}].content")
-    raise RequestError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+    raise RequestError("{param} must be a string or a list of text parts", ("messages", i, "content"))
 
 
 # Message fields OpenAI defines that would change the prompt but are not rendered yet (refused unless null).
@@ -160,23 +209,23 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function nam
 def _tool_calls(value: Any, i: int) -> list[dict]:
     """An assistant message's tool_calls -> [{"id", "type": "function", "function": {"name", "arguments"}}], with
     arguments a JSON object's text (as the SDK sends them back)."""
-    param = f"messages[{i}].tool_calls"
+    param = ("messages", i, "tool_calls")
     if not isinstance(value, list) or not value or len(value) > MAX_TOOLS:
-        raise RequestError(f"{param} must be a non-empty list of tool calls", param)
+        raise RequestError("{param} must be a non-empty list of tool calls", param)
     calls = []
     for k, c in enumerate(value):
         fn = c.get("function") if isinstance(c, dict) else None
         if not (isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("id"), str)
                 and isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
-            raise RequestError(f"{param}[{k}] must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
-                               "'arguments': str}}}}", param)
+            raise RequestError("{call} must be {'id': str, 'type': 'function', 'function': {'name': str, "
+                               "'arguments': str}}", param, fields={"call": (*param, k)})
         try:
             args = json.loads(fn["arguments"])
         except ValueError:
             args = None
         if not isinstance(args, dict):
-            raise RequestError(f"{param}[{k}].function.arguments must be a JSON object's text, got "
-                               f"{fn['arguments'][:80]!r}", param)
+            raise RequestError(f"{{call}} must be a JSON object's text, got {fn['arguments'][:80]!r}", param,
+                               fields={"call": (*param, k, "function", "arguments")})
         calls.append({"id": unicode_text(c["id"], param), "type": "function",
                       "function": {"name": unicode_text(fn["name"], param), "arguments": unicode_text(fn["arguments"], param)}})
     return calls
@@ -187,13 +236,14 @@ TOOL_MESSAGE_FIELDS = {"assistant": " and 'tool_calls'", "tool": " and 'tool_cal
 
 def parse_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+        raise RequestError("'{param}' must be a non-empty list of {role, content} objects", "messages")
     if len(value) > MAX_MESSAGES:
         raise RequestError(f"at most {MAX_MESSAGES} messages per request", "messages")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}] needs a role among {', '.join(ROLES)}", f"messages[{i}].role")
+            raise RequestError(f"{{message}} needs a role among {', '.join(ROLES)}", ("messages", i, "role"),
+                               fields={"message": ("messages", i)})
         role = m["role"]
         for key, v in m.items():  # null = left out (the SDK echoes an assistant message with refusal: null, ...)
             if key in ("role", "content") or v is None:
@@ -201,10 +251,10 @@ def parse_messages(value: Any) -> list[dict]:
             if (key == "tool_calls" and role == "assistant") or (key == "tool_call_id" and role == "tool"):
                 continue
             if key in MESSAGE_NOT_YET:
-                raise RequestError(f"messages[{i}].{key} is not supported by this server yet ({MESSAGE_NOT_YET[key]}); "
-                                   "leave it out", f"messages[{i}].{key}", code="unsupported_parameter")
-            raise RequestError(f"Unrecognized message field supplied: messages[{i}].{key}; a {role} message has "
-                               f"'role', 'content'{TOOL_MESSAGE_FIELDS.get(role, '')}", f"messages[{i}].{key}",
+                raise RequestError(f"{{param}} is not supported by this server yet ({MESSAGE_NOT_YET[key]}); "
+                                   "leave it out", ("messages", i, key), code="unsupported_parameter")
+            raise RequestError(f"Unrecognized message field supplied: {{param}}; a {role} message has "
+                               f"'role', 'content'{TOOL_MESSAGE_FIELDS.get(role, '')}", ("messages", i, key),
                                code="unknown_parameter")
         msg = {"role": role}
         if role == "assistant" and m.get("tool_calls") is not None:
@@ -214,8 +264,8 @@ def parse_messages(value: Any) -> list[dict]:
             msg["content"] = _content(m, i)
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise RequestError(f"messages[{i}] (a tool result) needs 'tool_call_id': the id of the call it answers",
-                                   f"messages[{i}].tool_call_id")
+                raise RequestError("{message} (a tool result) needs 'tool_call_id': the id of the call it answers",
+                                   ("messages", i, "tool_call_id"), fields={"message": ("messages", i)})
             msg["tool_call_id"] = unicode_text(m["tool_call_id"], f"messages[{i}].tool_call_id")
         out.append(msg)
     if sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in out) > MAX_PROMPT_CHARS:
@@ -295,14 +345,14 @@ def check_field_tables(body: dict, read: frozenset[str], ignored: dict[str, tupl
 MAX_SCHEMA_CHARS = 64 << 10
 
 
-def _schema(value: Any, param: str) -> dict:
+def _schema(value: Any, param: str | Path) -> dict:
     if not isinstance(value, dict):
-        raise RequestError(f"'{param}' must be a JSON schema object", param)
+        raise RequestError("'{param}' must be a JSON schema object", param)
     if len(json.dumps(value)) > MAX_SCHEMA_CHARS:
-        raise RequestError(f"'{param}' is longer than {MAX_SCHEMA_CHARS} characters", param)
+        raise RequestError(f"'{{param}}' is longer than {MAX_SCHEMA_CHARS} characters", param)
     cycle = _ref_cycle(value)
     if cycle:
-        raise RequestError(f"'{param}' refers to itself ({' -> '.join(cycle)}): a recursive schema has no finite "
+        raise RequestError(f"'{{param}}' refers to itself ({' -> '.join(cycle)}): a recursive schema has no finite "
                            "answer this server can guarantee; unroll it to a fixed depth", param)
     return value
 
@@ -361,10 +411,10 @@ def _response_format(body: dict) -> dict | None:
         js = v.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("name"), str) or \
                 not set(js) <= {"name", "schema", "strict", "description"}:
-            raise RequestError("'response_format.json_schema' must be {'name': str, 'schema': {...}, 'strict': bool}",
-                               "response_format")
+            raise RequestError("'{json_schema}' must be {'name': str, 'schema': {...}, 'strict': bool}",
+                               "response_format", fields={"json_schema": ("response_format", "json_schema")})
         return _schema(js.get("schema", {}), "response_format.json_schema.schema")
-    raise RequestError("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+    raise RequestError("'{param}' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
                        "'json_schema', 'json_schema': {...}}", "response_format")
 
 
@@ -386,18 +436,17 @@ def _tools(body: dict) -> tuple[list[dict] | None, str | dict]:
                                "'parameters', 'strict'}}}}", f"tools[{k}]")
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name) or name in names:
-            raise RequestError(f"tools[{k}].function.name must be a unique name of 1-64 letters, digits, _ or -, got "
-                               f"{name!r}", f"tools[{k}].function.name")
+            raise RequestError(f"{{param}} must be a unique name of 1-64 letters, digits, _ or -, got {name!r}",
+                               ("tools", k, "function", "name"))
         names.add(name)
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
-            raise RequestError(f"tools[{k}].function.description must be a string", f"tools[{k}].function.description")
+            raise RequestError("{param} must be a string", ("tools", k, "function", "description"))
         params = _schema(fn.get("parameters") or {"type": "object", "properties": {}},
-                         f"tools[{k}].function.parameters")
+                         ("tools", k, "function", "parameters"))
         if params.get("type", "object") != "object":
-            raise RequestError(f"tools[{k}].function.parameters must describe an object (\"type\": \"object\"): a "
-                               f"call's arguments are a JSON object, got type {params.get('type')!r}",
-                               f"tools[{k}].function.parameters")
+            raise RequestError(f"{{param}} must describe an object (\"type\": \"object\"): a call's arguments are a "
+                               f"JSON object, got type {params.get('type')!r}", ("tools", k, "function", "parameters"))
         entry = {"name": name, "parameters": params}
         if desc:
             entry["description"] = unicode_text(desc, f"tools[{k}].function.description")
@@ -515,7 +564,7 @@ def parse_generation(body: Any, chat: bool, max_context: int, vocab_size: int) -
     if chat:
         spec.tools, spec.tool_choice = _tools(body)
         if spec.tools is not None and spec.tool_choice != "none" and spec.json_schema is not None:
-            raise RequestError("'response_format' and 'tools' both decide the output's shape; send one (or "
+            raise RequestError("'{param}' and 'tools' both decide the output's shape; send one (or "
                                "tool_choice 'none')", "response_format")
         _check_tool_history(spec.messages, spec.tools)
         if spec.tool_choice == "none":
@@ -569,7 +618,7 @@ def cache_tenant(body: dict) -> str:
     for key in CACHE_SCOPES:
         value = body.get(key)
         if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_CACHE_KEY_CHARS):
-            raise RequestError(f"'{key}' must be a string of 1-{MAX_CACHE_KEY_CHARS} characters", key)
+            raise RequestError(f"'{{param}}' must be a string of 1-{MAX_CACHE_KEY_CHARS} characters", key)
     key = next((k for k in CACHE_SCOPES if body.get(k) is not None), None)
     return f"{key}:{body[key]}" if key else ""
 
@@ -582,9 +631,10 @@ def _check_tool_history(messages: list[dict] | None, tools: list[dict] | None) -
     for i, m in enumerate(messages or []):
         for k, c in enumerate(m.get("tool_calls", ())):
             if names is not None and c["function"]["name"] not in names:
-                raise RequestError(f"messages[{i}].tool_calls[{k}] calls {c['function']['name']!r}, which is not "
-                                   f"among 'tools' ({', '.join(sorted(names))})", f"messages[{i}].tool_calls")
+                raise RequestError(f"{{call}} calls {c['function']['name']!r}, which is not among 'tools' "
+                                   f"({', '.join(sorted(names))})", ("messages", i, "tool_calls"),
+                                   fields={"call": ("messages", i, "tool_calls", k)})
             called.add(c["id"])
         if m["role"] == "tool" and m["tool_call_id"] not in called:
-            raise RequestError(f"messages[{i}] answers tool call {m['tool_call_id']!r}, which no earlier assistant "
-                               "message made", f"messages[{i}].tool_call_id")
+            raise RequestError(f"{{message}} answers tool call {m['tool_call_id']!r}, which no earlier assistant "
+                               "message made", ("messages", i, "tool_call_id"), fields={"message": ("messages", i)})
