@@ -74,7 +74,7 @@ class OpenAIShape:
         return self.chunk({} if self.chat else "", finish=done.finish_reason)
 
     def usage_chunk(self, done: DoneEvent) -> dict:
-        return {**self.base, "choices": [], "usage": done.usage}
+        return {**self.base, "choices": [], "usage": done.usage.to_json()}
 
     def tool_chunks(self, events: list[ToolEvent]) -> list[dict]:
         """ToolCallParser events -> chat chunks: content deltas, then each call's start and argument fragments."""
@@ -104,7 +104,7 @@ class OpenAIShape:
         else:
             choice["text"] = text
         body = {**self.base, "object": "chat.completion" if self.chat else "text_completion", "choices": [choice],
-                "usage": done.usage, "timings": done.timings}
+                "usage": done.usage.to_json(), "timings": done.timings}
         if done.trace is not None:
             body["trace"] = done.trace
         return body
