@@ -1,5 +1,5 @@
 """Server-sent events, written in one place for every surface (chat and completions, Messages, Responses, the mesh
-view): the response and its headers, each event's lines (name, id, data), keep-alives, and the event-id cursors a
+view): the response and its headers, each event's lines (name, id, data), and the event-id cursors a
 client sends back to resume (`Last-Event-ID`, or `?starting_after=`).
 
 One id per SSE event, never shared: a stream's events are numbered 0, 1, 2, ... in the order they are written, and
@@ -30,8 +30,7 @@ def frame(data: dict | str, event: str | None = None, id: str | int | None = Non
 
 
 class SSEStream:
-    """One SSE response: `open` prepares it (HEADERS), `send` writes events, `keep_alive` a comment line (which
-    readers ignore: it only keeps proxies from closing an idle connection), `close` ends it."""
+    """One SSE response: `open` prepares it (HEADERS), `send` writes events, `close` ends it."""
 
     def __init__(self, resp: web.StreamResponse):
         self.resp = resp
@@ -49,9 +48,6 @@ class SSEStream:
         """Several events in one write (what one engine event makes)."""
         if frames:
             await self.resp.write(b"".join(frames))
-
-    async def keep_alive(self) -> None:
-        await self.resp.write(b": keep-alive\n\n")
 
     async def close(self) -> web.StreamResponse:
         await self.resp.write_eof()
