@@ -61,8 +61,7 @@ async def measure(url: str, pid: int, args, auto: bool, share: float) -> dict:
 
 def run_one(split: str, args, auto: bool) -> dict:
     flags = ["--split", split, "--compile-decode", "off", "--batch-invariant"]
-    if auto:
-        flags += ["--auto-rebalance", "--rebalance-window", str(args.window)]
+    flags += ["--auto-rebalance", "on", "--rebalance-window", str(args.window)] if auto else ["--auto-rebalance", "off"]
     if not args.pinned:
         with running_up(2, *flags, compiled=False) as gw:
             pid = gw.stage_pids()[args.throttle_stage]

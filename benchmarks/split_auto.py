@@ -28,7 +28,7 @@ def run_one(split: str, args) -> dict:
         quotas = [float(q) for q in args.quotas.split(",")]
         t0 = time.perf_counter()
         gw, slow = start_pinned(stack, quotas, args.streams, "--split", split, "--compile-decode", "off",
-                                "--insecure-plaintext", gateway_core=args.gateway_core)
+                                "--insecure-plaintext", "--auto-rebalance", "off", gateway_core=args.gateway_core)
         ready_s = time.perf_counter() - t0
         if sorted(slow.done) != list(range(len(quotas))):
             raise SystemExit(f"only stages {sorted(slow.done)} were slowed at start")

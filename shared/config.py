@@ -235,12 +235,13 @@ class SchedulerConfig:
                                     "tokens either way): auto (while few sequences run, as long as the measured "
                                     "cost of their rows pays), on (at any load and cost: to measure or test them), "
                                     "off (a request's `prediction` still drafts)", choices=SPECULATION_MODES)
-    auto_rebalance: bool = knob(False, "re-split the pipeline live when its stages' measured times drift (a host "
+    auto_rebalance: bool = knob(True, "re-split the pipeline live when its stages' measured times drift (a host "
                                        "slows, a co-tenant appears): over each --rebalance-window the gateway "
                                        "measures every stage's busy time per micro-batch, and when two windows in a "
                                        "row each predict at least --rebalance-gain and move the split the same way, "
                                        "layers and their K/V move between neighbouring stages with no request failing (as "
-                                       "`stagemesh rebalance` does); off: the split changes only when asked")
+                                       "`stagemesh rebalance` does; a host that joins or leaves starts the "
+                                       "measuring afresh); off: the split changes only when asked (a pinned split)")
     rebalance_window_s: float = knob(30.0, "--auto-rebalance's measuring window; it waits at least two after a "
                                            "re-split (or a refused one) before the next", unit="seconds")
     rebalance_gain: float = knob(1.15, "--auto-rebalance moves layers only for at least this predicted speed-up of "

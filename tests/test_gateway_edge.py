@@ -102,7 +102,7 @@ async def test_a_client_with_the_api_key_cannot_resplit_the_mesh(edge):
 def test_the_operator_key_alone_resplits_the_mesh_and_rebalance_sends_it(tmp_path, monkeypatch):
     monkeypatch.setenv("STAGEMESH_API_KEY", "client-key")
     monkeypatch.setenv("STAGEMESH_OPERATOR_KEY", "operator-key")
-    gw = start_up(2, None, str(tmp_path), "--compile-decode", "off")
+    gw = start_up(2, None, str(tmp_path), "--compile-decode", "off", "--auto-rebalance", "off")
     try:
         def resplit(key: str | None, split: str) -> tuple[int, dict]:
             headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}

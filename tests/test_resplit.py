@@ -300,7 +300,7 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
 
     from services.testing.harness import start_up
 
-    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant")
+    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant", "--auto-rebalance", "off")
     try:
         assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 15], [15, 30]]
         reference, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
@@ -394,7 +394,7 @@ async def test_a_stage_killed_in_a_resplit_leaves_one_split_and_no_request_fails
     )
 
     monkeypatch.setenv(HOLD_ENV, hold_everywhere())
-    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant")
+    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant", "--auto-rebalance", "off")
     try:
         reference, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
         # (split asked, phase, victim, the split the mesh must end in)
@@ -591,7 +591,7 @@ async def test_auto_rebalance_moves_a_lopsided_split_while_streams_run(tmp_path)
 
     from services.testing.harness import start_up
 
-    gw = start_up(2, "float32", str(tmp_path), "--split", "27", "--batch-invariant", "--auto-rebalance",
+    gw = start_up(2, "float32", str(tmp_path), "--split", "27", "--batch-invariant", "--auto-rebalance", "on",
                   "--rebalance-window", "2", "--rebalance-gain", "1.1")
     try:
         auto = 0.0

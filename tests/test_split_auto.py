@@ -108,7 +108,7 @@ def _auto_up(tmp_path, name: str, quota: dict[int, float], stack):
     logs.mkdir()
     slow = SlowStages(stack, cores={0: 0, 1: 1}, quota=quota, gateway_core=1)
     gw = start_up(2, None, str(logs), "--split", "auto", "--compile-decode", "off", "--threads-alone", "1",
-                  "--kv-slots", "8", "--insecure-plaintext", while_starting=slow)
+                  "--kv-slots", "8", "--insecure-plaintext", "--auto-rebalance", "off", while_starting=slow)
     stack.callback(gw.stop)
     assert sorted(slow.done) == [0, 1]
     ready_at = time.time()
