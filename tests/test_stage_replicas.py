@@ -178,3 +178,153 @@ def test_the_scheduler_forms_micro_batches_per_chain_and_a_lost_instance_replays
     assert [r.chain for r in reqs] == [("s1",), None, ("s1",), None]
     assert [r.replay_due for r in reqs] == [False, True, False, True]  # ... and only its sequences replay
     assert all(sched.inflight[mb.mb_id] for mb in plan.batches if mb.route == ("s1",))
+
+
+def test_a_replica_goes_to_the_slowest_range_after_the_first_and_status_draws_it():
+    from services.cli.status import replica_lines
+    from services.gateway.engine.replica_joins import place_replica
+
+    # stage 1 (15:30 + a 2-layer head) at 2 ms a layer is the bottleneck: 34 ms; a replica as fast halves it to 17,
+    # so stage 0 (15 ms) bounds the step: 34 / 17 = 2.0
+    p = place_replica([(0, 15), (15, 30)], [1.0, 2.0], [1, 1], 2.0, 2.0, 30)
+    assert (p.range, p.layers, p.step_ms_now, p.step_ms_after) == (1, (15, 30), 34.0, 17.0)
+    assert p.predicted_gain == 2.0
+    assert place_replica([(0, 15), (15, 30)], [9.0, 1.0], [1, 1], 1.0, 2.0, 30).predicted_gain == 1.0  # stage 0's
+    assert place_replica([(0, 15), (15, 30)], [1.0, 2.0], [1, 1], 2.0, 2.0, 10) is None  # holds no whole range
+    table = _table(ms=(10.0, 12.5))
+    table.bind("q0", ("r1",))
+    lines = replica_lines({"instances": table.view()})
+    assert lines[0] == "stage 1 (15:30) has 2 processes:"
+    assert "s1 http://b (primary: 0 sequences, 10.0 ms/mb)" in lines[1] and lines[1].lstrip().startswith("├─")
+    assert "r1 http://c (replica: 1 sequences, 12.5 ms/mb)" in lines[2] and lines[2].lstrip().startswith("└─")
+    assert replica_lines({"instances": None}) == []
+
+
+# ---- real processes --------------------------------------------------------------------------------------------------
+
+TOKEN = "replica-token-for-the-tests-0123456789"
+STREAMS = 4
+MAX_TOKENS = 48
+PROMPT = "Log {i}: the lighthouse keeper wrote that the storm"
+
+
+def _get(url: str):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        body = r.read()
+    return json.loads(body) if body[:1] in (b"{", b"[") else body.decode()
+
+
+def _replayed(gw_url: str) -> float:
+    text = _get(gw_url + "/metrics")
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("stagemesh_gateway_replayed_sequences_total"))
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """A 2-stage mesh (CURVE, float32, --batch-invariant) behind a gateway with a join token."""
+    import os
+    import subprocess
+
+    from services.process.launch import free_ports, start_mesh
+    from services.testing.harness import RunningGateway, wait_http
+    from tests.conftest import stagemesh_cmd
+
+    log_dir = str(tmp_path_factory.mktemp("replicas"))
+    mesh = start_mesh("smollm2", 2, dtype="float32", log_dir=log_dir,
+                      extra=["--batch-invariant", "--compile-decode", "off"])
+    port, = free_ports(1)
+    log_path = os.path.join(log_dir, "gateway.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
+                                              "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
+                                              "--keys", mesh.keys_dir, "--join-token", TOKEN),
+                                stdout=log, stderr=subprocess.STDOUT)
+    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
+    joiners: list = []
+    try:
+        wait_http(gw.url + "/ready", 120)
+        yield mesh, gw, log_dir, joiners
+    finally:
+        for j in joiners:
+            if j.poll() is None:
+                j.kill()
+        gw.stop()
+        mesh.stop()
+
+
+def _join_replica(gw_url: str, log_dir: str, joiners: list):
+    import os
+    import subprocess
+
+    from tests.conftest import stagemesh_cmd
+
+    path = os.path.join(log_dir, f"replica{len(joiners)}.log")
+    with open(path, "w") as log:
+        proc = subprocess.Popen(stagemesh_cmd("join", gw_url, "--token", TOKEN, "--model", "smollm2", "--dtype",
+                                              "float32", "--batch-invariant", "--compile-decode", "off", "--listen",
+                                              "tcp://127.0.0.1:0", "--http", "127.0.0.1:0", "--as", "replica"),
+                                stdout=log, stderr=subprocess.STDOUT)
+    joiners.append(proc)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        members = _get(gw_url + "/v1/mesh/members")
+        if members["replicas"]:
+            (replica,) = members["replicas"].values()
+            return proc, path, replica
+        assert proc.poll() is None, open(path).read()
+        time.sleep(0.5)
+    raise AssertionError(open(path).read())
+
+
+@pytest.mark.processes
+async def test_a_replica_joins_both_serve_and_each_sequence_keeps_its_chain_and_a_killed_one_replays_only_its_own(
+        replicated):
+    import asyncio
+    import os
+    import re
+    import signal
+
+    from services.testing.harness import seeded_streams
+
+    mesh, gw, log_dir, joiners = replicated
+
+    async def streams(on_token=None):
+        return await asyncio.wait_for(seeded_streams(gw.url, PROMPT, 900, STREAMS, MAX_TOKENS, on_token), 600)
+
+    reference = await streams()  # one chain: no replica yet
+    primary_url = mesh.stage_urls[1]
+    proc, path, replica = await asyncio.to_thread(_join_replica, gw.url, log_dir, joiners)
+    assert replica["layers"] == _get(primary_url + "/info")["layers"]
+    before = {u: _get(u + "/info")["microbatches"] for u in (primary_url, replica["url"])}
+    replayed0 = _replayed(gw.url)
+    assert await streams() == reference  # both chains: every text the one-chain run's
+    infos = {u: _get(u + "/info") for u in (primary_url, replica["url"])}
+    assert all(infos[u]["microbatches"] > before[u] for u in before), (before, infos)  # both served
+    # every micro-batch went through one of them (their ids disjoint), and no sequence replayed: a decode sent to the
+    # instance that does not hold its K/V would have come back unknown_sequence and replayed
+    assert not set(infos[primary_url]["recent_mb_in"]) & set(infos[replica["url"]]["recent_mb_in"])
+    assert _replayed(gw.url) == replayed0
+
+    # SIGKILL the replica mid-stream: only the sequences bound to it replay, every text stays the reference's
+    killed = asyncio.get_running_loop().create_future()
+
+    def kill_midway(least: int) -> None:
+        if least >= MAX_TOKENS // 4 and not killed.done():
+            os.kill(proc.pid, signal.SIGKILL)
+            killed.set_result(time.time())
+
+    texts = await streams(kill_midway)
+    assert texts == reference
+    log_text = open(gw.log_path).read()
+    lost = re.findall(r"instance \S+ lost \(.*?\): (\d+) sequences replay", log_text)
+    assert len(lost) == 1, log_text[-3000:]
+    bound = int(lost[0])
+    assert 0 < bound < STREAMS, bound  # its own, not the others'
+    assert _replayed(gw.url) - replayed0 == bound
+    members = _get(gw.url + "/v1/mesh/members")
+    assert not members["replicas"] and any(e["event"] == "lost" for e in members["events"]), members
+    assert await streams() == reference  # one chain again

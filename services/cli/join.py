@@ -53,8 +53,10 @@ def register(sub) -> None:
     p.add_argument("--advertise", default=None, metavar="HOST",
                    help="the address the gateway and the other stages reach this host at (default: the one this "
                         "host reaches the gateway from)")
-    p.add_argument("--as", dest="join_as", choices=["stage"], default=None,
-                   help="stage: join as a new stage even if the gateway predicts no gain")
+    p.add_argument("--as", dest="join_as", choices=["stage", "replica"], default=None,
+                   help="stage: join as a new stage even if the gateway predicts no gain; replica: serve a range the "
+                        "mesh has, beside its process (the slowest after the first); default: the gateway's "
+                        "prediction picks")
     p.add_argument("--insecure-plaintext", action="store_true",
                    help="no CURVE key (only for a gateway started with --insecure-plaintext)")
     p.set_defaults(func=later("services.cli.join:cmd_join", check=_check))
@@ -211,7 +213,8 @@ def cmd_join(args) -> int:
             stop.set()
             return
         joined.update(answer)
-        print(f"stagemesh join: serving layers {layers} as stage {answer['place']} of {answer['stages']} "
+        role = f"a replica of stage {answer['place']}" if place.get("replica") else f"stage {answer['place']}"
+        print(f"stagemesh join: serving layers {layers} as {role} of {answer['stages']} "
               f"({time.perf_counter() - t_exec:.1f} s after start; the mesh paused {answer['pause_s'] * 1e3:.0f} ms)",
               flush=True)
 

@@ -106,6 +106,23 @@ def _pipelines_table(pipelines: list[dict]):
     return t
 
 
+def replica_lines(p: dict, prefix: str = "") -> list[str]:
+    """A pipeline's replicated ranges drawn as a graph: a range with several stage processes, each with its
+    sequences and measured ms per micro-batch ([] in a mesh without replicas)."""
+    out = []
+    for i, instances in enumerate(p.get("instances") or []):
+        if len(instances) < 2:
+            continue
+        a, b = instances[0]["layers"]
+        out.append(f"{prefix}stage {i} ({a}:{b}) has {len(instances)} processes:")
+        for n, inst in enumerate(instances):
+            ms = "–" if inst["ms_per_micro_batch"] is None else f"{inst['ms_per_micro_batch']:.1f} ms/mb"
+            branch = "└─" if n == len(instances) - 1 else "├─"
+            out.append(f"  {branch} {inst['id']} {inst['url']} ({'primary' if inst['primary'] else 'replica'}: "
+                       f"{inst['sequences']} sequences, {ms})")
+    return out
+
+
 def _fmt(x, unit: str = "", digits: int = 1) -> str:
     return "–" if x is None else f"{x:.{digits}f}{unit}"
 
@@ -176,6 +193,7 @@ def render(snap: dict, width: int = WIDE):
         lines += [f"speculation {sp['mode']}: {sp['accepted']}/{sp['drafted']} drafted tokens stood ({_fmt(rate, '%', 0)})",
                   f"  {_fmt(sp['tokens_per_pass'], ' tokens a pass', 2)} · drafting {_fmt(sp['draft_ms'], ' ms', 0)}"]
     for p in pipelines:
+        lines += replica_lines(p, f"pipeline {p['name']}: " if many else "")
         if p.get("split_auto"):  # --split auto: the split chosen at start and the prediction it came from
             lines.append((f"pipeline {p['name']}: " if many else "") + p["split_auto"]["summary"])
         for r in (p.get("replacements") or [])[-2:]:  # the last stage processes handed a place

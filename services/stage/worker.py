@@ -262,6 +262,9 @@ class StageWorker:
         hops = [(h["id"], h["address"], h["key"].encode() if h["key"] else None) for h in msg.hops
                 if h["layers"][0] == mine.stop]
         self.io.transport.set_hops(hops)
+        # the instances of the range before this one send here too (a replica of it joined)
+        self.io.transport.also_accept(tuple(h["key"].encode() for h in msg.hops
+                                            if h["key"] and h["layers"][1] == mine.start))
         msg.report.append({"stage": self.identity.index if self.identity.index is not None else -1,
                            "hops": len(hops)})
         log.info("%s sends to %d instances of the next range by route: %s", self.identity.name, len(hops),

@@ -312,6 +312,14 @@ class ZmqTransport:
         peer.key, peer.name, peer.also = upstream, name, frozenset(k for k in also if k)
         self.keys = dataclasses.replace(self.keys, accept=upstream, accept_name=name)
 
+    def also_accept(self, keys: tuple[bytes | None, ...]) -> None:
+        """Let these keys in on the receiver as well, from now on (the instances of the range before this one: a
+        replica of it joined). Plaintext (no keys) has nothing to change."""
+        if self.keys is None or self._domain is None:
+            return
+        peer = Zap.peer(self.ctx, self._domain)
+        peer.also = peer.also | frozenset(k for k in keys if k)
+
     async def watch_handshakes(self) -> None:
         """Count failed handshakes on both sockets (socket monitor events) until cancelled: without this a hop whose
         peer holds another key set is a silent black hole. An inbound failure that ZAP did not cause (ZAP counts its

@@ -20,10 +20,12 @@ import contextlib
 from aiohttp import web
 
 from services.gateway.engine.membership import JoinError, Membership, digest, mac
-from services.gateway.frontend.frontend import json_body
+from services.gateway.engine.replica_joins import ReplicaJoins
+from services.gateway.frontend.frontend import GATEWAY, json_body
 from services.gateway.frontend.schemas import RequestError
 
 MEMBERSHIP = web.AppKey("membership", Membership)
+REPLICAS = web.AppKey("replica_joins", ReplicaJoins)  # joiners placed as replicas of a stage (--as replica)
 
 
 def _refusal(e: JoinError) -> web.Response:
@@ -62,10 +64,18 @@ async def join(request: web.Request) -> web.Response:
         if not isinstance(report, dict) or not (key is None or isinstance(key, str)):
             raise JoinError("join refused: no valid proof of the join token", 401)
         nonce = m.check_proof(body["nonce"], body["proof"], "join", str(body["nonce"]), key or "", digest(report))
-        if body.get("as") not in (None, "stage"):
-            raise JoinError(f"as {body.get('as')!r}: a joiner joins as a new stage (\"stage\"); replicas are not "
-                            "served yet")
-        return web.json_response(m.answer(nonce, m.place(nonce, report, key, body.get("as") == "stage",
+        role = body.get("as")
+        if role not in (None, "stage", "replica"):
+            raise JoinError(f"as {role!r}: a joiner joins as a new stage (\"stage\") or a replica of one "
+                            "(\"replica\")")
+        replicas = request.app[REPLICAS]
+        if role == "replica" or (role is None and replicas.prefers(report)):
+            return web.json_response(m.answer(nonce, await replicas.place(nonce, report, key, role == "replica",
+                                                                          request.url.host)))
+        if replicas.table.replicated:
+            raise JoinError("the mesh has replicas of a stage: a new stage re-splits one process per range; join "
+                            "with --as replica, or let the replicas leave first", 409)
+        return web.json_response(m.answer(nonce, m.place(nonce, report, key, role == "stage",
                                                          request.url.host)))
     except JoinError as e:
         return _refusal(e)
@@ -85,6 +95,9 @@ async def _proven(request: web.Request, what: str) -> tuple[Membership, str, str
 async def ready(request: web.Request) -> web.Response:
     try:
         m, join_id, nonce = await _proven(request, "ready")
+        replicas = request.app[REPLICAS]
+        if join_id in replicas.joins:
+            return web.json_response(m.answer(nonce, await replicas.ready(join_id)))
         return web.json_response(m.answer(nonce, await m.ready(join_id)))
     except JoinError as e:
         return _refusal(e)
@@ -93,6 +106,9 @@ async def ready(request: web.Request) -> web.Response:
 async def leave(request: web.Request) -> web.Response:
     try:
         m, join_id, nonce = await _proven(request, "leave")
+        replicas = request.app[REPLICAS]
+        if join_id in replicas.joined:
+            return web.json_response(m.answer(nonce, await replicas.leave(join_id)))
         return web.json_response(m.answer(nonce, await m.leave(join_id)))
     except JoinError as e:
         return _refusal(e)
@@ -101,19 +117,22 @@ async def leave(request: web.Request) -> web.Response:
 async def members(request: web.Request) -> web.Response:
     """GET /v1/mesh/members: the joined stages, the joiners placed and not yet ready, and the last joins, leaves and
     losses (under /v1/: the API key's, as /v1/mesh)."""
-    return web.json_response(request.app[MEMBERSHIP].info())
+    return web.json_response({**request.app[MEMBERSHIP].info(), **request.app[REPLICAS].info()})
 
 
 def add_join_api(app: web.Application, membership: Membership) -> None:
     """Routes and the watch task of the join endpoints (make_app calls it when the gateway has a join token)."""
     app[MEMBERSHIP] = membership
+    app[REPLICAS] = ReplicaJoins(membership, app[GATEWAY].replicas.all[0].engine)
 
     async def watching(app: web.Application):
-        task = asyncio.create_task(app[MEMBERSHIP].watch(), name="membership-watch")
+        tasks = [asyncio.create_task(app[MEMBERSHIP].watch(), name="membership-watch"),
+                 asyncio.create_task(app[REPLICAS].watch(), name="replica-watch")]
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     app.cleanup_ctx.append(watching)
     app.router.add_post("/join/hello", hello)

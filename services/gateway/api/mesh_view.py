@@ -189,6 +189,9 @@ class MeshView:
             "kv_used_ratio": round(replica.kv_used_ratio(), 4),
             "routed": replica.routed_total, "handed_off": replica.handed_off,
             "prefix_cache": sched.prefix.info() if sched.prefix is not None else None, "stages": stages,
+            # replicas of a stage: per range, every stage process serving it (services/gateway/engine/chains.py);
+            # None in a mesh without replicas
+            "instances": sched.chains.view() if sched.chains.replicated else None,
         }
 
     def _stage(self, name: str, i: int, url: str, replaying: int, labelled: bool = False) -> dict:

@@ -29,7 +29,7 @@ from shared.wire.stage_info import StageInfo
 class Instance:
     """One stage process serving a range."""
 
-    id: str  # its incarnation: what a route names
+    id: str  # what a route names: its incarnation (a primary), or the gateway's name for it (a replica: r-<join id>)
     url: str  # its HTTP endpoint (/info)
     layers: tuple[int, int]
     address: str  # its input address, as its upstream reaches it
@@ -38,6 +38,7 @@ class Instance:
     join_id: str | None = None  # a replica's join
     ms_per_mb: float | None = None  # measured: busy seconds over micro-batches computed, from its last /info
     bound: set[str] = field(default_factory=set)  # the running sequences whose chain names it
+    incarnation: str = ""  # its process's, once it answered /info (a restart is a new process: a loss)
 
     def wire(self) -> dict:
         return {"id": self.id, "layers": list(self.layers), "address": self.address, "key": self.key}

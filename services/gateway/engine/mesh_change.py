@@ -77,7 +77,8 @@ class MeshChange:
                 and len(self.pipeline.stages) == len(self.pipeline.infos):
             self.start_split.state = "moving"
             self._splitting = asyncio.create_task(self._split_by_measurement(), name="split-auto")
-        if self.balancer is not None and not self.resplitting and self.split_settled:
+        if self.balancer is not None and not self.resplitting and self.split_settled \
+                and not self.scheduler.chains.replicated:  # (a re-split moves one process per range)
             self._maybe_rebalance()
 
     # ---- the live re-split ----------------------------------------------------------------------------------------
@@ -93,6 +94,10 @@ class MeshChange:
         running or the pipeline is not ready (409), a stage refused or did not answer (503: the mesh keeps its split;
         after an unconfirmed commit the pipeline's KV state counts as lost and the running requests are replayed)."""
         pipe = self.pipeline
+        if self.scheduler.chains.replicated:
+            raise ResplitError("the mesh has replicas of a stage (services/gateway/engine/chains.py): a re-split moves "
+                               "the layers of one process per range; let the replicas leave first (stagemesh leave)",
+                               status=409)
         if self.resplitting or self._recommitting is not None:
             raise ResplitError("a re-split of this pipeline is already running (or its commit is being sent again "
                                "after a stage died in it); wait for it", status=409)

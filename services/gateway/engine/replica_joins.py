@@ -1,0 +1,344 @@
+"""A host that joins as a replica of a stage (`stagemesh join --as replica`, issue 68 item 3): it serves a range the
+pipeline already has, beside that range's process, and new sequences are bound to one of them (chains.py).
+
+The exchange is the join's own (Membership: the token's nonce and proof, every answer MAC'd); only the place differs.
+Placement: a replica of the slowest range after the first -- its predicted step time, the range's throughput the sum
+of its instances' (1 / t_i), against the new stage place_joiner would give (`predict`, for a join that names no
+role: the better of the two). Ready: its /info is checked (layers, key) and admissions may bind sequences to it; nothing pauses, no K/V moves,
+no running sequence replays.
+The stages learn a replica when it is placed, before it starts (a receiver refuses a key it was not told of, and a
+sender refused once does not dial again): the hops phase names it by an instance id the gateway gives (r-<join id>),
+stage i-1 dials its address (ZeroMQ retries until it listens), stage i+1 -- or the gateway's result socket -- lets
+its key in; it is bound to no sequence until it is ready. Leave and loss: it leaves the table first (no new sequence is bound to it), the sequences bound to it replay from
+their token histories on the living instances (Engine.instance_lost), the others stream on; a "hops" phase without it
+closes the stage's socket to it. A replica that stops answering its /info is noticed within WATCH_S * LOST_AFTER.
+Limits: the first range takes no replicas, and while any replica exists the split stays (re-splits and joins as a
+new stage are refused 409: they move one process per range)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from services.gateway.engine.chains import Instance, ms_per_micro_batch
+from services.gateway.engine.core import Engine
+from services.gateway.engine.membership import (
+    LOST_AFTER,
+    MIN_JOIN_GAIN,
+    WATCH_S,
+    JoinError,
+    Membership,
+    per_layer_ms,
+    place_joiner,
+    receive_key,
+    result_address,
+)
+from shared.wire.protocol import Resplit
+from shared.wire.stage_info import StageInfo
+
+log = logging.getLogger("stagemesh.gateway.replicas")
+
+HOPS_S = 10.0  # a hops phase's round trip at most
+READY_S = 180.0  # a placed replica that is not ready within this long is dropped (unless the join sets its own)
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    range: int  # the range's index in the pipeline
+    layers: tuple[int, int]
+    step_ms_now: float
+    step_ms_after: float
+
+    @property
+    def predicted_gain(self) -> float:
+        return self.step_ms_now / self.step_ms_after if self.step_ms_after > 0 else 1.0
+
+
+def place_replica(split: list[tuple[int, int]], ms_per_layer: list[float], instances: list[int], joiner_ms: float,
+                  head_layers: float, max_layers: int) -> ReplicaPlacement | None:
+    """A replica of the range (after the first, within `max_layers`) whose extra instance lowers the predicted step
+    time most: a range's time is its layers' cost (the last range's lm_head as `head_layers` more layers) over its
+    instances, each adding 1 / t of throughput (`instances[i]`: range i's now, each as fast as its primary); the step
+    is the slowest range's. None when no range fits."""
+    n = split[-1][1]
+
+    def cost(rng: tuple[int, int], ms: float) -> float:
+        return ms * (rng[1] - rng[0] + (head_layers if rng[1] == n else 0.0))
+
+    times = [cost(r, ms) / k for r, ms, k in zip(split, ms_per_layer, instances)]
+    now = max(times)
+    best = None
+    for i, (rng, ms, k) in enumerate(zip(split, ms_per_layer, instances)):
+        if i == 0 or rng[1] - rng[0] > max_layers:
+            continue
+        after_i = 1.0 / (k / cost(rng, ms) + 1.0 / cost(rng, joiner_ms))
+        after = max(after_i if j == i else t for j, t in enumerate(times))
+        if best is None or after < best.step_ms_after - 1e-9:
+            best = ReplicaPlacement(i, rng, now, after)
+    return best
+
+
+@dataclass
+class ReplicaJoin:
+    id: str
+    url: str
+    address: str
+    key: str | None
+    placement: ReplicaPlacement
+    deadline: float
+
+    @property
+    def instance(self) -> Instance:
+        """What the stages know it as from its placement on (its id the gateway's: its incarnation is not known yet)."""
+        return Instance(f"r-{self.id}", self.url, self.placement.layers, self.address, self.key, join_id=self.id)
+
+
+class ReplicaJoins:
+    """The replicas of one pipeline's stages: placed, joined, left or lost (`membership`: the join exchange and its
+    log; `engine`: the pipeline's engine, whose scheduler holds the ChainTable)."""
+
+    def __init__(self, membership: Membership, engine: Engine):
+        self.membership = membership
+        self.engine = engine
+        self.joins: dict[str, ReplicaJoin] = {}  # placed, not yet ready
+        self.joined: dict[str, Instance] = {}  # join id -> the instance it became
+        self._failures: dict[str, int] = {}
+        self._lock = asyncio.Lock()
+
+    @property
+    def ready_s(self) -> float:
+        """A placed replica not ready within this long is dropped: the join's own bound (--join-ready-timeout)."""
+        return getattr(self.membership, "ready_s", READY_S)
+
+    @property
+    def table(self):
+        return self.engine.scheduler.chains
+
+    @property
+    def pipeline(self):
+        return self.engine.pipeline
+
+    # ---- placement ----------------------------------------------------------------------------------------------
+
+    def predict(self, report: dict) -> tuple[ReplicaPlacement | None, float]:
+        """The replica's best placement and the gain a new stage would predict (place_joiner), for one report."""
+        pipe, members = self.pipeline, self.membership.members()
+        split = [m.layers for m in members]
+        joiner_ms = float(report.get("ms_per_layer") or 1.0)
+        ms = [per_layer_ms(info, joiner_ms) for info in pipe.stages]
+        per_layer, free = report.get("bytes_per_layer"), report.get("free_bytes")
+        max_layers = int(free // per_layer) if isinstance(per_layer, (int, float)) and per_layer > 0 \
+            and isinstance(free, (int, float)) else 0
+        counts = [1 + sum(1 for i in self.joined.values() if i.layers == r) for r in split]
+        replica = place_replica(split, ms, counts, joiner_ms, self.membership.head_layers, max_layers)
+        stage_gain = 0.0
+        if not self.table.replicated and max_layers >= 1:
+            with contextlib.suppress(JoinError):
+                stage_gain = place_joiner(split, ms, joiner_ms, self.membership.head_layers, max_layers).predicted_gain
+        return replica, stage_gain
+
+    def prefers(self, report: dict) -> bool:
+        """A join that names no role: True when a replica predicts more than a new stage would (and enough)."""
+        placement, stage_gain = self.predict(report)
+        return placement is not None and placement.predicted_gain > max(MIN_JOIN_GAIN, stage_gain)
+
+    async def place(self, nonce: str, report: dict, key: str | None, force: bool, gateway_host: str) -> dict:
+        """A proven joiner's place as a replica (force: asked for with --as replica, whatever the prediction)."""
+        pipe = self.pipeline
+        if not pipe.ready or self.engine.mesh.resplitting:
+            raise JoinError(f"the mesh is not ready to change ({pipe.problem or 'a re-split is running'}); join "
+                            "again once it is", 409)
+        why = refusal(pipe, report, key)
+        if why is not None:
+            raise JoinError(f"join refused: {why}")
+        placement, stage_gain = self.predict(report)
+        if placement is None:
+            raise JoinError("join refused: no range after the first fits the joiner's memory (a replica holds a "
+                            "whole range; the first range takes none): give it more memory (--memory-budget)")
+        if not force and placement.predicted_gain < max(MIN_JOIN_GAIN, stage_gain):
+            raise JoinError(f"a replica of layers {placement.layers[0]}:{placement.layers[1]} predicts "
+                            f"{placement.predicted_gain:.2f}x (a new stage {stage_gain:.2f}x): join with --as replica "
+                            "to join anyway")
+        members = self.membership.members()
+        i = placement.range
+        upstream = members[i - 1].key
+        if i + 1 < len(members):
+            onward = {"address": members[i + 1].address, "key": members[i + 1].key}
+        else:
+            onward = {"address": result_address(pipe.result_listen, gateway_host), "key": receive_key(pipe)}
+        join = ReplicaJoin(secrets.token_hex(8), str(report.get("url")), str(report.get("address")), key, placement,
+                           time.monotonic() + self.ready_s)
+        async with self._lock:
+            self._follow()
+            if i + 1 == len(members) and pipe.client is not None and key:  # its results come to the gateway
+                pipe.client.transport.also_accept((key.encode(),))
+            self.joins[join.id] = join
+            try:
+                await self._hops(self._known())
+            except JoinError:
+                self.joins.pop(join.id, None)
+                raise
+        self.membership.log.add(event="placed", join=join.id, url=join.url, layers=list(placement.layers),
+                                replica_of=i, predicted_gain=round(placement.predicted_gain, 3))
+        log.warning("join %s (%s) placed as a replica of range %d (layers %d:%d): predicted %.2fx", join.id, join.url,
+                    i, *placement.layers, placement.predicted_gain)
+        return {"id": join.id, "layers": list(placement.layers), "place": i, "num_layers": pipe.num_layers,
+                "upstream_key": upstream, "upstream_before_key": None, "next": onward, "replica": True,
+                "predicted_gain": round(placement.predicted_gain, 4), "ready_within_s": self.ready_s}
+
+    # ---- ready, leave, loss -----------------------------------------------------------------------------------------
+
+    async def ready(self, join_id: str) -> dict:
+        """The replica loaded its range and serves /ready: the stages learn it (hops); new sequences may use it."""
+        join = self.joins.pop(join_id, None)
+        if join is None:
+            raise JoinError(f"join {join_id} is not waiting to be ready (dropped, done or never placed): join again",
+                            410)
+        async with self._lock:
+            t0 = time.perf_counter()
+            pipe = self.pipeline
+            info = await pipe.fetch_info(join.url)
+            if not isinstance(info, StageInfo):
+                raise JoinError(f"the joiner's {join.url}/info does not answer: {info}")
+            if tuple(info.layers) != join.placement.layers or (info.keys or {}).get("public") != join.key:
+                raise JoinError(f"the stage at {join.url} serves layers {info.layers[0]}:{info.layers[1]} with key "
+                                f"{(info.keys or {}).get('public')}, not what join {join.id} was given")
+            self._follow()
+            if [r[0].layers for r in self.table.ranges][join.placement.range] != join.placement.layers:
+                raise JoinError("the mesh's split changed since the join was placed: join again", 409)
+            replica = join.instance
+            replica.incarnation = info.incarnation
+            self.table.add(replica)
+            self.joined[join.id] = replica
+            took = time.perf_counter() - t0
+            self.membership.log.add(event="joined", join=join.id, url=join.url, layers=list(replica.layers),
+                                    replica_of=join.placement.range, took_s=round(took, 3), pause_s=0.0)
+            log.warning("%s: a replica of range %d (layers %d:%d) serves at %s (instance %s), %.2f s", pipe.label,
+                        join.placement.range, *replica.layers, join.url, replica.id, took)
+            return {"id": join.id, "place": join.placement.range, "layers": list(replica.layers),
+                    "stages": len(self.table.ranges), "replicas": len(self.table.ranges[join.placement.range]) - 1,
+                    "took_s": round(took, 3), "pause_s": 0.0}
+
+    async def leave(self, join_id: str, alive: bool = True) -> dict:
+        """The replica `join_id` leaves (alive) or was lost: no new sequence is bound to it, those bound replay on
+        the living instances, and the stages forget it."""
+        replica = self.joined.pop(join_id, None)
+        if replica is None:
+            raise JoinError(f"join {join_id} is not a replica of the mesh", 410)
+        async with self._lock:
+            self.table.remove(replica.id)
+            replayed = self.engine.instance_lost(replica.id, f"replica {replica.url} {'left' if alive else 'lost'}")
+            with contextlib.suppress(JoinError):  # (a pipeline that lost a stage too: its next check covers that)
+                await self._hops(self._known())
+            self.membership.log.add(event="left" if alive else "lost", join=join_id, url=replica.url,
+                                    layers=list(replica.layers), replayed=replayed)
+            return {"id": join_id, "stages": len(self.table.ranges), "replayed": replayed}
+
+    def _known(self) -> list[dict]:
+        """What the stages are to know: every instance of the ranges after the first, and the replicas placed and
+        not yet ready (none at all without replicas: a stage then sends by its one next hop)."""
+        placed = [j.instance.wire() for j in self.joins.values()]
+        if not placed and not self.table.replicated:
+            return []
+        return [*(i.wire() for r in self.table.ranges[1:] for i in r), *placed]
+
+    def _follow(self) -> None:
+        """The table's primaries: the pipeline's stages now, with their measured ms per micro-batch."""
+        members = self.membership.members()
+        self.table.follow([Instance(m.incarnation, m.url, m.layers, m.address, m.key, primary=True,
+                                    ms_per_mb=ms_per_micro_batch(info))
+                           for m, info in zip(members, self.pipeline.stages)])
+
+    async def _hops(self, hops: list[dict]) -> Resplit:
+        """One hops phase along the primary chain, its answer (JoinError when refused or not back in HOPS_S)."""
+        client = self.pipeline.client
+        if client is None:
+            raise JoinError("the pipeline has no client (not ready)", 409)
+        split = [r[0].layers for r in self.table.ranges] or [m.layers for m in self.membership.members()]
+        try:
+            answer = await asyncio.wait_for(client.resplit(Resplit(client.next_rid(), "hops", split, split,
+                                                                   hops=hops)), HOPS_S)
+        except TimeoutError:
+            raise JoinError(f"the hops phase did not come back within {HOPS_S:g} s", 503) from None
+        if answer.error is not None:
+            raise JoinError(f"the hops phase was refused: {answer.error}", 503)
+        return answer
+
+    # ---- watching ---------------------------------------------------------------------------------------------------
+
+    async def watch(self) -> None:
+        """Until cancelled: drop replicas placed and not ready in time, keep each instance's measured speed, and
+        cover a replica that stopped answering (LOST_AFTER polls WATCH_S apart; a refused connection at once)."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            try:
+                await self._watch_once()
+            except Exception:
+                log.exception("replica watch failed")
+
+    async def _watch_once(self) -> None:
+        now = time.monotonic()
+        dropped = [j for j in self.joins.values() if j.deadline < now]
+        for join in dropped:
+            self.joins.pop(join.id, None)
+            self.membership.log.add(event="dropped", join=join.id, url=join.url,
+                                    error=f"not ready within {self.ready_s:g} s")
+        if dropped:
+            async with self._lock:
+                await self._hops(self._known())  # the stages forget it
+        if not self.joined or self._lock.locked():
+            return
+        for info, inst in zip(self.pipeline.stages, [r[0] for r in self.table.ranges]):
+            if info.incarnation == inst.id:
+                inst.ms_per_mb = ms_per_micro_batch(info) or inst.ms_per_mb
+        for join_id, replica in list(self.joined.items()):
+            info = await self.pipeline.fetch_info(replica.url)
+            if isinstance(info, StageInfo) and info.incarnation == replica.incarnation:
+                self._failures.pop(join_id, None)
+                replica.ms_per_mb = ms_per_micro_batch(info) or replica.ms_per_mb
+                continue
+            refused = isinstance(info, str) and ("Connect" in info or "refused" in info)
+            n = self._failures[join_id] = self._failures.get(join_id, 0) + (LOST_AFTER if refused else 1)
+            if n >= LOST_AFTER:
+                self._failures.pop(join_id, None)
+                log.warning("replica %s (%s) lost: %s; its sequences replay on the others", join_id, replica.url,
+                            info)
+                self.membership.log.add(event="noticed", join=join_id, url=replica.url, error=str(info)[:200])
+                await self.leave(join_id, alive=False)
+
+    def info(self) -> dict:
+        """/v1/mesh's view: every instance of every range (none listed beyond the pipeline's stages without
+        replicas)."""
+        return {"instances": self.table.view(),
+                "replicas": {j: {"url": i.url, "layers": list(i.layers), "id": i.id} for j, i in self.joined.items()}}
+
+
+def refusal(pipe, report: dict, key: str | None) -> str | None:
+    """Why a joiner's report does not fit the mesh (its model file, numerics, context, slots, CURVE), or None."""
+    like = pipe.stages[0]
+    problems = [
+        (report.get("fingerprint") != pipe.fingerprint,
+         f"its model file is another one (fingerprint {report.get('fingerprint')}, {report.get('model')}); the "
+         f"mesh serves {pipe.fingerprint} ({like.model}): give --model the mesh's file"),
+        (report.get("dtype") != like.dtype or bool(report.get("batch_invariant")) != like.batch_invariant,
+         f"it computes in {report.get('dtype')}{' batch-invariant' if report.get('batch_invariant') else ''}, the "
+         f"mesh in {like.dtype}{' batch-invariant' if like.batch_invariant else ''}: join with --dtype {like.dtype}"
+         f"{' --batch-invariant' if like.batch_invariant else ''}"),
+        (report.get("max_seq_len") != like.kv_max_seq_len,
+         f"it serves a context of {report.get('max_seq_len')} positions, the mesh {like.kv_max_seq_len}: join with "
+         f"--max-seq-len {like.kv_max_seq_len}"),
+        (not isinstance(report.get("kv_slots"), int) or report["kv_slots"] < pipe.kv_slots,
+         f"it has {report.get('kv_slots')} KV slots, the mesh runs {pipe.kv_slots} sequences: join with --kv-slots "
+         f"{pipe.kv_slots}"),
+        ((key is None) != (pipe.keys is None),
+         "it " + ("has no CURVE key and the mesh uses CURVE" if key is None else
+                  "sends a CURVE key and the mesh is plaintext (--insecure-plaintext)")),
+    ]
+    return next((why for bad, why in problems if bad), None)
+
+
+__all__ = ["ReplicaJoins", "place_replica"]
