@@ -273,3 +273,47 @@ async def test_a_joiner_that_never_becomes_ready_is_dropped_without_pausing_anyo
         out = open(path).read()
         assert "410" in out and "not waiting to be ready" in out, out
         assert len(m.pipeline()["stages"]) == 1
+
+
+@pytest.mark.processes
+async def test_up_does_not_restart_its_stage_beside_a_joined_host_the_gateway_covers_its_loss(tmp_path):
+    """`up --stages 1 --join-token`: a host joins (2 stages), then up's own stage is SIGKILLed mid-stream. up does
+    not restart it with the flags it started with (its range and neighbours are no longer those, nor its neighbours'
+    keys up's): the gateway notices it and routes around it, the joined host taking every layer; no stream fails and
+    the texts are the undisturbed run's."""
+    from services.testing.harness import start_up
+
+    gw = start_up(1, "float32", str(tmp_path), "--batch-invariant", "--compile-decode", "off", "--join-token", TOKEN,
+                  "--auto-rebalance", "off")
+    m = Joinable(None, gw, str(tmp_path))
+    try:
+        reference = await _streams(gw.url)
+        proc, path = m.join("--as", "stage")
+        await asyncio.to_thread(m.wait_stages, 2)
+        own = gw.stage_pids()[0]
+        loop = asyncio.get_running_loop()
+        killed = loop.create_future()
+
+        def kill_midway(least: int) -> None:
+            if least >= MAX_TOKENS // 4 and not killed.done():
+                os.kill(own, signal.SIGKILL)
+                killed.set_result(time.time())
+
+        texts = await asyncio.wait_for(_streams(gw.url, kill_midway), 600)
+        assert texts == reference
+        assert await asyncio.to_thread(m.wait_stages, 1) == [[0, 30]]
+        await asyncio.sleep(2 * 0.25 + 1)  # several supervisor polls
+        assert 0 not in gw.stage_pids(), gw.stage_pids()  # not restarted
+        out = open(gw.log_path).read()
+        assert "stage 0 exited; not restarted" in out, out[-2000:]
+        events = json.loads(gw.get("/v1/mesh/members")[1])["events"]
+        assert [e["event"] for e in events if e["event"] in ("joined", "noticed", "lost")] == ["joined", "noticed",
+                                                                                              "lost"], events
+        assert await asyncio.wait_for(_streams(gw.url), 600) == reference  # served by the joined host alone
+        assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
+        assert proc.poll() is None
+    finally:
+        for j in m.joiners:
+            if j.poll() is None:
+                j.kill()
+        gw.stop()

@@ -119,3 +119,20 @@ def test_decode_notes_announce_each_change_once():
     assert decode_notes({0: "compiling, one sequence ready"}, {0: loaded}) == []
     failed = {"state": "failed", "error": "no C++ compiler"}
     assert "no C++ compiler" in decode_notes(states, {1: failed})[0]
+
+
+def test_up_restarts_a_stage_as_the_mesh_routes_it_now():
+    from services.cli.up import MeshNow, restart_ranges
+
+    local = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    # as started: every stage with its own flags
+    assert restart_ranges(local, MeshNow(local, None)) == ([None, None], {})
+    # a re-split (or hosts that joined and left) committed another split: a restart serves it
+    assert restart_ranges(local, MeshNow([u + "/" for u in local], ["0:20", "20:30"])) == (["0:20", "20:30"], {})
+    # a host joined beside them: neither is restarted in place (its neighbours' keys are the joiner's own)
+    joined = [local[0], "http://10.0.0.9:7000", local[1]]
+    ranges, skip = restart_ranges(local, MeshNow(joined, ["0:10", "10:20", "20:30"]))
+    assert ranges == [None, None] and set(skip) == set(local) and "routes around it" in skip[local[0]]
+    # the mesh routes around stage 0 now (its loss was covered): not restarted, and why
+    ranges, skip = restart_ranges(local, MeshNow(joined[1:], ["0:20", "20:30"]))
+    assert "no longer routes through it" in skip[local[0]] and "routes around" in skip[local[1]]

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.cli.flags import STAGE_FLAGS
@@ -296,21 +297,59 @@ def decode_notes(previous: dict[int, str], entries: dict[int, dict]) -> list[str
 DEAD_POLL_S = 0.25  # how often the supervisor looks for a stage process that exited (a poll of each child)
 
 
-async def _supervise(meshes: list[LocalMesh], splits: Callable[[int], list[str] | None] = lambda r: None,
+@dataclass(frozen=True)
+class MeshNow:
+    """A pipeline as the gateway routes it now: its stages' URLs in order and the split its last re-split or
+    membership change committed (None: none yet, the stages' own flags)."""
+
+    routed: list[str]
+    committed: list[str] | None
+
+
+def restart_ranges(local: list[str], now: MeshNow) -> tuple[list[str | None], dict[str, str]]:
+    """How `up` restarts its stage processes (at the URLs `local`, in the order it started them) in the mesh `now`:
+    each one's range (None: the one it has), and the ones not to restart in place, with why. While the gateway routes
+    through up's own stages alone, in their order, a restart serves the committed split (a re-split, or hosts that
+    joined and left, moved the layers: the first range would not fit its neighbours). Once hosts joined, a stage
+    beside them is not restarted in place: its neighbours' CURVE keys are the joined hosts' own, which a process of
+    up's key set does not hold; the gateway covers its loss (its layers go to a neighbour, services/gateway/engine/
+    membership.py). A stage the mesh no longer routes through is not restarted either."""
+    norm = [u.rstrip("/") for u in local]
+    routed = [u.rstrip("/") for u in now.routed]
+    if routed == norm:
+        ranges = now.committed if now.committed is not None and len(now.committed) == len(norm) else [None] * len(norm)
+        return list(ranges), {}
+    skip = {}
+    for url in norm:
+        skip[url] = ("the mesh no longer routes through it (its layers went to another stage)" if url not in routed
+                     else "hosts joined the mesh beside it: the gateway routes around it")
+    return [None] * len(norm), skip
+
+
+async def _supervise(meshes: list[LocalMesh], now: Callable[[int], MeshNow | None] = lambda r: None,
                      spares: SparePool | None = None) -> None:
-    """Restart a stage process that exits (with the layers a live re-split gave it: `splits(r)`, each stage's range
-    of pipeline r after its last re-split, None before any; a spare from `spares` takes its place where one
-    waits), and announce each stage's decode mode as it changes."""
+    """Restart a stage process that exits as the mesh now routes it (`now(r)`: pipeline r as the gateway routes it,
+    None: as up started it; restart_ranges says with which range, or why not; a spare from `spares` takes its place
+    where one waits), and announce each stage's decode mode as it changes."""
     states: list[dict[int, str]] = [{} for _ in meshes]
     watching, last_poll = True, 0.0
+    left: set[tuple[int, int]] = set()  # (pipeline, stage) not restarted, said once
     while True:
         await asyncio.sleep(DEAD_POLL_S)
         for r, mesh in enumerate(meshes):
             name = f"pipeline p{r} " if len(meshes) > 1 else ""
-            for stage, layers in zip(mesh.stages, splits(r) or ()):
-                stage.serve_layers(layers)
+            mesh_now = now(r)
+            ranges, skip = restart_ranges(mesh.stage_urls, mesh_now) if mesh_now is not None else ([], {})
+            for stage, layers in zip(mesh.stages, ranges):
+                if layers is not None:
+                    stage.serve_layers(layers)
+            for stage in mesh.stages:
+                why = skip.get(stage.url)
+                if why is not None and stage.proc.poll() is not None and (r, stage.index) not in left:
+                    left.add((r, stage.index))
+                    _say(f"{name}stage {stage.index} exited; not restarted: {why}")
             before = len(spares.taken) if spares is not None else 0
-            restarted = mesh.restart_dead(spares)
+            restarted = mesh.restart_dead(spares, keep=set(skip))
             by_spare = dict(spares.taken[before:]) if spares is not None else {}  # stage index -> the spare's pid
             for i in restarted:
                 how = f"spare pid {by_spare[i]} took its place" if i in by_spare else "restarted it"
@@ -356,10 +395,11 @@ async def _serve(app: web.Application, host: str, port: int, meshes: list[LocalM
         gw = app[GATEWAY]
         _say(ready_banner(host, port, len(meshes[0].stages), gw.config.model_id, len(meshes),
                           chat=gw.files.chat_template is not None))
-        def splits(r: int) -> list[str] | None:
-            committed = gw.replicas.all[r].engine.mesh.committed
-            return None if committed is None else [str(rng) for rng in committed]
+        def now(r: int) -> MeshNow:
+            engine = gw.replicas.all[r].engine
+            committed = engine.mesh.committed
+            return MeshNow(list(engine.pipeline.stage_urls), None if committed is None else [str(c) for c in committed])
 
-        await _supervise(meshes, splits, spares)
+        await _supervise(meshes, now, spares)
 
     await serve_until_signal(app, host, port, started)

@@ -106,13 +106,14 @@ class LocalMesh:
     def stage_urls(self) -> list[str]:
         return [s.url for s in self.stages]
 
-    def restart_dead(self, spares: SparePool | None = None) -> list[int]:
+    def restart_dead(self, spares: SparePool | None = None, keep: set[str] = frozenset()) -> list[int]:
         """Start again, with the same command and ports, every stage process that has exited (what a
-        StatefulSet does for a pod): a spare from `spares` takes its place where one is waiting, else a new process
-        starts. Returns the indices restarted (`spares.taken` says which a spare took)."""
+        StatefulSet does for a pod), but those whose URL is in `keep`: a spare from `spares` takes its place where
+        one is waiting, else a new process starts. Returns the indices restarted (`spares.taken` says which a spare
+        took)."""
         restarted = []
         for s in self.stages:
-            if s.proc.poll() is not None:
+            if s.proc.poll() is not None and s.url not in keep:
                 s.proc = (spares.take(s) if spares is not None else None) or s.spawn("a")
                 restarted.append(s.index)
         return restarted
