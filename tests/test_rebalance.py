@@ -39,6 +39,18 @@ def test_a_slower_stage_is_given_fewer_layers(smollm2_facts):
     assert balanced["predicted_gain"] >= 1.0
 
 
+def test_the_join_option_is_the_gateways_placement_of_a_host_like_a_stage(smollm2_facts):
+    """One stage of 30 layers at 1 ms a layer, its head 4 ms: a like host joins as a new stage at the tail and the
+    slowest stage goes from 34 to about half; stage 1 three times slower a layer: a host like stage 0 takes from it."""
+    from services.cli.rebalance import join_option
+
+    one = join_option(smollm2_facts, [StageTime(LayerRange(0, 30), 34.0, 4.0)])
+    assert one["giver"] == 0 and one["slowest_stage_ms_now"] == pytest.approx(34.0)
+    assert 1.8 < one["predicted_gain"] <= 2.0 and one["layers"].endswith(":30"), one  # the head stays on one host
+    two = join_option(smollm2_facts, [StageTime(LayerRange(0, 15), 15.0), StageTime(LayerRange(15, 30), 49.0, 4.0)])
+    assert two["like_stage"] == 0 and two["giver"] == 1 and two["predicted_gain"] > 1.5, two
+
+
 def _traffic(url: str, stop: threading.Event) -> None:
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
@@ -57,7 +69,7 @@ def test_rebalance_measures_an_uneven_split_and_proposes_a_balanced_one(up):
     --dry-run` measures both stages (same host: about the same time per layer) and moves the boundary down. (At 22
     the last stage's head -- lm_head and sampling, ~4 layers' time with the eager kernels -- left the predicted gain
     within noise of 1.05.)"""
-    gw = up("--split", "26", stages=2)
+    gw = up("--split", "26", "--auto-rebalance", "off", stages=2)  # a pinned split: measured, not moved
     assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 26], [26, 30]]
     stop = threading.Event()
     _traffic(gw.url, stop)
@@ -70,6 +82,14 @@ def test_rebalance_measures_an_uneven_split_and_proposes_a_balanced_one(up):
     result = json.loads(done.stdout)
     assert result["split_now"] == "26" and int(result["split_proposed"]) < 26, result
     assert result["predicted_gain"] > 1.05, result
+    # and the join option: a host like the fastest stage, as a new stage, takes layers from the slowest (stage 0, 26
+    # layers); no joiner waits (this gateway takes no joins)
+    join = result["join"]
+    assert join["waiting"] == [] and join["hypothetical"]["giver"] == 0, join
+    assert join["hypothetical"]["predicted_gain"] > result["predicted_gain"], join  # three hosts beat two balanced
+    assert "or a new stage: a host like stage" in subprocess.run(
+        stagemesh_cmd("rebalance", gw.url, "--dry-run", "--window", "4"), capture_output=True, text=True,
+        timeout=120).stdout
     both = subprocess.run(stagemesh_cmd("rebalance", gw.url, "--dry-run", "--split", "18"), capture_output=True,
                           text=True, timeout=60)
     assert both.returncode != 0 and "--dry-run" in both.stderr and "--split" in both.stderr

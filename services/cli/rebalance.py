@@ -30,7 +30,43 @@ from shared.files.layers import LayerRange
 from shared.files.model_registry import resolve_model
 from shared.runtime.plan import MIN_MICROBATCHES, ModelFacts, StageTime, proposal
 
-__all__ = ["StageTime", "apply_split", "cmd_rebalance", "measure", "proposal", "replace_stage"]
+__all__ = ["StageTime", "apply_split", "cmd_rebalance", "join_option", "measure", "proposal", "replace_stage"]
+
+
+def join_option(model: ModelFacts, times: list[StageTime], like: int | None = None) -> dict:
+    """The other way to speed the mesh up: a host that joins as a new stage (`stagemesh join`). Its place and gain as
+    the gateway would predict them (services/gateway/engine/membership.place_joiner, from the same measured ms per
+    layer, the last stage's head in layers of its own cost), for a host like stage `like` (default: the fastest per
+    layer) -- a hypothesis: the joiner's own probe decides where it goes."""
+    from services.gateway.engine.membership import place_joiner
+
+    per_layer, head_layers = [], model.head_cost_in_layers
+    for t in times:
+        last = t.layers.stop == model.num_layers
+        layers_ms = t.ms_per_microbatch - (t.head_ms or 0.0) if last else t.ms_per_microbatch
+        per_layer.append(max(layers_ms / len(t.layers), 1e-6))
+        if last and t.head_ms:
+            head_layers = t.head_ms / per_layer[-1]
+    like = min(range(len(times)), key=per_layer.__getitem__) if like is None else like
+    p = place_joiner([(t.layers.start, t.layers.stop) for t in times], per_layer, per_layer[like], head_layers,
+                     model.num_layers)
+    return {"like_stage": like, "ms_per_layer": round(per_layer[like], 4), "place": p.place, "giver": p.giver,
+            "layers": f"{p.layers[0]}:{p.layers[1]}", "split": ",".join(str(r[1]) for r in p.split[:-1]),
+            "slowest_stage_ms_now": round(p.step_ms_now, 3), "slowest_stage_ms_after": round(p.step_ms_after, 3),
+            "predicted_gain": round(p.predicted_gain, 3)}
+
+
+def waiting_joins(url: str) -> list[dict]:
+    """The joiners the gateway placed and that are not yet serving, with the gain it predicted for each (from
+    /v1/mesh/members; [] when the gateway takes no joins)."""
+    try:
+        with urllib.request.urlopen(gateway_request(url, "/v1/mesh/members"), timeout=10) as r:
+            members = json.loads(r.read())
+    except (OSError, ValueError):  # 404: a gateway without --join-token (HTTPError is an OSError)
+        return []
+    placed = {e["join"]: e for e in members.get("events", []) if e.get("event") == "placed"}
+    return [{"id": j, "url": w["url"], "layers": f"{w['layers'][0]}:{w['layers'][1]}", "state": w["state"],
+             "predicted_gain": placed.get(j, {}).get("predicted_gain")} for j, w in members.get("waiting", {}).items()]
 
 
 def measure(url: str, window_s: float, pipeline: int = 0) -> list[StageTime]:
@@ -128,15 +164,25 @@ def cmd_rebalance(args) -> int:
     if times[-1].layers.stop != model.num_layers:
         raise StagemeshError(f"the stages serve {times[-1].layers.stop} layers and --model {args.model} has "
                              f"{model.num_layers}: give the --model the mesh serves")
+    joins = {"hypothetical": join_option(model, times), "waiting": waiting_joins(args.url)}
     if len(times) < 2:
-        raise StagemeshError("one stage holds every layer: there is no split to balance")
-    result = proposal(model, times, args.streams)
+        if not args.dry_run:
+            raise StagemeshError("one stage holds every layer: there is no split to balance (--dry-run shows what a "
+                                 "host that joins would give)")
+        result = {"split_now": "", "join": joins}
+    else:
+        result = {**proposal(model, times, args.streams), "join": joins}
     if not args.dry_run and result["split_proposed"] != result["split_now"]:
         result["applied"] = apply_split(args.url, result["split_proposed"], args.pipeline)
     if args.json:
         print(json.dumps(result))
         return 0
     out = sys.stdout
+    if len(times) < 2:
+        out.write(f"one stage holds every layer ({times[0].ms_per_microbatch:.2f} ms a micro-batch over {args.window:g}"
+                  " s): there is no split to balance\n")
+        _join_lines(out, joins)
+        return 0
     out.write(f"measured over {args.window:g} s (busy time per micro-batch, every micro-batch passes every stage)\n")
     out.write(f"{'stage':<7}{'layers':<9}{'ms/batch':>10}{'ms/layer':>10}  {'proposed':<9}{'pred. ms':>10}\n")
     for s in result["stages"]:
@@ -153,4 +199,18 @@ def cmd_rebalance(args) -> int:
         else:
             out.write(f"to apply it live: stagemesh rebalance --split {result['split_proposed']} (or start the mesh "
                       f"with: stagemesh up --split {result['split_proposed']})\n")
+    _join_lines(out, joins)
     return 0
+
+
+def _join_lines(out, joins: dict) -> None:
+    """The join option: each joiner waiting (the gateway's own prediction), and the hypothetical host."""
+    for w in joins["waiting"]:
+        gain = f"predicted {w['predicted_gain']:.2f}x by the gateway" if w["predicted_gain"] else "no prediction"
+        out.write(f"or a new stage: join {w['id']} ({w['url']}) is placed with layers {w['layers']} ({w['state']}; "
+                  f"{gain})\n")
+    h = joins["hypothetical"]
+    out.write(f"or a new stage: a host like stage {h['like_stage']} ({h['ms_per_layer']:.3f} ms a layer) that joins "
+              f"(`stagemesh join`) would take layers {h['layers']} from stage {h['giver']} (split {h['split'] or '-'}):"
+              f" the slowest stage {h['slowest_stage_ms_now']:.2f} -> {h['slowest_stage_ms_after']:.2f} ms, predicted "
+              f"{h['predicted_gain']:.2f}x (a prediction from this window; the joiner's own probe decides)\n")
