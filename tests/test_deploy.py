@@ -10,17 +10,18 @@ import yaml
 
 from services.cli.main import build_parser
 from services.gateway.main import pipeline_specs
-from services.testing.k8s_render import config, container_args, find, render, secret_mount
+from services.testing.k8s_render import config, container_args, find, pod_args, render, secret_mount
 from shared.wire.mesh_keys import KeySet, write_key_set
 from tests.conftest import ROOT
 
 BIN = f"{sys.prefix}/bin"
 
 
-OVERLAYS = ["cpu", "gpu", "replicas"]
+OVERLAYS = ["cpu", "gpu", "replicas"]  # a fixed number of stages, each with its own key from the key Secret
+EVERY_OVERLAY = [*OVERLAYS, "join"]  # and stages that join (k8s/components/join)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", EVERY_OVERLAY)
 def test_overlay_validates_strictly(overlay, tmp_path):
     rendered = subprocess.run(["kubectl", "kustomize", f"{ROOT}/k8s/overlays/{overlay}"], capture_output=True,
                               text=True, timeout=60)
@@ -84,7 +85,7 @@ def test_stage_count_agrees_and_commands_parse(overlay):
         assert limits["nvidia.com/gpu"] == 1
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", EVERY_OVERLAY)
 def test_manifests_set_only_what_they_change(overlay):
     """No container flag restates the code's default (a pinned default drifts from the measured one: the ConfigMap
     once pinned --dtype=bfloat16 and --max-inflight=4): dropping any one flag of a command changes what it parses to,
@@ -95,7 +96,7 @@ def test_manifests_set_only_what_they_change(overlay):
     parser = build_parser()
     containers = [("Deployment", "stagemesh-gateway")] + [("StatefulSet", s["metadata"]["name"]) for s in stage_sets(docs)]
     for kind, name in containers:
-        argv = container_args(docs, kind, name, {**cfg, "POD_INDEX": "0"})
+        argv = container_args(docs, kind, name, {**cfg, "POD_INDEX": "0", "POD_IP": "10.0.0.5"})  # Downward API
         written = find(docs, kind, name)["spec"]["template"]["spec"]["containers"][0]["args"]
         given = vars(parser.parse_args(argv))
         for i, token in enumerate(argv):
@@ -121,7 +122,7 @@ def test_second_pipeline_is_the_base_pipeline_under_its_own_names():
     assert yaml.safe_load(as_p0) == p0
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", EVERY_OVERLAY)
 def test_network_policy_covers_every_pod(overlay):
     """The NetworkPolicy's podSelector matches the labels of every pod the overlay runs (a pod it misses is open to
     the whole cluster)."""
@@ -169,3 +170,63 @@ def test_each_pod_holds_only_its_own_secret_key(overlay, kind, name, role, tmp_p
     held = sorted(os.listdir(args.keys))
     assert held == sorted(["mesh.json", "gateway.key", "stage0.key", "stage1.key", f"{role}.key_secret"]), held
     KeySet(args.keys).pair(role)  # what the process loads at start
+
+
+def test_stages_that_join_scale_by_replicas_alone_with_no_key_secret():
+    """k8s/overlays/join: every stage pod runs the same `stagemesh join` command (nothing of its ordinal, the stage
+    count or a key set in it) against the gateway's Service with the token from one Secret; the gateway pod holds its
+    seed stage and makes its own key set in memory (no Secret of keys exists, none is mounted); rendering 3 stage pods
+    instead of 2 changes the StatefulSet's replicas and nothing else."""
+    docs = render("join")
+    cfg = config(docs)
+    assert "NUM_STAGES" not in cfg
+    parser = build_parser()
+    sts = find(docs, "StatefulSet", "stagemesh-stage")
+    assert sts["spec"]["replicas"] == 2 and sts["spec"]["podManagementPolicy"] == "OrderedReady"
+    joins = [parser.parse_args(container_args(docs, "StatefulSet", "stagemesh-stage", {**cfg, "POD_INDEX": str(i)}))
+             for i in range(3)]
+    assert all(vars(j) == vars(joins[0]) for j in joins)  # one command for every ordinal
+    j = joins[0]
+    assert j.command == "join" and j.gateway == "http://stagemesh-gateway" and j.join_as == "stage"
+    assert not j.insecure_plaintext and j.token is None  # the token comes from the environment, never the args
+    stage = sts["spec"]["template"]["spec"]["containers"][0]
+    token_env = next(e for e in stage["env"] if e["name"] == "STAGEMESH_JOIN_TOKEN")
+    assert token_env["valueFrom"]["secretKeyRef"]["name"] == "stagemesh-join-token"
+    ports = {p["name"]: p["containerPort"] for p in stage["ports"]}
+    assert j.listen == f"tcp://0.0.0.0:{ports['activations']}" and j.http == f"0.0.0.0:{ports['http']}"
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60  # time to give its layers back
+
+    gw_pod = find(docs, "Deployment", "stagemesh-gateway")["spec"]["template"]["spec"]
+    gw_args, seed_args = (parser.parse_args(a) for a in pod_args(docs, "Deployment", "stagemesh-gateway",
+                                                                  {**cfg, "POD_IP": "10.0.0.5"}))
+    assert gw_args.command == "gateway" and seed_args.command == "stage"
+    spec, = pipeline_specs(gw_args)
+    assert spec.stage_urls == ["http://10.0.0.5:8101"]
+    assert seed_args.num_stages == 1 and seed_args.next == spec.result_listen.replace("0.0.0.0", "127.0.0.1")
+    assert any(e["name"] == "STAGEMESH_JOIN_TOKEN" for e in gw_pod["containers"][0]["env"])
+    assert not any("secret" in v for v in gw_pod["volumes"] + sts["spec"]["template"]["spec"]["volumes"])
+    assert all(v["emptyDir"].get("medium") == "Memory" for v in gw_pod["volumes"] if "keys" in v["name"]
+               or v["name"] == "key-set")
+    gw_ports = {p["port"] for p in find(docs, "Service", "stagemesh-gateway")["spec"]["ports"]}
+    assert {80, int(spec.result_listen.rpartition(":")[2])} <= gw_ports  # what a joiner reaches
+
+    three = render("join", {"stagemesh-stage": 3})
+    assert find(three, "StatefulSet", "stagemesh-stage")["spec"]["replicas"] == 3
+    changed = [(d["kind"], d["metadata"]["name"]) for d, e in zip(docs, three) if d != e]
+    assert changed == [("StatefulSet", "stagemesh-stage")] and len(docs) == len(three)
+    sts["spec"]["replicas"] = 3
+    assert sts == find(three, "StatefulSet", "stagemesh-stage")  # replicas alone
+
+
+@pytest.mark.processes
+def test_the_gateway_pods_key_set_gives_each_container_its_own_role(tmp_path):
+    """The join overlay's init containers, run here: the gateway container holds the gateway's secret key only, the
+    seed stage's container stage0's only, both of one key set made in the pod."""
+    docs = render("join")
+    parser = build_parser()
+    gw, seed = (parser.parse_args(a) for a in pod_args(docs, "Deployment", "stagemesh-gateway",
+                                                        {**config(docs), "POD_IP": "127.0.0.1"}, {}))
+    assert sorted(os.listdir(gw.keys)) == ["gateway.key", "gateway.key_secret", "mesh.json", "stage0.key"]
+    assert sorted(os.listdir(seed.keys)) == ["gateway.key", "mesh.json", "stage0.key", "stage0.key_secret"]
+    for public in ("gateway.key", "stage0.key"):  # one key set: the same public keys in both
+        assert open(os.path.join(gw.keys, public)).read() == open(os.path.join(seed.keys, public)).read()

@@ -4,9 +4,11 @@ DNS names resolved per namespace, and a delay relay on every hop (services/testi
 permitted (root)."""
 
 import asyncio
+import json
 import os
 import re
 import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -165,3 +167,103 @@ def test_two_pipelines_in_their_own_namespaces_behind_one_gateway(replicas_deplo
         assert time.monotonic() < deadline, served
         time.sleep(0.1)
     assert {served[rid] for rid, _ in done} == {"p0", "p1"}  # each pipeline, in its own namespace, streamed some
+
+
+# ---- stages that join (k8s/overlays/join): `kubectl scale` of the stage StatefulSet, rehearsed ----------------------
+
+J_SUBNET = "10.79.0"
+J_HOSTS = {"gw": 10, "s0": 11, "s1": 12, "s2": 13}  # the gateway pod (gateway + seed stage) and three stage pods
+J_NAMES = {"gw": "stagemesh-gateway", **{f"s{i}": f"stagemesh-stage-{i}.stagemesh-stages" for i in range(3)}}
+J_PORTS = {"gw": [5599], "s0": [], "s1": [], "s2": []}  # joiners are reached at the addresses they report
+J_TOKEN = "rehearsal-join-token-0123456789abcdef"
+
+
+def _mesh(url: str) -> dict:
+    with urllib.request.urlopen(url + "/v1/mesh", timeout=10) as r:
+        return json.loads(r.read())["pipelines"][0]
+
+
+def _wait_stages(url: str, n: int, procs: dict, timeout: float = 300) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        exited = {h: p.returncode for h, p in procs.items() if p.poll() is not None}
+        assert not exited, f"exited: {exited}"
+        pipe = _mesh(url)
+        if len(pipe["stages"]) == n and pipe["ready"] and all(s.get("layers") for s in pipe["stages"]):
+            return [s["layers"] for s in pipe["stages"]]
+        time.sleep(0.5)
+    raise AssertionError(f"the mesh did not reach {n} stages: {_mesh(url)['stages']}")
+
+
+@pytest.mark.processes
+def test_the_join_manifests_scale_from_two_to_three_stage_pods_by_replicas_alone(tmp_path, monkeypatch):
+    """k8s/overlays/join rendered with 2 stage pods and with 3 (replicas: alone differs): the gateway pod (gateway and
+    seed stage, its key set made by its init containers) in one namespace, each stage pod in its own, every process
+    started with the manifests' command lines and the token from the environment, as the Secret gives it. The stage
+    pods join one at a time (OrderedReady): 3 stages; the third pod started (`kubectl scale --replicas=3`): 4 stages
+    live, streams through every one of them; the third pod stopped (scale back to 2, SIGTERM): 3 stages again, and no
+    request failed."""
+    import subprocess
+    import sys
+
+    from services.testing.k8s_render import pod_args
+    from services.testing.netns import DelayRelay
+
+    two, three = render("join"), render("join", {"stagemesh-stage": 3})
+    cfg = {**config(two), "THREADS": "1"}  # the pods share this machine's two cores
+    sts = [next(d for d in docs if d["kind"] == "StatefulSet") for docs in (two, three)]
+    assert [s["spec"]["replicas"] for s in sts] == [2, 3]
+    stage_cmd = [container_args(docs, "StatefulSet", "stagemesh-stage", {**cfg, "POD_INDEX": str(i)})
+                 for docs in (two, three) for i in range(3)]
+    assert all(c == stage_cmd[0] for c in stage_cmd)  # one command whatever the ordinal or the count
+    gw_cmd, seed_cmd = pod_args(two, "Deployment", "stagemesh-gateway", {**cfg, "POD_IP": f"{J_SUBNET}.10"}, {})
+    monkeypatch.setenv("STAGEMESH_JOIN_TOKEN", J_TOKEN)  # the stagemesh-join-token Secret, as the pods' env has it
+    url = f"http://{J_SUBNET}.{J_HOSTS['gw']}:8000"
+    cli = [sys.executable, "-m", "services.cli"]
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(host: str, ns: str, args: list[str]) -> None:
+        procs[host] = subprocess.Popen(["ip", "netns", "exec", f"smj-{ns}", *cli, *args],
+                                       stdout=open(tmp_path / f"{host}.log", "w"), stderr=subprocess.STDOUT)
+
+    for _ in _namespaces_or_skip("j", J_SUBNET, J_HOSTS, J_NAMES, J_PORTS):
+        # the gateway Service's port 80 (what `stagemesh join http://stagemesh-gateway` reaches) -> the pod's 8000
+        front = DelayRelay((f"{J_SUBNET}.{J_HOSTS['gw'] + 100}", 80), (f"{J_SUBNET}.{J_HOSTS['gw']}", 8000))
+        front.start()
+        try:
+            start("seed", "gw", seed_cmd)
+            for _ in start_pods("j", {"gw": gw_cmd}, url, str(tmp_path)):
+                for i in range(sts[0]["spec"]["replicas"]):  # OrderedReady: each pod once the one before is ready
+                    start(f"s{i}", f"s{i}", stage_cmd[0])
+                    _wait_stages(url, i + 2, procs)
+                assert len(_mesh(url)["stages"]) == 3
+
+                async def scale_up_under_streams() -> float:
+                    load = asyncio.create_task(_streams(url, 4, 48))
+                    start("s2", "s2", stage_cmd[0])  # kubectl scale statefulset/stagemesh-stage --replicas=3
+                    split = await asyncio.to_thread(_wait_stages, url, 4, procs)
+                    assert split[0][0] == 0 and split[-1][1] == 30, split
+                    await load
+                    return await _streams(url, 4, 32)  # served through all four
+
+                assert asyncio.run(scale_up_under_streams()) > 0
+                time.sleep(2.5)  # the gateway's next poll of the stages' counters
+                stages = _mesh(url)["stages"]
+                assert len(stages) == 4 and all(s["microbatches"] > 0 for s in stages), [
+                    (s["url"], s.get("layers"), s.get("microbatches")) for s in stages]
+                procs["s2"].terminate()  # scale back to 2: the pod's SIGTERM gives its layers back
+                assert procs.pop("s2").wait(120) == 0, open(tmp_path / "s2.log").read()[-2000:]
+                assert len(_wait_stages(url, 3, procs)) == 3
+                body = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+                assert 'stagemesh_gateway_requests_total{outcome="error"} 0.0' in body
+                assert "stagemesh_gateway_backlog_seconds" in body  # what KEDA / an HPA scales the StatefulSet by
+        finally:
+            front.stop()
+            for p in procs.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs.values():
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
