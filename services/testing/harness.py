@@ -320,6 +320,7 @@ class Load:
         self.url, self.streams, self.max_tokens = url, streams, max_tokens
         self.tokens: list[float] = []  # perf_counter time of every token
         self.worst_gap: list[tuple[float, float]] = []  # (time, gap) of each request's longest gap
+        self.gaps: list[tuple[float, float]] = []  # (time, gap) of every gap between two tokens of one request
         self.failed = 0
         self.stop = asyncio.Event()
 
@@ -345,6 +346,8 @@ class Load:
                             break
                         now = time.perf_counter()
                         self.tokens.append(now)
+                        if last is not None:
+                            self.gaps.append((now, now - last))
                         if last is not None and now - last > gap[1]:
                             gap = (now, now - last)
                         last = now
