@@ -180,6 +180,25 @@ def test_the_scheduler_forms_micro_batches_per_chain_and_a_lost_instance_replays
     assert all(sched.inflight[mb.mb_id] for mb in plan.batches if mb.route == ("s1",))
 
 
+def test_a_promoted_replica_is_its_range_s_primary_under_its_own_id_and_follows_the_pipeline_s_polls():
+    from services.gateway.engine.chains import Instance
+
+    table = _table()
+    table.find("r1").join_id = "j1"
+    table.bind("q0", ("r1",))
+    table.bind("q1", ("s1",))
+    with pytest.raises(KeyError):
+        table.promote("s1", "nope")
+    promoted = table.promote("s1", "r1")
+    assert [[i.id for i in r] for r in table.ranges] == [["s0"], ["r1"]] and promoted.primary
+    assert not table.replicated and table.choose() is None and table.find("s1") is None
+    # the pipeline's next poll names the promoted process by its incarnation at its URL: it stays r1, with q0
+    table.follow([Instance("s0", "http://a", (0, 15), "tcp://a:1", None, primary=True),
+                  Instance("inc-c", "http://c", (15, 30), "tcp://c:1", None, primary=True)])
+    assert [[i.id for i in r] for r in table.ranges] == [["s0"], ["r1"]]
+    assert table.ranges[1][0].bound == {"q0"} and table.ranges[1][0].join_id == "j1"
+
+
 def test_a_replica_goes_to_the_slowest_range_after_the_first_and_status_draws_it():
     from services.cli.status import replica_lines
     from services.gateway.engine.replica_joins import place_replica
@@ -247,7 +266,7 @@ def replicated(tmp_path_factory):
     joiners: list = []
     try:
         wait_http(gw.url + "/ready", 120)
-        yield mesh, gw, log_dir, joiners
+        yield mesh, gw, log_dir, joiners, {}
     finally:
         for j in joiners:
             if j.poll() is None:
@@ -290,12 +309,12 @@ async def test_a_replica_joins_both_serve_and_each_sequence_keeps_its_chain_and_
 
     from services.testing.harness import seeded_streams
 
-    mesh, gw, log_dir, joiners = replicated
+    mesh, gw, log_dir, joiners, shared = replicated
 
     async def streams(on_token=None):
         return await asyncio.wait_for(seeded_streams(gw.url, PROMPT, 900, STREAMS, MAX_TOKENS, on_token), 600)
 
-    reference = await streams()  # one chain: no replica yet
+    reference = shared["reference"] = await streams()  # one chain: no replica yet
     primary_url = mesh.stage_urls[1]
     proc, path, replica = await asyncio.to_thread(_join_replica, gw.url, log_dir, joiners)
     assert replica["layers"] == _get(primary_url + "/info")["layers"]
@@ -328,3 +347,51 @@ async def test_a_replica_joins_both_serve_and_each_sequence_keeps_its_chain_and_
     members = _get(gw.url + "/v1/mesh/members")
     assert not members["replicas"] and any(e["event"] == "lost" for e in members["events"]), members
     assert await streams() == reference  # one chain again
+
+
+@pytest.mark.processes
+async def test_a_killed_primary_is_replaced_by_its_replica_and_only_its_own_sequences_replay(replicated):
+    """SIGKILL of the process stage 1 was started as, while a joined replica serves beside it: the replica takes its
+    place (promotion), only the sequences that were on the dead one replay, every text is the one-chain run's."""
+    import asyncio
+    import os
+    import re
+    import signal
+
+    from services.testing.harness import seeded_streams
+
+    mesh, gw, log_dir, joiners, shared = replicated
+
+    async def streams(on_token=None):
+        return await asyncio.wait_for(seeded_streams(gw.url, PROMPT, 900, STREAMS, MAX_TOKENS, on_token), 600)
+
+    reference = shared.get("reference") or await streams()
+    primary = mesh.stages[1]
+    proc, path, replica = await asyncio.to_thread(_join_replica, gw.url, log_dir, joiners)
+    log_start = len(open(gw.log_path).read())
+    replayed0 = _replayed(gw.url)
+    killed = asyncio.get_running_loop().create_future()
+
+    def kill_midway(least: int) -> None:
+        if least >= MAX_TOKENS // 4 and not killed.done():
+            os.kill(primary.proc.pid, signal.SIGKILL)
+            killed.set_result(time.time())
+
+    texts = await streams(kill_midway)
+    assert killed.done()
+    assert texts == reference
+    log_text = open(gw.log_path).read()[log_start:]
+    lost = re.findall(r"instance \S+ lost \(stage 1 at .*?\): (\d+) sequences replay", log_text)
+    assert len(lost) == 1, log_text[-3000:]
+    bound = int(lost[0])
+    assert 0 < bound < STREAMS, bound  # the dead one's, not the replica's
+    assert _replayed(gw.url) - replayed0 == bound
+    assert "state lost" not in log_text, log_text[-3000:]  # no pipeline loss: nothing else replayed
+    members = _get(gw.url + "/v1/mesh/members")
+    assert any(e["event"] == "promoted" and e["url"] == replica["url"] for e in members["events"]), members
+    assert not members["replicas"], members  # it is stage 1 now, not a replica
+    assert _get(replica["url"] + "/info")["microbatches"] > 0
+    assert [st["url"].rstrip("/") for st in _get(gw.url + "/v1/mesh")["stages"]] == \
+        [mesh.stage_urls[0].rstrip("/"), replica["url"].rstrip("/")]
+    assert await streams() == reference  # the promoted process serves stage 1 alone
+    assert proc.poll() is None

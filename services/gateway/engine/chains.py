@@ -77,10 +77,14 @@ class ChainTable:
         old = {i.id: i for i in self.instances()}
         ranges = []
         for p in primaries:
-            kept = old.get(p.id)
+            # a promoted replica (promote) keeps the id its sequences' routes name, whatever its incarnation
+            kept = old.get(p.id) or next((i for i in old.values() if i.primary and i.join_id is not None
+                                          and i.url == p.url), None)
             if kept is not None and kept.layers == p.layers:
+                p.id, p.join_id, p.incarnation = kept.id, kept.join_id, kept.incarnation or p.incarnation
                 p.bound, p.ms_per_mb = kept.bound, p.ms_per_mb or kept.ms_per_mb
-            replicas = [i for r in self.ranges for i in r if not i.primary and i.layers == p.layers]
+            replicas = [i for r in self.ranges for i in r if not i.primary and i.layers == p.layers
+                        and i.url != p.url]
             ranges.append([p, *replicas])
         self.ranges = ranges
 
@@ -93,6 +97,22 @@ class ChainTable:
                 r.append(replica)
                 return i
         raise ValueError(f"no range of the pipeline is {replica.layers[0]}:{replica.layers[1]}")
+
+    def promote(self, dead_id: str, replica_id: str) -> Instance:
+        """The primary `dead_id` is gone and its range's replica `replica_id` serves in its place from now on, as the
+        range's primary under its own id (the routes of the sequences bound to it name that id). The dead one's
+        sequences are bound to nothing any more (Scheduler.instance_lost rebinds them). KeyError when either is not
+        where it is said to be."""
+        for r in self.ranges:
+            if r[0].id == dead_id:
+                replica = next((i for i in r[1:] if i.id == replica_id), None)
+                if replica is None:
+                    raise KeyError(replica_id)
+                r.remove(replica)
+                replica.primary = True
+                r[0] = replica
+                return replica
+        raise KeyError(dead_id)
 
     def remove(self, instance_id: str) -> Instance | None:
         for r in self.ranges:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 import aiohttp
@@ -148,6 +149,9 @@ class Pipeline:
         self.spare: set[str] = set()  # sequences the first release_all leaves live: the gateway re-adopts them in place
         # (why, monotonic time it holds until, the stages' incarnations then) after a micro-batch was lost
         self._stall: tuple[str, float, list[str]] | None = None
+        # a stage URL that stopped answering -> True while a replica of its range is to take its place
+        # (ReplicaJoins.covers / promote): check() then waits for that instead of declaring the state lost
+        self.standby: Callable[[str], bool] | None = None
 
     @property
     def label(self) -> str:
@@ -300,9 +304,13 @@ class Pipeline:
     async def check(self) -> None:
         if self.resplitting:  # Engine.resplit checks again once the stages serve the new split
             return
+        urls = list(self.stage_urls)
         infos = await self.fetch_infos()
-        if self.resplitting:  # a re-split began while they were asked: what they said may be half-way
+        if self.resplitting or urls != self.stage_urls:  # a re-split or promotion began while they were asked
             return
+        if self.standby is not None and any(not isinstance(i, StageInfo) and self.standby(u)
+                                            for u, i in zip(urls, infos)):
+            return  # a replica takes the silent stage's place (its sequences alone replay): no loss to declare
         self.infos = infos
         self.cache_identity = self._cache_identity()  # once per poll, not per scheduler step
         problem = check_pipeline(self.infos, self.fingerprint, self.num_layers)
@@ -352,6 +360,15 @@ class Pipeline:
         self._incarnations = None  # the next check takes the new stages' incarnations as they are
         self._dial_failures = None
         self.mark_lost(f"the mesh's members changed: {len(stage_urls)} stages")
+
+    def promoted(self, place: int, url: str, keys: SocketKeys | None) -> None:
+        """A replica of stage `place`, the process at `url`, serves that place from now on (ReplicaJoins.promote
+        routed the pipeline through it; `keys`: the gateway's own keys now). It holds the K/V of its own sequences
+        and the other stages theirs: nothing counts as lost here (the gateway replayed only the dead process's)."""
+        self.stage_urls[place] = url.rstrip("/")
+        self.keys = keys
+        self._incarnations = None  # the next check takes the stages' incarnations as they are
+        self._dial_failures = None
 
     async def fetch_info(self, url: str) -> StageInfo | str:
         """One stage's /info at `url` (any stage process, in this pipeline or not), or why there is none."""

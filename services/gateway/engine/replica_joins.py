@@ -29,14 +29,18 @@ from services.gateway.engine.core import Engine
 from services.gateway.engine.membership import (
     LOST_AFTER,
     MIN_JOIN_GAIN,
+    PHASE_S,
     WATCH_S,
     JoinError,
+    Member,
     Membership,
     per_layer_ms,
     place_joiner,
     receive_key,
     result_address,
+    send_key,
 )
+from services.gateway.engine.pipeline import reachable_address
 from shared.wire.protocol import Resplit
 from shared.wire.stage_info import StageInfo
 
@@ -107,7 +111,9 @@ class ReplicaJoins:
         self.joins: dict[str, ReplicaJoin] = {}  # placed, not yet ready
         self.joined: dict[str, Instance] = {}  # join id -> the instance it became
         self._failures: dict[str, int] = {}
+        self._uncovered: set[str] = set()  # primaries' URLs whose promotion failed: their loss is the pipeline's
         self._lock = asyncio.Lock()
+        engine.pipeline.standby = self.covers
 
     @property
     def ready_s(self) -> float:
@@ -238,6 +244,96 @@ class ReplicaJoins:
                                     layers=list(replica.layers), replayed=replayed)
             return {"id": join_id, "stages": len(self.table.ranges), "replayed": replayed}
 
+    # ---- a lost primary: its replica takes its place ---------------------------------------------------------------
+
+    def _replica_for(self, url: str) -> tuple[int, Instance] | None:
+        """The range whose primary is at `url` and the ready replica that would take its place (the one holding the
+        fewest sequences), or None (not a primary of a replicated range)."""
+        url = url.rstrip("/")
+        for i, r in enumerate(self.table.ranges):
+            if i > 0 and r[0].url == url and len(r) > 1:
+                return i, min(r[1:], key=lambda inst: len(inst.bound))
+        return None
+
+    def covers(self, url: str) -> bool:
+        """The stage at `url` stopped answering and a replica of its range is to take its place (Pipeline.standby:
+        the pipeline's check leaves the loss to promote, which the watch starts within WATCH_S * LOST_AFTER)."""
+        return url.rstrip("/") not in self._uncovered and self._replica_for(url) is not None
+
+    async def promote(self, url: str, why: str) -> dict:
+        """The primary of a replicated range, at `url`, is lost: a replica of the range serves its place from now on.
+        The new micro-batches wait (MeshChange.paused) while a "route" phase goes along the pipeline with the replica
+        in the dead one's place -- the stage before points its outbound at it and lets nothing else change, the
+        replica (its layers already loaded, so its K/V stays) lets its upstream's key in, as does the gateway's
+        result socket for a last range -- then only the sequences bound to the dead process replay
+        (Engine.instance_lost) and the stages' hops follow the table. Every other sequence streams on. JoinError
+        when the route does not come back: the pipeline's next check then declares the loss (every sequence
+        replays once the pipeline is whole)."""
+        found = self._replica_for(url)
+        if found is None:
+            raise JoinError(f"the stage at {url} is not a primary of a replicated range", 409)
+        async with self._lock:
+            i, replica = found
+            pipe, mesh = self.pipeline, self.engine.mesh
+            client = pipe.client
+            dead = self.table.ranges[i][0]
+            t0 = time.perf_counter()
+            try:
+                if client is None or mesh.resplitting:
+                    raise JoinError("the pipeline has no client or is changing", 409)
+                after: list[Member] = []
+                for j, (u, info) in enumerate(zip(pipe.stage_urls, pipe.infos)):
+                    if j == i:
+                        after.append(Member(replica.url, replica.incarnation, replica.layers, replica.address,
+                                            replica.key, replica.join_id))
+                    elif isinstance(info, StageInfo):
+                        after.append(Member(u, info.incarnation, tuple(info.layers),
+                                            reachable_address(info.listen, u), (info.keys or {}).get("public")))
+                    else:
+                        raise JoinError(f"stage {u} does not answer either ({info}): one lost stage is covered at "
+                                        "a time", 409)
+                split = [m.layers for m in after]
+                ends = {"address": result_address(pipe.result_listen, None), "key": receive_key(pipe),
+                        "sends": send_key(pipe)}
+                mesh.paused = pipe.resplitting = True
+                try:
+                    answer = await asyncio.wait_for(client.resplit(Resplit(
+                        client.next_rid(), "route", split, split, members=[m.wire() for m in after], gateway=ends)),
+                        PHASE_S["route"])
+                except TimeoutError:
+                    raise JoinError(f"the route did not come back within {PHASE_S['route']:g} s", 503) from None
+                if answer.error is not None:
+                    raise JoinError(f"the route was refused: {answer.error}", 503)
+                transport = client.transport
+                if i == len(after) - 1 and transport.keys is not None:  # the gateway's receiver: the new last stage
+                    transport.accept_from(replica.key.encode() if replica.key else None,
+                                          (after[-2].key.encode() if after[-2].key else None,), "the last stage")
+                self.table.promote(dead.id, replica.id)
+                if replica.join_id is not None:
+                    self.joined.pop(replica.join_id, None)
+                    self._failures.pop(replica.join_id, None)
+                pipe.promoted(i, replica.url, transport.keys)
+                replayed = self.engine.instance_lost(dead.id, f"stage {i} at {url} lost ({why}); replica "
+                                                              f"{replica.id} serves its place")
+                pipe.resplitting = False
+                with contextlib.suppress(JoinError):  # the stages forget the dead one (and route-less: no replicas)
+                    await self._hops(self._known())
+            except Exception as e:
+                self._uncovered.add(url.rstrip("/"))
+                self.membership.log.add(event="promotion failed", url=url, error=str(e)[:200])
+                log.error("%s: the replica %s could not take the place of the lost stage %s: %s", pipe.label,
+                          replica.url, url, e)
+                raise
+            finally:
+                pipe.resplitting = False
+                mesh.paused = False
+            took = time.perf_counter() - t0
+            self.membership.log.add(event="promoted", url=replica.url, lost=url, layers=list(replica.layers),
+                                    place=i, replayed=replayed, took_s=round(took, 3))
+            log.warning("%s: stage %d at %s lost; the replica %s (%s) serves its place: %d sequences replay, %.2f s",
+                        pipe.label, i, url, replica.id, replica.url, replayed, took)
+            return {"place": i, "url": replica.url, "replayed": replayed, "took_s": round(took, 3)}
+
     def _known(self) -> list[dict]:
         """What the stages are to know: every instance of the ranges after the first, and the replicas placed and
         not yet ready (none at all without replicas: a stage then sends by its one next hop)."""
@@ -295,6 +391,24 @@ class ReplicaJoins:
         for info, inst in zip(self.pipeline.stages, [r[0] for r in self.table.ranges]):
             if info.incarnation == inst.id:
                 inst.ms_per_mb = ms_per_micro_batch(info) or inst.ms_per_mb
+        for i, r in enumerate(self.table.ranges):  # the primaries of replicated ranges: a lost one is promoted over
+            if i == 0 or len(r) < 2 or r[0].url in self._uncovered:
+                continue
+            info = await self.pipeline.fetch_info(r[0].url)
+            key = f"primary {r[0].url}"
+            if isinstance(info, StageInfo):  # (a restart is the pipeline's check's: a new incarnation, a loss)
+                self._failures.pop(key, None)
+                continue
+            refused = isinstance(info, str) and ("Connect" in info or "refused" in info)
+            n = self._failures[key] = self._failures.get(key, 0) + (LOST_AFTER if refused else 1)
+            if n >= LOST_AFTER:
+                self._failures.pop(key, None)
+                why = str(info)[:200]
+                log.warning("stage %d (%s) lost: %s; a replica of its range takes its place", i, r[0].url, why)
+                self.membership.log.add(event="noticed", url=r[0].url, error=why)
+                with contextlib.suppress(JoinError):  # (logged there; the pipeline's check declares the loss)
+                    await self.promote(r[0].url, why)
+                return
         for join_id, replica in list(self.joined.items()):
             info = await self.pipeline.fetch_info(replica.url)
             if isinstance(info, StageInfo) and info.incarnation == replica.incarnation:
