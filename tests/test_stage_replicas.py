@@ -389,7 +389,8 @@ async def test_a_killed_primary_is_replaced_by_its_replica_and_only_its_own_sequ
     assert "state lost" not in log_text, log_text[-3000:]  # no pipeline loss: nothing else replayed
     members = _get(gw.url + "/v1/mesh/members")
     assert any(e["event"] == "promoted" and e["url"] == replica["url"] for e in members["events"]), members
-    assert not members["replicas"], members  # it is stage 1 now, not a replica
+    assert not members["replicas"], members  # it is stage 1 now, not a replica: a joined stage (leave, loss)
+    assert [m["url"] for m in members["joined"].values()] == [replica["url"]], members
     assert _get(replica["url"] + "/info")["microbatches"] > 0
     assert [st["url"].rstrip("/") for st in _get(gw.url + "/v1/mesh")["stages"]] == \
         [mesh.stage_urls[0].rstrip("/"), replica["url"].rstrip("/")]

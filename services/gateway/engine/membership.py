@@ -509,7 +509,10 @@ class Membership:
                                              reachable_address(info.listen, url), (info.keys or {}).get("public"))
                 if url in self._seen:
                     watched[url] = self._seen[url]
+        standby = self.pipeline.standby  # (a primary a replica of its range covers: ReplicaJoins promotes it)
         for join_id, member in watched.items():
+            if standby is not None and standby(member.url):
+                continue
             info = await self.pipeline.fetch_info(member.url)
             if isinstance(info, StageInfo) and info.incarnation == member.incarnation:
                 self._failures.pop(join_id, None)

@@ -112,6 +112,7 @@ class ReplicaJoins:
         self.joined: dict[str, Instance] = {}  # join id -> the instance it became
         self._failures: dict[str, int] = {}
         self._uncovered: set[str] = set()  # primaries' URLs whose promotion failed: their loss is the pipeline's
+        self._results: dict[str, str] = {}  # join id -> the gateway's result address as the replica reaches it
         self._lock = asyncio.Lock()
         engine.pipeline.standby = self.covers
 
@@ -183,6 +184,7 @@ class ReplicaJoins:
             if i + 1 == len(members) and pipe.client is not None and key:  # its results come to the gateway
                 pipe.client.transport.also_accept((key.encode(),))
             self.joins[join.id] = join
+            self._results[join.id] = onward["address"]
             try:
                 await self._hops(self._known())
             except JoinError:
@@ -233,6 +235,7 @@ class ReplicaJoins:
         """The replica `join_id` leaves (alive) or was lost: no new sequence is bound to it, those bound replay on
         the living instances, and the stages forget it."""
         replica = self.joined.pop(join_id, None)
+        self._results.pop(join_id, None)
         if replica is None:
             raise JoinError(f"join {join_id} is not a replica of the mesh", 410)
         async with self._lock:
@@ -309,9 +312,11 @@ class ReplicaJoins:
                     transport.accept_from(replica.key.encode() if replica.key else None,
                                           (after[-2].key.encode() if after[-2].key else None,), "the last stage")
                 self.table.promote(dead.id, replica.id)
-                if replica.join_id is not None:
+                if replica.join_id is not None:  # a joined stage from now on: its leave and loss are Membership's
                     self.joined.pop(replica.join_id, None)
                     self._failures.pop(replica.join_id, None)
+                    self.membership.joined[replica.join_id] = after[i]
+                    after[i].result_address = self._results.get(replica.join_id) if i == len(after) - 1 else None
                 pipe.promoted(i, replica.url, transport.keys)
                 replayed = self.engine.instance_lost(dead.id, f"stage {i} at {url} lost ({why}); replica "
                                                               f"{replica.id} serves its place")
