@@ -37,12 +37,13 @@ def get(url: str):
 
 
 def join_replica(stack: contextlib.ExitStack, gw_url: str, like: dict, streams: int, quota: float, log_dir: str):
-    """`stagemesh join --as replica` with the mesh's numerics, on core 1 at `quota` of it from its start; returns
+    """`stagemesh join --as replica` with the mesh's numerics (dtype, weights: with `--dtype` alone the joiner ran
+    f32 weights, ~4x slower per micro-batch than up's default here), on core 1 at `quota` of it from its start; returns
     (its process, its /v1/mesh/members entry) once the gateway binds sequences to it."""
     log = open(os.path.join(log_dir, "replica.log"), "w")
     stack.callback(log.close)
     cmd = [sys.executable, "-m", "services.cli", "join", gw_url, "--token", TOKEN, "--model", "smollm2",
-           "--dtype", like["dtype"], "--kv-slots", str(streams), "--max-seq-len", str(like["kv_max_seq_len"]),
+           "--dtype", like["dtype"], "--weights", like["weights_mode"], "--kv-slots", str(streams), "--max-seq-len", str(like["kv_max_seq_len"]),
            "--compile-decode", "off", "--threads", "1", "--listen", "tcp://127.0.0.1:0", "--http", "127.0.0.1:0",
            "--as", "replica"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -86,8 +87,12 @@ async def run(gw, slow, stack: contextlib.ExitStack, args, report: Report) -> di
         both = await rate("with the replica")
         instances = get(gw.url + "/v1/mesh")["pipelines"][0].get("instances") or []
         for inst in (instances[1] if len(instances) > 1 else []):
+            i = get(inst["url"] + "/info")
             report.say(f"    stage 1 {'primary' if inst['primary'] else 'replica'} {inst['url']}: "
-                       f"{inst['sequences']} sequences, {inst['ms_per_micro_batch']} ms per micro-batch")
+                       f"{inst['sequences']} sequences, {inst['ms_per_micro_batch']} ms per micro-batch "
+                       f"({i['microbatches']} micro-batches, {i['busy_seconds']:.1f} s busy, {i['cpu_seconds']:.1f} s "
+                       f"CPU, cgroup limit {i['cpu_limit']:g} cores, {i['dtype']} {i['weights_mode']}, threads "
+                       f"{i['threads']}/{i['threads_alone']})")
         failed_before = load.failed
         victim = slow.done[1] if args.kill == "primary" else proc.pid
         os.kill(victim, signal.SIGKILL)

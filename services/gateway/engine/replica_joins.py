@@ -12,6 +12,9 @@ stage i-1 dials its address (ZeroMQ retries until it listens), stage i+1 -- or t
 its key in; it is bound to no sequence until it is ready. Leave and loss: it leaves the table first (no new sequence is bound to it), the sequences bound to it replay from
 their token histories on the living instances (Engine.instance_lost), the others stream on; a "hops" phase without it
 closes the stage's socket to it. A replica that stops answering its /info is noticed within WATCH_S * LOST_AFTER.
+A replicated range's primary is watched the same way; when it is lost a replica takes its place (promote: a route
+phase with the replica in the dead one's place, nothing reloaded, only the dead one's sequences replay) and is a
+joined stage of Membership from then on.
 Limits: the first range takes no replicas, and while any replica exists the split stays (re-splits and joins as a
 new stage are refused 409: they move one process per range)."""
 
@@ -312,6 +315,9 @@ class ReplicaJoins:
                     transport.accept_from(replica.key.encode() if replica.key else None,
                                           (after[-2].key.encode() if after[-2].key else None,), "the last stage")
                 self.table.promote(dead.id, replica.id)
+                if dead.join_id is not None:  # (a promoted or joined stage before: Membership forgets it)
+                    self.membership.joined.pop(dead.join_id, None)
+                self.membership._seen.pop(dead.url, None)
                 if replica.join_id is not None:  # a joined stage from now on: its leave and loss are Membership's
                     self.joined.pop(replica.join_id, None)
                     self._failures.pop(replica.join_id, None)
