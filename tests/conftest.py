@@ -84,8 +84,7 @@ def starts_processes(fixture_fn):
     return fixture_fn
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering by parametrized fixtures: this one keeps their groups
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(config, items):  # before -m deselects by these marks (a conftest's hook runs first)
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = [d for name in getattr(info, "names_closure", ()) for d in info.name2fixturedefs.get(name, ())]
