@@ -404,6 +404,7 @@ def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2), torch.tensor(x / 2)))
 
 
+@pytest.mark.slow  # sampling statistics: 1,536 sequences, ~25 s
 def test_sampled_tokens_verified_in_a_drafted_pass_keep_the_models_distribution(tmp_path):
     """Temperature 3 over the top 8: 1,536 seeded sequences of 3 tokens on a tiny model, each drafting the greedy
     token after its first (drive, as the gateway's steps). Where the draft stood, the third token was sampled in the
