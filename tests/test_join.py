@@ -71,30 +71,17 @@ class Joinable:
 def one_stage_mesh(log_dir: str, *gateway_flags: str):
     """A one-stage mesh (CURVE, float32, batch-invariant) and a gateway with --join-token TOKEN and `gateway_flags`
     (its split pinned: the tests assert where joiners go)."""
-    from services.process.launch import free_ports, start_mesh
-    from services.testing.harness import RunningGateway, wait_http
+    from services.testing.harness import mesh_and_gateway
 
-    mesh = start_mesh("smollm2", 1, dtype="float32", log_dir=log_dir,
-                      extra=["--batch-invariant", "--compile-decode", "off"])
-    port, = free_ports(1)
-    log_path = os.path.join(log_dir, "gateway.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
-                                              "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
-                                              "--keys", mesh.keys_dir, "--join-token", TOKEN,
-                                              "--auto-rebalance", "off", *gateway_flags),
-                                stdout=log, stderr=subprocess.STDOUT)
-    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
-    m = Joinable(mesh, gw, log_dir)
-    try:
-        wait_http(gw.url + "/ready", 120)
-        yield m
-    finally:
-        for j in m.joiners:
-            if j.poll() is None:
-                j.kill()
-        gw.stop()
-        mesh.stop()
+    with mesh_and_gateway(1, log_dir, "--join-token", TOKEN, "--auto-rebalance", "off", *gateway_flags,
+                          stage_flags=["--batch-invariant", "--compile-decode", "off"]) as (mesh, gw):
+        m = Joinable(mesh, gw, log_dir)
+        try:
+            yield m
+        finally:
+            for j in m.joiners:
+                if j.poll() is None:
+                    j.kill()
 
 
 @pytest.fixture(scope="module")

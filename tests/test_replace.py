@@ -70,28 +70,17 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 def replaceable(tmp_path_factory):
-    from services.process.launch import free_ports, start_mesh
-    from services.testing.harness import RunningGateway, wait_http
+    from services.testing.harness import mesh_and_gateway
 
     log_dir = str(tmp_path_factory.mktemp("replace"))
-    mesh = start_mesh("smollm2", 2, dtype="float32", log_dir=log_dir, extra=["--batch-invariant"])
-    port, = free_ports(1)
-    log_path = os.path.join(log_dir, "gateway.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
-                                              "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
-                                              "--keys", mesh.keys_dir), stdout=log, stderr=subprocess.STDOUT)
-    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
-    m = Mesh(mesh, gw, log_dir)
-    try:
-        wait_http(gw.url + "/ready", 120)
-        yield m
-    finally:
-        gw.stop()
-        for s in m.newcomers:
-            if s.proc.poll() is None:
-                s.proc.kill()
-        mesh.stop()
+    with mesh_and_gateway(2, log_dir, stage_flags=["--batch-invariant"]) as (mesh, gw):
+        m = Mesh(mesh, gw, log_dir)
+        try:
+            yield m
+        finally:
+            for s in m.newcomers:
+                if s.proc.poll() is None:
+                    s.proc.kill()
 
 
 @pytest.mark.processes

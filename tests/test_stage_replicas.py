@@ -219,6 +219,26 @@ def test_a_replica_goes_to_the_slowest_range_after_the_first_and_status_draws_it
     assert replica_lines({"instances": None}) == []
 
 
+def test_a_replica_whose_weights_mode_is_not_its_primary_s_is_refused_naming_both():
+    from services.gateway.engine.membership import refusal
+    from services.gateway.engine.pipeline import Pipeline
+    from tests.stage_infos import FP, make_info
+
+    pipe = Pipeline(["http://a", "http://b"], "tcp://127.0.0.1:1", FP, 30)
+    pipe.infos = [make_info(layers=(0, 15), position="first", weights_mode="f32"),
+                  make_info(layers=(15, 30), position="last", weights_mode="lean")]
+    report = {"fingerprint": FP, "model": "m", "dtype": "float32", "batch_invariant": False, "max_seq_len": 2048,
+              "kv_slots": 8, "weights_mode": "f32"}
+    why = refusal(pipe, report, None, pipe.stages[1])  # a replica of 15:30, whose primary runs lean
+    assert why is not None and "its weights run as f32" in why and "(layers 15:30) as lean" in why, why
+    assert "--weights lean" in why
+    assert refusal(pipe, {**report, "weights_mode": "lean"}, None, pipe.stages[1]) is None
+    assert refusal(pipe, report, None, pipe.stages[0]) is None  # 0:15 runs f32 too
+    assert refusal(pipe, report, None) is None  # a new stage: its weights mode is not compared
+    # the checks before it still come first: another dtype is named, not the weights
+    assert "computes in bfloat16" in refusal(pipe, {**report, "dtype": "bfloat16"}, None, pipe.stages[1])
+
+
 # ---- real processes --------------------------------------------------------------------------------------------------
 
 TOKEN = "replica-token-for-the-tests-0123456789"
@@ -245,34 +265,18 @@ def _replayed(gw_url: str) -> float:
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory):
     """A 2-stage mesh (CURVE, float32, --batch-invariant) behind a gateway with a join token."""
-    import os
-    import subprocess
-
-    from services.process.launch import free_ports, start_mesh
-    from services.testing.harness import RunningGateway, wait_http
-    from tests.conftest import stagemesh_cmd
+    from services.testing.harness import mesh_and_gateway
 
     log_dir = str(tmp_path_factory.mktemp("replicas"))
-    mesh = start_mesh("smollm2", 2, dtype="float32", log_dir=log_dir,
-                      extra=["--batch-invariant", "--compile-decode", "off"])
-    port, = free_ports(1)
-    log_path = os.path.join(log_dir, "gateway.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages", ",".join(mesh.stage_urls),
-                                              "--listen", f"127.0.0.1:{port}", "--result-listen", mesh.result_listen,
-                                              "--keys", mesh.keys_dir, "--join-token", TOKEN),
-                                stdout=log, stderr=subprocess.STDOUT)
-    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
-    joiners: list = []
-    try:
-        wait_http(gw.url + "/ready", 120)
-        yield mesh, gw, log_dir, joiners, {}
-    finally:
-        for j in joiners:
-            if j.poll() is None:
-                j.kill()
-        gw.stop()
-        mesh.stop()
+    with mesh_and_gateway(2, log_dir, "--join-token", TOKEN,
+                          stage_flags=["--batch-invariant", "--compile-decode", "off"]) as (mesh, gw):
+        joiners: list = []
+        try:
+            yield mesh, gw, log_dir, joiners, {}
+        finally:
+            for j in joiners:
+                if j.poll() is None:
+                    j.kill()
 
 
 def _join_replica(gw_url: str, log_dir: str, joiners: list):

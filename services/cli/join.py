@@ -235,8 +235,8 @@ def cmd_join(args) -> int:
 
 
 def probe_report(files, dtype, device, config, load) -> dict:
-    """What the gateway places this host by: its model, numerics and context, and its measured cost per layer and
-    free memory (a probe of PROBE_LAYERS middle layers, loaded, timed at one row a step, dropped)."""
+    """What the gateway places this host by: its model, numerics (dtype, weights mode) and context, and its measured
+    cost per layer and free memory (a probe of PROBE_LAYERS middle layers, loaded, timed at one row a step, dropped)."""
     from shared.files.layers import LayerRange
     from shared.models.memory import available_bytes
     from shared.runtime.calibrate import calibrate
@@ -255,6 +255,7 @@ def probe_report(files, dtype, device, config, load) -> dict:
         free = min(free, load.memory_budget)
     report = {"fingerprint": files.loader.fingerprint, "model": files.loader.model_name, "num_layers": n,
               "dtype": str(dtype).removeprefix("torch."), "batch_invariant": bool(load.batch_invariant),
+              "weights_mode": probe.model.weights,  # as its /info will say (StageInfo.weights_mode)
               "max_seq_len": probe.kv.max_seq_len, "kv_slots": probe.kv.num_slots,
               "ms_per_layer": round(timed["ms_per_step"][0] / layers, 4), "bytes_per_layer": int(per_layer),
               "free_bytes": int(free)}

@@ -211,6 +211,36 @@ class RunningGateway:
             self.proc.kill()
 
 
+def start_gateway(mesh: LocalMesh, log_dir: str, *flags: str, model: str = "smollm2") -> RunningGateway:
+    """`stagemesh gateway` over a started mesh (its stages, result address and keys) with `flags`, on a free port,
+    its output in log_dir/gateway.log; returned as soon as it is started (wait_http its /ready)."""
+    port = free_port()
+    log_path = os.path.join(log_dir, "gateway.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "--model", model,
+                                 "--stages", ",".join(mesh.stage_urls), "--listen", f"127.0.0.1:{port}",
+                                 "--result-listen", mesh.result_listen, "--keys", mesh.keys_dir, *flags],
+                                stdout=log, stderr=subprocess.STDOUT)
+    return RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
+
+
+@contextlib.contextmanager
+def mesh_and_gateway(stages: int, log_dir: str, *gateway_flags: str, stage_flags: Sequence[str] = (),
+                     model: str = "smollm2", dtype: str = "float32") -> Iterator[tuple[LocalMesh, RunningGateway]]:
+    """A started mesh of `stages` stages (CURVE; `stage_flags` for each) and start_gateway over it, yielded once its
+    /ready answers 200; both stopped after (the gateway first)."""
+    mesh = start_mesh(model, stages, dtype=dtype, log_dir=log_dir, extra=list(stage_flags))
+    try:
+        gw = start_gateway(mesh, log_dir, *gateway_flags, model=model)
+        try:
+            wait_http(gw.url + "/ready", 120)
+            yield mesh, gw
+        finally:
+            gw.stop()
+    finally:
+        mesh.stop()
+
+
 def start_up(stages: int, dtype: str | None, log_dir: str, *extra: str, timeout: float = 240,
              port: int | None = None, while_starting: Callable[[RunningGateway], None] | None = None) -> RunningGateway:
     """`stagemesh up --stages N` as a subprocess on `port` (default: a free one); returns once /ready answers 200.

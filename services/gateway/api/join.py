@@ -14,14 +14,11 @@ else; every request counts against the join rate (429 with Retry-After past it).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 from aiohttp import web
 
 from services.gateway.engine.membership import JoinError, Membership, digest, mac
 from services.gateway.engine.replica_joins import ReplicaJoins
-from services.gateway.frontend.frontend import GATEWAY, json_body
+from services.gateway.frontend.frontend import GATEWAY, json_body, run_while_serving
 from services.gateway.frontend.schemas import RequestError
 
 MEMBERSHIP = web.AppKey("membership", Membership)
@@ -92,26 +89,27 @@ async def _proven(request: web.Request, what: str) -> tuple[Membership, str, str
     return m, join_id, nonce
 
 
-async def ready(request: web.Request) -> web.Response:
+async def _step(request: web.Request, what: str) -> web.Response:
+    """A proven ready or leave (`what`), done by ReplicaJoins for a join of its own (a replica placed, for ready;
+    one serving, for leave), else by Membership."""
     try:
-        m, join_id, nonce = await _proven(request, "ready")
+        m, join_id, nonce = await _proven(request, what)
         replicas = request.app[REPLICAS]
-        if join_id in replicas.joins:
-            return web.json_response(m.answer(nonce, await replicas.ready(join_id)))
-        return web.json_response(m.answer(nonce, await m.ready(join_id)))
+        if join_id in (replicas.joins if what == "ready" else replicas.joined):
+            step = replicas.ready if what == "ready" else replicas.leave
+        else:
+            step = m.ready if what == "ready" else m.leave
+        return web.json_response(m.answer(nonce, await step(join_id)))
     except JoinError as e:
         return _refusal(e)
+
+
+async def ready(request: web.Request) -> web.Response:
+    return await _step(request, "ready")
 
 
 async def leave(request: web.Request) -> web.Response:
-    try:
-        m, join_id, nonce = await _proven(request, "leave")
-        replicas = request.app[REPLICAS]
-        if join_id in replicas.joined:
-            return web.json_response(m.answer(nonce, await replicas.leave(join_id)))
-        return web.json_response(m.answer(nonce, await m.leave(join_id)))
-    except JoinError as e:
-        return _refusal(e)
+    return await _step(request, "leave")
 
 
 async def members(request: web.Request) -> web.Response:
@@ -124,17 +122,7 @@ def add_join_api(app: web.Application, membership: Membership) -> None:
     """Routes and the watch task of the join endpoints (make_app calls it when the gateway has a join token)."""
     app[MEMBERSHIP] = membership
     app[REPLICAS] = ReplicaJoins(membership, app[GATEWAY].replicas.all[0].engine)
-
-    async def watching(app: web.Application):
-        tasks = [asyncio.create_task(app[MEMBERSHIP].watch(), name="membership-watch"),
-                 asyncio.create_task(app[REPLICAS].watch(), name="replica-watch")]
-        yield
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    app.cleanup_ctx.append(watching)
+    run_while_serving(app, {"membership-watch": app[MEMBERSHIP].watch, "replica-watch": app[REPLICAS].watch})
     app.router.add_post("/join/hello", hello)
     app.router.add_post("/join", join)
     app.router.add_post("/join/ready", ready)

@@ -24,7 +24,7 @@ from services.gateway.api import sse
 from services.gateway.engine.balance import SPLIT_AUTO_WAITING
 from services.gateway.engine.mesh_change import ResplitError
 from services.gateway.engine.replicas import Replica
-from services.gateway.frontend.frontend import GATEWAY, Gateway, json_body
+from services.gateway.frontend.frontend import GATEWAY, Gateway, json_body, run_while_serving
 from services.gateway.frontend.schemas import RequestError
 from shared.errors import LayerRangeError
 from shared.files.layers import parse_split
@@ -330,15 +330,7 @@ async def mesh_replace(request: web.Request) -> web.Response:
 def add_mesh_view(app: web.Application, gateway: Gateway) -> None:
     """Routes and the sampler task of the mesh view (called by make_app)."""
     app[MESH_VIEW] = MeshView(gateway)
-
-    async def sampler(app: web.Application):
-        task = asyncio.create_task(app[MESH_VIEW].run(), name="mesh-view")
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    app.cleanup_ctx.append(sampler)
+    run_while_serving(app, {"mesh-view": app[MESH_VIEW].run})
     app.router.add_get("/v1/mesh", mesh_snapshot)
     app.router.add_get("/v1/mesh/stream", mesh_stream)
     app.router.add_post("/v1/mesh/resplit", mesh_resplit)

@@ -258,28 +258,9 @@ class Membership:
             raise JoinError(f"the mesh is not ready to change ({pipe.problem or 'a re-split is running'}); join "
                             "again once it is", 409)
         stages = pipe.stages
-        like = stages[0]
-        problems = [
-            (report.get("fingerprint") != pipe.fingerprint,
-             f"its model file is another one (fingerprint {report.get('fingerprint')}, {report.get('model')}); the "
-             f"mesh serves {pipe.fingerprint} ({like.model}): give --model the mesh's file"),
-            (report.get("dtype") != like.dtype or bool(report.get("batch_invariant")) != like.batch_invariant,
-             f"it computes in {report.get('dtype')}{' batch-invariant' if report.get('batch_invariant') else ''}, "
-             f"the mesh in {like.dtype}{' batch-invariant' if like.batch_invariant else ''}: join with --dtype "
-             f"{like.dtype}{' --batch-invariant' if like.batch_invariant else ''}"),
-            (report.get("max_seq_len") != like.kv_max_seq_len,
-             f"it serves a context of {report.get('max_seq_len')} positions, the mesh {like.kv_max_seq_len}: join "
-             f"with --max-seq-len {like.kv_max_seq_len}"),
-            (not isinstance(report.get("kv_slots"), int) or report["kv_slots"] < pipe.kv_slots,
-             f"it has {report.get('kv_slots')} KV slots, the mesh runs {pipe.kv_slots} sequences: join with "
-             f"--kv-slots {pipe.kv_slots}"),
-            ((key is None) != (pipe.keys is None),
-             "it " + ("has no CURVE key and the mesh uses CURVE" if key is None else
-                      "sends a CURVE key and the mesh is plaintext (--insecure-plaintext)")),
-        ]
-        for bad, why in problems:
-            if bad:
-                raise JoinError(f"join refused: {why}")
+        why = refusal(pipe, report, key)
+        if why is not None:
+            raise JoinError(f"join refused: {why}")
         per_layer, free = report.get("bytes_per_layer"), report.get("free_bytes")
         if not isinstance(per_layer, (int, float)) or not isinstance(free, (int, float)) or per_layer <= 0:
             raise JoinError("join refused: the report gives no bytes_per_layer and free_bytes")
@@ -324,12 +305,7 @@ class Membership:
                             410)
         join.state = "loading"
         try:
-            info = await self.pipeline.fetch_info(join.url)
-            if not isinstance(info, StageInfo):
-                raise JoinError(f"the joiner's {join.url}/info does not answer: {info}")
-            if tuple(info.layers) != join.placement.layers or (info.keys or {}).get("public") != join.key:
-                raise JoinError(f"the stage at {join.url} serves layers {info.layers[0]}:{info.layers[1]} with key "
-                                f"{(info.keys or {}).get('public')}, not what join {join.id} was given")
+            info = await joiner_info(self.pipeline, join.id, join.url, join.placement.layers, join.key)
             members = self.members()
             if [m.layers for m in members] != _before(join.placement):
                 raise JoinError("the mesh's split changed since the join was placed: join again", 409)
@@ -530,6 +506,10 @@ class Membership:
                     log.error("covering the loss of %s failed: %s", member.url, e)
                 return
 
+    def forget(self, url: str) -> None:
+        """Stop watching the member at `url` (a primary lost and replaced by its replica: ReplicaJoins.promote)."""
+        self._seen.pop(url, None)
+
     def info(self) -> dict:
         """What /v1/mesh shows."""
         return {"joined": {j: {"url": m.url, "layers": list(m.layers)} for j, m in self.joined.items()},
@@ -549,6 +529,49 @@ def _before(p: Placement) -> list[tuple[int, int]]:
 
 def _b(key: str | None) -> bytes | None:
     return key.encode() if key else None
+
+
+def refusal(pipe, report: dict, key: str | None, primary: StageInfo | None = None) -> str | None:
+    """Why a joiner's report does not fit the mesh (its model file, numerics, context, slots, CURVE), or None; with
+    `primary` (the process of the range it is to replicate) also its weights mode, which must be the primary's: two
+    instances of one range must compute the same numbers (a sequence bound to either gets the same tokens)."""
+    like = pipe.stages[0]
+    problems = [
+        (report.get("fingerprint") != pipe.fingerprint,
+         f"its model file is another one (fingerprint {report.get('fingerprint')}, {report.get('model')}); the "
+         f"mesh serves {pipe.fingerprint} ({like.model}): give --model the mesh's file"),
+        (report.get("dtype") != like.dtype or bool(report.get("batch_invariant")) != like.batch_invariant,
+         f"it computes in {report.get('dtype')}{' batch-invariant' if report.get('batch_invariant') else ''}, the "
+         f"mesh in {like.dtype}{' batch-invariant' if like.batch_invariant else ''}: join with --dtype {like.dtype}"
+         f"{' --batch-invariant' if like.batch_invariant else ''}"),
+        (report.get("max_seq_len") != like.kv_max_seq_len,
+         f"it serves a context of {report.get('max_seq_len')} positions, the mesh {like.kv_max_seq_len}: join with "
+         f"--max-seq-len {like.kv_max_seq_len}"),
+        (not isinstance(report.get("kv_slots"), int) or report["kv_slots"] < pipe.kv_slots,
+         f"it has {report.get('kv_slots')} KV slots, the mesh runs {pipe.kv_slots} sequences: join with --kv-slots "
+         f"{pipe.kv_slots}"),
+        ((key is None) != (pipe.keys is None),
+         "it " + ("has no CURVE key and the mesh uses CURVE" if key is None else
+                  "sends a CURVE key and the mesh is plaintext (--insecure-plaintext)")),
+    ]
+    if primary is not None:
+        problems.insert(2, (report.get("weights_mode") != primary.weights_mode,
+                            f"its weights run as {report.get('weights_mode')}, those of the range it would "
+                            f"replicate (layers {primary.layers[0]}:{primary.layers[1]}) as {primary.weights_mode}: "
+                            f"join with --weights {primary.weights_mode}"))
+    return next((why for bad, why in problems if bad), None)
+
+
+async def joiner_info(pipe, join_id: str, url: str, layers: tuple[int, int], key: str | None) -> StageInfo:
+    """A ready joiner's /info, or JoinError when it does not answer or serves other layers or another key than
+    join `join_id` was given."""
+    info = await pipe.fetch_info(url)
+    if not isinstance(info, StageInfo):
+        raise JoinError(f"the joiner's {url}/info does not answer: {info}")
+    if tuple(info.layers) != layers or (info.keys or {}).get("public") != key:
+        raise JoinError(f"the stage at {url} serves layers {info.layers[0]}:{info.layers[1]} with key "
+                        f"{(info.keys or {}).get('public')}, not what join {join_id} was given")
+    return info
 
 
 def per_layer_ms(info: StageInfo, joiner_ms: float) -> float:

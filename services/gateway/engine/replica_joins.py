@@ -37,9 +37,11 @@ from services.gateway.engine.membership import (
     JoinError,
     Member,
     Membership,
+    joiner_info,
     per_layer_ms,
     place_joiner,
     receive_key,
+    refusal,
     result_address,
     send_key,
 )
@@ -162,10 +164,11 @@ class ReplicaJoins:
         if not pipe.ready or self.engine.mesh.resplitting:
             raise JoinError(f"the mesh is not ready to change ({pipe.problem or 'a re-split is running'}); join "
                             "again once it is", 409)
-        why = refusal(pipe, report, key)
+        placement, stage_gain = self.predict(report)
+        # (its weights mode is checked against the primary of the range it would replicate)
+        why = refusal(pipe, report, key, pipe.stages[placement.range] if placement is not None else None)
         if why is not None:
             raise JoinError(f"join refused: {why}")
-        placement, stage_gain = self.predict(report)
         if placement is None:
             raise JoinError("join refused: no range after the first fits the joiner's memory (a replica holds a "
                             "whole range; the first range takes none): give it more memory (--memory-budget)")
@@ -212,12 +215,7 @@ class ReplicaJoins:
         async with self._lock:
             t0 = time.perf_counter()
             pipe = self.pipeline
-            info = await pipe.fetch_info(join.url)
-            if not isinstance(info, StageInfo):
-                raise JoinError(f"the joiner's {join.url}/info does not answer: {info}")
-            if tuple(info.layers) != join.placement.layers or (info.keys or {}).get("public") != join.key:
-                raise JoinError(f"the stage at {join.url} serves layers {info.layers[0]}:{info.layers[1]} with key "
-                                f"{(info.keys or {}).get('public')}, not what join {join.id} was given")
+            info = await joiner_info(pipe, join.id, join.url, join.placement.layers, join.key)
             self._follow()
             if [r[0].layers for r in self.table.ranges][join.placement.range] != join.placement.layers:
                 raise JoinError("the mesh's split changed since the join was placed: join again", 409)
@@ -317,7 +315,7 @@ class ReplicaJoins:
                 self.table.promote(dead.id, replica.id)
                 if dead.join_id is not None:  # (a promoted or joined stage before: Membership forgets it)
                     self.membership.joined.pop(dead.join_id, None)
-                self.membership._seen.pop(dead.url, None)
+                self.membership.forget(dead.url)
                 if replica.join_id is not None:  # a joined stage from now on: its leave and loss are Membership's
                     self.joined.pop(replica.join_id, None)
                     self._failures.pop(replica.join_id, None)
@@ -440,30 +438,6 @@ class ReplicaJoins:
         replicas)."""
         return {"instances": self.table.view(),
                 "replicas": {j: {"url": i.url, "layers": list(i.layers), "id": i.id} for j, i in self.joined.items()}}
-
-
-def refusal(pipe, report: dict, key: str | None) -> str | None:
-    """Why a joiner's report does not fit the mesh (its model file, numerics, context, slots, CURVE), or None."""
-    like = pipe.stages[0]
-    problems = [
-        (report.get("fingerprint") != pipe.fingerprint,
-         f"its model file is another one (fingerprint {report.get('fingerprint')}, {report.get('model')}); the "
-         f"mesh serves {pipe.fingerprint} ({like.model}): give --model the mesh's file"),
-        (report.get("dtype") != like.dtype or bool(report.get("batch_invariant")) != like.batch_invariant,
-         f"it computes in {report.get('dtype')}{' batch-invariant' if report.get('batch_invariant') else ''}, the "
-         f"mesh in {like.dtype}{' batch-invariant' if like.batch_invariant else ''}: join with --dtype {like.dtype}"
-         f"{' --batch-invariant' if like.batch_invariant else ''}"),
-        (report.get("max_seq_len") != like.kv_max_seq_len,
-         f"it serves a context of {report.get('max_seq_len')} positions, the mesh {like.kv_max_seq_len}: join with "
-         f"--max-seq-len {like.kv_max_seq_len}"),
-        (not isinstance(report.get("kv_slots"), int) or report["kv_slots"] < pipe.kv_slots,
-         f"it has {report.get('kv_slots')} KV slots, the mesh runs {pipe.kv_slots} sequences: join with --kv-slots "
-         f"{pipe.kv_slots}"),
-        ((key is None) != (pipe.keys is None),
-         "it " + ("has no CURVE key and the mesh uses CURVE" if key is None else
-                  "sends a CURVE key and the mesh is plaintext (--insecure-plaintext)")),
-    ]
-    return next((why for bad, why in problems if bad), None)
 
 
 __all__ = ["ReplicaJoins", "place_replica"]

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -65,6 +65,21 @@ async def json_body(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     return body
+
+
+def run_while_serving(app: web.Application, runs: dict[str, Callable[[], Coroutine]]) -> None:
+    """Run each of `runs` (task name -> its coroutine function) as a task from the app's startup to its cleanup,
+    where each is cancelled and awaited."""
+
+    async def running(app: web.Application):
+        tasks = [asyncio.create_task(run(), name=name) for name, run in runs.items()]
+        yield
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app.cleanup_ctx.append(running)
 
 
 # the status of a request that failed while generating: its own fault (a 4xx, not to be retried as it is), its
