@@ -275,8 +275,9 @@ def scope() -> str:
 
 def test_create_answers_as_chat_completions_does_for_the_same_conversation(client):
     ask = "Name three colours."
+    key = scope()  # the response is its tenant's: read back with the same key
     r = client.responses.create(model="smollm2", instructions="Answer briefly.", input=ask, max_output_tokens=12,
-                                temperature=0, prompt_cache_key=scope())
+                                temperature=0, prompt_cache_key=key)
     c = client.chat.completions.create(model="smollm2", messages=[{"role": "system", "content": "Answer briefly."},
                                                                   {"role": "user", "content": ask}],
                                        max_tokens=12, temperature=0, prompt_cache_key=scope())
@@ -288,7 +289,8 @@ def test_create_answers_as_chat_completions_does_for_the_same_conversation(clien
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     else:
         assert r.status == "completed" and r.incomplete_details is None
-    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()  # stored (store defaults to true)
+    stored = client.responses.retrieve(r.id, extra_query={"prompt_cache_key": key})  # store defaults to true
+    assert stored.model_dump() == r.model_dump()
 
 
 def test_a_stream_sends_the_sdks_events_in_order_with_consecutive_sequence_numbers(client):
@@ -387,26 +389,28 @@ def test_previous_response_id_continues_the_conversation_from_the_prefix_cache(c
 def test_a_background_response_is_retrieved_and_resumed_after_any_sequence_number(client):
     ask = {"model": "smollm2", "input": "Tell me a long story about a river.", "max_output_tokens": 24,
            "temperature": 0}
-    r = client.responses.create(**ask, background=True, prompt_cache_key=scope())
+    key = scope()  # the response is its tenant's: every read names the same key
+    mine = {"extra_query": {"prompt_cache_key": key}}
+    r = client.responses.create(**ask, background=True, prompt_cache_key=key)
     assert (r.status, r.background, r.output) == ("queued", True, [])
     first = []
-    with client.responses.retrieve(r.id, stream=True) as stream:  # read a few events, then drop the connection
+    with client.responses.retrieve(r.id, stream=True, **mine) as stream:  # read a few events, then drop the connection
         for ev in stream:
             first.append(ev)
             if len(first) == 5:
                 break
     n = first[-1].sequence_number
-    rest = list(client.responses.retrieve(r.id, stream=True, starting_after=n))
-    whole = list(client.responses.retrieve(r.id, stream=True))  # later, from the start
+    rest = list(client.responses.retrieve(r.id, stream=True, **mine, starting_after=n))
+    whole = list(client.responses.retrieve(r.id, stream=True, **mine))  # later, from the start
     dump = [e.model_dump() for e in whole]
     assert [e.sequence_number for e in whole] == list(range(len(whole))) and whole[-1].type == "response.incomplete"
     assert [e.model_dump() for e in first] == dump[:n + 1] and [e.model_dump() for e in rest] == dump[n + 1:]
-    final = client.responses.retrieve(r.id)
+    final = client.responses.retrieve(r.id, **mine)
     assert final.model_dump() == whole[-1].response.model_dump() and final.usage.output_tokens == 24
     assert final.output_text == "".join(e.delta for e in whole if e.type == "response.output_text.delta")
     assert final.output_text == client.responses.create(**ask, prompt_cache_key=scope()).output_text  # as if in front
-    assert list(client.responses.retrieve(r.id, stream=True, starting_after=len(whole) - 1)) == []  # nothing after
-    (past,) = list(client.responses.retrieve(r.id, stream=True, starting_after=len(whole) + 5))
+    assert list(client.responses.retrieve(r.id, stream=True, **mine, starting_after=len(whole) - 1)) == []  # nothing after
+    (past,) = list(client.responses.retrieve(r.id, stream=True, **mine, starting_after=len(whole) + 5))
     assert past.type == "error" and past.code == "cursor_out_of_range" and str(len(whole) - 1) in past.message
 
 
