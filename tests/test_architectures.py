@@ -168,7 +168,7 @@ def test_sliding_layers_decode_batches_on_the_kernel_and_the_batched_graph(tmp_p
     if kernel:
         assert torch.equal(batched, alone)
     with monkeypatch.context() as patch:  # torch's SDPA with the sliding mask, as on CPUs without the kernel
-        patch.setattr(KernelDecode, "applies", staticmethod(lambda model, layout: False))
+        patch.setattr(KernelDecode, "applies", staticmethod(lambda config, dtype, device: False))
         sdpa = decode(LocalPipeline.load(loader, None, torch.float32, kv_slots=3, max_seq_len=64, weights="auto"), True)
     assert batched.abs().max() > 1 and not torch.equal(batched[0], batched[3])
     torch.testing.assert_close(batched, sdpa, rtol=1e-5, atol=1e-4)

@@ -223,7 +223,7 @@ def test_with_the_kernel_a_batched_decode_row_is_the_sequence_decoded_alone(smol
         alone = pipeline.run([entry], tokens[i:i + 1])
         assert torch.equal(alone[0], out[i]), f"sequence {i} (context {lengths[i] + 1})"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(KernelDecode, "applies", staticmethod(lambda model, layout: False))
+        patch.setattr(KernelDecode, "applies", staticmethod(lambda config, dtype, device: False))
         windows_out = pipeline.run(batch, tokens)
     assert torch.equal(windows_out.argmax(-1), out.argmax(-1))
     spread = (out.amax(-1) - out.amin(-1))[:, None]
