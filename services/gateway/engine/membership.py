@@ -55,6 +55,16 @@ class JoinError(StagemeshError):
 
 # ---- the exchange ------------------------------------------------------------------------------------------------
 
+async def watch_every(period_s: float, once, what: str) -> None:
+    """Until cancelled: `await once()` every period_s; a round that fails is logged and the next one runs."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await once()
+        except Exception:
+            log.exception("%s failed", what)
+
+
 def digest(report: dict) -> str:
     """The SHA-256 of a joiner's report in canonical JSON (what its proof covers)."""
     return hashlib.sha256(json.dumps(report, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -458,12 +468,7 @@ class Membership:
     async def watch(self) -> None:
         """Until cancelled: drop joiners that were not ready in time, and cover a joined stage that stopped
         answering (LOST_AFTER polls WATCH_S apart; a refused connection counts at once)."""
-        while True:
-            await asyncio.sleep(WATCH_S)
-            try:
-                await self._watch_once()
-            except Exception:
-                log.exception("membership watch failed")
+        await watch_every(WATCH_S, self._watch_once, "membership watch")
 
     async def _watch_once(self) -> None:
         now = time.monotonic()

@@ -44,6 +44,7 @@ from services.gateway.engine.membership import (
     refusal,
     result_address,
     send_key,
+    watch_every,
 )
 from services.gateway.engine.pipeline import reachable_address
 from shared.wire.protocol import Resplit
@@ -378,12 +379,7 @@ class ReplicaJoins:
     async def watch(self) -> None:
         """Until cancelled: drop replicas placed and not ready in time, keep each instance's measured speed, and
         cover a replica that stopped answering (LOST_AFTER polls WATCH_S apart; a refused connection at once)."""
-        while True:
-            await asyncio.sleep(WATCH_S)
-            try:
-                await self._watch_once()
-            except Exception:
-                log.exception("replica watch failed")
+        await watch_every(WATCH_S, self._watch_once, "replica watch")
 
     async def _watch_once(self) -> None:
         now = time.monotonic()
