@@ -41,7 +41,9 @@ def _wait_spare(gw, timeout: float = 120) -> int:
 async def test_a_spare_takes_the_place_of_a_stage_killed_mid_stream(tmp_path):
     """`up --spares 1 --batch-invariant`: stage 1 SIGKILLed while four seeded streams run; the spare serves its
     range on its addresses (its output now in stage1.log), every stream finishes with the undisturbed run's text, the
-    pool starts a new spare, and the next kill is taken by that one."""
+    pool starts a new spare, and the next kill is taken by that one. Then a kill storm: three kills in one set of
+    streams, each costing one replay (a spare that takes over between health polls shows as an unknown sequence and
+    then as a new incarnation: one loss, not two), so no request reaches --max-replays' 3."""
     from services.testing.harness import start_up
 
     gw = start_up(2, "float32", str(tmp_path), "--batch-invariant", "--spares", "1")
@@ -70,6 +72,24 @@ async def test_a_spare_takes_the_place_of_a_stage_killed_mid_stream(tmp_path):
         assert gw.metric("stagemesh_gateway_replayed_sequences_total") > 0  # what stage 1 held was replayed
         assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
         assert _wait_spare(gw) not in (spare, victim_pid)  # the pool is one spare strong again
+
+        # a kill storm (issue 69 item 11): in one set of streams stage 0 dies, then stage 1 before the pool has a
+        # spare again (that one is restarted the usual way), then stage 0's replacement itself; nothing is lost
+        storm: list[tuple[int, int]] = []  # (stage killed, its pid), in order
+        plan = [(MAX_TOKENS // 5, 0), (MAX_TOKENS // 5 + 4, 1), (MAX_TOKENS // 2, 0)]  # (fewest tokens any stream has, stage)
+
+        def kill_storm(least: int) -> None:
+            if len(storm) < len(plan) and least >= plan[len(storm)][0]:
+                stage = plan[len(storm)][1]
+                pid = gw.stage_pids().get(stage)
+                if pid is not None and all(pid != killed for _, killed in storm):  # a live process, not one killed
+                    os.kill(pid, signal.SIGKILL)
+                    storm.append((stage, pid))
+
+        texts = await asyncio.wait_for(_streams(gw.url, kill_storm), 900)
+        assert [stage for stage, _ in storm] == [0, 1, 0], storm  # every kill of the storm landed mid-stream
+        assert texts == reference
+        assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
     finally:
         gw.stop()
 

@@ -198,7 +198,7 @@ class Engine:
         update = self.scheduler.on_result(mb_id, result, error, time.perf_counter())
         if update.lost is not None:
             self.metrics.unknown_sequence_failovers.inc()
-            self.pipeline.mark_lost(update.lost)
+            self.pipeline.forgot_sequences(update.lost)
             return
         if result is not None and result.hop_s is not None:
             self.metrics.result_hop.observe(max(0.0, result.hop_s))

@@ -207,6 +207,15 @@ class Pipeline:
         self.lost_reason = reason
         log.warning("%s state lost (%s): epoch %d", self.label, reason, self.epoch)
 
+    def forgot_sequences(self, reason: str) -> None:
+        """A stage answered that it does not know a sequence: it restarted between health polls (a spare took its
+        place at once, say), or a holder of the last stage's key forged the answer. The pipeline's state counts as lost
+        once, here: the next check takes the stages' incarnations as they are, so the restart this answer revealed is
+        not counted again as "a stage restarted" (one kill, one replay against a request's max_replays). A later
+        restart is still seen: its stage forgets what it is sent next."""
+        self._incarnations = None
+        self.mark_lost(reason)
+
     def mark_stalled(self, mb_id: int, age_s: float) -> None:
         """A micro-batch has been in flight longer than stall_s: the pipeline is not ready, naming where it stopped,
         for stall_s more or until a stage restarts (a fix); its KV state counts as lost (the scheduler replays)."""
