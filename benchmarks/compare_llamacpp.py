@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import subprocess
 import sys
 
 from services.testing.harness import (
@@ -31,6 +29,7 @@ from services.testing.harness import (
     add_dtype_arg,
     add_out_arg,
     dtype_label,
+    measure_servers,
     results_dir,
     running_llama_server,
     ups_in_turn,
@@ -43,51 +42,11 @@ from shared.models.device import cpu_has_fast_bf16
 LLAMA_SLOTS = 32  # llama-server's parallel slots (-np): as many as the highest default concurrency
 
 
-def prompt_seed(concurrency: int, round_: int) -> int:
-    """The random prompts' seed of one level's round: distinct for every (level, round), the same for every server in
-    a round. llama-server keeps each slot's last prompt and reuses it (`cache_prompt`, on by default): a repeated
-    64-token prompt was prefilled in 11 ms instead of 204-283 ms (timings.prompt_n 1, not 64), so benching every
-    round with the same prompts measured llama-server's prompt cache from the second round on. Fresh random prompts
-    measure both servers the same way, as a stream of distinct requests (no prefix to reuse); the prompt caches are
-    measured by benchmarks.chat_workloads."""
-    return 1000 * concurrency + round_
-
-
-def bench(url: str, label: str, concurrency: int, round_: int, out: str, args) -> dict:
-    result = os.path.join(out, f"{label.replace(' ', '_')}-c{concurrency}-r{round_}.json")
-    cmd = [sys.executable, "-m", "services.cli", "bench", "--base-url", url, "--label", label,
-           "--max-concurrency", str(concurrency), "--num-prompts", str(max(args.min_prompts, 2 * concurrency)),
-           "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
-           "--temperature", "0.7", "--save-result", result, "--quiet", "--warmup", "2",
-           "--seed", str(prompt_seed(concurrency, round_))]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    metrics = json.load(open(result))  # vLLM-named metrics at the top level
-    expected = metrics["completed"] * args.output_len
-    if metrics["total_output_tokens"] != expected:  # a server that stops early would look faster per token
-        sys.exit(f"{label} returned {metrics['total_output_tokens']} output tokens for {metrics['completed']} requests "
-                 f"of {args.output_len} (--ignore-eos): its context per sequence is too short for --input-len + "
-                 f"--output-len ({result})")
-    return metrics
-
-
 def llama_server_context(args) -> int:
     """llama-server's -c: its 32 slots share it, and a slot stops generating where its share ends (it answered 192 of
     512 tokens with 8192, 256 a slot, and so looked faster per token), so each slot gets room for the prompt, the
     answer and the chat template's few tokens, and at least 256."""
     return LLAMA_SLOTS * max(256, args.input_len + args.output_len + 64)
-
-
-def measure(servers: dict[str, str], levels: list[int], out: str, args) -> dict[str, dict[int, list[dict]]]:
-    """server name -> level -> one bench result per round, the servers interleaved within each round."""
-    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in servers}
-    names = list(servers)
-    for c in levels:
-        for r in range(args.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                runs[name][c].append(bench(servers[name], name, c, r, out, args))
-            print(f"  {c:>3} streams, round {r + 1}: " + ", ".join(
-                f"{name} {runs[name][c][-1]['output_throughput']:.1f}" for name in names) + " tok/s", flush=True)
-    return runs
 
 
 def combine(rounds: list[dict]) -> dict:
@@ -163,7 +122,7 @@ def main() -> None:
         for stages, url in ups_in_turn(stack, [int(x) for x in args.stages.split(",")], args.model, args.dtype,
                                        args.extra).items():
             servers[f"stagemesh up --stages {stages}"] = url
-        runs = measure(servers, levels, out, args)
+        runs = measure_servers(servers, levels, out, args)
     md = table(runs, levels)
     header = (f"{GgufLoader(resolve_model(args.model)).model_name} ({os.path.basename(resolve_model(args.model))}), "
               f"{os.cpu_count()} CPU cores, {args.input_len} prompt tokens, "

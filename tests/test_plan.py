@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from services.cli.plan import Measured, build_hosts, measure_here, parse_host
+from services.cli.plan import Measured, build_hosts, measure_here, parse_host, rooflines
 from shared.errors import StagemeshError
 from shared.files.layers import split_at
 from shared.runtime.plan import (
@@ -21,6 +21,7 @@ from shared.runtime.plan import (
     plan,
     predict,
 )
+from shared.runtime.roofline import Roofline, token_bytes, triad_bandwidth
 from tests.conftest import stagemesh_cmd
 
 MiB = 2**20
@@ -183,6 +184,36 @@ def test_measuring_here_times_layers_head_and_batch(smollm2):
     m = measure_here(smollm2, "float32", threads=1, rows=4)
     assert 0 < m.ms_per_layer < m.head_ms  # SmolLM2's head (49,152 x 576) costs about 4 of its layers
     assert m.overhead_ms > 0 and 1.0 <= m.batch_factor < 4  # 4 rows a step cost less than 4 steps of one
+    assert 1e8 < m.bandwidth < 1e13  # a STREAM triad on one thread: between 0.1 GB/s and 10 TB/s
+
+
+# ---- the memory roofline (shared/runtime/roofline.py) ----------------------------------------------------------------
+
+def test_a_token_reads_its_layers_the_head_on_the_last_stage_and_the_kv_of_its_context():
+    m = model(layers=4, layer_mib=10, head_mib=3, kv_per_token_layer=1024)
+    assert token_bytes(m) == 43 * MiB
+    assert token_bytes(m, range(0, 2), head=False) == 20 * MiB
+    assert token_bytes(m, range(2, 4), context=100) == 23 * MiB + 2 * 100 * 1024
+    r = Roofline(bandwidth=10e9, bytes_per_token=100_000_000)
+    assert (r.tokens_per_s, r.ms_per_token, r.fraction(50.0)) == (100.0, 10.0, 0.5)
+
+
+def test_the_triad_times_more_bytes_as_longer():
+    with pytest.raises(ValueError, match="passes >= 1"):
+        triad_bandwidth(1 << 20, passes=0)
+    small, large = triad_bandwidth(1 << 22), triad_bandwidth(1 << 26)  # 4 MiB arrays sit in a cache, 64 MiB do not
+    assert 1e8 < large < 1e13 and 1e8 < small < 1e14
+
+
+def test_the_plan_states_its_one_stream_as_a_fraction_of_the_roofline():
+    m = model(layers=12, layer_mib=100, head_mib=50)
+    p = predict(m, [host("a", 4.0), host("b", 4.0)], split_at(12, [6]), Workload())
+    roof = rooflines(m, p, [100e9, 50e9])
+    a_ms, b_ms = 1e3 * 600 * MiB / 100e9, 1e3 * 650 * MiB / 50e9  # b holds the head and reads at half the speed
+    assert [s["roofline_ms"] for s in roof["stages"]] == [round(a_ms, 3), round(b_ms, 3)]
+    assert [s["fraction"] for s in roof["stages"]] == [round(a_ms / 24.0, 4), round(b_ms / 24.0, 4)]  # 6 x 4 ms
+    assert 0 < roof["predicted_fraction"] == round(p.tokens_per_s * (a_ms + b_ms) / 1e3, 4) < 1  # hops cost too
+    assert rooflines(m, p, [100e9, None]) is None  # b gave its own speed: its bandwidth is not known here
 
 
 @pytest.mark.processes

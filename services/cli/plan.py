@@ -23,6 +23,7 @@ from shared.files.layers import LayerRange
 from shared.models.device import default_device, resolve_dtype
 from shared.runtime.model_files import ModelFiles
 from shared.runtime.plan import STAGE_HANDOFF_MS, Host, ModelFacts, Plan, Workload, gib, plan
+from shared.runtime.roofline import Roofline, token_bytes, triad_bandwidth
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.protocol import SeqEntry
 
@@ -90,6 +91,7 @@ class Measured:
     overhead_ms: float  # a piece's fixed cost per step, and the hand-off to a stage's compute thread and back
     batch_factor: float  # a step of `rows` sequences over a step of one
     rows: int
+    bandwidth: float | None = None  # bytes/s this machine reads with `threads` threads (a STREAM triad; roofline.py)
 
 
 def _steps_ms(probes: list[tuple], context: int) -> list[float]:
@@ -144,13 +146,15 @@ def measure_here(files: ModelFiles, dtype_name: str | None, threads: int, rows: 
         probes = [(one, 1, None), (longer, 1, None), (last, 1, files.config.hidden_size)]
         t1, tk, t_last = _steps_ms(probes, context)
         tk_rows = _steps_ms([(longer, rows, None)], context)[0] if rows > 1 else tk
+        del one, longer, last  # their memory back before the triad's arrays
+        bandwidth = triad_bandwidth(threads=threads)
     finally:
         torch.set_num_threads(before)
         quiet.setLevel(level)
     per_layer = max(1e-3, (tk - t1) / (k - 1))
     fixed = max(0.0, t1 - per_layer)
     return Measured(threads, per_layer, max(0.0, t_last - t1), fixed + STAGE_HANDOFF_MS,
-                    max(1.0, (tk_rows - fixed) / (tk - fixed)), rows)
+                    max(1.0, (tk_rows - fixed) / (tk - fixed)), rows, bandwidth)
 
 
 def build_hosts(specs: list[HostSpec], measured: dict[int, Measured]) -> list[Host]:
@@ -162,6 +166,25 @@ def build_hosts(specs: list[HostSpec], measured: dict[int, Measured]) -> list[Ho
         fields = {"ms_per_layer": m.ms_per_layer, "head_ms": m.head_ms, "overhead_ms": m.overhead_ms} if m else {}
         hosts.append(Host(s.name, s.memory, **(fields | s.given)))
     return hosts
+
+
+def rooflines(model: ModelFacts, p: Plan, bandwidths: list[float | None]) -> dict | None:
+    """The plan's one stream against the memory roofline (shared/runtime/roofline.py), where every host's bandwidth
+    was measured here (None: a host gave its own speed): each stage's one-row step against the weight bytes it reads
+    over its host's bandwidth, and the token's time against the sum of those. K/V is left out on both sides: the
+    model of time has no context term (its speeds are timed at a short context)."""
+    if not bandwidths or any(b is None for b in bandwidths):
+        return None
+    last = len(p.ranges) - 1
+    stages = [Roofline(bw, token_bytes(model, range(r.start, r.stop), head=i == last))
+              for i, (r, bw) in enumerate(zip(p.ranges, bandwidths))]
+    ms = sum(r.ms_per_token for r in stages)
+    return {"bandwidth_bytes_per_s": [round(b) for b in bandwidths],
+            "bytes_per_token": sum(r.bytes_per_token for r in stages), "tokens_per_s": round(1e3 / ms, 2),
+            "predicted_fraction": round(p.tokens_per_s * ms / 1e3, 4),
+            "stages": [{"host": h.name, "bytes_per_token": r.bytes_per_token, "roofline_ms": round(r.ms_per_token, 3),
+                        "step_ms": round(t, 3), "fraction": round(r.ms_per_token / t, 4)}
+                       for h, r, t in zip(p.hosts, stages, p.stage_ms)]}
 
 
 def alone(model: ModelFacts, host: Host, work: Workload) -> Plan | str:
@@ -205,11 +228,14 @@ def cmd_plan(args) -> int:
     hosts = build_hosts(specs, measured)
     result = plan(model, hosts, work)
     first = alone(model, hosts[0], work) if len(hosts) > 1 else result
+    bandwidths = [None if "ms_per_layer" in s.given else measured[s.cores or here].bandwidth for s in specs]
+    roof = rooflines(model, result, bandwidths)
     if args.json:
         print(json.dumps({"model": model.name, "layers": model.num_layers, "dtype": str(dtype).removeprefix("torch."),
                           "streams": args.streams, "context": args.context, "batch_factor": round(factor, 3),
                           "measured": [vars(m) for m in measured.values()], "plan": result.as_dict(),
-                          "first_host_alone": first if isinstance(first, str) else first.as_dict()}))
+                          "first_host_alone": first if isinstance(first, str) else first.as_dict(),
+                          "roofline": roof}))
         return 0
     print(f"{model.name}: {model.num_layers} layers, hidden {model.hidden_size}, {gib(sum(model.layer_bytes))} of "
           f"layers in the file; KV for {args.streams} streams x {args.context} tokens "
@@ -219,6 +245,11 @@ def cmd_plan(args) -> int:
               f"{m.head_ms:.2f} ms, {m.overhead_ms:.2f} ms fixed a step; {m.rows} sequences a step "
               f"{m.batch_factor:.2f}x one")
     print_plan(result)
+    if roof is not None:
+        print(f"memory roofline: a token reads {roof['bytes_per_token'] / 2**20:.0f} MiB of weights; at {', '.join(f'{b / 1e9:.1f}' for b in roof['bandwidth_bytes_per_s'])} GB/s (STREAM triad "
+              f"here) one stream makes at most {roof['tokens_per_s']:.1f} tok/s: the prediction is "
+              f"{100 * roof['predicted_fraction']:.0f} % of it (" + ", ".join(
+                  f"{s['host']} {100 * s['fraction']:.0f} %" for s in roof["stages"]) + " of each stage's)")
     if len(hosts) > 1:
         print(f"will a second machine help? {answer(first, result, hosts[0].name, args.streams)}")
     return 0

@@ -598,3 +598,48 @@ async def run_groups(mesh: LocalMesh, prompt: list[int], inflight: int, batch: i
     ideal = 1.0 / max(s["compute_s_per_mb"] for s in stages)
     return {"elapsed_s": elapsed, "microbatches": mbs, "throughput_mb_s": throughput, "ideal_mb_s": ideal,
             "ratio": throughput / ideal, "stages": stages}
+
+
+# ---- servers benched side by side (benchmarks.compare_llamacpp, benchmarks.roofline) ----------------------------------
+
+def prompt_seed(concurrency: int, round_: int) -> int:
+    """The random prompts' seed of one level's round: distinct for every (level, round), the same for every server in
+    a round. llama-server keeps each slot's last prompt and reuses it (`cache_prompt`, on by default): a repeated
+    64-token prompt was prefilled in 11 ms instead of 204-283 ms (timings.prompt_n 1, not 64), so benching every
+    round with the same prompts measured llama-server's prompt cache from the second round on. Fresh random prompts
+    measure both servers the same way, as a stream of distinct requests (no prefix to reuse); the prompt caches are
+    measured by benchmarks.chat_workloads."""
+    return 1000 * concurrency + round_
+
+
+def bench_server(url: str, label: str, concurrency: int, round_: int, out: str, args) -> dict:
+    """`stagemesh bench` of the server at `url` at one level's round (args: min_prompts, input_len, output_len), its
+    result kept in `out`; exits naming the server when it returned fewer tokens than --ignore-eos asks."""
+    result = os.path.join(out, f"{label.replace(' ', '_')}-c{concurrency}-r{round_}.json")
+    cmd = [sys.executable, "-m", "services.cli", "bench", "--base-url", url, "--label", label,
+           "--max-concurrency", str(concurrency), "--num-prompts", str(max(args.min_prompts, 2 * concurrency)),
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
+           "--temperature", "0.7", "--save-result", result, "--quiet", "--warmup", "2",
+           "--seed", str(prompt_seed(concurrency, round_))]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    metrics = json.load(open(result))  # vLLM-named metrics at the top level
+    expected = metrics["completed"] * args.output_len
+    if metrics["total_output_tokens"] != expected:  # a server that stops early would look faster per token
+        sys.exit(f"{label} returned {metrics['total_output_tokens']} output tokens for {metrics['completed']} requests "
+                 f"of {args.output_len} (--ignore-eos): its context per sequence is too short for --input-len + "
+                 f"--output-len ({result})")
+    return metrics
+
+
+def measure_servers(servers: dict[str, str], levels: list[int], out: str, args) -> dict[str, dict[int, list[dict]]]:
+    """server name -> level -> one bench result per round (args.rounds), the servers interleaved within each round,
+    their order reversed every other round."""
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in servers}
+    names = list(servers)
+    for c in levels:
+        for r in range(args.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                runs[name][c].append(bench_server(servers[name], name, c, r, out, args))
+            print(f"  {c:>3} streams, round {r + 1}: " + ", ".join(
+                f"{name} {runs[name][c][-1]['output_throughput']:.1f}" for name in names) + " tok/s", flush=True)
+    return runs
