@@ -1,10 +1,10 @@
-"""`--compile-decode auto` (a stage's default) through real processes: `stagemesh up` serves while its stage compiles
-the decode step in the background, then runs one stream's decode steps compiled; the stage's /info says which.
+"""`--compile-decode auto` (a stage's default) through real processes: `stagemesh up` serves while its stages compile
+the decode step in the background, then runs one stream's decode steps compiled on every stage; each stage's /info
+says which.
 (The compiled step's numbers against llama.cpp: tests/test_numerics.py.)"""
 
 import json
 import os
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,8 +15,8 @@ from shared.kernels import qdot
 
 pytestmark = pytest.mark.processes  # every test here starts a real up
 
-# The KV shapes of test_numerics' compiled pipeline (3 slots + the scratch row, 256 positions): one compilation
-# serves both tests, the second from inductor's on-disk cache.
+# The KV shapes of test_numerics' compiled pipeline (3 slots + the scratch row, 256 positions): a one-sequence graph
+# for contexts 2..255 and a batched graph for 2..3 sequences.
 SHAPE_FLAGS = ("--kv-slots", "3", "--max-seq-len", "256")
 
 
@@ -30,65 +30,34 @@ def complete(url: str, max_tokens: int) -> dict:
         return json.loads(r.read())
 
 
-@pytest.fixture(scope="module")
-def gateway(up):
-    return up("--compile-decode", "auto", *SHAPE_FLAGS)
-
-
-def test_up_serves_while_the_stage_compiles_then_decodes_compiled(gateway):
-    before = gateway.stage_info(0).compiled_decode
+def test_a_two_stage_mesh_serves_while_compiling_then_every_stage_decodes_compiled(up):
+    """One up of two stages proves both halves: it serves at once while its stages compile (every step of that request
+    eager), then each stage runs one stream's decode steps and the streams decoding together on its compiled graphs.
+    The stages after the first take their input from the wire: a view of a ZeroMQ frame, not a tensor made under
+    inference mode like the first stage's embedding. The graph must take it without recompiling (which would leave
+    that stage eager for good)."""
+    gw = up("--compile-decode", "auto", *SHAPE_FLAGS, stages=2)
+    stages = range(2)
+    before = [gw.stage_info(i).compiled_decode for i in stages]
     # no other test asks for this setup: its up has just started, and a cold compilation takes 1-2 minutes (the
     # suite saves no compiled packages: STAGEMESH_AOTI_CACHE=off, tests/conftest.py)
-    assert before["state"] == "compiling" and before["error"] is None and before["steps"] == 0, before
-    out = complete(gateway.url, 8)  # served at once, while the stage compiles
+    assert all(b["state"] == "compiling" and b["error"] is None and b["steps"] == 0 for b in before), before
+    out = complete(gw.url, 8)  # served at once, while the stages compile
     assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
-    after = gateway.stage_info(0).compiled_decode
-    assert after["state"] == "compiling" and after["steps"] == 0, after  # every step of that request ran eager
-    deadline = time.monotonic() + 900  # a cold compilation takes 1-2 minutes on 2 busy cores
-    while gateway.stage_info(0).compiled_decode["state"] == "compiling" and time.monotonic() < deadline:
-        time.sleep(1)
-    info = gateway.stage_info(0).compiled_decode
-    assert info["state"] == "ready" and set(info["compile_seconds"]) == {str(n) for n in info["threads"]}
-    assert info["contexts"] == [2, 255]  # one graph: every context but the two ends of the 256-position cache
-    assert not info["fell_back_to_eager"]
-    out = complete(gateway.url, 16)
-    assert out["usage"]["completion_tokens"] == 16
-    # the first token comes from the prefill; each of the other 15 from a one-sequence decode step, now compiled
-    assert gateway.stage_info(0).compiled_decode["steps"] - info["steps"] == 15
-    # streams decoding together: micro-batches of 2..3 sequences (the 3 KV slots) run the batched graph where
-    # qdot's attention kernel covers the model (float32 on an AVX2 CPU), else eagerly
-    batched = info["batched"]
-    assert batched["sizes"] == [2, 3] and not batched["fell_back_to_eager"]
-    covered = qdot.usable() and gateway.stage_info(0).dtype == "float32"
-    assert (batched["reason"] is None) == covered, batched
-    with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda _: complete(gateway.url, 24), range(3)))
-    assert [o["usage"]["completion_tokens"] for o in outs] == [24] * 3 and all(o["choices"][0]["text"] for o in outs)
-    after = gateway.stage_info(0).compiled_decode["batched"]
-    assert (after["steps"] > batched["steps"]) == covered, after
-    assert not after["fell_back_to_eager"]
-
-
-def test_off_and_uncovered_setups_say_why_decode_is_eager(up):
-    gw = up("--batch-invariant", "--compile-decode", "auto", *SHAPE_FLAGS)
-    info = gw.stage_info(0).compiled_decode
-    assert info["state"] == "off" and "batch-invariant" in info["reason"]
-    assert complete(gw.url, 4)["usage"]["completion_tokens"] == 4
-
-
-def test_every_stage_of_a_two_stage_mesh_decodes_compiled(up):
-    # The stages after the first take their input from the wire: a view of a ZeroMQ frame, not a tensor made under
-    # inference mode like the first stage's embedding. The graph must take it without recompiling (which would
-    # leave that stage eager for good).
-    gw = up("--compile-decode", "auto", *SHAPE_FLAGS, stages=2)
-    ready = gw.wait_compiled()
-    assert [i["state"] for i in ready] == ["ready", "ready"]
+    during = [gw.stage_info(i).compiled_decode for i in stages]
+    assert all(d["state"] == "compiling" and d["steps"] == 0 for d in during), during  # every step of it ran eager
+    ready = gw.wait_compiled()  # a cold compilation takes 1-2 minutes on 2 busy cores
+    for info in ready:
+        assert info["state"] == "ready" and set(info["compile_seconds"]) == {str(n) for n in info["threads"]}, info
+        assert info["contexts"] == [2, 255]  # one graph: every context but the two ends of the 256-position cache
+        assert not info["fell_back_to_eager"]
     out = complete(gw.url, 16)
     assert out["usage"]["completion_tokens"] == 16
-    infos = [gw.stage_info(i) for i in range(2)]
+    infos = [gw.stage_info(i) for i in stages]
     after = [i.compiled_decode for i in infos]
     assert [i["fell_back_to_eager"] for i in after] == [False, False]
-    # 15 one-sequence decode steps after the prefill, compiled on each stage
+    # the first token comes from the prefill; each of the other 15 from a one-sequence decode step, compiled on each
+    # stage
     assert [a["steps"] - r["steps"] for a, r in zip(after, ready)] == [15, 15]
     # the two stages share this host: each has half the cores, and all of them for a micro-batch alone in the
     # pipeline (one stream's always is), with compiled graphs for both counts
@@ -101,8 +70,30 @@ def test_every_stage_of_a_two_stage_mesh_decodes_compiled(up):
     assert all(("q4_1-dot-q8" in str(i.weights["tensors"])) == (integer_dot == "on") for i in infos)
     assert [a["threads"] for a in after] == [sorted({share, cores})] * 2
     if share != cores:  # taking turns with the cores: OpenMP threads spin briefly before they sleep
-        stages = [p for p in children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]
-        assert len(stages) == 2
-        for pid in stages:
+        pids = [p for p in children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]
+        assert len(pids) == 2
+        for pid in pids:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 assert b"GOMP_SPINCOUNT=3000" in f.read().split(b"\0")
+    # streams decoding together: micro-batches of 2..3 sequences (the 3 KV slots; here 3 streams over 2 micro-batches
+    # in flight make micro-batches of 2) run the batched graph where qdot's attention kernel covers the model (float32
+    # on an AVX2 CPU), else eagerly
+    batched = [r["batched"] for r in ready]
+    covered = [qdot.usable() and i.dtype == "float32" for i in infos]
+    for b, c in zip(batched, covered):
+        assert b["sizes"] == [2, 3] and not b["fell_back_to_eager"], b
+        assert (b["reason"] is None) == c, b
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda _: complete(gw.url, 24), range(3)))
+    assert [o["usage"]["completion_tokens"] for o in outs] == [24] * 3 and all(o["choices"][0]["text"] for o in outs)
+    for i, b, c in zip(stages, batched, covered):
+        now = gw.stage_info(i).compiled_decode["batched"]
+        assert (now["steps"] > b["steps"]) == c, (i, now)
+        assert not now["fell_back_to_eager"]
+
+
+def test_off_and_uncovered_setups_say_why_decode_is_eager(up):
+    gw = up("--batch-invariant", "--compile-decode", "auto", *SHAPE_FLAGS)
+    info = gw.stage_info(0).compiled_decode
+    assert info["state"] == "off" and "batch-invariant" in info["reason"]
+    assert complete(gw.url, 4)["usage"]["completion_tokens"] == 4
