@@ -31,7 +31,8 @@ from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_curve import push
 
 KV_SLOTS = 4
-STALL_S = 6  # the gateway's --stall-timeout: well above any micro-batch here, short enough for a test
+STALL_S = 4  # the gateway's --stall-timeout: well above any micro-batch here (and the 2 s poll that notices a dead
+# stage first), short enough for a test: each of the lost-hop test's 3 replays waits it out twice
 
 
 class InfoProxy:
@@ -434,28 +435,48 @@ async def test_an_insider_cannot_crash_a_stage_or_end_requests(clean, smollm2):
 
 # ---- Medium 7: a malformed /info --------------------------------------------------------------------------------
 
-MALFORMED_INFO = [b"[1, 2, 3]", b'"ready"', b"null", b"{not json", b"{}", b"\xff\xfe",
-                  b'{"fingerprint": 7, "layers": [0, 30]}']
+# each malformed /info and what the gateway's problem must say is wrong with it
+MALFORMED_INFO = [(b"[1, 2, 3]", "a JSON list, not an object"), (b'"ready"', "a JSON str, not an object"),
+                  (b"null", "a JSON NoneType, not an object"), (b"{not json", "not JSON"),
+                  (b"{}", "field 'model' is missing"), (b"\xff\xfe", "not JSON"),
+                  (b'{"fingerprint": 7, "layers": [0, 30]}', "field 'model' is missing")]
+INFO_CHANGES = [({"layers": "0:30"}, "'layers' must be a list of 2 integers"),
+                ({"layers": [0, "30"]}, "'layers' must be a non-negative integer"),
+                ({"kv_slots": "4"}, "'kv_slots' must be a non-negative integer"),
+                ({"kv_max_seq_len": None}, "'kv_max_seq_len' must be a non-negative integer"),
+                ({"kv_slots": 0}, "'kv_slots' and 'kv_max_seq_len' must be at least 1"),
+                ({"incarnation": ["x"]}, "'incarnation' must be a string"),
+                ({"keys": {"public": 5}}, "'keys' must be null or an object of public keys"),
+                ({"handshakes_failed": {"out": "many"}}, "'handshakes_failed' must be a non-negative integer"),
+                ({"layers": [9, 3]}, "'layers' must be [start, stop) within 30 layers"),
+                ({"busy_seconds": -1.0}, "'busy_seconds' must be a non-negative number"),
+                ({"recent_mb_in": list(range(2000))}, "'recent_mb_in' must be a list of integers")]
 
 
 async def test_a_malformed_info_is_a_problem_named_and_the_poller_lives_on(clean):
     """Stage 1's /info answers nonsense of several shapes, one after another: each makes the pipeline not ready with
-    a problem naming stage 1 and what is wrong; the right /info back makes it ready again (only a living poller can
-    notice), and a request completes."""
+    a problem naming stage 1 and what is wrong (each body's own words, so the poll that read it, not an earlier
+    one, made the problem: the bodies follow one another with no good /info between them unless two in a row would
+    say the same, one gateway poll each instead of two); only a living poller can notice each next body, and the
+    right /info back makes it ready again; a request completes."""
     good = clean.mesh.stages[1].info().to_json()
     missing = {k: v for k, v in good.items() if k != "kv_slots"}
-    bodies = MALFORMED_INFO + [json.dumps(missing).encode()] + [json.dumps({**good, **change}).encode() for change in (
-        {"layers": "0:30"}, {"layers": [0, "30"]}, {"kv_slots": "4"}, {"kv_max_seq_len": None}, {"kv_slots": 0},
-        {"incarnation": ["x"]}, {"keys": {"public": 5}}, {"handshakes_failed": {"out": "many"}}, {"layers": [9, 3]},
-        {"busy_seconds": -1.0}, {"recent_mb_in": list(range(2000))})]
+    bodies = MALFORMED_INFO + [(json.dumps(missing).encode(), "field 'kv_slots' is missing")] + [
+        (json.dumps({**good, **change}).encode(), says) for change, says in INFO_CHANGES]
     try:
-        for body in bodies:
+        said = None
+        for body, says in bodies:
+            if says == said:  # the same words as the body before: ready in between, so this one is a fresh problem
+                clean.proxy.info_body = None
+                await async_until(lambda: _ready(clean.gw), 15, f"the poller did not survive /info {body[-80:]!r}")
             clean.proxy.info_body = body
-            await async_until(lambda b=body: "stage 1" in _problem(clean), 15,
-                              f"the gateway never refused /info {body[-80:]!r}")
-            assert "stage 1 is not usable" in _problem(clean) and "malformed" in _problem(clean), _problem(clean)
-            clean.proxy.info_body = None  # ready in between, so each body is a fresh transition
-            await async_until(lambda: _ready(clean.gw), 15, f"the poller did not survive /info {body[-80:]!r}")
+            await async_until(lambda s=says: s in _problem(clean), 15,
+                              f"the gateway never refused /info {body[-80:]!r} saying {says!r}: {_problem(clean)!r}")
+            problem = _problem(clean)
+            assert "stage 1 is not usable" in problem and "malformed" in problem and says in problem, problem
+            said = says
+        clean.proxy.info_body = None
+        await async_until(lambda: _ready(clean.gw), 15, f"the poller did not survive /info {body[-80:]!r}")
     finally:
         clean.proxy.info_body = None
     result = await stream(clean.gw.url, "Say hello.", 4)
