@@ -245,7 +245,8 @@ STREAMS = 6
 MAX_TOKENS = 64
 
 
-LONG_TOKENS = 128  # streams that outlast a re-split held before each phase
+LONG_TOKENS = 128  # streams that outlast two re-splits asked one after the other (the second came at ~70 tokens)
+SHORT_TOKENS = 48  # streams that outlast a kill in a re-split whose prepare is not held (it came within ~12 tokens)
 
 
 def _body(i: int, max_tokens: int = MAX_TOKENS) -> dict:
@@ -291,19 +292,44 @@ async def _rebalance(url: str, *args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.processes
-async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_path):
-    """`up --split 15 --batch-invariant`, six concurrent seeded streams. Mid-stream `stagemesh rebalance --split 19`
-    moves four layers (and every live sequence's K/V of them) from stage 1 up to stage 0, then `--split 12` moves
-    seven down to stage 1: every request finishes, every text equals the undisturbed run's, no sequence was replayed
-    (the K/V moved, it was not recomputed), and /v1/mesh, the stages' /info and /metrics report the new split."""
+async def test_a_resplit_mid_stream_changes_no_text_and_a_stage_killed_in_one_leaves_one_split(tmp_path, monkeypatch):
+    """One `up --split 15 --batch-invariant`, six concurrent seeded streams, the undisturbed run's texts computed once
+    (LONG_TOKENS long where two re-splits must fall mid-stream, SHORT_TOKENS elsewhere); the gateway holds before the
+    move and the commit of every re-split (STAGEMESH_RESPLIT_HOLD), where the second half kills a stage. (Each half
+    used to start an up of its own and compute the same reference texts: one up proves both, in order -- the first
+    half's "no sequence replayed" before any kill.)
+
+    The boundary moves mid-stream: `stagemesh rebalance --split 19` moves four layers (and every live sequence's K/V
+    of them) from stage 1 up to stage 0, then `--split 12` moves seven down to stage 1: every request finishes, every
+    text equals the undisturbed run's, no sequence was replayed (the K/V moved, it was not recomputed), and /v1/mesh,
+    the stages' /info and /metrics report the new split. A split the mesh cannot move to is refused naming why; a
+    stage killed after a re-split comes back with the range it was moved to.
+
+    A stage killed in a re-split: back at split 15, each case kills a stage with a phase's message in hand
+    (services/testing/resplit_faults.py) while every stream still runs: stage 1 in the move (stage 0's K/V parcels
+    sent to it), stage 0 in the move (none sent), stage 1 in the commit (stage 0 has committed: the split half moved).
+    Every stream still finishes with its undisturbed text; the mesh ends in one split that every stage and the
+    gateway's route agree on -- the old one after a move, the new one after a commit -- with no KV slot held; and a
+    re-split afterwards is done."""
     import json
+    import os
+    import signal
+    import time
 
     from services.testing.harness import start_up
+    from services.testing.resplit_faults import HOLD_ENV, HOLD_S, mesh_pipeline, resplit_with_a_kill, settled
 
+    # the phases a stage is killed in (resplit_with_a_kill waits for "<phase> (held)"); the prepare is not held, so
+    # the streams run no further than they must before a kill
+    monkeypatch.setenv(HOLD_ENV, f"move:{HOLD_S:g},commit:{HOLD_S:g}")
     gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant", "--auto-rebalance", "off")
     try:
         assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 15], [15, 30]]
-        reference, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
+        # the undisturbed texts of the long streams and of the short ones (the same prompts and seeds, another length)
+        (reference, _), (short_reference, _) = await asyncio.gather(_streams(gw.url, max_tokens=LONG_TOKENS),
+                                                                    _streams(gw.url, max_tokens=SHORT_TOKENS))
+
+        # ---- the boundary moves mid-stream, twice
         tokens = [0] * STREAMS
         done: list[tuple[str, tuple[int, str, str], int]] = []
 
@@ -338,26 +364,26 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
         assert mesh["split"] == "12" and mesh["resplits_done"] == 2, mesh
         assert [r["split"] for r in mesh["resplits"]] == ["19", "12"]
         print(f"worst inter-token gap across the re-splits: {max(gaps):.3f} s; pauses "
-              f"{[json.loads(r[1])['pause_s'] for _, r, _ in done]}")
+              f"{[json.loads(r[1])['pause_s'] for _, r, _ in done]}; fewest tokens when each was done "
+              f"{[least for _, _, least in done]} of {LONG_TOKENS}")
 
-        # a split the mesh cannot move to is refused with the reason, and the mesh serves on as it was
-        for split, says in [("0", "strictly increasing"), ("30", "strictly increasing"), ("31", "strictly increasing"),
-                            ("10,20", "3 stages and the mesh 2"), ("ten", "comma-separated")]:
-            rc, out, err = await _rebalance(gw.url, "--split", split)
+        # a split the mesh cannot move to is refused with the reason, and the mesh serves on as it was (each
+        # `rebalance` a process of its own, all asked at once)
+        refusals = [("0", "strictly increasing"), ("30", "strictly increasing"), ("31", "strictly increasing"),
+                    ("10,20", "3 stages and the mesh 2"), ("ten", "comma-separated")]
+        refused = await asyncio.gather(*(_rebalance(gw.url, "--split", split) for split, _ in refusals))
+        for (split, says), (rc, _out, err) in zip(refusals, refused):
             assert rc != 0 and says in err and "refused the re-split" in err, (split, err)
         status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": "12", "stage": 3})
         assert status == 400 and "unknown field" in body
         status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": [12], "pipeline": 4})
         assert status == 400 and "pipeline" in body
         assert gw.metric("stagemesh_gateway_resplits_total", outcome="refused", trigger="asked") == 1  # 10,20 (the rest: parse)
-        again, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
-        assert again == reference
+        again, _ = await _streams(gw.url, max_tokens=SHORT_TOKENS)
+        assert again == short_reference
         assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 12], [12, 30]]
 
         # a stage that dies after the re-split comes back (up restarts it) with the range it was moved to
-        import os
-        import signal
-        import time
         victim = gw.stage_info(1).incarnation
         os.kill(gw.stage_pids()[1], signal.SIGKILL)
         deadline = time.monotonic() + 120
@@ -370,33 +396,14 @@ async def test_rebalance_moves_the_boundary_mid_stream_and_no_text_changes(tmp_p
             if info.incarnation != victim and gw.get("/ready")[0] == 200:
                 break
         assert info.incarnation != victim and list(info.layers) == [12, 30], info
-        restarted, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
-        assert restarted == reference
-    finally:
-        gw.stop()
+        restarted, _ = await _streams(gw.url, max_tokens=SHORT_TOKENS)
+        assert restarted == short_reference
 
-
-@pytest.mark.processes
-async def test_a_stage_killed_in_a_resplit_leaves_one_split_and_no_request_fails(tmp_path, monkeypatch):
-    """`up --split 15 --batch-invariant`, held before each re-split phase (STAGEMESH_RESPLIT_HOLD), six seeded
-    streams running. Each case kills a stage with a phase's message in hand (services/testing/resplit_faults.py):
-    stage 1 in the move (stage 0's K/V parcels sent to it), stage 0 in the move (none sent), stage 1 in the commit
-    (stage 0 has committed: the split half moved). Every stream still finishes with its undisturbed text; the mesh
-    ends in one split that every stage and the gateway's route agree on -- the old one after a move, the new one after
-    a commit -- with no KV slot held; and a re-split afterwards is done."""
-    from services.testing.harness import start_up
-    from services.testing.resplit_faults import (
-        HOLD_ENV,
-        hold_everywhere,
-        mesh_pipeline,
-        resplit_with_a_kill,
-        settled,
-    )
-
-    monkeypatch.setenv(HOLD_ENV, hold_everywhere())
-    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant", "--auto-rebalance", "off")
-    try:
-        reference, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
+        # ---- a stage killed in a re-split, from split 15
+        status, body = await _post(gw.url + "/v1/mesh/resplit", {"split": "15"})
+        assert status == 200, body
+        state = await settled(gw, 2)
+        assert state["agree"] and state["route"] == "15", state
         # (split asked, phase, victim, the split the mesh must end in)
         cases = [("19", "move", 1, "15"), ("12", "move", 0, "15"), ("19", "commit", 1, "19")]
         for split, phase, victim, ends_in in cases:
@@ -410,17 +417,22 @@ async def test_a_stage_killed_in_a_resplit_leaves_one_split_and_no_request_fails
                 while min(tokens) < 3:
                     await asyncio.sleep(0.05)
                 outcome.append(await resplit_with_a_kill(gw, split, phase, victim))
+                outcome.append({"most_tokens_after_the_kill": max(tokens)})
 
             killer = asyncio.create_task(kill())
-            texts, _ = await asyncio.wait_for(_streams(gw.url, on_token, max_tokens=LONG_TOKENS), 600)
+            texts, _ = await asyncio.wait_for(_streams(gw.url, on_token, max_tokens=SHORT_TOKENS), 600)
             await asyncio.wait_for(killer, 120)
             case = (split, phase, victim, outcome)
             assert outcome[0]["status"] == 503, case  # not done: refused (move) or failed and sent again (commit)
-            assert texts == reference, case
+            # every stream was still running when the victim died (read once the re-split answered, later still)
+            assert outcome[1]["most_tokens_after_the_kill"] < SHORT_TOKENS, case
+            assert texts == short_reference, case
             state = await settled(gw, 2)
             assert state["agree"] and state["route"] == ends_in, (case, state)
             assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
-        assert gw.metric("stagemesh_gateway_resplits_total", outcome="refused", trigger="asked") == 2
+            print(f"killed stage {victim} in the {phase} of a re-split to {split}: at most "
+                  f"{outcome[1]['most_tokens_after_the_kill']} of {SHORT_TOKENS} tokens by then")
+        assert gw.metric("stagemesh_gateway_resplits_total", outcome="refused", trigger="asked") == 1 + 2
         assert gw.metric("stagemesh_gateway_resplits_total", outcome="failed", trigger="asked") == 1
         assert gw.metric("stagemesh_gateway_resplits_total", outcome="recommitted", trigger="asked") == 1
 
@@ -429,8 +441,8 @@ async def test_a_stage_killed_in_a_resplit_leaves_one_split_and_no_request_fails
         assert status == 200, body
         state = await settled(gw, 2)
         assert state["agree"] and state["route"] == "12" == mesh_pipeline(gw)["split"], state
-        again, _ = await _streams(gw.url, max_tokens=LONG_TOKENS)
-        assert again == reference
+        again, _ = await _streams(gw.url, max_tokens=SHORT_TOKENS)
+        assert again == short_reference
     finally:
         gw.stop()
 
