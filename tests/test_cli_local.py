@@ -5,13 +5,20 @@ import subprocess
 
 import pytest
 
-from tests.conftest import DATA, stagemesh_cmd
+from tests.conftest import DATA, stagemesh_cmd, starts_processes
 
 
 def run(*args, timeout=300):
     proc = subprocess.run(stagemesh_cmd(*args), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+@pytest.fixture(scope="module")
+@starts_processes
+def inspect_out() -> str:
+    """`stagemesh inspect`'s output, run once for the tests that read it."""
+    return run("inspect")
 
 
 @pytest.mark.processes
@@ -39,18 +46,23 @@ def test_generate_json_greedy_matches_llama_cpp_first_tokens(smollm2, llama_ref)
 
 @pytest.mark.processes
 def test_generate_chat_stops_at_eos_and_seed_is_reproducible():
-    args = ["generate", "--chat", "--prompt", "Say hello.", "--max-tokens", "40", "--json", "--dtype", "float32"]
-    greedy = json.loads(run(*args))
+    args = ["generate", "--chat", "--prompt", "Say hello.", "--json", "--dtype", "float32"]
+    # the seeded draws: 16 tokens each, none of them EOS (at 40, each spent ~10 s more decoding to prove the same)
+    sampled = ["--max-tokens", "16", "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed"]
+    greedy = json.loads(run(*args, "--max-tokens", "40"))
     assert greedy["token_ids"][-1] == 2 and len(greedy["token_ids"]) < 40  # <|im_end|> ends the turn
-    sampled = ["--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed"]
     seeded = [json.loads(run(*args, *sampled, seed))["token_ids"] for seed in ("7", "7", "8")]
+    assert len(seeded[0]) == 16 and 2 not in seeded[0]  # a real draw, not cut short by the turn's end
     assert seeded[0] == seeded[1]  # a seed reproduces its draw...
     assert seeded[2] != seeded[0]  # ...and is what the draw depends on
 
 
 @pytest.mark.processes
-def test_perplexity_split_does_not_change_the_result():
-    base = ["perplexity", "--file", f"{DATA}/varied.txt", "--context", "128", "--dtype", "float32", "--json"]
+def test_perplexity_split_does_not_change_the_result(tmp_path):
+    text = tmp_path / "varied-start.txt"  # its first 4200 characters: 1113 tokens, 8 chunks (the whole file: 12)
+    with open(f"{DATA}/varied.txt", encoding="utf-8") as f:
+        text.write_text(f.read()[:4200], encoding="utf-8")
+    base = ["perplexity", "--file", str(text), "--context", "128", "--dtype", "float32", "--json"]
     whole = json.loads(run(*base))
     split = json.loads(run(*base, "--split", "7,19"))
     assert whole["chunks"] >= 8 and whole["scored_tokens"] == whole["chunks"] * 63  # the second half of each chunk
@@ -67,10 +79,10 @@ def test_tokenize_special_flag(smollm2):
 
 
 @pytest.mark.processes
-def test_inspect_describes_the_model():
+def test_inspect_describes_the_model(inspect_out):
     from shared.models.linear import qdot_takes
 
-    out = run("inspect")
+    out = inspect_out
     kernel = "q4_1-dot-q8" if qdot_takes("Q4_1") else "int4-g32"  # the integer-dot kernels on AVX2 CPUs
     for needle in ("llama", "30", "576", "Q4_1", "gpt2", "smollm", "im_start", "layers 0-29", f"attn_q Q4_1 -> {kernel}"):
         assert needle in out
@@ -111,8 +123,8 @@ def test_weights_mode_follows_the_dtype_flag(flags, expected):
 
 
 @pytest.mark.processes
-def test_inspect_reports_the_serving_default():
-    assert "runs as (auto)" in run("inspect")
+def test_inspect_reports_the_serving_default(inspect_out):
+    assert "runs as (auto)" in inspect_out
 
 
 @pytest.mark.parametrize("serving,env,flags,expected", [
