@@ -11,8 +11,9 @@ from its recompute beside others (the audit, at tolerance 0, reported 11 hits of
 
 - The mesh alone (start_mesh and a PipelineClient, micro-batches composed here): an attach and the same prompt's full
   prefill in one micro-batch, another in flight, against the prompt computed alone.
-- Through a gateway (`stagemesh up --batch-invariant --prefix-cache-audit 1`): clients' hits on shared system texts
-  against the same prompts computed uncached, and every hit audited."""
+- Through a gateway (`stagemesh gateway --prefix-cache-audit 1` over the same mesh: the stages `up --batch-invariant
+  --threads-alone ALONE` would start, not started twice): clients' hits on shared system texts against the same
+  prompts computed uncached, and every hit audited."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 
 from services.gateway.engine.prefix_cache import AUDIT_TOP, BLOCK_TOKENS
 from services.process.launch import start_mesh
+from services.testing.harness import start_gateway, wait_http
 from shared.batch.sampling import SamplingParams
 from shared.batch.steps import Prefill
 from shared.wire.protocol import ForwardBatch, SeqEntry
@@ -142,13 +144,22 @@ def audits(gw) -> dict[str, float]:
             for r in ("match", "mismatch", "skipped")}
 
 
-async def test_cached_answers_equal_uncached_ones_and_the_audit_finds_every_hit_right(up, varied_text):
+async def test_cached_answers_equal_uncached_ones_and_the_audit_finds_every_hit_right(mesh, varied_text, tmp_path):
     """Ten prompts of 560-1030 tokens, each a shared system text of ~450 tokens and a question of its own: each
     computed alone in a cache scope of its own (uncached), then all at once in a scope where the system texts are
     cached, every hit audited (rate 1). Each cached answer's logprobs and top alternatives are the uncached one's, bit
     for bit, and every audit -- a twin from the cached prefix against one computed in full, at tolerance 0 -- finds
-    them equal."""
-    gw = up(*INVARIANT, "--prefix-cache-audit", "1", "--threads-alone", str(ALONE), stages=2, dtype="float32")
+    them equal. The gateway is the test's own, over the module's mesh (the PipelineClient of the test before has
+    closed: the mesh's result address is free)."""
+    gw = start_gateway(mesh, str(tmp_path), "--prefix-cache-audit", "1")
+    try:
+        await asyncio.to_thread(wait_http, gw.url + "/ready", 120)
+        await _cached_equal_uncached(gw, varied_text)
+    finally:
+        gw.stop()
+
+
+async def _cached_equal_uncached(gw, varied_text: str) -> None:
     rng = random.Random(SEED)
     words = varied_text.split()
     systems = [" ".join(windows(rng, words, rng.randrange(230, 300))) for _ in range(2)]
