@@ -111,6 +111,9 @@ def test_status_exits_zero_when_ready_and_names_a_stopped_stage(gateway):
     assert unreachable.returncode == 2 and "cannot reach the gateway" in unreachable.stderr
 
 
+FIRST_TOKENS = 192  # each of the first load's 8 streams
+
+
 async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromium, output_dir):  # noqa: F811
     before = mesh(gateway)["gateway"]
     restarts_before = mesh(gateway)["stages"][1]["restarts"]
@@ -142,7 +145,7 @@ async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromiu
             assert await dt.js("getComputedStyle(document.getElementById('app')).display") == "none"  # chat hidden
 
             # under load: both stages busy, tokens/s and running sequences charted
-            first = asyncio.create_task(load(gateway.url, 8, 256))  # ~10 s: several /info polls see it
+            first = asyncio.create_task(load(gateway.url, 8, FIRST_TOKENS))  # ~8 s: several /info polls see it
             await until("meshSnapshot.gateway.running > 0 && meshSnapshot.stages.every(s => s.busy_fraction > 0.05) "
                         "&& meshSnapshot.gateway.tokens_per_s > 0", 60, "both stages busy under load")
             await asyncio.sleep(1.5)
@@ -154,9 +157,10 @@ async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromiu
             assert all(r.success for r in await first)
 
             # a stage SIGKILLed mid-load: shown lost, then back (stagemesh up restarts it), replays counted
-            second = asyncio.create_task(load(gateway.url, 8, 160))
+            # 96 tokens a stream: stopped after its first ~2, each has ~90 left to replay and finish
+            second = asyncio.create_task(load(gateway.url, 8, 96))
             await until("meshSnapshot.gateway.running >= 8 && meshSnapshot.gateway.generated_tokens > "
-                        f"{before['generated_tokens'] + 8 * 256 + 16}", 60, "the second load running")
+                        f"{before['generated_tokens'] + 8 * FIRST_TOKENS + 16}", 60, "the second load running")
             # stopped first, so it stays lost until the page has shown it (killed at once, `up` could have it back
             # between two of the page's snapshots), then killed
             victim = stage_pid(gateway, 1)
