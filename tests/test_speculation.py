@@ -98,6 +98,31 @@ def test_a_request_with_a_prediction_drafts_from_its_context_where_the_output_le
     assert spec.draft(opted_out, 16, ngrams=False) == []  # no n-grams for it: its prediction alone drafts
 
 
+def test_a_prediction_request_drafts_from_whichever_source_came_lately():
+    """With a prediction, its draft, its context's and the pool's are candidates; where they start otherwise, the
+    source whose first tokens came more often for this request lately wins (learnt from every candidate once the
+    step is back), the prediction on a tie: a prediction that the output keeps changing the same way (a rename)
+    hands over to the context, and takes over again where it stands."""
+    spec = Speculator("auto")
+    req = request([1, 2, 3, 9, 9, 9], prediction_ids=[1, 2, 3, 4, 5, 6, 7, 8], output_ids=[1, 2, 3])
+    assert spec.draft(req, 4, ngrams=True) == [4, 5, 6, 7] and req.drafts.source == "prediction"  # nothing learnt yet
+    assert req.drafts.candidates == {"prediction": [4, 5, 6, 7], "context": [9, 9, 9, 1], "pool": []}
+    req.output_ids += [9]  # the model wrote the context's 9, not the prediction's 4
+    spec.verified(req, decoded=True, drafted=4, stood=0)
+    assert req.drafts.first_hits == {"prediction": [0.0, 1.0], "context": [1.0, 0.0]} and not req.drafts.candidates
+    assert req.drafts.first_hit_chance("context") == 2 / 3 > req.drafts.first_hit_chance("prediction") == 1 / 3
+    req.output_ids, req.drafts.budget.size = [1, 2, 3], 4  # the same place again (and room for 4): the context's
+    assert spec.draft(req, 4, ngrams=True) == [9, 9, 9, 1] and req.drafts.source == "context"
+    req.output_ids += [4]  # ... but this time the output kept to the prediction
+    spec.verified(req, decoded=True, drafted=4, stood=0)
+    # the older counts fade (RECENT); the pool had learnt this request's own 1 2 3 9 and drafted 9 too
+    assert req.drafts.first_hits == {"prediction": [1.0, 0.8], "context": [0.8, 1.0], "pool": [0.0, 1.0]}
+    req.output_ids, req.drafts.budget.size = [1, 2, 3], 4
+    assert spec.draft(req, 4, ngrams=True) == [4, 5, 6, 7] and req.drafts.source == "prediction"  # back to it
+    # at a load that keeps n-grams off (ngrams=False), the pool is no candidate; the context still is
+    assert set(spec.draft(req, 4, ngrams=False) and req.drafts.candidates) == {"prediction", "context"}
+
+
 def test_the_draft_length_follows_how_the_last_drafts_fared():
     budget = DraftBudget()
     first = budget.next_size()

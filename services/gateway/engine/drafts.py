@@ -14,6 +14,7 @@ MAX_DRAFT_TOKENS = 12  # ... and a draft at most, after drafts that all stood
 SKIP_STEPS = 8  # after a draft of one token that did not stand: steps without drafting before trying again
 MATCH_TOKENS = 4  # the longest output suffix looked up in the prediction (down to 1)
 MAX_PREDICTED_TOKENS = 16  # a prediction's draft at most: one that all stood doubles the next, up to this
+RECENT = 0.8  # a source's first-token hits and misses fade by this much at each of its later drafts
 CONTEXT_MATCH = (4, 2)  # the longest and shortest suffix of a request's tokens looked up earlier in them
 
 
@@ -168,6 +169,13 @@ class RequestDrafts:
     first_stood: dict[int, list[int]] = field(default_factory=dict)
     later: list[int] = field(default_factory=lambda: [0, 0])
     located: int = 0  # the draft in flight's
+    # where a request with a prediction could draft from at its step in flight (source -> that source's draft), and
+    # per source how often its draft's first token was the token that came: learnt from every candidate, the one sent
+    # and the ones not (what came is known once the step is back), so the choice between them follows this
+    # request's own output -- where the output keeps to the prediction, the prediction; where it changes the text in
+    # the same way again and again (a rename), its own context
+    candidates: dict[str, list[int]] = field(default_factory=dict)
+    first_hits: dict[str, list[float]] = field(default_factory=dict)  # source -> [came, did not], fading
 
     @property
     def acceptance(self) -> float:
@@ -184,6 +192,22 @@ class RequestDrafts:
     def later_chance(self) -> float:
         """The chance a prediction draft's next token stands once the ones before it stood."""
         return (self.later[0] + 1) / (sum(self.later) + 2)
+
+    def first_hit_chance(self, source: str) -> float:
+        """The chance the source's next draft starts with the token that comes, from its latest drafts (RECENT: the
+        older ones fade; one hit and one miss assumed first)."""
+        came, missed = self.first_hits.get(source, (0, 0))
+        return (came + 1) / (came + missed + 2)
+
+    def learn_candidates(self, new: Sequence[int]) -> None:
+        """The step in flight came back with `new` (its drafted tokens that stood and the token sampled after them):
+        count, for each source that had a draft, whether that draft's first token came."""
+        for source, draft in self.candidates.items():
+            if draft and new:
+                hits = self.first_hits.setdefault(source, [0.0, 0.0])
+                hits[:] = [RECENT * h for h in hits]
+                hits[0 if draft[0] == new[0] else 1] += 1
+        self.candidates = {}
 
     def record(self, drafted: int, stood: int) -> None:
         """A draft of `drafted` tokens came back with `stood` of them standing."""

@@ -243,11 +243,10 @@ class Speculator:
         size = min(rows, drafts.budget.size)
         ngrams = ngrams or self.mode == "on"
         if size > 0 and (req.prediction_ids or (ngrams and self.ngrams_for(req))) and drafts.budget.next_size():
-            if req.prediction_ids:  # where it re-joins the prediction; else what its context says; else one token
-                # alike in the prediction near where the output left it (an offline replay of edits chose the order)
-                draft, source = drafts.prediction.draft(req.output_ids, size, shortest=2), "prediction"
-                if not draft and self._context_for(req):
-                    draft, source = self._context_draft(req, size), "context"
+            if req.prediction_ids:  # where it re-joins the prediction, or what its context or the pool says, by
+                # which came more often for this request; else one token alike in the prediction near where the
+                # output left it (an offline replay of edits chose the order)
+                draft, source = self._predicted_draft(req, size, ngrams)
                 if not draft:
                     draft, source = drafts.prediction.draft(req.output_ids, size), "prediction"
             else:
@@ -269,6 +268,30 @@ class Speculator:
         self.stats.draft_seconds += time.perf_counter() - t0
         return draft
 
+    def _predicted_draft(self, req: Request, size: int, ngrams: bool) -> tuple[list[int], str]:
+        """A request with a prediction: the prediction's draft where at least 2 output tokens locate it, its
+        context's, and the pool's while the load allows n-grams (`ngrams`); of those that start otherwise, the one
+        whose source's first tokens came more often for this request lately (RequestDrafts.first_hits, learnt from
+        every candidate: a prediction that stops standing -- the output renames what it names -- hands over to the
+        context, and takes over again where it stands again), the earlier in that order on a tie. An offline replay
+        of the edit workloads (greedy answers, the measured pass costs) gave 1.93x / 2.84x over no drafts this way,
+        against 1.78x / 3.02x with the prediction first and 1.85x / 2.56x with n-grams alone."""
+        drafts = req.drafts
+        candidates = {"prediction": drafts.prediction.draft(req.output_ids, size, shortest=2)}
+        if self._context_for(req):
+            candidates["context"] = self._context_draft(req, size)
+            if ngrams:
+                candidates["pool"] = self.pool.draft(req.all_ids, size, self._salt(req))
+        drafts.candidates = candidates
+        # the prediction first, then its context, then the pool: a later one wins only where its draft starts
+        # otherwise and its first tokens came more often
+        best = "prediction"
+        for source in ("context", "pool"):
+            d, b = candidates.get(source), candidates[best]
+            if d and (not b or (d[0] != b[0] and drafts.first_hit_chance(source) > drafts.first_hit_chance(best))):
+                best = source
+        return candidates[best], best
+
     def _context_draft(self, req: Request, size: int) -> list[int]:
         if req.drafts.context is None:
             req.drafts.context = ContextIndex()
@@ -282,6 +305,8 @@ class Speculator:
             s.decode_steps += 1
             s.decode_tokens += 1 + stood
         source, req.drafts.source = req.drafts.source, None
+        if decoded and req.drafts.candidates:
+            req.drafts.learn_candidates(req.output_ids[len(req.output_ids) - stood - 1:])
         if decoded and req.drafts.prediction is not None:
             req.drafts.prediction.stepped(drafted if source == "prediction" else 0, stood)
             if source == "prediction":  # the request's usage (OpenAI's accepted / rejected prediction tokens)
