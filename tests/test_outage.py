@@ -485,16 +485,21 @@ async def test_a_malformed_info_is_a_problem_named_and_the_poller_lives_on(clean
 
 # ---- Medium 5: trace is an operator's tool --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("body", [{"prompt": "Say hello.", "trace": True},
-                                  {"messages": [{"role": "user", "content": "Hi"}], "trace": True, "stream": True}])
-async def test_trace_is_refused_unless_the_gateway_allows_it(clean, body):
-    """This gateway was started without --allow-trace: a request asking for a trace is refused (403, naming the flag)
-    before it reaches a stage, and `stagemesh trace` against it says what to do."""
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    async with aiohttp.ClientSession() as s, s.post(clean.gw.url + path, json=body) as r:
-        assert r.status == 403, await r.text()
-        error = (await r.json())["error"]
-    assert error["code"] == "trace_disabled" and "--allow-trace" in error["message"] and error["param"] == "trace"
+TRACE_BODIES = [{"prompt": "Say hello.", "trace": True},
+                {"messages": [{"role": "user", "content": "Hi"}], "trace": True, "stream": True}]
+
+
+async def test_trace_is_refused_unless_the_gateway_allows_it(clean):
+    """This gateway was started without --allow-trace: a request asking for a trace (a completion, a streamed chat)
+    is refused (403, naming the flag) before it reaches a stage, and `stagemesh trace` against it says what to do
+    (one run: its command line is the same whatever a request asked); the gateway serves on."""
+    for body in TRACE_BODIES:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        async with aiohttp.ClientSession() as s, s.post(clean.gw.url + path, json=body) as r:
+            assert r.status == 403, await r.text()
+            error = (await r.json())["error"]
+        assert error["code"] == "trace_disabled" and "--allow-trace" in error["message"] and error["param"] == "trace", \
+            (body, error)
     proc = await asyncio.to_thread(subprocess.run, stagemesh_cmd("trace", "--baseline", clean.gw.url, "--target",
                                                                  clean.gw.url, "--prompt", "Hi", "--steps", "1"),
                                    capture_output=True, text=True, timeout=120)
