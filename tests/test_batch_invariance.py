@@ -76,9 +76,11 @@ def _in_company(pipeline: LocalPipeline, ids: list[int], others: list[list[int]]
     return rows, smallest
 
 
-# auto's bfloat16 case takes about a minute of both cores: slow (make test runs it; the unit tier keeps the other two)
+# auto's bfloat16 case takes about a minute of both cores, f32's a few seconds: slow (make test runs them; the unit
+# tier keeps bf16's)
 @pytest.mark.parametrize("dtype,weights", [pytest.param(torch.bfloat16, "auto", marks=pytest.mark.slow),
-                                           (torch.bfloat16, "bf16"), (torch.float32, "f32")])
+                                           (torch.bfloat16, "bf16"),
+                                           pytest.param(torch.float32, "f32", marks=pytest.mark.slow)])
 def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(smollm2, texts, dtype, weights):
     target, others = texts
     pipeline = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=NEIGHBOURS + 2, weights=weights,

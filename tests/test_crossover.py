@@ -65,6 +65,7 @@ def test_the_measurement_follows_its_own_timings(smollm2):
     assert threshold == crossover(lambda m: seen[m])
 
 
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_modes_without_a_switch_are_left_alone(smollm2):
     for weights, invariant in (("lean", False), ("bf16", False), ("auto", True)):
         runtime = StageRuntime.load(smollm2.loader, None, torch.bfloat16, kv_slots=1, weights=weights,
@@ -92,6 +93,7 @@ def test_the_prefill_kernel_is_the_measured_dtype_on_every_switched_linear(smoll
     assert blocks and all(kind.split(" | ")[1].startswith(name) for kind in blocks.values()), blocks
 
 
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_two_loads_of_a_file_pick_the_same_kernels_and_the_second_times_nothing(smollm2, tmp_path, monkeypatch):
     """The kernel plan is measured once per machine and shape, kept in the plans file, and read back: a second load
     picks the same crossover and prefill kernel without timing anything; an unusable entry is measured anew."""

@@ -180,6 +180,7 @@ def test_measured_speed_fills_what_a_host_leaves_out():
     assert (c.ms_per_layer, c.head_ms) == (2.0, None)  # a host with its own speed takes nothing measured here
 
 
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_measuring_here_times_layers_head_and_batch(smollm2):
     m = measure_here(smollm2, "float32", threads=1, rows=4)
     assert 0 < m.ms_per_layer < m.head_ms  # SmolLM2's head (49,152 x 576) costs about 4 of its layers

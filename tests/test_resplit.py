@@ -159,6 +159,7 @@ def _resplit(pipe: LocalPipeline, new: list[LayerRange], rid: int) -> list[dict]
     return []
 
 
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_moving_layers_and_their_kv_between_pieces_changes_no_number(smollm2):
     """Two pieces split at 15 decode two sequences; the split moves to 19 (K/V downstream -> upstream) and then to
     11 (upstream -> downstream) between steps: every step's logits equal those of the pieces left at 15, exactly
@@ -178,6 +179,7 @@ def test_moving_layers_and_their_kv_between_pieces_changes_no_number(smollm2):
     assert pipe.pieces[1].kv.k[0].shape[0] == ref_pipe.pieces[1].kv.k[0].shape[0]  # the same rows
 
 
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_a_sequence_whose_kv_did_not_arrive_is_released_not_computed_wrong(smollm2):
     """A parcel lost on the way: the receiving piece releases that sequence at the commit (its next step answers
     unknown_sequence, which the gateway replays) and keeps the other."""
@@ -205,6 +207,7 @@ def test_a_sequence_whose_kv_did_not_arrive_is_released_not_computed_wrong(smoll
         pipe.run([SeqEntry("b", Decode(len(seqs["b"])), SamplingParams())], torch.tensor([tokens["b"]]))
 
 
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_a_commit_sent_again_brings_a_half_moved_mesh_to_the_new_split(smollm2):
     """A commit a stage died in (piece 0 committed, piece 1 restarted on its old range with nothing prepared), sent
     again: piece 0 -- already on its new range -- keeps its runtime and K/V; piece 1 loads its new range with an
