@@ -273,9 +273,8 @@ class Speculator:
         context's, and the pool's while the load allows n-grams (`ngrams`); of those that start otherwise, the one
         whose source's first tokens came more often for this request lately (RequestDrafts.first_hits, learnt from
         every candidate: a prediction that stops standing -- the output renames what it names -- hands over to the
-        context, and takes over again where it stands again), the earlier in that order on a tie. An offline replay
-        of the edit workloads (greedy answers, the measured pass costs) gave 1.93x / 2.84x over no drafts this way,
-        against 1.78x / 3.02x with the prediction first and 1.85x / 2.56x with n-grams alone."""
+        context, and takes over again where it stands again), the earlier in that order on a tie. So a prediction
+        never drafts worse than n-grams alone would (benchmarks/draft_replay.py replays the policy on known answers)."""
         drafts = req.drafts
         candidates = {"prediction": drafts.prediction.draft(req.output_ids, size, shortest=2)}
         if self._context_for(req):
