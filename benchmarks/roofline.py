@@ -1,8 +1,10 @@
 """One-stream decode against the memory roofline, in one run (shared/runtime/roofline.py): this host's read bandwidth
 (a STREAM triad, every core, measured before and after the servers), the bytes a token reads (the file's weights as the
 GGUF stores them), and the one-stream decode speed of llama.cpp's llama-server and `stagemesh up --stages 1` on the
-same file, measured side by side (`stagemesh bench`, one stream, --ignore-eos; decode tok/s = 1000 / mean
-inter-token latency, so the prefill is left out). Each server's fraction = its decode tok/s x bytes a token /
+same file, measured side by side (`stagemesh bench`, one stream, --ignore-eos; decode tok/s = a request's tokens
+after its first over its time after the first, mean end-to-end latency less mean TTFT, so the prefill is left out --
+not 1000 / mean inter-token latency: llama-server's stream sometimes carries several tokens in one event, which that
+mean counts as one long gap). Each server's fraction = its decode tok/s x bytes a token /
 bandwidth: 1.0 would read every byte of the file at the triad's speed every token.
 
     make llama-server                                  # builds it once into ~/.cache/stagemesh (~8 min)
@@ -45,9 +47,10 @@ def model_file(name: str, preset: str) -> str:
     return shaped_gguf(name, preset) if name in SHAPES else resolve_model(name)
 
 
-def decode_tokens_per_s(rounds: list[dict]) -> float:
-    """One stream's decode speed over a level's rounds: 1000 / their mean inter-token latency (ms)."""
-    return 1e3 / (sum(m["mean_itl_ms"] for m in rounds) / len(rounds))
+def decode_tokens_per_s(m: dict) -> float:
+    """One stream's decode speed in one round's bench result: the tokens after each request's first over the time
+    after its first token (mean end-to-end latency less mean TTFT, ms)."""
+    return (m["total_output_tokens"] / m["completed"] - 1) / ((m["mean_e2el_ms"] - m["mean_ttft_ms"]) / 1e3)
 
 
 def one_model(path: str, args, out: str) -> dict:
@@ -65,13 +68,16 @@ def one_model(path: str, args, out: str) -> dict:
         runs = measure_servers(servers, [1], bench_out, bench_args)
     after = triad_bandwidth()
     bandwidth = (before + after) / 2
+
+    def mean(rounds: list[dict]) -> float:
+        return sum(map(decode_tokens_per_s, rounds)) / len(rounds)
+
     roof = Roofline(bandwidth, per_token)
     return {"model": facts.name, "file": os.path.basename(path), "bytes_per_token": per_token,
             "triad_bytes_per_s": {"before": round(before), "after": round(after)},
             "roofline_tokens_per_s": round(roof.tokens_per_s, 2),
-            "servers": {name: {"decode_tokens_per_s": round(decode_tokens_per_s(r[1]), 2),
-                               "fraction": round(roof.fraction(decode_tokens_per_s(r[1])), 4),
-                               "mean_itl_ms_each_round": [round(m["mean_itl_ms"], 2) for m in r[1]]}
+            "servers": {name: {"decode_tokens_per_s": round(mean(r[1]), 2), "fraction": round(roof.fraction(mean(r[1])), 4),
+                               "decode_tokens_per_s_each_round": [round(decode_tokens_per_s(m), 2) for m in r[1]]}
                         for name, r in runs.items()}}
 
 
@@ -137,7 +143,7 @@ def main() -> None:
         print(table(results[-1:]), flush=True)
     header = (f"{os.cpu_count()} CPU cores; one stream, {args.input_len} prompt tokens, {args.output_len} output "
               f"tokens (ignore_eos), {args.rounds} round(s) of {args.prompts} requests, the servers interleaved; "
-              f"decode tok/s = 1000 / mean ITL; llama-server -t {os.cpu_count()} -np 1; stagemesh up --stages 1 "
+              f"decode tok/s = (tokens - 1) / (end-to-end - TTFT); llama-server -t {os.cpu_count()} -np 1; stagemesh up --stages 1 "
               f"{' '.join(args.extra) or '(defaults)'} (activations {dtype_label(args.dtype)}); the bandwidth is the "
               "mean of a STREAM triad (3 x 256 MiB float32, every core) before and after each model's servers")
     md = header + "\n\n" + table(results)
