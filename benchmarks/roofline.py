@@ -69,16 +69,16 @@ def one_model(path: str, args, out: str) -> dict:
     after = triad_bandwidth()
     bandwidth = (before + after) / 2
 
-    def mean(rounds: list[dict]) -> float:
-        return sum(map(decode_tokens_per_s, rounds)) / len(rounds)
-
     roof = Roofline(bandwidth, per_token)
+    servers = {}
+    for name, by_level in runs.items():
+        each = [decode_tokens_per_s(m) for m in by_level[1]]
+        speed = sum(each) / len(each)
+        servers[name] = {"decode_tokens_per_s": round(speed, 2), "fraction": round(roof.fraction(speed), 4),
+                         "decode_tokens_per_s_each_round": [round(x, 2) for x in each]}
     return {"model": facts.name, "file": os.path.basename(path), "bytes_per_token": per_token,
             "triad_bytes_per_s": {"before": round(before), "after": round(after)},
-            "roofline_tokens_per_s": round(roof.tokens_per_s, 2),
-            "servers": {name: {"decode_tokens_per_s": round(mean(r[1]), 2), "fraction": round(roof.fraction(mean(r[1])), 4),
-                               "decode_tokens_per_s_each_round": [round(decode_tokens_per_s(m), 2) for m in r[1]]}
-                        for name, r in runs.items()}}
+            "roofline_tokens_per_s": round(roof.tokens_per_s, 2), "servers": servers}
 
 
 def table(results: list[dict]) -> str:
