@@ -57,7 +57,8 @@ CANCEL_WAIT_S = 10.0  # POST .../cancel waits this long for the request to end b
 # Every top-level field, by what it does here (docs/openai.md#responses-api lists them). Null = left out.
 READ_FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                          "tools", "tool_choice", "parallel_tool_calls", "text", "background", "store",
-                         "previous_response_id", "metadata", "seed", "user", "prompt_cache_key"})
+                         "previous_response_id", "metadata", "seed", "user", "prompt_cache_key",
+                         "ignore_eos"})  # ignore_eos: the chat path's vLLM extension (exactly max_output_tokens)
 IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
     "safety_identifier": (str,), "service_tier": (str,), "stream_options": (dict,),
     "prompt_cache_retention": (str,),
@@ -152,7 +153,7 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Responses
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "seed": body.get("seed"),
             "user": body.get("user"), "prompt_cache_key": body.get("prompt_cache_key"), "tools": chat_tools,
             "tool_choice": chat_choice, "parallel_tool_calls": body.get("parallel_tool_calls"),
-            "response_format": response_format}
+            "response_format": response_format, "ignore_eos": body.get("ignore_eos")}
     temperature, top_p = body.get("temperature"), body.get("top_p")
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": 1.0 if temperature is None else temperature, "top_p": 1.0 if top_p is None else top_p,
