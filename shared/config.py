@@ -227,6 +227,10 @@ class SchedulerConfig:
     stall_timeout_s: float = knob(30.0, "a micro-batch not back after this long marks the pipeline not ready, "
                                         "naming the hop where it stopped, and its requests are replayed (far above "
                                         "any one micro-batch's compute)", unit="seconds")
+    stage_poll_s: float = knob(2.0, "how often the gateway reads every stage's /info (health, incarnation, busy "
+                                    "time): a dead or restarted stage is noticed within one period (below "
+                                    "--stall-timeout, so a death is a failover before it looks like a stall)",
+                               unit="seconds")
     failover_timeout_s: float = knob(120.0, "a pipeline not ready again after this long ends the requests it holds "
                                             "with an error naming the unreachable stage", unit="seconds")
     max_replays: int = knob(3, "times one request may be replayed after stage losses before it ends with an error")
@@ -257,6 +261,7 @@ class SchedulerConfig:
         check(self, "prefix_cache_audit", isinstance(share, (int, float)) and 0.0 <= share <= 1.0,
               "a share within 0..1, e.g. 0.05 checks one cache hit in twenty")
         check_seconds(self, "stall_timeout_s", 0, strict=True)
+        check_seconds(self, "stage_poll_s", 0, strict=True)
         check_seconds(self, "failover_timeout_s", 0, strict=True)
         check_int(self, "max_replays", 0)
         check_choice(self, "speculation", SPECULATION_MODES)

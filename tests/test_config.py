@@ -119,6 +119,7 @@ BAD = [
     (SchedulerConfig, "token_budget", 0, "0"),
     (SchedulerConfig, "prefix_cache_audit", 1.5, "1.5"),
     (SchedulerConfig, "stall_timeout_s", 0.0, "0"),
+    (SchedulerConfig, "stage_poll_s", -0.5, "-0.5"),
     (SchedulerConfig, "failover_timeout_s", math.nan, "nan"),
     (SchedulerConfig, "max_replays", -1, "-1"),
     (GatewayConfig, "default_max_tokens", 0, "0"),

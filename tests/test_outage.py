@@ -31,8 +31,10 @@ from tests.conftest import stagemesh_cmd, starts_processes
 from tests.test_curve import push
 
 KV_SLOTS = 4
-STALL_S = 4  # the gateway's --stall-timeout: well above any micro-batch here (and the 2 s poll that notices a dead
-# stage first), short enough for a test: each of the lost-hop test's 3 replays waits it out twice
+POLL_S = 0.5  # the gateway's --stage-poll (2 s by default): each malformed /info, restart or lost hop is seen in one
+STALL_S = 3  # the gateway's --stall-timeout: well above any micro-batch here and 2.5 s above the poll that notices a
+# dead stage first (a death is a failover, never a stall), short enough for a test: each of the lost-hop test's 3
+# replays waits it out twice
 
 
 class InfoProxy:
@@ -116,7 +118,7 @@ def outage(tmp_path_factory):
         proc = subprocess.Popen(stagemesh_cmd("gateway", "--model", "smollm2", "--stages",
                                               f"{mesh.stages[0].url},{proxy.url}", "--listen", f"127.0.0.1:{port}",
                                               "--result-listen", mesh.result_listen, "--keys", mesh.keys_dir,
-                                              "--stall-timeout", str(STALL_S)),
+                                              "--stall-timeout", str(STALL_S), "--stage-poll", str(POLL_S)),
                                 stdout=log, stderr=subprocess.STDOUT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     try:

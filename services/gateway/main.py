@@ -62,7 +62,7 @@ def build_app(model: str, specs: list[PipelineSpec], args) -> web.Application:
         keys = key_set.for_gateway()
     scheduling = config_from_args(SchedulerConfig, args)
     pipelines = [Pipeline(s.stage_urls, s.result_listen, files.loader.fingerprint, files.config.num_layers,
-                          s.first_stage, keys=keys, stall_s=scheduling.stall_timeout_s) for s in specs]
+                          s.first_stage, poll_s=scheduling.stage_poll_s, keys=keys, stall_s=scheduling.stall_timeout_s) for s in specs]
     # K = stages: each stage has a micro-batch to work on; more splits the running sequences into smaller
     # micro-batches, which on a CPU costs more than the gateway's turnaround it hides (compare --max-inflight
     # values with benchmarks.compare_llamacpp, which passes up flags after --)

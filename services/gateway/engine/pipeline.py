@@ -124,7 +124,7 @@ class Pipeline:
     (stalled_hop), for as long again or until a stage restarts; its sequences are replayed after that."""
 
     def __init__(self, stage_urls: list[str], result_listen: str, fingerprint: str, num_layers: int,
-                 first_stage: str | None = None, poll_s: float = 2.0, keys: SocketKeys | None = None,
+                 first_stage: str | None = None, poll_s: float = SCHEDULER_DEFAULTS.stage_poll_s, keys: SocketKeys | None = None,
                  stall_s: float = SCHEDULER_DEFAULTS.stall_timeout_s):
         self.keys = keys  # the gateway's CURVE keys (None: plaintext, only with --insecure-plaintext)
         self.stage_urls = [u.rstrip("/") for u in stage_urls]
@@ -358,17 +358,21 @@ class Pipeline:
         self._incarnations = [i.incarnation for i in infos]
         self.mark_lost(f"stage {place} replaced by the process at {url}")
 
-    def members_changed(self, stage_urls: list[str], first_stage: str, keys: SocketKeys | None) -> None:
+    def members_changed(self, stage_urls: list[str], first_stage: str, keys: SocketKeys | None,
+                        lost: bool = True) -> None:
         """The pipeline's stages are now the processes at `stage_urls` (a host joined, left or was lost:
         services/gateway/engine/membership.py routed the pipeline through them; `first_stage`: the first one's
         address; `keys`: the gateway's own keys now, the first stage's server key and the last stage's client key
-        among them). Stages whose layers changed hold no K/V: the pipeline's state counts as lost once, here."""
+        among them). `lost`: a stage whose layers changed holds none of their K/V (a loss; a join or a leave whose
+        K/V hand-over did not come back), so the pipeline's state counts as lost once, here; not after one that
+        moved it (a sequence a stage lacks then answers unknown_sequence, which is a loss then)."""
         self.stage_urls = [u.rstrip("/") for u in stage_urls]
         self.first_stage = first_stage
         self.keys = keys
         self._incarnations = None  # the next check takes the new stages' incarnations as they are
         self._dial_failures = None
-        self.mark_lost(f"the mesh's members changed: {len(stage_urls)} stages")
+        if lost:
+            self.mark_lost(f"the mesh's members changed: {len(stage_urls)} stages")
 
     def promoted(self, place: int, url: str, keys: SocketKeys | None) -> None:
         """A replica of stage `place`, the process at `url`, serves that place from now on (ReplicaJoins.promote
