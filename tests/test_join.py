@@ -15,12 +15,19 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
+from shared.batch.sampling import SamplingParams
+from shared.batch.steps import Decode, Prefill
+from shared.files.layers import LayerRange
+from shared.runtime.stage_runtime import LocalPipeline
+from shared.wire.protocol import SeqEntry
 from tests.conftest import stagemesh_cmd
 
 TOKEN = "join-token-for-the-tests-0123456789"
 STREAMS = 3
 MAX_TOKENS = 64
+JOIN_TOKENS = 160  # the join's streams: long enough to be running when the change comes (the joiner loads first)
 PROMPT = "Note {i}: when the ferry left the harbour the captain"
 
 
@@ -33,10 +40,10 @@ def _post(url: str, body: dict) -> tuple[int, dict, dict]:
         return e.code, json.loads(e.read()), dict(e.headers)
 
 
-async def _streams(url: str, on_token=None) -> list[str]:
+async def _streams(url: str, on_token=None, max_tokens: int = MAX_TOKENS) -> list[str]:
     from services.testing.harness import seeded_streams
 
-    return await seeded_streams(url, PROMPT, 700, STREAMS, MAX_TOKENS, on_token)
+    return await seeded_streams(url, PROMPT, 700, STREAMS, max_tokens, on_token)
 
 
 class Joinable:
@@ -56,6 +63,19 @@ class Joinable:
 
     def pipeline(self) -> dict:
         return json.loads(self.gw.get("/v1/mesh")[1])["pipelines"][0]
+
+    def events(self) -> list[dict]:
+        return json.loads(self.gw.get("/v1/mesh/members")[1])["events"]
+
+    def wait_event(self, event: str, after: int, timeout: float = 240) -> dict:
+        """The first membership event `event` past the first `after` events."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.events()[after:] if e["event"] == event]
+            if found:
+                return found[0]
+            time.sleep(0.1)
+        raise AssertionError(f"no {event!r} event: {self.events()}")
 
     def wait_stages(self, n: int, timeout: float = 240) -> list:
         deadline = time.monotonic() + timeout
@@ -140,18 +160,30 @@ def test_a_joiner_that_does_not_fit_is_refused_with_the_reason(joinable):
 
 @pytest.mark.processes
 async def test_a_host_joins_leaves_and_is_lost_under_running_streams_and_no_text_changes(joinable):
-    """Join mid-stream (1 -> 2 stages), SIGTERM mid-stream (2 -> 1), join again, SIGKILL mid-stream (covered within
-    2 s): every stream ends with the undisturbed run's text, nothing fails, and the joined stage computes."""
+    """Join mid-stream (1 -> 2 stages: the giver hands the joiner its layers' K/V, so nothing replays), SIGTERM
+    mid-stream (2 -> 1: the leaver sends its K/V to the taker, nothing replays), join again, SIGKILL mid-stream
+    (covered within 2 s, by a replay): every stream ends with the undisturbed run's text, nothing fails, and the
+    joined stage computes."""
     m = joinable
     gw = m.gw
-    reference = await _streams(gw.url)
+    reference, long_reference = await _streams(gw.url), await _streams(gw.url, max_tokens=JOIN_TOKENS)
     loop = asyncio.get_running_loop()
 
-    # join: the joiner starts once the streams run; they end with the same texts
+    # join: streams start once the joiner is placed (it loads its layers, then the change comes mid-stream); they
+    # go on through the change with their K/V -- no replay -- and end with the undisturbed texts
+    seen = len(m.events())
     proc, path = m.join("--as", "stage")
-    texts = await asyncio.wait_for(_streams(gw.url), 600)
+    await asyncio.to_thread(m.wait_event, "placed", seen)
+    failovers = gw.metric("stagemesh_gateway_pipeline_failovers_total")
+    began = time.time()
+    texts = await asyncio.wait_for(_streams(gw.url, max_tokens=JOIN_TOKENS), 600)
+    ended = time.time()
+    joined = await asyncio.to_thread(m.wait_event, "joined", seen)
     split = await asyncio.to_thread(m.wait_stages, 2)
-    assert texts == reference
+    assert texts == long_reference
+    assert began < joined["time"] < ended, ("the join did not come mid-stream", began, joined, ended)
+    assert joined["kv_moved"] is True, joined
+    assert gw.metric("stagemesh_gateway_pipeline_failovers_total") == failovers  # nothing replayed
     assert split[0][0] == 0 and split[-1][1] == 30 and len(split) == 2, split
     texts = await asyncio.wait_for(_streams(gw.url), 600)  # served through both stages
     assert texts == reference
@@ -167,10 +199,14 @@ async def test_a_host_joins_leaves_and_is_lost_under_running_streams_and_no_text
             proc.send_signal(signal.SIGTERM)
             left.set_result(None)
 
+    seen, failovers = len(m.events()), gw.metric("stagemesh_gateway_pipeline_failovers_total")
     texts = await asyncio.wait_for(_streams(gw.url, leave_midway), 600)
     assert texts == reference
     assert await asyncio.to_thread(proc.wait, 120) == 0, open(path).read()
     assert await asyncio.to_thread(m.wait_stages, 1) == [[0, 30]]
+    # the leaver sent its K/V to the stage that took its layers: nothing replayed
+    assert (await asyncio.to_thread(m.wait_event, "left", seen))["kv_moved"] is True
+    assert gw.metric("stagemesh_gateway_pipeline_failovers_total") == failovers
 
     # join again, then SIGKILL mid-stream
     proc, path = m.join("--as", "stage")
@@ -304,3 +340,149 @@ async def test_up_does_not_restart_its_stage_beside_a_joined_host_the_gateway_co
             if j.poll() is None:
                 j.kill()
         gw.stop()
+
+
+# ---- one stage's side of a join and a leave, in process ---------------------------------------------------------------
+
+class _Side:
+    """What services.stage.membership.StageMembership uses of its StageWorker -- the identity, the runtime, sends and
+    the two sockets' calls -- around a real StageRuntime; what it sends is collected, each message as it would
+    travel (encoded, decoded)."""
+
+    def __init__(self, runtime, incarnation: str):
+        from types import SimpleNamespace
+
+        from services.stage.membership import StageMembership
+
+        self.runtime = runtime
+        self.identity = SimpleNamespace(incarnation=incarnation, name=f"stage {incarnation}", index=None,
+                                        position=runtime.model.position)
+        self.sent: list = []
+        self.io = SimpleNamespace(send=self._send, transport=SimpleNamespace(
+            keys=None, next_hop="tcp://127.0.0.1:1", route_to=lambda *a: None, accept_from=lambda *a: None))
+        self.membership = StageMembership(self)
+
+    def _send(self, msg, via=None) -> bool:
+        from shared.wire.protocol import decode, encode
+
+        self.sent.append(decode(encode(msg)))
+        return True
+
+    def _serve_with(self, runtime) -> None:
+        self.runtime = runtime
+
+    def phase(self, msg) -> list:
+        """This side's part of one membership phase (as StageWorker._resplit dispatches it): what it sent."""
+        self.sent = []
+        self.membership.begin(msg)
+        if msg.phase == "load":
+            self.membership.load(msg, self.runtime)
+            self.io.send(msg)
+        else:
+            getattr(self.membership, msg.phase)(msg)
+        return self.sent
+
+
+def _step(pipe, seqs: dict[str, list[int]], done: dict[str, int]):
+    """One micro-batch of the sequences (a prompt not yet `done` in full, else a decode of its last token): (greedy
+    next tokens, logits)."""
+    work, ids = [], []
+    for seq_id, tokens in seqs.items():
+        if seq_id not in done:
+            work.append(SeqEntry(seq_id, Prefill(len(tokens), 0, len(tokens), True), SamplingParams()))
+            ids += tokens
+        else:
+            work.append(SeqEntry(seq_id, Decode(len(tokens) - 1), SamplingParams()))
+            ids.append(tokens[-1])
+    logits = pipe.run(work, torch.tensor(ids))
+    return {w.seq_id: int(row.argmax()) for w, row in zip(work, logits)}, logits
+
+
+def _change(rid: int, phase: str, members: list[tuple[str, int, int]]):
+    from shared.wire.protocol import Resplit
+
+    wire = [{"incarnation": inc, "layers": [a, b], "address": f"tcp://127.0.0.1:{2000 + i}", "key": None}
+            for i, (inc, a, b) in enumerate(members)]
+    return Resplit(rid, phase, [(0, 30)], [(a, b) for _, a, b in members], members=wire,
+                   gateway={"address": "tcp://127.0.0.1:1999", "key": None, "sends": None})
+
+
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
+def test_a_join_and_a_leave_move_kv_and_a_stage_never_computes_from_part_of_it(smollm2):
+    """One piece serving 0:30 decodes two sequences; a joiner takes 17:30: the giver keeps 0:17's K/V and gives
+    17:30's, and the two go on computing exactly the logits of the piece left alone -- but the joiner holds no
+    sequence one chunk of whose layers did not come (it answers unknown_sequence: the gateway replays it, nothing is
+    computed from zeros). Then the joiner leaves: its K/V goes to the taker along the accept, whose held sequence
+    lacking some of it is released the same way."""
+    import dataclasses
+
+    from shared.errors import UnknownSequence
+    from shared.wire.protocol import KVParcel
+
+    prompts = {"a": smollm2.tokenizer.encode("The capital of France is"),
+               "b": smollm2.tokenizer.encode("Once upon a time, in a land far away")}
+    ref = LocalPipeline.load(smollm2.loader, [LayerRange(0, 30)], torch.float32, kv_slots=4, max_seq_len=64)
+    pipe = LocalPipeline.load(smollm2.loader, [LayerRange(0, 30)], torch.float32, kv_slots=4, max_seq_len=64)
+    seqs, done = {s: list(p) for s, p in prompts.items()}, {}
+    for piece in (ref, pipe):
+        tokens, _ = _step(piece, {s: list(t) for s, t in seqs.items()}, {})
+    for s, t in tokens.items():
+        seqs[s].append(t)
+        done[s] = 1
+    giver, joiner = _Side(pipe.pieces[0], "g"), _Side(pipe.pieces[0].reload(LayerRange(17, 30)), "j")
+    members = [("g", 0, 17), ("j", 17, 30)]
+    for phase in ("load", "accept", "route"):
+        for side in (giver, joiner):
+            side.phase(_change(5, phase, members))
+    parcels = [p for p in giver.phase(_change(5, "give", members)) if isinstance(p, KVParcel)]
+    assert {p.seq_id for p in parcels} == {"a", "b"} and all((p.to, p.start, p.stop) == (1, 17, 30) for p in parcels)
+    joiner.phase(_change(5, "give", members))
+    for p in parcels:  # b's parcel arrives cut short: 3 of its 13 layers
+        cut = p if p.seq_id == "a" else dataclasses.replace(p, stop=20, k=p.k[:3], v=p.v[:3])
+        assert joiner.membership.take(cut) is True
+    assert "a" in joiner.runtime.kv and "b" not in joiner.runtime.kv
+    assert giver.runtime.model.layers == LayerRange(0, 17) and set(giver.runtime.kv.holders) == {"a", "b"}
+    joined = LocalPipeline([giver.runtime, joiner.runtime])
+    _, got = _step(joined, {"a": seqs["a"]}, {"a": 1})
+    _, want = _step(ref, {"a": seqs["a"]}, {"a": 1})
+    assert torch.equal(got, want)  # a decodes on with its moved K/V, as if nothing moved
+    with pytest.raises(UnknownSequence):
+        _step(joined, {"b": seqs["b"]}, {"b": 1})
+
+    # the joiner leaves: its layers (and a's K/V, one position on) go to the giver along the accept
+    giver.runtime.release("b")
+    joined.pieces[0].kv.allocate("c")  # a sequence the leaver holds no K/V for: the taker must release it
+    seqs["a"].append(int(got[0].argmax()))
+    members = [("g", 0, 30)]
+    giver.phase(_change(6, "load", members))
+    sent = joiner.phase(_change(6, "accept", members))
+    assert [p.seq_id for p in sent if isinstance(p, KVParcel)] == ["a"] and sent[-1].report[0]["left"] == 1
+    giver.phase(_change(6, "accept", members))
+    for p in sent[:-1]:
+        assert giver.membership.take(p) is True
+    giver.phase(_change(6, "route", members))
+    assert giver.runtime.model.layers == LayerRange(0, 30) and set(giver.runtime.kv.holders) == {"a"}
+    _, got = _step(LocalPipeline([giver.runtime]), {"a": seqs["a"]}, {"a": 2})
+    _, want = _step(ref, {"a": seqs["a"]}, {"a": 2})
+    assert torch.equal(got, want)
+
+
+def test_a_cache_adopts_a_whole_sequence_and_refuses_one_that_is_not_its_shape():
+    """KVCache.adopt (a joiner taking a sequence whose K/V came whole): its positions are the sequence's, a kept one
+    is a cached prefix; K/V of other layers, heads or lengths per layer is refused naming the shape."""
+    from shared.errors import BadBatch
+    from shared.models.kv_cache import KVCache
+
+    kv = KVCache(num_layers=2, num_slots=2, max_seq_len=16, num_kv_heads=3, head_dim=8, dtype=torch.float32,
+                 prefix_slots=1)
+    k = [torch.randn(3, 5, 8) for _ in range(2)]
+    v = [torch.randn(3, 5, 8) for _ in range(2)]
+    kv.adopt("a", k, v)
+    slot, n = kv.row_of("a")
+    assert n == 5 and torch.equal(kv.k[1][slot, :, :5], k[1]) and torch.equal(kv.v[0][slot, :, :5], v[0])
+    kv.adopt("p", k, v, kept=True)
+    assert kv.is_kept("p") and not kv.is_kept("a")
+    for bad_k, bad_v in ((k[:1], v[:1]), ([k[0], k[1][:, :4]], v), ([t[:2] for t in k], [t[:2] for t in v])):
+        with pytest.raises(BadBatch, match="is not 2 layers"):
+            kv.adopt("b", bad_k, bad_v)
+    assert "b" not in kv

@@ -72,7 +72,8 @@ def test_resplit_and_parcel_round_trip_and_bad_ones_are_refused():
     k, v = torch.randn(3, 3, 5, 64), torch.randn(3, 3, 5, 64)
     parcel = decode(encode(KVParcel(7, 0, "seq-a", 15, 18, k, v)))
     assert isinstance(parcel, KVParcel) and parcel.length == 5 and (parcel.to, parcel.start, parcel.stop) == (0, 15, 18)
-    assert torch.equal(parcel.k, k) and torch.equal(parcel.v, v)
+    assert torch.equal(parcel.k, k) and torch.equal(parcel.v, v) and parcel.kept is False
+    assert decode(encode(KVParcel(7, 0, "seq-a", 15, 18, k, v, kept=True))).kept is True  # a membership change's
 
     def frames_of(msg, **header):
         import msgpack
@@ -91,6 +92,7 @@ def test_resplit_and_parcel_round_trip_and_bad_ones_are_refused():
         frames_of(KVParcel(7, 0, "seq-a", 15, 17, k, v)),  # 3 layers of K/V said to be 2
         frames_of(KVParcel(7, 0, "seq-a", 15, 18, k, v[:, :, :4])),  # k and v differ
         frames_of(KVParcel(7, 0, "seq-a", 18, 15, k, v)),
+        frames_of(KVParcel(7, 0, "seq-a", 15, 18, k, v), kept="yes"),
         frames_of(msg, route=[1, "tcp://10.0.0.7:5551", None]),  # a route on a phase that is not a reroute
         frames_of(reroute, route=None),  # a reroute without one
         frames_of(probe, route=None),  # a probe without one

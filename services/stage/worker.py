@@ -32,6 +32,7 @@ from shared.runtime.resplit import ResplitRefused, StageResplit
 from shared.runtime.stage_runtime import StageRuntime
 from shared.runtime.trace import CaptureHook
 from shared.wire.protocol import (
+    MEMBERSHIP_PHASES,
     BatchError,
     BatchResult,
     ForwardBatch,
@@ -192,13 +193,17 @@ class StageWorker:
             self.io.send(msg)
             return
         self._finish_loading(wait=True)  # a phase after a prepare still loading (the gateway waits for it first)
+        if msg.phase in MEMBERSHIP_PHASES:
+            self.membership.begin(msg)
+        else:  # another kind of change: the last membership change's K/V moves are over
+            self.membership.forget()
         if msg.phase == "reroute":
             self._reroute(msg)
             return
         if msg.phase == "load":  # a membership change: load beside the serving, as a prepare does
             self._loading = (msg, self._loader.submit(self.membership.load, msg, self.runtime))
             return
-        if msg.phase in ("accept", "route"):
+        if msg.phase in ("accept", "route", "give"):
             getattr(self.membership, msg.phase)(msg)
             return
         if msg.phase == "probe":
@@ -346,10 +351,11 @@ class StageWorker:
                  runtime.model.layers, before, len(runtime.kv.holders))
 
     def _take_parcel(self, parcel: KVParcel) -> None:
-        """Runs in the compute thread: K/V of a re-split's moved layers, taken if it is this stage's, else passed on
-        (one for an upstream stage travels on around the ring)."""
+        """Runs in the compute thread: K/V of a re-split's moved layers or a join's given ones, taken if it is this
+        stage's, else passed on (one for an upstream stage travels on around the ring)."""
         try:
-            if not self.resplit.take(parcel, self.runtime):
+            taken = self.membership.take(parcel)  # None: not a membership change's parcel
+            if not (self.resplit.take(parcel, self.runtime) if taken is None else taken):
                 self.io.send(parcel)
         except StagemeshError as e:
             throttled(log, logging.WARNING, "parcel", "dropped K/V of %r in re-split %d: %s", parcel.seq_id,

@@ -239,6 +239,26 @@ class KVCache:
             cache[dst, :, shared:length].copy_(cache[src, :, shared:length])
         self.filled[dst] = max(self.filled[dst], length)
 
+    def adopt(self, seq_id: Hashable, k: list[torch.Tensor], v: list[torch.Tensor], kept: bool = False) -> None:
+        """A sequence that arrives whole from another stage (a joiner given its layers' K/V: services/stage/
+        membership.py): a slot of its own holding k[i], v[i] -- [kv_heads, n, head_dim], one per local layer -- at
+        positions [0, n), live, or kept as a cached prefix. BadBatch when the shapes are not this cache's;
+        KVCacheFull when no slot is free."""
+        n = k[0].shape[1] if k else 0
+        want = (self.k[0].shape[1], self.k[0].shape[3])
+        if len(k) != len(self.k) or len(v) != len(self.v) or not 0 < n <= self.max_seq_len or any(
+                t.dim() != 3 or t.dtype != self.k[0].dtype or (t.shape[0], t.shape[1], t.shape[2]) != (want[0], n, want[1])
+                for t in (*k, *v)):
+            raise BadBatch(f"the K/V of {seq_id!r} is not {len(self.k)} layers of {self.k[0].dtype} [{want[0]}, "
+                           f"<= {self.max_seq_len}, {want[1]}] (one length for every layer)")
+        slot = self.allocate(seq_id)
+        for i in range(len(self.k)):
+            self.k[i][slot, :, :n].copy_(k[i])
+            self.v[i][slot, :, :n].copy_(v[i])
+        self.filled[slot] = n
+        if kept:
+            self.keep(seq_id)
+
     def wrote(self, layout: BatchLayout) -> None:
         """A micro-batch wrote these positions (what keep() moves of a slot)."""
         for slot, start, n in zip(layout.slots, layout.starts, layout.lengths):

@@ -31,6 +31,7 @@ import torch
 
 from shared.errors import BadBatch, StagemeshError
 from shared.files.layers import LayerRange, check_resplit
+from shared.models.kv_cache import KVCache
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.protocol import MAX_TENSOR_BYTES, KVParcel, Resplit
 
@@ -54,6 +55,23 @@ class Pending:
     runtime: StageRuntime | None  # the new range's runtime (None: this stage's layers do not change)
     received: dict[str, tuple[set[int], int]] = field(default_factory=dict)  # seq -> (layers taken, least length)
     report: dict = field(default_factory=dict)  # numbers for the gateway's log
+
+
+def kv_parcels(kv: KVCache, mine: LayerRange, given: range, rid: int, to: int,
+               kept: bool = False) -> Iterator[KVParcel]:
+    """The K/V `kv` (a cache of layers `mine`) holds for the layers `given`, every sequence's, for stage `to`, in
+    parcels of at most PARCEL_BYTES (one layer at least) in layer order. `kept`: cached prefixes go too, marked kept
+    (a membership change's; a re-split's new cache takes every row over itself)."""
+    for seq_id in kv.holders if given else ():
+        slot, n = kv.row_of(seq_id)
+        per_layer = max(1, 2 * kv.k[0][slot, :, :n].nbytes)
+        step = max(1, PARCEL_BYTES // per_layer)
+        for a in range(given.start, given.stop, step):
+            b = min(a + step, given.stop)
+            local = range(a - mine.start, b - mine.start)
+            k = torch.stack([kv.k[i][slot, :, :n] for i in local])  # [L, KVH, n, hd]
+            v = torch.stack([kv.v[i][slot, :, :n] for i in local])
+            yield KVParcel(rid, to, seq_id, a, b, k, v, kept and kv.is_kept(seq_id))
 
 
 def _ranges(pairs: list[tuple[int, int]]) -> list[LayerRange]:
@@ -108,25 +126,14 @@ class StageResplit:
         """The K/V of every sequence this stage holds for the layers it gives each neighbour, in parcels of at most
         PARCEL_BYTES (one layer at least)."""
         p = self._current(msg)
-        mine, kv = p.old[p.index], runtime.kv
+        mine = p.old[p.index]
         for to in (p.index - 1, p.index + 1):
             if not 0 <= to < len(p.new):
                 continue
             given = range(max(mine.start, p.new[to].start), min(mine.stop, p.new[to].stop))
-            if not given:
-                continue
-            for seq_id in kv.holders:
-                slot, n = kv.row_of(seq_id)
-                per_layer = max(1, 2 * kv.k[0][slot, :, :n].nbytes)
-                step = max(1, PARCEL_BYTES // per_layer)
-                for a in range(given.start, given.stop, step):
-                    b = min(a + step, given.stop)
-                    local = range(a - mine.start, b - mine.start)
-                    k = torch.stack([kv.k[i][slot, :, :n] for i in local])  # [L, KVH, n, hd]
-                    v = torch.stack([kv.v[i][slot, :, :n] for i in local])
-                    parcel = KVParcel(p.rid, to, seq_id, a, b, k, v)
-                    p.report["sent_bytes"] += parcel.nbytes
-                    yield parcel
+            for parcel in kv_parcels(runtime.kv, mine, given, p.rid, to):
+                p.report["sent_bytes"] += parcel.nbytes
+                yield parcel
 
     def take(self, parcel: KVParcel, runtime: StageRuntime) -> bool:
         """A parcel came in: False when it is for another stage (the caller passes it on); True when it was this

@@ -30,7 +30,7 @@ from shared.batch.sampling import (
 from shared.batch.steps import MAX_DECODE_TOKENS, Decode, InferenceStep, Prefill
 from shared.errors import ERROR_CODES, BadBatch
 
-PROTOCOL_VERSION = 8  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
+PROTOCOL_VERSION = 9  # 2: BatchError carries a machine-readable code; 3: cached prefixes (prefill "attach", release "keep");
 # 4: per-step logit inputs (grammar mask, penalties' history), penalty and top_logprobs sampling fields, the
 # result's top alternatives ("top"); 5: decode steps of several positions ("n"), the result's per-sequence "counts";
 # 6: the live re-split ("resplit" phases and the "kv" parcels of moved layers' K/V)
@@ -38,6 +38,8 @@ PROTOCOL_VERSION = 8  # 2: BatchError carries a machine-readable code; 3: cached
 # resplit's "members" and "gateway": each place's process, layers, address and CURVE key)
 # 8: replicas of a stage: a forward's "route" (the instance ids after this hop, only in a mesh with replicas) and the
 # resplit phase "hops" (each range's instances, "hops": what a stage may send to)
+# 9: the membership phase "give" (a stage that gave layers to a joiner sends their K/V as "kv" parcels, which may
+# carry "kept": a cached prefix, kept as one where it lands)
 MAX_HEADER_BYTES = 8 << 20  # room for a traced request's captures (each stage adds at most 1 MiB)
 MAX_TENSOR_BYTES = 256 << 20  # per message; also the ZMQ MAXMSGSIZE of every receiving socket
 MAX_SEQS_PER_BATCH = 4096
@@ -208,9 +210,12 @@ ROUTED_PHASES = ("reroute", "probe")  # the phases that carry a `route` (and onl
 # names each place of the pipeline after it (its process by incarnation, its layers, address and public key), so the
 # stages may be more or fewer than before. load: a stage whose layers change loads them beside the ones it serves;
 # accept: each stage's receiver lets in its upstream after the change as well as its upstream now; route: each stage
-# serves its new layers (empty K/V: the gateway replays), sends to the next member and accepts only its upstream
-# member (and the one before that, so a member that vanishes can be routed around), then passes this on
-MEMBERSHIP_PHASES = ("load", "accept", "route")
+# serves its new layers (the layers it keeps keep their K/V; a stage that gained layers holds none of them), sends to
+# the next member and accepts only its upstream member (and the one before that, so a member that vanishes can be
+# routed around), then passes this on; give (new route, micro-batches still held): a stage that gave layers to a
+# member holding nothing yet (a joiner) sends that member their K/V (KVParcel, to: its place) ahead of this message
+# -- where no K/V was given (a leave, a loss) the gateway replays the running requests instead
+MEMBERSHIP_PHASES = ("load", "accept", "route", "give")
 MAX_KEY_CHARS = 40  # a CURVE public key in Z85
 MAX_INSTANCE_CHARS = 64  # an instance id (a stage process's incarnation) a route or a hop names
 MAX_HOPS = 1024  # instances a "hops" phase names
@@ -258,7 +263,8 @@ class Resplit:
 class KVParcel:
     """K/V of one sequence's moved layers [start, stop), positions [0, length), on its way to stage `to` of re-split
     `rid` (a parcel for an upstream stage travels on around the ring through the gateway). k, v: [layers, kv_heads,
-    length, head_dim] in the KV cache's dtype."""
+    length, head_dim] in the KV cache's dtype. `kept`: the sequence is a cached prefix where it comes from (a
+    membership change's parcel; the receiver keeps it as one)."""
 
     rid: int
     to: int
@@ -267,6 +273,7 @@ class KVParcel:
     stop: int
     k: torch.Tensor
     v: torch.Tensor
+    kept: bool = False
 
     @property
     def length(self) -> int:
@@ -367,6 +374,8 @@ def encode(msg: Message) -> list:
             header["hops"] = msg.hops
     elif isinstance(msg, KVParcel):
         header = {"kind": "kv", "rid": msg.rid, "to": msg.to, "seq": msg.seq_id, "start": msg.start, "stop": msg.stop}
+        if msg.kept:
+            header["kept"] = True
         tensors += [("k", msg.k), ("v", msg.v)]
     else:
         raise TypeError(f"cannot encode {type(msg).__name__}")
@@ -737,4 +746,6 @@ def _parcel(header: dict, frames: list) -> KVParcel:
           and k.shape[0] == stop - start, "shape",
           lambda: f"kv parcel's k and v must both be floating [{stop - start} layers, kv_heads, length, head_dim], "
                   f"got {k.dtype} {list(k.shape)} and {v.dtype} {list(v.shape)}")
-    return KVParcel(_int(header, "rid"), _int(header, "to", 0, MAX_STAGES - 1), seq, start, stop, k, v)
+    kept = header.get("kept", False)
+    _need(type(kept) is bool, "schema", "kv parcel's kept must be true or false")
+    return KVParcel(_int(header, "rid"), _int(header, "to", 0, MAX_STAGES - 1), seq, start, stop, k, v, kept)

@@ -8,8 +8,10 @@ step time most), the joiner loads that range and says it is ready, and the pipel
 membership change at a step boundary (Membership.change: load ahead, hold micro-batches, let the upstream-to-be in,
 route; services/stage/membership.py is the stages' side). Leaving (`stagemesh leave`, SIGTERM to a joined stage) and
 loss (a joined stage that stops answering, seen within WATCH_S * LOST_AFTER) are the same change from N to N-1: a
-neighbour takes the layers. The running requests are replayed from their token histories after each change (the
-stages whose layers changed start with an empty cache; K/V is not moved between a joiner and its giver)."""
+neighbour takes the layers. A join and a leave move K/V with the layers (the giver keeps its kept layers' and hands
+the joiner the given ones' in the give phase; a leaver sends its taker its own along the accept), so the running
+requests go on where they were; after a loss they are replayed from their token histories (the lost layers' K/V is
+gone)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ JOIN_BURST = 6  # ... and at once
 MIN_JOIN_GAIN = 1.05  # a joiner is placed as a new stage only if that predicts at least this speed-up (or --as stage)
 WATCH_S = 0.5  # how often the joined stages' /info is polled ...
 LOST_AFTER = 2  # ... and how many failed polls in a row make one lost (a refused connection: one)
-PHASE_S = {"load": 180.0, "accept": 10.0, "route": 30.0}  # each membership phase's round trip at most
+PHASE_S = {"load": 180.0, "accept": 10.0, "route": 30.0, "give": 30.0}  # each membership phase's round trip at most
 DRAIN_S = 10.0  # micro-batches in flight are waited for this long at most before the route changes
 
 
@@ -324,11 +326,12 @@ class Membership:
             after = [*members[:join.placement.place], new, *members[join.placement.place:]]
             for m, rng in zip(after, join.placement.split):
                 m.layers = tuple(rng)
-            done = await self.change(members, after, f"join {join.id}")
+            done = await self.change(members, after, f"join {join.id}", give=True)
             self.joined[join.id] = new
             join.state = "joined"
             self.log.add(event="joined", join=join.id, url=join.url, layers=list(new.layers),
-                         place=join.placement.place, took_s=done["took_s"], pause_s=done["pause_s"])
+                         place=join.placement.place, took_s=done["took_s"], pause_s=done["pause_s"],
+                         kv_moved=done["kv_moved"])
             return {"id": join.id, "place": join.placement.place, "layers": list(new.layers), **done}
         except Exception as e:
             join.state, join.error = "failed", str(e)
@@ -379,17 +382,20 @@ class Membership:
         self.joined.pop(join_id, None)
         self._seen.pop(member.url, None)
         self.log.add(event="left" if alive else "lost", join=join_id, url=member.url, layers=list(member.layers),
-                     to=taker.url, took_s=done["took_s"], pause_s=done["pause_s"])
+                     to=taker.url, took_s=done["took_s"], pause_s=done["pause_s"], kv_moved=done["kv_moved"])
         return {"id": join_id, "layers_to": taker.url, **done}
 
     # ---- the change ---------------------------------------------------------------------------------------------
 
     async def change(self, before: list[Member], after: list[Member], trigger: str, alive: bool = True,
-                     result: str | None = None) -> dict:
+                     result: str | None = None, give: bool = False) -> dict:
         """Move the pipeline from the places `before` to `after` at a step boundary: load ahead while serving (when
         every member is alive), hold new micro-batches and drain those in flight, let each receiver's upstream-to-be
-        in, then route (the new route carries the message back). The running requests replay. JoinError 503 when a
-        phase did not come back (before the route: the mesh serves on as it was)."""
+        in (a leaver sends its taker its K/V along the accept), then route (the new route carries the message back).
+        `give` (a join): then the giver hands the joiner the K/V of the layers it took. The running requests go on
+        with their K/V after a join or a leave (a sequence a stage lacks then answers unknown_sequence: a loss), and
+        replay after a loss or a give that did not come back. JoinError 503 when a phase did not come back (before
+        the route: the mesh serves on as it was)."""
         async with self._lock:
             mesh, pipe = self.mesh, self.pipeline
             if mesh.resplitting or pipe.client is None:
@@ -402,19 +408,25 @@ class Membership:
             t0 = time.perf_counter()
             mesh.resplitting, mesh.resplit_phase = True, "load"
             client = pipe.client
-            pause = 0.0
+            rid = client.next_rid()  # one for every phase of the change: a stage knows its loaded range and its
+            # parcels by it (the client tells the phases' answers apart by rid and phase)
+            pause, gave = 0.0, False
             try:
                 if alive:
-                    await self._phase(Resplit(client.next_rid(), "load", old, new, members=wire, gateway=ends))
+                    await self._phase(Resplit(rid, "load", old, new, members=wire, gateway=ends))
                 mesh.paused = pipe.resplitting = True
                 t_pause = time.perf_counter()
                 try:
-                    deadline = time.perf_counter() + DRAIN_S
+                    # what is in flight finishes first; after a loss it never comes back (its sequences replay, as
+                    # every running one does then), so nothing is waited for
+                    deadline = time.perf_counter() + (DRAIN_S if alive else 0.0)
                     while mesh.scheduler.inflight and time.perf_counter() < deadline:
                         await asyncio.sleep(0.002)
+                    left = None  # a leaver that sent its K/V to its taker along the accept (its report says so)
                     if alive:
                         mesh.resplit_phase = "accept"
-                        await self._phase(Resplit(client.next_rid(), "accept", old, new, members=wire, gateway=ends))
+                        accepted = await self._phase(Resplit(rid, "accept", old, new, members=wire, gateway=ends))
+                        left = next((r for r in accepted.report if r.get("left")), None)
                     transport = client.transport
                     if transport.keys is not None:  # the gateway's own receiver: the new last stage too
                         transport.accept_from(transport.keys.accept, (_b(after[-1].key),))
@@ -424,7 +436,7 @@ class Membership:
                     # the point of no return, as a re-split's commit: a stage restarted from now on serves `new`
                     mesh.committed = [LayerRange(*r) for r in new]
                     try:
-                        answer = await self._phase(Resplit(client.next_rid(), "route", old, new, members=wire,
+                        answer = await self._phase(Resplit(rid, "route", old, new, members=wire,
                                                            gateway=ends))
                     except JoinError as e:
                         pipe.mark_lost(f"{trigger}: the route did not come back ({e})")
@@ -432,7 +444,19 @@ class Membership:
                     if transport.keys is not None:
                         transport.accept_from(_b(after[-1].key), (_b(after[-2].key) if len(after) > 1 else None,),
                                               "the last stage")
-                    pipe.members_changed([m.url for m in after], after[0].address, transport.keys)
+                    if give:
+                        mesh.resplit_phase = "give"
+                        try:
+                            given = await self._phase(Resplit(rid, "give", old, new, members=wire, gateway=ends))
+                            gave = True
+                            answer.report += given.report
+                        except JoinError as e:
+                            log.warning("%s %s: the K/V hand-over did not come back (%s); the running requests "
+                                        "replay", pipe.label, trigger, e)
+                    if left is not None:
+                        gave = True
+                        answer.report.append(left)
+                    pipe.members_changed([m.url for m in after], after[0].address, transport.keys, lost=not gave)
                 finally:
                     pipe.resplitting = False
                     with contextlib.suppress(Exception):
@@ -443,11 +467,11 @@ class Membership:
             finally:
                 mesh.resplitting, mesh.resplit_phase = False, None
             took = time.perf_counter() - t0
-            log.warning("%s %s: %d -> %d stages, split %s in %.2f s (paused %.0f ms); running requests replayed",
+            log.warning("%s %s: %d -> %d stages, split %s in %.2f s (paused %.0f ms); running requests %s",
                         pipe.label, trigger, len(before), len(after), ",".join(str(r[1]) for r in new[:-1]) or "-",
-                        took, pause * 1e3)
+                        took, pause * 1e3, "go on with their K/V" if gave else "replayed")
             return {"stages": len(after), "split": [list(r) for r in new], "took_s": round(took, 3),
-                    "pause_s": round(pause, 4), "report": answer.report}
+                    "pause_s": round(pause, 4), "kv_moved": gave, "report": answer.report}
 
     async def _phase(self, msg: Resplit) -> Resplit:
         wait = PHASE_S[msg.phase]
