@@ -25,23 +25,38 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def decode(package_dir: str | None) -> dict:
-    """SmolLM2 (the default model, float32, 2 threads' worth of this machine) with a CompiledDecode whose packages
-    live in package_dir (None: eager), warmed up as `--compile-decode on` does; STEPS greedy decode steps after
-    PROMPT. Returns the tokens, the step's info, the seconds and resident memory the one-sequence step's warm-up
+def piece(model_name: str):
+    """The model file, its whole model in float32 and the KV cache decode() runs it with (3 slots of 256)."""
+    from shared.runtime.model_files import ModelFiles
+    from shared.runtime.stage_runtime import StageRuntime
+
+    files = ModelFiles.open(model_name)
+    model = StageRuntime.load(files.loader, None, torch.float32, kv_slots=3, max_seq_len=256,
+                              compile_decode="off").model
+    return files, model, model.new_kv_cache(3, 256, scratch=True)
+
+
+def package_file(folder: str, model_name: str) -> str:
+    """Where decode(folder, model_name) looks for its saved step and saves it."""
+    from shared.models.aoti_decode import package_key, package_path
+
+    files, model, kv = piece(model_name)
+    return package_path(folder, package_key(model, kv, torch.get_num_threads(), files.loader.fingerprint))
+
+
+def decode(package_dir: str | None, model_name: str = "smollm2") -> dict:
+    """SmolLM2 (the default model; or `model_name`, a name or GGUF path; float32, 2 threads' worth of this machine)
+    with a CompiledDecode whose packages live in package_dir (None: eager), warmed up as `--compile-decode on` does;
+    STEPS greedy decode steps after PROMPT. Returns the tokens, the step's info, the seconds and resident memory the one-sequence step's warm-up
     took (torch._inductor imported before, as a stage that compiles has), and the weights' bytes."""
     import torch._inductor  # noqa: F401  (its import is not the package's memory)
 
     from shared.batch.steps import Decode, Prefill
     from shared.models.compiled_decode import CompiledDecode
-    from shared.runtime.model_files import ModelFiles
     from shared.runtime.stage_runtime import StageRuntime
     from shared.wire.protocol import SeqEntry
 
-    files = ModelFiles.open("smollm2")
-    rt = StageRuntime.load(files.loader, None, torch.float32, kv_slots=3, max_seq_len=256, compile_decode="off")
-    model = rt.model
-    kv = model.new_kv_cache(3, 256, scratch=True)
+    files, model, kv = piece(model_name)
     info, seconds, grew = None, None, None
     if package_dir is not None:
         compiled = CompiledDecode(model, kv, fingerprint=files.loader.fingerprint, package_dir=package_dir)
@@ -108,14 +123,20 @@ def test_a_new_process_loads_the_package_instead_of_compiling(built):
     assert second["rss_grew_mib"] * 2**20 < second["weights_bytes"] / 2, second
 
 
-def test_a_broken_package_is_built_again(built, caplog):
-    folder, eager, first = built
-    path = first["info"]["one_sequence"]["packages"][0]
-    with open(path, "r+b") as f:  # a partial file: the first half of it
-        f.truncate(os.path.getsize(path) // 2)
-    again = decode(folder)
+def test_a_broken_package_is_built_again(built, tiny_path, tmp_path, caplog):
+    """A partial package (the first half of a copy of SmolLM2's, `built`'s) where the tiny llama's step is looked for
+    (tests/conftest.py tiny_path, 2 layers) is found unusable, built again at that path, and decodes as the eager
+    step. What is proven does not depend on the model's size: one tiny build takes ~10 s, where building SmolLM2's a
+    second time took ~30 s."""
+    folder = str(tmp_path)
+    path = package_file(folder, tiny_path)
+    with open(built[2]["info"]["one_sequence"]["packages"][0], "rb") as f:
+        whole = f.read()
+    with open(path, "wb") as f:  # a partial file: the first half of one
+        f.write(whole[:len(whole) // 2])
+    eager, again = decode(None, tiny_path), decode(folder, tiny_path)
     one = again["info"]["one_sequence"]
     assert one["path"] == "aoti-compiled" and one["packages"] == [path], again["info"]
     assert "unusable" in caplog.text
-    assert again["tokens"] == first["tokens"]
+    assert again["tokens"] == eager["tokens"]
     assert os.path.getsize(path) > 0 and not [f for f in os.listdir(folder) if f.startswith(".building-")]
