@@ -46,7 +46,8 @@ async def test_a_spare_takes_the_place_of_a_stage_killed_mid_stream(tmp_path):
     then as a new incarnation: one loss, not two), so no request reaches --max-replays' 3."""
     from services.testing.harness import start_up
 
-    gw = start_up(2, "float32", str(tmp_path), "--batch-invariant", "--spares", "1")
+    # polls every 0.5 s (2 s by default): each of the five kills is seen up to 1.5 s sooner, the same way
+    gw = start_up(2, "float32", str(tmp_path), "--batch-invariant", "--spares", "1", "--stage-poll", "0.5")
     try:
         reference = await _streams(gw.url)
         for round_ in range(2):
