@@ -57,3 +57,13 @@ def _read_number(path: str) -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a `taskset`, a container's cpuset, Kubernetes' static CPU
+    manager), not every core of the machine, which os.cpu_count() counts -- torch threads past the usable cores spin
+    against each other. At least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)

@@ -551,6 +551,19 @@ def test_auto_rebalance_prices_the_head_the_last_stage_timed(facts):
     assert proposals[True] == 26 and proposals[False] < 26, proposals
 
 
+def test_a_process_pinned_to_one_core_counts_one_usable_core():
+    """A stage's default threads are the cores it may run on (its affinity: a taskset, a container's cpuset), not
+    the machine's: more torch threads than usable cores spin against each other."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os; from shared.cpu import usable_cores; print(usable_cores(), os.cpu_count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})).stdout.split()
+    assert out == ["1", str(os.cpu_count())], out
+
+
 def test_a_stage_under_a_cpu_limit_is_as_slow_as_its_cpu_time_over_the_limit():
     """A throttled stage stalls for the rest of each CFS period, computing or waiting, so its busy seconds alone make
     it look faster than it serves: its window is priced at its CPU time over its cgroup's limit where that is longer,

@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 from services.process.args import add_config_args, add_model_args, later, parse_host_port
 from services.process.keys import JOIN_TOKEN_ENV
 from shared.config import StageConfig
+from shared.cpu import usable_cores
 from shared.errors import StagemeshError
 
 log = logging.getLogger("stagemesh.join")
@@ -171,7 +172,7 @@ def cmd_join(args) -> int:
 
     config = config_from_args(StageConfig, args)
     load = config_from_args(LoadConfig, args)
-    torch.set_num_threads(config.threads or os.cpu_count() or 1)
+    torch.set_num_threads(config.threads or usable_cores())
     t_exec = time.perf_counter()
     files = ModelFiles.open(args.model)
     host = args.advertise or advertise_host(args.gateway)

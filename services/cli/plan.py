@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -18,6 +17,7 @@ import torch
 from services.cli.flags import HOST_FORM
 from shared.batch.steps import Decode, Prefill
 from shared.config import parse_bytes
+from shared.cpu import usable_cores
 from shared.errors import StagemeshError
 from shared.files.layers import LayerRange
 from shared.models.device import default_device, resolve_dtype
@@ -162,7 +162,7 @@ def build_hosts(specs: list[HostSpec], measured: dict[int, Measured]) -> list[Ho
     measurement at its cores, where there is one."""
     hosts = []
     for s in specs:
-        m = measured.get(s.cores or os.cpu_count() or 1) if "ms_per_layer" not in s.given else None
+        m = measured.get(s.cores or usable_cores()) if "ms_per_layer" not in s.given else None
         fields = {"ms_per_layer": m.ms_per_layer, "head_ms": m.head_ms, "overhead_ms": m.overhead_ms} if m else {}
         hosts.append(Host(s.name, s.memory, **(fields | s.given)))
     return hosts
@@ -213,7 +213,7 @@ def cmd_plan(args) -> int:
     dtype = resolve_dtype(args.dtype, default_device())
     model = ModelFacts.from_gguf(files.loader, dtype.itemsize)
     measured: dict[int, Measured] = {}
-    here = os.cpu_count() or 1
+    here = usable_cores()
     for s in specs:
         threads = s.cores or here
         if "ms_per_layer" not in s.given and threads not in measured:

@@ -27,6 +27,7 @@ from services.process.args import (
     otlp_from_args,
 )
 from shared.config import GATEWAY_PORT, LoadConfig, SchedulerConfig, StageConfig
+from shared.cpu import usable_cores
 from shared.errors import StagemeshError
 from shared.files.gguf_header import layer_count
 from shared.files.layers import parse_split
@@ -191,9 +192,9 @@ def cmd_up(args) -> int:
             meshes.append(start_mesh(
                 args.model, args.stages, log_dir=log_dir if args.replicas == 1 else os.path.join(log_dir, f"p{r}"),
                 avoid_ports=frozenset({args.port}), keys_dir=keys_dir,
-                threads=max(1, (os.cpu_count() or 1) // (args.stages * args.replicas)),
+                threads=max(1, usable_cores() // (args.stages * args.replicas)),
                 # alone in its pipeline, a micro-batch may use its replica's cores (the other replicas may be busy)
-                threads_alone=stage.threads_alone or max(1, (os.cpu_count() or 1) // args.replicas),
+                threads_alone=stage.threads_alone or max(1, usable_cores() // args.replicas),
                 extra=config_argv(load) + config_argv(stage, STAGE_FLAGS) + calibrate
                 + (["--otlp-endpoint", otlp_url] if otlp_url else []),
                 insecure_plaintext=args.insecure_plaintext, layers=ranges,

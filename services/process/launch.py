@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared.cpu import usable_cores
 from shared.errors import StagemeshError
 from shared.wire.mesh_keys import KeySet, ephemeral_key_set
 from shared.wire.pipeline_client import PipelineClient
@@ -236,9 +237,9 @@ def start_mesh(model: str, num_stages: int, dtype: str | None = None, threads: i
         keys_dir = None
     elif keys_dir is None:
         keys_dir, owns_keys = ephemeral_key_set(num_stages), True
-    threads = threads or max(1, (os.cpu_count() or 1) // num_stages)
+    threads = threads or max(1, usable_cores() // num_stages)
     # a micro-batch alone in the pipeline (the other stages idle) may use every core, its stage's share otherwise
-    threads_alone = threads_alone or (os.cpu_count() or 1)
+    threads_alone = threads_alone or usable_cores()
     alone = ["--threads-alone", str(threads_alone)] if threads_alone != threads else []
     env = {"GOMP_SPINCOUNT": SHARED_HOST_SPINCOUNT} if alone and not WAIT_POLICY_SET.intersection(os.environ) else {}
     ports = free_ports(2 * num_stages + 1, avoid_ports)

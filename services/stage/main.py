@@ -24,6 +24,7 @@ from services.stage.http import LOAD_ERROR, WORKER, make_app
 from services.stage.io import StageIO
 from services.stage.worker import StageIdentity, StageWorker, compute_executor
 from shared.config import LoadConfig, StageConfig, check_address
+from shared.cpu import usable_cores
 from shared.errors import StagemeshError
 from shared.files.layers import LayerRange, balanced_split, parse_layer_range
 from shared.files.model_registry import resolve_model
@@ -87,7 +88,7 @@ def cmd_stage(args, opened: ModelFiles | None = None) -> int:
     config = config_from_args(StageConfig, args)
     load = config_from_args(LoadConfig, args)
     otlp_endpoint = otlp_from_args(args)  # validated before anything loads
-    torch.set_num_threads(config.threads or os.cpu_count() or 1)
+    torch.set_num_threads(config.threads or usable_cores())
     same = opened is not None and os.path.realpath(opened.loader.path) == os.path.realpath(resolve_model(args.model))
     files = opened if same else ModelFiles.open(args.model)  # validates the file before anything binds
     layers = stage_layers(args, files.config)
@@ -132,7 +133,7 @@ async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config
     device = default_device()
     dtype = resolve_dtype(load.dtype, device)
     compute_thread = compute_executor()  # load on the thread that will compute (one OpenMP team)
-    threads = config.threads or os.cpu_count() or 1
+    threads = config.threads or usable_cores()
     threads = (threads, config.threads_alone or threads)  # with others in flight, alone in the pipeline
     try:
         runtime = await loop.run_in_executor(
