@@ -327,7 +327,9 @@ async def test_a_resplit_mid_stream_changes_no_text_and_a_stage_killed_in_one_le
     # the phases a stage is killed in (resplit_with_a_kill waits for "<phase> (held)"); the prepare is not held, so
     # the streams run no further than they must before a kill
     monkeypatch.setenv(HOLD_ENV, f"move:{HOLD_S:g},commit:{HOLD_S:g}")
-    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant", "--auto-rebalance", "off")
+    # (its stages polled every 0.5 s, not 2 s: each of the four kills is seen sooner, the same way)
+    gw = start_up(2, "float32", str(tmp_path), "--split", "15", "--batch-invariant", "--auto-rebalance", "off",
+                  "--stage-poll", "0.5")
     try:
         assert [list(gw.stage_info(i).layers) for i in range(2)] == [[0, 15], [15, 30]]
         # the undisturbed texts of the long streams and of the short ones (the same prompts and seeds, another length)

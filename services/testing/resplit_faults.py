@@ -20,7 +20,8 @@ import aiohttp
 
 from services.testing.harness import RunningGateway
 
-HOLD_S = 2.0  # each held phase's hold: long enough to freeze the victim between polls
+HOLD_S = 1.0  # each held phase's hold: long enough to freeze the victim between polls (every 20 ms; the pipeline
+# is drained while a move or commit is held, so the gateway answers at once)
 HOLD_ENV = "STAGEMESH_RESPLIT_HOLD"
 PHASES = ("prepare", "move", "commit")
 
