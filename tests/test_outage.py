@@ -229,7 +229,8 @@ async def test_slots_held_by_strangers_requeue_new_requests_and_never_fail_runni
     ones go on, and once the strangers' slots are freed every request completes."""
     url = clean.gw.url
     errors_before = clean.metric("stagemesh_gateway_requests_total", outcome="error")
-    running = [asyncio.create_task(stream(url, f"Tell a long story about ship {i}.", 400)) for i in range(2)]
+    # 200 tokens: ~10 s, several times the few seconds until the strangers' slots are freed (asserted below)
+    running = [asyncio.create_task(stream(url, f"Tell a long story about ship {i}.", 200)) for i in range(2)]
     await async_until(lambda: clean.kv_used() == [2, 2], 60, "the two running requests never took their slots")
     strangers = squatters(2, smollm2.tokenizer.encode("Someone else's prompt"))
     await asyncio.to_thread(push_as_gateway, clean.mesh, strangers)
@@ -240,8 +241,9 @@ async def test_slots_held_by_strangers_requeue_new_requests_and_never_fail_runni
     await async_until(lambda: stage_metric(stage0, "stagemesh_stage_microbatch_errors_total") > refused, 30,
                       "stage 0 never answered kv_full")
     await asyncio.to_thread(push_as_gateway, clean.mesh, [ReleaseSeqs([s.seqs[0].seq_id for s in strangers])])
+    assert not any(t.done() for t in running), [t.result() for t in running if t.done()]  # they ran through it all
     results = await asyncio.wait_for(asyncio.gather(*running, *late), 180)
-    for r, want in zip(results, [400, 400, 12, 12]):
+    for r, want in zip(results, [200, 200, 12, 12]):
         assert r["error"] is None and r["finish"] == "length" and r["tokens"] == want, r
     assert clean.metric("stagemesh_gateway_requests_total", outcome="error") == errors_before
     assert clean.metric("stagemesh_gateway_kv_full_requeued_sequences_total") >= 1  # they really were refused once
