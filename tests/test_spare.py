@@ -14,7 +14,7 @@ import time
 import pytest
 
 STREAMS = 4
-MAX_TOKENS = 96
+MAX_TOKENS = 64  # the kills land at fractions of it (a third; a fifth, +4, a half in the storm)
 PROMPT = "Log {i}: the night shift at the observatory began when"
 
 
