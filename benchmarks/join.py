@@ -76,10 +76,12 @@ async def run(url: str, args, log_dir: str, report: Report) -> dict:
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     preexec_fn=(lambda: os.sched_setaffinity(0, JOINER_CORES)) if args.pin else None)
 
-    def serving(stages: int):
+    def serving(stages: int, joiner: subprocess.Popen | None = None):
         """The mesh has `stages` stages and each has computed: its own /info's count (the gateway's view of it is
-        as old as its last poll, up to 2 s)."""
+        as old as its last poll, up to 2 s). SystemExit when `joiner` exited meanwhile (its log says why)."""
         def check():
+            if joiner is not None and joiner.poll() is not None:
+                raise SystemExit(f"the joiner exited ({joiner.returncode}): see its log in {log_dir}")
             p = mesh(url)
             return (len(p["stages"]) == stages and p["ready"] and all(s.get("layers") for s in p["stages"])
                     and all(info(s["url"]).get("microbatches") for s in p["stages"]) and p["stages"])
@@ -92,7 +94,7 @@ async def run(url: str, args, log_dir: str, report: Report) -> dict:
     # join: exec -> the first micro-batch it serves (its /info's microbatches counter, through /v1/mesh)
     t_exec, wall_exec = time.perf_counter(), time.time()
     joiner = start_joiner()
-    await until(serving(2), 300, "the join")
+    await until(serving(2, joiner), 300, "the join")
     joined_in = time.perf_counter() - t_exec
     # where the time went, from the gateway's membership events: the joiner's start (imports, its probe) until
     # placed; its loading until the change; the change itself (its pause inside it)
@@ -127,7 +129,7 @@ async def run(url: str, args, log_dir: str, report: Report) -> dict:
                f"{rows['leave']['worst_gap_s']} s")
     # loss: join again, SIGKILL; noticed = the gateway's "noticed" event after the kill
     joiner = start_joiner()
-    await until(serving(2), 300, "the second join")
+    await until(serving(2, joiner), 300, "the second join")
     await asyncio.sleep(args.settle)
     failed, t0, wall = load.failed, time.perf_counter(), time.time()
     os.kill(joiner.pid, signal.SIGKILL)
@@ -172,7 +174,8 @@ def main() -> None:
     if args.pin:  # what `up` starts inherits core 0 (its gateway and stage: one host); a joiner gets core 1
         os.sched_setaffinity(0, UP_CORES)
     with (contextlib.nullcontext(args.log_dir) if args.log_dir else tempfile.TemporaryDirectory()) as logs, \
-            running_up(1, "--join-token", TOKEN, "--compile-decode", args.compile_decode, "--auto-rebalance", "off",
+            running_up(1, "--model", args.model, "--join-token", TOKEN, "--compile-decode", args.compile_decode,
+                       "--auto-rebalance", "off",
                        "--kv-slots", str(max(32, args.streams)), dtype=args.dtype, compiled=False, log_dir=logs) as gw:
         os.sched_setaffinity(0, everywhere)  # the load's client: any core
         rows = asyncio.run(run(gw.url, args, logs, report))

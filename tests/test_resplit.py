@@ -15,7 +15,7 @@ from shared.batch.steps import Decode, Prefill
 from shared.errors import LayerRangeError
 from shared.files.layers import LayerRange, check_resplit, split_at
 from shared.runtime.resplit import StageResplit
-from shared.runtime.stage_runtime import LocalPipeline
+from shared.runtime.stage_runtime import LocalPipeline, StageRuntime
 from shared.wire.protocol import KVParcel, ProtocolError, Resplit, SeqEntry, decode, encode
 
 L = LayerRange
@@ -242,6 +242,39 @@ def test_a_commit_sent_again_brings_a_half_moved_mesh_to_the_new_split(smollm2):
     stray = LocalPipeline.load(smollm2.loader, split_at(30, [11]), torch.float32, kv_slots=2, max_seq_len=64)
     with pytest.raises(ResplitRefused, match="serves layers 0:11"):
         StageResplit(30).commit(again, stray.pieces[0])
+
+
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
+def test_a_piece_narrowed_from_its_own_weights_computes_what_one_loaded_from_the_file_does(smollm2):
+    """A stage giving layers away builds its smaller range from the weights it holds (TransformerModel.narrowed:
+    its stacked integer-dot kernels restacked, nothing read from the file): the two narrowed pieces together compute
+    exactly the whole piece's logits and what pieces loaded from the file compute, the whole piece is unchanged
+    after it, and a one-layer piece holds tensors of its own (not rows of the whole piece's stacks)."""
+    ids = smollm2.tokenizer.encode("The capital of France is")
+
+    def logits(pieces: list, seq: str) -> torch.Tensor:
+        pipe = LocalPipeline(pieces)
+        out = pipe.run([SeqEntry(seq, Prefill(len(ids), 0, len(ids), True), SamplingParams())], torch.tensor(ids))
+        pipe.release(seq)
+        return out
+
+    def load(layers: LayerRange):
+        return StageRuntime.load(smollm2.loader, layers, torch.float32, weights="auto", kv_slots=2, max_seq_len=64)
+
+    whole = load(L(0, 30))
+    assert all(getattr(k, "stack", None) is not None for b in whole.model.blocks for k in b.linears().values())
+    before = logits([whole], "a")
+    head, tail = whole.reload(L(0, 11)), whole.reload(L(11, 30))
+    assert [p.model.layers for p in (head, tail)] == [L(0, 11), L(11, 30)]
+    assert head.model.output is None and tail.model.embedding is None and tail.model.output is whole.model.output
+    assert torch.equal(logits([head, tail], "b"), before)
+    assert torch.equal(logits([load(L(0, 11)), load(L(11, 30))], "c"), before)
+    assert torch.equal(logits([whole], "d"), before)  # the whole piece serves on as it was
+    one = whole.reload(L(5, 6))
+    stacks = {id(k.stack) for b in whole.model.blocks for k in b.linears().values() if k.stack is not None}
+    for k in one.model.blocks[0].linears().values():
+        assert k.stack is None and all(getattr(k, f)._base is None for f in k.STACKED), k.kind
+        assert id(k.stack) not in stacks
 
 
 # ---- a real mesh, re-split mid-stream -------------------------------------------------------------------------------

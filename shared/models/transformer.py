@@ -9,6 +9,8 @@ bf16 / float32 by the weights mode) whose output is added to the stream as it is
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import logging
 import math
@@ -194,6 +196,29 @@ class Block:
                             self.post_ffn_norm) if t is not None]
 
 
+def _own_block(b: Block, alone: bool) -> Block:
+    """A copy of `b` whose stackable kernels (what TransformerModel._stack_layers restacks: Int4Linear, QdotLinear,
+    a SwitchedLinear's small one) are objects of its own, unstacked, reading the same tensors: stacking them anew
+    leaves `b` as it was. `alone` (a piece of one layer, which stacks nothing): their tensors are copied too, so the
+    new piece does not hold the old stack's memory through a row of it."""
+
+    def own(k):
+        if isinstance(k, SwitchedLinear):
+            k = copy.copy(k)
+            k.small = own(k.small)
+            return k
+        if not isinstance(k, (Int4Linear, QdotLinear)):
+            return k
+        k = copy.copy(k)
+        k.stack, k.index = None, 0
+        if alone:
+            for f in k.STACKED:
+                setattr(k, f, getattr(k, f).clone())
+        return k
+
+    return dataclasses.replace(b, qkv=own(b.qkv), wo=own(b.wo), gate_up=own(b.gate_up), w_down=own(b.w_down))
+
+
 def expert_rows(raw: RawTensor, e: int) -> RawTensor:
     """Expert e's matrix of a 3-D expert tensor [E, out, in] (stored as E * out rows of bytes)."""
     experts, out, cols = raw.shape
@@ -325,6 +350,33 @@ class TransformerModel:
                                    prefill_copy=copy.reason)
         loader.release_pages()
         return_freed_memory()
+        return model
+
+    def narrowed(self, layers: LayerRange, loader: GgufLoader) -> TransformerModel:
+        """This piece's layers `layers`, a sub-range of its own (a stage giving layers away in a re-split or a join),
+        built from the weights it holds: nothing read from the file or converted, only the kept layers' kernels
+        stacked afresh (a copy of their bytes). This piece serves on unchanged meanwhile: the new one's blocks and
+        kernels are objects of its own (their tensors shared until restacked). The embedding and head go along
+        where `layers` keeps them. `loader`: the file it was loaded from (the kept tensors' sizes)."""
+        if not (self.layers.start <= layers.start and layers.stop <= self.layers.stop):
+            raise ValueError(f"layers {layers} are not within this piece's {self.layers}")
+        position = layers.position(self.config.num_layers)
+        kept = self.blocks[layers.start - self.layers.start:layers.stop - self.layers.start]
+        blocks = [_own_block(b, alone=len(kept) < 2) for b in kept]
+        head = position.has_lm_head
+        sources = {k: v for k, v in self._sources.items()
+                   if (k == "output" and head) or (k.startswith("blk.") and int(k.split(".")[1]) in layers)}
+        model = TransformerModel(self.config, layers, blocks, self.dtype,
+                                 self.embedding if position.has_embedding else None,
+                                 self.output_norm if head else None, self.output if head else None, self.weights,
+                                 self.batch_invariant, sources, self.output_norm_b if head else None,
+                                 self.output_bias if head else None)
+        model.tensor_types = {n: t for n, t in self.tensor_types.items() if any(n in ns for ns in sources.values())}
+        if self.memory is not None:
+            model.memory = PieceMemory(budget=self.memory.budget,
+                                       kv_bytes=self.memory.kv_bytes * len(layers) // len(self.layers),
+                                       file_bytes=loader.tensor_bytes(loader.names_for(layers, position)),
+                                       prefill_copy=self.memory.prefill_copy)
         return model
 
     @staticmethod

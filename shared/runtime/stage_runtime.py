@@ -45,7 +45,7 @@ class StageRuntime:
              kv_slots: int = STAGE_DEFAULTS.kv_slots, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
              weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
              memory_budget: int | None = None, thread_counts: tuple[int, ...] | None = None, prefix_slots: int = 0,
-             prefix_memory: int | None = None) -> StageRuntime:
+             prefix_memory: int | None = None, model: TransformerModel | None = None) -> StageRuntime:
         """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
         batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel);
         memory_budget: bytes for the piece's weights and KV cache (None: shared.models.memory's default);
@@ -55,16 +55,19 @@ class StageRuntime:
         (a compiled step has graphs for each; None: the count it compiles with); prefix_slots: KV rows for cached
         prefixes beside the kv_slots of live sequences, whose K/V prefix_memory bounds (bytes; None:
         shared.models.memory.default_prefix_bytes). The bound is apart from memory_budget: kept prefixes are given
-        up for room, so they never decide whether the weights fit."""
+        up for room, so they never decide whether the weights fit. `model`: the piece of `layers` already built
+        (reload's TransformerModel.narrowed), served instead of loading one."""
         if compile_decode not in COMPILE_MODES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
         spec = dict(loader=loader, dtype=dtype, device=device, kv_slots=kv_slots, max_seq_len=max_seq_len,
                     weights=weights, batch_invariant=batch_invariant, compile_decode=compile_decode,
                     memory_budget=memory_budget, thread_counts=thread_counts, prefix_slots=prefix_slots,
                     prefix_memory=prefix_memory)
-        model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights, batch_invariant=batch_invariant,
-                                           memory_budget=memory_budget, kv_slots=kv_slots, max_seq_len=max_seq_len)
-        apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
+        if model is None:
+            model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights,
+                                               batch_invariant=batch_invariant, memory_budget=memory_budget,
+                                               kv_slots=kv_slots, max_seq_len=max_seq_len)
+            apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
         max_seq_len = min(max_seq_len, model.config.context_length)
         c = model.config  # one KV row: every position of one sequence
         row_bytes = max_seq_len * position_bytes(len(model.layers), c.num_kv_heads, c.head_dim, model.dtype)
@@ -105,10 +108,16 @@ class StageRuntime:
 
     def reload(self, layers: LayerRange) -> StageRuntime:
         """A new runtime for another range of the same model, loaded as this one was (the file's own map, the same
-        dtype, weights mode, KV rows and context, budget and compiled step): a stage's side of a live re-split. Its
-        KV cache is empty (KVCache.take_over fills it)."""
+        dtype, weights mode, KV rows and context, budget and compiled step): a stage's side of a live re-split or a
+        membership change. A sub-range of this one's is built from the weights this one holds (nothing read from
+        the file: TransformerModel.narrowed); another is loaded. Its KV cache is empty (KVCache.take_over fills
+        it)."""
         if self._spec is None:
             raise CapabilityMissing("this runtime was not loaded by StageRuntime.load and cannot load another range")
+        mine = self.model.layers
+        if mine.start <= layers.start and layers.stop <= mine.stop:  # giving layers away: built from its own weights
+            return StageRuntime.load(layers=layers, model=self.model.narrowed(layers, self._spec["loader"]),
+                                     **self._spec)
         return StageRuntime.load(layers=layers, **self._spec)
 
     def compiled_decode_info(self) -> dict:
