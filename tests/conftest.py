@@ -336,3 +336,22 @@ def chromium():
 
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+def greedy_step(pipe, seqs: dict[str, list[int]], done: dict[str, int]):
+    """One micro-batch of the sequences (a prompt not yet `done` in full, else a decode of its last token): (greedy
+    next tokens, logits)."""
+    from shared.batch.sampling import SamplingParams
+    from shared.batch.steps import Decode, Prefill
+    from shared.wire.protocol import SeqEntry
+
+    work, ids = [], []
+    for seq_id, tokens in seqs.items():
+        if seq_id not in done:
+            work.append(SeqEntry(seq_id, Prefill(len(tokens), 0, len(tokens), True), SamplingParams()))
+            ids += tokens
+        else:
+            work.append(SeqEntry(seq_id, Decode(len(tokens) - 1), SamplingParams()))
+            ids.append(tokens[-1])
+    logits = pipe.run(work, torch.tensor(ids))
+    return {w.seq_id: int(row.argmax()) for w, row in zip(work, logits)}, logits

@@ -17,11 +17,9 @@ import urllib.request
 import pytest
 import torch
 
-from shared.batch.sampling import SamplingParams
-from shared.batch.steps import Decode, Prefill
 from shared.files.layers import LayerRange
 from shared.runtime.stage_runtime import LocalPipeline
-from shared.wire.protocol import SeqEntry
+from tests.conftest import greedy_step as _step
 from tests.conftest import stagemesh_cmd
 
 TOKEN = "join-token-for-the-tests-0123456789"
@@ -381,21 +379,6 @@ class _Side:
         else:
             getattr(self.membership, msg.phase)(msg)
         return self.sent
-
-
-def _step(pipe, seqs: dict[str, list[int]], done: dict[str, int]):
-    """One micro-batch of the sequences (a prompt not yet `done` in full, else a decode of its last token): (greedy
-    next tokens, logits)."""
-    work, ids = [], []
-    for seq_id, tokens in seqs.items():
-        if seq_id not in done:
-            work.append(SeqEntry(seq_id, Prefill(len(tokens), 0, len(tokens), True), SamplingParams()))
-            ids += tokens
-        else:
-            work.append(SeqEntry(seq_id, Decode(len(tokens) - 1), SamplingParams()))
-            ids.append(tokens[-1])
-    logits = pipe.run(work, torch.tensor(ids))
-    return {w.seq_id: int(row.argmax()) for w, row in zip(work, logits)}, logits
 
 
 def _change(rid: int, phase: str, members: list[tuple[str, int, int]]):

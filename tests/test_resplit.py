@@ -17,6 +17,7 @@ from shared.files.layers import LayerRange, check_resplit, split_at
 from shared.runtime.resplit import StageResplit
 from shared.runtime.stage_runtime import LocalPipeline, StageRuntime
 from shared.wire.protocol import KVParcel, ProtocolError, Resplit, SeqEntry, decode, encode
+from tests.conftest import greedy_step as _step
 
 L = LayerRange
 
@@ -110,20 +111,6 @@ def test_resplit_and_parcel_round_trip_and_bad_ones_are_refused():
 
 
 # ---- one stage's side, in process -----------------------------------------------------------------------------------
-
-def _step(pipe: LocalPipeline, seqs: dict[str, list[int]], done: dict[str, int]) -> dict[str, int]:
-    """One micro-batch of every sequence (its prompt first, then one decode): the greedy next token of each."""
-    work, ids = [], []
-    for seq_id, tokens in seqs.items():
-        if seq_id not in done:
-            work.append(SeqEntry(seq_id, Prefill(len(tokens), 0, len(tokens), True), SamplingParams()))
-            ids += tokens
-        else:
-            work.append(SeqEntry(seq_id, Decode(len(tokens) - 1), SamplingParams()))
-            ids.append(tokens[-1])
-    logits = pipe.run(work, torch.tensor(ids))
-    return {w.seq_id: int(row.argmax()) for w, row in zip(work, logits)}, logits
-
 
 def _generate(pipe: LocalPipeline, prompts: dict[str, list[int]], steps: int, resplit_at: dict[int, list[LayerRange]]):
     seqs = {s: list(p) for s, p in prompts.items()}
