@@ -65,8 +65,6 @@ class Receiving:
     whole: bool
     parts: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)  # seq -> layer -> k, v
     kept: set[str] = field(default_factory=set)  # sequences a parcel said are cached prefixes
-    taken: int = 0
-    dropped: int = 0
 
 
 class StageMembership:
@@ -236,8 +234,6 @@ class StageMembership:
         r, worker = self.receiving, self.worker
         fits = r is not None and r.gains.start <= parcel.start and parcel.stop <= r.gains.stop and parcel.length > 0
         if not fits or (r.whole and parcel.seq_id in worker.runtime.kv):
-            if r is not None:
-                r.dropped += 1
             throttled(log, logging.WARNING, "membership parcel", "membership change %d: dropped K/V of %r for layers "
                       "%d:%d on %s (it gains %s)", parcel.rid, parcel.seq_id, parcel.start, parcel.stop,
                       worker.identity.name, r.gains if r is not None else "nothing")
@@ -252,9 +248,7 @@ class StageMembership:
             try:
                 worker.runtime.kv.adopt(parcel.seq_id, [got[i][0] for i in r.gains], [got[i][1] for i in r.gains],
                                         parcel.seq_id in r.kept)
-                r.taken += 1
             except (BadBatch, KVCacheFull) as e:
-                r.dropped += 1
                 log.warning("membership change %d: did not take the K/V of %r: %s", parcel.rid, parcel.seq_id, e)
         return True
 
