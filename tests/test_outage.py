@@ -521,6 +521,30 @@ def push_from(address: str, messages: list, curve: tuple[bytes, bytes, bytes] | 
     push(address, [encode(msg) for msg in messages], curve, arrived, timeout=45)  # a loaded machine: slow to count
 
 
+def forge_until(address: str, forged: Callable[[], list], curve: tuple[bytes, bytes, bytes], counted,
+                over: Callable[[], bool], timeout: float = 45.0) -> None:
+    """From one CURVE socket, send forged() every 0.2 s until counted() (the gateway acted on one of them); the
+    request they aim at must still be running (not over()) the whole while."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
+    sock.connect(address)
+    try:
+        deadline = time.monotonic() + timeout
+        while not counted():
+            assert not over(), "the request ended before a forged answer met one of its micro-batches in flight"
+            assert time.monotonic() < deadline, f"{address} never acted on the forged answers"
+            for msg in forged():
+                try:
+                    sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break  # not connected yet, or its queue full: the next round tries again
+            time.sleep(0.2)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 async def test_refusals_are_counted_and_forged_errors_are_named(clean, smollm2, tmp_path):
     """Strangers at the gateway's result port -- plaintext, and a CURVE key of another mesh -- and a plaintext one at
     stage 0 are refused and counted (gateway: handshakes and result-port rejects; stage: handshakes). A holder of the
@@ -547,12 +571,18 @@ async def test_refusals_are_counted_and_forged_errors_are_named(clean, smollm2, 
     forged_before = clean.metric("stagemesh_gateway_unknown_sequence_failovers_total")
     running = asyncio.create_task(stream(gw.url, "Write about the sea, at length.", 150))  # in flight for seconds
     await async_until(lambda: clean.kv_used() == [1, 1], 60, "the request never started")
-    sent = int(clean.metric("stagemesh_gateway_microbatches_total"))
     last = KeySet(mesh.keys_dir).pair("stage1")
-    forged = [BatchError(mb, "stage[forged]", "unknown_sequence", "forged by an insider", []) for mb in
-              range(max(1, sent - 5), sent + 400)]
-    await asyncio.to_thread(push_from, mesh.result_listen, forged, (last.public, last.secret, gateway_public),
-                            lambda: clean.metric("stagemesh_gateway_unknown_sequence_failovers_total") > forged_before)
+
+    def forged() -> list[BatchError]:
+        """unknown_sequence for the ids about the one in flight now (ids count up from 1 with the gateway's
+        micro-batches); sent again until one lands on a micro-batch in flight, however slow the machine is."""
+        sent = int(clean.metric("stagemesh_gateway_microbatches_total"))
+        return [BatchError(mb, "stage[forged]", "unknown_sequence", "forged by an insider", [])
+                for mb in range(max(1, sent - 5), sent + 50)]
+
+    await asyncio.to_thread(forge_until, mesh.result_listen, forged, (last.public, last.secret, gateway_public),
+                            lambda: clean.metric("stagemesh_gateway_unknown_sequence_failovers_total") > forged_before,
+                            running.done)
     result = await asyncio.wait_for(running, 180)
     assert result["error"] is None and result["tokens"] == 150, result
     log = open(gw.log_path).read()
