@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -354,27 +354,50 @@ class TransformerModel:
 
     def narrowed(self, layers: LayerRange, loader: GgufLoader) -> TransformerModel:
         """This piece's layers `layers`, a sub-range of its own (a stage giving layers away in a re-split or a join),
-        built from the weights it holds: nothing read from the file or converted, only the kept layers' kernels
-        stacked afresh (a copy of their bytes). This piece serves on unchanged meanwhile: the new one's blocks and
-        kernels are objects of its own (their tensors shared until restacked). The embedding and head go along
-        where `layers` keeps them. `loader`: the file it was loaded from (the kept tensors' sizes)."""
+        built from the weights it holds: nothing read from the file or converted (rebuilt with nothing gained)."""
         if not (self.layers.start <= layers.start and layers.stop <= self.layers.stop):
             raise ValueError(f"layers {layers} are not within this piece's {self.layers}")
+        return self.rebuilt(layers, loader, None)
+
+    def rebuilt(self, layers: LayerRange, loader: GgufLoader,
+                load: Callable[[LayerRange], TransformerModel] | None) -> TransformerModel:
+        """This piece moved to `layers`, which overlaps its own (a stage in a re-split, a join's giver, a leave's
+        taker): the layers it keeps are the blocks it holds, only the gained ones are loaded -- load(range), the
+        range below its own and the one above, each as from_gguf loads a piece -- and the kernels of the whole are
+        stacked afresh (a copy of their bytes), nothing of the kept layers read from the file or converted again.
+        This piece serves on unchanged meanwhile: the new one's blocks and kernels are objects of its own (their
+        tensors shared until restacked). The embedding and head come from whichever side holds them in `layers`.
+        `loader`: the file it was loaded from (the tensors' sizes)."""
+        mine = self.layers
+        kept = LayerRange(max(mine.start, layers.start), min(mine.stop, layers.stop))
+        if kept.start >= kept.stop:
+            raise ValueError(f"layers {layers} do not overlap this piece's {mine}")
+        below = LayerRange(layers.start, kept.start) if layers.start < kept.start else None
+        above = LayerRange(kept.stop, layers.stop) if kept.stop < layers.stop else None
+        if (below or above) and load is None:
+            raise ValueError(f"layers {layers} go past this piece's {mine}: the gained ones need load")
+        lower = load(below) if below else None
+        upper = load(above) if above else None
         position = layers.position(self.config.num_layers)
-        kept = self.blocks[layers.start - self.layers.start:layers.stop - self.layers.start]
-        blocks = [_own_block(b, alone=len(kept) < 2) for b in kept]
+        ours = self.blocks[kept.start - mine.start:kept.stop - mine.start]
+        alone = len(layers) < 2  # a piece of one layer stacks nothing: its tensors are copied (_own_block)
+        blocks = [_own_block(b, alone) for b in [*(lower.blocks if lower else []), *ours,
+                                                *(upper.blocks if upper else [])]]
+        first = lower if lower is not None else self  # holds the embedding where `layers` starts the model
+        last = upper if upper is not None else self  # holds the head where `layers` ends it
         head = position.has_lm_head
-        sources = {k: v for k, v in self._sources.items()
-                   if (k == "output" and head) or (k.startswith("blk.") and int(k.split(".")[1]) in layers)}
+        sources = {k: v for part in (lower, self, upper) if part is not None for k, v in part._sources.items()
+                   if (k == "output" and head and part is last) or (k.startswith("blk.") and int(k.split(".")[1]) in layers)}
         model = TransformerModel(self.config, layers, blocks, self.dtype,
-                                 self.embedding if position.has_embedding else None,
-                                 self.output_norm if head else None, self.output if head else None, self.weights,
-                                 self.batch_invariant, sources, self.output_norm_b if head else None,
-                                 self.output_bias if head else None)
-        model.tensor_types = {n: t for n, t in self.tensor_types.items() if any(n in ns for ns in sources.values())}
+                                 first.embedding if position.has_embedding else None,
+                                 last.output_norm if head else None, last.output if head else None, self.weights,
+                                 self.batch_invariant, sources, last.output_norm_b if head else None,
+                                 last.output_bias if head else None)
+        types = {n: t for part in (lower, self, upper) if part is not None for n, t in part.tensor_types.items()}
+        model.tensor_types = {n: t for n, t in types.items() if any(n in ns for ns in sources.values())}
         if self.memory is not None:
             model.memory = PieceMemory(budget=self.memory.budget,
-                                       kv_bytes=self.memory.kv_bytes * len(layers) // len(self.layers),
+                                       kv_bytes=self.memory.kv_bytes * len(layers) // len(mine),
                                        file_bytes=loader.tensor_bytes(loader.names_for(layers, position)),
                                        prefill_copy=self.memory.prefill_copy)
         return model

@@ -56,7 +56,7 @@ class StageRuntime:
         prefixes beside the kv_slots of live sequences, whose K/V prefix_memory bounds (bytes; None:
         shared.models.memory.default_prefix_bytes). The bound is apart from memory_budget: kept prefixes are given
         up for room, so they never decide whether the weights fit. `model`: the piece of `layers` already built
-        (reload's TransformerModel.narrowed), served instead of loading one."""
+        (reload's TransformerModel.rebuilt), served instead of loading one."""
         if compile_decode not in COMPILE_MODES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_MODES)}, got {compile_decode!r}")
         spec = dict(loader=loader, dtype=dtype, device=device, kv_slots=kv_slots, max_seq_len=max_seq_len,
@@ -109,16 +109,26 @@ class StageRuntime:
     def reload(self, layers: LayerRange) -> StageRuntime:
         """A new runtime for another range of the same model, loaded as this one was (the file's own map, the same
         dtype, weights mode, KV rows and context, budget and compiled step): a stage's side of a live re-split or a
-        membership change. A sub-range of this one's is built from the weights this one holds (nothing read from
-        the file: TransformerModel.narrowed); another is loaded. Its KV cache is empty (KVCache.take_over fills
-        it)."""
+        membership change. The layers it keeps are built from the weights this one holds, only the layers it gains
+        are read from the file (TransformerModel.rebuilt); a range apart from this one's is loaded whole. Its KV
+        cache is empty (KVCache.take_over fills it)."""
         if self._spec is None:
             raise CapabilityMissing("this runtime was not loaded by StageRuntime.load and cannot load another range")
-        mine = self.model.layers
-        if mine.start <= layers.start and layers.stop <= mine.stop:  # giving layers away: built from its own weights
-            return StageRuntime.load(layers=layers, model=self.model.narrowed(layers, self._spec["loader"]),
-                                     **self._spec)
-        return StageRuntime.load(layers=layers, **self._spec)
+        mine, spec = self.model.layers, self._spec
+        if layers.start >= mine.stop or layers.stop <= mine.start:  # nothing kept: loaded from the file
+            return StageRuntime.load(layers=layers, **spec)
+
+        def gained(part: LayerRange) -> TransformerModel:
+            """The layers it takes on, loaded as this runtime's own were."""
+            model = TransformerModel.from_gguf(spec["loader"], part, spec["dtype"], spec["device"],
+                                               weights=spec["weights"], batch_invariant=spec["batch_invariant"],
+                                               memory_budget=spec["memory_budget"], kv_slots=spec["kv_slots"],
+                                               max_seq_len=spec["max_seq_len"])
+            apply_measured_crossover(model)
+            return model
+
+        # the layers it keeps built from its own weights, only the gained ones read from the file
+        return StageRuntime.load(layers=layers, model=self.model.rebuilt(layers, spec["loader"], gained), **spec)
 
     def compiled_decode_info(self) -> dict:
         """What /info reports of the compiled decode step: CompiledDecode.info(), or why decode is eager."""
