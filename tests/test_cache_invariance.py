@@ -129,7 +129,7 @@ async def test_a_hit_attached_beside_its_prompts_full_prefill_gives_the_very_log
 
 # ---- through a gateway: clients' hits, and the audit at tolerance 0 ---------------------------------------------
 
-PROMPTS = 10  # the clients' prompts, each hitting a shared system text: that many audits
+PROMPTS = 6  # the clients' prompts, each hitting one of two shared system texts (3 each): that many audits
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: str, scope: str) -> dict:
@@ -145,7 +145,7 @@ def audits(gw) -> dict[str, float]:
 
 
 async def test_cached_answers_equal_uncached_ones_and_the_audit_finds_every_hit_right(mesh, varied_text, tmp_path):
-    """Ten prompts of 560-1030 tokens, each a shared system text of ~450 tokens and a question of its own: each
+    """Six prompts of 560-1030 tokens, each a shared system text of ~450 tokens and a question of its own: each
     computed alone in a cache scope of its own (uncached), then all at once in a scope where the system texts are
     cached, every hit audited (rate 1). Each cached answer's logprobs and top alternatives are the uncached one's, bit
     for bit, and every audit -- a twin from the cached prefix against one computed in full, at tolerance 0 -- finds

@@ -23,7 +23,8 @@ from tests.test_browser import DevTools, page_ws_url
 @pytest.fixture(scope="module")
 @starts_processes
 def gateway(tmp_path_factory):
-    gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwmesh")), "--auto-rebalance", "off")  # its split drawn
+    gw = start_up(2, "bfloat16", str(tmp_path_factory.mktemp("gwmesh")), "--auto-rebalance", "off",  # its split drawn
+                  "--stage-poll", "0.5")  # a stopped or killed stage seen within half a second
     yield gw
     gw.stop()
 

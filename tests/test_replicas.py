@@ -32,7 +32,8 @@ from tests.test_mesh_view import mesh, wait_for
 @pytest.fixture(scope="module")
 @starts_processes
 def gateway(tmp_path_factory):
-    gw = start_up(1, "bfloat16", str(tmp_path_factory.mktemp("replicas")), "--replicas", "2", "--batch-invariant")
+    gw = start_up(1, "bfloat16", str(tmp_path_factory.mktemp("replicas")), "--replicas", "2", "--batch-invariant",
+                  "--stage-poll", "0.5")  # a killed stage seen within half a second
     yield gw
     gw.stop()
 

@@ -118,11 +118,15 @@ class StageRuntime:
         if layers.start >= mine.stop or layers.stop <= mine.start:  # nothing kept: loaded from the file
             return StageRuntime.load(layers=layers, **spec)
 
+        held = self.model.weight_bytes() + (self.model.memory.kv_bytes if self.model.memory else 0)
+        budget = spec["memory_budget"] if spec["memory_budget"] is not None else default_budget()
+
         def gained(part: LayerRange) -> TransformerModel:
-            """The layers it takes on, loaded as this runtime's own were."""
+            """The layers it takes on, loaded as this runtime's own were, in what the budget leaves beside what it
+            holds (auto's dense prefill copy only where that fits)."""
             model = TransformerModel.from_gguf(spec["loader"], part, spec["dtype"], spec["device"],
                                                weights=spec["weights"], batch_invariant=spec["batch_invariant"],
-                                               memory_budget=spec["memory_budget"], kv_slots=spec["kv_slots"],
+                                               memory_budget=max(1, budget - held), kv_slots=spec["kv_slots"],
                                                max_seq_len=spec["max_seq_len"])
             apply_measured_crossover(model)
             return model
