@@ -231,6 +231,22 @@ def test_a_commit_sent_again_brings_a_half_moved_mesh_to_the_new_split(smollm2):
         StageResplit(30).commit(again, stray.pieces[0])
 
 
+def _prompt_logits(ids: list[int]):
+    """logits(pieces, seq): the prompt `ids` run through `pieces` as one pipeline, as sequence `seq` (released after)."""
+    def logits(pieces: list, seq: str) -> torch.Tensor:
+        pipe = LocalPipeline(pieces)
+        out = pipe.run([SeqEntry(seq, Prefill(len(ids), 0, len(ids), True), SamplingParams())], torch.tensor(ids))
+        pipe.release(seq)
+        return out
+    return logits
+
+
+def _auto_piece(model):
+    """load(layers): a float32 piece of `model` with weights auto (integer-dot kernels, stacked), 2 rows of 64."""
+    return lambda layers: StageRuntime.load(model.loader, layers, torch.float32, weights="auto", kv_slots=2,
+                                            max_seq_len=64)
+
+
 @pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_a_piece_narrowed_from_its_own_weights_computes_what_one_loaded_from_the_file_does(smollm2):
     """A stage giving layers away builds its smaller range from the weights it holds (TransformerModel.narrowed:
@@ -238,15 +254,7 @@ def test_a_piece_narrowed_from_its_own_weights_computes_what_one_loaded_from_the
     exactly the whole piece's logits and what pieces loaded from the file compute, the whole piece is unchanged
     after it, and a one-layer piece holds tensors of its own (not rows of the whole piece's stacks)."""
     ids = smollm2.tokenizer.encode("The capital of France is")
-
-    def logits(pieces: list, seq: str) -> torch.Tensor:
-        pipe = LocalPipeline(pieces)
-        out = pipe.run([SeqEntry(seq, Prefill(len(ids), 0, len(ids), True), SamplingParams())], torch.tensor(ids))
-        pipe.release(seq)
-        return out
-
-    def load(layers: LayerRange):
-        return StageRuntime.load(smollm2.loader, layers, torch.float32, weights="auto", kv_slots=2, max_seq_len=64)
+    logits, load = _prompt_logits(ids), _auto_piece(smollm2)
 
     whole = load(L(0, 30))
     assert all(getattr(k, "stack", None) is not None for b in whole.model.blocks for k in b.linears().values())
@@ -264,6 +272,7 @@ def test_a_piece_narrowed_from_its_own_weights_computes_what_one_loaded_from_the
         assert id(k.stack) not in stacks
 
 
+@pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_a_piece_that_gains_layers_reads_only_those_and_computes_what_one_loaded_from_the_file_does(smollm2,
                                                                                                      monkeypatch):
     """A stage taking layers on (a leave's taker, a re-split's growing side) reads only the layers it gains from the
@@ -273,15 +282,7 @@ def test_a_piece_that_gains_layers_reads_only_those_and_computes_what_one_loaded
     from shared.models import TransformerModel
 
     ids = smollm2.tokenizer.encode("The capital of France is")
-
-    def logits(pieces: list, seq: str) -> torch.Tensor:
-        pipe = LocalPipeline(pieces)
-        out = pipe.run([SeqEntry(seq, Prefill(len(ids), 0, len(ids), True), SamplingParams())], torch.tensor(ids))
-        pipe.release(seq)
-        return out
-
-    def load(layers: LayerRange):
-        return StageRuntime.load(smollm2.loader, layers, torch.float32, weights="auto", kv_slots=2, max_seq_len=64)
+    logits, load = _prompt_logits(ids), _auto_piece(smollm2)
 
     before = logits([load(L(0, 30))], "a")
     pieces = [load(L(0, 11)), load(L(11, 30)), load(L(0, 8)), load(L(8, 20)), load(L(20, 30))]
