@@ -249,9 +249,9 @@ def _auto_piece(model):
 
 @pytest.mark.slow  # seconds of in-process computation: make test runs it, the unit tier (make test-unit) does not
 def test_a_piece_narrowed_from_its_own_weights_computes_what_one_loaded_from_the_file_does(smollm2):
-    """A stage giving layers away builds its smaller range from the weights it holds (TransformerModel.narrowed:
-    its stacked integer-dot kernels restacked, nothing read from the file): the two narrowed pieces together compute
-    exactly the whole piece's logits and what pieces loaded from the file compute, the whole piece is unchanged
+    """A stage giving layers away builds its smaller range from the weights it holds (TransformerModel.rebuilt with
+    nothing gained: its stacked integer-dot kernels restacked, nothing read from the file): the two narrowed pieces
+    together compute exactly the whole piece's logits and what pieces loaded from the file compute, the whole piece is unchanged
     after it, and a one-layer piece holds tensors of its own (not rows of the whole piece's stacks)."""
     ids = smollm2.tokenizer.encode("The capital of France is")
     logits, load = _prompt_logits(ids), _auto_piece(smollm2)

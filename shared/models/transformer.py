@@ -352,13 +352,6 @@ class TransformerModel:
         return_freed_memory()
         return model
 
-    def narrowed(self, layers: LayerRange, loader: GgufLoader) -> TransformerModel:
-        """This piece's layers `layers`, a sub-range of its own (a stage giving layers away in a re-split or a join),
-        built from the weights it holds: nothing read from the file or converted (rebuilt with nothing gained)."""
-        if not (self.layers.start <= layers.start and layers.stop <= self.layers.stop):
-            raise ValueError(f"layers {layers} are not within this piece's {self.layers}")
-        return self.rebuilt(layers, loader, None)
-
     def rebuilt(self, layers: LayerRange, loader: GgufLoader,
                 load: Callable[[LayerRange], TransformerModel] | None) -> TransformerModel:
         """This piece moved to `layers`, which overlaps its own (a stage in a re-split, a join's giver, a leave's
@@ -367,7 +360,8 @@ class TransformerModel:
         stacked afresh (a copy of their bytes), nothing of the kept layers read from the file or converted again.
         This piece serves on unchanged meanwhile: the new one's blocks and kernels are objects of its own (their
         tensors shared until restacked). The embedding and head come from whichever side holds them in `layers`.
-        `loader`: the file it was loaded from (the tensors' sizes)."""
+        `loader`: the file it was loaded from (the tensors' sizes). load may be None where nothing is gained (a
+        sub-range of its own: nothing read from the file or converted)."""
         mine = self.layers
         kept = LayerRange(max(mine.start, layers.start), min(mine.stop, layers.stop))
         if kept.start >= kept.stop:
