@@ -14,7 +14,9 @@ N = 20000
 
 
 def frequencies(params_for_seed, logits=LOGITS):
-    c = Counter(sample(logits, [params_for_seed(s)], [0])[0][0] for s in range(N))
+    """How often each token is drawn over N seeds: one batch of N copies of the row, seed s on row s (a row draws
+    the same alone as in a batch: test_min_p_draws_are_the_same_alone_and_in_a_batch)."""
+    c = Counter(sample(logits.expand(N, -1), [params_for_seed(s) for s in range(N)], [0] * N)[0])
     return [c.get(i, 0) / N for i in range(logits.shape[1])]
 
 
