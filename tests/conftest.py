@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -23,6 +24,20 @@ os.environ["STAGEMESH_AOTI_CACHE"] = "off"
 # The gateways' durable request logs (default: the user's data directory, one per port) go to a folder of the run's
 # own, not the home directory of whoever runs the suite.
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="stagemesh-test-data-")
+
+
+def lazy_import(name: str):
+    """The module `name`, run at its first attribute access (importlib's LazyLoader): the SDKs take seconds to import
+    (anthropic 2 s, openai 1 s on 2 cores) and the unit tier collects the modules that use them without running a test
+    that does."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def uses_llama_cpp(fixture_fn):

@@ -6,8 +6,6 @@ x-api-key or a bearer token on the gateway with an API key test_gateway_edge sha
 import json
 
 import aiohttp
-import anthropic
-import openai
 import pytest
 
 from services.gateway.api.anthropic import MessageShape, message, translate
@@ -15,7 +13,10 @@ from services.gateway.engine.request import Request
 from services.gateway.frontend.events import RequestHandle
 from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent, Usage
 from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation
-from tests.conftest import EDGE_KEY
+from tests.conftest import EDGE_KEY, lazy_import
+
+anthropic = lazy_import("anthropic")
+openai = lazy_import("openai")
 
 KEY = "unused"  # the module's gateway has no API key: the SDK sends one anyway (the key tests use edge's)
 MODEL = "smollm2"  # the name the module's up serves SmolLM2 under

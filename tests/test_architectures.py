@@ -313,7 +313,10 @@ def test_unknown_rope_scaling_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("arch", ["starcoder2", "phi3", "phi2", "qwen3moe", "mistral3", "gemma2", "gemma3"])
+# Every architecture's split is exact in process (test_any_split_gives_exactly_the_unsplit_logits: the pieces a
+# stage process runs, the same code); through real processes, the three that differ most in what a stage does: an MoE
+# with q/k norms, parallel blocks with LayerNorm and a partial rope, and sliding windows with soft caps and a tied head.
+@pytest.mark.parametrize("arch", ["qwen3moe", "phi2", "gemma2"])
 async def test_two_stage_mesh_generates_what_one_process_does(arch, tmp_path):
     """Real stage processes on loopback (float32): greedy tokens through 2 stages == one local process."""
     from services.process.launch import start_mesh

@@ -21,6 +21,21 @@ def texts(smollm2, varied_text):
     return target, others
 
 
+@pytest.fixture(scope="module")
+def pipelines(smollm2):
+    """(dtype, weights) -> one batch-invariant whole-model pipeline with a slot for the target and each neighbour,
+    loaded once for the module's tests (each releases the sequences it made)."""
+    loaded = {}
+
+    def get(dtype: torch.dtype, weights: str) -> LocalPipeline:
+        if (dtype, weights) not in loaded:
+            loaded[dtype, weights] = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=NEIGHBOURS + 2,
+                                                        weights=weights, batch_invariant=True)
+        return loaded[dtype, weights]
+
+    return get
+
+
 def _prompt_and_continuation(ids):
     return ids[:-DECODE_STEPS], ids[-DECODE_STEPS:]
 
@@ -81,10 +96,9 @@ def _in_company(pipeline: LocalPipeline, ids: list[int], others: list[list[int]]
 @pytest.mark.parametrize("dtype,weights", [pytest.param(torch.bfloat16, "auto", marks=pytest.mark.slow),
                                            (torch.bfloat16, "bf16"),
                                            pytest.param(torch.float32, "f32", marks=pytest.mark.slow)])
-def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(smollm2, texts, dtype, weights):
+def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(pipelines, texts, dtype, weights):
     target, others = texts
-    pipeline = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=NEIGHBOURS + 2, weights=weights,
-                                  batch_invariant=True)
+    pipeline = pipelines(dtype, weights)
     alone = _alone(pipeline, target)
     together, smallest = _in_company(pipeline, target, others)
     assert smallest >= INT4_MAX_TOKENS  # every shared micro-batch is past auto's kernel crossover
@@ -94,12 +108,12 @@ def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(smollm2, texts, 
 
 
 @pytest.mark.parametrize("dtype,weights", [(torch.bfloat16, "auto"), (torch.bfloat16, "bf16")])
-def test_prefill_in_one_pass_in_chunks_or_token_by_token_gives_the_same_bits(smollm2, texts, dtype, weights):
+def test_prefill_in_one_pass_in_chunks_or_token_by_token_gives_the_same_bits(pipelines, texts, dtype, weights):
     """What a failover replay relies on: a history re-prefilled in one pass (or in chunks) leaves the same K/V and
     the same next-token logits as the token-by-token decode that first produced it. Without batch_invariant the
     prefill's attention runs as one causal kernel over the chunk and the bf16 logits differ."""
     ids = texts[0]
-    pipeline = LocalPipeline.load(smollm2.loader, None, dtype, kv_slots=3, weights=weights, batch_invariant=True)
+    pipeline = pipelines(dtype, weights)
     one_pass = pipeline.run([SeqEntry("a", Prefill(len(ids), 0, len(ids), True))], torch.tensor(ids))[0]
     split = 10
     pipeline.run([SeqEntry("b", Prefill(split, 0, len(ids), False))], torch.tensor(ids[:split]))
@@ -107,5 +121,7 @@ def test_prefill_in_one_pass_in_chunks_or_token_by_token_gives_the_same_bits(smo
     pipeline.run([SeqEntry("c", Prefill(split, 0, split, True))], torch.tensor(ids[:split]))
     for k in range(split, len(ids)):
         stepped = pipeline.run([SeqEntry("c", Decode(k))], torch.tensor([ids[k]]))[0]
+    for seq in "abc":
+        pipeline.release(seq)
     assert torch.equal(one_pass, chunked), f"max |diff| {(one_pass - chunked).abs().max().item():.3g}"
     assert torch.equal(one_pass, stepped), f"max |diff| {(one_pass - stepped).abs().max().item():.3g}"

@@ -173,18 +173,22 @@ def test_one_gateway_port():
     assert {"name": "http", "containerPort": GATEWAY_PORT} in pod["containers"][0]["ports"]
 
 
-_RUN_CLI = """
-import sys
+# Every case runs in one interpreter, in turn: after each, whether torch is loaded yet (once loaded it stays, so the
+# first case that loads it is the one named), its exit code and what it wrote to stderr.
+_RUN_CLIS = """
+import contextlib, io, json, sys
 from services.cli.main import main
-try:
-    code = main(sys.argv[1:])
-except SystemExit as e:
-    code = e.code
-print("torch loaded" if "torch" in sys.modules else "torch not loaded", code)
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps(["torch" in sys.modules, code, err.getvalue()[-1000:]]), flush=True)
 """
 
-
-@pytest.mark.parametrize("argv, code", [
+CLI_CASES = [
     (["--help"], 0),
     (["up", "--help"], 0),
     (["stage", "--help"], 0),
@@ -196,14 +200,28 @@ print("torch loaded" if "torch" in sys.modules else "torch not loaded", code)
     (["stage", "--listen", "localhost:5551", "--next", "tcp://127.0.0.1:5552"], 2),
     (["stage", "--listen", "tcp://127.0.0.1:5551", "--next", "tcp://127.0.0.1:5552", "--model", "/no/such.gguf"], 2),
     (["generate", "--model", "/no/such/model.gguf", "--prompt", "hi"], 2),
-])
-def test_help_and_mistakes_are_answered_before_torch_loads(argv, code):
-    """A command's flags are declared without importing what runs it, and what a user can get wrong is checked
-    before torch loads: --help and a mistake are answered in well under a second, not after seconds of imports."""
+]
+
+
+@pytest.fixture(scope="module")
+def cli_answers() -> list[tuple[bool, int, str]]:
+    """(torch loaded after it, exit code, stderr) of each of CLI_CASES, run in turn in one fresh interpreter."""
+    import json
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _RUN_CLI, *argv], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.stdout.splitlines()[-1] == f"torch not loaded {code}", (out.stdout[-500:], out.stderr[-1000:])
+    out = subprocess.run([sys.executable, "-c", _RUN_CLIS, json.dumps([argv for argv, _ in CLI_CASES])],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    answers = [tuple(json.loads(line)) for line in out.stdout.splitlines() if line.startswith("[")]
+    assert len(answers) == len(CLI_CASES), (out.stdout[-500:], out.stderr[-1000:])
+    return answers
+
+
+@pytest.mark.parametrize("case", range(len(CLI_CASES)), ids=[" ".join(argv) for argv, _ in CLI_CASES])
+def test_help_and_mistakes_are_answered_before_torch_loads(cli_answers, case):
+    """A command's flags are declared without importing what runs it, and what a user can get wrong is checked
+    before torch loads: --help and a mistake are answered in well under a second, not after seconds of imports."""
+    torch_loaded, code, stderr = cli_answers[case]
+    assert (torch_loaded, code) == (False, CLI_CASES[case][1]), stderr
     if code:
-        assert "error" in out.stderr, out.stderr
+        assert "error" in stderr, stderr

@@ -10,12 +10,13 @@ from enum import Enum
 from typing import Literal
 
 import aiohttp
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from services.gateway.frontend.schemas import IGNORED_FIELDS, NOT_YET_FIELDS, RequestError, parse_generation
-from tests.conftest import DEFAULT_MAX_TOKENS
+from tests.conftest import DEFAULT_MAX_TOKENS, lazy_import
+
+openai = lazy_import("openai")
 
 CAP = DEFAULT_MAX_TOKENS  # the gateway's --default-max-tokens (the shared smollm2_gateway, tests/conftest.py)
 

@@ -5,7 +5,6 @@ import json
 import subprocess
 import threading
 
-import openai
 import pytest
 
 from services.cli.rebalance import StageTime, proposal
@@ -13,7 +12,9 @@ from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange
 from shared.files.model_registry import resolve_model
 from shared.runtime.plan import ModelFacts
-from tests.conftest import stagemesh_cmd
+from tests.conftest import lazy_import, stagemesh_cmd
+
+openai = lazy_import("openai")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import uuid
 from urllib.parse import urlsplit
 
 import aiohttp
-import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -28,7 +27,10 @@ from services.gateway.frontend.frontend import GATEWAY
 from services.gateway.frontend.output import DoneEvent, ErrorEvent, TokenEvent, Usage
 from services.gateway.frontend.schemas import GenerationSpec, RequestError, parse_generation
 from tests.conftest import DEFAULT_MAX_TOKENS as CAP
+from tests.conftest import lazy_import
 from tests.test_events import FrontEnd
+
+openai = lazy_import("openai")
 
 VOCAB = 49152  # SmolLM2's
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather of a city",

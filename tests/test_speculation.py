@@ -8,7 +8,6 @@ import itertools
 import json
 import time
 
-import openai
 import pytest
 import torch
 
@@ -38,6 +37,9 @@ from shared.files.gguf_loader import GgufLoader
 from shared.runtime.generation import SequenceState, drive, run_local
 from shared.runtime.stage_runtime import LocalPipeline
 from shared.wire.protocol import SeqEntry
+from tests.conftest import lazy_import
+
+openai = lazy_import("openai")
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
