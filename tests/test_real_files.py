@@ -147,13 +147,21 @@ def windows(smollm2, varied_text) -> list[list[int]]:
     return wins
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_smollm2_requantized_to_every_preset_matches_llama_cpp_perplexity(smollm2, windows, preset):
+# The real file requantized to the presets hubs ship most (and IQ4_XS, the common IQ one). Every preset of PRESETS
+# is held against llama.cpp on a file of SmolLM2's widths above (test_every_preset_on_llama_matches_llama_cpp, w576:
+# the same K-quant fallbacks, logits to 1e-2; and at width 256, every row whole superblocks), and every tensor type of
+# them alone against llama.cpp (tests/test_quant_types.py): the other 13 presets on the real file cost a quantization
+# each on a fresh machine (~15 s for an IQ3 one) and would hold the same kernels to llama.cpp once more.
+REAL_FILE_PRESETS = (*LEAN_PRESETS, "IQ4_XS")
+
+
+@pytest.mark.parametrize("preset", REAL_FILE_PRESETS)
+def test_smollm2_requantized_to_the_common_presets_matches_llama_cpp_perplexity(smollm2, windows, preset):
     """SmolLM2's Q4_1 file requantized by llama.cpp to each preset: our default path within 2 % of llama.cpp's
-    perplexity on the same file (>= 1,000 tokens for the common presets, ~500 for the rest); for the common presets
-    lean too, holding at most 1.5x the file's bytes (1 stage); a float32 split (3 pieces) equals the unsplit run. (Lean holds IQ types as int8 rows, 1 byte a weight against their 0.4-0.56: above 1.5x.)"""
+    perplexity on the same file (>= 1,000 tokens for the lean presets, ~500 for IQ4_XS); for the lean presets lean
+    too, holding at most 1.5x the file's bytes (1 stage); a float32 split (3 pieces) equals the unsplit run. (Lean holds IQ types as int8 rows, 1 byte a weight against their 0.4-0.56: above 1.5x.)"""
     path = _preset(smollm2.loader.path, preset)
-    if preset not in LEAN_PRESETS:  # the rarer presets on the first ~500 tokens, to keep the suite's time
+    if preset not in LEAN_PRESETS:  # on the first ~500 tokens, to keep the suite's time
         windows = windows[:2]
     ref = _llama_cpp_perplexity(path, windows)
     for weights in ("auto", "lean") if preset in LEAN_PRESETS else ("auto",):
