@@ -105,19 +105,33 @@ install-browser:
 serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
-# --durations=40: the slowest tests and setups, listed after every run (what the suite's time goes to).
+# $(call two_parts,PYTEST FLAGS,NAME): one tier of the suite as two pytest sessions side by side (tests/conftest.py,
+# suite_part): the modules whose tests start real processes, reported here, and beside them the modules that start none
+# (CPU-bound: they fill the cores the others leave idle), reported after (and kept in test-output/NAME-in-process.log);
+# the tests marked `timing` run last, once the in-process part has ended. The exit status is the worse of the two.
+define two_parts
+	@mkdir -p test-output
+	@echo "the in-process part runs beside this one; its report follows this one's (test-output/$(2)-in-process.log)"
+	@$(BIN)/python -m pytest -q -ra $(1) --part in-process > test-output/$(2)-in-process.log 2>&1 & partner=$$!; \
+	STAGEMESH_SUITE_PARTNER=$$partner $(BIN)/python -m pytest -q -ra $(1) --part processes; processes=$$?; \
+	wait $$partner; in_process=$$?; \
+	echo "================ the in-process part (test-output/$(2)-in-process.log) ================"; \
+	cat test-output/$(2)-in-process.log; exit $$(( processes || in_process ))
+endef
+
+# The whole suite. --durations: the slowest tests and setups of each part (what the suite's time goes to).
 test: install install-reference install-browser install-kubectl fetch-vocab-suite
-	$(BIN)/python -m pytest -q -ra --durations=40
+	$(call two_parts,--durations=25,suite)
 
 # The unit tier: no real process, no llama.cpp (tests marked `reference` need its binding or sources), nothing slow;
-# about a minute on 2 cores, set up with `install` alone.
+# under a minute on 2 cores, set up with `install` alone.
 test-unit: install
-	$(BIN)/python -m pytest -q -ra -m "not processes and not slow and not reference"
+	$(call two_parts,-m "not processes and not slow and not reference",unit)
 
 # The fast tier: every test that starts no real process (no stagemesh CLI run, stage, mesh, `up`, llama-server or
 # browser: those are marked `processes`, see tests/conftest.py); its time is mostly the llama.cpp comparisons.
 test-fast: install install-reference install-kubectl fetch-vocab-suite
-	$(BIN)/python -m pytest -q -ra -m "not processes and not slow"
+	$(call two_parts,-m "not processes and not slow",fast)
 
 lint: install
 	$(BIN)/ruff check .

@@ -8,7 +8,7 @@ core 1 and held to --quota of it too, from the moment its process exists (before
 the load generator are not pinned. `--kill primary` kills the process stage 1 was started as (its replica is promoted
 to its place), `--kill replica` the joined one; either way only the sequences on the dead process replay.
 
-    python -m benchmarks.stage_replicas [--streams 32] [--max-tokens 32] [--warm 10] [--measure 20]
+    python -m benchmarks.stage_replicas [--model smollm2] [--streams 32] [--max-tokens 32] [--warm 10] [--measure 20]
                                         [--quota 0.5] [--split 15] [--kill primary|replica] [--out DIR]"""
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ def get(url: str):
         return json.loads(r.read())
 
 
-def join_replica(stack: contextlib.ExitStack, gw_url: str, like: dict, streams: int, quota: float, log_dir: str):
+def join_replica(stack: contextlib.ExitStack, gw_url: str, model: str, like: dict, streams: int, quota: float,
+                 log_dir: str):
     """`stagemesh join --as replica` with the mesh's numerics (dtype, weights: with `--dtype` alone the joiner ran
     f32 weights, ~4x slower per micro-batch than up's default here), on core 1 at `quota` of it from its start; returns
     (its process, its /v1/mesh/members entry) once the gateway binds sequences to it."""
     log = open(os.path.join(log_dir, "replica.log"), "w")
     stack.callback(log.close)
-    cmd = [sys.executable, "-m", "services.cli", "join", gw_url, "--token", TOKEN, "--model", "smollm2",
+    cmd = [sys.executable, "-m", "services.cli", "join", gw_url, "--token", TOKEN, "--model", model,
            "--dtype", like["dtype"], "--weights", like["weights_mode"], "--kv-slots", str(streams), "--max-seq-len", str(like["kv_max_seq_len"]),
            "--compile-decode", "off", "--threads", "1", "--listen", "tcp://127.0.0.1:0", "--http", "127.0.0.1:0",
            "--as", "replica"]
@@ -79,7 +80,7 @@ async def run(gw, slow, stack: contextlib.ExitStack, args, report: Report) -> di
         alone = await rate("no replica")
         like = get(gw.stage_urls()[1] + "/info")  # the numerics the joiner must match (dtype, context)
         t_join = time.perf_counter()
-        proc, replica = await asyncio.to_thread(join_replica, stack, gw.url, like, args.streams, args.quota,
+        proc, replica = await asyncio.to_thread(join_replica, stack, gw.url, args.model, like, args.streams, args.quota,
                                                 os.path.dirname(gw.log_path))
         report.say(f"  the replica joined ({replica['url']}) {time.perf_counter() - t_join:.1f} s after its exec")
         slow.repin()
@@ -118,6 +119,8 @@ async def run(gw, slow, stack: contextlib.ExitStack, args, report: Report) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="an alias or a GGUF path, e.g. a shaped file built by "
+                   "`python -m services.testing.shaped_gguf llama3.2-3b` (default smollm2)")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--warm", type=float, default=10.0, help="seconds of load before each measurement (default 10)")
@@ -131,11 +134,12 @@ def main() -> None:
     add_out_arg(p, "stage-replicas")
     args = p.parse_args()
     report = Report("stage_replicas", args.out)
-    report.say(f"SmolLM2, 2 stages split at {args.split}: stage 0 on core 0, stage 1 on core 1 at {args.quota:g} of it, a joined replica "
+    report.say(f"{args.model}, 2 stages split at {args.split}: stage 0 on core 0, stage 1 on core 1 at {args.quota:g} of it, a joined replica "
                f"of stage 1 on core 1 at {args.quota:g} of it; {args.streams} streams of {args.max_tokens} tokens, "
                "--compile-decode off, --auto-rebalance off; the gateway and the load not pinned")
     with contextlib.ExitStack() as stack:
-        gw, slow = start_pinned(stack, [1.0, args.quota], args.streams, "--split", args.split, "--compile-decode", "off",
+        gw, slow = start_pinned(stack, [1.0, args.quota], args.streams, "--model", args.model, "--split", args.split,
+                                "--compile-decode", "off",
                                 "--auto-rebalance", "off", "--join-token", TOKEN)
         result = asyncio.run(run(gw, slow, stack, args, report))
     report.write({**result, "args": vars(args)})

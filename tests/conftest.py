@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -108,6 +109,52 @@ def pytest_collection_modifyitems(config, items):  # before -m deselects by thes
         if any(getattr(d.func, "uses_llama_cpp", False) for d in defs):
             item.add_marker(pytest.mark.reference)
     items[:] = order_by_shared_up(items)
+    part = config.getoption("--part")
+    if part is not None:
+        kept = suite_part(items, part)
+        config.hook.pytest_deselected(items=[item for item in items if item not in set(kept)])
+        items[:] = kept
+
+
+# ---- the suite in two parts at once (make test) ------------------------------------------------------------------
+# On 2 cores the tests that start processes leave about a third of the CPU idle (waiting for stages to load, for a
+# stream, for a kill to be noticed), and the modules that start none are CPU-bound: `make test` runs the two parts as
+# two pytest sessions side by side. A module goes whole to one part (its module fixtures are set up once): to
+# "processes" if any of its tests starts one. A test that bounds a time (a gap, how soon a loss is noticed, how much
+# traffic a window saw) is marked `timing`: the processes part runs those last, each only once the other part has
+# ended ($STAGEMESH_SUITE_PARTNER, its pid), so nothing else shares the cores with it.
+
+def pytest_addoption(parser):
+    parser.addoption("--part", choices=("in-process", "processes"), default=None,
+                     help="run one part of the suite: the modules none of whose tests starts a process (in-process), "
+                          "or the others (processes), their `timing` tests last (make test runs both at once)")
+
+
+def suite_part(items: list[pytest.Item], part: str) -> list[pytest.Item]:
+    """The items of one part, in the order they run: a module is in the processes part when any of its tests is marked
+    processes; there, the modules with `timing` tests come after the others (each keeping its order)."""
+    def module(item):
+        return item.nodeid.split("::")[0]
+
+    with_processes = {module(item) for item in items if item.get_closest_marker("processes") is not None}
+    if part == "in-process":
+        return [item for item in items if module(item) not in with_processes]
+    timed = {module(item) for item in items if item.get_closest_marker("timing") is not None}
+    mine = [item for item in items if module(item) in with_processes]
+    return [item for item in mine if module(item) not in timed] + [item for item in mine if module(item) in timed]
+
+
+def _wait_for_partner(item: pytest.Item) -> None:
+    """Before a `timing` test: wait until the suite's other part ($STAGEMESH_SUITE_PARTNER, a pid) has exited."""
+    pid = int(os.environ.get("STAGEMESH_SUITE_PARTNER") or 0)
+    if pid <= 0 or item.get_closest_marker("timing") is None:
+        return
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
 
 
 # ---- the `reference` tier ------------------------------------------------------------------------------------------
@@ -145,6 +192,7 @@ _running: list[pytest.Item] = []
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    _wait_for_partner(item)
     _running.append(item)  # its module's fixtures are set up and torn down inside this call too
     try:
         return (yield)

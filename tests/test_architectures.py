@@ -312,34 +312,6 @@ def test_unknown_rope_scaling_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.processes
-# Every architecture's split is exact in process (test_any_split_gives_exactly_the_unsplit_logits: the pieces a
-# stage process runs, the same code); through real processes, the three that differ most in what a stage does: an MoE
-# with q/k norms, parallel blocks with LayerNorm and a partial rope, and sliding windows with soft caps and a tied head.
-@pytest.mark.parametrize("arch", ["qwen3moe", "phi2", "gemma2"])
-async def test_two_stage_mesh_generates_what_one_process_does(arch, tmp_path):
-    """Real stage processes on loopback (float32): greedy tokens through 2 stages == one local process."""
-    from services.process.launch import start_mesh
-    from shared.batch.sampling import SamplingParams
-    from shared.runtime.generation import generate_tokens
-    from tests.mesh import generate_group
-
-    path = write_tiny_gguf(str(tmp_path / f"{arch}.gguf"), _spec(arch))
-    local = LocalPipeline.load(GgufLoader(path), None, torch.float32, kv_slots=1)
-    expected = list(generate_tokens(local, IDS, SamplingParams(), 8))
-    mesh = start_mesh(path, 2, dtype="float32", log_dir=str(tmp_path))
-    try:
-        client = mesh.client()
-        await client.start()
-        try:
-            out = await generate_group(client, {"s": IDS}, 8)
-        finally:
-            await client.close()
-    finally:
-        mesh.stop()
-    assert len(expected) == 8 and out["s"] == expected
-
-
 def test_a_graph_is_called_directly_only_where_every_argument_maps_to_an_input():
     """DirectCall.bind ties each argument dynamo handed the graph to run_layers' inputs by identity (weights: the same
     tensor at every call) and each int to one of the step's sizes; anything else keeps the graph behind dynamo."""

@@ -144,6 +144,7 @@ def test_key_set_files_modes_and_clear_errors(tmp_path):
         KeySet(other).pair("stage0")
 
 
+@pytest.mark.timing
 async def test_hand_over_delivers_only_to_a_holder_of_the_place_secret_key(tmp_path):
     """hand_over (a replacement's probe) sends only once a CURVE handshake with the place's public key completed:
     the real stage 1 receiver (stage 1's secret, stage 0's key let in by ZAP) gets the message; a receiver holding

@@ -303,6 +303,7 @@ def test_a_redis_log_without_the_redis_client_says_what_to_install(monkeypatch):
         RedisStore("redis://127.0.0.1:6379/0", "gw-a", "m1")
 
 
+@pytest.mark.timing
 async def test_the_log_is_written_off_the_event_loop():
     """A flush that takes a second (a Redis far away) holds a worker thread, never the loop."""
     class SlowStore:

@@ -156,6 +156,7 @@ def test_a_joiner_that_does_not_fit_is_refused_with_the_reason(joinable):
     assert len(joinable.pipeline()["stages"]) == 1
 
 
+@pytest.mark.timing
 @pytest.mark.processes
 async def test_a_host_joins_leaves_and_is_lost_under_running_streams_and_no_text_changes(joinable):
     """Join mid-stream (1 -> 2 stages: the giver hands the joiner its layers' K/V, so nothing replays), SIGTERM
@@ -227,6 +228,7 @@ async def test_a_host_joins_leaves_and_is_lost_under_running_streams_and_no_text
     assert gw.metric("stagemesh_gateway_requests_total", outcome="error") == 0
 
 
+@pytest.mark.timing
 @pytest.mark.processes
 async def test_a_joiner_that_never_becomes_ready_is_dropped_without_pausing_anyone(tmp_path):
     """A gateway with --join-ready-timeout 4: a joiner is placed, then stopped (SIGSTOP) before it loads its layers

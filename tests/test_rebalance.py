@@ -72,6 +72,7 @@ def _traffic(url: str, stop: threading.Event) -> list[str]:
     return errors
 
 
+@pytest.mark.timing
 def test_rebalance_measures_an_uneven_split_and_proposes_a_balanced_one(up):
     """`up --split 26` on SmolLM2's 30 layers: stage 0 serves 0:26 (its /info); with traffic running, `rebalance
     --dry-run` measures both stages (same host: about the same time per layer) and moves the boundary down. (At 22

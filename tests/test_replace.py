@@ -144,6 +144,7 @@ class Mirror:
         await self.runner.cleanup()
 
 
+@pytest.mark.timing
 @pytest.mark.processes
 async def test_a_copy_of_a_stage_info_is_refused_in_about_a_second_and_nothing_pauses(replaceable, tmp_path):
     """Issue 69 item 4: /info is copyable (public keys included), the place's secret key is not. A mirror of stage
@@ -273,6 +274,7 @@ async def test_replace_follows_no_redirect_and_reads_at_most_a_few_mib_of_an_inf
     assert m.stage_urls() == before and m.gw.get("/ready")[0] == 200
 
 
+@pytest.mark.timing
 @pytest.mark.processes
 async def test_a_newcomer_takes_a_leaving_stage_place_then_a_dead_ones_and_no_text_changes(replaceable):
     """Stage 1 leaves by plan: a newcomer takes its place mid-stream (POST replace), then the old process stops.

@@ -180,6 +180,51 @@ def test_the_scheduler_forms_micro_batches_per_chain_and_a_lost_instance_replays
     assert all(sched.inflight[mb.mb_id] for mb in plan.batches if mb.route == ("s1",))
 
 
+def test_a_prefix_is_kept_on_its_chain_and_draws_a_new_sequence_there_while_that_chain_s_load_allows():
+    """With replicas the prefix cache stays on: a finished sequence is kept on its chain (the same tokens on two
+    chains are two prefixes), a new one with that prefix goes to the prefix's chain unless that chain's predicted work
+    is past PREFIX_CHAIN_SLACK x the least loaded one's (then it attaches what the least loaded chain keeps), and a
+    lost instance takes the prefixes kept through it, released where the rest of their chain holds them."""
+    from services.gateway.engine.chains import PREFIX_CHAIN_SLACK
+    from services.gateway.engine.request import Request
+    from services.gateway.engine.scheduler import Scheduler
+    from shared.config import SchedulerConfig
+
+    sched = Scheduler(2, SchedulerConfig(prefix_cache=True), kv_slots=8, kv_rows=16)
+    sched.chains = _table()
+    prompt = list(range(100, 140))  # 40 tokens: two whole blocks of 16
+    now = time.perf_counter()
+    first = [Request(prompt_ids=[*prompt, i], max_tokens=4, seq_id=f"p{i}") for i in range(2)]
+    for r in first:
+        sched.submit(r, now)
+    assert [r.chain for r in first] == [("s1",), ("r1",)]  # no prefix yet: by load
+    prefills = sched.schedule(now).batches
+    for r in first:
+        r.computed = len(r.prompt_ids)  # its prompt's K/V is on its chain
+        sched.finish(r, "stop")
+    assert sorted(sched.schedule(now).keep) == ["p0", "p1"]
+    assert {s: p.chain for s, p in sched.prefix._prefixes.items()} == {"p0": ("s1",), "p1": ("r1",)}
+
+    def admit(seq_id: str) -> Request:
+        req = Request(prompt_ids=[*prompt, 9], max_tokens=4, seq_id=seq_id)
+        sched.submit(req, now)
+        return req
+
+    near = admit("q0")  # loads equal: the most recently kept prefix's chain (r1), attaching it
+    assert near.chain == ("r1",) and near.attach == "p1" and near.computed == 32
+    assert sched.chains.work(("r1",)) > PREFIX_CHAIN_SLACK * sched.chains.work(("s1",))  # r1: 2 to s1's 0 (+1 each)
+    far = admit("q1")  # r1 too busy for its prefix: the least loaded chain, and the copy kept there
+    assert far.chain == ("s1",) and far.attach == "p0" and far.computed == 32
+    assert sched.chains.find("s1").bound == {"q1"} and sched.chains.find("r1").bound == {"q0"}
+
+    sched.finish(near, "cancelled")  # q0 attached p1: not kept (a cancelled attacher keeps nothing new)
+    assert sched.chains.remove("r1") is not None
+    update = sched.instance_lost("r1", "it died")
+    assert "p1" in sched.schedule(now).release  # its chain lost r1: released where the rest of it holds it
+    assert set(sched.prefix._prefixes) == {"p0"} and far.chain == ("s1",)
+    assert update.abandoned == [mb.mb_id for mb in prefills if mb.route == ("r1",)]  # (never answered here)
+
+
 def test_a_promoted_replica_is_its_range_s_primary_under_its_own_id_and_follows_the_pipeline_s_polls():
     from services.gateway.engine.chains import Instance
 
@@ -245,6 +290,8 @@ TOKEN = "replica-token-for-the-tests-0123456789"
 STREAMS = 4
 MAX_TOKENS = 48
 PROMPT = "Log {i}: the lighthouse keeper wrote that the storm"
+SHARED_PROMPT = ("The lighthouse keeper's log, kept in a careful hand through the long winter of the great storms, "
+                 "begins each entry with the weather, the state of the lamp and the ships seen. Entry {i}:")
 
 
 def _get(url: str):
@@ -331,6 +378,19 @@ async def test_a_replica_joins_both_serve_and_each_sequence_keeps_its_chain_and_
     # instance that does not hold its K/V would have come back unknown_sequence and replayed
     assert not set(infos[primary_url]["recent_mb_in"]) & set(infos[replica["url"]]["recent_mb_in"])
     assert _replayed(gw.url) == replayed0
+
+    # the prefix cache with a replica: a long shared prompt, twice; each chain keeps what it computed the first time,
+    # and the second time every request attaches a prefix kept on the chain it is bound to and samples what it did
+    def hits() -> float:
+        return sum(float(line.split()[-1]) for line in _get(gw.url + "/metrics").splitlines()
+                   if line.startswith("stagemesh_gateway_prefix_cache_hits_total"))
+
+    hits0 = hits()
+    cold = await asyncio.wait_for(seeded_streams(gw.url, SHARED_PROMPT, 500, STREAMS, 8), 600)
+    assert all(_get(u + "/info")["kv_slots_cached"] > 0 for u in (primary_url, replica["url"]))  # kept on both chains
+    assert await asyncio.wait_for(seeded_streams(gw.url, SHARED_PROMPT, 500, STREAMS, 8), 600) == cold
+    assert hits() - hits0 >= STREAMS, _get(gw.url + "/v1/mesh")["gateway"]["prefix_cache"]
+    assert _replayed(gw.url) == replayed0  # no prefix_miss replayed anything
 
     # SIGKILL the replica mid-stream: only the sequences bound to it replay, every text stays the reference's
     killed = asyncio.get_running_loop().create_future()

@@ -14,6 +14,8 @@ from services.cli.up import decode_notes, ready_banner
 from services.testing.harness import free_port
 from tests.conftest import ROOT, stagemesh_cmd
 
+pytestmark = pytest.mark.timing  # each refusal is held to FAST_S
+
 FAST_S = 10.0  # the whole command, interpreter start and imports included (~4.5 s of imports on a slow 2-core VM);
 # a run that started stages or waited on them would take far longer (run_up kills it at 60 s)
 

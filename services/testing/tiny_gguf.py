@@ -445,7 +445,7 @@ def quantize_preset(src: str, preset: str) -> str:
     params.nthread = max(1, os.cpu_count() or 1)
     if preset.startswith(("IQ2", "IQ3")):
         params.token_embedding_type = params.output_tensor_type = int(GGMLQuantizationType.Q8_0)
-    part = dst + ".part"
+    part = f"{dst}.{os.getpid()}.part"  # two suite parts may quantize the same preset at once: each its own, one wins
     if llama_cpp.llama_model_quantize(src.encode(), part.encode(), params) != 0:
         reason = f"llama.cpp's quantizer refused {preset} for {os.path.basename(src)} (see its log above)"
         with open(refused, "w") as f:

@@ -14,6 +14,11 @@ A mesh without replicas has no ChainTable entries beyond the primary: `replicate
 micro-batch carries one -- the single chain is exactly today's pipeline. The first range has no replicas (the
 gateway sends to one first stage).
 
+A finished sequence kept as a cached prefix (services/gateway/engine/prefix_cache.py) is kept on its chain: a new
+sequence attaches it only on that chain (Scheduler._lookup takes the prefix's chain while its predicted work is within
+PREFIX_CHAIN_SLACK of the least loaded one's; past that it computes the prompt on the least loaded chain), and an
+instance's loss forgets the prefixes kept on chains naming it.
+
 A chain a stage can follow: an instance of range i sends to the instances of range i+1 it was told of (the "hops"
 phase goes along the primary chain only), so a replica of a middle range sends to the next range's primary; a chain
 through a replica of range i then takes the primary of every later range (`followable`)."""
@@ -23,6 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.wire.stage_info import StageInfo
+
+PREFIX_CHAIN_SLACK = 1.5  # a new sequence goes to its cached prefix's chain unless that chain's predicted work is more
+# than this times the least loaded one's (then it computes its prompt where the load is least)
 
 
 @dataclass
@@ -138,11 +146,33 @@ class ChainTable:
             if off_primary:
                 route.append(r[0])
                 continue
-            base = r[0].ms_per_mb or 1.0
-            best = min(r, key=lambda i: ((len(i.bound) + 1) * (i.ms_per_mb or base), not i.primary))
+            best = min(r, key=lambda i: (self._work(i, r), not i.primary))
             off_primary = not best.primary
             route.append(best)
         return tuple(i.id for i in route)
+
+    @staticmethod
+    def _work(instance: Instance, its_range: list[Instance]) -> float:
+        """The predicted work on an instance with one sequence more: (its sequences + 1) x its measured ms per
+        micro-batch (unmeasured: its range's primary's, else 1)."""
+        return (len(instance.bound) + 1) * (instance.ms_per_mb or its_range[0].ms_per_mb or 1.0)
+
+    def key(self, chain: tuple[str, ...] | None) -> tuple[str, ...]:
+        """The chain a sequence's K/V lives on, as instance ids after the first range: `chain` itself, or the
+        primaries' for None (a sequence admitted without replicas runs on the primary chain). Primaries keep their ids
+        while the pipeline's cache identity does (a promotion or a re-split changes both), so a key names the same
+        processes for as long as anything cached under it lives."""
+        return chain if chain is not None else tuple(r[0].id for r in self.ranges[1:])
+
+    def work(self, chain: tuple[str, ...] | None) -> float:
+        """A chain's predicted work with one sequence more: its busiest instance's (what bounds its micro-batches)."""
+        found = {i.id: (i, r) for r in self.ranges for i in r}
+        return max((self._work(*found[i]) for i in self.key(chain) if i in found), default=0.0)
+
+    def living(self, chain: tuple[str, ...]) -> bool:
+        """Every instance the chain names still serves."""
+        ids = {i.id for i in self.instances()}
+        return all(i in ids for i in chain)
 
     def bind(self, seq_id: str, chain: tuple[str, ...]) -> None:
         for inst_id in chain:

@@ -11,7 +11,11 @@ Kept prefixes live in the stages' KV rows that running sequences leave free (eac
 beyond its --kv-slots for them): running + kept <= those rows, and admission evicts the least recently used prefix
 that no admitted sequence is about to attach. Their K/V is bounded per stage (--prefix-cache-memory): the
 scheduler evicts by the positions they hold (held_positions) before a stage has to. Pure bookkeeping, no I/O: the
-scheduler sends the keeps and releases this returns."""
+scheduler sends the keeps and releases this returns.
+
+With replicas of a stage (services/gateway/engine/chains.py) "every stage" is every stage of one chain: a prefix is
+kept on the chain its sequence ran on (CachedPrefix.chain), a lookup can ask for one chain's, and the loss of an
+instance forgets the prefixes kept through it (forget_chains)."""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class CachedPrefix:
     hashes: list[bytes]  # chained hash of each full block of the tokens whose K/V it holds
     positions: int  # the positions whose K/V it holds (what its KV rows take on the stages; >= tokens)
     prompt_blocks: int = 0  # how many of its blocks are wholly its request's prompt (the rest hold generated tokens)
+    chain: tuple[str, ...] = ()  # the instances after the first range that hold it (ChainTable.key; () without a table)
 
     @property
     def tokens(self) -> int:
@@ -103,12 +108,15 @@ class PrefixIndex:
             out.append(h)
         return out
 
-    def lookup(self, ids: list[int], tenant: str = "") -> Hit | None:
+    def lookup(self, ids: list[int], tenant: str = "", on: tuple[str, ...] | None = None) -> Hit | None:
         """The longest indexed prefix of ids that leaves at least one token to compute (the last prompt token's
-        logits give the first output token); None when no full block matches. Counted by count()."""
+        logits give the first output token), among those kept on the chain `on` (None: on any); None when no full
+        block matches. Counted by count()."""
         best = None
         for i, h in enumerate(self.chain(ids[:-1], tenant)):
-            holders = self._holders.get(h)
+            holders = self._holders.get(h, set())
+            if on is not None:
+                holders = {s for s in holders if self._prefixes[s].chain == on}
             if not holders:
                 break
             best = (i + 1, holders)
@@ -136,9 +144,10 @@ class PrefixIndex:
             self.stats.cached_tokens += hit.tokens
 
     def insert(self, seq_id: str, ids: list[int], pinned: set[str] = frozenset(),
-               prompt_tokens: int = 0, tenant: str = "") -> tuple[bool, list[str]]:
-        """A finished sequence whose K/V covers ids (every stage holds those positions), the first prompt_tokens of
-        them its prompt. Returns (keep it, prefixes to release): it is not kept when it holds no full block or an
+               prompt_tokens: int = 0, tenant: str = "", chain: tuple[str, ...] = ()) -> tuple[bool, list[str]]:
+        """A finished sequence whose K/V covers ids (every stage of `chain` holds those positions), the first
+        prompt_tokens of them its prompt. What follows compares it with the prefixes kept on the same chain only (one
+        on another chain serves no lookup there). Returns (keep it, prefixes to release): it is not kept when it holds no full block or an
         indexed prefix already holds all of its blocks. Released, except pinned ones (an admitted sequence is about
         to attach them): kept prefixes it wholly contains (it serves every lookup they would). Those whose prompt's
         whole blocks it holds go first in the eviction order instead: the conversation moved on, its next turn came
@@ -149,20 +158,21 @@ class PrefixIndex:
         hashes = self.chain(ids, tenant)
         if not hashes:
             return False, []
-        covering = self._holders.get(hashes[-1])
+        covering = [s for s in self._holders.get(hashes[-1], ()) if self._prefixes[s].chain == chain]
         if covering:
-            self._prefixes.move_to_end(next(iter(covering)))
+            self._prefixes.move_to_end(covering[0])
             return False, []
         mine = set(hashes)
-        contained = [p for p in self._prefixes.values() if p.hashes[-1] in mine and p.seq_id not in pinned]
+        here = [p for p in self._prefixes.values() if p.chain == chain]
+        contained = [p for p in here if p.hashes[-1] in mine and p.seq_id not in pinned]
         for p in contained:
             self._forget(p.seq_id)
-        superseded = [p.seq_id for p in self._prefixes.values()
-                      if p.prompt_blocks > 0 and p.hashes[p.prompt_blocks - 1] in mine]
+        superseded = [p.seq_id for p in self._prefixes.values() if p.chain == chain and p.prompt_blocks > 0
+                      and p.hashes[p.prompt_blocks - 1] in mine]
         for s in reversed(superseded):
             self._prefixes.move_to_end(s, last=False)
         prompt_blocks = min(len(hashes), prompt_tokens // BLOCK_TOKENS)
-        self._prefixes[seq_id] = CachedPrefix(seq_id, hashes, len(ids), prompt_blocks)
+        self._prefixes[seq_id] = CachedPrefix(seq_id, hashes, len(ids), prompt_blocks, chain)
         for h in hashes:
             self._holders.setdefault(h, set()).add(seq_id)
         self.stats.kept += 1
@@ -175,6 +185,14 @@ class PrefixIndex:
             self._forget(victim)
             self.stats.evicted += 1
         return victim
+
+    def forget_chains(self, gone) -> list[str]:
+        """Forget the prefixes kept on a chain for which gone(chain) is true (an instance of it was lost: their K/V
+        there went with it); returns them, to release where the rest of their chain still holds them."""
+        dropped = [s for s, p in self._prefixes.items() if gone(p.chain)]
+        for s in dropped:
+            self._forget(s)
+        return dropped
 
     def discard(self, seq_id: str) -> None:
         """A stage no longer keeps it (prefix_miss): forget it; the caller releases it everywhere else."""

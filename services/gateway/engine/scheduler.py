@@ -21,8 +21,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.gateway.engine.chains import ChainTable
-from services.gateway.engine.prefix_cache import PrefixIndex
+from services.gateway.engine.chains import PREFIX_CHAIN_SLACK, ChainTable
+from services.gateway.engine.prefix_cache import Hit, PrefixIndex
 from services.gateway.engine.request import Request, RequestOutput
 from services.gateway.engine.speculator import DRAFT_ROWS, NGRAM_MAX_RUNNING, Speculator
 from shared.batch.steps import Decode, decodes_only
@@ -202,28 +202,29 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.running.pop(req.seq_id, None)
+        chain = self.chains.key(req.chain)  # where its K/V lives (kept there, if kept)
         self._unchain(req)
         if req.sent:  # even at computed 0 (reset for a replay): surviving stages still hold its slot
-            if self._keeps(req, reason):
+            if self._keeps(req, reason, chain):
                 self._keep.append(req.seq_id)  # ordered after any micro-batch of it already sent, as a release is
             else:
                 self._release.append(req.seq_id)
             req.sent = False
 
-    def _keeps(self, req: Request, reason: str) -> bool:
-        """Index a finished request as a cached prefix (True: keep its slots), releasing the prefixes it contains,
-        and the least recently used others while the kept prefixes hold more than prefix_positions. Its first
-        `computed` tokens have K/V on every stage (a micro-batch still in flight writes only later positions). Not
-        after a failure, nor for a traced request (its rows carry capture hooks' numbers), nor one that alone holds
-        more than prefix_positions."""
+    def _keeps(self, req: Request, reason: str, chain: tuple[str, ...]) -> bool:
+        """Index a finished request as a cached prefix on its chain (True: keep its slots), releasing the prefixes
+        it contains, and the least recently used others while the kept prefixes hold more than prefix_positions. Its
+        first `computed` tokens have K/V on every stage of its chain (a micro-batch still in flight writes only later
+        positions). Not after a failure, nor for a traced request (its rows carry capture hooks' numbers), nor one
+        that alone holds more than prefix_positions."""
         if self.prefix is None or reason not in ("stop", "length", "cancelled") or req.traced or req.attach \
-                or req.audit or self.chains.replicated:  # (a prefix kept on one chain is no use to another)
+                or req.audit:
             return False
         bound = self.prefix_positions
         if bound is not None and req.computed > bound:
             return False
         kept, contained = self.prefix.insert(req.seq_id, req.all_ids[:req.computed], self._pinned(),
-                                             prompt_tokens=len(req.prompt_ids), tenant=req.cache_tenant)
+                                             prompt_tokens=len(req.prompt_ids), tenant=req.cache_tenant, chain=chain)
         self._release.extend(contained)
         while kept and bound is not None and self.prefix.held_positions > bound:
             if not self._evict_prefix({req.seq_id}):
@@ -292,6 +293,8 @@ class Scheduler:
             if batch.route is not None and instance_id in batch.route:
                 del self.inflight[mb_id]
                 update.abandoned.append(mb_id)
+        if self.prefix is not None:  # what was kept on a chain through it is gone there: forget it, free the rest
+            self._release.extend(self.prefix.forget_chains(lambda chain: instance_id in chain))
         for req in [r for r in self.running.values() if r.chain is not None and instance_id in r.chain]:
             self._unchain(req)
             if req.replays >= self.max_replays:
@@ -358,9 +361,8 @@ class Scheduler:
                 break  # waits for room (alone it always runs: a stage holds one whole row for it)
             held += need
             if self.prefix is not None:
-                if req.computed == 0 and not req.traced and not req.replays and not req.no_cache \
-                        and not self.chains.replicated:
-                    hit = self.prefix.lookup(req.all_ids, req.cache_tenant)
+                if req.computed == 0 and not req.traced and not req.replays and not req.no_cache:
+                    hit = self._lookup(req)
                 if len(self.running) + len(self.prefix) >= self.kv_rows:
                     # a cached prefix gives its rows up for the request -- never the one it is about to attach
                     if not self._evict_prefix({hit.prefix.seq_id} if hit else set()):
@@ -377,6 +379,26 @@ class Scheduler:
             if not req.admitted:  # not a re-admission after a kv_full
                 req.admitted = True
                 update.admitted.append(req)
+
+    def _lookup(self, req: Request) -> Hit | None:
+        """A new request's cached prefix, and with replicas its chain: the chain of the longest prefix kept anywhere
+        while that chain's predicted work is within PREFIX_CHAIN_SLACK of the least loaded chain's (then it is bound
+        there), else the longest prefix on the least loaded chain, the one it is bound to (SGLang's cache-aware router
+        draws the same line between its cache and its load)."""
+        if not self.chains.replicated:
+            return self.prefix.lookup(req.all_ids, req.cache_tenant, on=self.chains.key(None))
+        self._unchain(req)  # (bound by an earlier try that found no room)
+        least = self.chains.choose()
+        hit = self.prefix.lookup(req.all_ids, req.cache_tenant)
+        if hit is not None and hit.prefix.chain != least and self.chains.living(hit.prefix.chain) \
+                and self.chains.work(hit.prefix.chain) <= PREFIX_CHAIN_SLACK * self.chains.work(least):
+            req.chain = hit.prefix.chain
+        else:
+            req.chain = least
+            if hit is not None and hit.prefix.chain != least:
+                hit = self.prefix.lookup(req.all_ids, req.cache_tenant, on=least)
+        self.chains.bind(req.seq_id, req.chain)
+        return hit
 
     def _next_batch(self, now: float, plan: StepPlan) -> MicroBatch | None:
         """The next micro-batch: at most ceil(running / K) requests and token_budget tokens, decodes first, and at
