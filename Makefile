@@ -106,14 +106,17 @@ serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
 # $(call two_parts,PYTEST FLAGS,NAME): one tier of the suite as two pytest sessions side by side (tests/conftest.py,
-# suite_part): the modules whose tests start real processes, reported here, and beside them the modules that start none
-# (CPU-bound: they fill the cores the others leave idle), reported after (and kept in test-output/NAME-in-process.log);
-# the tests marked `timing` run last, once the in-process part has ended. The exit status is the worse of the two.
+# suite_part): the modules whose tests start real processes, reported here, and beside them, at a lower priority
+# (nice), the modules that start none: CPU-bound, they fill the cores the others leave idle without slowing them;
+# reported after (and kept in test-output/NAME-in-process.log). The tests marked `timing` run last, once the in-process
+# part has ended. Each part's per-test times: test-output/NAME-PART.xml. The exit status is the worse of the two.
 define two_parts
 	@mkdir -p test-output
 	@echo "the in-process part runs beside this one; its report follows this one's (test-output/$(2)-in-process.log)"
-	@$(BIN)/python -m pytest -q -ra $(1) --part in-process > test-output/$(2)-in-process.log 2>&1 & partner=$$!; \
-	STAGEMESH_SUITE_PARTNER=$$partner $(BIN)/python -m pytest -q -ra $(1) --part processes; processes=$$?; \
+	@nice -n 10 $(BIN)/python -m pytest -q -ra $(1) --part in-process --junitxml=test-output/$(2)-in-process.xml \
+	  > test-output/$(2)-in-process.log 2>&1 & partner=$$!; \
+	STAGEMESH_SUITE_PARTNER=$$partner $(BIN)/python -m pytest -q -ra $(1) --part processes \
+	  --junitxml=test-output/$(2)-processes.xml; processes=$$?; \
 	wait $$partner; in_process=$$?; \
 	echo "================ the in-process part (test-output/$(2)-in-process.log) ================"; \
 	cat test-output/$(2)-in-process.log; exit $$(( processes || in_process ))

@@ -87,6 +87,35 @@ def stagemesh_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+_CLI_RUNS = """
+import contextlib, io, json, sys
+from services.cli.main import main
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    torch_before = "torch" in sys.modules
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps({"code": code or 0, "stdout": out.getvalue(), "stderr": err.getvalue()[-4000:],
+                      "torch": "torch" in sys.modules and not torch_before}), flush=True)
+"""
+
+
+def stagemesh_runs(*argvs: list[str], timeout: float = 600) -> list[dict]:
+    """Several `stagemesh` commands run in turn in one fresh interpreter (as many processes' imports cost seconds
+    each on 2 cores): each one's {"code", "stdout", "stderr", "torch" (it loaded torch)}. Each command's main() runs
+    from its arguments as the CLI does; what one leaves in the interpreter (imports, caches) the next finds."""
+    import json
+
+    p = subprocess.run([sys.executable, "-c", _CLI_RUNS, json.dumps([list(a) for a in argvs])], capture_output=True,
+                       text=True, timeout=timeout, cwd=ROOT)
+    answers = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(answers) == len(argvs), (p.stdout[-2000:], p.stderr[-3000:])
+    return answers
+
+
 # ---- the `processes` tier ------------------------------------------------------------------------------------------
 # A test that starts real processes (a stagemesh CLI run, a stage, a mesh, a gateway, `up`, llama-server, Chromium,
 # network namespaces) is marked `processes`: `pytest -m "not processes"` is the fast tier. A fixture that starts them

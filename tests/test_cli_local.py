@@ -5,13 +5,20 @@ import subprocess
 
 import pytest
 
-from tests.conftest import DATA, stagemesh_cmd, starts_processes
+from tests.conftest import DATA, stagemesh_cmd, stagemesh_runs, starts_processes
 
 
 def run(*args, timeout=300):
     proc = subprocess.run(stagemesh_cmd(*args), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+def runs(*argvs: list[str]) -> list[str]:
+    """Each command's stdout, the commands run in turn in one interpreter (tests.conftest.stagemesh_runs)."""
+    answers = stagemesh_runs(*argvs)
+    assert all(a["code"] == 0 for a in answers), [a["stderr"] for a in answers]
+    return [a["stdout"] for a in answers]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +56,10 @@ def test_generate_chat_stops_at_eos_and_seed_is_reproducible():
     args = ["generate", "--chat", "--prompt", "Say hello.", "--json", "--dtype", "float32"]
     # the seeded draws: 16 tokens each, none of them EOS (at 40, each spent ~10 s more decoding to prove the same)
     sampled = ["--max-tokens", "16", "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed"]
-    greedy = json.loads(run(*args, "--max-tokens", "40"))
+    greedy, *draws = runs([*args, "--max-tokens", "40"], *([*args, *sampled, seed] for seed in ("7", "7", "8")))
+    greedy = json.loads(greedy)
     assert greedy["token_ids"][-1] == 2 and len(greedy["token_ids"]) < 40  # <|im_end|> ends the turn
-    seeded = [json.loads(run(*args, *sampled, seed))["token_ids"] for seed in ("7", "7", "8")]
+    seeded = [json.loads(d)["token_ids"] for d in draws]
     assert len(seeded[0]) == 16 and 2 not in seeded[0]  # a real draw, not cut short by the turn's end
     assert seeded[0] == seeded[1]  # a seed reproduces its draw...
     assert seeded[2] != seeded[0]  # ...and is what the draw depends on
@@ -63,8 +71,7 @@ def test_perplexity_split_does_not_change_the_result(tmp_path):
     with open(f"{DATA}/varied.txt", encoding="utf-8") as f:
         text.write_text(f.read()[:4200], encoding="utf-8")
     base = ["perplexity", "--file", str(text), "--context", "128", "--dtype", "float32", "--json"]
-    whole = json.loads(run(*base))
-    split = json.loads(run(*base, "--split", "7,19"))
+    whole, split = map(json.loads, runs(base, [*base, "--split", "7,19"]))
     assert whole["chunks"] >= 8 and whole["scored_tokens"] == whole["chunks"] * 63  # the second half of each chunk
     assert split == whole
     assert 5 < whole["perplexity"] < 40

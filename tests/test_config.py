@@ -173,21 +173,8 @@ def test_one_gateway_port():
     assert {"name": "http", "containerPort": GATEWAY_PORT} in pod["containers"][0]["ports"]
 
 
-# Every case runs in one interpreter, in turn: after each, whether torch is loaded yet (once loaded it stays, so the
-# first case that loads it is the one named), its exit code and what it wrote to stderr.
-_RUN_CLIS = """
-import contextlib, io, json, sys
-from services.cli.main import main
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    print(json.dumps(["torch" in sys.modules, code, err.getvalue()[-1000:]]), flush=True)
-"""
-
+# Every case runs in one interpreter, in turn (tests.conftest.stagemesh_runs): whether it loaded torch (once loaded it
+# stays, so the first case that loads it is the one named), its exit code and what it wrote to stderr.
 CLI_CASES = [
     (["--help"], 0),
     (["up", "--help"], 0),
@@ -205,16 +192,10 @@ CLI_CASES = [
 
 @pytest.fixture(scope="module")
 def cli_answers() -> list[tuple[bool, int, str]]:
-    """(torch loaded after it, exit code, stderr) of each of CLI_CASES, run in turn in one fresh interpreter."""
-    import json
-    import subprocess
-    import sys
+    """(it loaded torch, exit code, stderr) of each of CLI_CASES, run in turn in one fresh interpreter."""
+    from tests.conftest import stagemesh_runs
 
-    out = subprocess.run([sys.executable, "-c", _RUN_CLIS, json.dumps([argv for argv, _ in CLI_CASES])],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    answers = [tuple(json.loads(line)) for line in out.stdout.splitlines() if line.startswith("[")]
-    assert len(answers) == len(CLI_CASES), (out.stdout[-500:], out.stderr[-1000:])
-    return answers
+    return [(a["torch"], a["code"], a["stderr"]) for a in stagemesh_runs(*(argv for argv, _ in CLI_CASES), timeout=120)]
 
 
 @pytest.mark.parametrize("case", range(len(CLI_CASES)), ids=[" ".join(argv) for argv, _ in CLI_CASES])

@@ -2,13 +2,12 @@
 
 import asyncio
 import json
-import subprocess
 
 import aiohttp
 import pytest
 
 from loadtest.client import sse_events
-from tests.conftest import stagemesh_cmd, starts_processes
+from tests.conftest import stagemesh_runs, starts_processes
 
 QUESTIONS = ["What is 2+2?", "Name a primary color.", "Write a haiku about the sea."]
 MAX_TOKENS = 24
@@ -17,14 +16,11 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 @starts_processes
 def reference():
-    """`stagemesh generate --chat --dtype float32 --temperature 0` per question."""
-    out = {}
-    for q in QUESTIONS:
-        proc = subprocess.run(stagemesh_cmd("generate", "--chat", "--prompt", q, "--max-tokens", str(MAX_TOKENS),
-                                            "--dtype", "float32", "--temperature", "0", "--json"),
-                              capture_output=True, text=True, timeout=300, check=True)
-        out[q] = json.loads(proc.stdout)["text"]
-    return out
+    """`stagemesh generate --chat --dtype float32 --temperature 0` per question (one interpreter, in turn)."""
+    runs = stagemesh_runs(*(["generate", "--chat", "--prompt", q, "--max-tokens", str(MAX_TOKENS), "--dtype",
+                             "float32", "--temperature", "0", "--json"] for q in QUESTIONS))
+    assert all(r["code"] == 0 for r in runs), [r["stderr"] for r in runs]
+    return {q: json.loads(r["stdout"])["text"] for q, r in zip(QUESTIONS, runs)}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}stages")

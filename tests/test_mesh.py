@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import subprocess
 
 import pytest
 import pytest_asyncio
@@ -13,7 +12,7 @@ from shared.batch.steps import Prefill
 from shared.runtime.generation import SequenceState, run_group_on_mesh
 from shared.wire.pipeline_client import PipelineError
 from shared.wire.protocol import ForwardBatch, SeqEntry
-from tests.conftest import stagemesh_cmd, starts_processes
+from tests.conftest import stagemesh_runs, starts_processes
 from tests.mesh import generate_group
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -24,14 +23,11 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 @starts_processes
 def reference(smollm2):
-    """Greedy tokens from `stagemesh generate --dtype float32 --temperature 0`, one process per prompt."""
-    out = {}
-    for p in PROMPTS:
-        proc = subprocess.run(stagemesh_cmd("generate", "--prompt", p, "--max-tokens", str(MAX_TOKENS), "--dtype",
-                                            "float32", "--temperature", "0", "--json"),
-                              capture_output=True, text=True, timeout=300, check=True)
-        out[p] = json.loads(proc.stdout)["token_ids"]
-    return out
+    """Greedy tokens from `stagemesh generate --dtype float32 --temperature 0` per prompt (one interpreter, in turn)."""
+    runs = stagemesh_runs(*(["generate", "--prompt", p, "--max-tokens", str(MAX_TOKENS), "--dtype", "float32",
+                             "--temperature", "0", "--json"] for p in PROMPTS))
+    assert all(r["code"] == 0 for r in runs), [r["stderr"] for r in runs]
+    return {p: json.loads(r["stdout"])["token_ids"] for p, r in zip(PROMPTS, runs)}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}stages")
