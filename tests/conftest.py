@@ -141,7 +141,8 @@ def pytest_collection_modifyitems(config, items):  # before -m deselects by thes
     part = config.getoption("--part")
     if part is not None:
         kept = suite_part(items, part)
-        config.hook.pytest_deselected(items=[item for item in items if item not in set(kept)])
+        mine = set(kept)
+        config.hook.pytest_deselected(items=[item for item in items if item not in mine])
         items[:] = kept
 
 

@@ -169,11 +169,6 @@ class ChainTable:
         found = {i.id: (i, r) for r in self.ranges for i in r}
         return max((self._work(*found[i]) for i in self.key(chain) if i in found), default=0.0)
 
-    def living(self, chain: tuple[str, ...]) -> bool:
-        """Every instance the chain names still serves."""
-        ids = {i.id for i in self.instances()}
-        return all(i in ids for i in chain)
-
     def bind(self, seq_id: str, chain: tuple[str, ...]) -> None:
         for inst_id in chain:
             if (inst := self.find(inst_id)) is not None:

@@ -385,13 +385,12 @@ class Scheduler:
         while that chain's predicted work is within PREFIX_CHAIN_SLACK of the least loaded chain's (then it is bound
         there), else the longest prefix on the least loaded chain, the one it is bound to (SGLang's cache-aware router
         draws the same line between its cache and its load)."""
-        if not self.chains.replicated:
-            return self.prefix.lookup(req.all_ids, req.cache_tenant, on=self.chains.key(None))
+        if not self.chains.replicated:  # one chain: every prefix is on it (a lost replica's went with it)
+            return self.prefix.lookup(req.all_ids, req.cache_tenant)
         self._unchain(req)  # (bound by an earlier try that found no room)
         least = self.chains.choose()
         hit = self.prefix.lookup(req.all_ids, req.cache_tenant)
-        if hit is not None and hit.prefix.chain != least and self.chains.living(hit.prefix.chain) \
-                and self.chains.work(hit.prefix.chain) <= PREFIX_CHAIN_SLACK * self.chains.work(least):
+        if hit is not None and hit.prefix.chain != least and self.chains.work(hit.prefix.chain) <= PREFIX_CHAIN_SLACK * self.chains.work(least):
             req.chain = hit.prefix.chain
         else:
             req.chain = least
