@@ -10,8 +10,11 @@ PORT ?= 8000
 
 # pip says only what went wrong: -qq drops its warnings (a site pip.conf's index notes, the version nag), keeps errors.
 PIP := $(BIN)/pip --quiet --quiet --disable-pip-version-check
+# Python writes its bytecode (and pytest its assertion-rewritten test modules) to __pycache__ even where the
+# environment says not to: a test run that compiles every module afresh spends ~5 s of each part's collection on it.
+unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: llama-server install install-gemma3 dist install-reference install-browser install-kubectl fetch-vocab-suite serve test test-fast test-unit lint bench clean
+.PHONY: llama-server install install-gemma3 dist install-reference install-browser install-kubectl fetch-vocab-suite serve test test-fast test-unit test-durations lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -105,17 +108,20 @@ install-browser:
 serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
-# $(call two_parts,PYTEST FLAGS,NAME): one tier of the suite as two pytest sessions side by side (tests/conftest.py,
-# suite_part): the modules whose tests start real processes, reported here, and beside them, at a lower priority
-# (nice), the modules that start none: CPU-bound, they fill the cores the others leave idle without slowing them;
-# reported after (and kept in test-output/NAME-in-process.log). The tests marked `timing` run last, once the in-process
-# part has ended. Each part's per-test times: test-output/NAME-PART.xml. The exit status is the worse of the two.
+# $(call two_parts,PYTEST FLAGS,NAME[,ENV]): one tier of the suite as two pytest sessions side by side
+# (tests/conftest.py, suite_part): the modules whose tests start real processes or bound a time, reported here (ENV:
+# variables for this session), and beside them, at a lower priority (nice), the others, balanced between the two by
+# their recorded times (tests/durations.json): CPU-bound, they fill the cores the others leave idle; reported after
+# (and kept in test-output/NAME-in-process.log). The tests marked `timing` run last, once the in-process part has
+# ended. Each part's per-test times: test-output/NAME-PART.xml. The exit status is the worse of the two. The
+# in-process session's OpenMP threads sleep at a barrier rather than spin (OMP_WAIT_POLICY=PASSIVE): spinning at a
+# lower priority beside a busy session lost it a third of its time.
 define two_parts
 	@mkdir -p test-output
 	@echo "the in-process part runs beside this one; its report follows this one's (test-output/$(2)-in-process.log)"
-	@nice -n 10 $(BIN)/python -m pytest -q -ra $(1) --part in-process --junitxml=test-output/$(2)-in-process.xml \
+	@OMP_WAIT_POLICY=PASSIVE nice -n 10 $(BIN)/python -m pytest -q -ra $(1) --part in-process --junitxml=test-output/$(2)-in-process.xml \
 	  > test-output/$(2)-in-process.log 2>&1 & partner=$$!; \
-	STAGEMESH_SUITE_PARTNER=$$partner $(BIN)/python -m pytest -q -ra $(1) --part processes \
+	$(3) STAGEMESH_SUITE_PARTNER=$$partner $(BIN)/python -m pytest -q -ra $(1) --part processes \
 	  --junitxml=test-output/$(2)-processes.xml; processes=$$?; \
 	wait $$partner; in_process=$$?; \
 	echo "================ the in-process part (test-output/$(2)-in-process.log) ================"; \
@@ -127,14 +133,18 @@ test: install install-reference install-browser install-kubectl fetch-vocab-suit
 	$(call two_parts,--durations=25,suite)
 
 # The unit tier: no real process, no llama.cpp (tests marked `reference` need its binding or sources), nothing slow;
-# under a minute on 2 cores, set up with `install` alone.
+# under a minute on 2 cores, set up with `install` alone. Both of its sessions are CPU-bound: neither spins.
 test-unit: install
-	$(call two_parts,-m "not processes and not slow and not reference",unit)
+	$(call two_parts,-m "not processes and not slow and not reference",unit,OMP_WAIT_POLICY=PASSIVE)
 
 # The fast tier: every test that starts no real process (no stagemesh CLI run, stage, mesh, `up`, llama-server or
 # browser: those are marked `processes`, see tests/conftest.py); its time is mostly the llama.cpp comparisons.
 test-fast: install install-reference install-kubectl fetch-vocab-suite
 	$(call two_parts,-m "not processes and not slow",fast)
+
+# The tests' recorded times the two parts are balanced by (tests/durations.json), from the last run's junit files.
+test-durations:
+	$(BIN)/python -m tests.durations test-output/*.xml
 
 lint: install
 	$(BIN)/ruff check .

@@ -67,3 +67,9 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def busy_cores(threads: int, limit: float) -> float:
+    """The cores a process can keep busy: its torch threads, capped by its cgroup's CPU limit (0: none)."""
+    threads = float(max(1, threads))
+    return min(threads, limit) if limit > 0 else threads

@@ -138,21 +138,17 @@ def pytest_collection_modifyitems(config, items):  # before -m deselects by thes
         if any(getattr(d.func, "uses_llama_cpp", False) for d in defs):
             item.add_marker(pytest.mark.reference)
     items[:] = order_by_shared_up(items)
-    part = config.getoption("--part")
-    if part is not None:
-        kept = suite_part(items, part)
-        mine = set(kept)
-        config.hook.pytest_deselected(items=[item for item in items if item not in mine])
-        items[:] = kept
 
 
 # ---- the suite in two parts at once (make test) ------------------------------------------------------------------
 # On 2 cores the tests that start processes leave about a third of the CPU idle (waiting for stages to load, for a
 # stream, for a kill to be noticed), and the modules that start none are CPU-bound: `make test` runs the two parts as
 # two pytest sessions side by side. A module goes whole to one part (its module fixtures are set up once): to
-# "processes" if any of its tests starts one. A test that bounds a time (a gap, how soon a loss is noticed, how much
-# traffic a window saw) is marked `timing`: the processes part runs those last, each only once the other part has
-# ended ($STAGEMESH_SUITE_PARTNER, its pid), so nothing else shares the cores with it.
+# "processes" if any of its tests that run starts one or bounds a time; the others go, heaviest first, to the part
+# with less work so far (by the tests' recorded times, tests/durations.json): in the whole suite that is the
+# in-process part, in the unit tier (no process started) the two share them. A test that bounds a time (a gap, how
+# soon a loss is noticed, how much traffic a window saw) is marked `timing`: the processes part runs those last, each
+# only once the other part has ended ($STAGEMESH_SUITE_PARTNER, its pid), so nothing else shares the cores with it.
 
 def pytest_addoption(parser):
     parser.addoption("--part", choices=("in-process", "processes"), default=None,
@@ -160,17 +156,54 @@ def pytest_addoption(parser):
                           "or the others (processes), their `timing` tests last (make test runs both at once)")
 
 
-def suite_part(items: list[pytest.Item], part: str) -> list[pytest.Item]:
-    """The items of one part, in the order they run: a module is in the processes part when any of its tests is marked
-    processes; there, the modules with `timing` tests come after the others (each keeping its order)."""
+class _SuitePart:
+    """Keeps one part's items, after -m has deselected (trylast: after the mark plugin's own hook)."""
+
+    def __init__(self, part: str):
+        self.part = part
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        from tests.durations import recorded
+
+        kept = suite_part(items, self.part, recorded())
+        mine = set(kept)
+        config.hook.pytest_deselected(items=[item for item in items if item not in mine])
+        items[:] = kept
+
+
+def pytest_configure(config):
+    part = config.getoption("--part", None)
+    if part is not None:
+        config.pluginmanager.register(_SuitePart(part), "stagemesh-suite-part")
+
+
+def suite_part(items: list[pytest.Item], part: str, seconds: dict[str, float]) -> list[pytest.Item]:
+    """The items of one part, in the order they run. A module is in the processes part when any of its items is
+    marked processes or timing; the other modules, heaviest first by `seconds` (a test's recorded time; none: 5 s for
+    one marked processes, 0.1 s for another), go each to the part with fewer seconds so far (ties: in-process). In the processes part the
+    modules with `timing` tests come after the others; each module keeps its order. Both sessions of a run compute
+    the same split from the same items."""
     def module(item):
         return item.nodeid.split("::")[0]
 
-    with_processes = {module(item) for item in items if item.get_closest_marker("processes") is not None}
+    def recorded(item):  # a test not yet timed: as a typical one of its kind
+        return seconds.get(item.nodeid, 5.0 if item.get_closest_marker("processes") is not None else 0.1)
+
+    weight: dict[str, float] = {}
+    for item in items:
+        weight[module(item)] = weight.get(module(item), 0.0) + recorded(item)
+    pinned = {module(item) for item in items
+              if item.get_closest_marker("processes") is not None or item.get_closest_marker("timing") is not None}
+    load = {"processes": sum(weight[m] for m in pinned), "in-process": 0.0}
+    where = dict.fromkeys(pinned, "processes")
+    for m in sorted(set(weight) - pinned, key=lambda m: (-weight[m], m)):
+        where[m] = "processes" if load["processes"] < load["in-process"] else "in-process"
+        load[where[m]] += weight[m]
+    mine = [item for item in items if where[module(item)] == part]
     if part == "in-process":
-        return [item for item in items if module(item) not in with_processes]
+        return mine
     timed = {module(item) for item in items if item.get_closest_marker("timing") is not None}
-    mine = [item for item in items if module(item) in with_processes]
     return [item for item in mine if module(item) not in timed] + [item for item in mine if module(item) in timed]
 
 

@@ -244,6 +244,27 @@ def test_a_promoted_replica_is_its_range_s_primary_under_its_own_id_and_follows_
     assert table.ranges[1][0].bound == {"q0"} and table.ranges[1][0].join_id == "j1"
 
 
+def test_an_unmeasured_stage_is_priced_by_its_cores_against_the_joiners():
+    from services.gateway.engine.membership import per_layer_ms
+    from services.gateway.engine.replica_joins import place_replica
+    from tests.stage_infos import make_info
+
+    # the benchmark's mesh: stage 0 with a whole core, stage 1 held to half of one (cgroup quota), a joiner with
+    # half a core that measured 2 ms a layer; no stage ran --calibrate
+    report = {"ms_per_layer": 2.0, "cores": 0.5}
+    stage0 = make_info(layers=(0, 14), num_layers=28, threads=1, cpu_limit=0.0)
+    stage1 = make_info(layers=(14, 28), num_layers=28, threads=1, cpu_limit=0.5)
+    ms = [per_layer_ms(stage0, report), per_layer_ms(stage1, report)]
+    assert ms == [1.0, 2.0]  # a whole core: half the joiner's cost; half a core, as the joiner: its cost
+    # stage 1's 14 layers + a 2-layer head at 2 ms = 32 ms; with the replica 16, under stage 0's 14: 2.0x
+    assert place_replica([(0, 14), (14, 28)], ms, [1, 1], 2.0, 2.0, 28).predicted_gain == 2.0
+    # a stage that calibrated is priced by its calibration, whatever its cores
+    timed = make_info(layers=(14, 28), num_layers=28, cpu_limit=0.5,
+                      calibration={"rows": [1], "ms_per_step": [42.0], "free_bytes": 1})
+    assert per_layer_ms(timed, report) == 3.0
+    assert per_layer_ms(stage1, {"ms_per_layer": 2.0}) == 4.0  # a report without cores: measured on one
+
+
 def test_a_replica_goes_to_the_slowest_range_after_the_first_and_status_draws_it():
     from services.cli.status import replica_lines
     from services.gateway.engine.replica_joins import place_replica

@@ -237,7 +237,11 @@ def cmd_join(args) -> int:
 
 def probe_report(files, dtype, device, config, load) -> dict:
     """What the gateway places this host by: its model, numerics (dtype, weights mode) and context, and its measured
-    cost per layer and free memory (a probe of PROBE_LAYERS middle layers, loaded, timed at one row a step, dropped)."""
+    cost per layer, the cores it measured that on and its free memory (a probe of PROBE_LAYERS middle layers, loaded,
+    timed at one row a step, dropped)."""
+    import torch
+
+    from shared.cpu import busy_cores, cpu_limit
     from shared.files.layers import LayerRange
     from shared.models.memory import available_bytes
     from shared.runtime.calibrate import calibrate
@@ -259,7 +263,9 @@ def probe_report(files, dtype, device, config, load) -> dict:
               "weights_mode": probe.model.weights,  # as its /info will say (StageInfo.weights_mode)
               "max_seq_len": probe.kv.max_seq_len, "kv_slots": probe.kv.num_slots,
               "ms_per_layer": round(timed["ms_per_step"][0] / layers, 4), "bytes_per_layer": int(per_layer),
-              "free_bytes": int(free)}
+              "free_bytes": int(free),
+              # the cores the probe ran on: the gateway scales a stage's unmeasured cost by its cores against these
+              "cores": round(busy_cores(torch.get_num_threads(), cpu_limit()), 4)}
     del probe
     return report
 

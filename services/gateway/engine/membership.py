@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.engine.mesh_change import MeshChange
 from services.gateway.engine.pipeline import reachable_address
+from shared.cpu import busy_cores
 from shared.errors import StagemeshError
 from shared.files.layers import LayerRange
 from shared.wire.protocol import Resplit
@@ -282,9 +283,8 @@ class Membership:
                             f"{free / 2**20:.1f} MiB free): give it more memory (--memory-budget)")
         members = self.members()
         split = [m.layers for m in members]
-        joiner_ms = float(report.get("ms_per_layer") or 1.0)
-        ms = [per_layer_ms(info, joiner_ms) for info in stages]
-        placement = place_joiner(split, ms, joiner_ms, self.head_layers, max_layers)
+        ms = [per_layer_ms(info, report) for info in stages]
+        placement = place_joiner(split, ms, joiner_ms(report), self.head_layers, max_layers)
         if placement.predicted_gain < MIN_JOIN_GAIN and not force:
             raise JoinError(f"join refused: as a new stage it is predicted to give {placement.predicted_gain:.2f}x "
                             f"(layers {placement.layers[0]}:{placement.layers[1]}; slowest stage "
@@ -603,13 +603,27 @@ async def joiner_info(pipe, join_id: str, url: str, layers: tuple[int, int], key
     return info
 
 
-def per_layer_ms(info: StageInfo, joiner_ms: float) -> float:
+def per_layer_ms(info: StageInfo, report: dict) -> float:
     """A stage's cost per layer: its calibration at one row a step when it has one (--calibrate), else the joiner's
-    (hosts alike until measured)."""
+    measured cost (its report's ms_per_layer) scaled by the cores each can use (threads under its cgroup's CPU
+    limit, shared.cpu.busy_cores): hosts alike but for their CPU shares until measured. A stage held to half a
+    core costs twice a joiner with a whole one."""
     c = info.calibration
     if c and c.get("rows") and 1 in c["rows"]:
         return c["ms_per_step"][c["rows"].index(1)] / max(1, info.layers[1] - info.layers[0])
-    return joiner_ms
+    return joiner_ms(report) * joiner_cores(report) / busy_cores(info.threads, info.cpu_limit)
+
+
+def joiner_ms(report: dict) -> float:
+    """The joiner's measured cost per layer (its probe at one row a step)."""
+    ms = report.get("ms_per_layer")
+    return float(ms) if isinstance(ms, (int, float)) and ms > 0 else 1.0
+
+
+def joiner_cores(report: dict) -> float:
+    """The cores the joiner's probe ran on (a joiner of an older version reports none: one)."""
+    cores = report.get("cores")
+    return float(cores) if isinstance(cores, (int, float)) and 0 < cores <= 4096 else 1.0
 
 
 def send_key(pipe) -> str | None:

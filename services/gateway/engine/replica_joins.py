@@ -38,6 +38,7 @@ from services.gateway.engine.membership import (
     Member,
     Membership,
     joiner_info,
+    joiner_ms,
     per_layer_ms,
     place_joiner,
     receive_key,
@@ -141,17 +142,17 @@ class ReplicaJoins:
         """The replica's best placement and the gain a new stage would predict (place_joiner), for one report."""
         pipe, members = self.pipeline, self.membership.members()
         split = [m.layers for m in members]
-        joiner_ms = float(report.get("ms_per_layer") or 1.0)
-        ms = [per_layer_ms(info, joiner_ms) for info in pipe.stages]
+        ms = [per_layer_ms(info, report) for info in pipe.stages]
         per_layer, free = report.get("bytes_per_layer"), report.get("free_bytes")
         max_layers = int(free // per_layer) if isinstance(per_layer, (int, float)) and per_layer > 0 \
             and isinstance(free, (int, float)) else 0
         counts = [1 + sum(1 for i in self.joined.values() if i.layers == r) for r in split]
-        replica = place_replica(split, ms, counts, joiner_ms, self.membership.head_layers, max_layers)
+        replica = place_replica(split, ms, counts, joiner_ms(report), self.membership.head_layers, max_layers)
         stage_gain = 0.0
         if not self.table.replicated and max_layers >= 1:
             with contextlib.suppress(JoinError):
-                stage_gain = place_joiner(split, ms, joiner_ms, self.membership.head_layers, max_layers).predicted_gain
+                stage_gain = place_joiner(split, ms, joiner_ms(report), self.membership.head_layers,
+                                          max_layers).predicted_gain
         return replica, stage_gain
 
     def prefers(self, report: dict) -> bool:
