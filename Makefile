@@ -109,17 +109,16 @@ serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
 # $(call two_parts,PYTEST FLAGS,NAME[,ENV]): one tier of the suite as two pytest sessions side by side
-# (tests/conftest.py, suite_part): the modules whose tests start real processes or bound a time, reported here (ENV:
-# variables for this session), and beside them, at a lower priority (nice), the others, balanced between the two by
-# their recorded times (tests/durations.json): CPU-bound, they fill the cores the others leave idle; reported after
-# (and kept in test-output/NAME-in-process.log). The tests marked `timing` run last, once the in-process part has
-# ended. Each part's per-test times: test-output/NAME-PART.xml. The exit status is the worse of the two. The
-# in-process session's OpenMP threads sleep at a barrier rather than spin (OMP_WAIT_POLICY=PASSIVE): spinning at a
-# lower priority beside a busy session lost it a third of its time.
+# (tests/conftest.py, suite_part): the modules whose tests start real processes or bound a time, reported here, and
+# beside them, at a lower priority (nice), the others, balanced between the two by their recorded times
+# (tests/durations.json): CPU-bound, they fill the cores the others leave idle; reported after (and kept in
+# test-output/NAME-in-process.log). ENV: variables for both sessions. The tests marked `timing` run last, once the
+# in-process part has ended. Each part's per-test times: test-output/NAME-PART.xml. The exit status is the worse of
+# the two.
 define two_parts
 	@mkdir -p test-output
 	@echo "the in-process part runs beside this one; its report follows this one's (test-output/$(2)-in-process.log)"
-	@OMP_WAIT_POLICY=PASSIVE nice -n 10 $(BIN)/python -m pytest -q -ra $(1) --part in-process --junitxml=test-output/$(2)-in-process.xml \
+	@$(3) nice -n 10 $(BIN)/python -m pytest -q -ra $(1) --part in-process --junitxml=test-output/$(2)-in-process.xml \
 	  > test-output/$(2)-in-process.log 2>&1 & partner=$$!; \
 	$(3) STAGEMESH_SUITE_PARTNER=$$partner $(BIN)/python -m pytest -q -ra $(1) --part processes \
 	  --junitxml=test-output/$(2)-processes.xml; processes=$$?; \
@@ -133,7 +132,10 @@ test: install install-reference install-browser install-kubectl fetch-vocab-suit
 	$(call two_parts,--durations=25,suite)
 
 # The unit tier: no real process, no llama.cpp (tests marked `reference` need its binding or sources), nothing slow;
-# under a minute on 2 cores, set up with `install` alone. Both of its sessions are CPU-bound: neither spins.
+# under a minute on 2 cores, set up with `install` alone. Both of its sessions are CPU-bound, so their OpenMP threads
+# sleep at a barrier rather than spin (spinning beside each other lost the lower-priority one a third of its time).
+# The whole suite leaves them spinning: its in-process part, beside stages that mostly wait, took 33 min sleeping
+# where it had taken 26 spinning, and the timing tests wait for it.
 test-unit: install
 	$(call two_parts,-m "not processes and not slow and not reference",unit,OMP_WAIT_POLICY=PASSIVE)
 

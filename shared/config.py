@@ -107,6 +107,7 @@ def parse_bytes(text: str) -> int:
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # compute dtypes (shared.models.device.DTYPES: their torch dtypes)
+KV_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # the K/V cache's (shared.models.device.resolve_kv_dtype)
 WEIGHT_MODES = ("auto", "lean", "bf16", "f32")  # the matmul kernels a model's weights run on (shared.models.linear)
 COMPILE_MODES = ("auto", "on", "off")  # when the decode graphs compile: in the background, before ready, never
 SPECULATION_MODES = ("auto", "on", "off")  # the gateway's n-gram drafts (services/gateway/engine/speculator.py)
@@ -122,6 +123,10 @@ class LoadConfig:
     dtype: str | None = knob(None, "compute dtype", choices=DTYPE_NAMES,
                              unset="float32 where the integer-dot kernels run, else bfloat16 where the CPU/GPU "
                                    "multiplies it natively, else float32")
+    kv_dtype: str | None = knob(None, "the K/V cache's dtype: auto is float16 where the activations are float32 (half "
+                                      "the bytes a position, llama.cpp's default cache type; attention widens each "
+                                      "value to float32 as it reads it), else the activations' dtype",
+                                choices=KV_DTYPE_NAMES, unset="the activations' dtype")
     weights: str | None = knob(None, "matmul kernels: auto (every quantized type decodes from a kernel of about its "
                                      "stored size -- int4, two int4 planes, int8 rows -- and prefills from a dense "
                                      "copy, prepacked bf16 or f32 as timed at load, where --memory-budget holds it), "
@@ -148,6 +153,7 @@ class LoadConfig:
 
     def __post_init__(self):
         check_choice(self, "dtype", DTYPE_NAMES, none_ok=True)
+        check_choice(self, "kv_dtype", KV_DTYPE_NAMES, none_ok=True)
         check_choice(self, "weights", WEIGHT_MODES, none_ok=True)
         check_int(self, "memory_budget", 1, none_ok=True)
         check(self, "kernel_plan", self.kernel_plan is None or (isinstance(self.kernel_plan, str) and self.kernel_plan),
@@ -178,7 +184,9 @@ class StageConfig:
     to each of its stages)."""
 
     kv_slots: int = knob(32, "concurrent sequences per stage")
-    max_seq_len: int = knob(2048, "tokens per sequence, capped by the model's context")
+    max_seq_len: int | None = knob(None, "tokens per sequence, capped by the model's context",
+                                   unset="the model's trained context, as far as the memory budget holds one sequence "
+                                         "of it beside the weights (said at start and in /info)")
     slot_lease_s: float = knob(120.0, "release a sequence's KV slot when no micro-batch has used it for this long, "
                                       "so a vanished gateway cannot hold slots forever (0 = never)", unit="seconds")
     prefix_slots: int = knob(64, "KV rows for cached prefixes beside the --kv-slots of live sequences: a finished "
@@ -198,7 +206,7 @@ class StageConfig:
 
     def __post_init__(self):
         check_int(self, "kv_slots", 1)
-        check_int(self, "max_seq_len", 16)
+        check_int(self, "max_seq_len", 16, none_ok=True)
         check_int(self, "prefix_slots", 0)
         check_int(self, "prefix_cache_memory", 1, none_ok=True)
         check_seconds(self, "slot_lease_s", 0, strict=False)

@@ -11,10 +11,11 @@ FP = "abc123"
 def make_info(**over) -> StageInfo:
     fields = dict(
         model="m", fingerprint=FP, layers=(0, 30), num_layers=30, position="only", incarnation="i0",
-        listen="tcp://127.0.0.1:5555", device="cpu", dtype="float32", weights_mode="auto", batch_invariant=False,
+        listen="tcp://127.0.0.1:5555", device="cpu", dtype="float32", kv_dtype="float16", weights_mode="auto", batch_invariant=False,
         threads=2, threads_alone=2, prefetch=True, weights={}, compiled_decode={"state": "off", "reason": "test"},
         kernel_plans={"file": None, "read": 0, "measured": 0, "written": True},
         keys=None, kv_slots=8, kv_slots_used=0, kv_slots_cached=0, kv_prefix_slots=0, kv_max_seq_len=2048,
+        context={"model": 2048, "max_seq_len": 2048, "why": "given", "rope": None},
         kv_slot_lease_s=60.0, kv_prefix_memory_bytes=0, kv_live_memory_bytes=0,
         kv_cached_bytes=0, kv_position_bytes=0, kv_resident_bytes=0,
         kv_reserved_bytes=0, kv_shared_bytes=0, slots_reclaimed=0, prefixes_evicted=0, clock_s=0.0, microbatches=0,

@@ -86,8 +86,8 @@ def test_up_passes_its_stage_flags_on_to_each_stage():
 def test_up_passes_every_load_setting_on_to_each_stage():
     """Every LoadConfig field away from its default: `up` parses it, forwards it (config_argv), a stage parses the
     same config back."""
-    given = LoadConfig(dtype="bfloat16", weights="lean", memory_budget=3 << 30, kernel_plan="/tmp/plans.json",
-                       batch_invariant=True, compile_decode="on")
+    given = LoadConfig(dtype="bfloat16", kv_dtype="float32", weights="lean", memory_budget=3 << 30,
+                       kernel_plan="/tmp/plans.json", batch_invariant=True, compile_decode="on")
     assert all(getattr(given, f.name) != f.default for f in fields(LoadConfig))  # none left at its default
     up = config_from_args(LoadConfig, build_parser().parse_args(["up", *config_argv(given)]))
     assert up == given

@@ -142,3 +142,29 @@ def test_kv_memory_follows_the_tokens_held_not_slots_times_max_seq_len():
     kv.release("a")
     assert _resident_mib() - before < 0.25 * held and kv.resident_bytes == 0
     assert all(float(t[slot].abs().sum()) == 0.0 for t in kv.k + kv.v)
+
+
+def test_the_default_context_is_the_models_as_far_as_the_budget_holds_one_sequence_of_it(smollm2):
+    from shared.errors import DoesNotFit
+    from shared.runtime.stage_runtime import MIN_AUTO_CONTEXT, StageRuntime
+
+    def load(**kw):  # float32 weights: what they take does not depend on the budget (no prefill copy to weigh)
+        kw.setdefault("kv_dtype", "auto")
+        return StageRuntime.load(smollm2.loader, LayerRange(0, 2), torch.float32, kv_slots=2, weights="f32", **kw)
+
+    full = load()
+    assert full.kv.max_seq_len == smollm2.config.context_length == 8192
+    assert full.context_info() == {"model": 8192, "max_seq_len": 8192, "why": "the model's context", "rope": None}
+    weights, per_position = full.model.weight_bytes(), full.kv.position_bytes
+    # --kv-dtype auto beside float32 activations: float16, 2 layers x K and V x 3 kv heads x 64 x 2 bytes
+    assert full.kv.k[0].dtype == torch.float16 and per_position == 2 * 2 * 3 * 64 * 2
+    assert load(kv_dtype="float32").kv.position_bytes == load(kv_dtype=None).kv.position_bytes == 2 * per_position
+    capped = load(memory_budget=weights + 1000 * per_position)  # room for 1000 positions: 768, whole 256s
+    assert capped.kv.max_seq_len == 1000 // MIN_AUTO_CONTEXT * MIN_AUTO_CONTEXT == 768
+    assert "the model's 8192, capped by the memory budget" in capped.context["why"]
+    assert capped.kv.live_bytes >= 768 * per_position  # the one sequence it promises fits the admission bound
+    asked = load(max_seq_len=100_000)
+    assert asked.kv.max_seq_len == 8192 and asked.context["why"] == "--max-seq-len 100000, capped by the model's context"
+    assert load(max_seq_len=300, memory_budget=weights + 1000 * per_position).kv.max_seq_len == 300
+    with pytest.raises(DoesNotFit, match=r"100 positions of K/V \(1536 bytes a position\), under 256"):
+        load(memory_budget=weights + 100 * per_position)

@@ -414,6 +414,32 @@ def test_write_kv_writes_what_indexed_assignment_writes_and_refuses_rows_outside
         qdot.write_kv(k_cache, v_cache, torch.tensor([4]), torch.tensor([0]), k[:1], v[:1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_half_precision_cache_is_read_widened_and_written_rounded(dtype):
+    """--kv-dtype float16 / bfloat16: the decode-attention kernels read such a cache in place, each value widened to
+    float32 exactly, so their output is their output over the widened cache (bit for bit: the same sums in the same
+    order); write_kv stores float32 keys and values rounded as torch's .to(dtype) rounds them."""
+    g = torch.Generator().manual_seed(11)
+    rows, kv_heads, max_seq, head_dim, group = 5, 2, 600, 64, 3
+    k = torch.randn(rows, kv_heads, max_seq, head_dim, generator=g).to(dtype)
+    v = torch.randn(rows, kv_heads, max_seq, head_dim, generator=g).to(dtype)
+    slots, ctxs = torch.tensor([4, 0, 2]), torch.tensor([600, 1, 257])
+    q = torch.randn(3, kv_heads * group, head_dim, generator=g)
+    got = qdot.decode_attention_batch(q, k, v, slots, ctxs, 0.125)
+    assert torch.equal(got, qdot.decode_attention_batch(q, k.float(), v.float(), slots, ctxs, 0.125))
+    for b in range(3):
+        assert torch.equal(got[b], qdot.decode_attention(q[b], k, v, int(slots[b]), int(ctxs[b]), 0.125))
+    with pytest.raises(RuntimeError, match="float32 queries, a float32, float16 or bfloat16 cache"):
+        qdot.decode_attention_batch(q, k, v.float(), slots, ctxs, 0.125)
+    k_cache, v_cache = torch.zeros(4, 3, 20, 16, dtype=dtype), torch.zeros(4, 3, 20, 16, dtype=dtype)
+    slots, positions = torch.tensor([1, 3, 1]), torch.tensor([0, 5, 19])
+    new_k, new_v = torch.randn(3, 3, 16, generator=g), torch.randn(3, 3, 16, generator=g)
+    qdot.write_kv(k_cache, v_cache, slots, positions, new_k, new_v)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k[slots, :, positions], want_v[slots, :, positions] = new_k.to(dtype), new_v.to(dtype)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v) and k_cache.abs().sum() > 0
+
+
 def _k_low_raw(qtype: str, rows: int, cols: int, seed: int = 0) -> RawTensor:
     """A Q2_K (84 bytes: 16 scale bytes, 64 of 2-bit levels, fp16 d, dmin) or Q3_K (110: 32 of third bits, 64 of 2-bit
     levels, 12 of 6-bit scales, fp16 d) matrix of random superblocks: any bits are valid, d and dmin a weight's sizes."""

@@ -17,7 +17,7 @@ from services.process.args import (
     later,
 )
 from services.process.keys import add_join_token_arg, add_security_args
-from shared.config import DTYPE_NAMES, GATEWAY_PORT, SchedulerConfig, StageConfig
+from shared.config import DTYPE_NAMES, GATEWAY_PORT, KV_DTYPE_NAMES, SchedulerConfig, StageConfig
 from shared.files.model_registry import resolve_model
 
 # the StageConfig fields `up` takes and passes on to every stage it starts (and threads_alone, which it defaults to
@@ -182,8 +182,11 @@ def register_plan(sub) -> None:
                                                            "KV memory (default 16)")
     p.add_argument("--context", type=int, default=2048, help="tokens of KV each stream may hold (default 2048)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                   help="the stages' compute and KV dtype (default: this machine's, as a stage picks it: float32 "
+                   help="the stages' compute dtype (default: this machine's, as a stage picks it: float32 "
                         "where the integer-dot kernels run, else bfloat16 where the CPU has it natively)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default=None,
+                   help="the stages' K/V dtype (auto: float16 beside float32 activations, else theirs; default: the "
+                        "compute dtype, as a stage keeps it)")
     p.add_argument("--batch-factor", type=float, default=None, metavar="F",
                    help="a decode step of --streams sequences over a step of one, as measured on the hosts (default: "
                         "measured here)")

@@ -12,6 +12,7 @@ the memory it has free, from which the gateway picks its layers."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -229,6 +230,11 @@ def cmd_join(args) -> int:
         except StagemeshError as e:
             print(f"stagemesh join: leaving failed ({e}); exiting anyway", flush=True)
 
+    # it serves the mesh's context (the joiner's own would do as well, the pipeline serving the least, but the same
+    # context picks the same rope factors: a LongRoPE model's depend on it)
+    mesh_context = place.get("max_seq_len")
+    if isinstance(mesh_context, int) and not isinstance(mesh_context, bool) and mesh_context >= 16:
+        config = dataclasses.replace(config, max_seq_len=mesh_context)
     asyncio.run(serve(files, layers, stage_place, config, load, keys, on_ready=on_ready, on_stop=on_stop))
     if "error" in joined:
         raise StagemeshError(joined["error"])
@@ -251,15 +257,19 @@ def probe_report(files, dtype, device, config, load) -> dict:
     a = max(1, n // 2 - PROBE_LAYERS // 2)
     probe_range = LayerRange(a, min(n - 1, a + PROBE_LAYERS))
     probe = StageRuntime.load(files.loader, probe_range, dtype, device, config.kv_slots, config.max_seq_len,
-                              weights=load.weights_mode, batch_invariant=load.batch_invariant, compile_decode="off")
+                              weights=load.weights_mode, batch_invariant=load.batch_invariant, compile_decode="off",
+                              kv_dtype=load.kv_dtype)
     timed = calibrate(probe, [1], PROBE_S)
     layers = len(probe_range)
-    per_layer = (probe.model.weight_bytes() + probe.kv.reserved_bytes) / layers
+    # a layer's weights and its K/V of one sequence of the whole context (what a stage promises to hold: the rows
+    # beyond take memory only as they are written, within its admission bound)
+    per_layer = (probe.model.weight_bytes() + probe.kv.position_bytes * probe.kv.max_seq_len) / layers
     free = available_bytes()
     if load.memory_budget is not None:
         free = min(free, load.memory_budget)
     report = {"fingerprint": files.loader.fingerprint, "model": files.loader.model_name, "num_layers": n,
               "dtype": str(dtype).removeprefix("torch."), "batch_invariant": bool(load.batch_invariant),
+              "kv_dtype": str(probe.model.kv_dtype).removeprefix("torch."),
               "weights_mode": probe.model.weights,  # as its /info will say (StageInfo.weights_mode)
               "max_seq_len": probe.kv.max_seq_len, "kv_slots": probe.kv.num_slots,
               "ms_per_layer": round(timed["ms_per_step"][0] / layers, 4), "bytes_per_layer": int(per_layer),

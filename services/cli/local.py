@@ -28,7 +28,8 @@ def _pipeline(files: ModelFiles, args, kv_slots: int = 1) -> LocalPipeline:
     device = default_device()
     return LocalPipeline.load(files.loader, ranges, resolve_dtype(load.dtype, device), device, kv_slots=kv_slots,
                               weights=load.weights_mode, batch_invariant=load.batch_invariant,
-                              compile_decode=load.compile_decode, memory_budget=load.memory_budget)
+                              compile_decode=load.compile_decode, memory_budget=load.memory_budget,
+                              kv_dtype=load.kv_dtype)
 
 
 def cmd_generate(args) -> int:

@@ -20,7 +20,7 @@ from shared.config import parse_bytes
 from shared.cpu import usable_cores
 from shared.errors import StagemeshError
 from shared.files.layers import LayerRange
-from shared.models.device import default_device, resolve_dtype
+from shared.models.device import default_device, resolve_dtype, resolve_kv_dtype
 from shared.runtime.model_files import ModelFiles
 from shared.runtime.plan import STAGE_HANDOFF_MS, Host, ModelFacts, Plan, Workload, gib, plan
 from shared.runtime.roofline import Roofline, token_bytes, triad_bandwidth
@@ -211,7 +211,7 @@ def cmd_plan(args) -> int:
         raise StagemeshError(f"--context {args.context} is longer than the model's context of "
                              f"{files.config.context_length} tokens; give at most that")
     dtype = resolve_dtype(args.dtype, default_device())
-    model = ModelFacts.from_gguf(files.loader, dtype.itemsize)
+    model = ModelFacts.from_gguf(files.loader, resolve_kv_dtype(getattr(args, "kv_dtype", None), dtype).itemsize)
     measured: dict[int, Measured] = {}
     here = usable_cores()
     for s in specs:

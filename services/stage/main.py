@@ -141,7 +141,8 @@ async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config
                                             weights=load.weights_mode, batch_invariant=load.batch_invariant,
                                             compile_decode=load.compile_decode,
                                             memory_budget=load.memory_budget, thread_counts=threads,
-                                            prefix_slots=config.prefix_slots, prefix_memory=config.prefix_cache_memory))
+                                            prefix_slots=config.prefix_slots, prefix_memory=config.prefix_cache_memory,
+                                            kv_dtype=load.kv_dtype))
     except StagemeshError as e:
         app[LOAD_ERROR].append(str(e))
         await runner.cleanup()
@@ -169,8 +170,10 @@ async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config
                          compute_thread=compute_thread, otlp=otlp, threads=threads)
     worker.calibration = calibration
     app[WORKER] = worker
-    log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s", layers, position.value, place.listen, place.next,
-             identity.incarnation, f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT")
+    log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s, a context of %d tokens (%s)", layers, position.value,
+             place.listen, place.next, identity.incarnation,
+             f"CURVE (accepts {keys.accept_name} only)" if keys else "PLAINTEXT", runtime.kv.max_seq_len,
+             runtime.context["why"])
     task = asyncio.create_task(worker.run())
     side = asyncio.create_task(on_ready(worker, stop)) if on_ready is not None else None
     await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

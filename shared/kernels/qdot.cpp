@@ -742,7 +742,19 @@ constexpr int64_t ATTN_CHUNK = 256;  // positions per work item of decode attent
 // in one fixed order (over d, then over the positions), so its numbers do not depend on the group it is in.
 constexpr int64_t QGROUP = 4;
 
-void attend_chunk(const float* qv, const float* K, const float* V, int64_t n, int64_t g, int64_t hd, float sc,
+// 8 cached values as float32: a cache of float32, float16 (F16C's conversion, exact) or bfloat16 (its upper half, exact).
+template <typename T> inline __m256 load8(const T* p);
+template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 load8<at::Half>(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <> inline __m256 load8<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+template <typename T>
+void attend_chunk(const float* qv, const T* K, const T* V, int64_t n, int64_t g, int64_t hd, float sc,
                   float* scores, float* maxes, float* sums, float* accs) {
   const int64_t hv = hd / 8, stride = ATTN_CHUNK + 8;
   for (int64_t q0 = 0; q0 < g; q0 += QGROUP) {
@@ -750,12 +762,12 @@ void attend_chunk(const float* qv, const float* K, const float* V, int64_t n, in
     const float* qs = qv + q0 * hd;
     float m[QGROUP] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
     for (int64_t j = 0; j < n; ++j) {
-      const float* kr = K + j * hd;
+      const T* kr = K + j * hd;
       __m256 a[QGROUP];
-      const __m256 k0 = _mm256_loadu_ps(kr);
+      const __m256 k0 = load8(kr);
       for (int64_t t = 0; t < w; ++t) a[t] = _mm256_mul_ps(_mm256_loadu_ps(qs + t * hd), k0);
       for (int64_t d = 1; d < hv; ++d) {
-        const __m256 kd = _mm256_loadu_ps(kr + 8 * d);
+        const __m256 kd = load8(kr + 8 * d);
         for (int64_t t = 0; t < w; ++t) a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + t * hd + 8 * d), kd, a[t]);
       }
       for (int64_t t = 0; t < w; ++t) {
@@ -787,8 +799,8 @@ void attend_chunk(const float* qv, const float* K, const float* V, int64_t n, in
       __m256 o[QGROUP][2];
       for (int64_t t = 0; t < QGROUP; ++t) o[t][0] = o[t][1] = _mm256_setzero_ps();
       for (int64_t jj = 0; jj < n; ++jj) {
-        const float* vr = V + jj * hd + 8 * d0;
-        const __m256 v0 = _mm256_loadu_ps(vr), v1 = r > 1 ? _mm256_loadu_ps(vr + 8) : v0;
+        const T* vr = V + jj * hd + 8 * d0;
+        const __m256 v0 = load8(vr), v1 = r > 1 ? load8(vr + 8) : v0;
         for (int64_t t = 0; t < w; ++t) {
           const __m256 p = _mm256_set1_ps(scores[t * stride + jj]);
           o[t][0] = _mm256_fmadd_ps(p, v0, o[t][0]);
@@ -822,7 +834,8 @@ void merge_chunks(int64_t chunks, int64_t g, int64_t hd, const float* maxes, con
 }
 
 // Decode attention for B sequences, the cache read in place and once (flash-decoding): q [B, H, hd] float32, sequence
-// b against the first ctxs[b] positions of row slots[b] of k_cache / v_cache [R, KVH, M, hd] (contiguous float32) ->
+// b against the first ctxs[b] positions of row slots[b] of k_cache / v_cache [R, KVH, M, hd] (contiguous float32,
+// float16 or bfloat16, each value widened to float32 as it is loaded) ->
 // [B, H, hd]; with window > 0 (a sliding layer's) only the last `window` of them, ctxs[b] - window .. ctxs[b] - 1. Query head i reads kv head i / (H / KVH). The work is (sequence, kv head, chunk of ATTN_CHUNK
 // positions), split over torch's threads; each item keeps its own softmax max and sum for its queries, merged per
 // (sequence, kv head) at the end. A sequence's numbers depend only on its own query, slot and context: never on the
@@ -832,8 +845,10 @@ at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const std::vector<int64_t>& slots, const std::vector<int64_t>& ctxs, double scale,
                         int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "decode_attention: float32 only");
+  const at::ScalarType kv_type = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == kv_type &&
+                  (kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16),
+              "decode_attention: float32 queries, a float32, float16 or bfloat16 cache");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous");
   const int64_t B = q.size(0), H = q.size(1), hd = q.size(2);
   const int64_t R = k_cache.size(0), KVH = k_cache.size(1), M = k_cache.size(2);
@@ -854,22 +869,28 @@ at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache, const at
   // per item and query: running max, sum, and the unnormalized output [hd]
   std::vector<float> maxes(items * g), sums(items * g), accs(items * g * hd);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(QGROUP * (ATTN_CHUNK + 8));
-    int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
-    for (int64_t item = begin; item < end; ++item) {
-      while (item >= first_item[b + 1]) ++b;
-      const int64_t chunks = (ctxs[b] - starts[b] + ATTN_CHUNK - 1) / ATTN_CHUNK, local = item - first_item[b];
-      const int64_t h = local / chunks, c = local % chunks;
-      const int64_t first = starts[b] + c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, ctxs[b] - first);
-      const int64_t row = (slots[b] * KVH + h) * M + first;
-      attend_chunk(qp + (b * H + h * g) * hd, kp + row * hd, vp + row * hd, n, g, hd, sc, scores.data(),
-                   &maxes[item * g], &sums[item * g], &accs[item * g * hd]);
-    }
-  });
+  auto run = [&](auto element) {  // the items over a cache of this element type
+    using T = decltype(element);
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(QGROUP * (ATTN_CHUNK + 8));
+      int64_t b = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
+      for (int64_t item = begin; item < end; ++item) {
+        while (item >= first_item[b + 1]) ++b;
+        const int64_t chunks = (ctxs[b] - starts[b] + ATTN_CHUNK - 1) / ATTN_CHUNK, local = item - first_item[b];
+        const int64_t h = local / chunks, c = local % chunks;
+        const int64_t first = starts[b] + c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, ctxs[b] - first);
+        const int64_t row = (slots[b] * KVH + h) * M + first;
+        attend_chunk<T>(qp + (b * H + h * g) * hd, kp + row * hd, vp + row * hd, n, g, hd, sc, scores.data(),
+                        &maxes[item * g], &sums[item * g], &accs[item * g * hd]);
+      }
+    });
+  };
+  if (kv_type == at::kHalf) run(at::Half{});
+  else if (kv_type == at::kBFloat16) run(at::BFloat16{});
+  else run(float{});
   at::Tensor out = at::empty({B, H, hd}, q.options());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * KVH, 16, [&](int64_t begin, int64_t end) {
@@ -982,33 +1003,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // A step's keys and values into the cache: k_cache[slots[n], :, positions[n]] = k[n], the same for v, for each of
-// the step's N rows (k, v [N, KVH, hd] float32; caches [rows, KVH, max_seq, hd] contiguous float32, written in place).
-// One call for both, where torch's indexed assignment took two (~7 us each, twice a layer).
+// the step's N rows (k, v [N, KVH, hd] of the cache's dtype -- float32, float16 or bfloat16, converted by the caller;
+// caches [rows, KVH, max_seq, hd] contiguous, written in place). One call for both, where torch's indexed assignment
+// took two (~7 us each, twice a layer).
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& positions,
               const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "write_kv: the caches must be contiguous float32 [rows, KVH, max_seq, hd] tensors");
+  const at::ScalarType kv_type = k_cache.scalar_type();
+  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
+                  v_cache.scalar_type() == kv_type && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "write_kv: the caches must be contiguous float32, float16 or bfloat16 [rows, KVH, max_seq, hd] tensors");
   const int64_t R = k_cache.size(0), KVH = k_cache.size(1), M = k_cache.size(2), hd = k_cache.size(3);
   TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.dim() == 1 &&
                   positions.sizes() == slots.sizes(), "write_kv: slots and positions must be [N] int64");
   const int64_t N = slots.size(0);
   const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sc = slots.contiguous(), pc = positions.contiguous();
-  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.numel() == N * KVH * hd &&
-                  vc.numel() == N * KVH * hd, "write_kv: k and v must be float32 [N, KVH, hd]");
+  TORCH_CHECK(kc.scalar_type() == kv_type && vc.scalar_type() == kv_type && kc.numel() == N * KVH * hd &&
+                  vc.numel() == N * KVH * hd, "write_kv: k and v must be [N, KVH, hd] of the cache's dtype");
   const int64_t* sp = sc.data_ptr<int64_t>();
   const int64_t* pp = pc.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(0 <= sp[n] && sp[n] < R && 0 <= pp[n] && pp[n] < M, "write_kv: row ", n, " (slot ", sp[n],
                 ", position ", pp[n], ") is outside the cache's ", R, " x ", M);
-  float* kd = k_cache.data_ptr<float>();
-  float* vd = v_cache.data_ptr<float>();
-  const float* ks = kc.data_ptr<float>();
-  const float* vs = vc.data_ptr<float>();
-  const size_t bytes = hd * sizeof(float);
+  const int64_t width = k_cache.element_size();
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  const char* ks = static_cast<const char*>(kc.data_ptr());
+  const char* vs = static_cast<const char*>(vc.data_ptr());
+  const size_t bytes = hd * width;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < KVH; ++h) {
-      const int64_t at = ((sp[n] * KVH + h) * M + pp[n]) * hd, from = (n * KVH + h) * hd;
+      const int64_t at = ((sp[n] * KVH + h) * M + pp[n]) * hd * width, from = (n * KVH + h) * hd * width;
       std::memcpy(kd + at, ks + from, bytes);
       std::memcpy(vd + at, vs + from, bytes);
     }

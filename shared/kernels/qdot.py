@@ -271,7 +271,8 @@ def mm(op: str, x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, ctx: int,
                      scale: float, window: int = 0) -> torch.Tensor:
     """One sequence's decode attention (qdot.cpp): q [H, hd] float32 against the first ctx positions of row `slot` of
-    k_cache / v_cache [rows, KVH, max_seq, hd] (contiguous float32, read in place) -> [H, hd]; slot and ctx may be
+    k_cache / v_cache [rows, KVH, max_seq, hd] (contiguous float32, float16 or bfloat16, read in place, widened to
+    float32 as loaded) -> [H, hd]; slot and ctx may be
     a compiled graph's symbolic sizes. window > 0 (a sliding layer's): only the last `window` of those positions."""
     return torch.ops.stagemesh_qdot.decode_attention(q, k_cache, v_cache, slot, ctx, scale, window)
 
@@ -300,8 +301,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """k_cache[slots[n], :, positions[n]] = k[n] and the same for v, in place, in one call (qdot.cpp): caches
-    [rows, KVH, max_seq, hd] contiguous float32, slots / positions [N] int64, k / v [N, KVH, hd] float32."""
-    torch.ops.stagemesh_qdot.write_kv(k_cache, v_cache, slots, positions, k, v)
+    [rows, KVH, max_seq, hd] contiguous float32, float16 or bfloat16, slots / positions [N] int64, k / v
+    [N, KVH, hd] of any float dtype (converted to the cache's, rounding to nearest even)."""
+    torch.ops.stagemesh_qdot.write_kv(k_cache, v_cache, slots, positions, k.to(k_cache.dtype), v.to(v_cache.dtype))
 
 
 def build_now() -> None:

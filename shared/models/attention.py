@@ -49,7 +49,10 @@ class Scores:
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Scores, mask: torch.Tensor | None = None,
          enable_gqa: bool = False) -> torch.Tensor:
     """F.scaled_dot_product_attention with how's scale and soft cap: q [B, H, T, hd], k / v [B, KVH, S, hd] ->
-    [B, H, T, hd]; mask [.., T, S] boolean (True: visible) or additive. The window is the caller's mask."""
+    [B, H, T, hd]; mask [.., T, S] boolean (True: visible) or additive. The window is the caller's mask. K/V kept in
+    another dtype than q's (--kv-dtype float16 beside float32 activations) are widened to q's first."""
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if not how.softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=how.scale, enable_gqa=enable_gqa)
     if (group := q.shape[-3] // k.shape[-3]) > 1:

@@ -21,12 +21,25 @@ def cpu_has_fast_bf16() -> bool:
     return native and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def resolve_kv_dtype(name: str | None, activations: torch.dtype) -> torch.dtype:
+    """--kv-dtype: a dtype by name; auto: float16 where the activations are float32 -- half the bytes of each cached
+    position, llama.cpp's default cache type (f16), read by attention widened to float32 -- else the activations' own
+    dtype (already half precision); None (not given): the activations' dtype."""
+    if name is None:
+        return activations
+    if name == "auto":
+        return torch.float16 if activations == torch.float32 else activations
+    if name not in DTYPES:
+        raise ValueError(f"unknown K/V dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def default_dtype_name(device: torch.device | None = None) -> str:
-    """The activations' and KV cache's dtype when none is asked for. On a CPU: float32 where the integer-dot kernels
+    """The activations' dtype when none is asked for (the K/V cache's: resolve_kv_dtype). On a CPU: float32 where the integer-dot kernels
     run (they take float32 activations and return float32, as the decode-attention kernel and the batched compiled
     decode step do: a bf16 model pays two casts a matrix and runs its steps eagerly; float32 decoded faster at 1 and
     16 sequences even on a CPU with native bf16, docs/performance.md#model-sizes), else bf16 where the CPU multiplies

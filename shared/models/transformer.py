@@ -31,6 +31,7 @@ from shared.kernels import qdot
 from shared.models.attention import Attention, Scores, choose_attention
 from shared.models.config import ModelConfig, RopeScaling
 from shared.models.crossover import choose_prefill_dtype
+from shared.models.device import resolve_kv_dtype
 from shared.models.kv_cache import KVCache, position_bytes
 from shared.models.linear import (
     WEIGHT_MODES,
@@ -249,6 +250,7 @@ class TransformerModel:
         self.position = layers.position(config.num_layers)
         self.blocks = blocks
         self.dtype = dtype
+        self.kv_dtype = dtype  # its K/V cache's (new_kv_cache); from_gguf sets --kv-dtype's
         self.embedding = embedding  # token ids -> [N, D] float32, or None
         self.output_norm = output_norm  # [D] or None
         self.output = output  # [D] -> [V], or None
@@ -289,11 +291,12 @@ class TransformerModel:
     def from_gguf(cls, loader: GgufLoader, layers: LayerRange | None = None, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", *, weights: str | None = None,
                   batch_invariant: bool = False, memory_budget: int | None = None, kv_slots: int = 0,
-                  max_seq_len: int = 0) -> TransformerModel:
+                  max_seq_len: int | None = 0, kv_dtype: torch.dtype | None = None) -> TransformerModel:
         """Load only the tensors of `layers` (default: all), plus embedding / head by stage position.
         weights: a WEIGHT_MODES entry; None means f32 for float32 dtype, else auto. memory_budget (bytes; None:
         shared.models.memory.default_budget()) and the KV cache the piece will hold (kv_slots x max_seq_len) decide
-        whether auto keeps its dense prefill copy or runs lean (shared.models.memory)."""
+        whether auto keeps its dense prefill copy or runs lean (shared.models.memory); kv_dtype: the K/V cache's
+        (None: the activations' dtype, shared.models.device.resolve_kv_dtype)."""
         weights = resolve_weights(weights, dtype)
         config = ModelConfig.from_gguf(loader)
         layers = layers or LayerRange(0, config.num_layers)
@@ -306,8 +309,12 @@ class TransformerModel:
         embedding = QuantizedRows(loader.raw("token_embd.weight", mapped=True)) if position.has_embedding else None
 
         budget = memory_budget if memory_budget is not None else default_budget()
-        kv_bytes = ((kv_slots + 1) * min(max_seq_len, config.context_length)  # KVCache's slots and scratch row
-                    * position_bytes(len(layers), config.num_kv_heads, config.head_dim, dtype))
+        # the K/V the weights leave room for: KVCache's slots and scratch row of the context asked; with none asked
+        # (0: the model's, as far as the budget holds it, StageRuntime's fit_context), one row of the model's context
+        rows, context = (kv_slots + 1, min(max_seq_len, config.context_length)) if max_seq_len \
+            else (1, config.context_length)
+        kv_dtype = kv_dtype or resolve_kv_dtype(None, dtype)
+        kv_bytes = rows * context * position_bytes(len(layers), config.num_kv_heads, config.head_dim, kv_dtype)
         matrices = [t for n in raw if len((t := raw.type_and_shape(n))[1]) >= 2 and not n.endswith("ffn_gate_inp.weight")
                     and (n != "token_embd.weight" or position.has_lm_head)]  # (ggml type, shape) of each
         lean_bytes = sum(lean_nbytes(*t) for t in matrices)
@@ -346,6 +353,7 @@ class TransformerModel:
         model = cls(config, layers, blocks, dtype, embedding, output_norm, output, weights, batch_invariant, sources,
                     output_norm_b, output_bias)
         model.tensor_types = {n: loader.tensor_type(n) for ns in sources.values() for n in ns}
+        model.kv_dtype = kv_dtype
         model.memory = PieceMemory(budget=budget, kv_bytes=kv_bytes, file_bytes=loader.tensor_bytes(names),
                                    prefill_copy=copy.reason)
         loader.release_pages()
@@ -387,6 +395,7 @@ class TransformerModel:
                                  last.output_norm if head else None, last.output if head else None, self.weights,
                                  self.batch_invariant, sources, last.output_norm_b if head else None,
                                  last.output_bias if head else None)
+        model.kv_dtype = self.kv_dtype
         types = {n: t for part in (lower, self, upper) if part is not None for n, t in part.tensor_types.items()}
         model.tensor_types = {n: t for n, t in types.items() if any(n in ns for ns in sources.values())}
         if self.memory is not None:
@@ -500,8 +509,8 @@ class TransformerModel:
                      scratch: bool = False, prefix_slots: int = 0, prefix_bytes: int | None = None,
                      live_bytes: int | None = None) -> KVCache:
         c = self.config
-        return KVCache(len(self.layers), num_slots, max_seq_len, c.num_kv_heads, c.head_dim, self.dtype, device, scratch,
-                       prefix_slots, prefix_bytes, live_bytes)
+        return KVCache(len(self.layers), num_slots, max_seq_len, c.num_kv_heads, c.head_dim, self.kv_dtype, device,
+                       scratch, prefix_slots, prefix_bytes, live_bytes)
 
     # ---- compute -----------------------------------------------------------------------------------------
 
@@ -653,8 +662,8 @@ class TransformerModel:
         if kernel:
             qdot.write_kv(k_cache, v_cache, attention.token_slots, attention.positions, k, v)
         else:
-            k_cache[attention.token_slots, :, attention.positions] = k
-            v_cache[attention.token_slots, :, attention.positions] = v
+            k_cache[attention.token_slots, :, attention.positions] = k.to(k_cache.dtype)
+            v_cache[attention.token_slots, :, attention.positions] = v.to(v_cache.dtype)
         out = attention.attend(q, k_cache, v_cache, how)  # [N, H, hd]
         out = b.wo(out.reshape(n, c.q_size))  # [N, D]
         return out if b.wo_bias is None else out.float() + b.wo_bias

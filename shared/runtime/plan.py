@@ -53,7 +53,7 @@ class ModelFacts:
     layer_bytes: tuple[int, ...]  # [L] the file bytes of each block's tensors
     head_bytes: int  # output_norm + output (token_embd when tied): what the last stage loads besides its blocks
     hidden_size: int
-    kv_bytes_per_token_layer: int  # K and V of one position in one layer, at the KV cache's dtype (the compute dtype)
+    kv_bytes_per_token_layer: int  # K and V of one position in one layer, at the KV cache's dtype (--kv-dtype)
     head_cost_in_layers: float  # the last stage's norm + lm_head + sampling, in blocks (ModelConfig)
 
     @property
@@ -62,7 +62,7 @@ class ModelFacts:
 
     @classmethod
     def from_gguf(cls, loader: GgufLoader, kv_itemsize: int) -> ModelFacts:
-        """kv_itemsize: bytes of one KV element (4 float32, 2 bfloat16/float16: the stage's --dtype)."""
+        """kv_itemsize: bytes of one KV element (4 float32, 2 bfloat16/float16: the stages' --kv-dtype, resolved)."""
         c = ModelConfig.from_gguf(loader)
         head = loader.names_for(LayerRange(c.num_layers - 1, c.num_layers), StagePosition.LAST)
         block = loader.names_for(LayerRange(c.num_layers - 1, c.num_layers), StagePosition.MIDDLE)

@@ -99,10 +99,12 @@ class StageResplit:
                                  f"{', '.join(map(str, old))} does not name: the gateway's view is stale; try again")
         index = old.index(mine)
         kv = runtime.kv
-        per_layer = 2 * kv.max_seq_len * kv.k[0].shape[1] * kv.k[0].shape[3] * kv.k[0].dtype.itemsize
+        longest = max((kv.row_of(seq_id)[1] for seq_id in kv.holders), default=0)
+        per_layer = 2 * longest * kv.k[0].shape[1] * kv.k[0].shape[3] * kv.k[0].dtype.itemsize
         if per_layer > MAX_TENSOR_BYTES:  # one sequence's one layer is the smallest parcel
-            raise ResplitRefused(f"one layer's K/V of one sequence ({per_layer} bytes at max_seq_len "
-                                 f"{kv.max_seq_len}) is past the message bound of {MAX_TENSOR_BYTES} bytes")
+            raise ResplitRefused(f"one layer's K/V of the longest sequence held ({per_layer} bytes, {longest} "
+                                 f"positions) is past the message bound of {MAX_TENSOR_BYTES} bytes; try again when "
+                                 "it has ended")
         t0 = time.perf_counter()
         fresh = None if new[index] == mine else runtime.reload(new[index])
         self.pending = Pending(msg.rid, index, old, new, fresh)

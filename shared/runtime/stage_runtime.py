@@ -12,7 +12,7 @@ import torch
 from shared.batch.layout import BatchLayout
 from shared.batch.steps import decodes_only
 from shared.config import COMPILE_MODES, STAGE_DEFAULTS
-from shared.errors import BadBatch, CapabilityMissing, MissingActivation
+from shared.errors import BadBatch, CapabilityMissing, DoesNotFit, MissingActivation
 from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange
 from shared.models import LayerHook, TransformerModel
@@ -20,8 +20,9 @@ from shared.models.aoti_decode import cache_dir as package_cache_dir
 from shared.models.attention import KernelDecode
 from shared.models.compiled_decode import CompiledDecode, why_not_compilable
 from shared.models.crossover import apply_measured_crossover
+from shared.models.device import resolve_kv_dtype
 from shared.models.kv_cache import KVCache, position_bytes
-from shared.models.memory import default_budget, default_prefix_bytes
+from shared.models.memory import default_budget, default_prefix_bytes, mib
 from shared.wire.protocol import SeqEntry
 
 log = logging.getLogger("stagemesh.runtime")
@@ -39,14 +40,21 @@ class StageRuntime:
         self.eager_reason = eager_reason  # why there is no compiled step (when compiled is None)
         self._spec: dict | None = None  # how load() loaded it: what reload() loads another range with
         self.head_seconds = 0.0  # the final norm + lm_head's time over every run (a live re-split's measure of it)
+        # the context it serves and why (fit_context): {"model", "max_seq_len", "why"}; /info's `context`
+        self.context: dict = {"model": model.config.context_length, "max_seq_len": kv.max_seq_len, "why": "given"}
 
     @classmethod
     def load(cls, loader: GgufLoader, layers: LayerRange | None, dtype: torch.dtype, device: torch.device | str = "cpu",
-             kv_slots: int = STAGE_DEFAULTS.kv_slots, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
+             kv_slots: int = STAGE_DEFAULTS.kv_slots, max_seq_len: int | None = STAGE_DEFAULTS.max_seq_len, *,
              weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
              memory_budget: int | None = None, thread_counts: tuple[int, ...] | None = None, prefix_slots: int = 0,
-             prefix_memory: int | None = None, model: TransformerModel | None = None) -> StageRuntime:
-        """weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for float32 dtype, else auto);
+             prefix_memory: int | None = None, model: TransformerModel | None = None,
+             kv_dtype: str | None = None) -> StageRuntime:
+        """kv_dtype: the K/V cache's, a --kv-dtype choice (None: the activations' dtype,
+        shared.models.device.resolve_kv_dtype);
+        max_seq_len: positions per sequence, at most the model's context (None: the model's context, as far as the
+        memory budget holds it: fit_context); weights: a shared.models.linear.WEIGHT_MODES entry (None: f32 for
+        float32 dtype, else auto);
         batch_invariant: each sequence's numbers independent of the rest of its micro-batch (see TransformerModel);
         memory_budget: bytes for the piece's weights and KV cache (None: shared.models.memory's default);
         compile_decode: a COMPILE_MODES entry (shared.config): "on" compiles the one-sequence decode
@@ -62,17 +70,23 @@ class StageRuntime:
         spec = dict(loader=loader, dtype=dtype, device=device, kv_slots=kv_slots, max_seq_len=max_seq_len,
                     weights=weights, batch_invariant=batch_invariant, compile_decode=compile_decode,
                     memory_budget=memory_budget, thread_counts=thread_counts, prefix_slots=prefix_slots,
-                    prefix_memory=prefix_memory)
+                    prefix_memory=prefix_memory, kv_dtype=kv_dtype)
         if model is None:
             model = TransformerModel.from_gguf(loader, layers, dtype, device, weights=weights,
                                                batch_invariant=batch_invariant, memory_budget=memory_budget,
-                                               kv_slots=kv_slots, max_seq_len=max_seq_len)
+                                               kv_slots=kv_slots, max_seq_len=max_seq_len,
+                                               kv_dtype=resolve_kv_dtype(kv_dtype, dtype))
             apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
-        max_seq_len = min(max_seq_len, model.config.context_length)
         c = model.config  # one KV row: every position of one sequence
-        row_bytes = max_seq_len * position_bytes(len(model.layers), c.num_kv_heads, c.head_dim, model.dtype)
+        per_position = position_bytes(len(model.layers), c.num_kv_heads, c.head_dim, model.kv_dtype)
         if prefix_memory is None:  # kept prefixes also use the rows live sequences leave free
-            prefix_memory = default_prefix_bytes((kv_slots + prefix_slots) * row_bytes)
+            prefix_memory = default_prefix_bytes(
+                (kv_slots + prefix_slots) * per_position * min(max_seq_len or c.context_length, c.context_length))
+        context = fit_context(model, max_seq_len, per_position,
+                              rows_at_once=1 if torch.device(device).type == "cpu" else kv_slots + 1)
+        max_seq_len = context["max_seq_len"]
+        log.info("layers %s: a context of %d tokens (%s)", model.layers, max_seq_len, context["why"])
+        row_bytes = max_seq_len * per_position
         if torch.device(device).type != "cpu":  # rows take their memory at once there (KVCache._zeros): only as many
             prefix_slots = min(prefix_slots, prefix_memory // row_bytes)  # as the bound holds
         # the live sequences' own K/V: what the budget leaves beside the weights and the kept prefixes' bound, and
@@ -90,7 +104,7 @@ class StageRuntime:
             runtime = cls(model, model.new_kv_cache(kv_slots, max_seq_len, device, prefix_slots=prefix_slots,
                                                     prefix_bytes=prefix_memory, live_bytes=live_bytes),
                           eager_reason=reason)
-            runtime._spec = spec
+            runtime._spec, runtime.context = spec, context
             return runtime
         kv = model.new_kv_cache(kv_slots, max_seq_len, device, scratch=True,  # the warm-up writes the scratch row
                                 prefix_slots=prefix_slots, prefix_bytes=prefix_memory, live_bytes=live_bytes)
@@ -103,7 +117,7 @@ class StageRuntime:
         else:
             compiled.warm_up_in_background()
         runtime = cls(model, kv, compiled)
-        runtime._spec = spec
+        runtime._spec, runtime.context = spec, context
         return runtime
 
     def reload(self, layers: LayerRange) -> StageRuntime:
@@ -114,9 +128,11 @@ class StageRuntime:
         cache is empty (KVCache.take_over fills it)."""
         if self._spec is None:
             raise CapabilityMissing("this runtime was not loaded by StageRuntime.load and cannot load another range")
-        mine, spec = self.model.layers, self._spec
+        # the context it serves stays (a default one is not fitted afresh to the new range: the K/V it takes over
+        # and the pipeline's context are of this one)
+        mine, spec = self.model.layers, {**self._spec, "max_seq_len": self.kv.max_seq_len}
         if layers.start >= mine.stop or layers.stop <= mine.start:  # nothing kept: loaded from the file
-            return StageRuntime.load(layers=layers, **spec)
+            return self._keeping_context(StageRuntime.load(layers=layers, **spec))
 
         held = self.model.weight_bytes() + (self.model.memory.kv_bytes if self.model.memory else 0)
         budget = spec["memory_budget"] if spec["memory_budget"] is not None else default_budget()
@@ -127,12 +143,27 @@ class StageRuntime:
             model = TransformerModel.from_gguf(spec["loader"], part, spec["dtype"], spec["device"],
                                                weights=spec["weights"], batch_invariant=spec["batch_invariant"],
                                                memory_budget=max(1, budget - held), kv_slots=spec["kv_slots"],
-                                               max_seq_len=spec["max_seq_len"])
+                                               max_seq_len=self._spec["max_seq_len"],  # weighed as its own were
+                                               kv_dtype=resolve_kv_dtype(spec["kv_dtype"], spec["dtype"]))
             apply_measured_crossover(model)
             return model
 
         # the layers it keeps built from its own weights, only the gained ones read from the file
-        return StageRuntime.load(layers=layers, model=self.model.rebuilt(layers, spec["loader"], gained), **spec)
+        return self._keeping_context(
+            StageRuntime.load(layers=layers, model=self.model.rebuilt(layers, spec["loader"], gained), **spec))
+
+    def _keeping_context(self, runtime: StageRuntime) -> StageRuntime:
+        runtime.context, runtime._spec = self.context, self._spec  # as this one chose it, and reloads as it would
+        return runtime
+
+    def context_info(self) -> dict:
+        """What /info reports of the context: self.context and the rope factor set it chooses ("long" or "short" for
+        LongRoPE, whose choice depends on it; None where one set serves every context)."""
+        rope = self.model.config.rope_scaling
+        which = None
+        if rope is not None and rope.freq_factors is None and rope.long_factors is not None:
+            which = "long" if rope.factors_for(self.kv.max_seq_len) is rope.long_factors else "short"
+        return {**self.context, "rope": which}
 
     def compiled_decode_info(self) -> dict:
         """What /info reports of the compiled decode step: CompiledDecode.info(), or why decode is eager."""
@@ -214,6 +245,37 @@ class StageRuntime:
             return logits
 
 
+MIN_AUTO_CONTEXT = 256  # the least context the default takes from a memory budget: below it, a clear refusal
+
+
+def fit_context(model: TransformerModel, asked: int | None, per_position: int, rows_at_once: int = 1) -> dict:
+    """The context a piece serves: `asked` (--max-seq-len) capped by the model's trained context; unasked, the
+    model's context as far as the memory budget holds `rows_at_once` rows of it beside the weights (on a CPU a row
+    takes memory as it is written, so one sequence of the full context must fit, as live_bytes guarantees one; on an
+    accelerator every row is allocated at once; cached prefixes give their memory up for live rows), in whole
+    multiples of MIN_AUTO_CONTEXT. {"model": the trained context, "max_seq_len": the one served, "why": how it was
+    chosen}; DoesNotFit when the budget leaves less than MIN_AUTO_CONTEXT positions."""
+    trained = model.config.context_length
+    if asked is not None:
+        why = "--max-seq-len" if asked <= trained else f"--max-seq-len {asked}, capped by the model's context"
+        return {"model": trained, "max_seq_len": min(asked, trained), "why": why}
+    if model.memory is None:
+        return {"model": trained, "max_seq_len": trained, "why": "the model's context"}
+    room = model.memory.budget - model.weight_bytes()
+    holds = max(0, room) // max(1, per_position * rows_at_once)
+    if holds >= trained:
+        return {"model": trained, "max_seq_len": trained, "why": "the model's context"}
+    if holds < MIN_AUTO_CONTEXT:
+        raise DoesNotFit(f"layers {model.layers}: the memory budget ({mib(model.memory.budget)}) leaves "
+                         f"{mib(max(0, room))} beside the weights, {holds} positions of K/V ({per_position} bytes "
+                         f"a position{f' x {rows_at_once} rows' if rows_at_once > 1 else ''}), under "
+                         f"{MIN_AUTO_CONTEXT}: give the stage more memory (--memory-budget) or fewer layers")
+    served = holds // MIN_AUTO_CONTEXT * MIN_AUTO_CONTEXT
+    return {"model": trained, "max_seq_len": served,
+            "why": f"the model's {trained}, capped by the memory budget ({mib(model.memory.budget)}, "
+                   f"{mib(model.weight_bytes())} of it weights): --max-seq-len to choose"}
+
+
 class LocalPipeline:
     """Several StageRuntimes in one process; each hands the next only its hidden state."""
 
@@ -222,9 +284,10 @@ class LocalPipeline:
 
     @classmethod
     def load(cls, loader: GgufLoader, ranges: list[LayerRange] | None, dtype: torch.dtype,
-             device: torch.device | str = "cpu", kv_slots: int = 4, max_seq_len: int = STAGE_DEFAULTS.max_seq_len, *,
-             weights: str | None = None, batch_invariant: bool = False, compile_decode: str = "off",
-             memory_budget: int | None = None, prefix_slots: int = 0, prefix_memory: int | None = None) -> LocalPipeline:
+             device: torch.device | str = "cpu", kv_slots: int = 4,
+             max_seq_len: int | None = STAGE_DEFAULTS.max_seq_len, *, weights: str | None = None,
+             batch_invariant: bool = False, compile_decode: str = "off", memory_budget: int | None = None,
+             prefix_slots: int = 0, prefix_memory: int | None = None, kv_dtype: str | None = None) -> LocalPipeline:
         """memory_budget: per piece (each piece is a stage's share); None: the default, split over the pieces.
         prefix_slots, prefix_memory: each piece's rows for cached prefixes and their bound (StageRuntime.load)."""
         ranges = ranges or [None]
@@ -233,7 +296,7 @@ class LocalPipeline:
         return cls([StageRuntime.load(loader, r, dtype, device, kv_slots, max_seq_len, weights=weights,
                                       batch_invariant=batch_invariant, compile_decode=compile_decode,
                                       memory_budget=memory_budget, prefix_slots=prefix_slots,
-                                      prefix_memory=prefix_memory) for r in ranges])
+                                      prefix_memory=prefix_memory, kv_dtype=kv_dtype) for r in ranges])
 
     @property
     def max_seq_len(self) -> int:

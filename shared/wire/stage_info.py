@@ -37,6 +37,7 @@ class StageInfo:
     listen: str  # the ZeroMQ address it receives micro-batches on
     device: str
     dtype: str  # activations
+    kv_dtype: str  # its K/V cache's (--kv-dtype, resolved)
     weights_mode: str  # shared.models.linear.WEIGHT_MODES
     batch_invariant: bool
     threads: int  # torch threads per micro-batch with others in flight ...
@@ -52,6 +53,9 @@ class StageInfo:
     kv_slots_cached: int  # rows kept as cached prefixes
     kv_prefix_slots: int  # rows for cached prefixes beside kv_slots
     kv_max_seq_len: int
+    # the context it serves and why: {"model": the trained context, "max_seq_len", "why"} (StageRuntime.fit_context);
+    # "rope": the rope frequency factors that context chooses ("long", "short" for LongRoPE; None: one set for all)
+    context: dict
     kv_slot_lease_s: float
     kv_prefix_memory_bytes: int  # the bound on cached prefixes' K/V (the gateway evicts by it)
     kv_live_memory_bytes: int  # the bound on live sequences' own K/V (the gateway admits by it; 0: none)

@@ -307,7 +307,8 @@ class Membership:
                     *placement.layers, placement.giver, placement.predicted_gain)
         return {"id": join.id, "layers": list(placement.layers), "place": p, "num_layers": pipe.num_layers,
                 "upstream_key": upstream, "upstream_before_key": before, "next": onward,
-                "predicted_gain": round(placement.predicted_gain, 4), "ready_within_s": self.ready_s}
+                "predicted_gain": round(placement.predicted_gain, 4), "ready_within_s": self.ready_s,
+                "max_seq_len": pipe.max_seq_len}
 
     async def ready(self, join_id: str) -> dict:
         """The joiner loaded its range and serves /ready: the pipeline goes from N to N+1 places."""
@@ -573,9 +574,12 @@ def refusal(pipe, report: dict, key: str | None, primary: StageInfo | None = Non
          f"it computes in {report.get('dtype')}{' batch-invariant' if report.get('batch_invariant') else ''}, the "
          f"mesh in {like.dtype}{' batch-invariant' if like.batch_invariant else ''}: join with --dtype {like.dtype}"
          f"{' --batch-invariant' if like.batch_invariant else ''}"),
-        (report.get("max_seq_len") != like.kv_max_seq_len,
-         f"it serves a context of {report.get('max_seq_len')} positions, the mesh {like.kv_max_seq_len}: join with "
-         f"--max-seq-len {like.kv_max_seq_len}"),
+        (report.get("kv_dtype", like.kv_dtype) != like.kv_dtype,
+         f"it keeps K/V in {report.get('kv_dtype')}, the mesh in {like.kv_dtype} (a re-split moves K/V between "
+         f"stages as it is): join with --kv-dtype {like.kv_dtype}"),
+        (not isinstance(report.get("max_seq_len"), int) or report["max_seq_len"] < pipe.max_seq_len,
+         f"it holds a context of {report.get('max_seq_len')} positions, the mesh serves {pipe.max_seq_len}: give it "
+         f"more memory (--memory-budget) or start the mesh with --max-seq-len {report.get('max_seq_len')}"),
         (not isinstance(report.get("kv_slots"), int) or report["kv_slots"] < pipe.kv_slots,
          f"it has {report.get('kv_slots')} KV slots, the mesh runs {pipe.kv_slots} sequences: join with --kv-slots "
          f"{pipe.kv_slots}"),

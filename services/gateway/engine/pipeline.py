@@ -49,11 +49,19 @@ def check_pipeline(infos: list[StageInfo | str], fingerprint: str, num_layers: i
         expected = rng.position(num_layers).value
         if info.position != expected:
             return f"stage {i} ({rng}) reports position {info.position}, expected {expected}"
-    # every stage must serve the same context: it picks rope factors (LongRoPE's long or short set) and bounds positions
-    lengths = [info.kv_max_seq_len for info in infos]
-    if len(set(lengths)) > 1:
-        return (f"the stages serve different contexts (max_seq_len {', '.join(map(str, lengths))} for stages "
-                f"0..{len(lengths) - 1}); start every stage with the same --max-seq-len")
+    kv_dtypes = [info.kv_dtype for info in infos]
+    if len(set(kv_dtypes)) > 1:  # a re-split, a join or a leave moves K/V between stages as it is
+        return (f"the stages keep K/V in different dtypes ({', '.join(kv_dtypes)} for stages 0..{len(infos) - 1}); "
+                "start every stage with the same --kv-dtype")
+    # the pipeline serves the least of its stages' contexts (each as its memory holds, Pipeline.max_seq_len); where
+    # the context picks the rope factors (LongRoPE's long or short set) every stage must pick the same ones
+    ropes = [r if (r := info.context.get("rope")) is None or isinstance(r, str) else f"a malformed {type(r).__name__}"
+             for info in infos]
+    if len(set(ropes)) > 1:
+        lengths = ", ".join(str(info.kv_max_seq_len) for info in infos)
+        return (f"the stages' contexts ({lengths} for stages 0..{len(infos) - 1}) choose different rope factors "
+                f"({', '.join(map(str, ropes))}: LongRoPE's set depends on the context); start every stage with the "
+                "same --max-seq-len")
     return None
 
 

@@ -204,7 +204,8 @@ class ReplicaJoins:
                     i, *placement.layers, placement.predicted_gain)
         return {"id": join.id, "layers": list(placement.layers), "place": i, "num_layers": pipe.num_layers,
                 "upstream_key": upstream, "upstream_before_key": None, "next": onward, "replica": True,
-                "predicted_gain": round(placement.predicted_gain, 4), "ready_within_s": self.ready_s}
+                "predicted_gain": round(placement.predicted_gain, 4), "ready_within_s": self.ready_s,
+                "max_seq_len": pipe.max_seq_len}
 
     # ---- ready, leave, loss -----------------------------------------------------------------------------------------
 
