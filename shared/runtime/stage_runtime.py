@@ -79,14 +79,13 @@ class StageRuntime:
             apply_measured_crossover(model)  # auto: where int4 hands over to the prefill kernel, timed on this machine
         c = model.config  # one KV row: every position of one sequence
         per_position = position_bytes(len(model.layers), c.num_kv_heads, c.head_dim, model.kv_dtype)
-        if prefix_memory is None:  # kept prefixes also use the rows live sequences leave free
-            prefix_memory = default_prefix_bytes(
-                (kv_slots + prefix_slots) * per_position * min(max_seq_len or c.context_length, c.context_length))
         context = fit_context(model, max_seq_len, per_position,
                               rows_at_once=1 if torch.device(device).type == "cpu" else kv_slots + 1)
         max_seq_len = context["max_seq_len"]
         log.info("layers %s: a context of %d tokens (%s)", model.layers, max_seq_len, context["why"])
         row_bytes = max_seq_len * per_position
+        if prefix_memory is None:  # kept prefixes also use the rows live sequences leave free
+            prefix_memory = default_prefix_bytes((kv_slots + prefix_slots) * row_bytes)
         if torch.device(device).type != "cpu":  # rows take their memory at once there (KVCache._zeros): only as many
             prefix_slots = min(prefix_slots, prefix_memory // row_bytes)  # as the bound holds
         # the live sequences' own K/V: what the budget leaves beside the weights and the kept prefixes' bound, and

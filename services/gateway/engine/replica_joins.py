@@ -69,8 +69,8 @@ class ReplicaPlacement:
         return self.step_ms_now / self.step_ms_after if self.step_ms_after > 0 else 1.0
 
 
-def place_replica(split: list[tuple[int, int]], ms_per_layer: list[float], instances: list[int], joiner_ms: float,
-                  head_layers: float, max_layers: int) -> ReplicaPlacement | None:
+def place_replica(split: list[tuple[int, int]], ms_per_layer: list[float], instances: list[int],
+                  joiner_layer_ms: float, head_layers: float, max_layers: int) -> ReplicaPlacement | None:
     """A replica of the range (after the first, within `max_layers`) whose extra instance lowers the predicted step
     time most: a range's time is its layers' cost (the last range's lm_head as `head_layers` more layers) over its
     instances, each adding 1 / t of throughput (`instances[i]`: range i's now, each as fast as its primary); the step
@@ -86,7 +86,7 @@ def place_replica(split: list[tuple[int, int]], ms_per_layer: list[float], insta
     for i, (rng, ms, k) in enumerate(zip(split, ms_per_layer, instances)):
         if i == 0 or rng[1] - rng[0] > max_layers:
             continue
-        after_i = 1.0 / (k / cost(rng, ms) + 1.0 / cost(rng, joiner_ms))
+        after_i = 1.0 / (k / cost(rng, ms) + 1.0 / cost(rng, joiner_layer_ms))
         after = max(after_i if j == i else t for j, t in enumerate(times))
         if best is None or after < best.step_ms_after - 1e-9:
             best = ReplicaPlacement(i, rng, now, after)
