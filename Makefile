@@ -14,7 +14,7 @@ PIP := $(BIN)/pip --quiet --quiet --disable-pip-version-check
 # environment says not to: a test run that compiles every module afresh spends ~5 s of each part's collection on it.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: llama-server install install-gemma3 dist install-reference install-browser install-kubectl fetch-vocab-suite serve test test-fast test-unit test-durations lint bench clean
+.PHONY: llama-server install install-gemma3 dist install-reference install-browser install-kubectl fetch-vocab-suite quantized-fixtures serve test test-fast test-unit test-durations lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,12 @@ $(VOCAB_SUITE)/.fetched: $(REF_STAMP)
 
 fetch-vocab-suite: $(VOCAB_SUITE)/.fetched
 
+# The quantized files the suite holds against llama.cpp (tests/quantized_fixtures.py), built once by llama.cpp's
+# quantizer into ~/.cache/stagemesh/quantized (~4 min and ~13 GB on a fresh machine; a later run finds them built).
+quantized-fixtures: install install-reference
+	@mkdir -p test-output
+	$(BIN)/python -m tests.quantized_fixtures 2> test-output/quantized-fixtures.log
+
 # llama.cpp's own C++ server, the performance anchor of benchmarks/compare_llamacpp, and its llama-perplexity beside
 # it (the perplexity agreement check in docs/models.md); neither is needed by `make test`: built once from the
 # llama.cpp source vendored in the installed llama-cpp-python's sdist (~8 min on 2 cores).
@@ -109,16 +115,17 @@ serve: install
 	$(BIN)/stagemesh up --model smollm2 --stages $(STAGES) --port $(PORT)
 
 # $(call two_parts,PYTEST FLAGS,NAME[,ENV]): one tier of the suite as two pytest sessions side by side
-# (tests/conftest.py, suite_part): the modules whose tests start real processes or bound a time, reported here, and
-# beside them, at a lower priority (nice), the others, balanced between the two by their recorded times
-# (tests/durations.json): CPU-bound, they fill the cores the others leave idle; reported after (and kept in
-# test-output/NAME-in-process.log). ENV: variables for both sessions. The tests marked `timing` run last, once the
-# in-process part has ended. Each part's per-test times: test-output/NAME-PART.xml. The exit status is the worse of
-# the two.
+# (tests/conftest.py, suite_part): the modules whose tests wait on real processes or bound a time, reported here, and
+# beside them, at a lower priority (nice), the CPU-bound others (in the unit tier, balanced between the two by their
+# recorded times, tests/durations.json); reported after (and kept in test-output/NAME-in-process.log). The CPU-bound
+# part's OpenMP threads sleep at a barrier rather than spin: beside a busy part, spinning threads at the lower
+# priority burn the share they get (the whole suite's in-process part ran at ~0.6 of its sleeping speed). ENV:
+# variables for both sessions. The tests marked `timing` run last, once the in-process part has ended. Each part's
+# per-test times: test-output/NAME-PART.xml. The exit status is the worse of the two.
 define two_parts
 	@mkdir -p test-output
 	@echo "the in-process part runs beside this one; its report follows this one's (test-output/$(2)-in-process.log)"
-	@$(3) nice -n 10 $(BIN)/python -m pytest -q -ra $(1) --part in-process --junitxml=test-output/$(2)-in-process.xml \
+	@$(3) OMP_WAIT_POLICY=PASSIVE nice -n 10 $(BIN)/python -m pytest -q -ra $(1) --part in-process --junitxml=test-output/$(2)-in-process.xml \
 	  > test-output/$(2)-in-process.log 2>&1 & partner=$$!; \
 	$(3) STAGEMESH_SUITE_PARTNER=$$partner $(BIN)/python -m pytest -q -ra $(1) --part processes \
 	  --junitxml=test-output/$(2)-processes.xml; processes=$$?; \
@@ -128,20 +135,18 @@ define two_parts
 endef
 
 # The whole suite. --durations: the slowest tests and setups of each part (what the suite's time goes to).
-test: install install-reference install-browser install-kubectl fetch-vocab-suite
+test: install install-reference install-browser install-kubectl fetch-vocab-suite quantized-fixtures
 	$(call two_parts,--durations=25,suite)
 
 # The unit tier: no real process, no llama.cpp (tests marked `reference` need its binding or sources), nothing slow;
-# under a minute on 2 cores, set up with `install` alone. Both of its sessions are CPU-bound, so their OpenMP threads
-# sleep at a barrier rather than spin (spinning beside each other lost the lower-priority one a third of its time).
-# The whole suite leaves them spinning: its in-process part, beside stages that mostly wait, took 33 min sleeping
-# where it had taken 26 spinning, and the timing tests wait for it.
+# under a minute on 2 cores, set up with `install` alone. Both of its sessions are CPU-bound, so both sessions'
+# OpenMP threads sleep at a barrier rather than spin.
 test-unit: install
 	$(call two_parts,-m "not processes and not slow and not reference",unit,OMP_WAIT_POLICY=PASSIVE)
 
 # The fast tier: every test that starts no real process (no stagemesh CLI run, stage, mesh, `up`, llama-server or
 # browser: those are marked `processes`, see tests/conftest.py); its time is mostly the llama.cpp comparisons.
-test-fast: install install-reference install-kubectl fetch-vocab-suite
+test-fast: install install-reference install-kubectl fetch-vocab-suite quantized-fixtures
 	$(call two_parts,-m "not processes and not slow",fast)
 
 # The tests' recorded times the two parts are balanced by (tests/durations.json), from the last run's junit files.

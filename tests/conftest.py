@@ -141,14 +141,16 @@ def pytest_collection_modifyitems(config, items):  # before -m deselects by thes
 
 
 # ---- the suite in two parts at once (make test) ------------------------------------------------------------------
-# On 2 cores the tests that start processes leave about a third of the CPU idle (waiting for stages to load, for a
-# stream, for a kill to be noticed), and the modules that start none are CPU-bound: `make test` runs the two parts as
-# two pytest sessions side by side. A module goes whole to one part (its module fixtures are set up once): to
-# "processes" if any of its tests that run starts one or bounds a time; the others go, heaviest first, to the part
-# with less work so far (by the tests' recorded times, tests/durations.json): in the whole suite that is the
-# in-process part, in the unit tier (no process started) the two share them. A test that bounds a time (a gap, how
-# soon a loss is noticed, how much traffic a window saw) is marked `timing`: the processes part runs those last, each
-# only once the other part has ended ($STAGEMESH_SUITE_PARTNER, its pid), so nothing else shares the cores with it.
+# On 2 cores the tests that start processes wait part of the time (for stages to load, for a stream, for a kill to be
+# noticed), and the modules that start none are CPU-bound: `make test` runs the two parts as two pytest sessions side
+# by side, the CPU-bound one at a lower priority, and the cores are busy throughout (2 % idle over a whole suite,
+# 2026-12-03: the processes part and its stages took ~2/3 of the CPU, the other part the rest). A module goes whole
+# to one part (its module fixtures are set up once): to "processes" if any of its tests that run starts one or bounds
+# a time; the others to the in-process part, or where no test starts processes (the unit tier), heaviest first to the
+# part with less work so far (by the tests' recorded times, tests/durations.json). A test that bounds a time (a gap,
+# how soon a loss is noticed, how much traffic a window saw) is marked `timing`: the processes part runs those last,
+# each only once the other part has ended ($STAGEMESH_SUITE_PARTNER, its pid), so nothing else shares the cores with
+# it; the other tests of their modules run before that wait, unless they share a module fixture with a timing test.
 
 def pytest_addoption(parser):
     parser.addoption("--part", choices=("in-process", "processes"), default=None,
@@ -180,31 +182,53 @@ def pytest_configure(config):
 
 def suite_part(items: list[pytest.Item], part: str, seconds: dict[str, float]) -> list[pytest.Item]:
     """The items of one part, in the order they run. A module is in the processes part when any of its items is
-    marked processes or timing; the other modules, heaviest first by `seconds` (a test's recorded time; none: 5 s for
-    one marked processes, 0.1 s for another), go each to the part with fewer seconds so far (ties: in-process). In the processes part the
-    modules with `timing` tests come after the others; each module keeps its order. Both sessions of a run compute
-    the same split from the same items."""
+    marked processes or timing. Where some start processes (the whole suite) every other module is in the in-process
+    part; where none does (the unit tier) the others, heaviest first
+    by `seconds` (a test's recorded time; none: 5 s for one marked processes, 0.1 s for another), go each to the part
+    with fewer seconds so far (ties: in-process), the processes part's counted without what runs after the other
+    part has ended (below). Each module keeps its order. In the processes part the modules with `timing` tests come last,
+    their other tests first (each module's in its order), then those that wait for the other part to end: the
+    `timing` ones and those that share a module fixture with one (set up once). Both sessions of a run compute the
+    same split from the same items."""
     def module(item):
         return item.nodeid.split("::")[0]
 
     def recorded(item):  # a test not yet timed: as a typical one of its kind
         return seconds.get(item.nodeid, 5.0 if item.get_closest_marker("processes") is not None else 0.1)
 
+    timing = [item for item in items if item.get_closest_marker("timing") is not None]
+    timed = {module(item) for item in timing}
+    late = set(timing)  # run once the other part has ended
+    for item in items:
+        if module(item) in timed and item not in late and any(
+                _module_fixtures(item) & _module_fixtures(t) for t in timing if module(t) == module(item)):
+            late.add(item)
     weight: dict[str, float] = {}
     for item in items:
-        weight[module(item)] = weight.get(module(item), 0.0) + recorded(item)
-    pinned = {module(item) for item in items
-              if item.get_closest_marker("processes") is not None or item.get_closest_marker("timing") is not None}
+        weight[module(item)] = weight.get(module(item), 0.0) + (0.0 if item in late else recorded(item))
+    waits = {module(item) for item in items if item.get_closest_marker("processes") is not None}
+    pinned = timed | waits
     load = {"processes": sum(weight[m] for m in pinned), "in-process": 0.0}
     where = dict.fromkeys(pinned, "processes")
     for m in sorted(set(weight) - pinned, key=lambda m: (-weight[m], m)):
-        where[m] = "processes" if load["processes"] < load["in-process"] else "in-process"
+        # beside tests that start processes, every CPU-bound module runs in the other part, at the lower priority:
+        # one in the processes part would take the cores from it rather than the idle time (it ran 2.5x slower)
+        where[m] = "processes" if not waits and load["processes"] < load["in-process"] else "in-process"
         load[where[m]] += weight[m]
     mine = [item for item in items if where[module(item)] == part]
     if part == "in-process":
         return mine
-    timed = {module(item) for item in items if item.get_closest_marker("timing") is not None}
-    return [item for item in mine if module(item) not in timed] + [item for item in mine if module(item) in timed]
+    return ([item for item in mine if module(item) not in timed]
+            + [item for item in mine if module(item) in timed and item not in late]
+            + [item for item in mine if item in late])
+
+
+def _module_fixtures(item: pytest.Item) -> set[str]:
+    """The fixtures of `item` set up once for its module or class (a test run apart from the others of its module
+    would set them up a second time)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return {name for name in getattr(info, "names_closure", ())
+            for d in info.name2fixturedefs.get(name, ()) if d.scope in ("module", "class", "package")}
 
 
 def _wait_for_partner(item: pytest.Item) -> None:

@@ -36,8 +36,11 @@ def test_help(command):
 
 @pytest.mark.processes
 def test_generate_json_greedy_matches_llama_cpp_first_tokens(smollm2, llama_ref):
-    out = json.loads(run("generate", "--prompt", "The capital of France is", "--max-tokens", "8",
-                         "--dtype", "float32", "--temperature", "0", "--json"))
+    """Greedy tokens of `generate` against llama.cpp's (its K/V cache float16, llama_ref's), with our K/V in float32
+    and in float16 (--kv-dtype float16, the dtype llama.cpp keeps)."""
+    argv = ["generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--dtype", "float32",
+            "--temperature", "0", "--json"]
+    out, half = (json.loads(o) for o in runs(argv, [*argv, "--kv-dtype", "float16"]))
     assert len(out["token_ids"]) == 8
     assert out["text"] == smollm2.tokenizer.decode(out["token_ids"])
     assert out["timings"]["generated_tokens"] == 8
@@ -49,6 +52,7 @@ def test_generate_json_greedy_matches_llama_cpp_first_tokens(smollm2, llama_ref)
         if len(ref) == 3:
             break
     assert out["token_ids"][:3] == ref  # the first greedy tokens agree with llama.cpp's
+    assert half["token_ids"][:3] == ref
 
 
 @pytest.mark.processes

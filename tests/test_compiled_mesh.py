@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.testing.harness import children
+from services.testing.tiny_gguf import write_tiny_gguf
 from shared.kernels import qdot
+from tests.test_aoti_decode import SMOLLM2_WIDE
 
 pytestmark = pytest.mark.processes  # every test here starts a real up
 
@@ -20,9 +22,9 @@ pytestmark = pytest.mark.processes  # every test here starts a real up
 SHAPE_FLAGS = ("--kv-slots", "3", "--max-seq-len", "256")
 
 
-def complete(url: str, max_tokens: int) -> dict:
+def complete(url: str, max_tokens: int, model: str = "smollm2") -> dict:
     # without n-gram drafts (the greedy text repeats, so they would stand): every step one token, the steps counted
-    body = json.dumps({"model": "smollm2", "prompt": "The history of the printing press", "max_tokens": max_tokens,
+    body = json.dumps({"model": model, "prompt": "The history of the printing press", "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True, "speculation": False}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -30,19 +32,28 @@ def complete(url: str, max_tokens: int) -> dict:
         return json.loads(r.read())
 
 
-def test_a_two_stage_mesh_serves_while_compiling_then_every_stage_decodes_compiled(up):
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> str:
+    """SmolLM2's widths, vocabulary and Q4_1 blocks in 4 layers (tests/test_aoti_decode.py): what the compiled graphs
+    prove does not depend on the depth, and 2 layers a stage compile in a fraction of SmolLM2's 15."""
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("wide") / "wide.gguf"), SMOLLM2_WIDE)
+
+
+def test_a_two_stage_mesh_serves_while_compiling_then_every_stage_decodes_compiled(up, wide_model):
     """One up of two stages proves both halves: it serves at once while its stages compile (every step of that request
     eager), then each stage runs one stream's decode steps and the streams decoding together on its compiled graphs.
     The stages after the first take their input from the wire: a view of a ZeroMQ frame, not a tensor made under
     inference mode like the first stage's embedding. The graph must take it without recompiling (which would leave
     that stage eager for good)."""
-    gw = up("--compile-decode", "auto", *SHAPE_FLAGS, stages=2)
+    gw = up("--model", wide_model, "--compile-decode", "auto", *SHAPE_FLAGS, stages=2)
+    served = json.loads(gw.get("/v1/models")[1])["data"][0]["id"]
+
     stages = range(2)
     before = [gw.stage_info(i).compiled_decode for i in stages]
     # no other test asks for this setup: its up has just started, and a cold compilation takes 1-2 minutes (the
     # suite saves no compiled packages: STAGEMESH_AOTI_CACHE=off, tests/conftest.py)
     assert all(b["state"] == "compiling" and b["error"] is None and b["steps"] == 0 for b in before), before
-    out = complete(gw.url, 8)  # served at once, while the stages compile
+    out = complete(gw.url, model=served, max_tokens=8)  # served at once, while the stages compile
     assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["text"]
     during = [gw.stage_info(i).compiled_decode for i in stages]
     assert all(d["state"] == "compiling" and d["steps"] == 0 for d in during), during  # every step of it ran eager
@@ -51,7 +62,7 @@ def test_a_two_stage_mesh_serves_while_compiling_then_every_stage_decodes_compil
         assert info["state"] == "ready" and set(info["compile_seconds"]) == {str(n) for n in info["threads"]}, info
         assert info["contexts"] == [2, 255]  # one graph: every context but the two ends of the 256-position cache
         assert not info["fell_back_to_eager"]
-    out = complete(gw.url, 16)
+    out = complete(gw.url, model=served, max_tokens=16)
     assert out["usage"]["completion_tokens"] == 16
     infos = [gw.stage_info(i) for i in stages]
     after = [i.compiled_decode for i in infos]
@@ -84,7 +95,7 @@ def test_a_two_stage_mesh_serves_while_compiling_then_every_stage_decodes_compil
         assert b["sizes"] == [2, 3] and not b["fell_back_to_eager"], b
         assert (b["reason"] is None) == c, b
     with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda _: complete(gw.url, 24), range(3)))
+        outs = list(pool.map(lambda _: complete(gw.url, model=served, max_tokens=24), range(3)))
     assert [o["usage"]["completion_tokens"] for o in outs] == [24] * 3 and all(o["choices"][0]["text"] for o in outs)
     for i, b, c in zip(stages, batched, covered):
         now = gw.stage_info(i).compiled_decode["batched"]

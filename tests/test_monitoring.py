@@ -25,9 +25,10 @@ METRIC = re.compile(r"\bstagemesh_[a-z0-9_]+")
 
 
 def fresh_stage_registry():
-    """A stage's registry over a fresh ledger and a small KV cache: every number zero."""
+    """A stage's registry over a fresh ledger and a small KV cache (every count zero), calibrated at start."""
     kv = KVCache(num_layers=1, num_slots=2, max_seq_len=16, num_kv_heads=1, head_dim=4, dtype=torch.float32)
-    return stage_registry(StageStats(), kv, lambda: 0)
+    calibration = {"rows": [1], "ms_per_step": [2.0], "seconds": 1.0, "free_bytes": 2**30, "bandwidth": 1e10}
+    return stage_registry(StageStats(), kv, lambda: 0, lambda: 10**7, lambda: calibration)
 
 
 def exported_samples() -> set[str]:

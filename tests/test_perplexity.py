@@ -74,9 +74,10 @@ def _nll_mean(chunk_logits, first: int) -> float:
     return float(np.concatenate(nll).mean())
 
 
-def _stagemesh_perplexity(model: str, path: str) -> dict:
+def _stagemesh_perplexity(model: str, path: str, *flags: str) -> dict:
     proc = subprocess.run(stagemesh_cmd("perplexity", "--model", model, "--file", path, "--context", str(CONTEXT),
-                                        "--dtype", "float32", "--json"), capture_output=True, text=True, timeout=300)
+                                        "--dtype", "float32", "--json", *flags), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -88,12 +89,12 @@ def text_file(varied_text, tmp_path_factory) -> str:
     return str(path)
 
 
-def _check_agreement(name: str, model: str, llm, path: str) -> tuple[list, bool]:
-    """stagemesh perplexity --json within 1 % of the llama-perplexity figure from llm's tokens and logits, on as many
-    chunks and scored tokens."""
+def _check_agreement(name: str, model: str, llm, path: str, *flags: str) -> tuple[list, bool]:
+    """stagemesh perplexity --json [flags] within 1 % of the llama-perplexity figure from llm's tokens and logits, on
+    as many chunks and scored tokens."""
     chunk_logits, add_bos = _llama_cpp_chunk_logits(llm, open(path, encoding="utf-8").read(), CONTEXT)
     ref = math.exp(_nll_mean(chunk_logits, CONTEXT // 2))
-    ours = _stagemesh_perplexity(model, path)
+    ours = _stagemesh_perplexity(model, path, *flags)
     print(f"\n{name} (add_bos {add_bos}): stagemesh perplexity {ours['perplexity']:.4f}, llama-perplexity's rule on "
           f"llama.cpp's logits {ref:.4f} ({ours['perplexity'] / ref - 1:+.2%}), {ours['chunks']} chunks of {CONTEXT}")
     assert ours["chunks"] == len(chunk_logits) >= 3
@@ -104,11 +105,15 @@ def _check_agreement(name: str, model: str, llm, path: str) -> tuple[list, bool]
 
 @pytest.mark.slow
 @pytest.mark.processes
-def test_smollm2_agrees_with_llama_perplexity(llama_ref, text_file):
+def test_smollm2_agrees_with_llama_perplexity(smollm2, llama_ref, text_file):
     """SmolLM2's vocabulary adds no BOS: no replacement, only the chunking and the second-half scoring. Against
-    llama.cpp on the same Q4_1 file (its 8-bit activations move this model's figure by ~0.3 %)."""
-    _, add_bos = _check_agreement("SmolLM2", "smollm2", llama_ref, text_file)
+    llama.cpp on the same Q4_1 file (its 8-bit activations move this model's figure by ~0.3 %), with the K/V cache in
+    the same dtype on both sides: float32 (-ctk f32 -ctv f32), and float16 (--kv-dtype float16 against llama.cpp's
+    default cache, llama_ref's)."""
+    f32 = llama_cpp_model(smollm2.loader.path, n_ctx=CONTEXT, kv_dtype="float32")
+    _, add_bos = _check_agreement("SmolLM2", "smollm2", f32, text_file)
     assert not add_bos
+    _check_agreement("SmolLM2, K/V in float16", "smollm2", llama_ref, text_file, "--kv-dtype", "float16")
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ SmolLM2 requantized to the common presets, and the real Gemma 3 270M Q4_K_M file
 once into services.testing.tiny_gguf.QUANT_CACHE; a preset llama.cpp refuses for a file is skipped with its reason."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -54,13 +55,18 @@ def _preset(src: str, preset: str) -> str:
         pytest.skip(str(e))
 
 
+def write_sources(folder: str) -> dict[str, str]:
+    """Float32 tiny GGUFs (the quantizer's input) written into folder: the llama widths and one per other
+    architecture. The same bytes on every run (seeded), so their quantized files are found in QUANT_CACHE."""
+    files = {name: write_tiny_gguf(os.path.join(folder, f"{name}.gguf"), spec) for name, spec in WIDTHS.items()}
+    files |= {arch: write_tiny_gguf(os.path.join(folder, f"{arch}.gguf"), _spec(arch))
+              for arch in ARCHS if arch != "llama"}
+    return files
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, str]:
-    """Float32 tiny GGUFs (the quantizer's input): the llama widths and one per other architecture."""
-    out = tmp_path_factory.mktemp("real-files")
-    files = {name: write_tiny_gguf(str(out / f"{name}.gguf"), spec) for name, spec in WIDTHS.items()}
-    files |= {arch: write_tiny_gguf(str(out / f"{arch}.gguf"), _spec(arch)) for arch in ARCHS if arch != "llama"}
-    return files
+    return write_sources(str(tmp_path_factory.mktemp("real-files")))
 
 
 def _check_tiny(path: str, tolerance: float = TOLERANCE, flips: int = 0) -> None:

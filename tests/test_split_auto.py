@@ -3,14 +3,16 @@ gateway moves the mesh to the split that balances those times within each stage'
 ready (services/gateway/engine/balance.py StartSplit, the arithmetic shared.runtime.plan.proposal's)."""
 
 import json
+import math
 import subprocess
 import time
+import urllib.request
 
 import pytest
 import torch
 
 from services.gateway.engine.balance import StartSplit
-from services.testing.harness import start_up
+from services.testing.harness import scrape_metric, start_up
 from services.testing.slow_host import SlowStages, can_throttle
 from shared.errors import StagemeshError
 from shared.files.gguf_loader import GgufLoader
@@ -119,6 +121,11 @@ def _auto_up(tmp_path, name: str, quota: dict[int, float], stack):
         time.sleep(0.2)
 
 
+def _stage_metric(stage_url: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(stage_url + "/metrics", timeout=10) as r:
+        return scrape_metric(r.read().decode(), name, labels)
+
+
 @pytest.mark.processes
 @pytest.mark.skipif(not can_throttle(), reason="needs a writable cgroup v1 cpu controller (/sys/fs/cgroup/cpu)")
 def test_up_split_auto_gives_a_throttled_stage_fewer_layers(tmp_path):
@@ -127,7 +134,7 @@ def test_up_split_auto_gives_a_throttled_stage_fewer_layers(tmp_path):
     ready only with the split chosen (its /v1/mesh, `status` and the stages' own /info agree on it)."""
     import contextlib
 
-    splits = {}
+    splits, fractions = {}, {}
     for name, quota in (("equal", {}), ("throttled", {1: 0.3})):
         with contextlib.ExitStack() as stack:
             gw, pipe = _auto_up(tmp_path, name, quota, stack)
@@ -143,6 +150,10 @@ def test_up_split_auto_gives_a_throttled_stage_fewer_layers(tmp_path):
             assert status.returncode == 0 and "chosen by measurement" in status.stdout, status.stdout + status.stderr
             assert f"split {pipe['split']} chosen" in " ".join(status.stdout.split())
             splits[name] = (int(pipe["split"]), per_layer)
+            # each stage states its one-row decode against the memory roofline (the triad --calibrate measured)
+            fractions[name] = [_stage_metric(url, "stagemesh_stage_roofline_fraction", basis="calibrated")
+                               for url in gw.stage_urls()]
+            assert all(0 < f < math.inf for f in fractions[name]), fractions
     (equal, _), (throttled, per_layer) = splits["equal"], splits["throttled"]
     assert per_layer[1] > per_layer[0], splits  # the throttle is measured
     assert 30 - throttled < 30 - equal, splits  # ... and the throttled stage holds fewer layers

@@ -11,16 +11,21 @@ import itertools
 import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
+from gguf import GGUFReader
 from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.stage.http import WORKER, make_app
 from services.stage.io import StageIO
+from services.stage.metrics import stage_registry
 from services.stage.stats import HOP_BUCKETS, StageStats, Timings, size_class
 from services.stage.worker import StageIdentity, StageWorker
 from shared.batch.steps import Decode, Prefill
 from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange
+from shared.models.kv_cache import KVCache
+from shared.runtime.calibrate import calibrate
+from shared.runtime.plan import ModelFacts
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.protocol import BatchResult, ForwardBatch, ReleaseDone, SeqEntry
 from shared.wire.stage_info import StageInfo
@@ -44,6 +49,8 @@ async def test_info_and_metrics_report_the_same_numbers_from_the_one_ledger(tiny
     identity = StageIdentity("tiny", loader.fingerprint, LayerRange(0, runtime.model.config.num_layers),
                              runtime.model.config.num_layers, runtime.model.position, "float32", listen=stage_in)
     worker = StageWorker(runtime, io, identity, slot_lease_s=0)
+    worker.model_facts = ModelFacts.from_gguf(loader, 4)  # as serve() gives them, with --calibrate's measurement
+    worker.calibration = calibrate(runtime, [1], min_seconds=0.2)
     gateway = ZmqTransport(gateway_in, stage_in, accept=(BatchResult, ReleaseDone), keys=None)
     app = make_app()
     app[WORKER] = worker
@@ -93,6 +100,29 @@ async def test_info_and_metrics_report_the_same_numbers_from_the_one_ledger(tiny
                 assert getattr(info, field.name) == pytest.approx(metric(sample), abs=1e-3), field.name
                 named += 1
     assert named >= 14, named
+    # one-row decode against the memory roofline: the step reads every tensor of the file once (one stage, tied
+    # embeddings: token_embd is the head), as gguf's own reader sizes them
+    step_bytes = sum(int(t.n_bytes) for t in GGUFReader(tiny_path).tensors)
+    assert metric("stagemesh_stage_decode_step_bytes") == step_bytes
+    bandwidth = metric("stagemesh_stage_read_bandwidth_bytes_per_second")
+    assert bandwidth == worker.calibration["bandwidth"] > 1e8  # a triad of this host: far above 100 MB/s
+    one = stats.compute["1"]
+    assert metric("stagemesh_stage_roofline_fraction", basis="serving") == pytest.approx(
+        step_bytes / bandwidth / (one.seconds / one.count))
+    assert metric("stagemesh_stage_roofline_fraction", basis="calibrated") == pytest.approx(
+        step_bytes / bandwidth / (worker.calibration["ms_per_step"][0] / 1e3))
+
+
+def test_a_stage_without_calibration_states_its_step_bytes_and_no_fraction():
+    kv = KVCache(num_layers=1, num_slots=2, max_seq_len=16, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    stats = StageStats()
+    stats.computed(0.002, 1)
+    bare = {s.name for fam in stage_registry(stats, kv, lambda: 0).collect() for s in fam.samples}
+    assert not {n for n in bare if "roofline" in n or "decode_step_bytes" in n or "bandwidth" in n}
+    sized = {(s.name, tuple(s.labels.items())): s.value
+             for fam in stage_registry(stats, kv, lambda: 0, lambda: 10**6).collect() for s in fam.samples}
+    assert sized[("stagemesh_stage_decode_step_bytes", ())] == 10**6
+    assert not {n for n, _ in sized if "roofline" in n or "bandwidth" in n}  # no bandwidth measured: no fraction
 
 
 def test_timings_expose_what_a_prometheus_histogram_does():

@@ -259,7 +259,7 @@ def probe_report(files, dtype, device, config, load) -> dict:
     probe = StageRuntime.load(files.loader, probe_range, dtype, device, config.kv_slots, config.max_seq_len,
                               weights=load.weights_mode, batch_invariant=load.batch_invariant, compile_decode="off",
                               kv_dtype=load.kv_dtype)
-    timed = calibrate(probe, [1], PROBE_S)
+    timed = calibrate(probe, [1], PROBE_S, bandwidth=False)  # (placement reads its time alone)
     layers = len(probe_range)
     # a layer's weights and its K/V of one sequence of the whole context (what a stage promises to hold: the rows
     # beyond take memory only as they are written, within its admission bound)

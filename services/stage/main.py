@@ -33,6 +33,7 @@ from shared.models.device import default_device, resolve_dtype
 from shared.observe.otlp import OtlpTracer
 from shared.runtime.calibrate import calibrate
 from shared.runtime.model_files import ModelFiles
+from shared.runtime.plan import ModelFacts
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.mesh_keys import SocketKeys
 from shared.wire.protocol import BatchError, ForwardBatch, KVParcel, ReleaseSeqs, Resplit
@@ -169,6 +170,7 @@ async def serve(files: ModelFiles, layers: LayerRange, place: StagePlace, config
     worker = StageWorker(runtime, io, identity, tracing=place.tracing, slot_lease_s=config.slot_lease_s,
                          compute_thread=compute_thread, otlp=otlp, threads=threads)
     worker.calibration = calibration
+    worker.model_facts = ModelFacts.from_gguf(files.loader, runtime.model.kv_dtype.itemsize)
     app[WORKER] = worker
     log.info("stage %s (%s) ready: %s -> %s, incarnation %s, %s, a context of %d tokens (%s)", layers, position.value,
              place.listen, place.next, identity.incarnation,

@@ -18,12 +18,17 @@ def _buckets(t: Timings) -> list[tuple[str, int]]:
 
 
 class StageCollector:
-    """Every stage metric, from `stats` (the ledger), `kv` (its slots) and `queue_depth` (prefetched inputs)."""
+    """Every stage metric, from `stats` (the ledger), `kv` (its slots), `queue_depth` (prefetched inputs),
+    `decode_bytes` (what a one-row decode step of its layers reads, None unknown) and `calibration` (--calibrate's
+    measurement at start, None without it: shared.runtime.calibrate)."""
 
-    def __init__(self, stats: StageStats, kv: KVCache | Callable[[], KVCache], queue_depth: Callable[[], int]):
+    def __init__(self, stats: StageStats, kv: KVCache | Callable[[], KVCache], queue_depth: Callable[[], int],
+                 decode_bytes: Callable[[], int | None] = lambda: None,
+                 calibration: Callable[[], dict | None] = lambda: None):
         # kv: the cache, or how to find the current one (a live re-split gives the stage another)
         self.stats, self.queue_depth = stats, queue_depth
         self.kv = kv if callable(kv) else (lambda: kv)
+        self.decode_bytes, self.calibration = decode_bytes, calibration
 
     def collect(self):
         s, t, kv = self.stats, self.stats.transport, self.kv()
@@ -81,13 +86,44 @@ class StageCollector:
         yield GaugeMetricFamily("stagemesh_stage_kv_shared_bytes", "K/V that held slots read from a cached prefix's "
                                 "memory pages instead of copies of their own (memory the sharing saves)",
                                 value=kv.shared_bytes)
+        yield from self._roofline()
         yield GaugeMetricFamily("stagemesh_stage_bubble_ratio",
                                 "Share of the compute loop's time spent waiting for input since start "
                                 "(windowed: rate(waiting) / (rate(waiting) + rate(busy)))", value=s.bubble_ratio)
 
 
-def stage_registry(stats: StageStats, kv: KVCache | Callable[[], KVCache], queue_depth: Callable[[], int]) -> CollectorRegistry:
+    def _roofline(self):
+        """One-row decode against the memory roofline (shared/runtime/roofline.py): the bytes a step reads, the host's
+        bandwidth where --calibrate measured it, and with both the share of that bound the steps reach."""
+        step_bytes, calibration = self.decode_bytes(), self.calibration() or {}
+        if step_bytes is None:
+            return
+        yield GaugeMetricFamily("stagemesh_stage_decode_step_bytes", "Bytes a one-row decode step of this stage's "
+                                "layers reads: their weights as the file stores them, and the head's on the last "
+                                "stage (K/V not counted)", value=step_bytes)
+        bandwidth = calibration.get("bandwidth")
+        if not bandwidth:
+            return
+        yield GaugeMetricFamily("stagemesh_stage_read_bandwidth_bytes_per_second", "This host's read bandwidth: a "
+                                "STREAM triad with the stage's threads, at start (--calibrate)", value=bandwidth)
+        roofline_s = step_bytes / bandwidth  # the least a one-row step can take
+        fraction = GaugeMetricFamily("stagemesh_stage_roofline_fraction", "A one-row decode step at the memory "
+                                     "roofline (its bytes over the read bandwidth) over the time it took: basis "
+                                     "calibrated, --calibrate's steps of one row at start; serving, the mean of the "
+                                     "one-token micro-batches computed so far", labels=["basis"])
+        rows = calibration.get("rows") or []
+        if 1 in rows:
+            fraction.add_metric(["calibrated"], roofline_s / (calibration["ms_per_step"][rows.index(1)] / 1e3))
+        one = self.stats.compute["1"]
+        if one.count:
+            fraction.add_metric(["serving"], roofline_s / (one.seconds / one.count))
+        yield fraction
+
+
+def stage_registry(stats: StageStats, kv: KVCache | Callable[[], KVCache], queue_depth: Callable[[], int],
+                   decode_bytes: Callable[[], int | None] = lambda: None,
+                   calibration: Callable[[], dict | None] = lambda: None) -> CollectorRegistry:
     """The registry /metrics serves: one collector over the ledger."""
     registry = CollectorRegistry()
-    registry.register(StageCollector(stats, kv, queue_depth))
+    registry.register(StageCollector(stats, kv, queue_depth, decode_bytes, calibration))
     return registry

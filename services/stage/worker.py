@@ -28,7 +28,9 @@ from shared.files.layers import LayerRange, StagePosition
 from shared.kernels import plans, qdot
 from shared.observe.log_throttle import throttled
 from shared.observe.otlp import OtlpTracer, trace_id_of
+from shared.runtime.plan import ModelFacts
 from shared.runtime.resplit import ResplitRefused, StageResplit
+from shared.runtime.roofline import token_bytes
 from shared.runtime.stage_runtime import StageRuntime
 from shared.runtime.trace import CaptureHook
 from shared.wire.protocol import (
@@ -107,7 +109,8 @@ class StageWorker:
         self.io = io
         self.identity = identity
         self.stats = StageStats(transport=io.transport.stats)  # the one ledger: /info and /metrics both read it
-        self.registry = stage_registry(self.stats, lambda: self.runtime.kv, lambda: io.queue_depth)
+        self.registry = stage_registry(self.stats, lambda: self.runtime.kv, lambda: io.queue_depth,
+                                       self.decode_bytes, lambda: self.calibration)
         self.resplit = StageResplit(identity.num_layers)  # a live re-split's state (the gateway drives it)
         self.membership = StageMembership(self)  # a change of the mesh's members (services/stage/membership.py)
         # a re-split's new range loads on a thread of its own while this stage serves on (a second OpenMP team for
@@ -121,6 +124,15 @@ class StageWorker:
         self.recent_in: deque[int] = deque(maxlen=RECENT_MB)
         self.recent_out: deque[int] = deque(maxlen=RECENT_MB)
         self.calibration: dict | None = None  # --calibrate's measurement at start (shared.runtime.calibrate)
+        self.model_facts: ModelFacts | None = None  # the file's sizes (serve() gives them): what a step reads
+
+    def decode_bytes(self) -> int | None:
+        """Bytes a one-row decode step of this stage's layers reads as the file stores them (the head's too on the
+        last stage; K/V not counted: shared.runtime.roofline), None without the model's facts."""
+        if self.model_facts is None:
+            return None
+        layers = self.runtime.model.layers
+        return token_bytes(self.model_facts, range(layers.start, layers.stop), head=self.runtime.model.has_lm_head)
 
     async def run(self) -> None:
         """Serve until cancelled: StageIO's reader feeds the compute thread, which serves every input (_serve)."""
@@ -168,13 +180,13 @@ class StageWorker:
             refused = self._refused_route(msg)
             out = refused or self.compute(msg)
             self.stats.computed(time.perf_counter() - t0, msg.num_tokens)
+            if span is not None:  # ended before the send: the gateway may have the result before send returns
+                self.otlp.end(span, error=out.message if isinstance(out, BatchError) else None)
             via = None
             if isinstance(out, ForwardBatch) and msg.route:  # on to the route's next instance, with the rest of it
                 via, out.route = msg.route[0], msg.route[1:]
             if self.io.send(out, via):
                 self.recent_out.append(msg.mb_id)
-            if span is not None:
-                self.otlp.end(span, error=out.message if isinstance(out, BatchError) else None)
         elif isinstance(msg, ReleaseSeqs):
             self._release(msg)
         elif isinstance(msg, BatchError):  # an earlier stage failed this micro-batch: pass it on to the client

@@ -222,14 +222,18 @@ def q8_1_bytes(rows: int, cols: int) -> np.ndarray:
     return np.zeros((rows, cols // block * size), dtype=np.uint8)
 
 
-def llama_cpp_model(path: str, n_ctx: int = 512):
-    """llama-cpp-python over path, every position's logits kept, quiet. YaRN's betas and attn factor come from the
-    file as in llama.cpp's own tools (-1: from the model; llama-cpp-python's defaults would override them)."""
+GGML_KV_TYPES = {"float32": 0, "float16": 1}  # ggml_type of a K/V cache, as -ctk / -ctv name them: f32, f16
+
+
+def llama_cpp_model(path: str, n_ctx: int = 512, kv_dtype: str = "float16"):
+    """llama-cpp-python over path, every position's logits kept, quiet, its K/V cache in `kv_dtype` (float16:
+    llama.cpp's default; float32: -ctk f32 -ctv f32). YaRN's betas and attn factor come from the file as in llama.cpp's
+    own tools (-1: from the model; llama-cpp-python's defaults would override them)."""
     from llama_cpp import Llama
 
     return Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
                  n_threads=max(1, (os.cpu_count() or 2)), yarn_beta_fast=-1.0, yarn_beta_slow=-1.0,
-                 yarn_attn_factor=-1.0)
+                 yarn_attn_factor=-1.0, type_k=GGML_KV_TYPES[kv_dtype], type_v=GGML_KV_TYPES[kv_dtype])
 
 
 def llama_cpp_logits(llm, ids: list[int]) -> np.ndarray:

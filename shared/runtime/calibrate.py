@@ -5,7 +5,10 @@ host has free for more layers. The gateway's --split auto turns every stage's fi
 
 A throttled host (a pod's CPU limit, a cgroup's cpu.cfs_quota_us) runs at full speed until its quota for the period
 is spent, then not at all: a median of a few steps would miss it. So each batch size runs for at least
-CALIBRATE_S wall-clock (ten of the kernel's default 100 ms periods) and its time is the mean over that whole span."""
+CALIBRATE_S wall-clock (ten of the kernel's default 100 ms periods) and its time is the mean over that whole span.
+
+It also measures the host's read bandwidth (a STREAM triad, shared.runtime.roofline) with the same threads: with the
+bytes a step of its layers reads, the stage's /metrics states its decode as a fraction of the memory roofline."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 
 from shared.batch.steps import Decode, Prefill
 from shared.models.memory import available_bytes
+from shared.runtime.roofline import TRIAD_ARRAY_BYTES, triad_bandwidth
 from shared.runtime.stage_runtime import StageRuntime
 from shared.wire.protocol import SeqEntry
 
@@ -24,11 +28,12 @@ WARM_STEPS = 2  # untimed: a kernel's first call at a shape pays one-off costs
 MIN_STEPS = 8
 
 
-def calibrate(runtime: StageRuntime, rows: list[int], min_seconds: float = CALIBRATE_S) -> dict:
+def calibrate(runtime: StageRuntime, rows: list[int], min_seconds: float = CALIBRATE_S, bandwidth: bool = True) -> dict:
     """Mean ms of one decode step of this stage's layers at each batch size in `rows` (clamped to its KV slots),
-    each timed over at least `min_seconds`; and the bytes this host has free now. JSON-able:
-    {"rows": [b...], "ms_per_step": [ms...], "seconds": s, "free_bytes": n}, and on the last stage "head_ms": [ms...],
-    the norm + lm_head's part of each step (timed apart, over half as long)."""
+    each timed over at least `min_seconds`; the bytes this host has free now; and where `bandwidth`, its read bandwidth
+    with the threads torch has (a triad over arrays of at most an eighth of the free bytes each). JSON-able:
+    {"rows": [b...], "ms_per_step": [ms...], "seconds": s, "free_bytes": n, "bandwidth": bytes/s}, and on the last
+    stage "head_ms": [ms...], the norm + lm_head's part of each step (timed apart, over half as long)."""
     model = runtime.model
     hidden_size = model.config.hidden_size
     ms, head_ms, took = [], [], time.perf_counter()
@@ -60,8 +65,10 @@ def calibrate(runtime: StageRuntime, rows: list[int], min_seconds: float = CALIB
                 runtime.release(s)
         if model.has_lm_head:
             head_ms.append(_head_ms(runtime, b, min_seconds / 2))
-    result = {"rows": sizes, "ms_per_step": ms, "seconds": round(time.perf_counter() - took, 3),
-              "free_bytes": available_bytes()}
+    free = available_bytes()
+    result = {"rows": sizes, "ms_per_step": ms, "seconds": round(time.perf_counter() - took, 3), "free_bytes": free}
+    if bandwidth:
+        result["bandwidth"] = round(triad_bandwidth(array_bytes=max(2**20, min(TRIAD_ARRAY_BYTES, free // 8))))
     if model.has_lm_head:  # its share of each step: the split moves layers, the head stays on the last stage
         result["head_ms"] = head_ms
     return result

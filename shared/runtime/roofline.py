@@ -36,7 +36,7 @@ def triad_bandwidth(array_bytes: int = TRIAD_ARRAY_BYTES, passes: int = TRIAD_PA
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        b, c, a = torch.rand(n), torch.rand(n), torch.empty(n)
+        b, c, a = torch.full((n,), 1.0), torch.full((n,), 2.0), torch.empty(n)  # (the values do not matter)
         torch.add(b, c, alpha=3.0, out=a)  # untimed: the first write commits a's pages
         best = math.inf
         for _ in range(passes):

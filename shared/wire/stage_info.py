@@ -217,7 +217,8 @@ def _check(name: str, hint, value):
 
 def _check_calibration(value, bad) -> dict:
     """A --calibrate measurement as the gateway's --split auto reads it: one ms_per_step per batch size in rows."""
-    want = "null or {rows: [sizes >= 1], ms_per_step: [ms, one per size], seconds, free_bytes[, head_ms: [ms...]]}"
+    want = ("null or {rows: [sizes >= 1], ms_per_step: [ms, one per size], seconds, free_bytes[, head_ms: [ms...]]"
+            "[, bandwidth: bytes/s > 0]}")
     if not isinstance(value, dict):
         raise bad(want)
     rows, ms = value.get("rows"), value.get("ms_per_step")
@@ -227,6 +228,9 @@ def _check_calibration(value, bad) -> dict:
             and type(value.get("free_bytes")) is int and value["free_bytes"] >= 0
             and (value.get("head_ms") is None or (isinstance(value["head_ms"], list) and len(value["head_ms"]) == len(rows)
                                                   and all(isinstance(h, (int, float)) and not isinstance(h, bool)
-                                                          and math.isfinite(h) and h >= 0 for h in value["head_ms"])))):
+                                                          and math.isfinite(h) and h >= 0 for h in value["head_ms"])))
+            and (value.get("bandwidth") is None or (not isinstance(value["bandwidth"], bool)
+                                                    and isinstance(value["bandwidth"], (int, float))
+                                                    and math.isfinite(value["bandwidth"]) and value["bandwidth"] > 0))):
         raise bad(want)
     return value
