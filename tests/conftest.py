@@ -198,11 +198,11 @@ def suite_part(items: list[pytest.Item], part: str, seconds: dict[str, float]) -
 
     timing = [item for item in items if item.get_closest_marker("timing") is not None]
     timed = {module(item) for item in timing}
-    late = set(timing)  # run once the other part has ended
-    for item in items:
-        if module(item) in timed and item not in late and any(
-                _module_fixtures(item) & _module_fixtures(t) for t in timing if module(t) == module(item)):
-            late.add(item)
+    timing_fixtures: dict[str, set[str]] = {}  # module -> the module fixtures its timing tests use
+    for t in timing:
+        timing_fixtures.setdefault(module(t), set()).update(_module_fixtures(t))
+    late = set(timing) | {item for item in items  # run once the other part has ended
+                          if _module_fixtures(item) & timing_fixtures.get(module(item), set())}
     weight: dict[str, float] = {}
     for item in items:
         weight[module(item)] = weight.get(module(item), 0.0) + (0.0 if item in late else recorded(item))
