@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from services.testing.tiny_gguf import llama_cpp_logits
+from shared.files.gguf_loader import GgufLoader
 from shared.files.layers import LayerRange, split_at
 from shared.models import TransformerModel
 from shared.models.device import resolve_dtype
 from shared.runtime.generation import split_windows, window_logits
 from shared.runtime.stage_runtime import LocalPipeline
+from tests.conftest import uses_llama_cpp
 
 pytestmark = pytest.mark.slow  # minutes of llama.cpp comparisons: not in the fast tier
 
@@ -230,11 +232,34 @@ def test_with_the_kernel_a_batched_decode_row_is_the_sequence_decoded_alone(smol
     assert bool(((windows_out - out).abs() <= 0.05 * spread).all())
 
 
+# The compiled step's tests run on SmolLM2's first SHALLOW_LAYERS blocks (its real weights, embedding and head; the
+# file cut by write_first_layers, which llama.cpp loads too): inductor compiles a graph per layer it unrolls, and the
+# 30 blocks' two graphs took ~3.5 min of the suite's CPU where 4 take a seventh of it. Every block is the same code;
+# eager SmolLM2 whole is held to llama.cpp above.
+SHALLOW_LAYERS = 4
+
+
 @pytest.fixture(scope="module")
-def compiled_pipeline(smollm2):
+def shallow(smollm2, tmp_path_factory) -> GgufLoader:
+    from services.testing.tiny_gguf import write_first_layers
+
+    path = tmp_path_factory.mktemp("shallow") / f"smollm2-first-{SHALLOW_LAYERS}.gguf"
+    return GgufLoader(write_first_layers(smollm2.loader.path, str(path), SHALLOW_LAYERS))
+
+
+@pytest.fixture(scope="module")
+@uses_llama_cpp
+def shallow_reference_logits(shallow, windows):
+    from services.testing.tiny_gguf import llama_cpp_model
+
+    llm = llama_cpp_model(shallow.path, n_ctx=CONTEXT)
+    return [torch.from_numpy(llama_cpp_logits(llm, w)) for w in windows[:2]]
+
+
+@pytest.fixture(scope="module")
+def compiled_pipeline(shallow):
     """Compiling in the background, as a stage does by default (--compile-decode auto), once COMPILE_GATE is set;
-    wait_compiled() waits for it. (tests/test_compiled_mesh.py starts real stages with these KV shapes: one
-    compilation, then inductor's cache.) Weights lean: auto's decode kernels without its measured switch to dense
+    wait_compiled() waits for it. Weights lean: auto's decode kernels without its measured switch to dense
     ones, whose threshold a loaded machine can measure differently in two pipelines, so an eager pipeline with lean
     weights computes the same numbers."""
     from shared.models.compiled_decode import CompiledDecode
@@ -247,16 +272,16 @@ def compiled_pipeline(smollm2):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(CompiledDecode, "warm_up", gated_warm_up)
-        pipeline = LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT,
+        pipeline = LocalPipeline.load(shallow, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT,
                                       weights="lean", compile_decode="auto")
         piece = pipeline.pieces[0]
         piece.compiled.warm_up = types.MethodType(gated_warm_up, piece.compiled)  # the thread may look it up later
     return pipeline
 
 
-def eager_twin(smollm2) -> LocalPipeline:
+def eager_twin(shallow) -> LocalPipeline:
     """compiled_pipeline's eager twin: the same weights and KV shape, no compiled step."""
-    return LocalPipeline.load(smollm2.loader, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="lean")
+    return LocalPipeline.load(shallow, None, SERVING_DTYPE, kv_slots=3, max_seq_len=CONTEXT, weights="lean")
 
 
 def wait_compiled(pipeline, timeout_s: float = 900.0):
@@ -269,7 +294,7 @@ def wait_compiled(pipeline, timeout_s: float = 900.0):
     return compiled
 
 
-def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, windows, compiled_pipeline):
+def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(shallow, windows, compiled_pipeline):
     """--compile-decode auto: the pipeline serves at once; until every graph is compiled its decode steps are the eager
     step's, bit for bit, although the warm-up runs the graphs on the same KV tensors (in their scratch row, which no
     sequence holds); then the steps run compiled."""
@@ -304,7 +329,7 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
         if compiled.state != "compiling":
             break
     assert any(during for *_, during in taken), compiled.info()
-    eager = eager_twin(smollm2)
+    eager = eager_twin(shallow)
     assert eager.pieces[0].compiled is None and eager.pieces[0].kv.scratch_slot is None
     prefill(eager)
     for name, pos, ours, during in taken:
@@ -324,14 +349,14 @@ def test_background_compile_decodes_eagerly_until_the_graphs_are_ready(smollm2, 
         compiled_pipeline.release(name)
 
 
-def test_compiled_decode_parity_with_llama_cpp(windows, reference_logits, compiled_pipeline):
+def test_compiled_decode_parity_with_llama_cpp(windows, shallow_reference_logits, compiled_pipeline):
     """--compile-decode: every decode step of two windows runs the compiled graph (one graph, every context length
-    the windows reach) and keeps the default path's fidelity thresholds against llama.cpp."""
+    the windows reach) and keeps the default path's fidelity thresholds against llama.cpp on the same file."""
     compiled = wait_compiled(compiled_pipeline)
     assert compiled.contexts == (2, CONTEXT - 1)  # the graph's dynamic context length stops short of the cache's
     assert set(compiled.compile_seconds) == set(compiled.thread_counts)
     kls, agree = [], []
-    for w, ref in list(zip(windows, reference_logits))[:2]:
+    for w, ref in zip(windows, shallow_reference_logits):
         steps = compiled.steps
         ours = decode_logits(compiled_pipeline, w).double()
         # every decode step ran compiled; the 1-token prefill is decode-shaped, but its context (1) runs eagerly
@@ -349,7 +374,7 @@ def test_compiled_decode_parity_with_llama_cpp(windows, reference_logits, compil
     assert kl <= 0.01
 
 
-def test_compiled_decode_runs_decode_batches_on_one_batched_graph(smollm2, windows, compiled_pipeline):
+def test_compiled_decode_runs_decode_batches_on_one_batched_graph(shallow, windows, compiled_pipeline):
     """Decode micro-batches of 2..kv_slots sequences run a second graph whose one dynamic size is the batch (attention
     on qdot.cpp's kernel: each sequence reads its own context in place, so no shape depends on the contexts), where
     the kernel covers every layer (float32 on an AVX2 CPU); elsewhere they decode eagerly, bit for bit the eager
@@ -358,7 +383,7 @@ def test_compiled_decode_runs_decode_batches_on_one_batched_graph(smollm2, windo
     from shared.kernels import qdot
     from shared.wire.protocol import SeqEntry
 
-    eager = eager_twin(smollm2)
+    eager = eager_twin(shallow)
     compiled = wait_compiled(compiled_pipeline)
     batched = compiled.batch_reason is None
     assert batched == (qdot.usable() and SERVING_DTYPE == torch.float32), compiled.info()
@@ -393,7 +418,7 @@ def test_compiled_decode_runs_decode_batches_on_one_batched_graph(smollm2, windo
     assert not compiled.batch_broken
 
 
-def test_compiled_decode_leaves_long_contexts_and_large_batches_to_the_eager_step(smollm2, compiled_pipeline):
+def test_compiled_decode_leaves_long_contexts_and_large_batches_to_the_eager_step(compiled_pipeline):
     """A context the one-sequence graph does not serve, or a batch larger than the batched graph's: eager."""
     from shared.batch.layout import BatchLayout
     from shared.batch.steps import Decode, Prefill

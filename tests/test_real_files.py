@@ -110,6 +110,13 @@ def _check_tiny(path: str, tolerance: float = TOLERANCE, flips: int = 0) -> None
             assert rel(ours, ref_quantized, flips) <= bound - own + llama_own, (weights, name)
 
 
+def _same_kernels(a: LocalPipeline, b: LocalPipeline) -> bool:
+    """Both pipelines hold every matrix the same way: the same kernel for each and the same bytes in all."""
+    ma, mb = a.pieces[0].model, b.pieces[0].model
+    return (len(a.pieces) == len(b.pieces) == 1 and ma.weight_summary() == mb.weight_summary()
+            and ma.memory_report()["weight_bytes"] == mb.memory_report()["weight_bytes"])
+
+
 def _quantizes_activations(pipeline: LocalPipeline) -> bool:
     """Some matrix of the pipeline runs on the integer-dot kernels (shared.kernels.qdot), which quantize activations."""
     return any("-dot-q8" in kind for piece in pipeline.pieces for kind in piece.model.weight_summary().values())
@@ -128,11 +135,13 @@ def test_every_preset_on_every_architecture_matches_llama_cpp(sources, arch, pre
 
 
 def _perplexity(logits_of, windows: list[list[int]]) -> float:
-    """Teacher-forced perplexity over the windows of logits_of(window) -> [T, V]."""
+    """Teacher-forced perplexity over the windows of logits_of(window) -> [T, V]. Each position's loss in float32
+    (cross_entropy: max-shifted, ~1e-6 of a loss of ~3), their mean in float64; a log_softmax in float64 over 262k
+    logits a position took a third of Gemma 3's test."""
     nll = []
     for w in windows:
-        target = torch.tensor(w[1:])[:, None]
-        nll.append(-torch.log_softmax(torch.as_tensor(logits_of(w)).double(), -1)[:-1].gather(1, target))
+        logits = torch.as_tensor(logits_of(w))[:-1].float()
+        nll.append(torch.nn.functional.cross_entropy(logits, torch.tensor(w[1:]), reduction="none").double())
     return math.exp(torch.cat(nll).mean())
 
 
@@ -141,9 +150,19 @@ def _llama_cpp_perplexity(path: str, windows: list[list[int]]) -> float:
     return _perplexity(lambda w: llama_cpp_logits(llm, w), windows)
 
 
-def _our_perplexity(path: str, windows: list[list[int]], weights: str) -> float:
-    pipeline = LocalPipeline.load(GgufLoader(path), None, torch.bfloat16, kv_slots=1, weights=weights)
-    return _perplexity(lambda w: window_logits(pipeline, w), windows)
+def _our_perplexities(path: str, windows: list[list[int]], modes: tuple[str, ...]) -> dict[str, tuple[float, LocalPipeline]]:
+    """Our perplexity over the windows with each weights mode (bf16 activations, the default): {mode: (perplexity,
+    its pipeline)}. Where lean holds every matrix as auto does (the same kernels and bytes: on AVX2 CPUs each type's
+    integer-dot kernel in both), it computes the same numbers: that is checked on the first window, bit for bit, and
+    auto's perplexity stands for both rather than computing it twice."""
+    out: dict[str, tuple[float, LocalPipeline]] = {}
+    for mode in modes:
+        pipeline = LocalPipeline.load(GgufLoader(path), None, torch.bfloat16, kv_slots=1, weights=mode)
+        same = next((p for p, other in out.values() if _same_kernels(other, pipeline)
+                     and torch.equal(window_logits(other, windows[0]), window_logits(pipeline, windows[0]))), None)
+        out[mode] = (same if same is not None else _perplexity(lambda w, p=pipeline: window_logits(p, w), windows),
+                     pipeline)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +189,8 @@ def test_smollm2_requantized_to_the_common_presets_matches_llama_cpp_perplexity(
     if preset not in LEAN_PRESETS:  # on the first ~500 tokens, to keep the suite's time
         windows = windows[:2]
     ref = _llama_cpp_perplexity(path, windows)
-    for weights in ("auto", "lean") if preset in LEAN_PRESETS else ("auto",):
-        ours = _our_perplexity(path, windows, weights)
+    ours_by_mode = _our_perplexities(path, windows, ("auto", "lean") if preset in LEAN_PRESETS else ("auto",))
+    for weights, (ours, _) in ours_by_mode.items():
         print(f"\nSmolLM2 {preset} {weights}: perplexity {ours:.4f}, llama.cpp {ref:.4f} ({ours / ref - 1:+.2%})")
         assert abs(ours / ref - 1) <= 0.02
     ids = windows[0][:96]  # and a float32 split equals the unsplit run exactly, on the requantized file too
@@ -180,8 +199,7 @@ def test_smollm2_requantized_to_the_common_presets_matches_llama_cpp_perplexity(
     split = window_logits(LocalPipeline.load(GgufLoader(path), ranges, torch.float32, kv_slots=1, max_seq_len=128), ids)
     assert torch.equal(split, unsplit)
     if preset in LEAN_PRESETS:
-        model = LocalPipeline.load(GgufLoader(path), None, torch.bfloat16, kv_slots=1, weights="lean").pieces[0].model
-        report = model.memory_report()
+        report = ours_by_mode["lean"][1].pieces[0].model.memory_report()
         print(f"SmolLM2 {preset} lean: {report['weight_bytes'] / 2**20:.1f} MiB = {report['weights_per_file_byte']}x "
               "the file")
         assert report["weights_per_file_byte"] <= LEAN_BOUND
@@ -197,23 +215,23 @@ def test_real_gemma3_q4_k_m_matches_llama_cpp(gemma3, varied_text):
     our default path and lean within 2 % of llama.cpp's perplexity on the same weights. llama.cpp computes a
     quantized file with its activations quantized to 8 bits; on this model that alone moves its perplexity by ~3 %,
     so the 2 % is held against llama.cpp on the file dequantized to F32 by llama.cpp's own quantizer (the same
-    numbers, computed unquantized), and the same-file figure is printed beside it."""
+    numbers, computed unquantized). Where our run is farther than that and quantizes activations too, llama.cpp's run
+    of the quantized file (its own distance from exact) is allowed on top, and only then computed."""
     windows = split_windows(gemma3.tokenizer.encode(varied_text), 256)
     assert sum(len(w) - 1 for w in windows) >= 1000
     path = gemma3.loader.path
     ref_exact = _llama_cpp_perplexity(_preset(path, "F32"), windows)
-    ref_file = _llama_cpp_perplexity(path, windows)
-    llama_own = abs(ref_file / ref_exact - 1)
-    for weights in ("auto", "lean"):
-        pipeline = LocalPipeline.load(GgufLoader(path), None, torch.bfloat16, kv_slots=1, weights=weights)
-        ours = _perplexity(lambda w, pipeline=pipeline: window_logits(pipeline, w), windows)
+    for weights, (ours, pipeline) in _our_perplexities(path, windows, ("auto", "lean")).items():
         print(f"\nGemma 3 270M Q4_K_M {weights}: perplexity {ours:.4f}, llama.cpp on its F32 dequantization "
-              f"{ref_exact:.4f} ({ours / ref_exact - 1:+.2%}); on the Q4_K_M file itself {ref_file:.4f} "
-              f"({ours / ref_file - 1:+.2%}; llama.cpp's own run of the file against its exact run: "
-              f"{ref_file / ref_exact - 1:+.2%})")
+              f"{ref_exact:.4f} ({ours / ref_exact - 1:+.2%})")
+        if abs(ours / ref_exact - 1) <= 0.02:
+            continue
         # the integer-dot kernels (AVX2 CPUs; here the Q8_0 embedding as lm_head) quantize activations as llama.cpp's
         # own run does: that run's distance from exact is allowed on top
-        assert abs(ours / ref_exact - 1) <= 0.02 + (llama_own if _quantizes_activations(pipeline) else 0.0)
+        assert _quantizes_activations(pipeline), f"{weights}: {ours:.4f} against {ref_exact:.4f}"
+        ref_file = _llama_cpp_perplexity(path, windows)
+        print(f"  llama.cpp on the Q4_K_M file itself {ref_file:.4f} ({ref_file / ref_exact - 1:+.2%} from exact)")
+        assert abs(ours / ref_exact - 1) <= 0.02 + abs(ref_file / ref_exact - 1)
 
 
 def test_real_gemma3_split_equals_unsplit_in_float32(gemma3, varied_text):

@@ -216,6 +216,37 @@ def write_tiny_gguf(path: str, spec: TinySpec = TinySpec(), tensor_type_override
     return path
 
 
+def write_first_layers(src: str, dst: str, layers: int) -> str:
+    """A copy of the GGUF file `src` with its first `layers` blocks only (blk.N for N >= layers dropped, block_count
+    set), every other field and tensor as it is: a real model's weights at a fraction of its depth, which llama.cpp
+    loads too. Returns dst."""
+    from gguf import GGUFReader
+    from gguf.constants import Keys
+
+    reader = GGUFReader(src)
+    arch = str(reader.fields[Keys.General.ARCHITECTURE].contents())
+    count = f"{arch}.block_count"
+    if not 0 < layers < int(reader.fields[count].contents()):
+        raise ValueError(f"{src} has {int(reader.fields[count].contents())} blocks: keep 1 to one fewer, not {layers}")
+    writer = GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, layers if field.name == count else field.contents(), kind, sub_type=sub)
+    kept = [t for t in reader.tensors if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers)]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return dst
+
+
 def q8_1_bytes(rows: int, cols: int) -> np.ndarray:
     """Raw bytes of a Q8_1 tensor (a type the gguf package cannot dequantize)."""
     block, size = 32, 40

@@ -11,7 +11,6 @@ import re
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -101,7 +100,7 @@ class _PlainArrayReader(GGUFReader):
 
 
 @functools.lru_cache(maxsize=8)
-def _parse(path: str, identity: tuple[int, ...]) -> tuple[GGUFReader, dict[str, ReaderTensor], MappingProxyType]:
+def _parse(path: str, identity: tuple[int, ...]) -> tuple[GGUFReader, dict[str, ReaderTensor], Mapping]:
     """The header of the file at `path` as it is now (`identity`: its inode, size and mtime, so a rewritten file is
     parsed again): the reader, its tensors by name, its metadata. Cached per process because the gguf package parses
     a 49k-token vocabulary string by string (of the order of a second) and one process often opens a file more than
@@ -115,17 +114,42 @@ def _parse(path: str, identity: tuple[int, ...]) -> tuple[GGUFReader, dict[str, 
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise GgufError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception as e:
-            raise GgufError(f"{path}: metadata key {key!r} cannot be read ({e})") from None
+    meta = _Metadata(path, {key: field for key, field in reader.fields.items() if not key.startswith("GGUF.")})
     if "general.architecture" not in meta:
         raise GgufError(f"{path} has no general.architecture key; is it a model GGUF?")
-    return reader, {t.name: t for t in reader.tensors}, MappingProxyType(meta)
+    return reader, {t.name: t for t in reader.tensors}, meta
+
+
+class _Metadata(Mapping):
+    """A file's metadata by key. Scalars are read at open (a bad one is an error there); an array is read when it is
+    first asked for: the vocabulary's ~100k strings cost a tenth of a second a file, and loading layers never reads
+    them. An array that cannot be read raises GgufError naming its key, as a scalar does at open."""
+
+    def __init__(self, path: str, fields: dict[str, Any]):
+        self._path, self._fields = path, fields
+        self._values: dict[str, Any] = {}
+        for key, field in fields.items():
+            if field.types[:1] != [GGUFValueType.ARRAY]:
+                self._values[key] = self._read(key)
+
+    def _read(self, key: str) -> Any:
+        try:
+            return self._fields[key].contents()
+        except Exception as e:
+            raise GgufError(f"{self._path}: metadata key {key!r} cannot be read ({e})") from None
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._values:
+            if key not in self._fields:
+                raise KeyError(key)
+            self._values[key] = self._read(key)  # the same value whichever thread reads it first
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
 
 
 class GgufLoader:
