@@ -24,7 +24,7 @@ import urllib.request
 
 from services.gateway.engine.request import Request
 from services.gateway.engine.speculator import DRAFT_ROWS, Speculator, interpolate
-from services.testing.edits import EDITS
+from services.testing.edits import EDITS, renames
 from services.testing.harness import add_out_arg, results_dir, running_up, write_results
 from shared.batch.sampling import SamplingParams
 from shared.files.gguf_loader import GgufLoader
@@ -34,21 +34,6 @@ from shared.text.tokenizer import GgufTokenizer
 # ms of a decode pass by its rows: SmolLM2 on 2 stages, the 2-core VM (benchmarks/results/2026-11-29-speculation-smollm2)
 PASS_MS = {1: 8.469, 2: 10.195, 3: 11.075, 4: 10.897, 5: 11.778, 6: 12.61, 7: 12.753, 8: 14.458, 9: 14.83, 13: 24.738,
            15: 30.857}
-NAMES = ["compute_total", "load_rows", "parse_line", "mean", "scale", "merge_maps"]
-
-
-def renames() -> list[tuple[str, str, str]]:
-    """(the request, the file as sent, the answer) for each of NAMES renamed in a file that uses it 6 times."""
-    out = []
-    for k, name in enumerate(NAMES):
-        body = (f"import math\n\n\ndef {name}(values, factor=1.0):\n    \"\"\"Return the {name} of values.\"\"\"\n"
-                f"    result = 0.0\n    for v in values:\n        result += v * factor\n    return result\n\n\n"
-                f"def report(rows):\n    out = []\n    for row in rows:\n        out.append({name}(row))\n"
-                f"        out.append({name}(row, 2.0))\n    return out\n\n\n"
-                f"def check():\n    assert {name}([1, 2]) == 3.0\n    assert {name}([], 5) == 0.0\n    print({name}.__name__)\n")
-        new = name + "_v2" if k % 2 else "new_" + name
-        out.append((f"Rename the function `{name}` to `{new}`. Output the whole file.", body, body.replace(name, new)))
-    return out
 
 
 def recorded_edits(max_tokens: int) -> list[tuple[str, str, str]]:

@@ -2,7 +2,10 @@
 `"speculation": false`, the path `--speculation off` takes), interleaved request by request on one `stagemesh up`.
 
 - edit: the answer mostly repeats a given text, as an edit does; with n-gram drafts only (no `prediction`: the
-  request's own context drafts the text), and with the text as the `prediction` (Predicted Outputs);
+  request's own context drafts the text), and with the text as the `prediction` (Predicted Outputs). The edits are
+  --workload's: `edits` (a spelling fix, a tense change, a verbatim repeat, ... services/testing/edits.py EDITS) or
+  `renames` (a Python file whose one function is renamed, the whole file given back, each request a rename of its
+  own: RENAMES);
 - chat: distinct questions (loadtest's built-in prompts), each asked once a kind: n-gram drafts that mostly miss.
 
 Every request is greedy, in a cache scope of its own (each prefills in full, and the n-gram pool, keyed by that
@@ -13,7 +16,7 @@ around each request), and whether the answers were the same.
 Then --streams chat streams at once (loadtest's built-in questions), rounds with drafts and without in turn: where the
 load policy keeps drafts off, what drafting costs a full pipeline.
 
-    python -m benchmarks.prediction --stages 2 --rounds 1 [--speculation on] [--streams 32]
+    python -m benchmarks.prediction --stages 2 --rounds 1 [--workload renames] [--speculation on] [--streams 32]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from loadtest.datasets import BUILTIN
 from services.gateway.engine.drafts import MAX_PREDICTED_TOKENS
 from services.gateway.engine.speculator import interpolate
-from services.testing.edits import EDITS
+from services.testing.edits import EDITS, RENAMES
 from services.testing.harness import (
     LLAMA_SERVER,
     Report,
@@ -144,7 +147,8 @@ def drafting_bound(answers: list[list[int]], texts: list[list[int]], pass_ms: di
 LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 
 
-def against_llama_server(url: str, binary: str, max_tokens: int, report: Report, model: str = "smollm2") -> dict:
+def against_llama_server(url: str, binary: str, max_tokens: int, report: Report, model: str = "smollm2",
+                         edits: list[tuple[str, str]] = EDITS) -> dict:
     """The edits without a prediction, one stream, on this (1-stage) mesh with n-gram drafts and on llama-server with
     each of its draftless speculation types, interleaved edit by edit: tok/s of each, the mesh's over the best."""
     with contextlib.ExitStack() as stack:
@@ -153,7 +157,7 @@ def against_llama_server(url: str, binary: str, max_tokens: int, report: Report,
             servers[f"llama-server {spec}"] = stack.enter_context(running_llama_server(
                 model, binary, slots=1, context=4096, extra=("--spec-type", spec)))
         runs = {name: [] for name in servers}
-        for system, text in EDITS:
+        for system, text in edits:
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
             for name, base in servers.items():
                 runs[name].append(complete(base, msgs, max_tokens, "ngram", "vs-llama"))
@@ -171,7 +175,10 @@ def main() -> None:
     p.add_argument("--stages", default="2", help="stage counts to run, comma-separated (default 2)")
     p.add_argument("--model", default="smollm2", help="the model served (a registry name or a .gguf path; default "
                    "smollm2; gemma3-270m keeps to a text it repeats more closely)")
-    p.add_argument("--rounds", type=int, default=1, help=f"rounds of the edits (each of the {len(EDITS)} edits per round)")
+    p.add_argument("--workload", default="edits", choices=("edits", "renames"),
+                   help=f"the edits: {len(EDITS)} kinds of edit of a text, or {len(RENAMES)} renames of a function in a "
+                        "file, the whole file given back (default edits)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of the edits (each edit once per round)")
     p.add_argument("--questions", type=int, default=6, help="distinct chat questions (each asked once a kind)")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--streams", type=int, default=32,
@@ -185,19 +192,20 @@ def main() -> None:
     add_out_arg(p, "prediction")
     args = p.parse_args()
     report = Report("prediction", args.out)
+    edits = RENAMES if args.workload == "renames" else EDITS
     with open(BUILTIN) as f:
         questions = json.load(f)[:args.questions]
     tokenizer = GgufTokenizer.from_gguf(GgufLoader(resolve_model(args.model)))
     results = {}
     for stages in (int(s) for s in args.stages.split(",")):
         with running_up(stages, "--model", resolve_model(args.model), "--speculation", args.speculation) as gw:
-            for system, text in EDITS:  # warm-up: the prompt path, the steps' first calls at each row count
+            for system, text in edits:  # warm-up: the prompt path, the steps' first calls at each row count
                 msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
                 for kind in KINDS["edit"]:
                     ask(gw.url, msgs, 16, kind, f"warm-{kind}", text)
             edit = {k: [] for k in KINDS["edit"]}
             for i in range(args.rounds):
-                for system, text in EDITS:
+                for system, text in edits:
                     msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
                     for kind in KINDS["edit"]:  # interleaved: the same load on each
                         edit[kind].append(ask(gw.url, msgs, args.max_tokens, kind, f"edit-{i}-{kind}", text))
@@ -216,11 +224,11 @@ def main() -> None:
                         many[kind].append(concurrent_round(gw.url, wanted, args.max_tokens, kind, f"many-{i}-{kind}"))
             if args.llama_server and stages == 1:
                 results["llama-server"] = against_llama_server(gw.url, args.llama_server, args.max_tokens, report,
-                                                               args.model)
+                                                               args.model, edits)
             pass_ms = json.loads(gw.get("/v1/mesh")[1])["gateway"]["speculation"]["pass_ms"]
-            texts = [tokenizer.encode(f"{system}\n{text}", add_bos=False) for system, text in EDITS] * args.rounds
+            texts = [tokenizer.encode(f"{system}\n{text}", add_bos=False) for system, text in edits] * args.rounds
             bound = drafting_bound([tokenizer.encode(r["text"], add_bos=False) for r in edit["off"]], texts, pass_ms)
-            results[stages] = {"model": args.model, "edit": summary(edit), "drafting_bound": bound, "chat": summary(chat), "speculation": args.speculation,
+            results[stages] = {"model": args.model, "workload": args.workload, "edit": summary(edit), "drafting_bound": bound, "chat": summary(chat), "speculation": args.speculation,
                                "streams": args.streams, "many": many,
                                "pass_ms": pass_ms}
             for name in KINDS:

@@ -1,5 +1,6 @@
 """Edit requests whose answers mostly repeat a given text (benchmarks.prediction, benchmarks.draft_replay): a
-spelling fix, a tense change, a verbatim repeat, a rename, ... of a paragraph, a letter or some code."""
+spelling fix, a tense change, a verbatim repeat, a rename, ... of a paragraph, a letter or some code (EDITS); a
+function renamed in a file of its own, the whole file given back (RENAMES)."""
 
 CODE = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n\n"
         "def spread(values):\n    low, high = min(values), max(values)\n    return high - low\n")
@@ -31,3 +32,26 @@ EDITS = [
     ("Change the city Porto to Faro in this letter and output the letter.", LETTER),
     ("Make this letter more formal.", LETTER),
 ]
+
+# functions renamed in RENAMES, each in a file of its own
+NAMES = ["compute_total", "load_rows", "parse_line", "mean", "scale", "merge_maps"]
+
+
+def renames() -> list[tuple[str, str, str]]:
+    """(what the user asks, the file as sent, the answer a model that does it right writes) for each of NAMES: a
+    Python file whose one function, used 6 times in it, is renamed everywhere -- the issue's edit workload, each
+    request a rename of its own."""
+    out = []
+    for k, name in enumerate(NAMES):
+        body = (f"import math\n\n\ndef {name}(values, factor=1.0):\n    \"\"\"Return the {name} of values.\"\"\"\n"
+                f"    result = 0.0\n    for v in values:\n        result += v * factor\n    return result\n\n\n"
+                f"def report(rows):\n    out = []\n    for row in rows:\n        out.append({name}(row))\n"
+                f"        out.append({name}(row, 2.0))\n    return out\n\n\n"
+                f"def check():\n    assert {name}([1, 2]) == 3.0\n    assert {name}([], 5) == 0.0\n    print({name}.__name__)\n")
+        new = name + "_v2" if k % 2 else "new_" + name
+        out.append((f"Rename the function `{name}` to `{new}`. Output the whole file.", body, body.replace(name, new)))
+    return out
+
+
+# (what the user asks, the file): renames() as EDITS are
+RENAMES = [(ask, body) for ask, body, _ in renames()]
