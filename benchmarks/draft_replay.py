@@ -8,7 +8,8 @@ Workloads:
 - edits: benchmarks.prediction's edits, their greedy answers recorded from `stagemesh up --stages 1` (speculation off),
   the prompt and the prediction (the text as the user sent it) tokenized as that script's drafting bound does;
 - renames: Python files whose one function is renamed everywhere it appears; the answer is the renamed file (as a
-  model that does it right would write it), the prediction the file as sent.
+  model that does it right would write it), the prediction the file as sent;
+- renames as answered: the same requests, their greedy answers recorded as the edits' are (what the model writes).
 
 Kinds: `ngram` (no prediction: the request's context and the pool draft) and `predicted` (with the prediction); the
 speed-up of each over no drafts. Requests run in order with one pool per kind, as the live benchmark's cache scopes do.
@@ -24,7 +25,7 @@ import urllib.request
 
 from services.gateway.engine.request import Request
 from services.gateway.engine.speculator import DRAFT_ROWS, Speculator, interpolate
-from services.testing.edits import EDITS, renames
+from services.testing.edits import EDITS, RENAMES, renames
 from services.testing.harness import add_out_arg, results_dir, running_up, write_results
 from shared.batch.sampling import SamplingParams
 from shared.files.gguf_loader import GgufLoader
@@ -36,8 +37,10 @@ PASS_MS = {1: 8.469, 2: 10.195, 3: 11.075, 4: 10.897, 5: 11.778, 6: 12.61, 7: 12
            15: 30.857}
 
 
-def recorded_edits(max_tokens: int) -> list[tuple[str, str, str]]:
-    """(the request, the text, its greedy answer) for each of benchmarks.prediction's edits, from a 1-stage up."""
+def recorded_edits(max_tokens: int, edits: list[tuple[str, str]] = EDITS, model: str = "smollm2") \
+        -> list[tuple[str, str, str]]:
+    """(the request, the text, its greedy answer) for each of `edits` (benchmarks.prediction's), from a 1-stage up of
+    `model`."""
     def answer(url: str, system: str, text: str) -> str:
         body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
                 "max_tokens": max_tokens, "temperature": 0, "speculation": False}
@@ -45,8 +48,8 @@ def recorded_edits(max_tokens: int) -> list[tuple[str, str, str]]:
                                                            {"Content-Type": "application/json"}), timeout=600) as r:
             return json.loads(r.read())["choices"][0]["message"]["content"]
 
-    with running_up(1, "--model", resolve_model("smollm2")) as gw:
-        return [(system, text, answer(gw.url, system, text)) for system, text in EDITS]
+    with running_up(1, "--model", resolve_model(model)) as gw:
+        return [(system, text, answer(gw.url, system, text)) for system, text in edits]
 
 
 def replay(cases: list[dict], kind: str, pass_ms: dict[int, float]) -> dict:
@@ -80,15 +83,17 @@ def main() -> None:
     add_out_arg(p, "draft-replay")
     p.add_argument("--pass-ms", default=None, help="JSON {rows: ms} of a decode pass (default: SmolLM2 on 2 stages)")
     p.add_argument("--max-tokens", type=int, default=200, help="the recorded edit answers' length at most")
+    p.add_argument("--model", default="smollm2", help="the model whose answers are recorded (default smollm2)")
     args = p.parse_args()
     pass_ms = {int(k): float(v) for k, v in json.loads(args.pass_ms).items()} if args.pass_ms else PASS_MS
-    tok = GgufTokenizer.from_gguf(GgufLoader(resolve_model("smollm2")))
+    tok = GgufTokenizer.from_gguf(GgufLoader(resolve_model(args.model)))
 
     def cases(triples) -> list[dict]:
         return [{"prompt": tok.encode(f"{q}\n{text}", add_bos=False), "prediction": tok.encode(text, add_bos=False),
                  "answer": tok.encode(answer, add_bos=False)} for q, text, answer in triples]
 
-    workloads = {"edits": cases(recorded_edits(args.max_tokens)), "renames": cases(renames())}
+    workloads = {"edits": cases(recorded_edits(args.max_tokens, EDITS, args.model)), "renames": cases(renames()),
+                 "renames as answered": cases(recorded_edits(args.max_tokens, RENAMES, args.model))}
     results = {name: {kind: replay(cs, kind, pass_ms) for kind in ("ngram", "predicted")}
                for name, cs in workloads.items()}
     rows = ["| workload | kind | × no drafts | drafted tokens that stood |", "| --- | --- | ---: | ---: |"]

@@ -189,6 +189,27 @@ async def test_mesh_page_under_load_and_through_a_stage_restart(gateway, chromiu
         assert os.path.getsize(path) > 10_000
 
 
+async def test_the_chat_page_counts_the_context_the_model_was_trained_for(gateway, chromium):  # noqa: F811
+    """This `up` gives no context flag: the chat page's counter reads the model file's trained context (its GGUF
+    context_length, 8192 for SmolLM2), which the stages serve where their memory holds it (issue 70 item 5)."""
+    from shared.files.gguf_loader import GgufLoader
+    from shared.files.model_registry import resolve_model
+
+    trained = int(GgufLoader(resolve_model("smollm2")).arch_get("context_length"))
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(await page_ws_url(s, chromium), max_msg_size=0) as ws:
+            dt = DevTools(ws)
+            await dt.call("Page.enable")
+            await dt.call("Page.navigate", url=gateway.url + "/")
+            shown = None
+            for _ in range(100):  # the counter is filled in once the page has read /v1/mesh
+                shown = await dt.js("document.getElementById('ctx') && document.getElementById('ctx').textContent")
+                if shown and shown.split("/")[-1].strip() not in ("", "0"):
+                    break
+                await asyncio.sleep(0.1)
+    assert trained == 8192 and shown == f"context 0 / {trained}", shown
+
+
 def test_the_snapshot_carries_the_stage_kv_fields_and_status_shows_them():
     """The mesh view's stage entry carries /info's KV fields under StageInfo's names, and `stagemesh status` reads
     them."""
