@@ -586,3 +586,23 @@ def test_the_audit_rate_is_a_share():
     for bad in ("1.5", "-0.1", "often"):
         with pytest.raises(SystemExit):
             parse(bad)
+
+
+def test_a_cache_whose_rows_span_more_than_the_hosts_memory_maps_and_takes_only_what_is_written():
+    """A stage's cache spans every row at the whole context (a 3B model's 97 rows at ~74k positions: 30 GB a tensor on
+    a 24 GB host) and only its written positions take memory: each tensor 1.5x this host's RAM here. The kernel's
+    default heuristic overcommit refused such a mapping (ENOMEM at a stage's start) until it reserved no swap."""
+    with open("/proc/meminfo") as f:
+        ram = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    head_dim, rows_ = 128, 8  # 512 bytes a position in float32
+    positions = -(-3 * ram // 2 // (rows_ * head_dim * 4) // 1024) * 1024
+    kv = KVCache(num_layers=1, num_slots=rows_, max_seq_len=positions, num_kv_heads=1, head_dim=head_dim,
+                 dtype=torch.float32)
+    assert kv.k[0].numel() * 4 > ram
+    before = proportional_bytes()
+    fill(kv, "a", 600)
+    s = kv._slot_of["a"]
+    kv.k[0][s, 0, positions - 1] = 1.0  # the row's far end: one more page
+    assert float(kv.k[0][s, 0, positions - 1, 0]) == 1.0
+    assert proportional_bytes() - before < 64 * 2**20  # two rows' pages written, not gigabytes
+    kv.release("a")

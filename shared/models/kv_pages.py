@@ -16,6 +16,8 @@ import weakref
 
 import torch
 
+from shared.errors import DoesNotFit
+
 log = logging.getLogger("stagemesh.kv")
 
 
@@ -38,6 +40,11 @@ class SharedPages:
     a row wrote -- the masked positions of a shorter sequence.)"""
 
     MAP_FIXED = 0x10  # <sys/mman.h> on Linux (the mmap module does not export it)
+    # <asm-generic/mman.h> (x86-64, arm64; Python's mmap exports it from 3.12): no swap is reserved for the mapping. A
+    # cache's address space is every row at the whole context -- 97 rows of a 3B model at 74,752 positions are 30 GB a
+    # tensor -- and only the pages written are memory (the budget bounds those, live_bytes), but the kernel's default
+    # heuristic overcommit refuses one reserved mapping larger than RAM + swap (ENOMEM at start)
+    MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
     def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, budget: MapBudget):
         page = mmap.PAGESIZE
@@ -46,7 +53,14 @@ class SharedPages:
         self.fd = os.memfd_create("stagemesh-kv", os.MFD_CLOEXEC)
         weakref.finalize(self, os.close, self.fd)  # its pages go when the last mapping of them does
         os.ftruncate(self.fd, max(page, sum(self.sizes)))
-        self.maps = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for size in self.sizes]
+        try:
+            self.maps = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | self.MAP_NORESERVE)
+                         for size in self.sizes]
+        except OSError as e:  # strict overcommit (vm.overcommit_memory=2) counts every mapped byte
+            raise DoesNotFit(f"the K/V cache's address space ({len(shapes)} tensors of {shapes[0]}: "
+                             f"{sum(self.sizes) / 2**30:.1f} GiB, of which only the positions written take memory) "
+                             f"could not be mapped: {e.strerror} (vm.overcommit_memory={_overcommit()}); lower "
+                             "--max-seq-len, --kv-slots or --prefix-slots") from e
         for buf in self.maps:
             if hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KiB pages even where transparent huge pages are "always": a
                 buf.madvise(mmap.MADV_NOHUGEPAGE)  # 2 MiB page would commit a slot's neighbours' rows with its own
@@ -94,7 +108,7 @@ class SharedPages:
         if length <= 0:
             return
         if offset is None:
-            flags, fd, offset = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+            flags, fd, offset = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | self.MAP_NORESERVE, -1, 0
         else:
             flags, fd = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED), self.fd  # no MAP_POPULATE: it would
             # populate a private writable mapping by write faults, copying every page
@@ -235,6 +249,14 @@ def _give_back_maps(budget: MapBudget, used: list[int]) -> None:
 
 
 @functools.cache
+def _overcommit() -> str:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
 def _libc_mmap():
     """libc's mmap(2), which can map at a given address (MAP_FIXED); Python's mmap module cannot."""
     mmap_ = ctypes.CDLL(None, use_errno=True).mmap
