@@ -248,8 +248,8 @@ def _give_back_maps(budget: MapBudget, used: list[int]) -> None:
     used[0] = 0
 
 
-@functools.cache
 def _overcommit() -> str:
+    """The kernel's overcommit mode (vm.overcommit_memory), for an error message."""
     try:
         with open("/proc/sys/vm/overcommit_memory") as f:
             return f.read().strip()
@@ -257,6 +257,7 @@ def _overcommit() -> str:
         return "unknown"
 
 
+@functools.cache
 def _libc_mmap():
     """libc's mmap(2), which can map at a given address (MAP_FIXED); Python's mmap module cannot."""
     mmap_ = ctypes.CDLL(None, use_errno=True).mmap
