@@ -92,8 +92,9 @@ def main() -> None:
         return [{"prompt": tok.encode(f"{q}\n{text}", add_bos=False), "prediction": tok.encode(text, add_bos=False),
                  "answer": tok.encode(answer, add_bos=False)} for q, text, answer in triples]
 
-    workloads = {"edits": cases(recorded_edits(args.max_tokens, EDITS, args.model)), "renames": cases(renames()),
-                 "renames as answered": cases(recorded_edits(args.max_tokens, RENAMES, args.model))}
+    answered = recorded_edits(args.max_tokens, EDITS + RENAMES, args.model)  # one `up` answers both
+    workloads = {"edits": cases(answered[:len(EDITS)]), "renames": cases(renames()),
+                 "renames as answered": cases(answered[len(EDITS):])}
     results = {name: {kind: replay(cs, kind, pass_ms) for kind in ("ngram", "predicted")}
                for name, cs in workloads.items()}
     rows = ["| workload | kind | × no drafts | drafted tokens that stood |", "| --- | --- | ---: | ---: |"]

@@ -146,9 +146,10 @@ def pytest_collection_modifyitems(config, items):  # before -m deselects by thes
 # by side, the CPU-bound one at a lower priority, and the cores are busy throughout (2 % idle over a whole suite,
 # 2026-12-03: the processes part and its stages took ~2/3 of the CPU, the other part the rest). A module goes whole
 # to one part (its module fixtures are set up once): to "processes" if any of its tests that run starts one (unless
-# marked cpu_bound: a process that only computes, which waits on nothing) or bounds a time; the others to the in-process part, or where no test starts processes (the unit tier), heaviest first to the
-# part with less work so far (by the tests' recorded times, tests/durations.json). A test that bounds a time (a gap,
-# how soon a loss is noticed, how much traffic a window saw) is marked `timing`: the processes part runs those last,
+# marked cpu_bound: a process that only computes, which waits on nothing) or bounds a time; the others to the
+# in-process part, or where no test starts processes (the unit tier), heaviest first to the part with less work so far
+# (by the tests' recorded times, tests/durations.json). A test that bounds a time (a gap, how soon a loss is noticed,
+# how much traffic a window saw) is marked `timing`: the processes part runs those last,
 # each only once the other part has ended ($STAGEMESH_SUITE_PARTNER, its pid), so nothing else shares the cores with
 # it; the other tests of their modules run before that wait, unless they share a module fixture with a timing test.
 
@@ -182,8 +183,9 @@ def pytest_configure(config):
 
 def suite_part(items: list[pytest.Item], part: str, seconds: dict[str, float]) -> list[pytest.Item]:
     """The items of one part, in the order they run. A module is in the processes part when any of its items is
-    marked processes (but not cpu_bound: its processes only compute) or timing. Where some start processes (the whole suite) every other module is in the in-process
-    part; where none does (the unit tier) the others, heaviest first
+    marked processes (but not cpu_bound: its processes only compute) or timing. Where some start processes (the
+    whole suite) every other module is in the in-process part; where none does (the unit tier) the others, heaviest
+    first
     by `seconds` (a test's recorded time; none: 5 s for one marked processes, 0.1 s for another), go each to the part
     with fewer seconds so far (ties: in-process), the processes part's counted without what runs after the other
     part has ended (below). Each module keeps its order. In the processes part the modules with `timing` tests come last,
