@@ -23,6 +23,7 @@ from shared.models.linear import (
     lean_kernel,
     lean_nbytes,
     make_linear,
+    qdot_kind,
     qdot_takes,
     stored_kernel,
     stored_nbytes,
@@ -39,7 +40,7 @@ def _blocks_kernel(qtype: str) -> type:
 
 
 def _blocks_kind(qtype: str) -> str:
-    return f"{qtype.lower()}-dot-q8" if qdot_takes(qtype) else ("int4-g32" if qtype in ("Q4_0", "Q4_1", "Q4_K")
+    return qdot_kind(qtype) if qdot_takes(qtype) else ("int4-g32" if qtype in ("Q4_0", "Q4_1", "Q4_K")
                                                                   else "int4x2-g32")
 
 

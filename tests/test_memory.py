@@ -106,7 +106,9 @@ def test_where_the_integer_dot_kernels_run_auto_holds_the_files_bytes(smollm2):
     report = model.memory_report()
     assert model.weights == "auto" and report["weights_per_file_byte"] <= 1.05, report
     kinds = {k.kind for b in model.blocks for k in b.linears().values()}
-    assert kinds == {"q4_1-dot-q8"}, kinds
+    from shared.models.linear import qdot_kind
+
+    assert kinds == {qdot_kind("Q4_1")}, kinds
 
 
 def test_the_embedding_is_read_from_the_files_map_not_copied(smollm2):

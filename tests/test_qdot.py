@@ -14,7 +14,7 @@ from gguf.quants import quantize
 from shared.errors import CapabilityMissing
 from shared.files.gguf_loader import RawTensor
 from shared.kernels import qdot
-from shared.models.linear import QdotLinear, stored_kernel
+from shared.models.linear import QdotLinear, qdot_kind, stored_kernel
 from shared.models.quant import dequantize, unpack_levels
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the types gguf's quantizer writes (Q4_K: _q4_k_raw)
@@ -94,7 +94,7 @@ def test_a_rows_result_depends_neither_on_its_batch_nor_on_the_thread_count(qtyp
     makers = {"Q4_K": _q4_k_raw, "Q5_K": _q5_k_raw, "Q6_K": _q6_k_raw, "Q2_K": functools.partial(_k_low_raw, "Q2_K"),
               "Q3_K": functools.partial(_k_low_raw, "Q3_K")}
     raw = makers[qtype](56, 256, seed=3) if "_K" in qtype else _raw(qtype, 56, 256, seed=3)
-    w = QdotLinear(raw)
+    w = QdotLinear(raw, tile_rows=0)  # the batch-invariant mode's: no AMX path (its own test below)
     x = torch.randn(21, 256)
     alone = torch.cat([w(x[i:i + 1]) for i in range(21)])
     for m in range(1, 22):
@@ -126,11 +126,11 @@ def test_q5_0_and_q5_1_keep_their_size_and_q4_k_runs_as_q4_1_blocks():
     weights' product."""
     raw = _raw("Q5_0", 16, 64, seed=9)
     w = QdotLinear(raw)
-    assert w.kind == "q5_0-dot-q8" and w.nbytes == 16 * 2 * 22
+    assert w.kind == qdot_kind("Q5_0") and w.nbytes == 16 * 2 * 22
     assert QdotLinear(_raw("Q5_1", 16, 64, seed=9)).nbytes == 16 * 2 * 24
     raw = _q4_k_raw(24, 512, seed=4)
     w = QdotLinear(raw)
-    assert w.kind == "q4_k-dot-q8" and w.nbytes == 24 * 16 * 20
+    assert w.kind == qdot_kind("Q4_K") and w.nbytes == 24 * 16 * 20
     levels, scale, low = unpack_levels(raw)
     x = torch.randn(3, 512)
     x[0, :32] = 0.0
@@ -158,7 +158,7 @@ def test_q5_k_runs_as_q5_1_blocks():
     sum of per-block terms with those scales; a lost fifth bit or a swapped half would be far off."""
     raw = _q5_k_raw(43, 512, seed=5)  # 43 rows: the last group of 8 padded
     w = QdotLinear(raw)
-    assert w.kind == "q5_k-dot-q8" and w.nbytes == 48 * 16 * 24
+    assert w.kind == qdot_kind("Q5_K") and w.nbytes == 48 * 16 * 24
     levels, scale, low = unpack_levels(raw)
     assert int(levels.max()) == 31  # the fifth bits are there to lose
     for m in (1, 5, 12):
@@ -195,7 +195,7 @@ def test_q6_k_runs_as_q6_16_blocks_with_the_files_numbers():
     weights = (levels.float().view(43, -1, 16) * scale[..., None]).view(43, 512)
     np.testing.assert_array_equal(weights.numpy(), dequantize(raw).numpy())
     w = QdotLinear(raw)
-    assert w.kind == "q6_k-dot-q8" and w.nbytes == 48 * 16 * 28  # 7 bits a weight
+    assert w.kind == qdot_kind("Q6_K") and w.nbytes == 48 * 16 * 28  # 7 bits a weight
     for m in (1, 4, 7):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         x[0, :32] = 0.0
@@ -206,6 +206,45 @@ def test_q6_k_runs_as_q6_16_blocks_with_the_files_numbers():
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
         exact = (x.double() @ weights.double().T).numpy()
         np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
+def test_on_amx_a_prefill_sized_call_is_the_bf16_product_of_the_blocks_weights(qtype):
+    """Where the AMX tiles run (qdot.amx_rows(): on this CPU, granted the tile state), a q4_1 / q8_0 / q6_16 call of
+    at least tile_rows rows multiplies x rounded to bf16 by the blocks' weights rounded to bf16, products summed in
+    float32: within float32 rounding of that product taken in float64. A wrong pair layout, n-tile, column offset,
+    K slice or padded row would be off by the size of the weights. 43 weight rows: the last of two 32-row buffers
+    holds 11 (one row padding); K = 2048: the 600-row call takes K in three slices (x's bf16 slice sized for L2), the
+    16-row one in one. A row's result depends on nothing but that row from tile_rows rows on (bit for bit, any M,
+    one thread or two), and below tile_rows, or with tile_rows=0, the integer-dot path runs: llama.cpp's scheme."""
+    if (why := qdot.amx_why_not()) is not None:
+        pytest.skip(f"the AMX path does not run on this machine: {why}")
+    raw = _q6_k_raw(43, 2048, seed=11) if qtype == "Q6_K" else _raw(qtype, 43, 2048, seed=11)
+    w = QdotLinear(raw)
+    rows = qdot.amx_rows()
+    assert w.tile_rows == rows and "amx-bf16" in w.kind
+    weights = dequantize(raw).bfloat16().double()
+    x = torch.randn(600, 2048, generator=torch.Generator().manual_seed(5))
+    x[3, :64] = 0.0
+    full = w(x)
+    want = x.bfloat16().double() @ weights.T
+    np.testing.assert_allclose(full.double().numpy(), want.numpy(), rtol=0, atol=1e-5 * want.abs().max().item())
+    exact = x.double() @ dequantize(raw).double().T  # and bf16 is no further from the exact product than the 8-bit
+    err = (full.double() - exact).abs().max() / exact.abs().max()  # scheme (llama.cpp's) is
+    vnni = (qdot.mm(w.op, x, w.blocks, w.out_features, 0).double() - exact).abs().max() / exact.abs().max()
+    assert err < vnni, (err, vnni)
+    for m in (rows, rows + 1, 31, 33, 100):
+        assert torch.equal(w(x[:m]), full[:m]), m
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(w(x[:100]), full[:100])
+    finally:
+        torch.set_num_threads(threads)
+    below = x[:rows - 1]
+    assert torch.equal(w(below), QdotLinear(raw, tile_rows=0)(below))
+    invariant = stored_kernel(raw, fixed_rows=8)  # the batch-invariant mode never takes the tiles
+    assert invariant.tile_rows == 0 and "amx" not in invariant.kind
 
 
 def test_q4_0_runs_as_q4_1_blocks_with_its_offset_spelled_out():
@@ -502,7 +541,7 @@ def test_q2_k_and_q3_k_run_on_their_own_superblocks_as_llama_cpp_multiplies_them
     np.testing.assert_allclose(weights.numpy(), dequantize(raw).numpy(), rtol=1e-6, atol=0)
     assert int(levels.max()) == (3 if qtype == "Q2_K" else 7)
     w = QdotLinear(raw)
-    assert w.kind == f"{qtype.lower()}-dot-q8" and w.nbytes == 48 * 3 * (84 if qtype == "Q2_K" else 114)
+    assert w.kind == qdot_kind(qtype) and w.nbytes == 48 * 3 * (84 if qtype == "Q2_K" else 114)
     for m in (1, 2, 5, 12):
         x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m))
         x[0, :256] = 0.0  # an all-zero superblock: its scale is 0, not a division by zero

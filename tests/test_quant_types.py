@@ -19,7 +19,7 @@ from services.testing.tiny_gguf import (
     write_tiny_gguf,
 )
 from shared.files.gguf_loader import GgufLoader
-from shared.models.linear import INT4_PAIR_TYPES, INT4_TYPES, qdot_takes
+from shared.models.linear import INT4_PAIR_TYPES, INT4_TYPES, qdot_kind, qdot_takes
 from shared.runtime.generation import window_logits
 from shared.runtime.stage_runtime import LocalPipeline
 from tests.test_tiny_models import IDS, _decode_logits
@@ -63,7 +63,7 @@ def test_every_tensor_type_matches_llama_cpp(qtype, f32_source, tmp_path):
     blocks = {kind: n for kind, n in by_type[qtype].items() if "(embedding)" not in kind and "(lm_head)" not in kind}
     assert sum(blocks.values()) == SPEC.layers * 7, by_type
     if qdot_takes(qtype):
-        assert list(blocks) == [f"{qtype.lower()}-dot-q8"], by_type
+        assert list(blocks) == [qdot_kind(qtype)], by_type
     logit_range = ref.max() - ref.min()
     assert logit_range > 1.0  # the comparison is not vacuous
     lean = LocalPipeline.load(loader, None, torch.bfloat16, kv_slots=1, weights="lean")  # each type's stored kernel

@@ -258,10 +258,10 @@ def test_the_compiled_decode_step_covers_q8_0_blocks(smollm2):
     runtime = StageRuntime.load(loader, None, torch.float32, kv_slots=2, max_seq_len=128, weights="lean")
     model = runtime.model
     assert why_not_compilable(model) is None
-    from shared.models.linear import qdot_takes
+    from shared.models.linear import qdot_kind, qdot_takes
 
     assert {model.blocks[0].qkv.kind, model.blocks[0].gate_up.kind} == {
-        "q8_0-dot-q8" if qdot_takes("Q8_0") else "int4x2-g32"}
+        qdot_kind("Q8_0") if qdot_takes("Q8_0") else "int4x2-g32"}
     runtime.kv = model.new_kv_cache(2, 128, scratch=True)
     step = CompiledDecode(model, runtime.kv)
     ids = IDS[:12]

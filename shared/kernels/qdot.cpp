@@ -447,6 +447,227 @@ inline void pair_tile(const uint8_t *group0, const uint8_t *group1, int64_t nb, 
 #define STAGEMESH_PAIR_TILES 1
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// ---- AMX: prefill-sized micro-batches on the tile units (Sapphire Rapids and later Xeons) ---------------------------
+// y = x @ W^T with W's blocks dequantized to bf16 on the fly, 32 rows (4 groups) at a time, into a buffer each thread
+// keeps in its L2, laid out as TDPBF16PS's B operand: two n-tiles, each [K/2][16 rows n][2] bf16 (B row kp holds
+// W[n][2kp], W[n][2kp + 1] for the tile's 16 rows n), and x rounded to bf16 [M padded to 16][K]. Each step multiplies
+// two 16-row tiles of x by the two n-tiles into four 16 x 16 float32 accumulators (tiles C 0-3, A 4-5, B 6-7), 32 of
+// K a step. A weight is its block's w = d q + m (q4_1), d q (q8_0), d sc (q - 32) (q6_16) in float32, rounded to bf16
+// once; the products are bf16 x bf16 summed in float32. That is not llama.cpp's 8-bit scheme (x keeps bf16's 8
+// significant bits per value, where q8_1 keeps 7 bits of each block's largest), and a row's result depends on that row
+// alone for every M the op sends here (M >= tile_rows, qdot.py's amx_rows); below it the integer-dot path runs.
+#define STAGEMESH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// The kernel's permission for this process to use the tile data state (Linux 5.16+; a VM's kernel may refuse it),
+// asked once: every thread of the process may then configure tiles.
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {  // LDTILECFG's 64 bytes, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t AMX_ROWS = 32;  // weight rows a buffer holds: two n-tiles of 16
+constexpr int64_t B_ROW = 32;     // bf16 in one B row: 16 rows' pairs
+
+// lanes 4n + i of lo (rows n = 0..3) and hi (rows 4..7) = row n's weight k0 + i (i = 0..3), as floats -> bf16 into
+// B rows kp = k0 / 2 (i = 0, 1) and kp + 1 (i = 2, 3), at the n-tile's columns col .. col + 7
+inline void put_pairs(__m512 lo, __m512 hi, uint16_t *tile, int64_t kp, int col) {
+  // dwords (one bf16 pair each) [n][i / 2] -> [i / 2][n]
+  const __m512i by_pair = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i bf = _mm512_permutexvar_epi32(by_pair, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i *>(tile + kp * B_ROW + 2 * col), _mm512_castsi512_si256(bf));
+  _mm256_storeu_si256(reinterpret_cast<__m256i *>(tile + (kp + 1) * B_ROW + 2 * col), _mm512_extracti64x4_epi64(bf, 1));
+}
+
+// 8 rows' scales (float) -> lanes 4n + i = row first + n's, n = 0..3
+inline __m512 spread4(__m256 scales, int first) {
+  const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                       _mm512_set1_epi32(first));
+  return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(scales));
+}
+inline __m256 halves8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
+inline __m512 u8_floats(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+inline __m512 i8_floats(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+
+// 32 bytes of levels (byte 4n + i: row n's level k0 + i) -> w = scale q + low into the B rows of k0
+template <bool SIGNED>
+inline void put_levels(__m256i levels, __m512 s_lo, __m512 s_hi, __m512 l_lo, __m512 l_hi, uint16_t *tile,
+                       int64_t kp, int col) {
+  const __m128i a = _mm256_castsi256_si128(levels), b = _mm256_extracti128_si256(levels, 1);
+  const __m512 qa = SIGNED ? i8_floats(a) : u8_floats(a), qb = SIGNED ? i8_floats(b) : u8_floats(b);
+  put_pairs(_mm512_fmadd_ps(s_lo, qa, l_lo), _mm512_fmadd_ps(s_hi, qb, l_hi), tile, kp, col);
+}
+
+template <int j>
+inline void q6_levels_bf16(const uint8_t *blk, __m256i high0, __m256i high1, const __m512 (&s)[2][2],
+                           const __m512 (&l)[2][2], uint16_t *tile, int64_t kp0, int col) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 32 + 32 * j));
+  const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, low), bits_to_4<2 * j, 2>(high0));
+  const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), bits_to_4<2 * j, 2>(high1));
+  put_levels<false>(lo, s[0][0], s[0][1], l[0][0], l[0][1], tile, kp0 + 2 * j, col);
+  put_levels<false>(hi, s[1][0], s[1][1], l[1][0], l[1][1], tile, kp0 + 8 + 2 * j, col);
+}
+
+// One group's block b (8 rows x 32 weights) -> B rows 16b .. 16b + 15 of its n-tile, columns col .. col + 7
+template <Layout L>
+inline void block_to_bf16(const uint8_t *blk, uint16_t *tile, int64_t b, int col) {
+  const int64_t kp0 = 16 * b;
+  const __m256 d = halves8(blk);
+  if constexpr (L == Q4_1) {
+    const __m256 m = halves8(blk + 16);
+    const __m512 d_lo = spread4(d, 0), d_hi = spread4(d, 4), m_lo = spread4(m, 0), m_hi = spread4(m, 4);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 32 + 32 * j));
+      put_levels<false>(_mm256_and_si256(packed, low), d_lo, d_hi, m_lo, m_hi, tile, kp0 + 2 * j, col);
+      put_levels<false>(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), d_lo, d_hi, m_lo, m_hi, tile,
+                        kp0 + 8 + 2 * j, col);
+    }
+  } else if constexpr (L == Q8_0) {
+    const __m512 d_lo = spread4(d, 0), d_hi = spread4(d, 4), zero = _mm512_setzero_ps();
+    for (int j = 0; j < 8; j++)
+      put_levels<true>(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 16 + 32 * j)), d_lo, d_hi, zero,
+                       zero, tile, kp0 + 2 * j, col);
+  } else {  // Q6_16: w = d sc (q - 32), sc0 for elements 0..15 (the low nibbles), sc1 for 16..31
+    __m512 s[2][2], l[2][2];
+    for (int h = 0; h < 2; h++) {
+      const __m256 sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                             _mm_loadl_epi64(reinterpret_cast<const __m128i *>(blk + 16 + 8 * h)))));
+      s[h][0] = spread4(sc, 0);
+      s[h][1] = spread4(sc, 4);
+      l[h][0] = _mm512_mul_ps(s[h][0], _mm512_set1_ps(-32.0f));
+      l[h][1] = _mm512_mul_ps(s[h][1], _mm512_set1_ps(-32.0f));
+    }
+    const __m256i high0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 160));
+    const __m256i high1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 192));
+    q6_levels_bf16<0>(blk, high0, high1, s, l, tile, kp0, col);
+    q6_levels_bf16<1>(blk, high0, high1, s, l, tile, kp0, col);
+    q6_levels_bf16<2>(blk, high0, high1, s, l, tile, kp0, col);
+    q6_levels_bf16<3>(blk, high0, high1, s, l, tile, kp0, col);
+  }
+}
+
+// An accumulator tile <-> y[row .. row + 16, col .. col + 16]: move(at, stride) loads or stores the tile (its number
+// must be a literal) at `at`; at the edges of y (rows past M, columns past N) through scratch, the rest dropped.
+template <bool STORE, class Move>
+inline void move_tile(Move move, float *y, int64_t M, int64_t N, int64_t row, int64_t col, float *scratch) {
+  if (row + 16 <= M && col + 16 <= N) {
+    move(y + row * N + col, N * sizeof(float));
+    return;
+  }
+  const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(16, M - row));
+  const int64_t cols = std::max<int64_t>(0, std::min<int64_t>(16, N - col));
+  if (!STORE) {
+    std::memset(scratch, 0, 16 * 16 * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) std::memcpy(scratch + 16 * r, y + (row + r) * N + col, sizeof(float) * cols);
+  }
+  move(scratch, 16 * sizeof(float));
+  if (STORE)
+    for (int64_t r = 0; r < rows; r++) std::memcpy(y + (row + r) * N + col, scratch + 16 * r, sizeof(float) * cols);
+}
+
+// the bytes of x's bf16 slice [M, k1 - k0] that stay in a core's L2 beside its weight buffer while every 32 weight rows
+// of the slice pass over it
+constexpr int64_t AMX_SLICE_BYTES = 1 << 20;
+
+template <Layout L>
+void amx_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t groups, int64_t N, float *y) {
+  constexpr int64_t bytes = group_bytes(L);
+  const int64_t nb = K / QK, padded_m = (M + 15) / 16 * 16, n_blocks = (groups * 8 + AMX_ROWS - 1) / AMX_ROWS;
+  std::vector<uint16_t> xa(padded_m * K, 0);  // x in bf16, the padding rows zero
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; m++)
+      for (int64_t k = 0; k < K; k += 32) {
+        const float *row = x + m * K + k;
+        _mm512_storeu_si512(xa.data() + m * K + k,
+                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row)));
+      }
+  });
+  // K in slices whose x stays in L2 (every weight is dequantized once, in its slice); y accumulates over the slices
+  const int64_t slice = std::max<int64_t>(QK, AMX_SLICE_BYTES / (padded_m * 2) / QK * QK);
+  for (int64_t k0 = 0; k0 < K; k0 += slice) {
+    const int64_t k1 = std::min(K, k0 + slice), kb0 = k0 / QK, kb1 = k1 / QK, pairs = (k1 - k0) / 2;
+    at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
+      TileConfig config;
+      for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+      _tile_loadconfig(&config);
+      std::vector<uint16_t> buffer(2 * pairs * B_ROW);
+      uint16_t *const tiles[2] = {buffer.data(), buffer.data() + pairs * B_ROW};
+      alignas(64) float scratch[16 * 16];
+      for (int64_t blk = begin; blk < end; blk++) {
+        for (int64_t q = 0; q < 4; q++) {  // group q of the block: n-tile q / 2, columns (q % 2) * 8
+          const int64_t g = 4 * blk + q;
+          uint16_t *tile = tiles[q / 2];
+          const int col = static_cast<int>(q % 2) * 8;
+          if (g >= groups) {  // past the matrix: zero weights
+            for (int64_t kp = 0; kp < pairs; kp++) std::memset(tile + kp * B_ROW + 2 * col, 0, 16 * sizeof(uint16_t));
+            continue;
+          }
+          const uint8_t *group = w + g * nb * bytes;
+          for (int64_t b = kb0; b < kb1; b++) block_to_bf16<L>(group + b * bytes, tile, b - kb0, col);
+        }
+        const int64_t n0 = blk * AMX_ROWS;
+        for (int64_t m = 0; m < padded_m; m += 32) {
+          const bool two = m + 16 < padded_m;
+          const uint16_t *a0 = xa.data() + m * K + k0, *a1 = a0 + 16 * K;
+          if (k0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            move_tile<false>([](float *at, int64_t stride) { _tile_loadd(0, at, stride); }, y, M, N, m, n0, scratch);
+            move_tile<false>([](float *at, int64_t stride) { _tile_loadd(1, at, stride); }, y, M, N, m, n0 + 16, scratch);
+            if (two) {
+              move_tile<false>([](float *at, int64_t stride) { _tile_loadd(2, at, stride); }, y, M, N, m + 16, n0, scratch);
+              move_tile<false>([](float *at, int64_t stride) { _tile_loadd(3, at, stride); }, y, M, N, m + 16, n0 + 16,
+                               scratch);
+            }
+          }
+          for (int64_t kp = 0; kp < pairs; kp += 16) {
+            _tile_loadd(6, tiles[0] + kp * B_ROW, 64);
+            _tile_loadd(7, tiles[1] + kp * B_ROW, 64);
+            _tile_loadd(4, a0 + 2 * kp, K * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+              _tile_loadd(5, a1 + 2 * kp, K * 2);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          move_tile<true>([](float *at, int64_t stride) { _tile_stored(0, at, stride); }, y, M, N, m, n0, scratch);
+          move_tile<true>([](float *at, int64_t stride) { _tile_stored(1, at, stride); }, y, M, N, m, n0 + 16, scratch);
+          if (two) {
+            move_tile<true>([](float *at, int64_t stride) { _tile_stored(2, at, stride); }, y, M, N, m + 16, n0, scratch);
+            move_tile<true>([](float *at, int64_t stride) { _tile_stored(3, at, stride); }, y, M, N, m + 16, n0 + 16,
+                            scratch);
+          }
+        }
+      }
+      _tile_release();
+    });
+  }
+}
+#endif
+
+bool amx_ready() {  // qdot.py's amx_rows: the library holds the AMX path and this process may use the tiles
+#ifdef STAGEMESH_AMX
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
 // Rows [m, m_end) of x in tiles, each a call tile(std::integral_constant<int, R>{}, first row): 8 rows a tile where
 // AVX512VL's 32 vector registers keep 8 rows' accumulators and partial sums, then 4, then the last 1 to 3 together.
 template <class Tile>
@@ -464,7 +685,7 @@ inline void row_tiles(int64_t m, int64_t m_end, Tile tile) {
 }
 
 template <Layout L>
-at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
+at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N, int64_t tile_rows) {
   constexpr int64_t bytes = group_bytes(L);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "qdot: x must be a contiguous float32 CPU matrix [M, K], got ", x.sizes(), " ", x.scalar_type());
@@ -478,6 +699,13 @@ at::Tensor qdot_mm(const at::Tensor &x, const at::Tensor &blocks, int64_t N) {
               " groups of 8");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+#ifdef STAGEMESH_AMX
+  if constexpr (L == Q4_1 || L == Q6_16 || L == Q8_0)
+    if (tile_rows > 0 && M >= tile_rows && amx_granted()) {
+      amx_mm<L>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), groups, N, y.data_ptr<float>());
+      return y;
+    }
+#endif
   const Q8Rows q = quantize_rows<L == Q6_16>(x.data_ptr<float>(), M, K);
   const uint8_t *w = blocks.data_ptr<uint8_t>();
   float *out = y.data_ptr<float>();
@@ -1040,16 +1268,17 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
 }
 
 TORCH_LIBRARY(stagemesh_qdot, m) {
-  m.def("q4_1(Tensor x, Tensor blocks, int n) -> Tensor");
-  m.def("q8_0(Tensor x, Tensor blocks, int n) -> Tensor");
-  m.def("q6_16(Tensor x, Tensor blocks, int n) -> Tensor");
-  m.def("q5_0(Tensor x, Tensor blocks, int n) -> Tensor");
-  m.def("q5_1(Tensor x, Tensor blocks, int n) -> Tensor");
+  m.def("q4_1(Tensor x, Tensor blocks, int n, int tile_rows=0) -> Tensor");
+  m.def("q8_0(Tensor x, Tensor blocks, int n, int tile_rows=0) -> Tensor");
+  m.def("q6_16(Tensor x, Tensor blocks, int n, int tile_rows=0) -> Tensor");
+  m.def("q5_0(Tensor x, Tensor blocks, int n, int tile_rows=0) -> Tensor");
+  m.def("q5_1(Tensor x, Tensor blocks, int n, int tile_rows=0) -> Tensor");
   m.impl("q4_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q4_1>));
   m.impl("q8_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q8_0>));
   m.impl("q6_16", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q6_16>));
   m.impl("q5_0", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q5_0>));
   m.impl("q5_1", c10::DispatchKey::CPU, TORCH_FN(qdot_mm<Q5_1>));
+  m.def("amx_ready() -> bool", TORCH_FN(amx_ready));
   m.def("q2_k(Tensor x, Tensor blocks, int n) -> Tensor");
   m.def("q3_k(Tensor x, Tensor blocks, int n) -> Tensor");
   m.impl("q2_k", c10::DispatchKey::CPU, TORCH_FN(kquant_mm<K2>));

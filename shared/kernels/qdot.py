@@ -48,6 +48,14 @@ FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-mavx2", "-mfma", "-mf16c", "
 # where the CPU has AVX512-VNNI the dot products take one vpdpbusd (on 256-bit registers) for AVX2's three
 # instructions, the same integers (qdot.cpp's add_products)
 VNNI_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni"}
+# where the CPU has AMX's tiles with bf16 and AVX512-BF16 (Sapphire Rapids and later Xeons), prefill-sized calls of
+# q4_1 / q8_0 / q6_16 run on the tile units (qdot.cpp's amx_mm; amx_rows says from how many rows)
+AMX_FLAGS = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16", "avx512_bf16": "-mavx512bf16"}
+AMX_OPS = ("q4_1", "q8_0", "q6_16")
+AMX_ENV = "STAGEMESH_AMX"  # "off": never use the tiles
+# the fewest rows a call takes to the tiles: at 16 a tile's rows are full; measured faster than the integer-dot path
+# from there on (benchmarks/amx.py prints the curve)
+AMX_MIN_ROWS = 16
 ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels; "on": on an AVX512 CPU too, without measuring
 # bytes per block of one row in the ops' layouts: blocks of 32 weights, q2_k's and q3_k's of 256 (BLOCK_WEIGHTS)
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_16": 28, "q5_0": 22, "q5_1": 24, "q2_k": 84, "q3_k": 114}
@@ -69,9 +77,11 @@ def cache_dirs() -> list[str]:
 
 
 def flags() -> list[str]:
-    """The compiler's flags for this CPU: AVX2's, and AVX512-VNNI's where it has all of it."""
+    """The compiler's flags for this CPU: AVX2's, AVX512-VNNI's where it has all of it, and AMX's (with AVX512-BF16)
+    on top of those where it has them too."""
     vnni = list(VNNI_FLAGS.values()) if all(f in cpu_flags() for f in VNNI_FLAGS) else []
-    return FLAGS + vnni
+    amx = list(AMX_FLAGS.values()) if vnni and all(f in cpu_flags() for f in AMX_FLAGS) else []
+    return FLAGS + vnni + amx
 
 
 def _library_name() -> str:
@@ -152,7 +162,7 @@ def load() -> str | None:
 _fakes_registered = False
 
 
-def _fake_mm(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+def _fake_mm(x: torch.Tensor, blocks: torch.Tensor, n: int, tile_rows: int = 0) -> torch.Tensor:
     """The ops' output for tracing (torch.compile): [M, N] float32."""
     return x.new_empty(x.shape[0], n)
 
@@ -224,6 +234,29 @@ def usable() -> bool:
     return why_not() is None
 
 
+@functools.cache
+def amx_rows() -> int:
+    """From how many rows a call of AMX_OPS runs on the AMX tiles (qdot.cpp's amx_mm: weights dequantized to bf16 on
+    the fly, bf16 products summed in float32); 0 where it never does: the ops do not run here, the CPU or the compiler
+    lacks AMX-BF16, the kernel refused this process the tile state (arch_prctl), or STAGEMESH_AMX=off. Below it, and
+    for the other ops, the integer-dot path runs."""
+    return AMX_MIN_ROWS if amx_why_not() is None else 0
+
+
+@functools.cache
+def amx_why_not() -> str | None:
+    """None where AMX_OPS take prefill-sized calls to the tiles; otherwise why not (a stage's /info shows it)."""
+    if os.environ.get(AMX_ENV, "").lower() in ("off", "0", "false", "no"):
+        return f"turned off ({AMX_ENV}={os.environ[AMX_ENV]})"
+    if (why := load()) is not None:
+        return f"the integer-dot kernels do not run: {why}"
+    if missing := [f for f in AMX_FLAGS if f not in cpu_flags()]:
+        return f"the CPU lacks {', '.join(missing)}"
+    if not torch.ops.stagemesh_qdot.amx_ready():
+        return "the kernel did not grant this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return None
+
+
 def row_bytes(op: str, k: int) -> int:
     """The bytes of one row of K weights in the op's layout (K a multiple of its block)."""
     return k // BLOCK_WEIGHTS.get(op, 32) * BLOCK_BYTES[op]
@@ -263,8 +296,13 @@ def _fifth_bit_masks(qh: torch.Tensor) -> torch.Tensor:
     return (bits << shifts).sum(-1, dtype=torch.uint8)
 
 
-def mm(op: str, x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] (any float dtype) @ the matrix [n, K] whose interleaved blocks these are -> [M, n] float32."""
+def mm(op: str, x: torch.Tensor, blocks: torch.Tensor, n: int, tile_rows: int = 0) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ the matrix [n, K] whose interleaved blocks these are -> [M, n] float32.
+    tile_rows > 0 (AMX_OPS only; amx_rows()): a call of at least that many rows runs on the AMX tiles, where its rows'
+    numbers are bf16 products' rather than the 8-bit scheme's; 0: the integer-dot path for every M, a row's result
+    independent of M."""
+    if tile_rows and op in AMX_OPS:
+        return getattr(torch.ops.stagemesh_qdot, op)(x.float().contiguous(), blocks, n, tile_rows)
     return getattr(torch.ops.stagemesh_qdot, op)(x.float().contiguous(), blocks, n)
 
 

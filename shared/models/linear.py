@@ -189,15 +189,20 @@ class QdotLinear:
     blocks [ceil(N/8), K/32 * 8 * bytes] uint8: Q4_1's 20-byte blocks, Q4_0's rewritten to them (its offset -8d, exact
     in fp16) and Q4_K's (_rewritten_blocks); Q8_0's 34-byte blocks; Q5_0's and Q5_1's own 22 / 24 bytes, reordered;
     Q6_K as 28-byte q6_16 blocks (d, an int8 scale per half, 6-bit levels); Q2_K and Q3_K as their own superblocks of
-    256 (_k_low_blocks: 84 and 114 bytes); 8 rows' interleaved (qdot.interleave). float32 out. A row's result does not
-    depend on the other rows."""
+    256 (_k_low_blocks: 84 and 114 bytes); 8 rows' interleaved (qdot.interleave). float32 out.
+    Where AMX runs (qdot.amx_rows()), a call of q4_1, q8_0 or q6_16 blocks with at least tile_rows rows runs on the
+    tiles (the weights dequantized to bf16 on the fly, bf16 products): a row's result then depends on whether its call
+    had tile_rows rows, and on nothing else. tile_rows=0 (the batch-invariant mode's): the integer-dot path for every
+    M, a row's result independent of the other rows."""
 
-    def __init__(self, raw: RawTensor):
+    def __init__(self, raw: RawTensor, tile_rows: int | None = None):
         if (why := qdot.load()) is not None:
             raise CapabilityMissing(f"the integer-dot kernels cannot run here: {why}")
         self.out_features, self.in_features = n, k = raw.shape
         self.op = QDOT_TYPES[raw.ggml_type]
-        self.kind = f"{raw.ggml_type.lower()}-dot-q8"
+        # a plain int: compiled decode graphs take it as a constant
+        self.tile_rows = _tile_rows(self.op, tile_rows)
+        self.kind = qdot_kind(raw.ggml_type, self.tile_rows)
         # owned, not a view of the mapped file; made rows_at_once rows (whole groups of 8) at a time
         self.blocks = torch.empty(-(-n // qdot.GROUP_ROWS), qdot.GROUP_ROWS * qdot.row_bytes(self.op, k),
                                   dtype=torch.uint8)
@@ -211,11 +216,25 @@ class QdotLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         (blocks,) = _stacked(self)
-        return qdot.mm(self.op, x, blocks, self.out_features).to(x.dtype)  # a bf16 piece stays bf16 (as int4 does)
+        # a bf16 piece stays bf16 (as int4 does)
+        return qdot.mm(self.op, x, blocks, self.out_features, self.tile_rows).to(x.dtype)
 
     @property
     def nbytes(self) -> int:
         return self.blocks.nbytes
+
+
+def _tile_rows(op: str, tile_rows: int | None) -> int:
+    """QdotLinear's rows from which a call runs on the AMX tiles (None: qdot.amx_rows()'s, 0: never)."""
+    return (qdot.amx_rows() if tile_rows is None else tile_rows) if op in qdot.AMX_OPS else 0
+
+
+def qdot_kind(ggml_type: str, tile_rows: int | None = None) -> str:
+    """What QdotLinear runs a matrix of this type as (its kind, which /info shows per tensor): "q4_k-dot-q8", and
+    where a call from some rows on runs on the AMX tiles "q4_k-dot-q8 | amx-bf16 from 16 rows". tile_rows: as
+    QdotLinear's."""
+    rows = _tile_rows(QDOT_TYPES[ggml_type], tile_rows)
+    return f"{ggml_type.lower()}-dot-q8" + (f" | amx-bf16 from {rows} rows" if rows else "")
 
 
 WEIGHTS_AT_ONCE = 1 << 22  # a matrix is converted at load this many weights at a time: its float copies stay ~16 MiB
@@ -475,11 +494,12 @@ def stored_kernel(raw: RawTensor, fixed_rows: int | None = None) -> Int4Linear |
     """The kernel that runs one GGUF type from (about) its stored size: the integer-dot kernels for QDOT_TYPES
     where they run (qdot_takes), else int4 for 4-bit types, two int4 planes for Q8_0 (both exact up to bf16
     scales); int8 per row for every other quantized type, and the dense kernel (dense_dtype()) for float types.
-    fixed_rows: as DenseLinear's (the quantized kernels need none: their rows are independent of M)."""
+    fixed_rows: as DenseLinear's (the batch-invariant mode's); the quantized kernels' rows are independent of M, but
+    for QdotLinear's AMX path, which fixed_rows turns off."""
     if raw.ggml_type in FLOAT_TYPES:
         return DenseLinear(dequantize(raw), dense_dtype(), fixed_rows, prepack_f32=True)
     if qdot_takes(raw.ggml_type):
-        return QdotLinear(raw)
+        return QdotLinear(raw, tile_rows=0 if fixed_rows else None)
     if raw.ggml_type in INT4_TYPES + INT4_PAIR_TYPES and int4_fits(raw.shape):
         return Int4Linear(*unpack_levels(raw), planes=1 if raw.ggml_type in INT4_TYPES else 2,
                           pair_zeros=_PAIR_ZEROS.get(raw.ggml_type))
