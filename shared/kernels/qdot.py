@@ -53,9 +53,10 @@ VNNI_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-ma
 AMX_FLAGS = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16", "avx512_bf16": "-mavx512bf16"}
 AMX_OPS = ("q4_1", "q8_0", "q6_16")
 AMX_ENV = "STAGEMESH_AMX"  # "off": never use the tiles
-# the fewest rows a call takes to the tiles: at 16 a tile's rows are full; measured faster than the integer-dot path
-# from there on (benchmarks/amx.py prints the curve)
-AMX_MIN_ROWS = 16
+# the fewest rows a call takes to the tiles: two tiles of 16 rows share each dequantized weight tile; below that the
+# dequantizing costs more than the tiles win (benchmarks/amx.py prints the curve: 0.6-1.0x at 16 rows, 0.96-1.4x at
+# 24, 1.1-1.9x at 32 on the Q4_K / Q6_K matrices of the 1B and 3B shapes)
+AMX_MIN_ROWS = 32
 ENV = "STAGEMESH_QDOT"  # "off": never use the integer-dot kernels; "on": on an AVX512 CPU too, without measuring
 # bytes per block of one row in the ops' layouts: blocks of 32 weights, q2_k's and q3_k's of 256 (BLOCK_WEIGHTS)
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q6_16": 28, "q5_0": 22, "q5_1": 24, "q2_k": 84, "q3_k": 114}

@@ -231,7 +231,7 @@ def _tile_rows(op: str, tile_rows: int | None) -> int:
 
 def qdot_kind(ggml_type: str, tile_rows: int | None = None) -> str:
     """What QdotLinear runs a matrix of this type as (its kind, which /info shows per tensor): "q4_k-dot-q8", and
-    where a call from some rows on runs on the AMX tiles "q4_k-dot-q8 | amx-bf16 from 16 rows". tile_rows: as
+    where a call from some rows on runs on the AMX tiles "q4_k-dot-q8 | amx-bf16 from 32 rows". tile_rows: as
     QdotLinear's."""
     rows = _tile_rows(QDOT_TYPES[ggml_type], tile_rows)
     return f"{ggml_type.lower()}-dot-q8" + (f" | amx-bf16 from {rows} rows" if rows else "")
