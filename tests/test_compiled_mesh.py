@@ -79,6 +79,10 @@ def test_a_two_stage_mesh_serves_while_compiling_then_every_stage_decodes_compil
     integer_dot = qdot.why_not() or "on"
     assert [i.weights["integer_dot"] for i in infos] == [integer_dot] * 2
     assert all(("q4_1-dot-q8" in str(i.weights["tensors"])) == (integer_dot == "on") for i in infos)
+    # and their prefill-sized calls on the AMX tiles where this CPU grants them, each tensor's kind saying so
+    amx = qdot.amx_why_not() or f"on from {qdot.amx_rows()} rows"
+    assert [i.weights["amx"] for i in infos] == [amx] * 2
+    assert all(("| amx-bf16 from" in str(i.weights["tensors"])) == amx.startswith("on") for i in infos)
     assert [a["threads"] for a in after] == [sorted({share, cores})] * 2
     if share != cores:  # taking turns with the cores: OpenMP threads spin briefly before they sleep
         pids = [p for p in children(gw.proc.pid) if "stage" in open(f"/proc/{p}/cmdline").read()]

@@ -214,8 +214,8 @@ def test_on_amx_a_prefill_sized_call_is_the_bf16_product_of_the_blocks_weights(q
     at least tile_rows rows multiplies x rounded to bf16 by the blocks' weights rounded to bf16, products summed in
     float32: within float32 rounding of that product taken in float64. A wrong pair layout, n-tile, column offset,
     K slice or padded row would be off by the size of the weights. 43 weight rows: the last of two 32-row buffers
-    holds 11 (one row padding); K = 2048: the 600-row call takes K in three slices (x's bf16 slice sized for L2), the
-    16-row one in one. A row's result depends on nothing but that row from tile_rows rows on (bit for bit, any M,
+    holds 11 (one row padding); K = 2048: the 600-row call takes K in three slices (x's bf16 slice sized for L2), a
+    call of tile_rows rows in one. A row's result depends on nothing but that row from tile_rows rows on (bit for bit, any M,
     one thread or two), and below tile_rows, or with tile_rows=0, the integer-dot path runs: llama.cpp's scheme."""
     if (why := qdot.amx_why_not()) is not None:
         pytest.skip(f"the AMX path does not run on this machine: {why}")
@@ -233,7 +233,7 @@ def test_on_amx_a_prefill_sized_call_is_the_bf16_product_of_the_blocks_weights(q
     err = (full.double() - exact).abs().max() / exact.abs().max()  # scheme (llama.cpp's) is
     vnni = (qdot.mm(w.op, x, w.blocks, w.out_features, 0).double() - exact).abs().max() / exact.abs().max()
     assert err < vnni, (err, vnni)
-    for m in (rows, rows + 1, 31, 33, 100):
+    for m in (rows, rows + 1, rows + 15, rows + 16, 100):  # 16-row tiles in pairs, the last pair half padding or not
         assert torch.equal(w(x[:m]), full[:m]), m
     threads = torch.get_num_threads()
     try:

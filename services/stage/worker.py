@@ -487,7 +487,9 @@ class StageWorker:
                 "memory": model.memory_report(), "tensors": model.weight_summary(),
                 "by_type": model.runs_as_by_type(),  # GGUF type -> {what its matrices run as: how many}
                 # the integer-dot kernels (shared.kernels.qdot: Q4_*, Q5_*, Q8_0, Q2_K .. Q6_K) on, or why not
-                "integer_dot": qdot.why_not() or "on"}
+                "integer_dot": qdot.why_not() or "on",
+                # their prefill-sized calls on the AMX tiles (bf16), or why not (the tensors' kinds say which run so)
+                "amx": qdot.amx_why_not() or f"on from {qdot.amx_rows()} rows"}
 
     @functools.cached_property
     def _keys_info(self) -> dict | None:

@@ -578,82 +578,97 @@ inline void move_tile(Move move, float *y, int64_t M, int64_t N, int64_t row, in
 // the bytes of x's bf16 slice [M, k1 - k0] that stay in a core's L2 beside its weight buffer while every 32 weight rows
 // of the slice pass over it
 constexpr int64_t AMX_SLICE_BYTES = 1 << 20;
+#ifndef AMX_SUB_BLOCKS
+#define AMX_SUB_BLOCKS 64
+#endif
 
 template <Layout L>
 void amx_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t groups, int64_t N, float *y) {
   constexpr int64_t bytes = group_bytes(L);
   const int64_t nb = K / QK, padded_m = (M + 15) / 16 * 16, n_blocks = (groups * 8 + AMX_ROWS - 1) / AMX_ROWS;
-  // x in bf16, the padding rows zero, each row 64 bytes longer than K: a tile's 16 rows at a stride of a multiple of
-  // 4 KiB would all fall in one L1 set (K = 2048 took 1.6x the time)
-  const int64_t stride = K + 32;
-  std::vector<uint16_t> xa(padded_m * stride, 0);
+  // x in bf16 as A tiles, the padding rows zero: tile (t, c) -- rows 16t .. 16t + 15, columns 32c .. 32c + 31 -- is
+  // 1 KiB at xa + (t * kc + c) * 512, row-major, so a tile load reads 16 adjacent lines (rows of x in place, a stride
+  // of 2K bytes, put each of a tile's rows in its own 4 KiB page, and in one L1 set where K is a power of 2)
+  const int64_t kc = K / 32;
+  std::vector<uint16_t> xa(padded_m * K, 0);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; m++)
       for (int64_t k = 0; k < K; k += 32) {
         const float *row = x + m * K + k;
-        _mm512_storeu_si512(xa.data() + m * stride + k,
+        _mm512_storeu_si512(xa.data() + ((m / 16) * kc + k / 32) * 512 + (m % 16) * 32,
                             (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row)));
       }
   });
   // K in slices whose x stays in L2 (every weight is dequantized once, in its slice); y accumulates over the slices
   const int64_t slice = std::max<int64_t>(QK, AMX_SLICE_BYTES / (padded_m * 2) / QK * QK);
   for (int64_t k0 = 0; k0 < K; k0 += slice) {
-    const int64_t k1 = std::min(K, k0 + slice), kb0 = k0 / QK, kb1 = k1 / QK, pairs = (k1 - k0) / 2;
+    const int64_t k1 = std::min(K, k0 + slice), kb0 = k0 / QK, kb1 = k1 / QK;
     at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
       TileConfig config;
       for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
       _tile_loadconfig(&config);
-      std::vector<uint16_t> buffer(2 * pairs * B_ROW);
-      uint16_t *const tiles[2] = {buffer.data(), buffer.data() + pairs * B_ROW};
+      // one sub-slice of AMX_SUB_BLOCKS blocks at a time: its two n-tiles' weights (2 x 256 pairs x 64 bytes) stay in
+      // L1 while every 32 rows of x pass over them, the accumulators reloaded from y between sub-slices
+      std::vector<uint16_t> buffer(2 * AMX_SUB_BLOCKS * 16 * B_ROW);
+      uint16_t *const tiles[2] = {buffer.data(), buffer.data() + AMX_SUB_BLOCKS * 16 * B_ROW};
       alignas(64) float scratch[16 * 16];
       for (int64_t blk = begin; blk < end; blk++) {
-        for (int64_t q = 0; q < 4; q++) {  // group q of the block: n-tile q / 2, columns (q % 2) * 8
-          const int64_t g = 4 * blk + q;
-          uint16_t *tile = tiles[q / 2];
-          const int col = static_cast<int>(q % 2) * 8;
-          if (g >= groups) {  // past the matrix: zero weights
-            for (int64_t kp = 0; kp < pairs; kp++) std::memset(tile + kp * B_ROW + 2 * col, 0, 16 * sizeof(uint16_t));
-            continue;
-          }
-          const uint8_t *group = w + g * nb * bytes;
-          for (int64_t b = kb0; b < kb1; b++) block_to_bf16<L>(group + b * bytes, tile, b - kb0, col);
-        }
         const int64_t n0 = blk * AMX_ROWS;
-        for (int64_t m = 0; m < padded_m; m += 32) {
-          const bool two = m + 16 < padded_m;
-          const uint16_t *a0 = xa.data() + m * stride + k0, *a1 = a0 + 16 * stride;
-          if (k0 == 0) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-          } else {
-            move_tile<false>([](float *at, int64_t stride) { _tile_loadd(0, at, stride); }, y, M, N, m, n0, scratch);
-            move_tile<false>([](float *at, int64_t stride) { _tile_loadd(1, at, stride); }, y, M, N, m, n0 + 16, scratch);
-            if (two) {
-              move_tile<false>([](float *at, int64_t stride) { _tile_loadd(2, at, stride); }, y, M, N, m + 16, n0, scratch);
-              move_tile<false>([](float *at, int64_t stride) { _tile_loadd(3, at, stride); }, y, M, N, m + 16, n0 + 16,
+        for (int64_t sb0 = kb0; sb0 < kb1; sb0 += AMX_SUB_BLOCKS) {
+          const int64_t sb1 = std::min(kb1, sb0 + AMX_SUB_BLOCKS), sub_pairs = (sb1 - sb0) * QK / 2;
+          for (int64_t q = 0; q < 4; q++) {  // group q of the block: n-tile q / 2, columns (q % 2) * 8
+            const int64_t g = 4 * blk + q;
+            uint16_t *tile = tiles[q / 2];
+            const int col = static_cast<int>(q % 2) * 8;
+            if (g >= groups) {  // past the matrix: zero weights
+              for (int64_t kp = 0; kp < sub_pairs; kp++)
+                std::memset(tile + kp * B_ROW + 2 * col, 0, 16 * sizeof(uint16_t));
+              continue;
+            }
+            const uint8_t *group = w + g * nb * bytes;
+            for (int64_t b = sb0; b < sb1; b++) block_to_bf16<L>(group + b * bytes, tile, b - sb0, col);
+          }
+          const int64_t ka = k0 + (sb0 - kb0) * QK;  // x's column of the sub-slice's first weight
+          for (int64_t m = 0; m < padded_m; m += 32) {
+            const bool two = m + 16 < padded_m;
+            const uint16_t *a0 = xa.data() + ((m / 16) * kc + ka / 32) * 512, *a1 = a0 + kc * 512;
+            if (ka == 0) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+            } else {
+              move_tile<false>([](float *at, int64_t stride) { _tile_loadd(0, at, stride); }, y, M, N, m, n0, scratch);
+              move_tile<false>([](float *at, int64_t stride) { _tile_loadd(1, at, stride); }, y, M, N, m, n0 + 16,
                                scratch);
+              if (two) {
+                move_tile<false>([](float *at, int64_t stride) { _tile_loadd(2, at, stride); }, y, M, N, m + 16, n0,
+                                 scratch);
+                move_tile<false>([](float *at, int64_t stride) { _tile_loadd(3, at, stride); }, y, M, N, m + 16,
+                                 n0 + 16, scratch);
+              }
             }
-          }
-          for (int64_t kp = 0; kp < pairs; kp += 16) {
-            _tile_loadd(6, tiles[0] + kp * B_ROW, 64);
-            _tile_loadd(7, tiles[1] + kp * B_ROW, 64);
-            _tile_loadd(4, a0 + 2 * kp, stride * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, a1 + 2 * kp, stride * 2);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
+            for (int64_t kp = 0; kp < sub_pairs; kp += 16) {
+              _tile_loadd(6, tiles[0] + kp * B_ROW, 64);
+              _tile_loadd(7, tiles[1] + kp * B_ROW, 64);
+              _tile_loadd(4, a0 + 32 * kp, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              if (two) {
+                _tile_loadd(5, a1 + 32 * kp, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+              }
             }
-          }
-          move_tile<true>([](float *at, int64_t stride) { _tile_stored(0, at, stride); }, y, M, N, m, n0, scratch);
-          move_tile<true>([](float *at, int64_t stride) { _tile_stored(1, at, stride); }, y, M, N, m, n0 + 16, scratch);
-          if (two) {
-            move_tile<true>([](float *at, int64_t stride) { _tile_stored(2, at, stride); }, y, M, N, m + 16, n0, scratch);
-            move_tile<true>([](float *at, int64_t stride) { _tile_stored(3, at, stride); }, y, M, N, m + 16, n0 + 16,
+            move_tile<true>([](float *at, int64_t stride) { _tile_stored(0, at, stride); }, y, M, N, m, n0, scratch);
+            move_tile<true>([](float *at, int64_t stride) { _tile_stored(1, at, stride); }, y, M, N, m, n0 + 16,
                             scratch);
+            if (two) {
+              move_tile<true>([](float *at, int64_t stride) { _tile_stored(2, at, stride); }, y, M, N, m + 16, n0,
+                              scratch);
+              move_tile<true>([](float *at, int64_t stride) { _tile_stored(3, at, stride); }, y, M, N, m + 16,
+                              n0 + 16, scratch);
+            }
           }
         }
       }
