@@ -14,7 +14,7 @@ PIP := $(BIN)/pip --quiet --quiet --disable-pip-version-check
 # environment says not to: a test run that compiles every module afresh spends ~5 s of each part's collection on it.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: llama-server install install-gemma3 dist install-reference install-browser install-kubectl fetch-vocab-suite quantized-fixtures serve test test-fast test-unit test-durations lint bench clean
+.PHONY: llama-server llama-server-amx install install-gemma3 dist install-reference install-browser install-kubectl fetch-vocab-suite quantized-fixtures serve test test-fast test-unit test-durations lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,23 @@ $(LLAMA_SERVER): | $(REF_STAMP)
 LLAMA_SERVER_SRC := $(HOME)/.cache/stagemesh/llama-server-src
 
 llama-server: $(LLAMA_SERVER)
+
+# The same server built with ggml's AMX kernels (benchmarks/amx.py --llama-server-amx measures prompt processing
+# against it where it runs; on the 2-core Xeon VM of 2026-12-06, which grants the tile state, it segfaulted in
+# ggml_backend_amx_mul_mat at its warm-up): llama-server alone, into its own directory (~6 min on 2 cores).
+LLAMA_SERVER_AMX ?= $(HOME)/.cache/stagemesh/llama-server-amx/bin/llama-server
+$(LLAMA_SERVER_AMX): | $(REF_STAMP)
+	rm -rf $(LLAMA_SERVER_SRC)-amx && mkdir -p $(LLAMA_SERVER_SRC)-amx
+	$(PIP) download --no-deps --no-binary :all: -d $(LLAMA_SERVER_SRC)-amx \
+	  "llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
+	tar xzf $(LLAMA_SERVER_SRC)-amx/llama_cpp_python-*.tar.gz -C $(LLAMA_SERVER_SRC)-amx --strip-components=3 --wildcards '*/vendor/llama.cpp'
+	cmake -S $(LLAMA_SERVER_SRC)-amx -B $(LLAMA_SERVER_SRC)-amx/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
+	cmake --build $(LLAMA_SERVER_SRC)-amx/build --target llama-server -j $$(nproc)
+	mkdir -p $(dir $(LLAMA_SERVER_AMX)) && cp $(LLAMA_SERVER_SRC)-amx/build/bin/llama-server $(dir $(LLAMA_SERVER_AMX))
+	rm -rf $(LLAMA_SERVER_SRC)-amx
+
+llama-server-amx: $(LLAMA_SERVER_AMX)
 
 # kubectl (for `kubectl kustomize`) when the machine has none: Debian's kubernetes-client.
 install-kubectl:

@@ -13,6 +13,7 @@ Two parts, the machine otherwise idle:
    servers interleaved round by round.
 
     make llama-server                                  # builds it once into ~/.cache/stagemesh (~8 min)
+    make llama-server-amx                              # optional: its AMX build, measured beside it
     python -m benchmarks.amx [--models llama3.2-1b,llama3.2-3b] [--preset Q4_K_M] [--input-len 512] [--rounds 3]
         [--out DIR] [-- up flags]
 
@@ -30,11 +31,11 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.roofline import model_file
 from services.testing.harness import (
     LLAMA_SERVER,
     add_out_arg,
     measure_servers,
+    model_file,
     results_dir,
     running_llama_server,
     ups_in_turn,
@@ -47,6 +48,8 @@ from shared.kernels import qdot
 from shared.models.linear import QDOT_TYPES, QdotLinear
 
 ROWS = (1, 8, 16, 24, 32, 48, 64, 128, 512)
+AMX_LLAMA = "llama-server (AMX build)"
+LLAMA_SERVER_AMX = os.path.expanduser("~/.cache/stagemesh/llama-server-amx/bin/llama-server")  # make llama-server-amx
 MATRICES = ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_down")  # layer 0's (Q4_K_M: attn_v, ffn_down Q6_K)
 
 
@@ -98,6 +101,10 @@ def prefill_servers(path: str, args, out: str) -> dict:
     with contextlib.ExitStack() as stack:
         servers = {"llama-server": stack.enter_context(running_llama_server(
             path, args.llama_server, slots=1, context=args.input_len + 256))}
+        if args.llama_server_amx:
+            log = os.path.join(out, f"llama-server-amx-{os.path.basename(path).removesuffix('.gguf')}.log")
+            servers[AMX_LLAMA] = stack.enter_context(running_llama_server(
+                path, args.llama_server_amx, slots=1, context=args.input_len + 256, log_path=log))
         servers["stagemesh (AMX)"] = ups_in_turn(stack, [1], path, None, args.extra)[1]
         os.environ[qdot.AMX_ENV] = "off"  # the next server's stages inherit it
         try:
@@ -118,15 +125,19 @@ def prefill_servers(path: str, args, out: str) -> dict:
 
 
 def tables(results: list[dict], input_len: int) -> str:
-    rows = [f"| model | server | {input_len}-token prompt, tok/s | × VNNI path | × llama-server |",
-            "| --- | --- | ---: | ---: | ---: |"]
+    with_amx = any(AMX_LLAMA in r["servers"] for r in results)
+    rows = [f"| model | server | {input_len}-token prompt, tok/s | × VNNI path | × llama-server |" +
+            (" × llama-server (AMX build) |" if with_amx else ""),
+            "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if with_amx else "")]
     for r in results:
         s = r["servers"]
         vnni = s["stagemesh (VNNI, STAGEMESH_AMX=off)"]["prompt_tokens_per_s"]
         llama = s["llama-server"]["prompt_tokens_per_s"]
+        llama_amx = s.get(AMX_LLAMA, {}).get("prompt_tokens_per_s")
         for name, v in s.items():
             tps = v["prompt_tokens_per_s"]
-            rows.append(f"| {r['model']} | {name} | {tps:.0f} | {tps / vnni:.2f}× | {tps / llama:.2f}× |")
+            rows.append(f"| {r['model']} | {name} | {tps:.0f} | {tps / vnni:.2f}× | {tps / llama:.2f}× |" +
+                        (f" {tps / llama_amx:.2f}× |" if llama_amx else ""))
     rows += ["", "| model | matrix | type | shape | " + " | ".join(f"{m} rows" for m in ROWS) + " |",
              "| --- | --- | --- | --- | " + " | ".join("---:" for _ in ROWS) + " |"]
     for r in results:
@@ -169,6 +180,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds, the servers interleaved in each (default 3)")
     p.add_argument("--prompts", type=int, default=3, help="requests per round, one at a time (default 3)")
     p.add_argument("--llama-server", default=LLAMA_SERVER, help="path of llama.cpp's llama-server (make llama-server)")
+    p.add_argument("--llama-server-amx", nargs="?", const=LLAMA_SERVER_AMX, default=None,
+                   help="also measure llama-server built with ggml's AMX kernels (make llama-server-amx puts it at "
+                        f"{LLAMA_SERVER_AMX}, the path without a value; its build of 2026-12 segfaulted in "
+                        "ggml_backend_amx_mul_mat at its warm-up on a VM that grants the tile state)")
     p.add_argument("extra", nargs="*", help="more `stagemesh up` flags (after --)")
     args = p.parse_args()
     if (why := qdot.amx_why_not()) is not None:
@@ -188,7 +203,9 @@ def main() -> None:
     header = (f"{cpu_description()}; one stream, fresh random {args.input_len}-token prompts answered with one token "
               f"(ignore_eos), {args.rounds} round(s) of {args.prompts}, the servers interleaved; prompt tok/s = "
               f"{args.input_len} / mean end-to-end latency; llama-server -t {os.cpu_count()} -np 1 (`make llama-server`: built "
-              "without AMX, whose ggml kernels crashed in a VM that did not grant the tile state); stagemesh up "
+              "without AMX, whose ggml kernels segfault at llama-server's warm-up on the VMs this ran on"
+              f"{'; its AMX build from `make llama-server-amx` beside it, its log in this folder' if args.llama_server_amx else ''}"
+              "); stagemesh up "
               f"--stages 1 {' '.join(args.extra) or '(defaults)'}. Kernel table: integer-dot time / AMX time for "
               "one call of that many rows, best of 5 each")
     md = header + "\n\n" + tables(results, args.input_len)

@@ -30,21 +30,16 @@ from services.testing.harness import (
     add_out_arg,
     dtype_label,
     measure_servers,
+    model_file,
     results_dir,
     running_llama_server,
     ups_in_turn,
     write_results,
 )
-from services.testing.shaped_gguf import SHAPES, shaped_gguf
+from services.testing.shaped_gguf import SHAPES
 from shared.files.gguf_loader import GgufLoader
-from shared.files.model_registry import resolve_model
 from shared.runtime.plan import ModelFacts
 from shared.runtime.roofline import Roofline, token_bytes, triad_bandwidth
-
-
-def model_file(name: str, preset: str) -> str:
-    """A path for --models' `name`: a shaped file built (once) at `preset`, else an alias or path as up takes it."""
-    return shaped_gguf(name, preset) if name in SHAPES else resolve_model(name)
 
 
 def decode_tokens_per_s(m: dict) -> float:

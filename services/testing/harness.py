@@ -389,24 +389,36 @@ class Load:
         return sum(1 for t in self.tokens if t0 <= t < t1) / max(t1 - t0, 1e-9)
 
 
+def model_file(name: str, preset: str) -> str:
+    """A path for a benchmark's --models `name`: a shaped file built (once) at `preset`, else an alias or path as up
+    takes it."""
+    from services.testing.shaped_gguf import SHAPES, shaped_gguf
+
+    return shaped_gguf(name, preset) if name in SHAPES else resolve_model(name)
+
+
 @contextlib.contextmanager
 def running_llama_server(model: str, binary: str = LLAMA_SERVER, slots: int = 32, context: int = 8192,
-                         extra: Sequence[str] = ()) -> Iterator[str]:
+                         extra: Sequence[str] = (), log_path: str | None = None) -> Iterator[str]:
     """llama.cpp's llama-server for `model` (alias or GGUF path) on a free port, continuous batching with `slots`
     parallel slots sharing `context` tokens (8192 gives each of 32 slots 256 tokens, room for 64 in + 64 out), and
-    `extra` flags (e.g. its --spec-type); yields its base URL once /health answers; stopped when the block ends."""
+    `extra` flags (e.g. its --spec-type); yields its base URL once /health answers; stopped when the block ends.
+    log_path: where its output goes (default: nowhere)."""
     if not os.access(binary, os.X_OK):
         raise SystemExit(f"no llama-server at {binary}: run `make llama-server` first")
     port = free_port()
     cmd = [binary, "-m", resolve_model(model), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(os.cpu_count()), "-np", str(slots), "-cb", "-c", str(context), "--no-webui", *extra]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_http(f"http://127.0.0.1:{port}/health")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(30)
+        if log_path:
+            log.close()
 
 
 def children(pid: int) -> list[int]:

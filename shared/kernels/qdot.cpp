@@ -578,9 +578,9 @@ inline void move_tile(Move move, float *y, int64_t M, int64_t N, int64_t row, in
 // the bytes of x's bf16 slice [M, k1 - k0] that stay in a core's L2 beside its weight buffer while every 32 weight rows
 // of the slice pass over it
 constexpr int64_t AMX_SLICE_BYTES = 1 << 20;
-#ifndef AMX_SUB_BLOCKS
-#define AMX_SUB_BLOCKS 64
-#endif
+// the most blocks of K a thread dequantizes at a time (its buffer: 2 n-tiles x 1024 pairs x 64 bytes, 128 KiB, in L2);
+// fewer, with the accumulators reloaded from y between them, measured slower (8: 0.6-0.7x the speed at 128-512 rows)
+constexpr int64_t AMX_SUB_BLOCKS = 64;
 
 template <Layout L>
 void amx_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t groups, int64_t N, float *y) {
@@ -607,8 +607,8 @@ void amx_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t grou
       TileConfig config;
       for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
       _tile_loadconfig(&config);
-      // one sub-slice of AMX_SUB_BLOCKS blocks at a time: its two n-tiles' weights (2 x 256 pairs x 64 bytes) stay in
-      // L1 while every 32 rows of x pass over them, the accumulators reloaded from y between sub-slices
+      // one sub-slice of AMX_SUB_BLOCKS blocks at a time: its two n-tiles' weights stay in L2 while every 32 rows of x
+      // pass over them, the accumulators reloaded from y between sub-slices
       std::vector<uint16_t> buffer(2 * AMX_SUB_BLOCKS * 16 * B_ROW);
       uint16_t *const tiles[2] = {buffer.data(), buffer.data() + AMX_SUB_BLOCKS * 16 * B_ROW};
       alignas(64) float scratch[16 * 16];
